@@ -1,0 +1,36 @@
+# ptq: set up with `make install` (done by `run` and `test` when needed), then `make run` / `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PTQ := $(BIN)/ptq
+# The real assets (CIFAR-10 and the MLPerf Tiny ResNet8): one setting, exported to ptq and the tests.
+PTQ_ASSETS ?= ../shared/assets
+export PTQ_ASSETS
+ONNX2TORCH := onnx2torch==1.5.15
+
+.PHONY: install run test clean
+
+install: $(VENV)/.installed
+
+# torch is pinned to 2.13.0, the local CPU build; onnx2torch goes in with --no-deps because its
+# metadata requires torchvision, whose registry build is CUDA-only (see README, "PyTorch without torchvision").
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[keras,dev]'
+	$(BIN)/pip install --quiet --no-deps $(ONNX2TORCH)
+	touch $@
+
+run: install
+	$(PTQ) convert
+	$(PTQ) calibrate
+	$(PTQ) quantize --dtype int8
+	$(PTQ) quantize --dtype uint8
+	$(PTQ) evaluate --model models/resnet8.onnx --model models/resnet8_int8.onnx --model models/resnet8_uint8.onnx
+	$(PTQ) report --markdown
+
+test: install
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf models calibration results reports

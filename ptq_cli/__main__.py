@@ -1,0 +1,3 @@
+from ptq_cli.cli import main
+
+main()

@@ -1,0 +1,234 @@
+"""The `ptq` command line: parse options, call a service, render the result. Nothing else lives here."""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ptq_cli import render, settings
+from ptq_cli.atomic import write_text
+from ptq_cli.errors import PtqError
+from ptq_cli.services import calibration as calibration_service
+from ptq_cli.services import convert as convert_service
+from ptq_cli.services import evaluate as evaluate_service
+from ptq_cli.services import quantize as quantize_service
+from ptq_cli.services import report as report_service
+
+try:  # typer >= 0.22 vendors click; older typer uses the click package
+    from typer._click.exceptions import ClickException, UsageError
+except ImportError:  # pragma: no cover
+    from click.exceptions import ClickException, UsageError
+
+out = Console()
+err = Console(stderr=True)
+
+
+class PtqGroup(typer.core.TyperGroup):
+    """The one error handler: bad input and usage errors become one line on stderr and exit code 2."""
+
+    def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None, standalone_mode: bool = True, **extra: Any) -> Any:
+        args = _fill_optional_values(list(sys.argv[1:] if args is None else args))
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except PtqError as error:
+            code = _fail(str(error), error.exit_code)
+        except UsageError as error:
+            command = error.ctx.command_path if error.ctx else "ptq"
+            code = _fail(f"{error.format_message()} (see `{command} --help`)", error.exit_code)
+        except ClickException as error:
+            code = _fail(error.format_message(), error.exit_code)
+        except typer.Abort:
+            code = _fail("interrupted", 130)
+        if not standalone_mode:
+            return code
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+# Options whose value may be left out (`--markdown` alone means the default path). Typer has no such
+# option type, so a bare occurrence gets its default value inserted before parsing.
+OPTIONAL_VALUES = {"--markdown": str(settings.MARKDOWN_REPORT)}
+
+
+def _fill_optional_values(args: list[str]) -> list[str]:
+    filled: list[str] = []
+    for index, arg in enumerate(args):
+        filled.append(arg)
+        following = args[index + 1] if index + 1 < len(args) else None
+        if arg in OPTIONAL_VALUES and (following is None or following.startswith("-")):
+            filled.append(OPTIONAL_VALUES[arg])
+    return filled
+
+
+def _fail(message: str, exit_code: int) -> int:
+    err.print(f"[red]Error:[/red] {message}", highlight=False, soft_wrap=True)
+    return exit_code
+
+
+app = typer.Typer(
+    cls=PtqGroup,
+    help="Post-training quantization of the MLPerf Tiny ResNet8 on CIFAR-10: convert, calibrate, quantize, evaluate, report.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+
+class DType(str, Enum):
+    int8 = "int8"
+    uint8 = "uint8"
+
+
+class Method(str, Enum):
+    minmax = "minmax"
+    entropy = "entropy"
+    percentile = "percentile"
+
+
+DataDir = Annotated[
+    Optional[Path],
+    typer.Option("--data-dir", help=f"CIFAR-10 python batches. (default: ${settings.ASSETS_ENV}/cifar-10-batches-py, {settings.ASSETS_ENV}={settings.DEFAULT_ASSETS})", show_default=False),
+]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout (for scripts) instead of tables.")]
+
+
+def _emit(as_json: bool, result: Any, renderable: Any) -> None:
+    out.print(render.as_json(result) if as_json else renderable, soft_wrap=as_json)
+
+
+@contextmanager
+def _working(message: str):
+    with err.status(message):
+        yield
+
+
+@app.command()
+def convert(
+    keras: Annotated[Optional[Path], typer.Option(help=f"Keras .h5 model to convert. (default: ${settings.ASSETS_ENV}/mlperf-tiny-resnet8/pretrainedResnet.h5)", show_default=False)] = None,
+    output: Annotated[Path, typer.Option(help="Where to write the ONNX model.")] = settings.FP32_ONNX,
+    opset: Annotated[int, typer.Option(help="ONNX opset for tf2onnx.")] = 13,
+    data_dir: DataDir = None,
+    check_images: Annotated[int, typer.Option(help="Test images on which source and converted outputs must agree within 1e-4.")] = 1000,
+    as_json: JsonFlag = False,
+) -> None:
+    """Convert the Keras model to ONNX (tf2onnx), then check both give the same outputs on real test images.
+
+    Exits 1 and writes nothing if any output differs by more than 1e-4.
+    """
+    with _working("Converting with tf2onnx and checking against Keras…"):
+        result = convert_service.keras_to_onnx(keras or settings.keras_model_path(), output, data_dir or settings.cifar_dir(), opset, check_images)
+    _emit(as_json, result, render.conversion(result))
+
+
+@app.command()
+def calibrate(
+    data_dir: DataDir = None,
+    samples_per_class: Annotated[int, typer.Option(help="Images drawn from each of the 10 classes.")] = settings.SAMPLES_PER_CLASS,
+    seed: Annotated[int, typer.Option(help="Random seed: the same seed gives the same images.")] = settings.SEED,
+    output: Annotated[Path, typer.Option(help="Where to write the calibration set (.npz).")] = settings.CALIBRATION_FILE,
+    as_json: JsonFlag = False,
+) -> None:
+    """Draw a seeded, class-stratified calibration set from the five training batches (never the test batch)."""
+    with _working("Sampling the training batches…"):
+        calibration_set = calibration_service.build_calibration_set(data_dir or settings.cifar_dir(), samples_per_class, seed)
+        calibration_service.save_calibration_set(calibration_set, output)
+    summary = {"output": output, "samples": len(calibration_set.labels), "seed": seed, "per_class": calibration_set.per_class_counts,
+               "source_batches": calibration_set.source_batches, "pixel_range": calibration_set.pixel_range}
+    _emit(as_json, summary, render.calibration(calibration_set, output))
+
+
+@app.command()
+def quantize(
+    model: Annotated[Path, typer.Option(help="FP32 ONNX model to quantize.")] = settings.FP32_ONNX,
+    dtype: Annotated[DType, typer.Option(help="Activation type (and weight type unless --weight-dtype is given).")] = DType.int8,
+    weight_dtype: Annotated[Optional[DType], typer.Option(help="Weight type. (default: same as --dtype)", show_default=False)] = None,
+    per_channel: Annotated[bool, typer.Option("--per-channel/--per-tensor", help="One weight scale per output channel, or one per tensor.")] = False,
+    method: Annotated[Method, typer.Option(help="Calibration method for activation ranges.")] = Method.minmax,
+    percentile: Annotated[Optional[float], typer.Option(help="Percentile kept by --method percentile. (default: 99.999)", show_default=False)] = None,
+    calibration: Annotated[Optional[Path], typer.Option(help=f"Calibration set from `ptq calibrate`. (default: {settings.CALIBRATION_FILE} if it exists, else built with the calibrate defaults)", show_default=False)] = None,
+    data_dir: DataDir = None,
+    preprocess: Annotated[bool, typer.Option("--preprocess/--no-preprocess", help="Run onnxruntime's quant_pre_process first (shape inference, folds batch-norm Mul/Add into Conv).")] = True,
+    output: Annotated[Optional[Path], typer.Option(help="Where to write the quantized model. (default: models/<model>_<dtype>.onnx)", show_default=False)] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Static post-training quantization with ONNX Runtime (QDQ), calibrated on the calibration set."""
+    model_file = quantize_service.read_onnx(model) and model  # fail on a bad model before any calibration work
+    with _working("Loading the calibration set…"):
+        if calibration is None and not settings.CALIBRATION_FILE.is_file():
+            calibration_set = calibration_service.build_calibration_set(data_dir or settings.cifar_dir(), settings.SAMPLES_PER_CLASS, settings.SEED)
+        else:
+            calibration_set = calibration_service.load_calibration_set(calibration or settings.CALIBRATION_FILE)
+    quantization_settings = quantize_service.make_settings(
+        dtype.value, calibration_set, weight_dtype.value if weight_dtype else None, per_channel, method.value, percentile, preprocess
+    )
+    target = output or quantize_service.default_output(model_file, dtype.value)
+    with _working(f"Calibrating ({quantization_settings.method}, {quantization_settings.calibration_samples} samples) and quantizing…"):
+        result = quantize_service.quantize_onnx(model_file, target, quantization_settings, calibration_set)
+    _emit(as_json, result, render.quantization(result))
+
+
+def _default_models() -> list[Path]:
+    found = sorted(path for path in settings.MODELS_DIR.glob("*") if path.suffix in (".onnx", ".pt"))
+    if not found:
+        raise PtqError(f"{settings.MODELS_DIR}: no .onnx or .pt models to evaluate (run `ptq convert` or pass --model)")
+    return found
+
+
+@app.command()
+def evaluate(
+    model: Annotated[Optional[list[Path]], typer.Option(help="Model file (.onnx or TorchScript .pt); repeat for several. (default: every model in models/)", show_default=False)] = None,
+    per_class: Annotated[bool, typer.Option("--per-class", help="Also show per-class accuracy, with the delta against the FP32 model's record if there is one.")] = False,
+    data_dir: DataDir = None,
+    results_dir: Annotated[Path, typer.Option(help="Where to write one JSON record per model.")] = settings.RESULTS_DIR,
+    batch_size: Annotated[int, typer.Option(help="Images per inference call.")] = 1000,
+    threads: Annotated[Optional[int], typer.Option(help="Inference threads. (default: all cores)", show_default=False)] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Top-1 accuracy on all 10,000 CIFAR-10 test images, against the 87.19% FP32 baseline."""
+    records = []
+    for model_path in model or _default_models():
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err, transient=True) as bar:
+            task = bar.add_task(f"Evaluating {model_path.name}", total=None)
+            record = evaluate_service.evaluate_model(
+                model_path, data_dir or settings.cifar_dir(), batch_size, threads, lambda done, total: bar.update(task, completed=done, total=total)
+            )
+        record_file = evaluate_service.save_record(record, results_dir)
+        records.append(record)
+        if not as_json:
+            reference = None
+            if per_class and record.dtype != "fp32":
+                others = evaluate_service.load_records(results_dir).records
+                reference = evaluate_service.fp32_reference(others, record.framework)
+            out.print(render.evaluation(record, reference, per_class, record_file))
+    if as_json:
+        out.print(render.as_json(records if len(records) > 1 else records[0]), soft_wrap=True)
+
+
+@app.command()
+def report(
+    results_dir: Annotated[Path, typer.Option(help="Directory of JSON records written by `ptq evaluate`.")] = settings.RESULTS_DIR,
+    markdown: Annotated[
+        Optional[Path],
+        typer.Option(help=f"Also write the report as Markdown, to PATH if given. (PATH defaults to {settings.MARKDOWN_REPORT})", metavar="[PATH]"),
+    ] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Compare every evaluated model (no re-evaluation): accuracy, delta, size, size reduction, speed."""
+    result = report_service.report_from_results(results_dir)
+    if not result.rows:
+        raise PtqError(f"{results_dir}: no evaluation records (run `ptq evaluate` first)")
+    if markdown is not None:
+        write_text(markdown, render.report_markdown(result))
+    _emit(as_json, result, render.report(result))
+    if markdown is not None and not as_json:
+        out.print(f"Markdown report written to {markdown}")
+
+
+def main() -> None:
+    app()

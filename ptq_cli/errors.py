@@ -1,0 +1,15 @@
+"""The one error type services raise for bad input; the CLI turns it into one line and an exit code."""
+
+from __future__ import annotations
+
+
+class PtqError(Exception):
+    """Bad input or an unusable file: the message names the file or option and the problem."""
+
+    exit_code = 2
+
+
+class CheckFailed(PtqError):
+    """A verification (e.g. converted model vs source) did not pass: the input was fine, the result is not."""
+
+    exit_code = 1

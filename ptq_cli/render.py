@@ -1,0 +1,231 @@
+"""All presentation: rich renderables for the terminal, Markdown for files, JSON for scripts. No logic here."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from rich import box
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from ptq_cli.services.calibration import CalibrationSet
+from ptq_cli.services.convert import ConversionResult
+from ptq_cli.services.evaluate import EvaluationRecord
+from ptq_cli.services.quantize import QuantizeResult
+from ptq_cli.services.report import Report, ReportRow
+from ptq_cli.settings import BASELINE_ACCURACY
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {field.name: _plain(getattr(value, field.name)) for field in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    if isinstance(value, Path):
+        return str(value)
+    if hasattr(value, "tolist"):  # numpy scalars and arrays
+        return value.tolist()
+    return value
+
+
+def as_json(value: Any) -> str:
+    return json.dumps(_plain(value), indent=2)
+
+
+def size(num_bytes: int) -> str:
+    return f"{num_bytes / 1024:,.1f} KB"
+
+
+def signed(points: float) -> str:
+    return f"{points:+.2f}"
+
+
+def percent(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{fraction:.1%}"
+
+
+def speedup(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
+def _key_value_table(title: str, rows: list[tuple[str, str]]) -> Table:
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
+
+
+def conversion(result: ConversionResult) -> Table:
+    check = result.check
+    return _key_value_table(
+        "Conversion",
+        [
+            ("source", str(result.source)),
+            ("output", f"{result.output} ({size(result.output_size_bytes)})"),
+            ("checked on", f"{check.images} test images"),
+            ("max |diff|", f"{check.max_abs_diff:.3g} (limit {check.tolerance:g})"),
+            ("top-1 agreement", f"{check.top1_agreement:.2%}"),
+        ],
+    )
+
+
+def calibration(calibration_set: CalibrationSet, output: Path) -> Group:
+    low, high = calibration_set.pixel_range
+    summary = _key_value_table(
+        "Calibration set",
+        [
+            ("output", str(output)),
+            ("samples", f"{len(calibration_set.labels)} ({calibration_set.samples_per_class} per class)"),
+            ("seed", str(calibration_set.seed)),
+            ("source batches", ", ".join(calibration_set.source_batches)),
+            ("pixel range", f"{low:g} .. {high:g} (float32, NHWC)"),
+        ],
+    )
+    per_class = Table(title="Samples per class", title_justify="left")
+    per_class.add_column("class")
+    per_class.add_column("samples", justify="right")
+    for name, count in calibration_set.per_class_counts.items():
+        per_class.add_row(name, str(count))
+    return Group(summary, per_class)
+
+
+def quantization(result: QuantizeResult) -> Table:
+    settings = result.settings
+    method = settings.method + (f" (percentile {settings.percentile:g})" if settings.percentile is not None else "")
+    return _key_value_table(
+        "Quantization",
+        [
+            ("model", str(result.source)),
+            ("framework", f"{settings.framework} ({settings.format})"),
+            ("activations / weights", f"{settings.dtype} / {settings.weight_dtype}"),
+            ("granularity", "per-channel" if settings.per_channel else "per-tensor"),
+            ("calibration method", method),
+            ("calibration samples", f"{settings.calibration_samples} (seed {settings.calibration_seed}, {settings.calibration_source})"),
+            ("output", f"{result.output} ({size(result.output_size_bytes)}, {result.size_ratio:.1%} of {size(result.source_size_bytes)})"),
+        ],
+    )
+
+
+def evaluation(record: EvaluationRecord, reference: EvaluationRecord | None, per_class: bool, record_file: Path) -> Group:
+    headline = Text.assemble(
+        (f"{record.name}", "bold"),
+        f"  {record.framework} {record.dtype}  top-1 ",
+        (f"{record.accuracy:.2f}%", "bold"),
+        f" ({record.correct}/{record.images})  delta vs {BASELINE_ACCURACY:.2f}% baseline: ",
+        (signed(record.delta_vs_baseline), "green" if record.delta_vs_baseline >= 0 else "red"),
+        f" pts  {record.images_per_second:,.0f} images/s  -> {record_file}",
+    )
+    if not per_class:
+        return Group(headline)
+    table = Table(title=f"Per-class accuracy: {record.name}", title_justify="left")
+    table.add_column("class")
+    table.add_column("accuracy", justify="right")
+    if reference is not None:
+        table.add_column(f"FP32 ({reference.name})", justify="right")
+        table.add_column("delta", justify="right")
+    for index, name in enumerate(record.class_names):
+        cells = [name, f"{record.per_class_accuracy[index]:.1f}%"]
+        if reference is not None:
+            cells += [f"{reference.per_class_accuracy[index]:.1f}%", signed(record.per_class_accuracy[index] - reference.per_class_accuracy[index])]
+        table.add_row(*cells)
+    return Group(headline, table)
+
+
+REPORT_COLUMNS = ("Model", "Framework", "Data type", "Configuration", "Accuracy", "Delta vs baseline", "Model size", "Size reduction", "Images/s", "Speed-up")
+
+
+def _report_cells(row: ReportRow) -> list[str]:
+    return [
+        row.model,
+        row.framework,
+        row.dtype,
+        row.configuration,
+        f"{row.accuracy:.2f}%",
+        signed(row.delta),
+        size(row.size_bytes),
+        percent(row.size_reduction),
+        f"{row.images_per_second:,.0f}",
+        speedup(row.speedup),
+    ]
+
+
+def _recommendation_lines(report: Report) -> list[str]:
+    advice = report.recommendation
+    if advice is None:
+        return []
+    return [
+        f"Best accuracy: {advice.best_accuracy.model} ({advice.best_accuracy.accuracy:.2f}%, {signed(advice.best_accuracy.delta)} pts)",
+        f"Smallest: {advice.smallest.model} ({size(advice.smallest.size_bytes)}, {advice.smallest.accuracy:.2f}%)",
+        f"Fastest: {advice.fastest.model} ({advice.fastest.images_per_second:,.0f} images/s, {advice.fastest.accuracy:.2f}%)",
+    ]
+
+
+# Narrower than REPORT_COLUMNS so the table fits an 80-column terminal; the Markdown keeps the long names.
+TERMINAL_COLUMNS = ("Model", "Framework", "Type", "Top-1", "Delta", "KB", "Saved", "img/s", "Speed")
+
+
+def report(report: Report) -> Group:
+    table = Table(
+        title=f"Quantization report: top-1 on 10,000 test images, delta in points vs the {report.baseline:.2f}% FP32 baseline",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        padding=0,
+        show_edge=False,
+    )
+    for column in TERMINAL_COLUMNS:
+        table.add_column(column, justify="left" if column in TERMINAL_COLUMNS[:3] else "right", no_wrap=True)
+    configurations = Table(title="How each model was made", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    configurations.add_column("Model", no_wrap=True)
+    configurations.add_column("Configuration")
+    for row in report.rows:
+        cells = _report_cells(row)
+        table.add_row(*cells[:3], *cells[4:6], f"{row.size_bytes / 1024:.1f}", *cells[7:])
+        configurations.add_row(row.model, row.configuration)
+    parts: list[Any] = [table, configurations]
+    if report.class_losses:
+        losses = Table(title="Classes that lose the most (vs the FP32 model of the same framework)", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+        for column in ("Model", "Class", "Accuracy", "FP32", "Delta"):
+            losses.add_column(column, justify="left" if column in ("Model", "Class") else "right")
+        for loss in report.class_losses:
+            losses.add_row(loss.model, loss.class_name, f"{loss.accuracy:.1f}%", f"{loss.reference_accuracy:.1f}%", signed(loss.delta))
+        parts.append(losses)
+    parts += [Text(line) for line in _recommendation_lines(report)]
+    parts += [Text(f"skipped {line}", style="yellow") for line in report.skipped]
+    return Group(*parts)
+
+
+def _markdown_table(header: list[str] | tuple[str, ...], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
+    return lines
+
+
+def report_markdown(report: Report) -> str:
+    lines = [
+        "# Quantization analysis: ResNet8 on CIFAR-10",
+        "",
+        f"Top-1 accuracy on the 10,000-image CIFAR-10 test set; delta in percentage points against the "
+        f"{report.baseline:.2f}% FP32 baseline. Size reduction and speed-up are against the FP32 model of the same framework.",
+        "",
+        *_markdown_table(REPORT_COLUMNS, [_report_cells(row) for row in report.rows]),
+    ]
+    if report.class_losses:
+        lines += ["", "## Classes that lose the most", ""]
+        lines += _markdown_table(
+            ("Model", "Class", "Accuracy", "FP32", "Delta"),
+            [[loss.model, loss.class_name, f"{loss.accuracy:.1f}%", f"{loss.reference_accuracy:.1f}%", signed(loss.delta)] for loss in report.class_losses],
+        )
+    recommendation = _recommendation_lines(report)
+    if recommendation:
+        lines += ["", "## Recommendation", ""] + [f"- {line}" for line in recommendation]
+    if report.skipped:
+        lines += ["", "## Skipped records", ""] + [f"- {line}" for line in report.skipped]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,1 @@
+"""Services: plain typed functions returning dataclasses. No typer, no rich in here."""

@@ -1,0 +1,96 @@
+"""The one loader of CIFAR-10 (official python-pickle layout)."""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ptq_cli.errors import PtqError
+
+TRAIN_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6))
+TEST_BATCH = "test_batch"
+META_FILE = "batches.meta"
+IMAGE_SHAPE = (32, 32, 3)
+NUM_CLASSES = 10
+
+
+@dataclass(frozen=True)
+class CifarSplit:
+    images: np.ndarray  # (N, 32, 32, 3) uint8, NHWC
+    labels: np.ndarray  # (N,) int64 in 0..9
+    class_names: tuple[str, ...]
+    source_batches: tuple[str, ...]
+
+
+def to_model_input(images: np.ndarray) -> np.ndarray:
+    """The model's input format: NHWC float32 raw pixels 0-255, no normalisation."""
+    return images.astype(np.float32)
+
+
+def _check_dir(data_dir: Path) -> None:
+    if not data_dir.is_dir():
+        raise PtqError(f"{data_dir}: CIFAR-10 data directory not found")
+
+
+def _unpickle(path: Path) -> object:
+    if not path.is_file():
+        raise PtqError(f"{path}: missing CIFAR-10 file")
+    try:
+        with path.open("rb") as handle:
+            return pickle.load(handle, encoding="bytes")
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as error:
+        raise PtqError(f"{path}: not a readable CIFAR-10 pickle (truncated or corrupt: {error or type(error).__name__})") from error
+
+
+def load_class_names(data_dir: Path) -> tuple[str, ...]:
+    data_dir = Path(data_dir)
+    _check_dir(data_dir)
+    path = data_dir / META_FILE
+    meta = _unpickle(path)
+    names = meta.get(b"label_names") if isinstance(meta, dict) else None
+    if not isinstance(names, list) or len(names) != NUM_CLASSES:
+        raise PtqError(f"{path}: no list of {NUM_CLASSES} label_names in it")
+    return tuple(name.decode() if isinstance(name, bytes) else str(name) for name in names)
+
+
+def load_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """One batch file as (uint8 NHWC images, int64 labels), with its structure checked."""
+    batch = _unpickle(path)
+    if not isinstance(batch, dict) or b"data" not in batch or b"labels" not in batch:
+        raise PtqError(f"{path}: not a CIFAR-10 batch (no b'data' and b'labels' keys)")
+    data = np.asarray(batch[b"data"])
+    labels = np.asarray(batch[b"labels"], dtype=np.int64)
+    if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
+        raise PtqError(f"{path}: b'data' is {data.dtype} {data.shape}, expected uint8 N x 3072")
+    if labels.shape != (data.shape[0],):
+        raise PtqError(f"{path}: {labels.shape[0]} labels for {data.shape[0]} images")
+    if labels.size and (labels.min() < 0 or labels.max() >= NUM_CLASSES):
+        raise PtqError(f"{path}: labels outside 0..{NUM_CLASSES - 1}")
+    # Rows are planar R, G, B planes of 32x32: to NHWC.
+    images = data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+    return np.ascontiguousarray(images), labels
+
+
+def _load(data_dir: Path, batch_names: tuple[str, ...]) -> CifarSplit:
+    data_dir = Path(data_dir)
+    class_names = load_class_names(data_dir)
+    parts = [load_batch(data_dir / name) for name in batch_names]
+    return CifarSplit(
+        images=np.concatenate([images for images, _ in parts]),
+        labels=np.concatenate([labels for _, labels in parts]),
+        class_names=class_names,
+        source_batches=batch_names,
+    )
+
+
+def load_train(data_dir: Path) -> CifarSplit:
+    """The 50,000 training images: the only source of calibration data."""
+    return _load(data_dir, TRAIN_BATCHES)
+
+
+def load_test(data_dir: Path) -> CifarSplit:
+    """The 10,000 test images: only ever used to evaluate."""
+    return _load(data_dir, (TEST_BATCH,))

@@ -1,0 +1,112 @@
+"""Model conversion, each checked by running source and result on the same real test images."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ptq_cli.atomic import atomic_output
+from ptq_cli.errors import CheckFailed, PtqError
+from ptq_cli.services import cifar
+from ptq_cli.services.models import load_onnx
+
+TOLERANCE = 1e-4
+
+
+@dataclass(frozen=True)
+class ConversionCheck:
+    images: int
+    max_abs_diff: float
+    top1_agreement: float  # fraction of images where both models pick the same class
+    tolerance: float
+
+    @property
+    def passed(self) -> bool:
+        return self.max_abs_diff <= self.tolerance
+
+
+@dataclass(frozen=True)
+class ConversionResult:
+    source: Path
+    output: Path
+    output_size_bytes: int
+    check: ConversionCheck
+
+
+def compare_outputs(reference: np.ndarray, converted: np.ndarray, tolerance: float = TOLERANCE) -> ConversionCheck:
+    return ConversionCheck(
+        images=int(reference.shape[0]),
+        max_abs_diff=float(np.max(np.abs(reference.astype(np.float64) - converted))),
+        top1_agreement=float(np.mean(reference.argmax(axis=1) == converted.argmax(axis=1))),
+        tolerance=tolerance,
+    )
+
+
+def _checked_write(
+    source: Path, output: Path, write: Callable[[Path], None], reference: np.ndarray, run_converted: Callable[[Path], np.ndarray]
+) -> ConversionResult:
+    """Write to a temporary file, compare, and only then put the file in place."""
+    with atomic_output(output) as tmp:
+        write(tmp)
+        check = compare_outputs(reference, run_converted(tmp))
+        if not check.passed:
+            raise CheckFailed(
+                f"{output}: conversion check failed on {check.images} test images: max |diff| "
+                f"{check.max_abs_diff:.3g} > {check.tolerance:g} (top-1 agreement {check.top1_agreement:.2%}); nothing written"
+            )
+        size = tmp.stat().st_size
+    return ConversionResult(source, output, size, check)
+
+
+def check_images(data_dir: Path, count: int) -> np.ndarray:
+    if count < 1:
+        raise PtqError(f"--check-images: must be at least 1, got {count}")
+    return cifar.to_model_input(cifar.load_test(data_dir).images[:count])
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """TensorFlow's C++ start-up logs (absl, oneDNN) ignore TF_CPP_MIN_LOG_LEVEL; hide them during import only."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def keras_to_onnx(keras_path: Path, output: Path, data_dir: Path, opset: int = 13, check_count: int = 1000) -> ConversionResult:
+    """Keras .h5 -> ONNX with tf2onnx, checked against Keras on `check_count` test images."""
+    keras_path = Path(keras_path)
+    if not keras_path.is_file():
+        raise PtqError(f"{keras_path}: Keras model file not found")
+    images = check_images(data_dir, check_count)
+    try:
+        with _native_stderr_silenced():
+            import tensorflow as tf
+            import tf2onnx
+    except ImportError as error:
+        raise PtqError(f"--keras: needs tensorflow-cpu and tf2onnx (pip install -e '.[keras]'): {error}") from error
+    logging.getLogger("tf2onnx").setLevel(logging.ERROR)
+    try:
+        keras_model = tf.keras.models.load_model(str(keras_path), compile=False)
+    except Exception as error:  # Keras raises many types for a bad file; all mean the same to the user
+        raise PtqError(f"{keras_path}: not a loadable Keras model ({str(error).splitlines()[0]})") from error
+    reference = keras_model.predict(images, batch_size=500, verbose=0)
+    signature = (tf.TensorSpec((None, *keras_model.input_shape[1:]), tf.float32, name="input"),)
+
+    def write(tmp: Path) -> None:
+        tf2onnx.convert.from_keras(keras_model, input_signature=signature, opset=opset, output_path=str(tmp))
+
+    return _checked_write(keras_path, output, write, reference, lambda tmp: load_onnx(tmp).predict(images))

@@ -1,0 +1,124 @@
+"""Load a model file (ONNX or TorchScript) into one runner: NHWC float32 batch in, class scores out."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ptq_cli.errors import PtqError
+
+# Quantize records how a model was made inside the model file itself, under this metadata key.
+QUANTIZATION_METADATA_KEY = "ptq.quantization"
+ONNXRUNTIME = "onnxruntime"
+PYTORCH = "pytorch"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    path: Path
+    framework: str  # ONNXRUNTIME or PYTORCH
+    dtype: str  # "fp32", "int8" or "uint8"
+    quantization: dict | None  # the settings quantize used; None for a float model
+    size_bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    info: ModelInfo
+    predict: Callable[[np.ndarray], np.ndarray]  # (N, 32, 32, 3) float32 -> (N, 10) scores
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _require_file(path: Path) -> None:
+    if not path.exists():
+        raise PtqError(f"{path}: model file not found")
+    if not path.is_file():
+        raise PtqError(f"{path}: not a file")
+
+
+def read_onnx(path: Path):
+    """Parse and check an ONNX file, or raise a one-line PtqError naming it."""
+    import onnx
+    from google.protobuf.message import DecodeError
+
+    path = Path(path)
+    _require_file(path)
+    try:
+        model = onnx.load(str(path))
+        onnx.checker.check_model(model)
+    except (DecodeError, onnx.checker.ValidationError, ValueError, RuntimeError, OSError) as error:
+        raise PtqError(f"{path}: not a valid ONNX model ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from error
+    if not model.graph.input or not model.graph.node:
+        raise PtqError(f"{path}: not a valid ONNX model (empty graph)")
+    return model
+
+
+def _onnx_dtype(model) -> tuple[str, dict | None]:
+    import onnx
+
+    metadata = {prop.key: prop.value for prop in model.metadata_props}
+    if QUANTIZATION_METADATA_KEY in metadata:
+        settings = json.loads(metadata[QUANTIZATION_METADATA_KEY])
+        return settings["dtype"], settings
+    # A quantized model from elsewhere: the zero point of its first QuantizeLinear tells the activation type.
+    initializers = {init.name: init for init in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "QuantizeLinear" and len(node.input) > 2 and node.input[2] in initializers:
+            zero_point = initializers[node.input[2]]
+            return ("uint8" if zero_point.data_type == onnx.TensorProto.UINT8 else "int8"), None
+    return "fp32", None
+
+
+def _check_io(path: Path, input_shape: list, output_shape: list) -> None:
+    known = [dim if isinstance(dim, int) else None for dim in input_shape]
+    if len(known) != 4 or known[1:] not in ([32, 32, 3], [None, None, None]):
+        raise PtqError(f"{path}: input shape {input_shape} is not NHWC N x 32 x 32 x 3")
+    if not output_shape or output_shape[-1] != 10:
+        raise PtqError(f"{path}: output shape {output_shape} does not give 10 class scores")
+
+
+def default_threads() -> int:
+    return os.cpu_count() or 1
+
+
+def load_onnx(path: Path, threads: int | None = None) -> LoadedModel:
+    import onnxruntime as ort
+
+    path = Path(path)
+    model = read_onnx(path)
+    dtype, quantization = _onnx_dtype(model)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads or default_threads()
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    try:
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    except Exception as error:  # onnxruntime raises its own exception types for unloadable graphs
+        raise PtqError(f"{path}: onnxruntime cannot load it ({str(error).splitlines()[0]})") from error
+    model_input = session.get_inputs()[0]
+    _check_io(path, list(model_input.shape), list(session.get_outputs()[0].shape))
+    input_name = model_input.name
+
+    def predict(images: np.ndarray) -> np.ndarray:
+        return session.run(None, {input_name: images})[0]
+
+    data = path.read_bytes()
+    info = ModelInfo(path, ONNXRUNTIME, dtype, quantization, len(data), hashlib.sha256(data).hexdigest())
+    return LoadedModel(info, predict)
+
+
+def load_model(path: Path, threads: int | None = None) -> LoadedModel:
+    """The runner for a model file, chosen by its content (TorchScript files are zip archives)."""
+    path = Path(path)
+    _require_file(path)
+    return load_onnx(path, threads)

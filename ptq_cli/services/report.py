@@ -1,0 +1,121 @@
+"""The comparison of every evaluated model, built from the evaluation records alone."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ptq_cli.services.evaluate import EvaluationRecord, fp32_reference, load_records
+from ptq_cli.settings import BASELINE_ACCURACY
+
+FRAMEWORK_ORDER = {"onnxruntime": 0, "pytorch": 1}
+DTYPE_ORDER = {"fp32": 0, "int8": 1, "uint8": 2}
+
+
+@dataclass(frozen=True)
+class ReportRow:
+    model: str  # file name
+    framework: str
+    dtype: str
+    configuration: str  # how it was quantized, in a few words
+    accuracy: float
+    delta: float  # points vs BASELINE_ACCURACY
+    size_bytes: int
+    size_reduction: float | None  # fraction saved against the same framework's FP32 file
+    images_per_second: float
+    speedup: float | None  # against the same framework's FP32 model
+
+
+@dataclass(frozen=True)
+class ClassLoss:
+    model: str
+    class_name: str
+    accuracy: float
+    reference_accuracy: float
+
+    @property
+    def delta(self) -> float:
+        return round(self.accuracy - self.reference_accuracy, 4)
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    best_accuracy: ReportRow
+    smallest: ReportRow
+    fastest: ReportRow
+
+
+@dataclass(frozen=True)
+class Report:
+    baseline: float
+    rows: list[ReportRow]
+    class_losses: list[ClassLoss]  # worst first, quantized models against their FP32 reference
+    recommendation: Recommendation | None
+    skipped: list[str]  # records that could not be read
+
+
+def describe_quantization(settings: dict | None) -> str:
+    if not settings:
+        return "float"
+    parts = [
+        f"{settings.get('format', 'QDQ')} a:{settings['dtype']} w:{settings.get('weight_dtype', settings['dtype'])}",
+        "per-channel" if settings.get("per_channel") else "per-tensor",
+        settings.get("method", "?") + (f" {settings['percentile']:g}" if settings.get("percentile") else ""),
+        f"{settings.get('calibration_samples', '?')} samples",
+    ]
+    return ", ".join(parts)
+
+
+def _row(record: EvaluationRecord, reference: EvaluationRecord | None) -> ReportRow:
+    is_reference = reference is not None and reference.model_path == record.model_path
+    comparable = reference is not None and not is_reference
+    return ReportRow(
+        model=record.name,
+        framework=record.framework,
+        dtype=record.dtype,
+        configuration=describe_quantization(record.quantization),
+        accuracy=record.accuracy,
+        delta=round(record.accuracy - BASELINE_ACCURACY, 4),
+        size_bytes=record.model_size_bytes,
+        size_reduction=round(1.0 - record.model_size_bytes / reference.model_size_bytes, 4) if comparable else None,
+        images_per_second=record.images_per_second,
+        speedup=round(record.images_per_second / reference.images_per_second, 3) if comparable else None,
+    )
+
+
+def _class_losses(record: EvaluationRecord, reference: EvaluationRecord) -> list[ClassLoss]:
+    return [
+        ClassLoss(record.name, name, accuracy, reference_accuracy)
+        for name, accuracy, reference_accuracy in zip(record.class_names, record.per_class_accuracy, reference.per_class_accuracy)
+    ]
+
+
+def build_report(records: list[EvaluationRecord], skipped: list[str] | None = None, worst_classes: int = 5) -> Report:
+    records = sorted(records, key=lambda r: (FRAMEWORK_ORDER.get(r.framework, 9), DTYPE_ORDER.get(r.dtype, 9), r.name))
+    references = {record.model_path: fp32_reference(records, record.framework) for record in records}
+    rows = [_row(record, references[record.model_path]) for record in records]
+
+    losses: list[ClassLoss] = []
+    for record in records:
+        reference = references[record.model_path]
+        if record.dtype != "fp32" and reference is not None:
+            losses.extend(_class_losses(record, reference))
+    losses.sort(key=lambda loss: loss.delta)
+
+    quantized = [row for row in rows if row.dtype != "fp32"]
+    candidates = quantized or rows
+    recommendation = (
+        Recommendation(
+            best_accuracy=max(candidates, key=lambda row: row.accuracy),
+            smallest=min(candidates, key=lambda row: row.size_bytes),
+            fastest=max(candidates, key=lambda row: row.images_per_second),
+        )
+        if candidates
+        else None
+    )
+    return Report(BASELINE_ACCURACY, rows, losses[:worst_classes], recommendation, list(skipped or []))
+
+
+def report_from_results(results_dir: Path) -> Report:
+    record_set = load_records(results_dir)
+    return build_report(record_set.records, record_set.skipped)

@@ -1,0 +1,37 @@
+"""The project's fixed facts and default locations: the one place for each of them."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# Top-1 accuracy (percent) of the MLPerf Tiny ResNet8 float model on CIFAR-10 test_batch.
+BASELINE_ACCURACY = 87.19
+
+# Where the real assets live; one setting, overridable for another location.
+ASSETS_ENV = "PTQ_ASSETS"
+DEFAULT_ASSETS = Path("../shared/assets")
+
+
+def assets_dir() -> Path:
+    return Path(os.environ.get(ASSETS_ENV, str(DEFAULT_ASSETS)))
+
+
+def cifar_dir() -> Path:
+    return assets_dir() / "cifar-10-batches-py"
+
+
+def keras_model_path() -> Path:
+    return assets_dir() / "mlperf-tiny-resnet8" / "pretrainedResnet.h5"
+
+
+# Where the pipeline writes, relative to the working directory.
+MODELS_DIR = Path("models")
+FP32_ONNX = MODELS_DIR / "resnet8.onnx"
+CALIBRATION_FILE = Path("calibration/cifar10_calib.npz")
+RESULTS_DIR = Path("results")
+MARKDOWN_REPORT = Path("reports/QUANTIZATION_ANALYSIS.md")
+
+# Calibration defaults (the seed study): 100 images per class = 1000 samples, seed 42.
+SAMPLES_PER_CLASS = 100
+SEED = 42

@@ -1,0 +1,70 @@
+"""Shared fixtures. Real-asset tests read PTQ_ASSETS (default ../shared/assets) and never skip silently."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+ASSETS = Path(os.environ.get("PTQ_ASSETS", REPO.parent / "shared" / "assets")).resolve()
+CIFAR = ASSETS / "cifar-10-batches-py"
+KERAS_MODEL = ASSETS / "mlperf-tiny-resnet8" / "pretrainedResnet.h5"
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def ptq(*args: str, cwd: Path) -> Run:
+    """Run the CLI as a user would: a fresh interpreter, real stdout/stderr and exit code."""
+    env = {**os.environ, "PTQ_ASSETS": str(ASSETS), "COLUMNS": "160"}
+    done = subprocess.run([sys.executable, "-m", "ptq_cli", *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True)
+    return Run(done.returncode, done.stdout, done.stderr)
+
+
+def ptq_ok(*args: str, cwd: Path) -> Run:
+    run = ptq(*args, cwd=cwd)
+    assert run.returncode == 0, f"ptq {' '.join(map(str, args))} failed:\n{run.stdout}\n{run.stderr}"
+    return run
+
+
+@pytest.fixture(scope="session")
+def assets() -> Path:
+    if not CIFAR.is_dir() or not KERAS_MODEL.is_file():
+        pytest.fail(f"real assets not found under {ASSETS} (set PTQ_ASSETS)")
+    return ASSETS
+
+
+@pytest.fixture(scope="session")
+def pipeline(tmp_path_factory, assets) -> Path:
+    """convert -> calibrate -> quantize int8 and uint8 -> evaluate, once per session, in a fresh directory."""
+    work = tmp_path_factory.mktemp("pipeline")
+    ptq_ok("convert", cwd=work)
+    ptq_ok("calibrate", cwd=work)
+    ptq_ok("quantize", "--dtype", "int8", cwd=work)
+    ptq_ok("quantize", "--dtype", "uint8", cwd=work)
+    ptq_ok("evaluate", "--model", "models/resnet8.onnx", "--model", "models/resnet8_int8.onnx", "--model", "models/resnet8_uint8.onnx", cwd=work)
+    return work
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def assert_clean_failure(run: Run, exit_code: int, mentions: str) -> None:
+    """One line on stderr naming the culprit, the expected exit code, no traceback."""
+    assert run.returncode == exit_code, (run.returncode, run.stdout, run.stderr)
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, run.stderr
+    assert lines[0].startswith("Error:"), run.stderr
+    assert mentions in lines[0], run.stderr
+    assert "Traceback" not in run.stderr + run.stdout

@@ -1,0 +1,106 @@
+"""The whole study on the real ResNet8 and the real CIFAR-10 test set."""
+
+from __future__ import annotations
+
+import re
+
+from conftest import ptq_ok, read_json
+
+# Per-class top-1 of the FP32 model on test_batch, airplane ... truck (shared/assets/README.md).
+FP32_PER_CLASS = [87.7, 95.4, 83.9, 73.4, 87.2, 74.2, 94.6, 90.5, 92.4, 92.6]
+
+
+def test_converted_fp32_onnx_scores_exactly_the_baseline(pipeline):
+    record = read_json(pipeline / "results" / "resnet8.onnx.json")
+    assert record["framework"] == "onnxruntime" and record["dtype"] == "fp32"
+    assert record["images"] == 10000 and record["correct"] == 8719
+    assert record["accuracy"] == 87.19 and record["delta_vs_baseline"] == 0.0
+    assert record["per_class_accuracy"] == FP32_PER_CLASS
+    assert sum(map(sum, record["confusion_matrix"])) == 10000
+    assert record["class_names"][0] == "airplane" and record["class_names"][-1] == "truck"
+
+
+def test_convert_reports_its_check_as_json(pipeline):
+    run = ptq_ok("convert", "--output", "models/again.onnx", "--check-images", "200", "--json", cwd=pipeline)
+    result = __import__("json").loads(run.stdout)
+    assert result["check"]["images"] == 200
+    assert result["check"]["max_abs_diff"] <= 1e-4
+    assert result["check"]["top1_agreement"] == 1.0
+    assert (pipeline / "models" / "again.onnx").stat().st_size == result["output_size_bytes"]
+    (pipeline / "models" / "again.onnx").unlink()
+
+
+def test_quantized_models_are_accurate_and_small(pipeline):
+    fp32 = read_json(pipeline / "results" / "resnet8.onnx.json")
+    for dtype in ("int8", "uint8"):
+        record = read_json(pipeline / "results" / f"resnet8_{dtype}.onnx.json")
+        assert record["dtype"] == dtype
+        assert record["accuracy"] > 85.0, record["accuracy"]
+        assert record["model_size_bytes"] < 0.45 * fp32["model_size_bytes"]
+        settings = record["quantization"]
+        assert (settings["dtype"], settings["weight_dtype"]) == (dtype, dtype)
+        assert settings["method"] == "minmax" and settings["per_channel"] is False
+        assert settings["calibration_samples"] == 1000 and settings["calibration_seed"] == 42
+        assert record["model_size_bytes"] == (pipeline / "models" / f"resnet8_{dtype}.onnx").stat().st_size
+
+
+def test_quantize_prints_method_samples_and_output(pipeline):
+    run = ptq_ok("quantize", "--dtype", "uint8", "--method", "percentile", "--per-channel", "--weight-dtype", "int8",
+                 "--output", "models/extra.onnx", cwd=pipeline)
+    assert "percentile (percentile 99.999)" in run.stdout
+    assert "1000 (seed 42" in run.stdout
+    assert "models/extra.onnx" in run.stdout and "KB" in run.stdout
+    assert "uint8 / int8" in run.stdout and "per-channel" in run.stdout
+    (pipeline / "models" / "extra.onnx").unlink()
+
+
+def test_evaluate_per_class_shows_delta_against_fp32(pipeline):
+    run = ptq_ok("evaluate", "--model", "models/resnet8_uint8.onnx", "--per-class", "--results-dir", "results", cwd=pipeline)
+    record = read_json(pipeline / "results" / "resnet8_uint8.onnx.json")
+    assert "FP32 (resnet8.onnx)" in run.stdout
+    # The bird row shows its accuracy, the FP32 one and the signed delta between them.
+    bird = record["per_class_accuracy"][2]
+    assert re.search(rf"bird\s+│\s+{bird:.1f}%\s+│\s+83.9%\s+│\s+{bird - 83.9:+.2f}", run.stdout), run.stdout
+
+
+def _markdown_rows(text: str) -> dict[str, list[str]]:
+    rows = {}
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if line.startswith("| resnet8") and len(cells) == 10:
+            rows[cells[0]] = cells
+    return rows
+
+
+def test_report_markdown_has_one_row_per_record_with_its_numbers(pipeline):
+    ptq_ok("report", "--markdown", "out/analysis.md", cwd=pipeline)
+    rows = _markdown_rows((pipeline / "out" / "analysis.md").read_text())
+    records = {path.name.removesuffix(".json"): read_json(path) for path in (pipeline / "results").glob("*.json")}
+    assert set(rows) == set(records)
+    fp32_size = records["resnet8.onnx"]["model_size_bytes"]
+    for name, record in records.items():
+        model, framework, dtype, _config, accuracy, delta, size, reduction, speed, _speedup = rows[name]
+        assert (framework, dtype) == (record["framework"], record["dtype"])
+        assert accuracy == f"{record['accuracy']:.2f}%"
+        assert delta == f"{record['accuracy'] - 87.19:+.2f}"
+        assert size == f"{record['model_size_bytes'] / 1024:,.1f} KB"
+        assert speed == f"{record['images_per_second']:,.0f}"
+        if record["dtype"] != "fp32":
+            assert reduction == f"{1 - record['model_size_bytes'] / fp32_size:.1%}"
+
+
+def test_report_bare_markdown_flag_writes_the_default_file(pipeline):
+    run = ptq_ok("report", "--markdown", cwd=pipeline)
+    path = pipeline / "reports" / "QUANTIZATION_ANALYSIS.md"
+    assert path.is_file() and "reports/QUANTIZATION_ANALYSIS.md" in run.stdout
+    assert "## Recommendation" in path.read_text()
+    assert "Best accuracy:" in run.stdout and "Classes that lose the most" in run.stdout
+
+
+def test_report_json_matches_records(pipeline):
+    report = __import__("json").loads(ptq_ok("report", "--json", cwd=pipeline).stdout)
+    by_model = {row["model"]: row for row in report["rows"]}
+    uint8 = read_json(pipeline / "results" / "resnet8_uint8.onnx.json")
+    assert by_model["resnet8_uint8.onnx"]["accuracy"] == uint8["accuracy"]
+    assert by_model["resnet8.onnx"]["size_reduction"] is None
+    assert report["recommendation"]["best_accuracy"]["dtype"] in ("int8", "uint8")

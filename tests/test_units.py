@@ -1,0 +1,123 @@
+"""Edge cases on small synthetic data."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+
+from ptq_cli.atomic import atomic_output, write_text
+from ptq_cli.cli import _fill_optional_values
+from ptq_cli.errors import CheckFailed, PtqError
+from ptq_cli.services import cifar
+from ptq_cli.services.calibration import stratified_indices
+from ptq_cli.services.convert import _checked_write, compare_outputs
+from ptq_cli.services.evaluate import EvaluationRecord
+from ptq_cli.services.report import build_report
+
+
+def test_stratified_indices_are_balanced_unique_and_seeded():
+    labels = np.repeat(np.arange(10), 50)
+    np.random.default_rng(0).shuffle(labels)
+    first = stratified_indices(labels, 7, seed=3)
+    assert np.bincount(labels[first], minlength=10).tolist() == [7] * 10
+    assert len(np.unique(first)) == 70
+    assert np.array_equal(first, stratified_indices(labels, 7, seed=3))
+    assert not np.array_equal(first, stratified_indices(labels, 7, seed=4))
+
+
+def test_atomic_output_leaves_nothing_on_failure(tmp_path):
+    target = tmp_path / "sub" / "model.onnx"
+    with pytest.raises(RuntimeError):
+        with atomic_output(target) as tmp:
+            tmp.write_bytes(b"half")
+            raise RuntimeError("interrupted")
+    assert not target.exists()
+    assert list((tmp_path / "sub").iterdir()) == []
+
+
+def test_atomic_output_replaces_whole_file(tmp_path):
+    target = tmp_path / "report.md"
+    write_text(target, "old")
+    write_text(target, "new")
+    assert target.read_text() == "new"
+    assert [p.name for p in tmp_path.iterdir()] == ["report.md"]
+
+
+def test_failed_conversion_check_writes_nothing(tmp_path):
+    reference = np.eye(10, dtype=np.float32)
+    with pytest.raises(CheckFailed) as failure:
+        _checked_write(tmp_path / "src", tmp_path / "out.onnx", lambda tmp: tmp.write_bytes(b"x"), reference, lambda tmp: reference + 1e-3)
+    assert failure.value.exit_code == 1 and "max |diff|" in str(failure.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_compare_outputs_counts_top1_agreement():
+    reference = np.eye(4, dtype=np.float32)
+    converted = reference.copy()
+    converted[0] = [0, 2, 0, 0]
+    check = compare_outputs(reference, converted)
+    assert check.top1_agreement == 0.75 and check.max_abs_diff == 2.0 and not check.passed
+
+
+def test_markdown_option_value_is_optional():
+    assert _fill_optional_values(["report", "--markdown"]) == ["report", "--markdown", "reports/QUANTIZATION_ANALYSIS.md"]
+    assert _fill_optional_values(["report", "--markdown", "--json"])[2] == "reports/QUANTIZATION_ANALYSIS.md"
+    assert _fill_optional_values(["report", "--markdown", "x.md"]) == ["report", "--markdown", "x.md"]
+
+
+def _batch_file(tmp_path, data, labels):
+    path = tmp_path / "batch"
+    with path.open("wb") as handle:
+        pickle.dump({b"data": data, b"labels": labels}, handle, protocol=2)
+    return path
+
+
+def test_load_batch_converts_planar_rows_to_nhwc(tmp_path):
+    data = np.zeros((2, 3072), dtype=np.uint8)
+    data[1, 1024 + 5] = 200  # green plane, row 0, column 5 of image 1
+    images, labels = cifar.load_batch(_batch_file(tmp_path, data, [3, 4]))
+    assert images.shape == (2, 32, 32, 3) and images[1, 0, 5].tolist() == [0, 200, 0]
+    assert labels.tolist() == [3, 4]
+
+
+@pytest.mark.parametrize(
+    "data, labels, problem",
+    [
+        (np.zeros((2, 100), dtype=np.uint8), [0, 1], "expected uint8 N x 3072"),
+        (np.zeros((2, 3072), dtype=np.uint8), [0], "1 labels for 2 images"),
+        (np.zeros((2, 3072), dtype=np.uint8), [0, 12], "labels outside"),
+    ],
+)
+def test_load_batch_rejects_wrong_structure(tmp_path, data, labels, problem):
+    with pytest.raises(PtqError, match=problem):
+        cifar.load_batch(_batch_file(tmp_path, data, labels))
+
+
+def _record(name, framework, dtype, accuracy, size, speed, per_class):
+    return EvaluationRecord(
+        model_path=f"models/{name}", model_sha256="0" * 64, model_size_bytes=size, framework=framework, dtype=dtype,
+        quantization=None if dtype == "fp32" else {"dtype": dtype, "method": "minmax", "calibration_samples": 10},
+        dataset="test_batch", images=100, correct=int(accuracy), accuracy=accuracy, delta_vs_baseline=accuracy - 87.19,
+        class_names=["a", "b"], per_class_accuracy=per_class, confusion_matrix=[[1, 0], [0, 1]], images_per_second=speed,
+        batch_size=10, threads=1, timestamp="t", tool_version="0",
+    )
+
+
+def test_report_compares_each_model_with_its_framework_fp32():
+    report = build_report([
+        _record("q.onnx", "onnxruntime", "int8", 86.0, 100, 2000.0, [80.0, 92.0]),
+        _record("f.onnx", "onnxruntime", "fp32", 87.0, 400, 1000.0, [85.0, 89.0]),
+        _record("f.pt", "pytorch", "fp32", 87.0, 800, 500.0, [85.0, 89.0]),
+        _record("q.pt", "pytorch", "int8", 86.5, 200, 1000.0, [84.0, 89.0]),
+    ])
+    rows = {row.model: row for row in report.rows}
+    assert [row.model for row in report.rows] == ["f.onnx", "q.onnx", "f.pt", "q.pt"]
+    assert rows["q.onnx"].size_reduction == 0.75 and rows["q.onnx"].speedup == 2.0
+    assert rows["q.pt"].size_reduction == 0.75 and rows["q.pt"].speedup == 2.0
+    assert rows["f.onnx"].size_reduction is None
+    assert (report.class_losses[0].model, report.class_losses[0].class_name, report.class_losses[0].delta) == ("q.onnx", "a", -5.0)
+    assert report.recommendation.best_accuracy.model == "q.pt"
+    assert report.recommendation.smallest.model == "q.onnx"
+    assert report.recommendation.fastest.model == "q.onnx"
