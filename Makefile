@@ -7,6 +7,7 @@ PTQ := $(BIN)/ptq
 PTQ_ASSETS ?= ../shared/assets
 export PTQ_ASSETS
 ONNX2TORCH := onnx2torch==1.5.15
+MODELS := resnet8.onnx resnet8.pt resnet8_int8.onnx resnet8_uint8.onnx resnet8_pytorch_int8.pt
 
 .PHONY: install run test clean
 
@@ -22,11 +23,12 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 run: install
-	$(PTQ) convert
+	$(PTQ) convert --torch models/resnet8.pt
 	$(PTQ) calibrate
 	$(PTQ) quantize --dtype int8
 	$(PTQ) quantize --dtype uint8
-	$(PTQ) evaluate --model models/resnet8.onnx --model models/resnet8_int8.onnx --model models/resnet8_uint8.onnx
+	$(PTQ) quantize --backend pytorch --dtype int8
+	$(PTQ) evaluate $(foreach model,$(MODELS),--model models/$(model))
 	$(PTQ) report --markdown
 
 test: install

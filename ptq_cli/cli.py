@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
-from rich.console import Console
+from rich.console import Console, Group
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ptq_cli import render, settings
@@ -20,6 +20,7 @@ from ptq_cli.services import convert as convert_service
 from ptq_cli.services import evaluate as evaluate_service
 from ptq_cli.services import quantize as quantize_service
 from ptq_cli.services import report as report_service
+from ptq_cli.services.models import read_onnx as check_model
 
 try:  # typer >= 0.22 vendors click; older typer uses the click package
     from typer._click.exceptions import ClickException, UsageError
@@ -85,10 +86,16 @@ class DType(str, Enum):
     uint8 = "uint8"
 
 
+class Backend(str, Enum):
+    onnxruntime = "onnxruntime"
+    pytorch = "pytorch"
+
+
 class Method(str, Enum):
     minmax = "minmax"
     entropy = "entropy"
     percentile = "percentile"
+    histogram = "histogram"
 
 
 DataDir = Annotated[
@@ -111,19 +118,32 @@ def _working(message: str):
 @app.command()
 def convert(
     keras: Annotated[Optional[Path], typer.Option(help=f"Keras .h5 model to convert. (default: ${settings.ASSETS_ENV}/mlperf-tiny-resnet8/pretrainedResnet.h5)", show_default=False)] = None,
-    output: Annotated[Path, typer.Option(help="Where to write the ONNX model.")] = settings.FP32_ONNX,
+    output: Annotated[Path, typer.Option(help="Where to write the ONNX model converted from Keras.")] = settings.FP32_ONNX,
+    onnx_source: Annotated[Optional[Path], typer.Option("--onnx", help="Start from this ONNX model instead of Keras (use with --torch).", show_default=False)] = None,
+    torch_output: Annotated[Optional[Path], typer.Option("--torch", help="Also convert the ONNX model to PyTorch (onnx2torch), saved as TorchScript here, e.g. models/resnet8.pt.", show_default=False)] = None,
     opset: Annotated[int, typer.Option(help="ONNX opset for tf2onnx.")] = 13,
     data_dir: DataDir = None,
     check_images: Annotated[int, typer.Option(help="Test images on which source and converted outputs must agree within 1e-4.")] = 1000,
     as_json: JsonFlag = False,
 ) -> None:
-    """Convert the Keras model to ONNX (tf2onnx), then check both give the same outputs on real test images.
+    """Convert Keras -> ONNX (tf2onnx) and/or ONNX -> PyTorch TorchScript (onnx2torch), checking each on real test images.
 
-    Exits 1 and writes nothing if any output differs by more than 1e-4.
+    Each conversion runs the source and the converted model on the same test images and prints the
+    max absolute output difference and the top-1 agreement; beyond 1e-4 it exits 1 and writes nothing.
     """
-    with _working("Converting with tf2onnx and checking against Keras…"):
-        result = convert_service.keras_to_onnx(keras or settings.keras_model_path(), output, data_dir or settings.cifar_dir(), opset, check_images)
-    _emit(as_json, result, render.conversion(result))
+    if onnx_source is not None and keras is not None:
+        raise PtqError("--keras and --onnx: give one source model, not both")
+    if onnx_source is not None and torch_output is None:
+        raise PtqError("--onnx: says what to convert to PyTorch; add --torch PATH")
+    data = data_dir or settings.cifar_dir()
+    results = []
+    if onnx_source is None:
+        with _working("Converting Keras -> ONNX with tf2onnx and checking against Keras…"):
+            results.append(convert_service.keras_to_onnx(keras or settings.keras_model_path(), output, data, opset, check_images))
+    if torch_output is not None:
+        with _working("Converting ONNX -> PyTorch with onnx2torch and checking against onnxruntime…"):
+            results.append(convert_service.onnx_to_torchscript(onnx_source or output, torch_output, data, check_images))
+    _emit(as_json, results if len(results) > 1 else results[0], Group(*map(render.conversion, results)))
 
 
 @app.command()
@@ -145,31 +165,29 @@ def calibrate(
 
 @app.command()
 def quantize(
-    model: Annotated[Path, typer.Option(help="FP32 ONNX model to quantize.")] = settings.FP32_ONNX,
-    dtype: Annotated[DType, typer.Option(help="Activation type (and weight type unless --weight-dtype is given).")] = DType.int8,
+    model: Annotated[Path, typer.Option(help="FP32 ONNX model to quantize (the PyTorch backend converts it with onnx2torch first).")] = settings.FP32_ONNX,
+    backend: Annotated[Backend, typer.Option(help="onnxruntime: quantize_static, QDQ. pytorch: torch.ao FX graph mode, x86 engine, saved as TorchScript.")] = Backend.onnxruntime,
+    dtype: Annotated[DType, typer.Option(help="Activation type (and weight type unless --weight-dtype is given). PyTorch takes int8 only.")] = DType.int8,
     weight_dtype: Annotated[Optional[DType], typer.Option(help="Weight type. (default: same as --dtype)", show_default=False)] = None,
-    per_channel: Annotated[bool, typer.Option("--per-channel/--per-tensor", help="One weight scale per output channel, or one per tensor.")] = False,
-    method: Annotated[Method, typer.Option(help="Calibration method for activation ranges.")] = Method.minmax,
+    per_channel: Annotated[Optional[bool], typer.Option("--per-channel/--per-tensor", help="One weight scale per output channel, or one per tensor. (default: per-tensor for onnxruntime, per-channel for pytorch)", show_default=False)] = None,
+    method: Annotated[Optional[Method], typer.Option(help="Activation calibration: onnxruntime minmax|entropy|percentile (default minmax); pytorch histogram|minmax (default histogram).", show_default=False)] = None,
     percentile: Annotated[Optional[float], typer.Option(help="Percentile kept by --method percentile. (default: 99.999)", show_default=False)] = None,
     calibration: Annotated[Optional[Path], typer.Option(help=f"Calibration set from `ptq calibrate`. (default: {settings.CALIBRATION_FILE} if it exists, else built with the calibrate defaults)", show_default=False)] = None,
     data_dir: DataDir = None,
     preprocess: Annotated[bool, typer.Option("--preprocess/--no-preprocess", help="Run onnxruntime's quant_pre_process first (shape inference, folds batch-norm Mul/Add into Conv).")] = True,
-    output: Annotated[Optional[Path], typer.Option(help="Where to write the quantized model. (default: models/<model>_<dtype>.onnx)", show_default=False)] = None,
+    output: Annotated[Optional[Path], typer.Option(help="Where to write the quantized model. (default: models/<model>_<dtype>.onnx, or models/<model>_pytorch_<dtype>.pt)", show_default=False)] = None,
     as_json: JsonFlag = False,
 ) -> None:
-    """Static post-training quantization with ONNX Runtime (QDQ), calibrated on the calibration set."""
-    model_file = quantize_service.read_onnx(model) and model  # fail on a bad model before any calibration work
-    with _working("Loading the calibration set…"):
-        if calibration is None and not settings.CALIBRATION_FILE.is_file():
-            calibration_set = calibration_service.build_calibration_set(data_dir or settings.cifar_dir(), settings.SAMPLES_PER_CLASS, settings.SEED)
-        else:
-            calibration_set = calibration_service.load_calibration_set(calibration or settings.CALIBRATION_FILE)
+    """Static post-training quantization, calibrated on the calibration set: ONNX Runtime (QDQ) or PyTorch (FX)."""
     quantization_settings = quantize_service.make_settings(
-        dtype.value, calibration_set, weight_dtype.value if weight_dtype else None, per_channel, method.value, percentile, preprocess
+        dtype.value, backend.value, weight_dtype and weight_dtype.value, per_channel, method and method.value, percentile, preprocess
     )
-    target = output or quantize_service.default_output(model_file, dtype.value)
-    with _working(f"Calibrating ({quantization_settings.method}, {quantization_settings.calibration_samples} samples) and quantizing…"):
-        result = quantize_service.quantize_onnx(model_file, target, quantization_settings, calibration_set)
+    check_model(model)  # a bad model fails before any calibration work
+    with _working("Loading the calibration set…"):
+        calibration_set = calibration_service.load_or_build(calibration, data_dir or settings.cifar_dir())
+    target = output or quantize_service.default_output(model, dtype.value, backend.value)
+    with _working(f"Calibrating ({quantization_settings.method}, {len(calibration_set.labels)} samples) and quantizing with {backend.value}…"):
+        result = quantize_service.quantize(model, target, quantization_settings, calibration_set)
     _emit(as_json, result, render.quantization(result))
 
 

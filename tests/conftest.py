@@ -17,6 +17,9 @@ CIFAR = ASSETS / "cifar-10-batches-py"
 KERAS_MODEL = ASSETS / "mlperf-tiny-resnet8" / "pretrainedResnet.h5"
 
 
+PIPELINE_MODELS = ("resnet8.onnx", "resnet8.pt", "resnet8_int8.onnx", "resnet8_uint8.onnx", "resnet8_pytorch_int8.pt")
+
+
 @dataclass
 class Run:
     returncode: int
@@ -46,13 +49,14 @@ def assets() -> Path:
 
 @pytest.fixture(scope="session")
 def pipeline(tmp_path_factory, assets) -> Path:
-    """convert -> calibrate -> quantize int8 and uint8 -> evaluate, once per session, in a fresh directory."""
+    """The study as `make run` does it, once per session, in a fresh directory."""
     work = tmp_path_factory.mktemp("pipeline")
-    ptq_ok("convert", cwd=work)
+    ptq_ok("convert", "--torch", "models/resnet8.pt", cwd=work)
     ptq_ok("calibrate", cwd=work)
     ptq_ok("quantize", "--dtype", "int8", cwd=work)
     ptq_ok("quantize", "--dtype", "uint8", cwd=work)
-    ptq_ok("evaluate", "--model", "models/resnet8.onnx", "--model", "models/resnet8_int8.onnx", "--model", "models/resnet8_uint8.onnx", cwd=work)
+    ptq_ok("quantize", "--backend", "pytorch", "--dtype", "int8", cwd=work)
+    ptq_ok("evaluate", *[arg for model in PIPELINE_MODELS for arg in ("--model", f"models/{model}")], cwd=work)
     return work
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from conftest import ptq_ok, read_json
+from conftest import PIPELINE_MODELS, ptq_ok, read_json
 
 # Per-class top-1 of the FP32 model on test_batch, airplane ... truck (shared/assets/README.md).
 FP32_PER_CLASS = [87.7, 95.4, 83.9, 73.4, 87.2, 74.2, 94.6, 90.5, 92.4, 92.6]
@@ -76,8 +76,8 @@ def test_report_markdown_has_one_row_per_record_with_its_numbers(pipeline):
     ptq_ok("report", "--markdown", "out/analysis.md", cwd=pipeline)
     rows = _markdown_rows((pipeline / "out" / "analysis.md").read_text())
     records = {path.name.removesuffix(".json"): read_json(path) for path in (pipeline / "results").glob("*.json")}
-    assert set(rows) == set(records)
-    fp32_size = records["resnet8.onnx"]["model_size_bytes"]
+    assert set(rows) == set(records) == set(PIPELINE_MODELS)
+    fp32_size = {"onnxruntime": records["resnet8.onnx"]["model_size_bytes"], "pytorch": records["resnet8.pt"]["model_size_bytes"]}
     for name, record in records.items():
         model, framework, dtype, _config, accuracy, delta, size, reduction, speed, _speedup = rows[name]
         assert (framework, dtype) == (record["framework"], record["dtype"])
@@ -86,7 +86,7 @@ def test_report_markdown_has_one_row_per_record_with_its_numbers(pipeline):
         assert size == f"{record['model_size_bytes'] / 1024:,.1f} KB"
         assert speed == f"{record['images_per_second']:,.0f}"
         if record["dtype"] != "fp32":
-            assert reduction == f"{1 - record['model_size_bytes'] / fp32_size:.1%}"
+            assert reduction == f"{1 - record['model_size_bytes'] / fp32_size[record['framework']]:.1%}"
 
 
 def test_report_bare_markdown_flag_writes_the_default_file(pipeline):

@@ -10,6 +10,7 @@ import numpy as np
 
 from ptq_cli.atomic import atomic_output
 from ptq_cli.errors import PtqError
+from ptq_cli import settings
 from ptq_cli.services import cifar
 
 
@@ -104,3 +105,12 @@ def load_calibration_set(path: Path) -> CalibrationSet:
     if images.dtype != np.float32 or images.ndim != 4 or images.shape[1:] != cifar.IMAGE_SHAPE:
         raise PtqError(f"{path}: images are {images.dtype} {images.shape}, expected float32 N x 32 x 32 x 3")
     return calibration
+
+
+def load_or_build(path: Path | None, data_dir: Path) -> CalibrationSet:
+    """The given file; else the default file if `ptq calibrate` wrote it; else the default set, built in memory."""
+    if path is not None:
+        return load_calibration_set(path)
+    if settings.CALIBRATION_FILE.is_file():
+        return load_calibration_set(settings.CALIBRATION_FILE)
+    return build_calibration_set(data_dir, settings.SAMPLES_PER_CLASS, settings.SEED)

@@ -15,7 +15,7 @@ import numpy as np
 from ptq_cli.atomic import atomic_output
 from ptq_cli.errors import CheckFailed, PtqError
 from ptq_cli.services import cifar
-from ptq_cli.services.models import load_onnx
+from ptq_cli.services.models import PYTORCH, load_onnx, load_torchscript
 
 TOLERANCE = 1e-4
 
@@ -110,3 +110,18 @@ def keras_to_onnx(keras_path: Path, output: Path, data_dir: Path, opset: int = 1
         tf2onnx.convert.from_keras(keras_model, input_signature=signature, opset=opset, output_path=str(tmp))
 
     return _checked_write(keras_path, output, write, reference, lambda tmp: load_onnx(tmp).predict(images))
+
+
+def onnx_to_torchscript(onnx_path: Path, output: Path, data_dir: Path, check_count: int = 1000) -> ConversionResult:
+    """ONNX -> PyTorch with onnx2torch, saved as TorchScript, checked against onnxruntime."""
+    from ptq_cli.services import torch_backend
+
+    images = check_images(data_dir, check_count)
+    reference = load_onnx(onnx_path).predict(images)
+    module = torch_backend.onnx_to_graph_module(onnx_path)
+    metadata = {"dtype": "fp32", "framework": PYTORCH, "source": str(onnx_path)}
+
+    def write(tmp: Path) -> None:
+        torch_backend.save_torchscript(module, tmp, images[:8], metadata)
+
+    return _checked_write(Path(onnx_path), output, write, reference, lambda tmp: load_torchscript(tmp).predict(images))

@@ -15,6 +15,9 @@ from ptq_cli.errors import PtqError
 
 # Quantize records how a model was made inside the model file itself, under this metadata key.
 QUANTIZATION_METADATA_KEY = "ptq.quantization"
+# ... and in TorchScript files, as this extra file inside the archive.
+TORCHSCRIPT_METADATA_FILE = "ptq.json"
+ZIP_MAGIC = b"PK\x03\x04"  # TorchScript files are zip archives
 ONNXRUNTIME = "onnxruntime"
 PYTORCH = "pytorch"
 
@@ -117,8 +120,43 @@ def load_onnx(path: Path, threads: int | None = None) -> LoadedModel:
     return LoadedModel(info, predict)
 
 
-def load_model(path: Path, threads: int | None = None) -> LoadedModel:
-    """The runner for a model file, chosen by its content (TorchScript files are zip archives)."""
+def load_torchscript(path: Path, threads: int | None = None) -> LoadedModel:
+    from ptq_cli.services.torch_compat import quiet_torch_quantization_warnings
+
+    import torch
+
+    quiet_torch_quantization_warnings()
     path = Path(path)
     _require_file(path)
-    return load_onnx(path, threads)
+    extra_files = {TORCHSCRIPT_METADATA_FILE: ""}
+    try:
+        module = torch.jit.load(str(path), map_location="cpu", _extra_files=extra_files)
+    except Exception as error:  # torch raises RuntimeError, ValueError or zip errors for a damaged archive
+        raise PtqError(f"{path}: not a loadable TorchScript model ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from error
+    module.eval()
+    metadata = json.loads(extra_files[TORCHSCRIPT_METADATA_FILE] or "{}")
+    dtype = metadata.get("dtype") or ("int8" if "quantize_per_tensor" in module.inlined_graph.str() else "fp32")
+    quantization = metadata if dtype != "fp32" else None
+    torch.set_num_threads(threads or default_threads())
+
+    def predict(images: np.ndarray) -> np.ndarray:
+        with torch.inference_mode():
+            return module(torch.from_numpy(images)).numpy()
+
+    try:
+        probe = predict(np.zeros((1, 32, 32, 3), dtype=np.float32))
+    except RuntimeError as error:
+        raise PtqError(f"{path}: does not take an NHWC N x 32 x 32 x 3 float32 batch ({str(error).splitlines()[0]})") from error
+    _check_io(path, [None, 32, 32, 3], list(probe.shape))
+    data = path.read_bytes()
+    info = ModelInfo(path, PYTORCH, dtype, quantization, len(data), hashlib.sha256(data).hexdigest())
+    return LoadedModel(info, predict)
+
+
+def load_model(path: Path, threads: int | None = None) -> LoadedModel:
+    """The runner for a model file, chosen by its content, not its name."""
+    path = Path(path)
+    _require_file(path)
+    with path.open("rb") as handle:
+        is_zip = handle.read(4) == ZIP_MAGIC
+    return load_torchscript(path, threads) if is_zip or path.suffix == ".pt" else load_onnx(path, threads)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -12,10 +12,15 @@ import numpy as np
 from ptq_cli.atomic import atomic_output
 from ptq_cli.errors import PtqError
 from ptq_cli.services.calibration import CalibrationSet
-from ptq_cli.services.models import ONNXRUNTIME, QUANTIZATION_METADATA_KEY, read_onnx
+from ptq_cli.services.models import ONNXRUNTIME, PYTORCH, QUANTIZATION_METADATA_KEY, read_onnx
 
 DTYPES = ("int8", "uint8")
-METHODS = ("minmax", "entropy", "percentile")
+BACKENDS = (ONNXRUNTIME, PYTORCH)
+# Each library's own calibration methods; the first is the default.
+METHODS = {ONNXRUNTIME: ("minmax", "entropy", "percentile"), PYTORCH: ("histogram", "minmax")}
+# ONNX Runtime keeps the seed study's per-tensor default; PyTorch's x86 default is per-channel.
+DEFAULT_PER_CHANNEL = {ONNXRUNTIME: False, PYTORCH: True}
+FORMATS = {ONNXRUNTIME: "QDQ", PYTORCH: "FX"}
 DEFAULT_PERCENTILE = 99.999
 CALIBRATION_BATCH = 100
 
@@ -24,17 +29,18 @@ CALIBRATION_BATCH = 100
 class QuantizationSettings:
     """Everything that decides the quantized model; stored inside it and in its evaluation record."""
 
+    framework: str  # ONNXRUNTIME or PYTORCH
+    format: str  # "QDQ" (onnxruntime) or "FX" (torch.ao FX graph mode)
     dtype: str  # activations: "int8" or "uint8"; names the model's data type
     weight_dtype: str
     per_channel: bool
     method: str
     percentile: float | None  # only for method "percentile"
     preprocess: bool  # onnxruntime's quant_pre_process (shape inference, BN folding) before quantizing
-    calibration_samples: int
-    calibration_seed: int
-    calibration_source: str
-    framework: str = ONNXRUNTIME
-    format: str = "QDQ"
+    # Filled in by quantize() from the calibration set it was given.
+    calibration_samples: int = 0
+    calibration_seed: int | None = None
+    calibration_source: str | None = None
 
 
 @dataclass(frozen=True)
@@ -50,44 +56,54 @@ class QuantizeResult:
         return self.output_size_bytes / self.source_size_bytes
 
 
-def default_output(model: Path, dtype: str) -> Path:
-    """models/resnet8.onnx -> models/resnet8_int8.onnx."""
+def default_output(model: Path, dtype: str, backend: str = ONNXRUNTIME) -> Path:
+    """models/resnet8.onnx -> models/resnet8_int8.onnx, or models/resnet8_pytorch_int8.pt."""
+    if backend == PYTORCH:
+        return model.with_name(f"{model.stem}_pytorch_{dtype}.pt")
     return model.with_name(f"{model.stem}_{dtype}{model.suffix}")
 
 
 def make_settings(
     dtype: str,
-    calibration: CalibrationSet,
+    backend: str = ONNXRUNTIME,
     weight_dtype: str | None = None,
-    per_channel: bool = False,
-    method: str = "minmax",
+    per_channel: bool | None = None,
+    method: str | None = None,
     percentile: float | None = None,
     preprocess: bool = True,
 ) -> QuantizationSettings:
     """Validated settings; the weights follow the activations' type unless told otherwise (the seed study)."""
+    if backend not in BACKENDS:
+        raise PtqError(f"--backend: '{backend}' is not one of {', '.join(BACKENDS)}")
     if dtype not in DTYPES:
         raise PtqError(f"--dtype: '{dtype}' is not one of {', '.join(DTYPES)}")
     weight_dtype = weight_dtype or dtype
     if weight_dtype not in DTYPES:
         raise PtqError(f"--weight-dtype: '{weight_dtype}' is not one of {', '.join(DTYPES)}")
-    if method not in METHODS:
-        raise PtqError(f"--method: '{method}' is not one of {', '.join(METHODS)}")
+    if backend == PYTORCH and "uint8" in (dtype, weight_dtype):
+        option = "--dtype" if dtype == "uint8" else "--weight-dtype"
+        raise PtqError(
+            f"{option} uint8: PyTorch's x86/fbgemm quantized convolutions need signed int8 weights "
+            "(their activations are uint8 already); use --dtype int8, or --backend onnxruntime for uint8"
+        )
+    method = method or METHODS[backend][0]
+    if method not in METHODS[backend]:
+        raise PtqError(f"--method: '{method}' is not a {backend} calibration method ({', '.join(METHODS[backend])})")
     if method == "percentile":
         percentile = DEFAULT_PERCENTILE if percentile is None else percentile
         if not 50.0 < percentile <= 100.0:
             raise PtqError(f"--percentile: {percentile} is not in (50, 100]")
-    else:
-        percentile = None
+    elif percentile is not None:
+        raise PtqError("--percentile: only applies to --method percentile")
     return QuantizationSettings(
+        framework=backend,
+        format=FORMATS[backend],
         dtype=dtype,
         weight_dtype=weight_dtype,
-        per_channel=per_channel,
+        per_channel=DEFAULT_PER_CHANNEL[backend] if per_channel is None else per_channel,
         method=method,
         percentile=percentile,
         preprocess=preprocess,
-        calibration_samples=int(calibration.images.shape[0]),
-        calibration_seed=calibration.seed,
-        calibration_source=calibration.source,
     )
 
 
@@ -105,14 +121,41 @@ def _reader(input_name: str, images: np.ndarray):
     return BatchReader()
 
 
-def quantize_onnx(model_path: Path, output: Path, settings: QuantizationSettings, calibration: CalibrationSet) -> QuantizeResult:
-    import onnx
-    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quant_pre_process, quantize_static
+def preprocess_onnx(model, output: Path) -> None:
+    """onnxruntime's recommended pre-quantization step: shape inference plus its basic graph optimizer,
+    which folds the batch-norm Mul/Add after each Conv into the Conv."""
+    from onnxruntime.quantization import quant_pre_process
 
+    quant_pre_process(model, str(output))
+
+
+def quantize(model_path: Path, output: Path, settings: QuantizationSettings, calibration: CalibrationSet) -> QuantizeResult:
+    """Quantize the FP32 ONNX model with the settings' framework; the output is written atomically."""
     model_path, output = Path(model_path), Path(output)
-    model = read_onnx(model_path)
+    read_onnx(model_path)
     if model_path.resolve() == output.resolve():
         raise PtqError(f"--output: {output} would overwrite the model being quantized")
+    settings = replace(
+        settings,
+        calibration_samples=int(calibration.images.shape[0]),
+        calibration_seed=calibration.seed,
+        calibration_source=calibration.source,
+    )
+    if settings.framework == PYTORCH:
+        from ptq_cli.services.torch_backend import quantize_fx
+
+        size = quantize_fx(model_path, output, settings, calibration)
+    else:
+        size = quantize_onnx(model_path, output, settings, calibration)
+    return QuantizeResult(model_path, output, model_path.stat().st_size, size, settings)
+
+
+def quantize_onnx(model_path: Path, output: Path, settings: QuantizationSettings, calibration: CalibrationSet) -> int:
+    """onnxruntime.quantization.quantize_static in QDQ format; returns the file size."""
+    import onnx
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    model = read_onnx(model_path)
     quant_types = {"int8": QuantType.QInt8, "uint8": QuantType.QUInt8}
     methods = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy, "percentile": CalibrationMethod.Percentile}
     extra_options = {"CalibPercentile": settings.percentile} if settings.percentile is not None else {}
@@ -121,7 +164,7 @@ def quantize_onnx(model_path: Path, output: Path, settings: QuantizationSettings
         source = model_path
         if settings.preprocess:
             source = Path(workdir) / "preprocessed.onnx"
-            quant_pre_process(model, str(source))
+            preprocess_onnx(model, source)
         with atomic_output(output) as tmp:
             quantize_static(
                 str(source),
@@ -137,5 +180,4 @@ def quantize_onnx(model_path: Path, output: Path, settings: QuantizationSettings
             quantized = onnx.load(str(tmp))
             onnx.helper.set_model_props(quantized, {QUANTIZATION_METADATA_KEY: json.dumps(asdict(settings))})
             onnx.save(quantized, str(tmp))
-            size = tmp.stat().st_size
-    return QuantizeResult(model_path, output, model_path.stat().st_size, size, settings)
+            return tmp.stat().st_size

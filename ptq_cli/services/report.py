@@ -57,8 +57,10 @@ class Report:
 def describe_quantization(settings: dict | None) -> str:
     if not settings:
         return "float"
+    # PyTorch's x86 kernels pair unsigned activations with signed weights whatever the model is called.
+    types = "a:quint8 w:qint8" if settings.get("format") == "FX" else f"a:{settings['dtype']} w:{settings.get('weight_dtype', settings['dtype'])}"
     parts = [
-        f"{settings.get('format', 'QDQ')} a:{settings['dtype']} w:{settings.get('weight_dtype', settings['dtype'])}",
+        f"{settings.get('format', 'QDQ')} {types}",
         "per-channel" if settings.get("per_channel") else "per-tensor",
         settings.get("method", "?") + (f" {settings['percentile']:g}" if settings.get("percentile") else ""),
         f"{settings.get('calibration_samples', '?')} samples",
