@@ -7,9 +7,9 @@ PTQ := $(BIN)/ptq
 PTQ_ASSETS ?= ../shared/assets
 export PTQ_ASSETS
 ONNX2TORCH := onnx2torch==1.5.15
-MODELS := resnet8.onnx resnet8.pt resnet8_int8.onnx resnet8_uint8.onnx resnet8_pytorch_int8.pt
+MODELS := resnet8.onnx resnet8.pt resnet8_int8.onnx resnet8_uint8.onnx resnet8_uint8_speed.onnx resnet8_pytorch_int8.pt
 
-.PHONY: install run test clean
+.PHONY: install run test bench clean
 
 install: $(VENV)/.installed
 
@@ -27,12 +27,17 @@ run: install
 	$(PTQ) calibrate
 	$(PTQ) quantize --dtype int8
 	$(PTQ) quantize --dtype uint8
+	$(PTQ) quantize --target speed
 	$(PTQ) quantize --backend pytorch --dtype int8
 	$(PTQ) evaluate $(foreach model,$(MODELS),--model models/$(model))
+	$(PTQ) benchmark $(foreach model,$(MODELS),--model models/$(model))
 	$(PTQ) report --markdown
 
 test: install
 	$(BIN)/python -m pytest
+
+bench: install
+	$(BIN)/python benchmarks/pipeline.py
 
 clean:
 	rm -rf models calibration results reports

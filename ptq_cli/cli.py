@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
@@ -15,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ptq_cli import render, settings
 from ptq_cli.atomic import write_text
 from ptq_cli.errors import PtqError
+from ptq_cli.services import benchmark as benchmark_service
 from ptq_cli.services import calibration as calibration_service
 from ptq_cli.services import convert as convert_service
 from ptq_cli.services import evaluate as evaluate_service
@@ -91,6 +93,10 @@ class Backend(str, Enum):
     pytorch = "pytorch"
 
 
+class Target(str, Enum):
+    speed = "speed"
+
+
 class Method(str, Enum):
     minmax = "minmax"
     entropy = "entropy"
@@ -110,9 +116,19 @@ def _emit(as_json: bool, result: Any, renderable: Any) -> None:
 
 
 @contextmanager
-def _working(message: str):
+def _working(message: str) -> Iterator[None]:
+    """A spinner on stderr for work with no measurable progress."""
     with err.status(message):
         yield
+
+
+@contextmanager
+def _progress_bar(description: str) -> Iterator[Callable[[int, int], None]]:
+    """A progress bar on stderr (only on a terminal); yields the (done, total) callback services take."""
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
+        task = bar.add_task(description, total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
 @app.command()
@@ -167,7 +183,8 @@ def calibrate(
 def quantize(
     model: Annotated[Path, typer.Option(help="FP32 ONNX model to quantize (the PyTorch backend converts it with onnx2torch first).")] = settings.FP32_ONNX,
     backend: Annotated[Backend, typer.Option(help="onnxruntime: quantize_static, QDQ. pytorch: torch.ao FX graph mode, x86 engine, saved as TorchScript.")] = Backend.onnxruntime,
-    dtype: Annotated[DType, typer.Option(help="Activation type (and weight type unless --weight-dtype is given). PyTorch takes int8 only.")] = DType.int8,
+    dtype: Annotated[Optional[DType], typer.Option(help="Activation type (and weight type unless --weight-dtype is given). PyTorch takes int8 only. (default: int8)", show_default=False)] = None,
+    target: Annotated[Optional[Target], typer.Option(help="speed: the fast x86 configuration (onnxruntime: uint8 activations, int8 per-channel weights, percentile); other options still override it.", show_default=False)] = None,
     weight_dtype: Annotated[Optional[DType], typer.Option(help="Weight type. (default: same as --dtype)", show_default=False)] = None,
     per_channel: Annotated[Optional[bool], typer.Option("--per-channel/--per-tensor", help="One weight scale per output channel, or one per tensor. (default: per-tensor for onnxruntime, per-channel for pytorch)", show_default=False)] = None,
     method: Annotated[Optional[Method], typer.Option(help="Activation calibration: onnxruntime minmax|entropy|percentile (default minmax); pytorch histogram|minmax (default histogram).", show_default=False)] = None,
@@ -180,14 +197,15 @@ def quantize(
 ) -> None:
     """Static post-training quantization, calibrated on the calibration set: ONNX Runtime (QDQ) or PyTorch (FX)."""
     quantization_settings = quantize_service.make_settings(
-        dtype.value, backend.value, weight_dtype and weight_dtype.value, per_channel, method and method.value, percentile, preprocess
+        dtype and dtype.value, backend.value, weight_dtype and weight_dtype.value, per_channel, method and method.value, percentile, preprocess,
+        target and target.value,
     )
     check_model(model)  # a bad model fails before any calibration work
     with _working("Loading the calibration set…"):
         calibration_set = calibration_service.load_or_build(calibration, data_dir or settings.cifar_dir())
-    target = output or quantize_service.default_output(model, dtype.value, backend.value)
+    destination = output or quantize_service.default_output(model, quantization_settings)
     with _working(f"Calibrating ({quantization_settings.method}, {len(calibration_set.labels)} samples) and quantizing with {backend.value}…"):
-        result = quantize_service.quantize(model, target, quantization_settings, calibration_set)
+        result = quantize_service.quantize(model, destination, quantization_settings, calibration_set)
     _emit(as_json, result, render.quantization(result))
 
 
@@ -211,11 +229,8 @@ def evaluate(
     """Top-1 accuracy on all 10,000 CIFAR-10 test images, against the 87.19% FP32 baseline."""
     records = []
     for model_path in model or _default_models():
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err, transient=True) as bar:
-            task = bar.add_task(f"Evaluating {model_path.name}", total=None)
-            record = evaluate_service.evaluate_model(
-                model_path, data_dir or settings.cifar_dir(), batch_size, threads, lambda done, total: bar.update(task, completed=done, total=total)
-            )
+        with _progress_bar(f"Evaluating {model_path.name}") as progress:
+            record = evaluate_service.evaluate_model(model_path, data_dir or settings.cifar_dir(), batch_size, threads, progress)
         record_file = evaluate_service.save_record(record, results_dir)
         records.append(record)
         if not as_json:
@@ -226,6 +241,27 @@ def evaluate(
             out.print(render.evaluation(record, reference, per_class, record_file))
     if as_json:
         out.print(render.as_json(records if len(records) > 1 else records[0]), soft_wrap=True)
+
+
+@app.command()
+def benchmark(
+    model: Annotated[Optional[list[Path]], typer.Option(help="Model file (.onnx or TorchScript .pt); repeat for several. (default: every model in models/)", show_default=False)] = None,
+    batch_size: Annotated[int, typer.Option(help="Batch size for the throughput measurement (latency is always at batch 1).")] = 256,
+    threads: Annotated[Optional[int], typer.Option(help="Inference threads. (default: all cores)", show_default=False)] = None,
+    runs: Annotated[int, typer.Option(help="Timed runs for each measurement, after 10 warm-up runs.")] = 100,
+    data_dir: DataDir = None,
+    results_dir: Annotated[Path, typer.Option(help="Records go to RESULTS_DIR/benchmarks/<model file>.json, read by `ptq report`.")] = settings.RESULTS_DIR,
+    as_json: JsonFlag = False,
+) -> None:
+    """Latency at batch 1 (p50/p95/p99) and throughput at --batch-size, after warm-up, for ONNX and TorchScript models."""
+    records = []
+    for model_path in model or _default_models():
+        with _progress_bar(f"Benchmarking {model_path.name}") as progress:
+            record = benchmark_service.benchmark_model(model_path, data_dir or settings.cifar_dir(), batch_size, threads, runs, progress=progress)
+        benchmark_service.save_benchmark(record, results_dir)
+        records.append(record)
+    ratios = benchmark_service.speedups(records, benchmark_service.load_benchmarks(results_dir))
+    _emit(as_json, [{**render.plain(record), "speedup_vs_fp32": ratios[record.model_path]} for record in records], render.benchmarks(records, ratios))
 
 
 @app.command()

@@ -12,6 +12,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from ptq_cli.services.benchmark import BenchmarkRecord
 from ptq_cli.services.calibration import CalibrationSet
 from ptq_cli.services.convert import ConversionResult
 from ptq_cli.services.evaluate import EvaluationRecord
@@ -20,13 +21,13 @@ from ptq_cli.services.report import Report, ReportRow
 from ptq_cli.settings import BASELINE_ACCURACY
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {field.name: _plain(getattr(value, field.name)) for field in dataclasses.fields(value)}
+        return {field.name: plain(getattr(value, field.name)) for field in dataclasses.fields(value)}
     if isinstance(value, dict):
-        return {key: _plain(item) for key, item in value.items()}
+        return {key: plain(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(item) for item in value]
+        return [plain(item) for item in value]
     if isinstance(value, Path):
         return str(value)
     if hasattr(value, "tolist"):  # numpy scalars and arrays
@@ -35,7 +36,7 @@ def _plain(value: Any) -> Any:
 
 
 def as_json(value: Any) -> str:
-    return json.dumps(_plain(value), indent=2)
+    return json.dumps(plain(value), indent=2)
 
 
 def size(num_bytes: int) -> str:
@@ -139,7 +140,14 @@ def evaluation(record: EvaluationRecord, reference: EvaluationRecord | None, per
     return Group(headline, table)
 
 
-REPORT_COLUMNS = ("Model", "Framework", "Data type", "Configuration", "Accuracy", "Delta vs baseline", "Model size", "Size reduction", "Images/s", "Speed-up")
+REPORT_COLUMNS = (
+    "Model", "Framework", "Data type", "Configuration", "Accuracy", "Delta vs baseline", "Model size", "Size reduction",
+    "Images/s", "Speed-up", "Latency p50 (ms)",
+)
+
+
+def milliseconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def _report_cells(row: ReportRow) -> list[str]:
@@ -152,8 +160,9 @@ def _report_cells(row: ReportRow) -> list[str]:
         signed(row.delta),
         size(row.size_bytes),
         percent(row.size_reduction),
-        f"{row.images_per_second:,.0f}",
+        f"{row.images_per_second:,.0f}" + ("" if row.speed_source == "benchmark" else " (eval)"),
         speedup(row.speedup),
+        milliseconds(row.latency_ms_p50),
     ]
 
 
@@ -164,7 +173,8 @@ def _recommendation_lines(report: Report) -> list[str]:
     return [
         f"Best accuracy: {advice.best_accuracy.model} ({advice.best_accuracy.accuracy:.2f}%, {signed(advice.best_accuracy.delta)} pts)",
         f"Smallest: {advice.smallest.model} ({size(advice.smallest.size_bytes)}, {advice.smallest.accuracy:.2f}%)",
-        f"Fastest: {advice.fastest.model} ({advice.fastest.images_per_second:,.0f} images/s, {advice.fastest.accuracy:.2f}%)",
+        f"Fastest: {advice.fastest.model} ({advice.fastest.images_per_second:,.0f} images/s, {advice.fastest.accuracy:.2f}%, "
+        f"{signed(advice.fastest.delta)} pts; {advice.fastest.configuration})",
     ]
 
 
@@ -182,13 +192,14 @@ def report(report: Report) -> Group:
     )
     for column in TERMINAL_COLUMNS:
         table.add_column(column, justify="left" if column in TERMINAL_COLUMNS[:3] else "right", no_wrap=True)
-    configurations = Table(title="How each model was made", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    configurations = Table(title="How each model was made and timed", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     configurations.add_column("Model", no_wrap=True)
     configurations.add_column("Configuration")
+    configurations.add_column("p50 ms", justify="right")
     for row in report.rows:
         cells = _report_cells(row)
-        table.add_row(*cells[:3], *cells[4:6], f"{row.size_bytes / 1024:.1f}", *cells[7:])
-        configurations.add_row(row.model, row.configuration)
+        table.add_row(*cells[:3], *cells[4:6], f"{row.size_bytes / 1024:.1f}", cells[7], f"{row.images_per_second:,.0f}", cells[9])
+        configurations.add_row(row.model, row.configuration, cells[10])
     parts: list[Any] = [table, configurations]
     if report.class_losses:
         losses = Table(title="Classes that lose the most (vs the FP32 model of the same framework)", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
@@ -198,6 +209,8 @@ def report(report: Report) -> Group:
             losses.add_row(loss.model, loss.class_name, f"{loss.accuracy:.1f}%", f"{loss.reference_accuracy:.1f}%", signed(loss.delta))
         parts.append(losses)
     parts += [Text(line) for line in _recommendation_lines(report)]
+    if any(row.speed_source == "evaluate" for row in report.rows):
+        parts.append(Text("img/s: from `ptq benchmark` where it measured the file, else from evaluation (batch 1000); speed-ups compare like with like.", style="dim"))
     parts += [Text(f"skipped {line}", style="yellow") for line in report.skipped]
     return Group(*parts)
 
@@ -213,7 +226,9 @@ def report_markdown(report: Report) -> str:
         "# Quantization analysis: ResNet8 on CIFAR-10",
         "",
         f"Top-1 accuracy on the 10,000-image CIFAR-10 test set; delta in percentage points against the "
-        f"{report.baseline:.2f}% FP32 baseline. Size reduction and speed-up are against the FP32 model of the same framework.",
+        f"{report.baseline:.2f}% FP32 baseline. Size reduction and speed-up are against the FP32 model of the same framework. "
+        "Images/s and latency come from `ptq benchmark` (throughput at its batch size, latency at batch 1); "
+        "'(eval)' marks throughput measured during evaluation instead (batch 1000).",
         "",
         *_markdown_table(REPORT_COLUMNS, [_report_cells(row) for row in report.rows]),
     ]
@@ -229,3 +244,15 @@ def report_markdown(report: Report) -> str:
     if report.skipped:
         lines += ["", "## Skipped records", ""] + [f"- {line}" for line in report.skipped]
     return "\n".join(lines) + "\n"
+
+
+def benchmarks(records: list[BenchmarkRecord], speedups: dict[str, float | None]) -> Table:
+    table = Table(title="Benchmark (after warm-up, one process)", title_justify="left", box=box.SIMPLE_HEAD, padding=0, show_edge=False)
+    for column in ("Model", "Framework", "Type", "p50 ms", "p95 ms", "p99 ms", "Batch", "img/s", "Speed"):
+        table.add_column(column, justify="left" if column in ("Model", "Framework", "Type") else "right", no_wrap=True)
+    for record in records:
+        table.add_row(
+            record.name, record.framework, record.dtype, milliseconds(record.latency_ms_p50), milliseconds(record.latency_ms_p95),
+            milliseconds(record.latency_ms_p99), str(record.batch_size), f"{record.images_per_second:,.0f}", speedup(speedups.get(record.model_path)),
+        )
+    return table

@@ -25,6 +25,14 @@ def keras_model_path() -> Path:
     return assets_dir() / "mlperf-tiny-resnet8" / "pretrainedResnet.h5"
 
 
+# Decoded CIFAR-10 arrays, keyed by the source files' content (see services/cifar.py).
+CACHE_ENV = "PTQ_CACHE_DIR"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "ptq")
+
+
 # Where the pipeline writes, relative to the working directory.
 MODELS_DIR = Path("models")
 FP32_ONNX = MODELS_DIR / "resnet8.onnx"

@@ -6,12 +6,15 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+# The decoded-CIFAR cache of this test session, apart from the user's (~/.cache/ptq).
+os.environ.setdefault("PTQ_CACHE_DIR", tempfile.mkdtemp(prefix="ptq-test-cache-"))
 ASSETS = Path(os.environ.get("PTQ_ASSETS", REPO.parent / "shared" / "assets")).resolve()
 CIFAR = ASSETS / "cifar-10-batches-py"
 KERAS_MODEL = ASSETS / "mlperf-tiny-resnet8" / "pretrainedResnet.h5"

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 import pickle
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from ptq_cli import settings
+from ptq_cli.atomic import atomic_output
 from ptq_cli.errors import PtqError
 
 TRAIN_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6))
@@ -74,8 +78,7 @@ def load_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(images), labels
 
 
-def _load(data_dir: Path, batch_names: tuple[str, ...]) -> CifarSplit:
-    data_dir = Path(data_dir)
+def _decode(data_dir: Path, batch_names: tuple[str, ...]) -> CifarSplit:
     class_names = load_class_names(data_dir)
     parts = [load_batch(data_dir / name) for name in batch_names]
     return CifarSplit(
@@ -84,6 +87,39 @@ def _load(data_dir: Path, batch_names: tuple[str, ...]) -> CifarSplit:
         class_names=class_names,
         source_batches=batch_names,
     )
+
+
+def _content_key(paths: list[Path]) -> str:
+    """sha256 over the files' bytes: any change to any file gives another key, so nothing stale is served.
+
+    Hashing all six files takes about 0.14 s here; unpickling the training batches takes about 0.9 s.
+    """
+    digest = hashlib.sha256()
+    for path in paths:
+        if not path.is_file():
+            raise PtqError(f"{path}: missing CIFAR-10 file")
+        digest.update(path.name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()
+
+
+def _load(data_dir: Path, batch_names: tuple[str, ...]) -> CifarSplit:
+    """Decoded arrays from the cache when the source files are byte-identical, else decode and cache."""
+    data_dir = Path(data_dir)
+    _check_dir(data_dir)
+    key = _content_key([data_dir / META_FILE, *(data_dir / name for name in batch_names)])
+    cached = settings.cache_dir() / f"cifar10-{key[:40]}.npz"
+    try:
+        with np.load(cached, allow_pickle=False) as arrays:
+            return CifarSplit(arrays["images"], arrays["labels"], tuple(arrays["class_names"].tolist()), batch_names)
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile):
+        pass  # not cached yet, or an unreadable cache file: decode again
+    split = _decode(data_dir, batch_names)
+    try:
+        with atomic_output(cached) as tmp, tmp.open("wb") as handle:
+            np.savez(handle, images=split.images, labels=split.labels, class_names=np.array(split.class_names))
+    except PtqError:
+        pass  # a read-only cache only costs speed
+    return split
 
 
 def load_train(data_dir: Path) -> CifarSplit:

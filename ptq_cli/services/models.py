@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,15 +50,17 @@ def _require_file(path: Path) -> None:
         raise PtqError(f"{path}: not a file")
 
 
-def read_onnx(path: Path):
-    """Parse and check an ONNX file, or raise a one-line PtqError naming it."""
+def read_onnx(path: Path, data: bytes | None = None):
+    """Parse and check an ONNX file (or its bytes, already read), or raise a one-line PtqError naming it."""
     import onnx
     from google.protobuf.message import DecodeError
 
     path = Path(path)
-    _require_file(path)
+    if data is None:
+        _require_file(path)
+        data = path.read_bytes()
     try:
-        model = onnx.load(str(path))
+        model = onnx.load_from_string(data)
         onnx.checker.check_model(model)
     except (DecodeError, onnx.checker.ValidationError, ValueError, RuntimeError, OSError) as error:
         raise PtqError(f"{path}: not a valid ONNX model ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from error
@@ -94,28 +97,48 @@ def default_threads() -> int:
     return os.cpu_count() or 1
 
 
+# Batches smaller than this per thread are run whole: splitting them costs more than it saves.
+MIN_SHARD = 32
+
+
 def load_onnx(path: Path, threads: int | None = None) -> LoadedModel:
+    """One onnxruntime session for the model's whole life, run data-parallel over `threads` threads.
+
+    Each run uses one intra-op thread and a large batch is split into one shard per thread, run
+    concurrently on the same session (onnxruntime releases the GIL and allows concurrent runs).
+    Measured on ResNet8 at batch 256 on 2 cores: int8 goes from about 21,000 to 25,000 images/s
+    against intra-op threading, because its small convolutions split poorly inside one operator,
+    while FP32 stays within noise of it (benchmarks/pipeline.py shows both).
+    """
     import onnxruntime as ort
 
     path = Path(path)
-    model = read_onnx(path)
+    _require_file(path)
+    data = path.read_bytes()
+    model = read_onnx(path, data)
     dtype, quantization = _onnx_dtype(model)
+    threads = threads or default_threads()
     options = ort.SessionOptions()
-    options.intra_op_num_threads = threads or default_threads()
+    options.intra_op_num_threads = 1
     options.inter_op_num_threads = 1
     options.log_severity_level = 3
     try:
-        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
     except Exception as error:  # onnxruntime raises its own exception types for unloadable graphs
         raise PtqError(f"{path}: onnxruntime cannot load it ({str(error).splitlines()[0]})") from error
     model_input = session.get_inputs()[0]
     _check_io(path, list(model_input.shape), list(session.get_outputs()[0].shape))
     input_name = model_input.name
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="ptq-ort") if threads > 1 else None
 
-    def predict(images: np.ndarray) -> np.ndarray:
+    def run(images: np.ndarray) -> np.ndarray:
         return session.run(None, {input_name: images})[0]
 
-    data = path.read_bytes()
+    def predict(images: np.ndarray) -> np.ndarray:
+        if pool is None or len(images) < MIN_SHARD * threads:
+            return run(images)
+        return np.concatenate(list(pool.map(run, np.array_split(images, threads))))
+
     info = ModelInfo(path, ONNXRUNTIME, dtype, quantization, len(data), hashlib.sha256(data).hexdigest())
     return LoadedModel(info, predict)
 

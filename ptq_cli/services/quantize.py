@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import tempfile
 from dataclasses import asdict, dataclass, replace
@@ -22,6 +24,17 @@ METHODS = {ONNXRUNTIME: ("minmax", "entropy", "percentile"), PYTORCH: ("histogra
 DEFAULT_PER_CHANNEL = {ONNXRUNTIME: False, PYTORCH: True}
 FORMATS = {ONNXRUNTIME: "QDQ", PYTORCH: "FX"}
 DEFAULT_PERCENTILE = 99.999
+DEFAULT_DTYPE = "int8"
+# `--target speed`: the fast configuration on x86. onnxruntime's x86 int8 kernels (VNNI) multiply
+# unsigned activations by signed weights; int8 x int8 and uint8 x uint8 fall back to slower paths.
+# Per-channel weights with percentile calibration keep the accuracy (see README for the figures).
+TARGETS = ("speed",)
+PRESETS = {
+    "speed": {
+        ONNXRUNTIME: {"dtype": "uint8", "weight_dtype": "int8", "per_channel": True, "method": "percentile"},
+        PYTORCH: {},  # PyTorch's x86 int8 is already uint8 activations x int8 per-channel weights
+    }
+}
 CALIBRATION_BATCH = 100
 
 
@@ -41,6 +54,7 @@ class QuantizationSettings:
     calibration_samples: int = 0
     calibration_seed: int | None = None
     calibration_source: str | None = None
+    target: str | None = None  # the preset the settings came from, if any
 
 
 @dataclass(frozen=True)
@@ -56,25 +70,35 @@ class QuantizeResult:
         return self.output_size_bytes / self.source_size_bytes
 
 
-def default_output(model: Path, dtype: str, backend: str = ONNXRUNTIME) -> Path:
-    """models/resnet8.onnx -> models/resnet8_int8.onnx, or models/resnet8_pytorch_int8.pt."""
-    if backend == PYTORCH:
-        return model.with_name(f"{model.stem}_pytorch_{dtype}.pt")
-    return model.with_name(f"{model.stem}_{dtype}{model.suffix}")
+def default_output(model: Path, settings: QuantizationSettings) -> Path:
+    """models/resnet8.onnx -> models/resnet8_int8.onnx, resnet8_uint8_speed.onnx, or resnet8_pytorch_int8.pt."""
+    suffix = f"_{settings.target}" if settings.target and settings.framework == ONNXRUNTIME else ""
+    if settings.framework == PYTORCH:
+        return model.with_name(f"{model.stem}_pytorch_{settings.dtype}.pt")
+    return model.with_name(f"{model.stem}_{settings.dtype}{suffix}{model.suffix}")
 
 
 def make_settings(
-    dtype: str,
+    dtype: str | None = None,
     backend: str = ONNXRUNTIME,
     weight_dtype: str | None = None,
     per_channel: bool | None = None,
     method: str | None = None,
     percentile: float | None = None,
     preprocess: bool = True,
+    target: str | None = None,
 ) -> QuantizationSettings:
-    """Validated settings; the weights follow the activations' type unless told otherwise (the seed study)."""
+    """Validated settings. Without a target the defaults are the seed study's, the weights following the
+    activations' type; a target's preset fills in what the options leave open."""
     if backend not in BACKENDS:
         raise PtqError(f"--backend: '{backend}' is not one of {', '.join(BACKENDS)}")
+    if target is not None and target not in TARGETS:
+        raise PtqError(f"--target: '{target}' is not one of {', '.join(TARGETS)}")
+    preset = PRESETS[target][backend] if target else {}
+    dtype = dtype or preset.get("dtype") or DEFAULT_DTYPE
+    weight_dtype = weight_dtype or preset.get("weight_dtype")
+    per_channel = preset.get("per_channel") if per_channel is None else per_channel
+    method = method or preset.get("method")
     if dtype not in DTYPES:
         raise PtqError(f"--dtype: '{dtype}' is not one of {', '.join(DTYPES)}")
     weight_dtype = weight_dtype or dtype
@@ -104,6 +128,7 @@ def make_settings(
         method=method,
         percentile=percentile,
         preprocess=preprocess,
+        target=target,
     )
 
 
@@ -165,7 +190,8 @@ def quantize_onnx(model_path: Path, output: Path, settings: QuantizationSettings
         if settings.preprocess:
             source = Path(workdir) / "preprocessed.onnx"
             preprocess_onnx(model, source)
-        with atomic_output(output) as tmp:
+        # quantize_static print()s its histogram progress; stdout belongs to ptq's own output (--json).
+        with atomic_output(output) as tmp, contextlib.redirect_stdout(io.StringIO()):
             quantize_static(
                 str(source),
                 str(tmp),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ptq_cli.services.benchmark import BenchmarkRecord, load_benchmarks
 from ptq_cli.services.evaluate import EvaluationRecord, fp32_reference, load_records
 from ptq_cli.settings import BASELINE_ACCURACY
 
@@ -22,8 +23,10 @@ class ReportRow:
     delta: float  # points vs BASELINE_ACCURACY
     size_bytes: int
     size_reduction: float | None  # fraction saved against the same framework's FP32 file
-    images_per_second: float
-    speedup: float | None  # against the same framework's FP32 model
+    images_per_second: float  # from `ptq benchmark` when it measured this exact file, else from evaluate
+    speed_source: str  # "benchmark" or "evaluate"
+    speedup: float | None  # against the same framework's FP32 model, measured the same way
+    latency_ms_p50: float | None  # batch 1, from `ptq benchmark`
 
 
 @dataclass(frozen=True)
@@ -68,9 +71,22 @@ def describe_quantization(settings: dict | None) -> str:
     return ", ".join(parts)
 
 
-def _row(record: EvaluationRecord, reference: EvaluationRecord | None) -> ReportRow:
+def _speed(record: EvaluationRecord, benchmarks: dict[str, BenchmarkRecord]) -> tuple[float, str]:
+    benchmark = benchmarks.get(record.model_sha256)
+    if benchmark is not None:
+        return benchmark.images_per_second, "benchmark"
+    return record.images_per_second, "evaluate"
+
+
+def _row(record: EvaluationRecord, reference: EvaluationRecord | None, benchmarks: dict[str, BenchmarkRecord]) -> ReportRow:
     is_reference = reference is not None and reference.model_path == record.model_path
     comparable = reference is not None and not is_reference
+    speed, source = _speed(record, benchmarks)
+    speedup = None
+    if comparable:
+        reference_speed, reference_source = _speed(reference, benchmarks)
+        speedup = round(speed / reference_speed, 3) if reference_source == source else None
+    benchmark = benchmarks.get(record.model_sha256)
     return ReportRow(
         model=record.name,
         framework=record.framework,
@@ -80,8 +96,10 @@ def _row(record: EvaluationRecord, reference: EvaluationRecord | None) -> Report
         delta=round(record.accuracy - BASELINE_ACCURACY, 4),
         size_bytes=record.model_size_bytes,
         size_reduction=round(1.0 - record.model_size_bytes / reference.model_size_bytes, 4) if comparable else None,
-        images_per_second=record.images_per_second,
-        speedup=round(record.images_per_second / reference.images_per_second, 3) if comparable else None,
+        images_per_second=speed,
+        speed_source=source,
+        speedup=speedup,
+        latency_ms_p50=benchmark.latency_ms_p50 if benchmark else None,
     )
 
 
@@ -92,10 +110,15 @@ def _class_losses(record: EvaluationRecord, reference: EvaluationRecord) -> list
     ]
 
 
-def build_report(records: list[EvaluationRecord], skipped: list[str] | None = None, worst_classes: int = 5) -> Report:
+def build_report(
+    records: list[EvaluationRecord],
+    skipped: list[str] | None = None,
+    benchmarks: dict[str, BenchmarkRecord] | None = None,
+    worst_classes: int = 5,
+) -> Report:
     records = sorted(records, key=lambda r: (FRAMEWORK_ORDER.get(r.framework, 9), DTYPE_ORDER.get(r.dtype, 9), r.name))
     references = {record.model_path: fp32_reference(records, record.framework) for record in records}
-    rows = [_row(record, references[record.model_path]) for record in records]
+    rows = [_row(record, references[record.model_path], benchmarks or {}) for record in records]
 
     losses: list[ClassLoss] = []
     for record in records:
@@ -120,4 +143,4 @@ def build_report(records: list[EvaluationRecord], skipped: list[str] | None = No
 
 def report_from_results(results_dir: Path) -> Report:
     record_set = load_records(results_dir)
-    return build_report(record_set.records, record_set.skipped)
+    return build_report(record_set.records, record_set.skipped, load_benchmarks(results_dir))

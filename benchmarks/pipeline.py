@@ -1,0 +1,93 @@
+"""Time the whole ptq pipeline end to end, then benchmark every model it made.
+
+    .venv/bin/python benchmarks/pipeline.py [--workdir DIR] [--runs N] [--threads T]
+
+Runs each stage as a user would (`python -m ptq_cli ...`, a fresh process per command) in a scratch
+directory, with the decoded-CIFAR cache warm (a first `calibrate` fills it), and prints:
+- the wall time of every stage, the total, and the total of the warm pipeline (calibrate, all
+  quantizations, all evaluations, report: the part that runs again when models change);
+- `ptq benchmark` of every model at batch 1 and batch 256: p50/p99 latency, throughput, speed-up
+  against the FP32 model of the same framework.
+Timing lives here, never in the unit tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+MODELS = ("resnet8.onnx", "resnet8_int8.onnx", "resnet8_uint8.onnx", "resnet8_uint8_speed.onnx", "resnet8.pt", "resnet8_pytorch_int8.pt")
+STAGES = (
+    ("convert", ["convert", "--torch", "models/resnet8.pt"]),
+    ("calibrate", ["calibrate"]),
+    ("quantize int8", ["quantize", "--dtype", "int8"]),
+    ("quantize uint8", ["quantize", "--dtype", "uint8"]),
+    ("quantize --target speed", ["quantize", "--target", "speed"]),
+    ("quantize pytorch int8", ["quantize", "--backend", "pytorch", "--dtype", "int8"]),
+    *((f"evaluate {model}", ["evaluate", "--model", f"models/{model}"]) for model in MODELS),
+    ("report", ["report", "--markdown"]),
+)
+
+
+def ptq(args: list[str], workdir: Path, env: dict[str, str]) -> tuple[float, str]:
+    began = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "ptq_cli", *args], cwd=workdir, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - began
+    if done.returncode != 0:
+        sys.exit(f"ptq {' '.join(args)} failed ({done.returncode}): {done.stderr.strip()}")
+    return seconds, done.stdout
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", type=Path, help="where to run (default: a new temporary directory)")
+    parser.add_argument("--runs", type=int, default=200, help="timed runs per benchmark measurement")
+    parser.add_argument("--threads", type=int, help="inference threads (default: all cores)")
+    options = parser.parse_args()
+    repo = Path(__file__).resolve().parent.parent
+    workdir = options.workdir or Path(tempfile.mkdtemp(prefix="ptq-bench-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PTQ_ASSETS": str(Path(os.environ.get("PTQ_ASSETS", repo.parent / "shared" / "assets")).resolve())}
+    console = Console(width=max(Console().width, 110))
+
+    ptq(["calibrate", "--output", "warm-up.npz"], workdir, env)  # fills the decoded-CIFAR cache
+    timings = {name: ptq(args, workdir, env)[0] for name, args in STAGES}
+    stages = Table(title=f"Pipeline wall time ({os.cpu_count()} cores, one process per command, warm CIFAR cache)", title_justify="left")
+    stages.add_column("stage")
+    stages.add_column("seconds", justify="right")
+    for name, seconds in timings.items():
+        stages.add_row(name, f"{seconds:.2f}")
+    warm = sum(seconds for name, seconds in timings.items() if name != "convert")
+    stages.add_row("[bold]total[/bold]", f"[bold]{sum(timings.values()):.2f}[/bold]")
+    stages.add_row("[bold]without convert (calibrate, quantize, evaluate, report)[/bold]", f"[bold]{warm:.2f}[/bold]")
+    console.print(stages)
+
+    threads = ["--threads", str(options.threads)] if options.threads else []
+    _, output = ptq(["benchmark", *[arg for model in MODELS for arg in ("--model", f"models/{model}")], "--runs", str(options.runs), *threads, "--json"], workdir, env)
+    records = json.loads(output)
+    accuracy = {model: json.loads((workdir / "results" / f"{model}.json").read_text())["accuracy"] for model in MODELS}
+    table = Table(title=f"Benchmark: latency at batch 1, throughput at batch {records[0]['batch_size']}, {records[0]['threads']} threads, {options.runs} runs after warm-up", title_justify="left")
+    for column in ("model", "framework", "type", "top-1", "p50 ms", "p99 ms", "images/s", "speed-up vs FP32"):
+        table.add_column(column, justify="left" if column in ("model", "framework", "type") else "right")
+    for record in records:
+        name = Path(record["model_path"]).name
+        ratio = record["speedup_vs_fp32"]
+        table.add_row(
+            name, record["framework"], record["dtype"], f"{accuracy[name]:.2f}%", f"{record['latency_ms_p50']:.3f}", f"{record['latency_ms_p99']:.3f}",
+            f"{record['images_per_second']:,.0f}", "-" if ratio is None else f"{ratio:.2f}x",
+        )
+    console.print(table)
+    console.print(f"work directory: {workdir}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Latency at batch 1 and throughput at a larger batch, measured after warm-up in one process."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+import ptq_cli
+from ptq_cli.atomic import write_text
+from ptq_cli.errors import PtqError
+from ptq_cli.services import cifar
+from ptq_cli.services.models import default_threads, load_model
+
+BENCHMARK_DIR = "benchmarks"  # under the results directory, beside the evaluation records
+ProgressCallback = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class BenchmarkRecord:
+    model_path: str
+    model_sha256: str  # ties the figures to one exact file; the report ignores figures of an older file
+    model_size_bytes: int
+    framework: str
+    dtype: str
+    threads: int
+    warmup: int
+    runs: int
+    latency_ms_p50: float  # batch 1
+    latency_ms_p95: float
+    latency_ms_p99: float
+    batch_size: int
+    images_per_second: float  # at batch_size
+    timestamp: str
+    tool_version: str
+
+    @property
+    def name(self) -> str:
+        return Path(self.model_path).name
+
+
+def benchmark_model(
+    model_path: Path,
+    data_dir: Path,
+    batch_size: int = 256,
+    threads: int | None = None,
+    runs: int = 100,
+    warmup: int = 10,
+    progress: ProgressCallback | None = None,
+) -> BenchmarkRecord:
+    for option, value in (("--batch-size", batch_size), ("--runs", runs), ("--threads", threads or 1)):
+        if value < 1:
+            raise PtqError(f"{option}: must be at least 1, got {value}")
+    threads = threads or default_threads()
+    model = load_model(model_path, threads)
+    images = cifar.to_model_input(cifar.load_test(data_dir).images[:batch_size])
+    single = images[:1]
+    total_steps = 2 * (warmup + runs)
+    done = 0
+
+    def step() -> None:
+        nonlocal done
+        done += 1
+        if progress:
+            progress(done, total_steps)
+
+    latencies = []
+    for index in range(warmup + runs):
+        began = time.perf_counter()
+        model.predict(single)
+        if index >= warmup:
+            latencies.append(time.perf_counter() - began)
+        step()
+    timed = 0.0
+    for index in range(warmup + runs):
+        began = time.perf_counter()
+        model.predict(images)
+        if index >= warmup:
+            timed += time.perf_counter() - began
+        step()
+    p50, p95, p99 = (float(value) * 1000 for value in np.percentile(latencies, [50, 95, 99]))
+    return BenchmarkRecord(
+        model_path=str(model.info.path),
+        model_sha256=model.info.sha256,
+        model_size_bytes=model.info.size_bytes,
+        framework=model.info.framework,
+        dtype=model.info.dtype,
+        threads=threads,
+        warmup=warmup,
+        runs=runs,
+        latency_ms_p50=round(p50, 4),
+        latency_ms_p95=round(p95, 4),
+        latency_ms_p99=round(p99, 4),
+        batch_size=len(images),
+        images_per_second=round(len(images) * runs / timed, 1),
+        timestamp=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        tool_version=ptq_cli.__version__,
+    )
+
+
+def benchmark_path(results_dir: Path, model_path: Path | str) -> Path:
+    return Path(results_dir) / BENCHMARK_DIR / f"{Path(model_path).name}.json"
+
+
+def save_benchmark(record: BenchmarkRecord, results_dir: Path) -> Path:
+    path = benchmark_path(results_dir, record.model_path)
+    write_text(path, json.dumps(asdict(record), indent=2) + "\n")
+    return path
+
+
+def load_benchmarks(results_dir: Path) -> dict[str, BenchmarkRecord]:
+    """Benchmark records by model sha256; unreadable ones are ignored (benchmarks are optional)."""
+    known = {field.name for field in fields(BenchmarkRecord)}
+    found: dict[str, BenchmarkRecord] = {}
+    for path in sorted((Path(results_dir) / BENCHMARK_DIR).glob("*.json")):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            record = BenchmarkRecord(**{key: value for key, value in data.items() if key in known})
+        except (OSError, ValueError, TypeError, AttributeError):
+            continue
+        found[record.model_sha256] = record
+    return found
+
+
+def speedups(records: list[BenchmarkRecord], saved: dict[str, BenchmarkRecord] | None = None) -> dict[str, float | None]:
+    """Throughput against the FP32 model of the same framework, measured at the same batch size and threads."""
+    candidates = list(records) + [record for record in (saved or {}).values() if record not in records]
+    result: dict[str, float | None] = {}
+    for record in records:
+        reference = next(
+            (
+                other
+                for other in candidates
+                if other.dtype == "fp32" and other.framework == record.framework
+                and (other.batch_size, other.threads) == (record.batch_size, record.threads)
+            ),
+            None,
+        )
+        ratio = record.images_per_second / reference.images_per_second if reference and record.dtype != "fp32" else None
+        result[record.model_path] = None if ratio is None else round(ratio, 3)
+    return result

@@ -1,0 +1,89 @@
+"""Speed features: the cached CIFAR decode, data-parallel inference, the benchmark command, --target speed."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+
+import numpy as np
+
+from conftest import CIFAR, assert_clean_failure, ptq, ptq_ok, read_json
+from ptq_cli import settings
+from ptq_cli.services import cifar
+from ptq_cli.services.models import load_onnx
+
+
+def test_cifar_cache_is_used_and_invalidated_when_a_file_changes(tmp_path, monkeypatch, assets):
+    monkeypatch.setenv(settings.CACHE_ENV, str(tmp_path / "cache"))
+    data = tmp_path / "cifar"
+    data.mkdir()
+    for name in (cifar.TEST_BATCH, cifar.META_FILE):
+        shutil.copy(CIFAR / name, data / name)
+    first = cifar.load_test(data)
+    cached = list((tmp_path / "cache").iterdir())
+    assert len(cached) == 1
+    again = cifar.load_test(data)
+    assert np.array_equal(first.images, again.images) and list((tmp_path / "cache").iterdir()) == cached
+
+    # Change one label in test_batch: the next load must see it, never the cached arrays.
+    with (data / cifar.TEST_BATCH).open("rb") as handle:
+        batch = pickle.load(handle, encoding="bytes")
+    batch[b"labels"][0] = (batch[b"labels"][0] + 1) % 10
+    with (data / cifar.TEST_BATCH).open("wb") as handle:
+        pickle.dump(batch, handle, protocol=2)
+    changed = cifar.load_test(data)
+    assert changed.labels[0] == (first.labels[0] + 1) % 10
+    assert np.array_equal(changed.labels[1:], first.labels[1:])
+    assert len(list((tmp_path / "cache").iterdir())) == 2
+
+
+def test_data_parallel_inference_matches_one_thread(pipeline):
+    images = cifar.to_model_input(cifar.load_test(CIFAR).images[:300])
+    for name in ("resnet8.onnx", "resnet8_uint8.onnx"):
+        one = load_onnx(pipeline / "models" / name, threads=1).predict(images)
+        two = load_onnx(pipeline / "models" / name, threads=2).predict(images)
+        assert np.array_equal(one.argmax(axis=1), two.argmax(axis=1))
+        assert np.allclose(one, two, atol=1e-5)
+
+
+def test_target_speed_quantizes_u8s8_per_channel_within_budget(pipeline):
+    run = ptq_ok("quantize", "--target", "speed", "--json", cwd=pipeline)
+    result = json.loads(run.stdout)
+    assert result["output"] == "models/resnet8_uint8_speed.onnx"
+    settings_used = result["settings"]
+    assert (settings_used["dtype"], settings_used["weight_dtype"], settings_used["per_channel"], settings_used["method"]) == ("uint8", "int8", True, "percentile")
+    assert settings_used["target"] == "speed"
+    ptq_ok("evaluate", "--model", "models/resnet8_uint8_speed.onnx", "--results-dir", "speed-results", cwd=pipeline)
+    record = read_json(pipeline / "speed-results" / "resnet8_uint8_speed.onnx.json")
+    assert record["accuracy"] >= 87.19 - 0.3
+
+
+def test_benchmark_records_latency_and_throughput_and_report_uses_them(pipeline, tmp_path):
+    for name in ("resnet8.onnx", "resnet8_int8.onnx"):
+        shutil.copy(pipeline / "results" / f"{name}.json", tmp_path / f"{name}.json")
+    results = tmp_path
+    run = ptq_ok("benchmark", "--model", "models/resnet8.onnx", "--model", "models/resnet8_int8.onnx", "--runs", "5",
+                 "--batch-size", "64", "--results-dir", results, "--json", cwd=pipeline)
+    figures = {row["model_path"]: row for row in json.loads(run.stdout)}
+    fp32, int8 = figures["models/resnet8.onnx"], figures["models/resnet8_int8.onnx"]
+    for row in (fp32, int8):
+        assert 0 < row["latency_ms_p50"] <= row["latency_ms_p95"] <= row["latency_ms_p99"]
+        assert row["batch_size"] == 64 and row["runs"] == 5 and row["images_per_second"] > 0
+    assert fp32["speedup_vs_fp32"] is None
+    assert int8["speedup_vs_fp32"] == round(int8["images_per_second"] / fp32["images_per_second"], 3)
+    saved = read_json(results / "benchmarks" / "resnet8_int8.onnx.json")
+    assert saved["images_per_second"] == int8["images_per_second"]
+
+    report = json.loads(ptq_ok("report", "--results-dir", results, "--json", cwd=pipeline).stdout)
+    rows = {row["model"]: row for row in report["rows"]}
+    assert rows["resnet8_int8.onnx"]["speed_source"] == "benchmark"
+    assert rows["resnet8_int8.onnx"]["images_per_second"] == int8["images_per_second"]
+    assert rows["resnet8_int8.onnx"]["latency_ms_p50"] == int8["latency_ms_p50"]
+    assert rows["resnet8_int8.onnx"]["speedup"] == round(int8["images_per_second"] / fp32["images_per_second"], 3)
+
+
+def test_benchmark_rejects_bad_options(pipeline, tmp_path):
+    run = ptq("benchmark", "--model", pipeline / "models" / "resnet8.onnx", "--runs", "0", "--results-dir", "r", cwd=tmp_path)
+    assert_clean_failure(run, 2, "--runs")
+    assert list(tmp_path.iterdir()) == []
