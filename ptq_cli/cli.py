@@ -150,7 +150,7 @@ def convert(
     if onnx_source is not None and keras is not None:
         raise PtqError("--keras and --onnx: give one source model, not both")
     if onnx_source is not None and torch_output is None:
-        raise PtqError("--onnx: says what to convert to PyTorch; add --torch PATH")
+        raise PtqError("--onnx: converts an existing ONNX model to PyTorch and needs --torch PATH")
     data = data_dir or settings.cifar_dir()
     results = []
     if onnx_source is None:

@@ -88,3 +88,12 @@ def test_report_shows_both_frameworks_side_by_side(pipeline):
     torch_fp32 = read_json(pipeline / "results" / "resnet8.pt.json")
     assert by_model["resnet8_pytorch_int8.pt"]["size_bytes"] == torch_int8["model_size_bytes"]
     assert by_model["resnet8_pytorch_int8.pt"]["size_reduction"] == round(1 - torch_int8["model_size_bytes"] / torch_fp32["model_size_bytes"], 4)
+
+
+def test_convert_source_options_are_checked_before_any_work(pipeline, tmp_path):
+    onnx_model = pipeline / "models" / "resnet8.onnx"
+    run = ptq("convert", "--onnx", onnx_model, cwd=tmp_path)
+    assert_clean_failure(run, 2, "--torch")
+    run = ptq("convert", "--onnx", onnx_model, "--keras", "model.h5", "--torch", "m.pt", cwd=tmp_path)
+    assert_clean_failure(run, 2, "--keras and --onnx")
+    assert list(tmp_path.iterdir()) == []

@@ -87,3 +87,10 @@ def test_benchmark_rejects_bad_options(pipeline, tmp_path):
     run = ptq("benchmark", "--model", pipeline / "models" / "resnet8.onnx", "--runs", "0", "--results-dir", "r", cwd=tmp_path)
     assert_clean_failure(run, 2, "--runs")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_thread_count_below_one_is_refused(pipeline, tmp_path):
+    for model in ("resnet8.onnx", "resnet8.pt"):
+        run = ptq("evaluate", "--model", pipeline / "models" / model, "--threads", "0", "--results-dir", "r", cwd=tmp_path)
+        assert_clean_failure(run, 2, "--threads")
+    assert list(tmp_path.iterdir()) == []

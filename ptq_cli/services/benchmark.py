@@ -15,7 +15,7 @@ import ptq_cli
 from ptq_cli.atomic import write_text
 from ptq_cli.errors import PtqError
 from ptq_cli.services import cifar
-from ptq_cli.services.models import default_threads, load_model
+from ptq_cli.services.models import load_model, resolve_threads
 
 BENCHMARK_DIR = "benchmarks"  # under the results directory, beside the evaluation records
 ProgressCallback = Callable[[int, int], None]
@@ -53,10 +53,10 @@ def benchmark_model(
     warmup: int = 10,
     progress: ProgressCallback | None = None,
 ) -> BenchmarkRecord:
-    for option, value in (("--batch-size", batch_size), ("--runs", runs), ("--threads", threads or 1)):
+    for option, value in (("--batch-size", batch_size), ("--runs", runs)):
         if value < 1:
             raise PtqError(f"{option}: must be at least 1, got {value}")
-    threads = threads or default_threads()
+    threads = resolve_threads(threads)
     model = load_model(model_path, threads)
     images = cifar.to_model_input(cifar.load_test(data_dir).images[:batch_size])
     single = images[:1]

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ptq_cli import settings
 from ptq_cli.atomic import atomic_output
 from ptq_cli.errors import PtqError
-from ptq_cli import settings
 from ptq_cli.services import cifar
 
 

@@ -15,7 +15,7 @@ import numpy as np
 from ptq_cli.atomic import atomic_output
 from ptq_cli.errors import CheckFailed, PtqError
 from ptq_cli.services import cifar
-from ptq_cli.services.models import PYTORCH, load_onnx, load_torchscript
+from ptq_cli.services.models import PYTORCH, load_onnx, load_torchscript, read_onnx
 
 TOLERANCE = 1e-4
 
@@ -118,7 +118,7 @@ def onnx_to_torchscript(onnx_path: Path, output: Path, data_dir: Path, check_cou
 
     images = check_images(data_dir, check_count)
     reference = load_onnx(onnx_path).predict(images)
-    module = torch_backend.onnx_to_graph_module(onnx_path)
+    module = torch_backend.onnx_to_graph_module(read_onnx(onnx_path))
     metadata = {"dtype": "fp32", "framework": PYTORCH, "source": str(onnx_path)}
 
     def write(tmp: Path) -> None:

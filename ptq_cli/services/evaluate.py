@@ -15,7 +15,7 @@ import ptq_cli
 from ptq_cli.atomic import write_text
 from ptq_cli.errors import PtqError
 from ptq_cli.services import cifar
-from ptq_cli.services.models import default_threads, load_model
+from ptq_cli.services.models import load_model, resolve_threads
 from ptq_cli.settings import BASELINE_ACCURACY
 
 RECORD_SCHEMA = 1
@@ -98,7 +98,7 @@ def evaluate_model(
         confusion_matrix=confusion.tolist(),
         images_per_second=round(total / inference_seconds, 1),
         batch_size=batch_size,
-        threads=threads or default_threads(),
+        threads=resolve_threads(threads),
         timestamp=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         tool_version=ptq_cli.__version__,
     )

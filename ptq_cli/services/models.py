@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 from collections.abc import Callable
@@ -97,6 +98,13 @@ def default_threads() -> int:
     return os.cpu_count() or 1
 
 
+def resolve_threads(threads: int | None) -> int:
+    """The inference thread count: all cores unless told, and never below one."""
+    if threads is not None and threads < 1:
+        raise PtqError(f"--threads: must be at least 1, got {threads}")
+    return threads or default_threads()
+
+
 # Batches smaller than this per thread are run whole: splitting them costs more than it saves.
 MIN_SHARD = 32
 
@@ -117,7 +125,7 @@ def load_onnx(path: Path, threads: int | None = None) -> LoadedModel:
     data = path.read_bytes()
     model = read_onnx(path, data)
     dtype, quantization = _onnx_dtype(model)
-    threads = threads or default_threads()
+    threads = resolve_threads(threads)
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
     options.inter_op_num_threads = 1
@@ -151,16 +159,18 @@ def load_torchscript(path: Path, threads: int | None = None) -> LoadedModel:
     quiet_torch_quantization_warnings()
     path = Path(path)
     _require_file(path)
+    threads = resolve_threads(threads)
+    data = path.read_bytes()
     extra_files = {TORCHSCRIPT_METADATA_FILE: ""}
     try:
-        module = torch.jit.load(str(path), map_location="cpu", _extra_files=extra_files)
+        module = torch.jit.load(io.BytesIO(data), map_location="cpu", _extra_files=extra_files)
     except Exception as error:  # torch raises RuntimeError, ValueError or zip errors for a damaged archive
         raise PtqError(f"{path}: not a loadable TorchScript model ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from error
     module.eval()
     metadata = json.loads(extra_files[TORCHSCRIPT_METADATA_FILE] or "{}")
     dtype = metadata.get("dtype") or ("int8" if "quantize_per_tensor" in module.inlined_graph.str() else "fp32")
     quantization = metadata if dtype != "fp32" else None
-    torch.set_num_threads(threads or default_threads())
+    torch.set_num_threads(threads)
 
     def predict(images: np.ndarray) -> np.ndarray:
         with torch.inference_mode():
@@ -171,7 +181,6 @@ def load_torchscript(path: Path, threads: int | None = None) -> LoadedModel:
     except RuntimeError as error:
         raise PtqError(f"{path}: does not take an NHWC N x 32 x 32 x 3 float32 batch ({str(error).splitlines()[0]})") from error
     _check_io(path, [None, 32, 32, 3], list(probe.shape))
-    data = path.read_bytes()
     info = ModelInfo(path, PYTORCH, dtype, quantization, len(data), hashlib.sha256(data).hexdigest())
     return LoadedModel(info, predict)
 

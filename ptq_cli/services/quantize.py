@@ -157,7 +157,7 @@ def preprocess_onnx(model, output: Path) -> None:
 def quantize(model_path: Path, output: Path, settings: QuantizationSettings, calibration: CalibrationSet) -> QuantizeResult:
     """Quantize the FP32 ONNX model with the settings' framework; the output is written atomically."""
     model_path, output = Path(model_path), Path(output)
-    read_onnx(model_path)
+    model = read_onnx(model_path)
     if model_path.resolve() == output.resolve():
         raise PtqError(f"--output: {output} would overwrite the model being quantized")
     settings = replace(
@@ -169,31 +169,30 @@ def quantize(model_path: Path, output: Path, settings: QuantizationSettings, cal
     if settings.framework == PYTORCH:
         from ptq_cli.services.torch_backend import quantize_fx
 
-        size = quantize_fx(model_path, output, settings, calibration)
+        size = quantize_fx(model, output, settings, calibration)
     else:
-        size = quantize_onnx(model_path, output, settings, calibration)
+        size = quantize_onnx(model, output, settings, calibration)
     return QuantizeResult(model_path, output, model_path.stat().st_size, size, settings)
 
 
-def quantize_onnx(model_path: Path, output: Path, settings: QuantizationSettings, calibration: CalibrationSet) -> int:
+def quantize_onnx(model, output: Path, settings: QuantizationSettings, calibration: CalibrationSet) -> int:
     """onnxruntime.quantization.quantize_static in QDQ format; returns the file size."""
     import onnx
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
-    model = read_onnx(model_path)
     quant_types = {"int8": QuantType.QInt8, "uint8": QuantType.QUInt8}
     methods = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy, "percentile": CalibrationMethod.Percentile}
     extra_options = {"CalibPercentile": settings.percentile} if settings.percentile is not None else {}
 
     with tempfile.TemporaryDirectory(prefix="ptq-quantize-") as workdir:
-        source = model_path
+        source = model  # quantize_static takes the ModelProto, or the preprocessed file's path
         if settings.preprocess:
-            source = Path(workdir) / "preprocessed.onnx"
+            source = str(Path(workdir) / "preprocessed.onnx")
             preprocess_onnx(model, source)
         # quantize_static print()s its histogram progress; stdout belongs to ptq's own output (--json).
         with atomic_output(output) as tmp, contextlib.redirect_stdout(io.StringIO()):
             quantize_static(
-                str(source),
+                source,
                 str(tmp),
                 _reader(model.graph.input[0].name, calibration.images),
                 quant_format=QuantFormat.QDQ,

@@ -12,14 +12,14 @@ import numpy as np
 
 from ptq_cli.atomic import atomic_output
 from ptq_cli.services.calibration import CalibrationSet
-from ptq_cli.services.models import TORCHSCRIPT_METADATA_FILE, read_onnx
+from ptq_cli.services.models import TORCHSCRIPT_METADATA_FILE
 from ptq_cli.services.quantize import CALIBRATION_BATCH, QuantizationSettings, preprocess_onnx
 from ptq_cli.services.torch_compat import import_onnx2torch, quiet_torch_quantization_warnings
 
 ENGINE = "x86"  # fbgemm-based kernels for x86 CPUs
 
 
-def onnx_to_graph_module(onnx_path: Path, fold: bool = True):
+def onnx_to_graph_module(model, fold: bool = True):
     """The ONNX model as a torch.fx GraphModule (onnx2torch).
 
     With `fold`, onnxruntime's own graph optimizer (quant_pre_process) first folds the batch-norm
@@ -27,14 +27,12 @@ def onnx_to_graph_module(onnx_path: Path, fold: bool = True):
     is plain Conv/ReLU/add/Linear that FX quantization fuses and quantizes end to end.
     """
     onnx2torch = import_onnx2torch()
-    model = read_onnx(onnx_path)
+    if not fold:
+        return onnx2torch.convert(model).eval()
     with tempfile.TemporaryDirectory(prefix="ptq-torch-") as workdir:
-        source = Path(workdir) / "folded.onnx"
-        if fold:
-            preprocess_onnx(model, source)
-        else:
-            source = Path(onnx_path)
-        return onnx2torch.convert(str(source)).eval()
+        folded = Path(workdir) / "folded.onnx"
+        preprocess_onnx(model, folded)
+        return onnx2torch.convert(str(folded)).eval()
 
 
 def save_torchscript(module, path: Path, example: np.ndarray, metadata: dict) -> None:
@@ -71,14 +69,14 @@ def qconfig_mapping(per_channel: bool, method: str):
     return get_default_qconfig_mapping(ENGINE).set_global(QConfig(activation=activation, weight=weight))
 
 
-def quantize_fx(onnx_path: Path, output: Path, settings: QuantizationSettings, calibration: CalibrationSet) -> int:
+def quantize_fx(model, output: Path, settings: QuantizationSettings, calibration: CalibrationSet) -> int:
     """prepare_fx -> calibrate -> convert_fx, saved as TorchScript; returns the file size."""
     import torch
     from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
     quiet_torch_quantization_warnings()
     torch.backends.quantized.engine = ENGINE
-    float_module = onnx_to_graph_module(onnx_path, fold=settings.preprocess)
+    float_module = onnx_to_graph_module(model, fold=settings.preprocess)
     images = torch.from_numpy(calibration.images)
     prepared = prepare_fx(float_module, qconfig_mapping(settings.per_channel, settings.method), (images[:1],))
     with torch.no_grad():
