@@ -74,6 +74,7 @@ def conversion(result: ConversionResult) -> Table:
             ("checked on", f"{check.images} test images"),
             ("max |diff|", f"{check.max_abs_diff:.3g} (limit {check.tolerance:g})"),
             ("top-1 agreement", f"{check.top1_agreement:.2%}"),
+            *(("warning", message) for message in result.warnings),
         ],
     )
 

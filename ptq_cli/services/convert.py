@@ -38,6 +38,9 @@ class ConversionResult:
     output: Path
     output_size_bytes: int
     check: ConversionCheck
+    # What the converter warned about (e.g. a tf2onnx graph optimizer it could not apply); the check
+    # above still decides whether the file is right, these say why it may be larger or slower.
+    warnings: tuple[str, ...] = ()
 
 
 def compare_outputs(reference: np.ndarray, converted: np.ndarray, tolerance: float = TOLERANCE) -> ConversionCheck:
@@ -50,7 +53,12 @@ def compare_outputs(reference: np.ndarray, converted: np.ndarray, tolerance: flo
 
 
 def _checked_write(
-    source: Path, output: Path, write: Callable[[Path], None], reference: np.ndarray, run_converted: Callable[[Path], np.ndarray]
+    source: Path,
+    output: Path,
+    write: Callable[[Path], None],
+    reference: np.ndarray,
+    run_converted: Callable[[Path], np.ndarray],
+    warnings: list[str] | None = None,
 ) -> ConversionResult:
     """Write to a temporary file, compare, and only then put the file in place."""
     with atomic_output(output) as tmp:
@@ -62,13 +70,43 @@ def _checked_write(
                 f"{check.max_abs_diff:.3g} > {check.tolerance:g} (top-1 agreement {check.top1_agreement:.2%}); nothing written"
             )
         size = tmp.stat().st_size
-    return ConversionResult(source, output, size, check)
+    return ConversionResult(source, output, size, check, tuple(warnings or ()))
 
 
 def check_images(data_dir: Path, count: int) -> np.ndarray:
     if count < 1:
         raise PtqError(f"--check-images: must be at least 1, got {count}")
     return cifar.to_model_input(cifar.load_test(data_dir).images[:count])
+
+
+class _WarningCollector(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            error = record.exc_info[1]
+            message += f" ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
+        self.messages.append(message)
+
+
+@contextlib.contextmanager
+def _collected_warnings(logger_name: str) -> Iterator[list[str]]:
+    """The logger's warnings as one-line messages, instead of multi-line log output on stderr."""
+    logger = logging.getLogger(logger_name)
+    collector = _WarningCollector()
+    saved = logger.level, logger.propagate
+    logger.setLevel(logging.WARNING)
+    logger.propagate = False
+    logger.addHandler(collector)
+    try:
+        yield collector.messages
+    finally:
+        logger.removeHandler(collector)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
 
 
 @contextlib.contextmanager
@@ -98,7 +136,6 @@ def keras_to_onnx(keras_path: Path, output: Path, data_dir: Path, opset: int = 1
             import tf2onnx
     except ImportError as error:
         raise PtqError(f"--keras: needs tensorflow-cpu and tf2onnx (pip install -e '.[keras]'): {error}") from error
-    logging.getLogger("tf2onnx").setLevel(logging.ERROR)
     try:
         keras_model = tf.keras.models.load_model(str(keras_path), compile=False)
     except Exception as error:  # Keras raises many types for a bad file; all mean the same to the user
@@ -106,10 +143,16 @@ def keras_to_onnx(keras_path: Path, output: Path, data_dir: Path, opset: int = 1
     reference = keras_model.predict(images, batch_size=500, verbose=0)
     signature = (tf.TensorSpec((None, *keras_model.input_shape[1:]), tf.float32, name="input"),)
 
-    def write(tmp: Path) -> None:
-        tf2onnx.convert.from_keras(keras_model, input_signature=signature, opset=opset, output_path=str(tmp))
+    converter_warnings: list[str] = []
 
-    return _checked_write(keras_path, output, write, reference, lambda tmp: load_onnx(tmp).predict(images))
+    def write(tmp: Path) -> None:
+        with _collected_warnings("tf2onnx") as messages:
+            tf2onnx.convert.from_keras(keras_model, input_signature=signature, opset=opset, output_path=str(tmp))
+        converter_warnings.extend(f"tf2onnx: {message}" for message in messages)
+
+    return _checked_write(
+        keras_path, output, write, reference, lambda tmp: load_onnx(tmp).predict(images), converter_warnings
+    )
 
 
 def onnx_to_torchscript(onnx_path: Path, output: Path, data_dir: Path, check_count: int = 1000) -> ConversionResult:

@@ -179,7 +179,9 @@ def load_torchscript(path: Path, threads: int | None = None) -> LoadedModel:
     try:
         probe = predict(np.zeros((1, 32, 32, 3), dtype=np.float32))
     except RuntimeError as error:
-        raise PtqError(f"{path}: does not take an NHWC N x 32 x 32 x 3 float32 batch ({str(error).splitlines()[0]})") from error
+        # A TorchScript error is a stack of frames; its last line says what went wrong.
+        cause = [line for line in str(error).splitlines() if line.strip()][-1:] or [type(error).__name__]
+        raise PtqError(f"{path}: does not take an NHWC N x 32 x 32 x 3 float32 batch ({cause[0].strip()})") from error
     _check_io(path, [None, 32, 32, 3], list(probe.shape))
     info = ModelInfo(path, PYTORCH, dtype, quantization, len(data), hashlib.sha256(data).hexdigest())
     return LoadedModel(info, predict)

@@ -23,16 +23,64 @@ def onnx_to_graph_module(model, fold: bool = True):
     """The ONNX model as a torch.fx GraphModule (onnx2torch).
 
     With `fold`, onnxruntime's own graph optimizer (quant_pre_process) first folds the batch-norm
-    Mul/Add that tf2onnx leaves after each Conv and the flatten's shape arithmetic, so the torch graph
-    is plain Conv/ReLU/add/Linear that FX quantization fuses and quantizes end to end.
+    Mul/Add that tf2onnx leaves after each Conv, so the torch graph is plain Conv/ReLU/add/Linear that
+    FX quantization fuses and quantizes end to end.
     """
+    import onnx
+
     onnx2torch = import_onnx2torch()
-    if not fold:
-        return onnx2torch.convert(model).eval()
-    with tempfile.TemporaryDirectory(prefix="ptq-torch-") as workdir:
-        folded = Path(workdir) / "folded.onnx"
-        preprocess_onnx(model, folded)
-        return onnx2torch.convert(str(folded)).eval()
+    if fold:
+        with tempfile.TemporaryDirectory(prefix="ptq-torch-") as workdir:
+            folded = Path(workdir) / "folded.onnx"
+            preprocess_onnx(model, folded)
+            model = onnx.load(str(folded))
+    return onnx2torch.convert(static_reshape_targets(model)).eval()
+
+
+def static_reshape_targets(model):
+    """Each Reshape whose target is computed at run time (Shape -> Slice -> Concat, as tf2onnx emits for
+    Flatten when its own reshape optimizer does not fold it) gets the constant target [-1, d1, ...].
+
+    onnx2torch's Reshape turns its target tensor into a Python list, so torch.jit.trace would bake in
+    the example's batch size and the TorchScript file would reject every other batch size. The constant
+    is exact when shape inference knows every output dimension but the batch one, which it takes from
+    the input's batch dimension. The Shape arithmetic left without a consumer is then removed.
+    """
+    import onnx
+    from onnx import numpy_helper
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    model = SymbolicShapeInference.infer_shapes(model, auto_merge=True)
+    initializers = {tensor.name for tensor in model.graph.initializer}
+    shapes = {info.name: info.type.tensor_type.shape for info in [*model.graph.value_info, *model.graph.output]}
+    batch_symbols = {dim.dim_param for value in model.graph.input for dim in value.type.tensor_type.shape.dim[:1] if dim.dim_param}
+    rewritten = False
+    for node in model.graph.node:
+        if node.op_type != "Reshape" or node.input[1] in initializers or node.output[0] not in shapes:
+            continue
+        dims = shapes[node.output[0]].dim
+        if not dims or dims[0].dim_param not in batch_symbols or not all(dim.HasField("dim_value") for dim in dims[1:]):
+            continue
+        target = numpy_helper.from_array(np.array([-1, *(dim.dim_value for dim in dims[1:])], dtype=np.int64), f"{node.output[0]}__static_shape")
+        model.graph.initializer.append(target)
+        node.input[1] = target.name
+        rewritten = True
+    if rewritten:
+        _drop_dead_nodes(model)
+        onnx.checker.check_model(model)
+    return model
+
+
+def _drop_dead_nodes(model) -> None:
+    """Remove nodes none of whose outputs is used, until none is left."""
+    graph_outputs = {value.name for value in model.graph.output}
+    while True:
+        used = graph_outputs | {name for node in model.graph.node for name in node.input}
+        dead = [node for node in model.graph.node if not any(out in used for out in node.output)]
+        if not dead:
+            return
+        for node in dead:
+            model.graph.node.remove(node)
 
 
 def save_torchscript(module, path: Path, example: np.ndarray, metadata: dict) -> None:
@@ -40,8 +88,8 @@ def save_torchscript(module, path: Path, example: np.ndarray, metadata: dict) ->
     import torch
 
     with torch.no_grad(), warnings.catch_warnings():
-        # onnx2torch's Reshape reads its target shape from a tensor; here that shape is the constant
-        # (-1, 64), so the trace is exact for any batch size (the conversion check runs 1000 images).
+        # The tracer warns that Reshape's target becomes a constant: static_reshape_targets made it
+        # [-1, ...] beforehand, so the trace holds for any batch size (the conversion check runs 1000 images).
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
         scripted = torch.jit.trace(module, torch.from_numpy(example), check_trace=False)
     torch.jit.save(scripted, str(path), _extra_files={TORCHSCRIPT_METADATA_FILE: json.dumps(metadata)})
