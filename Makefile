@@ -9,7 +9,7 @@ export PTQ_ASSETS
 ONNX2TORCH := onnx2torch==1.5.15
 MODELS := resnet8.onnx resnet8.pt resnet8_int8.onnx resnet8_uint8.onnx resnet8_uint8_speed.onnx resnet8_pytorch_int8.pt
 
-.PHONY: install run test bench clean
+.PHONY: install run tune test bench clean
 
 install: $(VENV)/.installed
 
@@ -31,6 +31,13 @@ run: install
 	$(PTQ) quantize --backend pytorch --dtype int8
 	$(PTQ) evaluate $(foreach model,$(MODELS),--model models/$(model))
 	$(PTQ) benchmark $(foreach model,$(MODELS),--model models/$(model))
+	$(PTQ) report --markdown
+
+# After `make run`: tune int8 and uint8 on the validation split, then judge the choices on the test set.
+tune: install
+	$(PTQ) tune --dtype int8
+	$(PTQ) tune --dtype uint8
+	$(PTQ) evaluate --model models/resnet8_int8_tuned.onnx --model models/resnet8_uint8_tuned.onnx
 	$(PTQ) report --markdown
 
 test: install

@@ -22,6 +22,9 @@ from ptq_cli.services import convert as convert_service
 from ptq_cli.services import evaluate as evaluate_service
 from ptq_cli.services import quantize as quantize_service
 from ptq_cli.services import report as report_service
+from ptq_cli.services import sensitivity as sensitivity_service
+from ptq_cli.services import tune as tune_service
+from ptq_cli.services import validation as validation_service
 from ptq_cli.services.models import read_onnx as check_model
 
 try:  # typer >= 0.22 vendors click; older typer uses the click package
@@ -207,6 +210,84 @@ def quantize(
     with _working(f"Calibrating ({quantization_settings.method}, {len(calibration_set.labels)} samples) and quantizing with {backend.value}…"):
         result = quantize_service.quantize(model, destination, quantization_settings, calibration_set)
     _emit(as_json, result, render.quantization(result))
+
+
+ValidationPerClass = Annotated[
+    int, typer.Option(help="Validation split size: training images per class, disjoint from the calibration set.")
+]
+
+
+def _calibration_and_validation(calibration: Path | None, data_dir: Path | None, validation_per_class: int):
+    data = data_dir or settings.cifar_dir()
+    with _working("Loading the calibration set and the validation split (training batches only)…"):
+        calibration_set = calibration_service.load_or_build(calibration, data)
+        return calibration_set, validation_service.build_validation_set(calibration_set, data, validation_per_class)
+
+
+@app.command()
+def sensitivity(
+    model: Annotated[Path, typer.Option(help="FP32 ONNX model.")] = settings.FP32_ONNX,
+    dtype: Annotated[DType, typer.Option(help="Activation type (and weight type unless --weight-dtype is given).")] = DType.int8,
+    weight_dtype: Annotated[Optional[DType], typer.Option(help="Weight type. (default: same as --dtype)", show_default=False)] = None,
+    per_channel: Annotated[bool, typer.Option("--per-channel/--per-tensor", help="One weight scale per output channel, or one per tensor.")] = False,
+    method: Annotated[Method, typer.Option(help="Activation calibration: minmax|entropy|percentile.")] = Method.minmax,
+    percentile: Annotated[Optional[float], typer.Option(help="Percentile kept by --method percentile. (default: 99.999)", show_default=False)] = None,
+    calibration: Annotated[Optional[Path], typer.Option(help=f"Calibration set. (default: {settings.CALIBRATION_FILE} if it exists, else built with the calibrate defaults)", show_default=False)] = None,
+    data_dir: DataDir = None,
+    validation_per_class: ValidationPerClass = settings.VALIDATION_PER_CLASS,
+    results_dir: Annotated[Path, typer.Option(help="The record goes to RESULTS_DIR/sensitivity/<model>_<dtype>.json.")] = settings.RESULTS_DIR,
+    as_json: JsonFlag = False,
+) -> None:
+    """Per layer: quantize that layer alone and measure the model's output SQNR and validation accuracy against FP32.
+
+    Measured on the validation split (training images not in the calibration set), never the test set;
+    sorted worst first. The layer names are what `ptq tune` leaves in float.
+    """
+    quantization_settings = quantize_service.make_settings(
+        dtype.value, weight_dtype=weight_dtype and weight_dtype.value, per_channel=per_channel, method=method.value, percentile=percentile
+    )
+    check_model(model)
+    calibration_set, validation_set = _calibration_and_validation(calibration, data_dir, validation_per_class)
+    with _progress_bar("Quantizing one layer at a time") as progress:
+        result = sensitivity_service.layer_sensitivity(model, quantization_settings, calibration_set, validation_set, progress)
+    record_file = sensitivity_service.save_result(result, results_dir)
+    _emit(as_json, result, render.sensitivity(result, record_file))
+
+
+@app.command()
+def tune(
+    model: Annotated[Path, typer.Option(help="FP32 ONNX model.")] = settings.FP32_ONNX,
+    dtype: Annotated[DType, typer.Option(help="Activation type to tune for (uint8 also tries int8 weights).")] = DType.int8,
+    max_drop: Annotated[float, typer.Option(help="Accuracy budget: points below FP32 allowed on the validation split.")] = 0.05,
+    method: Annotated[Optional[list[Method]], typer.Option(help="Calibration methods to search; repeat for several. (default: minmax and percentile at 99.9, 99.95, 99.99, 99.999)", show_default=False)] = None,
+    per_channel: Annotated[Optional[bool], typer.Option("--per-channel/--per-tensor", help="Search only this weight granularity. (default: both)", show_default=False)] = None,
+    max_float_layers: Annotated[int, typer.Option(help="Most sensitive layers to try leaving in float, one more at a time (0: none).")] = tune_service.MAX_FLOAT_LAYERS,
+    calibration: Annotated[Optional[Path], typer.Option(help=f"Calibration set. (default: {settings.CALIBRATION_FILE} if it exists, else built with the calibrate defaults)", show_default=False)] = None,
+    data_dir: DataDir = None,
+    validation_per_class: ValidationPerClass = settings.VALIDATION_PER_CLASS,
+    output: Annotated[Optional[Path], typer.Option(help="Where to write the chosen model. (default: models/<model>_<dtype>_tuned.onnx)", show_default=False)] = None,
+    results_dir: Annotated[Path, typer.Option(help="The record of the search goes to RESULTS_DIR/tuning/<output>.json.")] = settings.RESULTS_DIR,
+    as_json: JsonFlag = False,
+) -> None:
+    """Search onnxruntime quantization settings for the smallest, fastest model within --max-drop of FP32.
+
+    Every decision is made on the validation split (training images not in the calibration set); the
+    test set is never read. Stages: calibration method x granularity x weight type, calibration size,
+    then the most sensitive layers left in float. Without any candidate in budget, the most accurate
+    is kept and the command says so (exit 0).
+    """
+    check_model(model)
+    calibration_set, validation_set = _calibration_and_validation(calibration, data_dir, validation_per_class)
+    destination = output or tune_service.default_output(model, dtype.value)
+    with _progress_bar(f"Tuning {dtype.value}") as progress:
+        result = tune_service.tune(
+            model, dtype.value, max_drop, calibration_set, validation_set, destination, results_dir,
+            methods=tuple(m.value for m in method) if method else tune_service.METHODS,
+            granularities=(per_channel,) if per_channel is not None else (True, False),
+            max_float_layers=max_float_layers,
+            progress=progress,
+        )
+    _emit(as_json, result, render.tuning(result))
 
 
 def _default_models() -> list[Path]:

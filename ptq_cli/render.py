@@ -18,6 +18,8 @@ from ptq_cli.services.convert import ConversionResult
 from ptq_cli.services.evaluate import EvaluationRecord
 from ptq_cli.services.quantize import QuantizeResult
 from ptq_cli.services.report import Report, ReportRow
+from ptq_cli.services.sensitivity import SensitivityResult
+from ptq_cli.services.tune import TuneResult, describe
 from ptq_cli.settings import BASELINE_ACCURACY
 
 
@@ -196,11 +198,12 @@ def report(report: Report) -> Group:
     configurations = Table(title="How each model was made and timed", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     configurations.add_column("Model", no_wrap=True)
     configurations.add_column("Configuration")
+    configurations.add_column("Val / test", justify="right")
     configurations.add_column("p50 ms", justify="right")
     for row in report.rows:
         cells = _report_cells(row)
         table.add_row(*cells[:3], *cells[4:6], f"{row.size_bytes / 1024:.1f}", cells[7], f"{row.images_per_second:,.0f}", cells[9])
-        configurations.add_row(row.model, row.configuration, cells[10])
+        configurations.add_row(row.model, row.configuration, _validation_and_test(row), cells[10])
     parts: list[Any] = [table, configurations]
     if report.class_losses:
         losses = Table(title="Classes that lose the most (vs the FP32 model of the same framework)", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
@@ -214,6 +217,12 @@ def report(report: Report) -> Group:
         parts.append(Text("img/s: from `ptq benchmark` where it measured the file, else from evaluation (batch 1000); speed-ups compare like with like.", style="dim"))
     parts += [Text(f"skipped {line}", style="yellow") for line in report.skipped]
     return Group(*parts)
+
+
+def _validation_and_test(row: ReportRow) -> str:
+    """Validation accuracy (tuned models only) next to test accuracy."""
+    validation = "-" if row.validation_accuracy is None else f"{row.validation_accuracy:.2f}%"
+    return f"{validation} / {row.accuracy:.2f}%"
 
 
 def _markdown_table(header: list[str] | tuple[str, ...], rows: list[list[str]]) -> list[str]:
@@ -233,6 +242,14 @@ def report_markdown(report: Report) -> str:
         "",
         *_markdown_table(REPORT_COLUMNS, [_report_cells(row) for row in report.rows]),
     ]
+    lines += ["", "## How each model was configured", "",
+              "Validation: the training-image split `ptq tune` decided on (FP32 in brackets); '-' for models not tuned.", ""]
+    lines += _markdown_table(
+        ("Model", "Configuration", "Validation top-1", "Test top-1"),
+        [[row.model, row.configuration,
+          "-" if row.validation_accuracy is None else f"{row.validation_accuracy:.2f}% (FP32 {row.validation_fp32_accuracy:.2f}%)",
+          f"{row.accuracy:.2f}%"] for row in report.rows],
+    )
     if report.class_losses:
         lines += ["", "## Classes that lose the most", ""]
         lines += _markdown_table(
@@ -257,3 +274,51 @@ def benchmarks(records: list[BenchmarkRecord], speedups: dict[str, float | None]
             milliseconds(record.latency_ms_p99), str(record.batch_size), f"{record.images_per_second:,.0f}", speedup(speedups.get(record.model_path)),
         )
     return table
+
+
+def sensitivity(result: SensitivityResult, record_file: Path) -> Group:
+    table = Table(
+        title=f"Per-layer sensitivity of {result.model.name}: one layer quantized ({describe(result.settings)}), the rest float",
+        title_justify="left",
+        caption=f"Validation split: {result.validation['images']:,} training images, FP32 {result.fp32_validation_accuracy:.2f}%. Worst first.",
+        caption_justify="left",
+    )
+    table.add_column("Layer", overflow="fold")
+    for name in ("Op", "Output SQNR dB", "Val top-1", "Delta"):
+        table.add_column(name, justify="left" if name == "Op" else "right")
+    for layer in result.layers:
+        table.add_row(layer.node, layer.op_type, f"{layer.output_sqnr_db:.1f}", f"{layer.validation_accuracy:.2f}%", signed(-layer.accuracy_drop))
+    return Group(table, Text(f"Record: {record_file}"))
+
+
+def _short_configuration(settings) -> str:
+    granularity = "channel" if settings.per_channel else "tensor"
+    method = f"p{settings.percentile:g}" if settings.method == "percentile" else settings.method
+    floats = f" float:{','.join(name.split('/')[-2] if '/' in name else name for name in settings.float_nodes)}" if settings.float_nodes else ""
+    return f"w:{settings.weight_dtype} {granularity} {method} n={settings.calibration_samples}{floats}"
+
+
+def tuning(result: TuneResult) -> Group:
+    table = Table(
+        title=f"ptq tune {result.dtype}: validation split, FP32 {result.fp32_validation_accuracy:.2f}%, budget {result.max_drop:g} points",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        padding=(0, 1, 0, 0),
+    )
+    table.add_column("Stage")
+    table.add_column("Configuration", overflow="fold")
+    for name in ("Val", "Delta", "SQNR", "KB", "of FP32", "OK"):
+        table.add_column(name, justify="right")
+    for candidate in result.candidates:
+        mark = "yes" if candidate.within_budget and not candidate.rejected else ("size" if candidate.rejected else "no")
+        style = "bold green" if candidate is result.chosen else None
+        table.add_row(candidate.stage, _short_configuration(candidate.settings), f"{candidate.validation_accuracy:.2f}",
+                      signed(-candidate.accuracy_drop), f"{candidate.output_sqnr_db:.1f}", f"{candidate.size_bytes / 1024:.1f}",
+                      f"{candidate.size_ratio:.1%}", mark, style=style)
+    verdict = "[green]Budget met.[/green]" if result.met_budget else "[yellow]No candidate met the budget.[/yellow]"
+    return Group(
+        table,
+        Text.from_markup(f"{verdict} {result.reason}."),
+        Text(f"Chosen: {result.chosen.label} -> {result.output} (validation {result.chosen.validation_accuracy:.2f}%)"),
+        Text(f"Record: {result.record}. Judge it on the test set with: ptq evaluate --model {result.output}"),
+    )

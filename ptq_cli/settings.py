@@ -43,3 +43,8 @@ MARKDOWN_REPORT = Path("reports/QUANTIZATION_ANALYSIS.md")
 # Calibration defaults (the seed study): 100 images per class = 1000 samples, seed 42.
 SAMPLES_PER_CLASS = 100
 SEED = 42
+
+# Validation split for tuning: drawn from the training batches, disjoint from the calibration samples.
+# 500 images per class = 5,000: one point of validation accuracy is 50 images.
+VALIDATION_PER_CLASS = 500
+VALIDATION_SEED = 7

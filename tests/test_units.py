@@ -121,3 +121,20 @@ def test_report_compares_each_model_with_its_framework_fp32():
     assert report.recommendation.best_accuracy.model == "q.pt"
     assert report.recommendation.smallest.model == "q.onnx"
     assert report.recommendation.fastest.model == "q.onnx"
+
+
+def test_stratified_subset_keeps_classes_balanced_and_within_the_set():
+    from ptq_cli.services.calibration import CalibrationSet, stratified_subset
+
+    labels = np.repeat(np.arange(10), 6)
+    full = CalibrationSet(
+        images=np.arange(60, dtype=np.float32)[:, None, None, None] * np.ones((1, 32, 32, 3), np.float32),
+        labels=labels, indices=np.arange(100, 160), seed=1, samples_per_class=6,
+        source_batches=("data_batch_1",), class_names=tuple("abcdefghij"), source="synthetic",
+    )
+    small = stratified_subset(full, 2)
+    assert np.bincount(small.labels, minlength=10).tolist() == [2] * 10
+    assert set(small.indices) <= set(full.indices)
+    assert np.array_equal(small.images[:, 0, 0, 0], small.indices - 100)  # images stay with their indices
+    with pytest.raises(PtqError):
+        stratified_subset(full, 7)

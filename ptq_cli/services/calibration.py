@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -114,3 +114,19 @@ def load_or_build(path: Path | None, data_dir: Path) -> CalibrationSet:
     if settings.CALIBRATION_FILE.is_file():
         return load_calibration_set(settings.CALIBRATION_FILE)
     return build_calibration_set(data_dir, settings.SAMPLES_PER_CLASS, settings.SEED)
+
+
+def stratified_subset(calibration: CalibrationSet, samples_per_class: int) -> CalibrationSet:
+    """The first `samples_per_class` images of each class of the set: a smaller set drawn from the same
+    images, so that anything kept disjoint from the full set stays disjoint from it."""
+    if not 1 <= samples_per_class <= calibration.samples_per_class:
+        raise PtqError(f"calibration subset: {samples_per_class} per class is not in 1..{calibration.samples_per_class}")
+    keep = np.sort(np.concatenate([np.flatnonzero(calibration.labels == label)[:samples_per_class] for label in np.unique(calibration.labels)]))
+    return replace(
+        calibration,
+        images=calibration.images[keep],
+        labels=calibration.labels[keep],
+        indices=calibration.indices[keep],
+        samples_per_class=samples_per_class,
+        source=f"{calibration.source} ({samples_per_class} per class)",
+    )

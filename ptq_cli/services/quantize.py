@@ -55,6 +55,7 @@ class QuantizationSettings:
     calibration_seed: int | None = None
     calibration_source: str | None = None
     target: str | None = None  # the preset the settings came from, if any
+    float_nodes: tuple[str, ...] = ()  # nodes left in float (names in the preprocessed graph)
 
 
 @dataclass(frozen=True)
@@ -175,8 +176,12 @@ def quantize(model_path: Path, output: Path, settings: QuantizationSettings, cal
     return QuantizeResult(model_path, output, model_path.stat().st_size, size, settings)
 
 
-def quantize_onnx(model, output: Path, settings: QuantizationSettings, calibration: CalibrationSet) -> int:
-    """onnxruntime.quantization.quantize_static in QDQ format; returns the file size."""
+def quantize_onnx(
+    model, output: Path, settings: QuantizationSettings, calibration: CalibrationSet, metadata: dict | None = None
+) -> int:
+    """onnxruntime.quantization.quantize_static in QDQ format; returns the file size.
+
+    `metadata` (e.g. the validation scores `tune` measured) is stored next to the settings in the model."""
     import onnx
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
@@ -200,9 +205,10 @@ def quantize_onnx(model, output: Path, settings: QuantizationSettings, calibrati
                 activation_type=quant_types[settings.dtype],
                 weight_type=quant_types[settings.weight_dtype],
                 calibrate_method=methods[settings.method],
+                nodes_to_exclude=list(settings.float_nodes),
                 extra_options=extra_options,
             )
             quantized = onnx.load(str(tmp))
-            onnx.helper.set_model_props(quantized, {QUANTIZATION_METADATA_KEY: json.dumps(asdict(settings))})
+            onnx.helper.set_model_props(quantized, {QUANTIZATION_METADATA_KEY: json.dumps({**asdict(settings), **(metadata or {})})})
             onnx.save(quantized, str(tmp))
             return tmp.stat().st_size

@@ -27,6 +27,10 @@ class ReportRow:
     speed_source: str  # "benchmark" or "evaluate"
     speedup: float | None  # against the same framework's FP32 model, measured the same way
     latency_ms_p50: float | None  # batch 1, from `ptq benchmark`
+    # Set by `ptq tune`, which chose the model on the validation split (training images): its accuracy
+    # there and the FP32 model's, to read next to the test accuracy.
+    validation_accuracy: float | None = None
+    validation_fp32_accuracy: float | None = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,8 @@ def describe_quantization(settings: dict | None) -> str:
         settings.get("method", "?") + (f" {settings['percentile']:g}" if settings.get("percentile") else ""),
         f"{settings.get('calibration_samples', '?')} samples",
     ]
+    if settings.get("float_nodes"):
+        parts.append("float: " + ", ".join(name.split("/")[-2] if "/" in name else name for name in settings["float_nodes"]))
     return ", ".join(parts)
 
 
@@ -87,6 +93,7 @@ def _row(record: EvaluationRecord, reference: EvaluationRecord | None, benchmark
         reference_speed, reference_source = _speed(reference, benchmarks)
         speedup = round(speed / reference_speed, 3) if reference_source == source else None
     benchmark = benchmarks.get(record.model_sha256)
+    validation = (record.quantization or {}).get("validation") or {}
     return ReportRow(
         model=record.name,
         framework=record.framework,
@@ -100,6 +107,8 @@ def _row(record: EvaluationRecord, reference: EvaluationRecord | None, benchmark
         speed_source=source,
         speedup=speedup,
         latency_ms_p50=benchmark.latency_ms_p50 if benchmark else None,
+        validation_accuracy=validation.get("accuracy"),
+        validation_fp32_accuracy=validation.get("fp32_accuracy"),
     )
 
 

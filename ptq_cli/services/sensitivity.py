@@ -1,0 +1,99 @@
+"""Per-layer sensitivity: the error that quantizing one layer alone (everything else in float) introduces.
+
+Measured on the validation split (training images the calibration set does not use), never the test set.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from ptq_cli.atomic import write_text
+from ptq_cli.services.calibration import CalibrationSet
+from ptq_cli.services.models import load_onnx, read_onnx
+from ptq_cli.services.quantize import QuantizationSettings, preprocess_onnx, quantize_onnx
+from ptq_cli.services.validation import ValidationSet, score, sqnr_db
+
+# The layers that compute: onnxruntime quantizes these (Relu folds into the preceding layer's output
+# range; Transpose and Reshape only move quantized data).
+LAYER_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul", "Add", "Mul", "AveragePool", "MaxPool", "Softmax")
+
+ProgressCallback = Callable[[int, int], None]
+SENSITIVITY_DIR = "sensitivity"  # under the results directory; not read as evaluation records
+
+
+@dataclass(frozen=True)
+class LayerSensitivity:
+    node: str  # node name in the preprocessed graph: what `--float-node` / tune's float layers name
+    op_type: str
+    output_sqnr_db: float  # the model's output with only this layer quantized, against FP32
+    validation_accuracy: float
+    accuracy_drop: float  # points below the FP32 model on the validation split
+
+
+@dataclass(frozen=True)
+class SensitivityResult:
+    model: Path
+    settings: QuantizationSettings
+    fp32_validation_accuracy: float
+    validation: dict
+    layers: list[LayerSensitivity]  # worst first
+
+
+def quantizable_layers(model) -> list[tuple[str, str]]:
+    """(node name, op type) of each layer in the graph quantize_onnx sees, in graph order."""
+    return [(node.name, node.op_type) for node in model.graph.node if node.op_type in LAYER_OPS]
+
+
+def preprocessed(model, workdir: Path):
+    import onnx
+
+    path = Path(workdir) / "preprocessed.onnx"
+    preprocess_onnx(model, path)
+    return onnx.load(str(path))
+
+
+def layer_sensitivity(
+    model_path: Path,
+    settings: QuantizationSettings,
+    calibration: CalibrationSet,
+    validation: ValidationSet,
+    progress: ProgressCallback | None = None,
+) -> SensitivityResult:
+    model = read_onnx(model_path)
+    settings = replace(settings, calibration_samples=len(calibration.labels), calibration_seed=calibration.seed,
+                       calibration_source=calibration.source)
+    fp32 = score(load_onnx(model_path), validation)
+    with tempfile.TemporaryDirectory(prefix="ptq-sensitivity-") as workdir:
+        graph = preprocessed(model, Path(workdir)) if settings.preprocess else model
+        layers = quantizable_layers(graph)
+        others = {name for name, _ in layers}
+        results = []
+        for done, (name, op_type) in enumerate(layers):
+            # Every other layer stays in float: only this one's error reaches the output.
+            only_this = replace(settings, float_nodes=tuple(sorted(others - {name})))
+            candidate = Path(workdir) / "candidate.onnx"
+            quantize_onnx(model, candidate, only_this, calibration)
+            quantized = score(load_onnx(candidate), validation)
+            results.append(
+                LayerSensitivity(
+                    node=name,
+                    op_type=op_type,
+                    output_sqnr_db=round(sqnr_db(fp32.outputs, quantized.outputs), 2),
+                    validation_accuracy=quantized.accuracy,
+                    accuracy_drop=round(fp32.accuracy - quantized.accuracy, 4),
+                )
+            )
+            if progress:
+                progress(done + 1, len(layers))
+    results.sort(key=lambda layer: (layer.output_sqnr_db, -layer.accuracy_drop))
+    return SensitivityResult(Path(model_path), settings, fp32.accuracy, validation.describe(), results)
+
+
+def save_result(result: SensitivityResult, results_dir: Path) -> Path:
+    path = Path(results_dir) / SENSITIVITY_DIR / f"{result.model.stem}_{result.settings.dtype}.json"
+    write_text(path, json.dumps(asdict(result), indent=2, default=str) + "\n")
+    return path

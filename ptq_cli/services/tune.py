@@ -1,0 +1,209 @@
+"""Accuracy-budget tuning of onnxruntime static quantization, decided on the validation split only.
+
+The search, in three stages, each starting from the best candidate so far:
+1. calibration: weight type x per-channel/per-tensor x method (minmax, percentile at several points);
+2. calibration size: the same settings on stratified subsets of the calibration set;
+3. float layers: the layers `sensitivity` ranks worst left in float, one more at a time.
+Then the smallest and fastest candidate within the budget is kept: fewest float layers first, then the
+x86 fast path (uint8 activations x int8 weights), then validation accuracy. The test set is never read
+here (see services/validation.py); `ptq evaluate` judges the chosen model.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from ptq_cli.atomic import write_text
+from ptq_cli.errors import PtqError
+from ptq_cli.services.calibration import CalibrationSet, stratified_subset
+from ptq_cli.services.models import load_onnx, read_onnx
+from ptq_cli.services.quantize import QuantizationSettings, make_settings, quantize_onnx
+from ptq_cli.services.sensitivity import layer_sensitivity, preprocessed, quantizable_layers
+from ptq_cli.services.validation import ValidationSet, score, sqnr_db
+
+# Searched by default. Entropy is left out: quantize_static does not pass a histogram size to it, and
+# with its default 128 bins equal to its 128 quantized bins the KL search has a single candidate, the
+# full range, so it gives exactly the MinMax model (measured: identical accuracy in every configuration).
+METHODS = ("minmax", "percentile")
+PERCENTILES = (99.9, 99.95, 99.99, 99.999)
+CALIBRATION_SUBSETS = (25, 50)  # per class, besides the full set
+MAX_FLOAT_LAYERS = 2
+SIZE_LIMIT = 0.40  # a model with float layers must stay below this fraction of the FP32 file
+TUNING_DIR = "tuning"  # under the results directory; not read as evaluation records
+
+ProgressCallback = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    stage: str  # "method", "size" (calibration subset) or "float" (layers left in float)
+    settings: QuantizationSettings
+    validation_accuracy: float
+    accuracy_drop: float  # points below FP32 on the validation split
+    output_sqnr_db: float  # the model's scores against FP32's on the validation split
+    size_bytes: int
+    size_ratio: float  # of the FP32 file
+    within_budget: bool
+    rejected: str | None = None  # why it cannot be kept even if within budget
+
+    @property
+    def label(self) -> str:
+        return describe(self.settings)
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    model: Path
+    dtype: str
+    max_drop: float
+    fp32_validation_accuracy: float
+    validation: dict
+    candidates: list[Candidate]
+    chosen: Candidate
+    met_budget: bool
+    reason: str
+    output: Path
+    record: Path
+
+
+def describe(settings: QuantizationSettings) -> str:
+    method = f"percentile {settings.percentile:g}" if settings.method == "percentile" else settings.method
+    parts = [
+        f"a:{settings.dtype} w:{settings.weight_dtype}",
+        "per-channel" if settings.per_channel else "per-tensor",
+        method,
+        f"{settings.calibration_samples} samples",
+    ]
+    if settings.float_nodes:
+        parts.append("float: " + ", ".join(name.split("/")[-2] if "/" in name else name for name in settings.float_nodes))
+    return ", ".join(parts)
+
+
+def weight_dtypes(dtype: str) -> tuple[str, ...]:
+    # onnxruntime has no int8-activation x uint8-weight kernels; uint8 activations take either.
+    return ("int8",) if dtype == "int8" else ("int8", "uint8")
+
+
+def fast_on_x86(settings: QuantizationSettings) -> bool:
+    return settings.dtype == "uint8" and settings.weight_dtype == "int8"
+
+
+def tune(
+    model_path: Path,
+    dtype: str,
+    max_drop: float,
+    calibration: CalibrationSet,
+    validation: ValidationSet,
+    output: Path,
+    results_dir: Path,
+    methods: tuple[str, ...] = METHODS,
+    granularities: tuple[bool, ...] = (True, False),
+    max_float_layers: int = MAX_FLOAT_LAYERS,
+    progress: ProgressCallback | None = None,
+) -> TuneResult:
+    model_path, output = Path(model_path), Path(output)
+    if max_drop < 0:
+        raise PtqError(f"--max-drop: must be at least 0 points, got {max_drop}")
+    if max_float_layers < 0:
+        raise PtqError(f"--max-float-layers: must be at least 0, got {max_float_layers}")
+    if model_path.resolve() == output.resolve():
+        raise PtqError(f"--output: {output} would overwrite the model being tuned")
+    model = read_onnx(model_path)
+    fp32_size = model_path.stat().st_size
+    fp32 = score(load_onnx(model_path), validation)
+    calibration_grid = [
+        make_settings(dtype, weight_dtype=weights, per_channel=per_channel, method=method, percentile=percentile)
+        for weights in weight_dtypes(dtype)
+        for per_channel in granularities
+        for method in methods
+        for percentile in (PERCENTILES if method == "percentile" else (None,))
+    ]
+    subsets = [size for size in CALIBRATION_SUBSETS if size < calibration.samples_per_class]
+    total = len(calibration_grid) + len(subsets) + max_float_layers
+    candidates: list[Candidate] = []
+
+    with tempfile.TemporaryDirectory(prefix="ptq-tune-") as workdir:
+        layers = quantizable_layers(preprocessed(model, Path(workdir)))
+        total += len(layers) if max_float_layers else 0
+
+        done = 0
+
+        def step() -> None:
+            nonlocal done
+            done += 1
+            if progress:
+                progress(min(done, total), total)
+
+        def try_candidate(stage: str, settings: QuantizationSettings, calibration_set: CalibrationSet) -> Candidate:
+            settings = replace(settings, calibration_samples=len(calibration_set.labels), calibration_seed=calibration_set.seed,
+                               calibration_source=calibration_set.source)
+            path = Path(workdir) / "candidate.onnx"
+            size = quantize_onnx(model, path, settings, calibration_set)
+            quantized = score(load_onnx(path), validation)
+            drop = round(fp32.accuracy - quantized.accuracy, 4)
+            too_large = bool(settings.float_nodes) and size >= SIZE_LIMIT * fp32_size
+            candidate = Candidate(
+                stage=stage,
+                settings=settings,
+                validation_accuracy=quantized.accuracy,
+                accuracy_drop=drop,
+                output_sqnr_db=round(sqnr_db(fp32.outputs, quantized.outputs), 2),
+                size_bytes=size,
+                size_ratio=round(size / fp32_size, 4),
+                within_budget=drop <= max_drop,
+                rejected=f"{size / fp32_size:.1%} of the FP32 file, limit {SIZE_LIMIT:.0%}" if too_large else None,
+            )
+            candidates.append(candidate)
+            step()
+            return candidate
+
+        def best() -> tuple[Candidate, CalibrationSet]:
+            keep = [candidate for candidate in candidates if candidate.rejected is None]
+            top = max(keep, key=lambda candidate: (candidate.validation_accuracy, candidate.output_sqnr_db))
+            return top, calibration_sets[top.settings.calibration_samples]
+
+        calibration_sets = {len(calibration.labels): calibration}
+        for settings in calibration_grid:
+            try_candidate("method", settings, calibration)
+        leader, _ = best()
+        for per_class in subsets:
+            subset = stratified_subset(calibration, per_class)
+            calibration_sets[len(subset.labels)] = subset
+            try_candidate("size", leader.settings, subset)
+        leader, leader_calibration = best()
+        if max_float_layers:
+            ranking = layer_sensitivity(model_path, leader.settings, leader_calibration, validation, progress=lambda *_: step())
+            worst = [layer.node for layer in ranking.layers]
+            for count in range(1, min(max_float_layers, len(worst)) + 1):
+                try_candidate("float", replace(leader.settings, float_nodes=tuple(worst[:count])), leader_calibration)
+
+        eligible = [candidate for candidate in candidates if candidate.within_budget and candidate.rejected is None]
+        if eligible:
+            chosen = min(eligible, key=lambda c: (len(c.settings.float_nodes), not fast_on_x86(c.settings), -c.validation_accuracy, -c.output_sqnr_db))
+            reason = (
+                f"{len(eligible)} of {len(candidates)} candidates are within {max_drop:g} points of FP32 on the validation split; "
+                "kept the one with the fewest float layers, on the x86 fast path if any, then the most accurate"
+            )
+        else:
+            chosen, _ = best()
+            reason = (
+                f"no candidate is within {max_drop:g} points of FP32 on the validation split; "
+                f"kept the most accurate, {chosen.accuracy_drop:+.2f} points below FP32"
+            )
+        validation_summary = {**validation.describe(), "accuracy": chosen.validation_accuracy, "fp32_accuracy": fp32.accuracy}
+        quantize_onnx(model, output, chosen.settings, calibration_sets[chosen.settings.calibration_samples],
+                      metadata={"validation": validation_summary, "tuned_max_drop": max_drop})
+
+    record = Path(results_dir) / TUNING_DIR / f"{output.name}.json"
+    result = TuneResult(model_path, dtype, max_drop, fp32.accuracy, validation.describe(), candidates, chosen, bool(eligible),
+                        reason, output, record)
+    write_text(record, json.dumps(asdict(result), indent=2, default=str) + "\n")
+    return result
+
+
+def default_output(model: Path, dtype: str) -> Path:
+    return Path(model).with_name(f"{Path(model).stem}_{dtype}_tuned.onnx")

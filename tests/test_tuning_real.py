@@ -1,0 +1,92 @@
+"""#4: validation split, per-layer sensitivity and accuracy-budget tuning, on the real model and data."""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+
+import numpy as np
+import pytest
+from conftest import CIFAR, ptq, ptq_ok, read_json
+
+from ptq_cli.services import cifar
+from ptq_cli.services.calibration import build_calibration_set
+from ptq_cli.services.validation import build_validation_set
+
+# ResNet8 (MLPerf Tiny): 9 convolutions (7 on the main path, 2 shortcut projections), 3 residual adds,
+# the average pool, the dense layer (a Gemm once batch norm is folded) and the softmax.
+RESNET8_LAYERS = {"Conv": 9, "Add": 3, "AveragePool": 1, "Gemm": 1, "Softmax": 1}
+
+
+def test_validation_split_is_disjoint_from_calibration_and_holds_no_test_image(assets):
+    calibration = build_calibration_set(CIFAR, 100, 42)
+    validation = build_validation_set(calibration, CIFAR, samples_per_class=500)
+    assert np.intersect1d(validation.indices, calibration.indices).size == 0
+    assert np.bincount(validation.labels, minlength=10).tolist() == [500] * 10
+    train = cifar.load_train(CIFAR)
+    assert np.array_equal(validation.images, train.images[validation.indices].astype(np.float32))
+    test_hashes = {hashlib.sha256(image.tobytes()).digest() for image in cifar.load_test(CIFAR).images}
+    calibration_hashes = {hashlib.sha256(image.astype(np.uint8).tobytes()).digest() for image in calibration.images}
+    validation_hashes = {hashlib.sha256(image.astype(np.uint8).tobytes()).digest() for image in validation.images}
+    assert not validation_hashes & test_hashes
+    assert not validation_hashes & calibration_hashes
+    again = build_validation_set(calibration, CIFAR, samples_per_class=500)
+    assert np.array_equal(again.indices, validation.indices)
+
+
+@pytest.fixture()
+def train_only_data(tmp_path):
+    """CIFAR-10 without its test batch: tuning must work, since it never reads it."""
+    data = tmp_path / "train-only"
+    data.mkdir()
+    for name in (*cifar.TRAIN_BATCHES, cifar.META_FILE):
+        (data / name).symlink_to(CIFAR / name)
+    return data
+
+
+def test_tune_with_an_impossible_budget_keeps_the_best_and_never_reads_the_test_batch(pipeline, train_only_data, tmp_path):
+    output = tmp_path / "tuned.onnx"
+    run = ptq_ok(
+        "tune", "--dtype", "int8", "--max-drop", "0", "--method", "minmax", "--per-tensor", "--max-float-layers", "0",
+        "--validation-per-class", "100", "--data-dir", train_only_data, "--output", output, "--results-dir", tmp_path / "results",
+        "--json", cwd=pipeline,
+    )
+    result = json.loads(run.stdout)
+    drops = [candidate["accuracy_drop"] for candidate in result["candidates"]]
+    assert min(drops) > 0, drops  # the budget really is out of reach for per-tensor MinMax
+    assert result["met_budget"] is False and "no candidate is within 0 points" in result["reason"]
+    assert result["chosen"]["validation_accuracy"] == max(c["validation_accuracy"] for c in result["candidates"])
+    assert [c["stage"] for c in result["candidates"]] == ["method", "size", "size"]
+    assert output.is_file() and read_json(tmp_path / "results" / "tuning" / "tuned.onnx.json")["met_budget"] is False
+    assert result["validation"]["images"] == 1000
+
+    evaluated = ptq_ok("evaluate", "--model", output, "--results-dir", tmp_path / "results", "--json", cwd=pipeline)
+    quantization = json.loads(evaluated.stdout)["quantization"]
+    assert quantization["validation"]["accuracy"] == result["chosen"]["validation_accuracy"]
+    assert quantization["per_channel"] is False and quantization["method"] == "minmax"
+
+
+def test_tune_text_output_says_no_candidate_met_the_budget(pipeline, train_only_data, tmp_path):
+    run = ptq(
+        "tune", "--max-drop", "0", "--method", "minmax", "--per-tensor", "--max-float-layers", "0", "--validation-per-class", "50",
+        "--data-dir", train_only_data, "--output", tmp_path / "t.onnx", "--results-dir", tmp_path / "r", cwd=pipeline,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "No candidate met the budget" in run.stdout and "kept the most accurate" in run.stdout
+
+
+def test_sensitivity_lists_every_quantizable_layer_worst_first(pipeline, train_only_data, tmp_path):
+    run = ptq_ok(
+        "sensitivity", "--dtype", "int8", "--validation-per-class", "50", "--data-dir", train_only_data,
+        "--results-dir", tmp_path / "results", "--json", cwd=pipeline,
+    )
+    result = json.loads(run.stdout)
+    layers = result["layers"]
+    assert collections.Counter(layer["op_type"] for layer in layers) == RESNET8_LAYERS
+    assert len({layer["node"] for layer in layers}) == len(layers)
+    sqnr = [layer["output_sqnr_db"] for layer in layers]
+    assert sqnr == sorted(sqnr)
+    # Quantizing a convolution alone must cost something, however little.
+    assert all(np.isfinite(layer["output_sqnr_db"]) for layer in layers if layer["op_type"] == "Conv")
+    assert read_json(tmp_path / "results" / "sensitivity" / "resnet8_int8.json")["layers"] == layers
