@@ -45,18 +45,21 @@ def stratified_indices(labels: np.ndarray, samples_per_class: int, seed: int) ->
     return np.sort(np.concatenate(chosen))
 
 
-def build_calibration_set(data_dir: Path, samples_per_class: int, seed: int) -> CalibrationSet:
+def draw_stratified(labels: np.ndarray, pool: np.ndarray, samples_per_class: int, seed: int, option: str, where: str) -> np.ndarray:
+    """`samples_per_class` indices of each class from `pool` (indices into `labels`), or a one-line error
+    naming `option` when a class has too few images in the pool."""
     if samples_per_class < 1:
-        raise PtqError(f"--samples-per-class: must be at least 1, got {samples_per_class}")
+        raise PtqError(f"{option}: must be at least 1, got {samples_per_class}")
+    counts = np.bincount(labels[pool], minlength=int(labels.max()) + 1)
+    if samples_per_class > int(counts.min()):
+        raise PtqError(f"{option}: {samples_per_class} is more than the {int(counts.min())} images of class {int(counts.argmin())} {where}")
+    return pool[stratified_indices(labels[pool], samples_per_class, seed)]
+
+
+def build_calibration_set(data_dir: Path, samples_per_class: int, seed: int) -> CalibrationSet:
     train = cifar.load_train(data_dir)
-    counts = np.bincount(train.labels, minlength=len(train.class_names))
-    smallest = int(counts.min())
-    if samples_per_class > smallest:
-        raise PtqError(
-            f"--samples-per-class: {samples_per_class} is more than the {smallest} images of class "
-            f"'{train.class_names[int(counts.argmin())]}' in {data_dir}"
-        )
-    indices = stratified_indices(train.labels, samples_per_class, seed)
+    everything = np.arange(len(train.labels))
+    indices = draw_stratified(train.labels, everything, samples_per_class, seed, "--samples-per-class", f"in {data_dir}")
     return CalibrationSet(
         images=cifar.to_model_input(train.images[indices]),
         labels=train.labels[indices],

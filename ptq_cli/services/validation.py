@@ -15,7 +15,7 @@ import numpy as np
 from ptq_cli import settings
 from ptq_cli.errors import PtqError
 from ptq_cli.services import cifar
-from ptq_cli.services.calibration import CalibrationSet, stratified_indices
+from ptq_cli.services.calibration import CalibrationSet, draw_stratified
 from ptq_cli.services.models import LoadedModel
 
 EVALUATION_BATCH = 1000
@@ -46,19 +46,12 @@ def build_validation_set(
     seed: int = settings.VALIDATION_SEED,
 ) -> ValidationSet:
     """A seeded, class-stratified sample of the training images the calibration set does not use."""
-    if samples_per_class < 1:
-        raise PtqError(f"--validation-per-class: must be at least 1, got {samples_per_class}")
     train = cifar.load_train(data_dir)
     if len(calibration.indices) and int(calibration.indices.max()) >= len(train.labels):
         raise PtqError(f"{calibration.source}: calibration indices do not fit the training batches of {data_dir}")
     available = np.setdiff1d(np.arange(len(train.labels)), calibration.indices)
-    smallest = int(np.bincount(train.labels[available], minlength=cifar.NUM_CLASSES).min())
-    if samples_per_class > smallest:
-        raise PtqError(
-            f"--validation-per-class: {samples_per_class} is more than the {smallest} training images per class "
-            "left after the calibration set"
-        )
-    indices = available[stratified_indices(train.labels[available], samples_per_class, seed)]
+    indices = draw_stratified(train.labels, available, samples_per_class, seed, "--validation-per-class",
+                              "left in the training batches after the calibration set")
     if np.intersect1d(indices, calibration.indices).size:  # by construction impossible; kept as a guard
         raise PtqError("validation split overlaps the calibration set")
     return ValidationSet(
