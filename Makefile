@@ -7,7 +7,6 @@ PTQ := $(BIN)/ptq
 PTQ_ASSETS ?= ../shared/assets
 export PTQ_ASSETS
 ONNX2TORCH := onnx2torch==1.5.15
-MODELS := resnet8.onnx resnet8.pt resnet8_int8.onnx resnet8_uint8.onnx resnet8_uint8_speed.onnx resnet8_pytorch_int8.pt
 
 .PHONY: install run tune test bench clean
 
@@ -22,16 +21,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install --quiet --no-deps $(ONNX2TORCH)
 	touch $@
 
+# The whole study in one command; stages whose inputs are unchanged (by sha256) are skipped, see
+# results/manifest.json. `make run FORCE=--force` runs every stage again.
 run: install
-	$(PTQ) convert --torch models/resnet8.pt
-	$(PTQ) calibrate
-	$(PTQ) quantize --dtype int8
-	$(PTQ) quantize --dtype uint8
-	$(PTQ) quantize --target speed
-	$(PTQ) quantize --backend pytorch --dtype int8
-	$(PTQ) evaluate $(foreach model,$(MODELS),--model models/$(model))
-	$(PTQ) benchmark $(foreach model,$(MODELS),--model models/$(model))
-	$(PTQ) report --markdown
+	$(PTQ) run $(FORCE)
 
 # After `make run`: tune int8 and uint8 on the validation split, then judge the choices on the test set.
 tune: install

@@ -7,13 +7,15 @@ directory, with the decoded-CIFAR cache warm (a first `calibrate` fills it), and
 - the wall time of every stage, the total, and the total of the warm pipeline (calibrate, all
   quantizations, all evaluations, report: the part that runs again when models change);
 - `ptq benchmark` of every model at batch 1 and batch 256: p50/p99 latency, throughput, speed-up
-  against the FP32 model of the same framework.
+  against the FP32 model of the same framework;
+- `ptq run` twice in a row in a new directory: both wall times, and whether the second changed any file.
 Timing lives here, never in the unit tests.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -86,7 +88,26 @@ def main() -> None:
             f"{record['images_per_second']:,.0f}", "-" if ratio is None else f"{ratio:.2f}x",
         )
     console.print(table)
+
+    # `ptq run` twice in a new directory: the second run should only hash, and change no file.
+    run_dir = workdir / "ptq-run"
+    run_dir.mkdir(exist_ok=True)
+    first, _ = ptq(["run", "--force", "--runs", str(options.runs)], run_dir, env)
+    before = _hashes(run_dir)
+    second, _ = ptq(["run"], run_dir, env)
+    unchanged = _hashes(run_dir) == before
+    runs = Table(title="ptq run twice in a row (one process each)", title_justify="left")
+    for column in ("run", "seconds", "share of first"):
+        runs.add_column(column, justify="left" if column == "run" else "right")
+    runs.add_row("first (every stage)", f"{first:.2f}", "100%")
+    runs.add_row("second (all up to date)", f"{second:.2f}", f"{second / first:.1%}")
+    console.print(runs)
+    console.print(f"second run changed no file: {unchanged}")
     console.print(f"work directory: {workdir}")
+
+
+def _hashes(directory: Path) -> dict[str, str]:
+    return {str(path): hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted(directory.rglob("*")) if path.is_file()}
 
 
 if __name__ == "__main__":

@@ -11,15 +11,26 @@ from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console, Group
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TransferSpeedColumn,
+)
 
 from ptq_cli import render, settings
-from ptq_cli.atomic import write_text
-from ptq_cli.errors import PtqError
+from ptq_cli.atomic import check_writable, write_text
+from ptq_cli.errors import Interrupted, PtqError
 from ptq_cli.services import benchmark as benchmark_service
 from ptq_cli.services import calibration as calibration_service
 from ptq_cli.services import convert as convert_service
 from ptq_cli.services import evaluate as evaluate_service
+from ptq_cli.services import fetch as fetch_service
+from ptq_cli.services import pipeline as pipeline_service
 from ptq_cli.services import quantize as quantize_service
 from ptq_cli.services import report as report_service
 from ptq_cli.services import sensitivity as sensitivity_service
@@ -50,11 +61,16 @@ class PtqGroup(typer.core.TyperGroup):
             code = _fail(f"{error.format_message()} (see `{command} --help`)", error.exit_code)
         except ClickException as error:
             code = _fail(error.format_message(), error.exit_code)
-        except typer.Abort:
-            code = _fail("interrupted", 130)
         if not standalone_mode:
             return code
         sys.exit(code if isinstance(code, int) else 0)
+
+    def invoke(self, ctx: Any) -> Any:
+        # Typer turns Ctrl-C into a silent exit 130 before main() sees it; say what happened instead.
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt as interrupt:
+            raise Interrupted("interrupted; no partial output was written") from interrupt
 
 
 # Options whose value may be left out (`--markdown` alone means the default path). Typer has no such
@@ -100,6 +116,11 @@ class Target(str, Enum):
     speed = "speed"
 
 
+class Asset(str, Enum):
+    cifar = "cifar"
+    model = "model"
+
+
 class Method(str, Enum):
     minmax = "minmax"
     entropy = "entropy"
@@ -132,6 +153,52 @@ def _progress_bar(description: str) -> Iterator[Callable[[int, int], None]]:
     with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task(description, total=None)
         yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
+@app.command()
+def fetch(
+    destination: Annotated[Optional[Path], typer.Option("--dest", help=f"Where the assets go. (default: ${settings.ASSETS_ENV}, {settings.ASSETS_ENV}={settings.DEFAULT_ASSETS})", show_default=False)] = None,
+    mirror: Annotated[Optional[Path], typer.Option(help="Copy from this local copy (e.g. ../shared/assets) instead of downloading; checked by structure, not file hash.", show_default=False)] = None,
+    asset: Annotated[Optional[list[Asset]], typer.Option(help="Only this asset; repeat for several. (default: both)", show_default=False)] = None,
+    cifar_url: Annotated[Optional[str], typer.Option(help=f"CIFAR-10 python tarball URL (e.g. an internal mirror). (default: {fetch_service.CIFAR_URL})", show_default=False)] = None,
+    cifar_md5: Annotated[Optional[str], typer.Option(help=f"Expected md5 of the tarball. (default: the published {fetch_service.CIFAR_MD5})", show_default=False)] = None,
+    model_url: Annotated[Optional[str], typer.Option(help="MLPerf Tiny ResNet8 .h5 URL. (default: MLCommons Tiny on GitHub)", show_default=False)] = None,
+    model_sha256: Annotated[Optional[str], typer.Option(help="Expected sha256 of the .h5. (default: the pinned one)", show_default=False)] = None,
+    force: Annotated[bool, typer.Option("--force", help="Fetch again even if a valid copy is already in place.")] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Put CIFAR-10 and the MLPerf Tiny ResNet8 .h5 where ptq expects them: download (md5/sha256 checked) or copy a mirror.
+
+    Downloads stream to a temporary file that is renamed into place only when complete and its checksum
+    matches; CIFAR-10 is unpacked and validated (keys, shapes, label range, 1,000 test images per class)
+    before it replaces anything. A valid copy already in place is kept unless --force.
+    """
+    with _byte_progress() as progress:
+        result = fetch_service.fetch(
+            destination or settings.assets_dir(),
+            tuple(a.value for a in asset) if asset else fetch_service.ASSETS,
+            mirror,
+            fetch_service.cifar_source(cifar_url, cifar_md5),
+            fetch_service.model_source(model_url, model_sha256),
+            force,
+            progress,
+        )
+    _emit(as_json, result, render.fetched(result))
+
+
+@contextmanager
+def _byte_progress() -> Iterator[Callable[[str, int, int], None]]:
+    """One download/copy bar per asset on stderr (only on a terminal)."""
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
+        tasks: dict[str, Any] = {}
+
+        def update(asset: str, done: int, total: int) -> None:
+            if asset not in tasks:
+                tasks[asset] = bar.add_task(f"Fetching {asset}", total=total or None)
+            bar.update(tasks[asset], completed=done, total=total or None)
+
+        yield update
 
 
 @app.command()
@@ -174,6 +241,7 @@ def calibrate(
     as_json: JsonFlag = False,
 ) -> None:
     """Draw a seeded, class-stratified calibration set from the five training batches (never the test batch)."""
+    check_writable(output)
     with _working("Sampling the training batches…"):
         calibration_set = calibration_service.build_calibration_set(data_dir or settings.cifar_dir(), samples_per_class, seed)
         calibration_service.save_calibration_set(calibration_set, output)
@@ -308,8 +376,11 @@ def evaluate(
     as_json: JsonFlag = False,
 ) -> None:
     """Top-1 accuracy on all 10,000 CIFAR-10 test images, against the 87.19% FP32 baseline."""
+    models = model or _default_models()
+    for model_path in models:
+        check_writable(evaluate_service.record_path(results_dir, model_path))
     records = []
-    for model_path in model or _default_models():
+    for model_path in models:
         with _progress_bar(f"Evaluating {model_path.name}") as progress:
             record = evaluate_service.evaluate_model(model_path, data_dir or settings.cifar_dir(), batch_size, threads, progress)
         record_file = evaluate_service.save_record(record, results_dir)
@@ -363,6 +434,43 @@ def report(
     _emit(as_json, result, render.report(result))
     if markdown is not None and not as_json:
         out.print(f"Markdown report written to {markdown}")
+
+
+@app.command(name="run")
+def run_pipeline(
+    keras: Annotated[Optional[Path], typer.Option(help=f"Keras .h5 model. (default: ${settings.ASSETS_ENV}/mlperf-tiny-resnet8/pretrainedResnet.h5)", show_default=False)] = None,
+    data_dir: DataDir = None,
+    samples_per_class: Annotated[int, typer.Option(help="Calibration images drawn from each class.")] = settings.SAMPLES_PER_CLASS,
+    seed: Annotated[int, typer.Option(help="Calibration seed.")] = settings.SEED,
+    benchmark: Annotated[bool, typer.Option("--benchmark/--no-benchmark", help="Benchmark every model (latency and throughput) for the report.")] = True,
+    runs: Annotated[int, typer.Option(help="Timed runs per benchmark measurement.")] = 100,
+    threads: Annotated[Optional[int], typer.Option(help="Inference threads. (default: all cores)", show_default=False)] = None,
+    force: Annotated[bool, typer.Option("--force", help="Run every stage, even those whose outputs are up to date.")] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """The whole study: convert, calibrate, quantize (int8, uint8, speed, PyTorch), evaluate, benchmark, report.
+
+    Each stage is skipped when its inputs (by sha256), its options and its outputs are those recorded in
+    results/manifest.json by the run that made them. The manifest also keeps the tool and library
+    versions, the seed and each stage's command and wall time. Outputs go to models/, calibration/,
+    results/ and reports/ under the current directory.
+    """
+    options = pipeline_service.RunOptions(
+        keras_model=keras or settings.keras_model_path(), data_dir=data_dir or settings.cifar_dir(), samples_per_class=samples_per_class,
+        seed=seed, benchmark=benchmark, benchmark_runs=runs, threads=threads, force=force,
+    )
+    columns = (SpinnerColumn(finished_text="[green]✓[/green]"), TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, console=err, disable=not err.is_terminal) as display:
+        tasks: dict[int, Any] = {}
+
+        def on_stage(index: int, stage: pipeline_service.Stage, outcome: pipeline_service.StageOutcome | None) -> None:
+            if outcome is None:
+                tasks[index] = display.add_task(stage.name, total=1)
+            else:
+                display.update(tasks[index], completed=1, description=stage.name if outcome.ran else f"[dim]{stage.name} (up to date)[/dim]")
+
+        result = pipeline_service.run(options, render.report_markdown, ["ptq", *sys.argv[1:]], on_stage)
+    _emit(as_json, result, render.pipeline_run(result))
 
 
 def main() -> None:

@@ -9,6 +9,12 @@ class PtqError(Exception):
     exit_code = 2
 
 
+class Interrupted(PtqError):
+    """Ctrl-C: outputs are written through temporary files, so nothing half-written is left behind."""
+
+    exit_code = 130
+
+
 class CheckFailed(PtqError):
     """A verification (e.g. converted model vs source) did not pass: the input was fine, the result is not."""
 

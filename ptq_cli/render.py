@@ -16,6 +16,8 @@ from ptq_cli.services.benchmark import BenchmarkRecord
 from ptq_cli.services.calibration import CalibrationSet
 from ptq_cli.services.convert import ConversionResult
 from ptq_cli.services.evaluate import EvaluationRecord
+from ptq_cli.services.fetch import FetchResult
+from ptq_cli.services.pipeline import RunResult
 from ptq_cli.services.quantize import QuantizeResult
 from ptq_cli.services.report import Report, ReportRow
 from ptq_cli.services.sensitivity import SensitivityResult
@@ -274,6 +276,31 @@ def benchmarks(records: list[BenchmarkRecord], speedups: dict[str, float | None]
             milliseconds(record.latency_ms_p99), str(record.batch_size), f"{record.images_per_second:,.0f}", speedup(speedups.get(record.model_path)),
         )
     return table
+
+
+def fetched(result: FetchResult) -> Group:
+    lines = []
+    for asset in result.assets:
+        origin = "" if asset.source == str(asset.destination) else f" (from {asset.source})"
+        lines.append(Text.assemble((f"{asset.asset}: ", "bold"), f"{asset.action} {asset.destination}{origin}"))
+        lines.append(Text(f"  checked: {asset.summary}", style="dim"))
+    return Group(*lines)
+
+
+def pipeline_run(result: RunResult) -> Group:
+    table = Table(title="ptq run", title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False)
+    for column in ("Stage", "Status", "Seconds", "Outputs"):
+        table.add_column(column, justify="right" if column == "Seconds" else "left", no_wrap=column != "Outputs")
+    for stage in result.stages:
+        status = "[green]ran[/green]" if stage.ran else "[dim]up to date[/dim]"
+        table.add_row(stage.name, status, f"{stage.seconds:.1f}", ", ".join(stage.outputs))
+    ran = len(result.ran)
+    summary = (
+        f"{ran} of {len(result.stages)} stages ran in {result.wall_seconds:.1f} s; manifest: {result.manifest}"
+        if ran
+        else f"All {len(result.stages)} stages up to date ({result.wall_seconds:.1f} s); nothing written (--force runs them again)."
+    )
+    return Group(table, Text(summary))
 
 
 def sensitivity(result: SensitivityResult, record_file: Path) -> Group:

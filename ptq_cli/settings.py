@@ -39,6 +39,8 @@ FP32_ONNX = MODELS_DIR / "resnet8.onnx"
 CALIBRATION_FILE = Path("calibration/cifar10_calib.npz")
 RESULTS_DIR = Path("results")
 MARKDOWN_REPORT = Path("reports/QUANTIZATION_ANALYSIS.md")
+# `ptq run` describes how every file it made came about in RESULTS_DIR/MANIFEST_NAME (not a record).
+MANIFEST_NAME = "manifest.json"
 
 # Calibration defaults (the seed study): 100 images per class = 1000 samples, seed 42.
 SAMPLES_PER_CLASS = 100

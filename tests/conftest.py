@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -20,7 +21,7 @@ CIFAR = ASSETS / "cifar-10-batches-py"
 KERAS_MODEL = ASSETS / "mlperf-tiny-resnet8" / "pretrainedResnet.h5"
 
 
-PIPELINE_MODELS = ("resnet8.onnx", "resnet8.pt", "resnet8_int8.onnx", "resnet8_uint8.onnx", "resnet8_pytorch_int8.pt")
+PIPELINE_MODELS = ("resnet8.onnx", "resnet8.pt", "resnet8_int8.onnx", "resnet8_uint8.onnx", "resnet8_uint8_speed.onnx", "resnet8_pytorch_int8.pt")
 
 
 @dataclass
@@ -52,15 +53,22 @@ def assets() -> Path:
 
 @pytest.fixture(scope="session")
 def pipeline(tmp_path_factory, assets) -> Path:
-    """The study as `make run` does it, once per session, in a fresh directory."""
-    work = tmp_path_factory.mktemp("pipeline")
-    ptq_ok("convert", "--torch", "models/resnet8.pt", cwd=work)
-    ptq_ok("calibrate", cwd=work)
-    ptq_ok("quantize", "--dtype", "int8", cwd=work)
-    ptq_ok("quantize", "--dtype", "uint8", cwd=work)
-    ptq_ok("quantize", "--backend", "pytorch", "--dtype", "int8", cwd=work)
-    ptq_ok("evaluate", *[arg for model in PIPELINE_MODELS for arg in ("--model", f"models/{model}")], cwd=work)
+    """The study as `make run` does it (`ptq run`, without the benchmarks), once per session, in a fresh
+    directory; a copy of the directory as the run left it is kept beside it for `pipeline_snapshot`."""
+    base = tmp_path_factory.mktemp("study")
+    work = base / "work"
+    work.mkdir()
+    ptq_ok("run", "--no-benchmark", cwd=work)
+    shutil.copytree(work, base / "snapshot", symlinks=True)
     return work
+
+
+@pytest.fixture
+def pipeline_snapshot(pipeline, tmp_path) -> Path:
+    """A private copy of the directory exactly as `ptq run` left it (other tests write into `pipeline`)."""
+    copy = tmp_path / "study"
+    shutil.copytree(pipeline.parent / "snapshot", copy, symlinks=True)
+    return copy
 
 
 def read_json(path: Path) -> dict:

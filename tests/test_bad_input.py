@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
 import pytest
 
-from conftest import CIFAR, assert_clean_failure, ptq
+from conftest import CIFAR, assert_clean_failure, ptq, ptq_ok, read_json
 from ptq_cli.services import cifar
 
 
@@ -112,4 +122,112 @@ def test_report_skips_a_corrupt_record_and_names_it(tmp_path, pipeline):
 def test_missing_keras_file(tmp_path, assets):
     run = ptq("convert", "--keras", "missing.h5", cwd=tmp_path)
     assert_clean_failure(run, 2, "missing.h5")
+    assert _files(tmp_path) == []
+
+
+def _nchw_copy(source, target):
+    """The same network behind a Transpose: an NCHW N x 3 x 32 x 32 input, as PyTorch exports make."""
+    model = onnx.load(str(source))
+    original = model.graph.input[0]
+    nchw = onnx.helper.make_tensor_value_info("input_nchw", onnx.TensorProto.FLOAT, ["N", 3, 32, 32])
+    model.graph.node.insert(0, onnx.helper.make_node("Transpose", ["input_nchw"], [original.name], perm=[0, 2, 3, 1]))
+    model.graph.input.remove(original)
+    model.graph.input.insert(0, nchw)
+    onnx.save(model, str(target))
+
+
+def _five_class_copy(source, target):
+    model = onnx.load(str(source))
+    scores = model.graph.output[0]
+    for name, value in (("five_starts", 0), ("five_ends", 5), ("five_axes", 1)):
+        model.graph.initializer.append(onnx.numpy_helper.from_array(np.array([value], dtype=np.int64), name))
+    model.graph.node.append(onnx.helper.make_node("Slice", [scores.name, "five_starts", "five_ends", "five_axes"], ["five_scores"]))
+    model.graph.output.remove(scores)
+    model.graph.output.append(onnx.helper.make_tensor_value_info("five_scores", onnx.TensorProto.FLOAT, ["N", 5]))
+    onnx.save(model, str(target))
+
+
+def test_nchw_model_is_detected_and_fed_transposed_images(tmp_path, pipeline):
+    _nchw_copy(pipeline / "models" / "resnet8.onnx", tmp_path / "nchw.onnx")
+    ptq_ok("evaluate", "--model", "nchw.onnx", "--results-dir", "res", cwd=tmp_path)
+    assert read_json(tmp_path / "res" / "nchw.onnx.json")["correct"] == read_json(pipeline / "results" / "resnet8.onnx.json")["correct"]
+    ptq_ok("quantize", "--model", "nchw.onnx", "--target", "speed", "--output", "nchw_q.onnx", cwd=tmp_path)
+    ptq_ok("evaluate", "--model", "nchw_q.onnx", "--results-dir", "res", cwd=tmp_path)
+    assert read_json(tmp_path / "res" / "nchw_q.onnx.json")["accuracy"] >= 87.19 - 0.3  # calibrated on transposed images too
+    run = ptq("quantize", "--model", "nchw.onnx", "--backend", "pytorch", "--output", "nchw.pt", cwd=tmp_path)
+    assert_clean_failure(run, 2, "nchw.onnx")
+    assert "NCHW" in run.stderr
+    assert not (tmp_path / "nchw.pt").exists()
+
+
+def test_model_without_ten_class_scores_is_refused(tmp_path, pipeline):
+    _five_class_copy(pipeline / "models" / "resnet8.onnx", tmp_path / "five.onnx")
+    for command in (["evaluate", "--model", "five.onnx", "--results-dir", "res"], ["quantize", "--model", "five.onnx", "--output", "q.onnx"],
+                    ["benchmark", "--model", "five.onnx", "--results-dir", "res"]):
+        run = ptq(*command, cwd=tmp_path)
+        assert_clean_failure(run, 2, "five.onnx")
+        assert "10 class scores" in run.stderr
+    assert _files(tmp_path) == [Path("five.onnx")]
+
+
+def test_output_that_is_a_directory_or_empty_is_refused(tmp_path, pipeline):
+    (tmp_path / "models").mkdir()
+    model = pipeline / "models" / "resnet8.onnx"
+    for command, mentions in ((["quantize", "--model", model, "--output", "models"], "models"), (["calibrate", "--output", ""], "."),
+                              (["report", "--results-dir", pipeline / "results", "--markdown", "models"], "models")):
+        run = ptq(*command, cwd=tmp_path)
+        assert_clean_failure(run, 2, mentions)
+        assert "is a directory" in run.stderr
+    assert _files(tmp_path) == []
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory nobody can create files in, root included (tests often run as root, who ignores mode bits)."""
+    directory = tmp_path / "read-only"
+    directory.mkdir()
+    directory.chmod(0o555)
+    immutable = False
+    if os.access(directory, os.W_OK) and shutil.which("chattr"):
+        immutable = subprocess.run(["chattr", "+i", str(directory)], capture_output=True).returncode == 0
+    try:
+        (directory / "probe").touch()
+    except OSError:
+        pass
+    else:
+        pytest.fail(f"cannot make {directory} read-only here (chmod and chattr +i both ignored)")
+    yield directory
+    if immutable:
+        subprocess.run(["chattr", "-i", str(directory)], check=True)
+    directory.chmod(0o755)
+
+
+def test_read_only_output_directory(tmp_path, pipeline, read_only_dir):
+    model = pipeline / "models" / "resnet8.onnx"
+    commands = (
+        ["quantize", "--model", model, "--output", "read-only/q.onnx"],
+        ["calibrate", "--output", "read-only/c.npz"],
+        ["evaluate", "--model", model, "--results-dir", "read-only"],
+        ["report", "--results-dir", pipeline / "results", "--markdown", "read-only/report.md"],
+        ["convert", "--onnx", model, "--torch", "read-only/m.pt"],
+    )
+    for command in commands:
+        run = ptq(*command, cwd=tmp_path)
+        assert_clean_failure(run, 2, "read-only")
+        assert "cannot write" in run.stderr
+    run = ptq("run", cwd=read_only_dir)
+    assert_clean_failure(run, 2, "cannot write")
+    assert list(read_only_dir.iterdir()) == []
+
+
+def test_ctrl_c_during_evaluation_leaves_no_record(tmp_path, pipeline):
+    """SIGINT while the TorchScript model runs one image at a time (about 5 s of work): exit 130, no record."""
+    env = {**os.environ, "PTQ_ASSETS": str(CIFAR.parent)}
+    command = [sys.executable, "-m", "ptq_cli", "evaluate", "--model", pipeline / "models" / "resnet8.pt", "--batch-size", "1", "--threads", "1", "--results-dir", "res"]
+    process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(3.5)
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, (stdout, stderr)
+    assert stderr.strip().splitlines() == ["Error: interrupted; no partial output was written"], stderr
     assert _files(tmp_path) == []

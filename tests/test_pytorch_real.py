@@ -80,6 +80,7 @@ def test_report_shows_both_frameworks_side_by_side(pipeline):
         ("onnxruntime", "fp32", "resnet8.onnx"),
         ("onnxruntime", "int8", "resnet8_int8.onnx"),
         ("onnxruntime", "uint8", "resnet8_uint8.onnx"),
+        ("onnxruntime", "uint8", "resnet8_uint8_speed.onnx"),
         ("pytorch", "fp32", "resnet8.pt"),
         ("pytorch", "int8", "resnet8_pytorch_int8.pt"),
     ]

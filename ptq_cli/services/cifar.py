@@ -19,6 +19,7 @@ TEST_BATCH = "test_batch"
 META_FILE = "batches.meta"
 IMAGE_SHAPE = (32, 32, 3)
 NUM_CLASSES = 10
+TEST_IMAGES_PER_CLASS = 1000
 
 
 @dataclass(frozen=True)
@@ -130,3 +131,24 @@ def load_train(data_dir: Path) -> CifarSplit:
 def load_test(data_dir: Path) -> CifarSplit:
     """The 10,000 test images: only ever used to evaluate."""
     return _load(data_dir, (TEST_BATCH,))
+
+
+@dataclass(frozen=True)
+class DirectorySummary:
+    data_dir: Path
+    train_images: int
+    test_images: int
+    class_names: tuple[str, ...]
+
+
+def validate_directory(data_dir: Path) -> DirectorySummary:
+    """Check a CIFAR-10 directory by structure, not by file hash (rebuilt copies differ in b'filenames'):
+    every batch's keys, shapes and label range, the ten class names, and 1,000 test images per class."""
+    data_dir = Path(data_dir)
+    class_names = load_class_names(data_dir)
+    train_images = sum(len(load_batch(data_dir / name)[1]) for name in TRAIN_BATCHES)
+    _, test_labels = load_batch(data_dir / TEST_BATCH)
+    per_class = np.bincount(test_labels, minlength=NUM_CLASSES)
+    if not (per_class == TEST_IMAGES_PER_CLASS).all():
+        raise PtqError(f"{data_dir / TEST_BATCH}: {per_class.tolist()} images per class, expected {TEST_IMAGES_PER_CLASS} of each")
+    return DirectorySummary(data_dir, train_images, len(test_labels), class_names)

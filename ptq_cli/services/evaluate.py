@@ -16,7 +16,7 @@ from ptq_cli.atomic import write_text
 from ptq_cli.errors import PtqError
 from ptq_cli.services import cifar
 from ptq_cli.services.models import load_model, resolve_threads
-from ptq_cli.settings import BASELINE_ACCURACY
+from ptq_cli.settings import BASELINE_ACCURACY, MANIFEST_NAME
 
 RECORD_SCHEMA = 1
 ProgressCallback = Callable[[int, int], None]  # (images done, images total)
@@ -137,6 +137,8 @@ def load_records(results_dir: Path) -> RecordSet:
         raise PtqError(f"{results_dir}: results directory not found (run `ptq evaluate` first)")
     records, skipped = [], []
     for path in sorted(results_dir.glob("*.json")):
+        if path.name == MANIFEST_NAME:
+            continue
         try:
             records.append(read_record(path))
         except PtqError as error:

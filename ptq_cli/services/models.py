@@ -86,12 +86,36 @@ def _onnx_dtype(model) -> tuple[str, dict | None]:
     return "fp32", None
 
 
-def _check_io(path: Path, input_shape: list, output_shape: list) -> None:
-    known = [dim if isinstance(dim, int) else None for dim in input_shape]
-    if len(known) != 4 or known[1:] not in ([32, 32, 3], [None, None, None]):
-        raise PtqError(f"{path}: input shape {input_shape} is not NHWC N x 32 x 32 x 3")
+NHWC = "NHWC"  # CIFAR-10 as ptq holds it, and the Keras model's layout
+NCHW = "NCHW"  # PyTorch's usual layout: such ONNX models get their batch transposed
+
+
+def check_io(path: Path, input_shape: list, output_shape: list) -> str:
+    """The input layout of a CIFAR-10 classifier, or a one-line error: 32x32 RGB in, 10 class scores out."""
+    known = [dim if isinstance(dim, int) and dim > 0 else None for dim in input_shape]
     if not output_shape or output_shape[-1] != 10:
-        raise PtqError(f"{path}: output shape {output_shape} does not give 10 class scores")
+        raise PtqError(f"{path}: output shape {output_shape} does not give 10 class scores (CIFAR-10 has 10 classes)")
+    if len(known) == 4 and known[1:] == [3, 32, 32]:
+        return NCHW
+    if len(known) == 4 and known[1:] in ([32, 32, 3], [None, None, None]):
+        return NHWC
+    raise PtqError(f"{path}: input shape {input_shape} is neither NHWC N x 32 x 32 x 3 nor NCHW N x 3 x 32 x 32")
+
+
+def _dims(value) -> list:
+    return [dim.dim_value if dim.HasField("dim_value") else (dim.dim_param or None) for dim in value.type.tensor_type.shape.dim]
+
+
+def onnx_layout(path: Path, model) -> str:
+    """check_io on the shapes an ONNX graph declares (before any session is made)."""
+    initializers = {init.name for init in model.graph.initializer}
+    inputs = [value for value in model.graph.input if value.name not in initializers]
+    return check_io(path, _dims(inputs[0]), _dims(model.graph.output[0]))
+
+
+def to_layout(images: np.ndarray, layout: str) -> np.ndarray:
+    """NHWC images in the model's layout."""
+    return images if layout == NHWC else np.ascontiguousarray(images.transpose(0, 3, 1, 2))
 
 
 def default_threads() -> int:
@@ -135,12 +159,12 @@ def load_onnx(path: Path, threads: int | None = None) -> LoadedModel:
     except Exception as error:  # onnxruntime raises its own exception types for unloadable graphs
         raise PtqError(f"{path}: onnxruntime cannot load it ({str(error).splitlines()[0]})") from error
     model_input = session.get_inputs()[0]
-    _check_io(path, list(model_input.shape), list(session.get_outputs()[0].shape))
+    layout = check_io(path, list(model_input.shape), list(session.get_outputs()[0].shape))
     input_name = model_input.name
     pool = ThreadPoolExecutor(threads, thread_name_prefix="ptq-ort") if threads > 1 else None
 
     def run(images: np.ndarray) -> np.ndarray:
-        return session.run(None, {input_name: images})[0]
+        return session.run(None, {input_name: to_layout(images, layout)})[0]
 
     def predict(images: np.ndarray) -> np.ndarray:
         if pool is None or len(images) < MIN_SHARD * threads:
@@ -182,7 +206,7 @@ def load_torchscript(path: Path, threads: int | None = None) -> LoadedModel:
         # A TorchScript error is a stack of frames; its last line says what went wrong.
         cause = [line for line in str(error).splitlines() if line.strip()][-1:] or [type(error).__name__]
         raise PtqError(f"{path}: does not take an NHWC N x 32 x 32 x 3 float32 batch ({cause[0].strip()})") from error
-    _check_io(path, [None, 32, 32, 3], list(probe.shape))
+    check_io(path, [None, 32, 32, 3], list(probe.shape))
     info = ModelInfo(path, PYTORCH, dtype, quantization, len(data), hashlib.sha256(data).hexdigest())
     return LoadedModel(info, predict)
 

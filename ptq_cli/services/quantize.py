@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ptq_cli.atomic import atomic_output
+from ptq_cli.atomic import atomic_output, check_writable
 from ptq_cli.errors import PtqError
 from ptq_cli.services.calibration import CalibrationSet
-from ptq_cli.services.models import ONNXRUNTIME, PYTORCH, QUANTIZATION_METADATA_KEY, read_onnx
+from ptq_cli.services.models import NCHW, ONNXRUNTIME, PYTORCH, QUANTIZATION_METADATA_KEY, onnx_layout, read_onnx, to_layout
 
 DTYPES = ("int8", "uint8")
 BACKENDS = (ONNXRUNTIME, PYTORCH)
@@ -161,6 +161,9 @@ def quantize(model_path: Path, output: Path, settings: QuantizationSettings, cal
     model = read_onnx(model_path)
     if model_path.resolve() == output.resolve():
         raise PtqError(f"--output: {output} would overwrite the model being quantized")
+    check_writable(output)
+    if onnx_layout(model_path, model) == NCHW and settings.framework == PYTORCH:
+        raise PtqError(f"{model_path}: NCHW input; the PyTorch backend takes NHWC models (quantize it with --backend onnxruntime)")
     settings = replace(
         settings,
         calibration_samples=int(calibration.images.shape[0]),
@@ -199,7 +202,8 @@ def quantize_onnx(
             quantize_static(
                 source,
                 str(tmp),
-                _reader(model.graph.input[0].name, calibration.images),
+                # Calibration images are NHWC; an NCHW model gets them transposed, as at inference.
+                _reader(model.graph.input[0].name, to_layout(calibration.images, onnx_layout(Path(model.graph.name), model))),
                 quant_format=QuantFormat.QDQ,
                 per_channel=settings.per_channel,
                 activation_type=quant_types[settings.dtype],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import tempfile
 import warnings
@@ -92,7 +93,11 @@ def save_torchscript(module, path: Path, example: np.ndarray, metadata: dict) ->
         # [-1, ...] beforehand, so the trace holds for any batch size (the conversion check runs 1000 images).
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
         scripted = torch.jit.trace(module, torch.from_numpy(example), check_trace=False)
-    torch.jit.save(scripted, str(path), _extra_files={TORCHSCRIPT_METADATA_FILE: json.dumps(metadata)})
+    # Saved through a buffer: given a path, torch names the archive's root folder after the file, so
+    # the temporary name would make two identical models differ byte for byte.
+    buffer = io.BytesIO()
+    torch.jit.save(scripted, buffer, _extra_files={TORCHSCRIPT_METADATA_FILE: json.dumps(metadata)})
+    Path(path).write_bytes(buffer.getvalue())
 
 
 def qconfig_mapping(per_channel: bool, method: str):

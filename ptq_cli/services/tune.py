@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from ptq_cli.atomic import write_text
+from ptq_cli.atomic import check_writable, write_text
 from ptq_cli.errors import PtqError
 from ptq_cli.services.calibration import CalibrationSet, stratified_subset
 from ptq_cli.services.models import load_onnx, read_onnx
@@ -113,6 +113,9 @@ def tune(
     if model_path.resolve() == output.resolve():
         raise PtqError(f"--output: {output} would overwrite the model being tuned")
     model = read_onnx(model_path)
+    record = Path(results_dir) / TUNING_DIR / f"{output.name}.json"
+    for path in (output, record):
+        check_writable(path)
     fp32_size = model_path.stat().st_size
     fp32 = score(load_onnx(model_path), validation)
     calibration_grid = [
@@ -198,7 +201,6 @@ def tune(
         quantize_onnx(model, output, chosen.settings, calibration_sets[chosen.settings.calibration_samples],
                       metadata={"validation": validation_summary, "tuned_max_drop": max_drop})
 
-    record = Path(results_dir) / TUNING_DIR / f"{output.name}.json"
     result = TuneResult(model_path, dtype, max_drop, fp32.accuracy, validation.describe(), candidates, chosen, bool(eligible),
                         reason, output, record)
     write_text(record, json.dumps(asdict(result), indent=2, default=str) + "\n")

@@ -1,0 +1,260 @@
+"""The whole study as one run of stages, each skipped when its inputs and outputs are unchanged.
+
+A stage is up to date when the manifest's entry for it has the same options and the same sha256 for
+every input, and every output still exists with the sha256 recorded when the stage wrote it. The
+manifest (results/manifest.json) thus describes the files on disk: how each was made, from what, with
+which versions, and how long its stage took. A run where every stage is up to date writes nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from importlib import metadata as package_metadata
+from pathlib import Path
+
+import ptq_cli
+from ptq_cli import settings
+from ptq_cli.atomic import check_writable, write_text
+from ptq_cli.errors import PtqError
+from ptq_cli.services import benchmark as benchmark_service
+from ptq_cli.services import calibration as calibration_service
+from ptq_cli.services import cifar
+from ptq_cli.services import convert as convert_service
+from ptq_cli.services import evaluate as evaluate_service
+from ptq_cli.services import quantize as quantize_service
+from ptq_cli.services import report as report_service
+
+MANIFEST_SCHEMA = 1
+LIBRARIES = ("numpy", "onnx", "onnxruntime", "torch", "onnx2torch", "tensorflow-cpu", "tf2onnx", "typer", "rich")
+FP32_TORCH = settings.MODELS_DIR / "resnet8.pt"
+# (file name, ptq quantize options) of the quantized models, in the order `make run` always made them.
+QUANTIZED = (
+    ("resnet8_int8.onnx", {"dtype": "int8"}),
+    ("resnet8_uint8.onnx", {"dtype": "uint8"}),
+    ("resnet8_uint8_speed.onnx", {"target": "speed"}),
+    ("resnet8_pytorch_int8.pt", {"backend": "pytorch", "dtype": "int8"}),
+)
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    keras_model: Path
+    data_dir: Path
+    samples_per_class: int = settings.SAMPLES_PER_CLASS
+    seed: int = settings.SEED
+    benchmark: bool = True
+    benchmark_runs: int = 100
+    threads: int | None = None
+    results_dir: Path = settings.RESULTS_DIR
+    markdown: Path = settings.MARKDOWN_REPORT
+    force: bool = False
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    command: str  # the equivalent single ptq command, for people reading the manifest
+    inputs: tuple[Path, ...]
+    outputs: tuple[Path, ...]
+    options: dict
+    action: Callable[[], object]
+
+
+@dataclass(frozen=True)
+class StageOutcome:
+    name: str
+    command: str
+    ran: bool  # False: up to date, skipped
+    seconds: float  # this run's time for the stage (hashing only, when skipped)
+    inputs: dict[str, str]  # path -> sha256
+    outputs: dict[str, str]
+
+
+@dataclass(frozen=True)
+class RunResult:
+    stages: list[StageOutcome]
+    wall_seconds: float
+    manifest: Path
+    manifest_written: bool
+
+    @property
+    def ran(self) -> list[str]:
+        return [stage.name for stage in self.stages if stage.ran]
+
+
+# Called before (outcome None) and after each stage.
+StageCallback = Callable[[int, Stage, "StageOutcome | None"], None]
+
+
+@dataclass
+class _Hashes:
+    """sha256 of files, remembered by (size, mtime) so the 180 MB of CIFAR are read once per run."""
+
+    known: dict[tuple[str, int, int], str] = field(default_factory=dict)
+
+    def __call__(self, path: Path) -> str:
+        stat = path.stat()
+        key = (str(path), stat.st_size, stat.st_mtime_ns)
+        if key not in self.known:
+            digest = hashlib.sha256()
+            with path.open("rb") as handle:
+                for block in iter(lambda: handle.read(1 << 20), b""):
+                    digest.update(block)
+            self.known[key] = digest.hexdigest()
+        return self.known[key]
+
+
+def plan(options: RunOptions, render_markdown: Callable[[report_service.Report], str]) -> list[Stage]:
+    """The stages of `make run`, in order; each reads only files earlier stages (or the user) provide."""
+    data, results = options.data_dir, options.results_dir
+    train_files = tuple(data / name for name in (cifar.META_FILE, *cifar.TRAIN_BATCHES))
+    test_files = (data / cifar.META_FILE, data / cifar.TEST_BATCH)
+    fp32 = settings.FP32_ONNX
+    calibration = settings.CALIBRATION_FILE
+    models = [fp32, FP32_TORCH, *(settings.MODELS_DIR / name for name, _ in QUANTIZED)]
+    stages = [
+        Stage("convert keras -> onnx", f"ptq convert --keras {options.keras_model}", (options.keras_model, *test_files), (fp32,), {"opset": 13},
+              lambda: convert_service.keras_to_onnx(options.keras_model, fp32, data)),
+        Stage("convert onnx -> pytorch", f"ptq convert --onnx {fp32} --torch {FP32_TORCH}", (fp32, *test_files), (FP32_TORCH,), {},
+              lambda: convert_service.onnx_to_torchscript(fp32, FP32_TORCH, data)),
+        Stage("calibrate", f"ptq calibrate --samples-per-class {options.samples_per_class} --seed {options.seed}", train_files, (calibration,),
+              {"samples_per_class": options.samples_per_class, "seed": options.seed}, lambda: _calibrate(options, calibration)),
+    ]
+    for name, quantize_options in QUANTIZED:
+        output = settings.MODELS_DIR / name
+        flags = " ".join(f"--{key} {value}" for key, value in quantize_options.items())
+        stages.append(Stage(f"quantize {name}", f"ptq quantize {flags}", (fp32, calibration), (output,), quantize_options,
+                            lambda output=output, quantize_options=quantize_options: _quantize(fp32, output, calibration, quantize_options)))
+    threads = {"threads": options.threads} if options.threads else {}
+    for model in models:
+        record = evaluate_service.record_path(results, model)
+        stages.append(Stage(f"evaluate {model.name}", f"ptq evaluate --model {model}", (model, *test_files), (record,), threads,
+                            lambda model=model: evaluate_service.save_record(evaluate_service.evaluate_model(model, data, threads=options.threads), results)))
+    if options.benchmark:
+        for model in models:
+            record = benchmark_service.benchmark_path(results, model)
+            stages.append(Stage(f"benchmark {model.name}", f"ptq benchmark --model {model} --runs {options.benchmark_runs}", (model,), (record,),
+                                {"runs": options.benchmark_runs, **threads},
+                                lambda model=model: benchmark_service.save_benchmark(
+                                    benchmark_service.benchmark_model(model, data, threads=options.threads, runs=options.benchmark_runs), results)))
+    records = tuple(evaluate_service.record_path(results, model) for model in models)
+    if options.benchmark:
+        records += tuple(benchmark_service.benchmark_path(results, model) for model in models)
+    stages.append(Stage("report", f"ptq report --markdown {options.markdown}", records, (options.markdown,), {},
+                        lambda: write_text(options.markdown, render_markdown(report_service.report_from_results(results)))))
+    return stages
+
+
+def _calibrate(options: RunOptions, output: Path) -> None:
+    calibration = calibration_service.build_calibration_set(options.data_dir, options.samples_per_class, options.seed)
+    calibration_service.save_calibration_set(calibration, output)
+
+
+def _quantize(model: Path, output: Path, calibration: Path, options: dict) -> None:
+    quantization_settings = quantize_service.make_settings(**options)
+    quantize_service.quantize(model, output, quantization_settings, calibration_service.load_calibration_set(calibration))
+
+
+def manifest_path(results_dir: Path) -> Path:
+    return Path(results_dir) / settings.MANIFEST_NAME
+
+
+def read_manifest(path: Path) -> dict:
+    """The previous manifest, or an empty one; a damaged manifest only means every stage runs again."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) and data.get("schema") == MANIFEST_SCHEMA else {}
+
+
+def _up_to_date(entry: dict | None, stage: Stage, inputs: dict[str, str], hashes: _Hashes) -> bool:
+    if not entry or entry.get("options") != stage.options or entry.get("inputs") != inputs:
+        return False
+    recorded = entry.get("outputs") or {}
+    return set(recorded) == {str(path) for path in stage.outputs} and all(
+        path.is_file() and hashes(path) == recorded[str(path)] for path in stage.outputs
+    )
+
+
+def _check_inputs(stage: Stage) -> None:
+    for path in stage.inputs:
+        if not path.is_file():
+            raise PtqError(f"{path}: input of stage '{stage.name}' not found")
+
+
+def library_versions() -> dict[str, str | None]:
+    versions: dict[str, str | None] = {}
+    for name in LIBRARIES:
+        try:
+            versions[name] = package_metadata.version(name)
+        except package_metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def run(
+    options: RunOptions,
+    render_markdown: Callable[[report_service.Report], str],
+    command_line: list[str],
+    on_stage: StageCallback | None = None,
+) -> RunResult:
+    """Run every stage that is not up to date (all of them with `force`); write the manifest if any ran."""
+    began, started_at = time.perf_counter(), datetime.now(timezone.utc).isoformat(timespec="seconds")
+    manifest_file = manifest_path(options.results_dir)
+    previous = read_manifest(manifest_file)
+    entries: dict[str, dict] = {entry["name"]: entry for entry in previous.get("stages", []) if isinstance(entry, dict) and "name" in entry}
+    hashes = _Hashes()
+    outcomes: list[StageOutcome] = []
+    stages = plan(options, render_markdown)
+    for path in (manifest_file, *(output for stage in stages for output in stage.outputs)):
+        check_writable(path)  # a read-only directory fails now, not after minutes of work
+    for index, stage in enumerate(stages):
+        if on_stage:
+            on_stage(index, stage, None)
+        started = time.perf_counter()
+        _check_inputs(stage)
+        inputs = {str(path): hashes(path) for path in stage.inputs}
+        ran = options.force or not _up_to_date(entries.get(stage.name), stage, inputs, hashes)
+        if ran:
+            stage.action()
+        outputs = {str(path): hashes(path) for path in stage.outputs}
+        outcome = StageOutcome(stage.name, stage.command, ran, round(time.perf_counter() - started, 3), inputs, outputs)
+        if ran:
+            entries[stage.name] = {
+                "name": stage.name, "command": stage.command, "options": stage.options, "inputs": inputs, "outputs": outputs,
+                "seconds": outcome.seconds, "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            }
+        outcomes.append(outcome)
+        if on_stage:
+            on_stage(index, stage, outcome)
+    wall = round(time.perf_counter() - began, 3)
+    written = any(outcome.ran for outcome in outcomes)
+    if written:
+        manifest = {
+            "schema": MANIFEST_SCHEMA,
+            "tool": "ptq",
+            "tool_version": ptq_cli.__version__,
+            "python": sys.version.split()[0],
+            "platform": platform.platform(),
+            "libraries": library_versions(),
+            "seed": options.seed,
+            "last_run": {
+                "command": command_line,
+                "started_at": started_at,
+                "wall_seconds": wall,
+                "ran": [outcome.name for outcome in outcomes if outcome.ran],
+                "up_to_date": [outcome.name for outcome in outcomes if not outcome.ran],
+            },
+            # Stages in plan order; a stage that was up to date keeps the entry of the run that made its outputs.
+            "stages": [entries[stage.name] for stage in stages],
+        }
+        write_text(manifest_file, json.dumps(manifest, indent=2) + "\n")
+    return RunResult(outcomes, wall, manifest_file, written)

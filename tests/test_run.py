@@ -1,0 +1,67 @@
+"""`ptq run`: the whole study in one command, stages skipped by hash, a manifest, reproducible models."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from conftest import KERAS_MODEL, PIPELINE_MODELS, ptq_ok, read_json
+
+
+def _hashes(directory: Path) -> dict[str, str]:
+    return {str(path.relative_to(directory)): hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted(directory.rglob("*")) if path.is_file()}
+
+
+def test_run_makes_every_model_record_and_the_report(pipeline_snapshot):
+    for name in PIPELINE_MODELS:
+        assert (pipeline_snapshot / "models" / name).is_file()
+        assert read_json(pipeline_snapshot / "results" / f"{name}.json")["images"] == 10_000
+    assert (pipeline_snapshot / "calibration" / "cifar10_calib.npz").is_file()
+    assert "resnet8_uint8_speed.onnx" in (pipeline_snapshot / "reports" / "QUANTIZATION_ANALYSIS.md").read_text()
+
+
+def test_manifest_has_versions_seed_and_the_hash_of_every_input_and_output(pipeline_snapshot):
+    manifest = read_json(pipeline_snapshot / "results" / "manifest.json")
+    assert manifest["seed"] == 42
+    assert manifest["libraries"]["onnxruntime"] and manifest["libraries"]["torch"].startswith("2.13.0")
+    assert manifest["last_run"]["command"] == ["ptq", "run", "--no-benchmark"]
+    stages = {stage["name"]: stage for stage in manifest["stages"]}
+    assert manifest["last_run"]["ran"] == list(stages)
+    assert {"convert keras -> onnx", "calibrate", "report"} <= set(stages)
+    assert {f"evaluate {name}" for name in PIPELINE_MODELS} <= set(stages)
+    assert stages["convert keras -> onnx"]["inputs"][str(KERAS_MODEL)] == hashlib.sha256(KERAS_MODEL.read_bytes()).hexdigest()
+    for stage in stages.values():
+        assert stage["seconds"] >= 0 and stage["outputs"]
+        for path, digest in stage["outputs"].items():
+            assert hashlib.sha256((pipeline_snapshot / path).read_bytes()).hexdigest() == digest, (stage["name"], path)
+
+
+def test_second_run_skips_every_stage_and_changes_no_file(pipeline_snapshot):
+    before = _hashes(pipeline_snapshot)
+    result = json.loads(ptq_ok("run", "--no-benchmark", "--json", cwd=pipeline_snapshot).stdout)
+    assert [stage["ran"] for stage in result["stages"]] == [False] * len(result["stages"])
+    assert result["manifest_written"] is False
+    assert _hashes(pipeline_snapshot) == before
+
+
+def test_a_missing_output_reruns_only_its_stage_and_those_after_it_that_read_it(pipeline_snapshot):
+    (pipeline_snapshot / "results" / "resnet8_int8.onnx.json").unlink()
+    before = _hashes(pipeline_snapshot)
+    result = json.loads(ptq_ok("run", "--no-benchmark", "--json", cwd=pipeline_snapshot).stdout)
+    ran = [stage["name"] for stage in result["stages"] if stage["ran"]]
+    assert ran == ["evaluate resnet8_int8.onnx", "report"]
+    after = _hashes(pipeline_snapshot)
+    changed = {path for path in after if before.get(path) != after[path]}
+    assert changed == {"results/resnet8_int8.onnx.json", "reports/QUANTIZATION_ANALYSIS.md", "results/manifest.json"}
+    assert read_json(pipeline_snapshot / "results" / "manifest.json")["last_run"]["up_to_date"][0] == "convert keras -> onnx"
+
+
+def test_forced_run_with_the_same_seed_makes_byte_identical_models(pipeline_snapshot):
+    before = _hashes(pipeline_snapshot)
+    result = json.loads(ptq_ok("run", "--no-benchmark", "--force", "--json", cwd=pipeline_snapshot).stdout)
+    assert all(stage["ran"] for stage in result["stages"])
+    after = _hashes(pipeline_snapshot)
+    for name in PIPELINE_MODELS:
+        assert after[f"models/{name}"] == before[f"models/{name}"], name
+    assert after["calibration/cifar10_calib.npz"] == before["calibration/cifar10_calib.npz"]
