@@ -92,9 +92,10 @@ def main() -> None:
     # `ptq run` twice in a new directory: the second run should only hash, and change no file.
     run_dir = workdir / "ptq-run"
     run_dir.mkdir(exist_ok=True)
-    first, _ = ptq(["run", "--force", "--runs", str(options.runs)], run_dir, env)
+    run_options = ["--runs", str(options.runs), *threads]  # the same options twice: options are part of a stage's identity
+    first, _ = ptq(["run", "--force", *run_options], run_dir, env)
     before = _hashes(run_dir)
-    second, _ = ptq(["run"], run_dir, env)
+    second, _ = ptq(["run", *run_options], run_dir, env)
     unchanged = _hashes(run_dir) == before
     runs = Table(title="ptq run twice in a row (one process each)", title_justify="left")
     for column in ("run", "seconds", "share of first"):

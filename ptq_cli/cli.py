@@ -31,9 +31,11 @@ from ptq_cli.services import convert as convert_service
 from ptq_cli.services import evaluate as evaluate_service
 from ptq_cli.services import fetch as fetch_service
 from ptq_cli.services import pipeline as pipeline_service
+from ptq_cli.services import prune as prune_service
 from ptq_cli.services import quantize as quantize_service
 from ptq_cli.services import report as report_service
 from ptq_cli.services import sensitivity as sensitivity_service
+from ptq_cli.services import sweep as sweep_service
 from ptq_cli.services import tune as tune_service
 from ptq_cli.services import validation as validation_service
 from ptq_cli.services.models import read_onnx as check_model
@@ -119,6 +121,11 @@ class Target(str, Enum):
 class Asset(str, Enum):
     cifar = "cifar"
     model = "model"
+
+
+class Scope(str, Enum):
+    global_ = "global"
+    layer = "layer"
 
 
 class Method(str, Enum):
@@ -280,6 +287,82 @@ def quantize(
     _emit(as_json, result, render.quantization(result))
 
 
+ExcludeFirst = Annotated[bool, typer.Option("--exclude-first/--prune-first", help="Leave the first convolution (3 input channels, 432 weights) dense.")]
+ExcludeClassifier = Annotated[bool, typer.Option("--exclude-classifier/--prune-classifier", help="Leave the classifier (last Gemm/MatMul) dense.")]
+Reconstruct = Annotated[bool, typer.Option("--reconstruct/--no-reconstruct", help="Re-fit the kept weights, layer by layer, by least squares on the calibration images (no labels, no training); --no-reconstruct is magnitude pruning alone.")]
+ScopeOption = Annotated[Scope, typer.Option(help="global: one magnitude threshold across all pruned layers; layer: every layer to the same sparsity.")]
+
+
+@app.command()
+def prune(
+    model: Annotated[Path, typer.Option(help="FP32 ONNX model.")] = settings.FP32_ONNX,
+    sparsity: Annotated[float, typer.Option(help="Fraction of the weights to set to zero, in [0, 1).")] = 0.5,
+    scope: ScopeOption = Scope.global_,
+    exclude_first: ExcludeFirst = False,
+    exclude_classifier: ExcludeClassifier = False,
+    reconstruct: Reconstruct = True,
+    calibration: Annotated[Optional[Path], typer.Option(help=f"Calibration set for the re-fit. (default: {settings.CALIBRATION_FILE} if it exists, else built with the calibrate defaults)", show_default=False)] = None,
+    data_dir: DataDir = None,
+    output: Annotated[Optional[Path], typer.Option(help="Where to write the pruned model. (default: models/<model>_pruned<NN>.onnx)", show_default=False)] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Magnitude pruning: zero the smallest Conv and Gemm/MatMul weights; biases and batch-norm stay untouched.
+
+    Writes an ordinary ONNX model (`ptq quantize --model` takes it) and prints the sparsity reached per
+    layer. No fine-tuning follows (PTQ, no GPU): `ptq sweep` shows what pruning alone costs.
+    """
+    pruning_settings = prune_service.make_settings(sparsity, scope.value, exclude_first, exclude_classifier, reconstruct)
+    destination = output or prune_service.default_output(model, sparsity, scope.value)
+    check_model(model)
+    images = None
+    if reconstruct:
+        with _working("Loading the calibration set…"):
+            images = calibration_service.load_or_build(calibration, data_dir or settings.cifar_dir()).images
+    with _working("Pruning" + (" and re-fitting the kept weights…" if reconstruct else "…")):
+        result = prune_service.prune(model, destination, pruning_settings, images)
+    _emit(as_json, result, render.pruning(result))
+
+
+@app.command()
+def sweep(
+    sparsity: Annotated[str, typer.Option(help="Comma-separated sparsities to try, each in [0, 1).")] = "0,0.3,0.5,0.7",
+    model: Annotated[Path, typer.Option(help="FP32 ONNX model.")] = settings.FP32_ONNX,
+    dtype: Annotated[DType, typer.Option(help="Activation type (and weight type unless --weight-dtype is given).")] = DType.int8,
+    weight_dtype: Annotated[Optional[DType], typer.Option(help="Weight type. (default: same as --dtype)", show_default=False)] = None,
+    per_channel: Annotated[bool, typer.Option("--per-channel/--per-tensor", help="One weight scale per output channel, or one per tensor.")] = True,
+    method: Annotated[Method, typer.Option(help="Activation calibration: minmax|entropy|percentile.")] = Method.percentile,
+    percentile: Annotated[Optional[float], typer.Option(help="Percentile kept by --method percentile. (default: 99.999)", show_default=False)] = None,
+    scope: ScopeOption = Scope.global_,
+    exclude_first: ExcludeFirst = False,
+    exclude_classifier: ExcludeClassifier = False,
+    reconstruct: Reconstruct = True,
+    calibration: Annotated[Optional[Path], typer.Option(help=f"Calibration set, the same for every point. (default: {settings.CALIBRATION_FILE} if it exists, else built with the calibrate defaults)", show_default=False)] = None,
+    data_dir: DataDir = None,
+    models_dir: Annotated[Path, typer.Option(help="Where the pruned and quantized models go.")] = settings.MODELS_DIR / "sweep",
+    results_dir: Annotated[Path, typer.Option(help="The sweep record goes to RESULTS_DIR/sweep/<model>_<dtype>_<scope>.json, which `ptq report` shows.")] = settings.RESULTS_DIR,
+    as_json: JsonFlag = False,
+) -> None:
+    """For each sparsity: prune, quantize (onnxruntime), evaluate both on the test set; accuracy, size and gzipped size.
+
+    Sparsity 0 is the unpruned model. Every point uses the same calibration set and settings (default:
+    per-channel weights, percentile calibration).
+    """
+    sparsities = sweep_service.parse_sparsities(sparsity)
+    pruning_check = prune_service.make_settings(0.0, scope.value, exclude_first, exclude_classifier, reconstruct)  # checked before any work
+    quantization_settings = quantize_service.make_settings(
+        dtype.value, weight_dtype=weight_dtype and weight_dtype.value, per_channel=per_channel, method=method.value, percentile=percentile
+    )
+    check_model(model)
+    with _working("Loading the calibration set…"):
+        calibration_set = calibration_service.load_or_build(calibration, data_dir or settings.cifar_dir())
+    with _progress_bar("Prune, quantize, evaluate") as progress:
+        result = sweep_service.sweep(
+            model, sparsities, quantization_settings, calibration_set, data_dir or settings.cifar_dir(), models_dir, results_dir,
+            pruning_check, progress,
+        )
+    _emit(as_json, result, render.sweep(result))
+
+
 ValidationPerClass = Annotated[
     int, typer.Option(help="Validation split size: training images per class, disjoint from the calibration set.")
 ]
@@ -423,17 +506,22 @@ def report(
         Optional[Path],
         typer.Option(help=f"Also write the report as Markdown, to PATH if given. (PATH defaults to {settings.MARKDOWN_REPORT})", metavar="[PATH]"),
     ] = None,
+    plot: Annotated[bool, typer.Option("--plot", help=f"Also draw PNG charts (per-class accuracy; accuracy vs compressed size of `ptq sweep`) beside the Markdown report, linked from it; implies --markdown.")] = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Compare every evaluated model (no re-evaluation): accuracy, delta, size, size reduction, speed."""
     result = report_service.report_from_results(results_dir)
     if not result.rows:
         raise PtqError(f"{results_dir}: no evaluation records (run `ptq evaluate` first)")
+    if plot and markdown is None:
+        markdown = settings.MARKDOWN_REPORT
     if markdown is not None:
-        write_text(markdown, render.report_markdown(result))
+        check_writable(markdown)
+        charts = render.write_charts(result, markdown.parent) if plot else []
+        write_text(markdown, render.report_markdown(result, charts))
     _emit(as_json, result, render.report(result))
     if markdown is not None and not as_json:
-        out.print(f"Markdown report written to {markdown}")
+        out.print(f"Markdown report written to {markdown}" + (f"; charts: {', '.join(str(path) for path in charts)}" if charts else ""))
 
 
 @app.command(name="run")

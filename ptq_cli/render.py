@@ -12,15 +12,18 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from ptq_cli.atomic import atomic_output
 from ptq_cli.services.benchmark import BenchmarkRecord
 from ptq_cli.services.calibration import CalibrationSet
 from ptq_cli.services.convert import ConversionResult
 from ptq_cli.services.evaluate import EvaluationRecord
 from ptq_cli.services.fetch import FetchResult
 from ptq_cli.services.pipeline import RunResult
+from ptq_cli.services.prune import PruneResult
 from ptq_cli.services.quantize import QuantizeResult
 from ptq_cli.services.report import Report, ReportRow
 from ptq_cli.services.sensitivity import SensitivityResult
+from ptq_cli.services.sweep import SweepResult
 from ptq_cli.services.tune import TuneResult, describe
 from ptq_cli.settings import BASELINE_ACCURACY
 
@@ -214,6 +217,7 @@ def report(report: Report) -> Group:
         for loss in report.class_losses:
             losses.add_row(loss.model, loss.class_name, f"{loss.accuracy:.1f}%", f"{loss.reference_accuracy:.1f}%", signed(loss.delta))
         parts.append(losses)
+    parts += [sweep_table(result) for result in report.sweeps]
     parts += [Text(line) for line in _recommendation_lines(report)]
     if any(row.speed_source == "evaluate" for row in report.rows):
         parts.append(Text("img/s: from `ptq benchmark` where it measured the file, else from evaluation (batch 1000); speed-ups compare like with like.", style="dim"))
@@ -233,7 +237,112 @@ def _markdown_table(header: list[str] | tuple[str, ...], rows: list[list[str]]) 
     return lines
 
 
-def report_markdown(report: Report) -> str:
+SWEEP_COLUMNS = ("Sparsity", "Achieved", "FP32 pruned", "Quantized", "Delta", "Size", "Gzipped", "FP32 gzipped")
+
+
+def _sweep_cells(result: SweepResult) -> list[list[str]]:
+    return [
+        [f"{point.sparsity:.0%}", percent(point.achieved_sparsity), f"{point.fp32_accuracy:.2f}%", f"{point.accuracy:.2f}%", signed(point.delta),
+         size(point.size_bytes), size(point.compressed_bytes), size(point.fp32_compressed_bytes)]
+        for point in result.points
+    ]
+
+
+def _sweep_title(result: SweepResult) -> str:
+    dense = [name for name, flag in (("first conv", result.exclude_first), ("classifier", result.exclude_classifier)) if flag]
+    refit = ", kept weights re-fitted" if result.reconstruct else ""
+    return (f"Prune ({result.scope} magnitude{refit}{', dense: ' + ', '.join(dense) if dense else ''}) then quantize "
+            f"({result.quantization}): {result.source}")
+
+
+def sweep_table(result: SweepResult) -> Table:
+    table = Table(title=_sweep_title(result), title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for column in SWEEP_COLUMNS:
+        table.add_column(column, justify="right", no_wrap=True)
+    for cells in _sweep_cells(result):
+        table.add_row(*cells)
+    return table
+
+
+def sweep(result: SweepResult) -> Group:
+    table = sweep_table(result)
+    note = (f"Delta: quantized top-1 vs the {BASELINE_ACCURACY:.2f}% FP32 baseline. 'FP32 pruned': what pruning alone leaves (no fine-tuning). "
+            f"Gzipped: gzip -9 of the file. Record: {result.record}")
+    return Group(table, Text(note, style="dim"))
+
+
+def pruning(result: PruneResult) -> Group:
+    table = Table(title=f"Pruned {result.source} -> {result.output}", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for column in ("Layer", "Op", "Weights", "Zeros", "Sparsity"):
+        table.add_column(column, justify="left" if column in ("Layer", "Op") else "right", no_wrap=True)
+    for layer in result.layers:
+        table.add_row(layer.node, layer.op_type, f"{layer.parameters:,}", f"{layer.zeros:,}",
+                      percent(layer.sparsity) if layer.pruned else f"{percent(layer.sparsity)} (kept)")
+    settings = result.settings
+    summary = (f"Requested {settings.sparsity:.0%} ({settings.scope}); achieved {result.pruned_sparsity:.2%} over the pruned layers, "
+               f"{result.overall_sparsity:.2%} over all weights; {size(result.output_size_bytes)}.")
+    return Group(table, Text(summary))
+
+
+CHART_PER_CLASS = "per_class_accuracy.png"
+CHART_SWEEP = "sweep_accuracy_vs_compressed_size.png"
+
+
+def write_charts(report: Report, directory: Path) -> list[Path]:
+    """PNG charts beside the Markdown report: per-class accuracy of every model, and (when a sweep was run)
+    accuracy against compressed size. matplotlib with its non-interactive Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    written = []
+    rows = [row for row in report.rows if row.per_class_accuracy]
+    if rows:
+        figure, axes = plt.subplots(figsize=(12, 5))
+        width = 0.8 / len(rows)
+        positions = np.arange(len(report.class_names))
+        for index, row in enumerate(rows):
+            axes.bar(positions + (index - (len(rows) - 1) / 2) * width, row.per_class_accuracy, width, label=f"{row.model} ({row.accuracy:.2f}%)")
+        axes.set_xticks(positions, report.class_names)
+        axes.set_ylabel("top-1 accuracy (%)")
+        axes.set_ylim(max(0.0, min(min(row.per_class_accuracy) for row in rows) - 5), 100)
+        axes.set_title("Per-class accuracy on the CIFAR-10 test set (1,000 images per class)")
+        axes.legend(fontsize="small", ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.08), frameon=False)
+        axes.grid(axis="y", alpha=0.3)
+        written.append(_save(figure, Path(directory) / CHART_PER_CLASS))
+    if report.sweeps:
+        figure, axes = plt.subplots(figsize=(8, 5))
+        for result in report.sweeps:
+            for label, sizes, accuracies in (
+                (f"{result.dtype} ({result.scope})", [p.compressed_bytes for p in result.points], [p.accuracy for p in result.points]),
+                (f"fp32 pruned ({result.scope})", [p.fp32_compressed_bytes for p in result.points], [p.fp32_accuracy for p in result.points]),
+            ):
+                axes.plot([s / 1024 for s in sizes], accuracies, marker="o", label=label)
+                for point, x, y in zip(result.points, sizes, accuracies):
+                    axes.annotate(f"{point.sparsity:.0%}", (x / 1024, y), textcoords="offset points", xytext=(4, 4), fontsize="small")
+        axes.axhline(report.baseline, color="gray", linestyle="--", linewidth=1, label=f"FP32 baseline {report.baseline:.2f}%")
+        axes.set_xlabel("gzip -9 size of the model file (KB)")
+        axes.set_ylabel("top-1 accuracy (%)")
+        axes.set_title("Prune then quantize: accuracy against compressed size (labels: sparsity)")
+        axes.legend(fontsize="small")
+        axes.grid(alpha=0.3)
+        written.append(_save(figure, Path(directory) / CHART_SWEEP))
+    return written
+
+
+def _save(figure, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    figure.tight_layout()
+    with atomic_output(path) as tmp:
+        figure.savefig(tmp, format="png", dpi=100)
+    plt.close(figure)
+    return path
+
+
+def report_markdown(report: Report, charts: list[Path] | None = None) -> str:
     lines = [
         "# Quantization analysis: ResNet8 on CIFAR-10",
         "",
@@ -258,6 +367,13 @@ def report_markdown(report: Report) -> str:
             ("Model", "Class", "Accuracy", "FP32", "Delta"),
             [[loss.model, loss.class_name, f"{loss.accuracy:.1f}%", f"{loss.reference_accuracy:.1f}%", signed(loss.delta)] for loss in report.class_losses],
         )
+    for result in report.sweeps:
+        lines += ["", f"## {_sweep_title(result)}", "",
+                  "'FP32 pruned' is what pruning alone leaves (no fine-tuning); 'Quantized' is that model after quantization, "
+                  "'Delta' its distance to the FP32 baseline; gzipped sizes are gzip -9 of the files.", ""]
+        lines += _markdown_table(SWEEP_COLUMNS, _sweep_cells(result))
+    if charts:
+        lines += ["", "## Charts", ""] + [f"![{path.stem.replace('_', ' ')}]({path.name})" for path in charts]
     recommendation = _recommendation_lines(report)
     if recommendation:
         lines += ["", "## Recommendation", ""] + [f"- {line}" for line in recommendation]

@@ -46,6 +46,7 @@ class EvaluationRecord:
     timestamp: str
     tool_version: str
     schema: int = RECORD_SCHEMA
+    pruning: dict | None = None  # how `ptq prune` pruned the model (or its FP32 source), if it did
 
     @property
     def name(self) -> str:
@@ -101,6 +102,7 @@ def evaluate_model(
         threads=resolve_threads(threads),
         timestamp=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         tool_version=ptq_cli.__version__,
+        pruning=model.info.pruning,
     )
 
 
@@ -148,6 +150,6 @@ def load_records(results_dir: Path) -> RecordSet:
 
 def fp32_reference(records: list[EvaluationRecord], framework: str) -> EvaluationRecord | None:
     """The float model to compare against: the same framework's if there is one, else any float model."""
-    floats = [record for record in records if record.dtype == "fp32"]
+    floats = [record for record in records if record.dtype == "fp32" and not record.pruning]
     same = [record for record in floats if record.framework == framework]
     return (same or floats or [None])[0]

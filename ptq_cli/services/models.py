@@ -17,6 +17,8 @@ from ptq_cli.errors import PtqError
 
 # Quantize records how a model was made inside the model file itself, under this metadata key.
 QUANTIZATION_METADATA_KEY = "ptq.quantization"
+# ... and `ptq prune` how it pruned a model (kept through quantization), under this one.
+PRUNING_METADATA_KEY = "ptq.pruning"
 # ... and in TorchScript files, as this extra file inside the archive.
 TORCHSCRIPT_METADATA_FILE = "ptq.json"
 ZIP_MAGIC = b"PK\x03\x04"  # TorchScript files are zip archives
@@ -32,6 +34,7 @@ class ModelInfo:
     quantization: dict | None  # the settings quantize used; None for a float model
     size_bytes: int
     sha256: str
+    pruning: dict | None = None  # the settings prune used; None for an unpruned model
 
 
 @dataclass(frozen=True)
@@ -171,7 +174,9 @@ def load_onnx(path: Path, threads: int | None = None) -> LoadedModel:
             return run(images)
         return np.concatenate(list(pool.map(run, np.array_split(images, threads))))
 
-    info = ModelInfo(path, ONNXRUNTIME, dtype, quantization, len(data), hashlib.sha256(data).hexdigest())
+    metadata = {prop.key: prop.value for prop in model.metadata_props}
+    pruning = json.loads(metadata[PRUNING_METADATA_KEY]) if PRUNING_METADATA_KEY in metadata else None
+    info = ModelInfo(path, ONNXRUNTIME, dtype, quantization, len(data), hashlib.sha256(data).hexdigest(), pruning)
     return LoadedModel(info, predict)
 
 

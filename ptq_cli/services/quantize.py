@@ -14,7 +14,7 @@ import numpy as np
 from ptq_cli.atomic import atomic_output, check_writable
 from ptq_cli.errors import PtqError
 from ptq_cli.services.calibration import CalibrationSet
-from ptq_cli.services.models import NCHW, ONNXRUNTIME, PYTORCH, QUANTIZATION_METADATA_KEY, onnx_layout, read_onnx, to_layout
+from ptq_cli.services.models import NCHW, ONNXRUNTIME, PRUNING_METADATA_KEY, PYTORCH, QUANTIZATION_METADATA_KEY, onnx_layout, read_onnx, to_layout
 
 DTYPES = ("int8", "uint8")
 BACKENDS = (ONNXRUNTIME, PYTORCH)
@@ -213,6 +213,8 @@ def quantize_onnx(
                 extra_options=extra_options,
             )
             quantized = onnx.load(str(tmp))
-            onnx.helper.set_model_props(quantized, {QUANTIZATION_METADATA_KEY: json.dumps({**asdict(settings), **(metadata or {})})})
+            props = {QUANTIZATION_METADATA_KEY: json.dumps({**asdict(settings), **(metadata or {})})}
+            props.update({prop.key: prop.value for prop in model.metadata_props if prop.key == PRUNING_METADATA_KEY})  # a pruned source stays described
+            onnx.helper.set_model_props(quantized, props)
             onnx.save(quantized, str(tmp))
             return tmp.stat().st_size

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ptq_cli.services.benchmark import BenchmarkRecord, load_benchmarks
 from ptq_cli.services.evaluate import EvaluationRecord, fp32_reference, load_records
+from ptq_cli.services.sweep import SweepResult, load_sweeps
 from ptq_cli.settings import BASELINE_ACCURACY
 
 FRAMEWORK_ORDER = {"onnxruntime": 0, "pytorch": 1}
@@ -31,6 +32,7 @@ class ReportRow:
     # there and the FP32 model's, to read next to the test accuracy.
     validation_accuracy: float | None = None
     validation_fp32_accuracy: float | None = None
+    per_class_accuracy: tuple[float, ...] = ()  # percent, in Report.class_names order
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,21 @@ class Report:
     class_losses: list[ClassLoss]  # worst first, quantized models against their FP32 reference
     recommendation: Recommendation | None
     skipped: list[str]  # records that could not be read
+    class_names: tuple[str, ...] = ()
+    sweeps: tuple[SweepResult, ...] = ()  # `ptq sweep` results, read from results/sweep/
+
+
+def describe_pruning(pruning: dict | None) -> str:
+    if not pruning:
+        return ""
+    kept = [name for name, flag in (("first conv", pruning.get("exclude_first")), ("classifier", pruning.get("exclude_classifier"))) if flag]
+    refit = " re-fitted" if pruning.get("reconstruct") else ""
+    return f"pruned {pruning['sparsity']:.0%} {pruning['scope']}{refit}" + (f" (dense: {', '.join(kept)})" if kept else "")
+
+
+def describe_model(settings: dict | None, pruning: dict | None = None) -> str:
+    """How a model was made, in a few words: its pruning, then its quantization."""
+    return ", ".join(part for part in (describe_pruning(pruning), describe_quantization(settings)) if part)
 
 
 def describe_quantization(settings: dict | None) -> str:
@@ -98,7 +115,7 @@ def _row(record: EvaluationRecord, reference: EvaluationRecord | None, benchmark
         model=record.name,
         framework=record.framework,
         dtype=record.dtype,
-        configuration=describe_quantization(record.quantization),
+        configuration=describe_model(record.quantization, record.pruning),
         accuracy=record.accuracy,
         delta=round(record.accuracy - BASELINE_ACCURACY, 4),
         size_bytes=record.model_size_bytes,
@@ -109,6 +126,7 @@ def _row(record: EvaluationRecord, reference: EvaluationRecord | None, benchmark
         latency_ms_p50=benchmark.latency_ms_p50 if benchmark else None,
         validation_accuracy=validation.get("accuracy"),
         validation_fp32_accuracy=validation.get("fp32_accuracy"),
+        per_class_accuracy=tuple(record.per_class_accuracy),
     )
 
 
@@ -124,6 +142,7 @@ def build_report(
     skipped: list[str] | None = None,
     benchmarks: dict[str, BenchmarkRecord] | None = None,
     worst_classes: int = 5,
+    sweeps: list[SweepResult] | None = None,
 ) -> Report:
     records = sorted(records, key=lambda r: (FRAMEWORK_ORDER.get(r.framework, 9), DTYPE_ORDER.get(r.dtype, 9), r.name))
     references = {record.model_path: fp32_reference(records, record.framework) for record in records}
@@ -147,9 +166,11 @@ def build_report(
         if candidates
         else None
     )
-    return Report(BASELINE_ACCURACY, rows, losses[:worst_classes], recommendation, list(skipped or []))
+    class_names = tuple(records[0].class_names) if records else ()
+    return Report(BASELINE_ACCURACY, rows, losses[:worst_classes], recommendation, list(skipped or []), class_names, tuple(sweeps or ()))
 
 
 def report_from_results(results_dir: Path) -> Report:
     record_set = load_records(results_dir)
-    return build_report(record_set.records, record_set.skipped, load_benchmarks(results_dir))
+    sweeps, skipped_sweeps = load_sweeps(results_dir)
+    return build_report(record_set.records, record_set.skipped + skipped_sweeps, load_benchmarks(results_dir), sweeps=sweeps)

@@ -1,0 +1,164 @@
+"""Prune, then quantize, then evaluate, for several sparsities: what pruning before int8 costs and saves.
+
+Every point uses the same calibration set and quantization settings. Each pruned FP32 model is
+evaluated too, so the table separates what pruning alone costs from what quantization adds. The
+compressed size (gzip -9 of the file) is the point of pruning before int8: zeros compress.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+from ptq_cli.atomic import check_writable, write_text
+from ptq_cli.errors import PtqError
+from ptq_cli.services import evaluate as evaluate_service
+from ptq_cli.services import prune as prune_service
+from ptq_cli.services import quantize as quantize_service
+from ptq_cli.services.calibration import CalibrationSet
+from ptq_cli.settings import BASELINE_ACCURACY
+
+SWEEP_DIR = "sweep"  # under the results directory
+ProgressCallback = Callable[[int, int], None]  # (steps done, steps total)
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    sparsity: float  # requested
+    achieved_sparsity: float  # zeros among the pruned layers' weights
+    fp32_model: str  # the pruned FP32 model (the source itself at sparsity 0)
+    fp32_accuracy: float  # what pruning alone leaves
+    fp32_size_bytes: int
+    fp32_compressed_bytes: int
+    model: str  # the pruned, then quantized model
+    accuracy: float
+    delta: float  # points against BASELINE_ACCURACY
+    size_bytes: int
+    compressed_bytes: int  # gzip -9
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    source: str
+    dtype: str
+    scope: str
+    exclude_first: bool
+    exclude_classifier: bool
+    reconstruct: bool  # kept weights re-fitted on the calibration images
+    quantization: str  # the quantization settings, in a few words
+    points: list[SweepPoint]
+    record: str  # where this result is stored
+
+
+def parse_sparsities(text: str) -> tuple[float, ...]:
+    """'0,0.3,0.5' -> (0.0, 0.3, 0.5), each checked to be in [0, 1)."""
+    try:
+        values = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError as error:
+        raise PtqError(f"--sparsity: '{text}' is not a comma-separated list of numbers") from error
+    if not values:
+        raise PtqError("--sparsity: give at least one value, e.g. 0,0.3,0.5,0.7")
+    for value in values:
+        prune_service.make_settings(value)  # the range check, with its message
+    return tuple(sorted(set(values)))
+
+
+def gzip_size(path: Path) -> int:
+    return len(gzip.compress(Path(path).read_bytes(), compresslevel=9, mtime=0))
+
+
+def sweep(
+    model_path: Path,
+    sparsities: tuple[float, ...],
+    quantization: quantize_service.QuantizationSettings,
+    calibration: CalibrationSet,
+    data_dir: Path,
+    models_dir: Path,
+    results_dir: Path,
+    pruning: prune_service.PruningSettings | None = None,
+    progress: ProgressCallback | None = None,
+) -> SweepResult:
+    """`pruning` gives the scope, exclusions and re-fit; its sparsity is replaced by each of `sparsities`."""
+    pruning = pruning or prune_service.make_settings(0.0)
+    model_path = Path(model_path)
+    if quantization.framework != quantize_service.ONNXRUNTIME:
+        raise PtqError("--backend: the sweep quantizes with onnxruntime (pruned ONNX models in, ONNX out)")
+    record = Path(results_dir) / SWEEP_DIR / f"{model_path.stem}_{quantization.dtype}_{pruning.scope}.json"
+    check_writable(record)
+    evaluations: dict[Path, evaluate_service.EvaluationRecord] = {}
+
+    def accuracy(path: Path) -> float:
+        if path not in evaluations:
+            evaluations[path] = evaluate_service.evaluate_model(path, data_dir)
+        return evaluations[path].accuracy
+
+    points = []
+    total = 2 * len(sparsities) + sum(1 for value in sparsities if value > 0)
+    done = 0
+
+    def step() -> None:
+        nonlocal done
+        done += 1
+        if progress:
+            progress(done, total)
+
+    for sparsity in sparsities:
+        fp32 = model_path
+        achieved = 0.0
+        if sparsity > 0:
+            fp32 = Path(models_dir) / prune_service.default_output(model_path, sparsity, pruning.scope).name
+            achieved = prune_service.prune(model_path, fp32, replace(pruning, sparsity=sparsity), calibration.images).pruned_sparsity
+            step()
+        quantized = Path(models_dir) / f"{fp32.stem}_{quantization.dtype}{fp32.suffix}"
+        quantize_service.quantize(fp32, quantized, quantization, calibration)
+        step()
+        fp32_accuracy = accuracy(fp32)
+        quantized_accuracy = accuracy(quantized)
+        step()
+        points.append(SweepPoint(
+            sparsity=sparsity,
+            achieved_sparsity=round(achieved, 4),
+            fp32_model=str(fp32),
+            fp32_accuracy=fp32_accuracy,
+            fp32_size_bytes=fp32.stat().st_size,
+            fp32_compressed_bytes=gzip_size(fp32),
+            model=str(quantized),
+            accuracy=quantized_accuracy,
+            delta=round(quantized_accuracy - BASELINE_ACCURACY, 4),
+            size_bytes=quantized.stat().st_size,
+            compressed_bytes=gzip_size(quantized),
+        ))
+    from ptq_cli.services.report import describe_quantization  # the report's wording, one place
+
+    result = SweepResult(
+        source=str(model_path), dtype=quantization.dtype, scope=pruning.scope, exclude_first=pruning.exclude_first,
+        exclude_classifier=pruning.exclude_classifier, reconstruct=pruning.reconstruct,
+        quantization=describe_quantization(asdict(quantization) | {"calibration_samples": len(calibration.labels)}),
+        points=points, record=str(record),
+    )
+    write_text(record, json.dumps(asdict(result), indent=2) + "\n")
+    return result
+
+
+def read_sweep(path: Path) -> SweepResult:
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        known = {field.name for field in fields(SweepPoint)}
+        points = [SweepPoint(**{key: value for key, value in point.items() if key in known}) for point in data["points"]]
+        return SweepResult(**{**{key: data[key] for key in (f.name for f in fields(SweepResult)) if key != "points"}, "points": points})
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:
+        raise PtqError(f"{path}: not a ptq sweep record ({error})") from error
+
+
+def load_sweeps(results_dir: Path) -> tuple[list[SweepResult], list[str]]:
+    """Every sweep record under results_dir/sweep; unreadable ones are skipped and named."""
+    sweeps, skipped = [], []
+    for path in sorted((Path(results_dir) / SWEEP_DIR).glob("*.json")):
+        try:
+            sweeps.append(read_sweep(path))
+        except PtqError as error:
+            skipped.append(str(error))
+    return sweeps, skipped
