@@ -8,7 +8,7 @@ PTQ_ASSETS ?= ../shared/assets
 export PTQ_ASSETS
 ONNX2TORCH := onnx2torch==1.5.15
 
-.PHONY: install run tune test bench clean
+.PHONY: install run tune sweep test bench clean
 
 install: $(VENV)/.installed
 
@@ -32,6 +32,11 @@ tune: install
 	$(PTQ) tune --dtype uint8
 	$(PTQ) evaluate --model models/resnet8_int8_tuned.onnx --model models/resnet8_uint8_tuned.onnx
 	$(PTQ) report --markdown
+
+# After `make run`: prune at 0/30/50/70% (global), quantize int8, evaluate; then the report with its charts.
+sweep: install
+	$(PTQ) sweep --sparsity 0,0.3,0.5,0.7 --dtype int8
+	$(PTQ) report --markdown --plot
 
 test: install
 	$(BIN)/python -m pytest

@@ -238,12 +238,15 @@ def _markdown_table(header: list[str] | tuple[str, ...], rows: list[list[str]]) 
 
 
 SWEEP_COLUMNS = ("Sparsity", "Achieved", "FP32 pruned", "Quantized", "Delta", "Size", "Gzipped", "FP32 gzipped")
+# The same columns, narrow enough for an 80-column terminal (sizes in KB).
+TERMINAL_SWEEP_COLUMNS = ("Sparsity", "Zeros", "FP32", "Quant.", "Delta", "KB", "gz KB", "FP32 gz")
 
 
-def _sweep_cells(result: SweepResult) -> list[list[str]]:
+def _sweep_cells(result: SweepResult, unit: str = " KB") -> list[list[str]]:
+    kilobytes = lambda num_bytes: f"{num_bytes / 1024:,.1f}{unit}"  # noqa: E731
     return [
         [f"{point.sparsity:.0%}", percent(point.achieved_sparsity), f"{point.fp32_accuracy:.2f}%", f"{point.accuracy:.2f}%", signed(point.delta),
-         size(point.size_bytes), size(point.compressed_bytes), size(point.fp32_compressed_bytes)]
+         kilobytes(point.size_bytes), kilobytes(point.compressed_bytes), kilobytes(point.fp32_compressed_bytes)]
         for point in result.points
     ]
 
@@ -257,9 +260,9 @@ def _sweep_title(result: SweepResult) -> str:
 
 def sweep_table(result: SweepResult) -> Table:
     table = Table(title=_sweep_title(result), title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    for column in SWEEP_COLUMNS:
+    for column in TERMINAL_SWEEP_COLUMNS:
         table.add_column(column, justify="right", no_wrap=True)
-    for cells in _sweep_cells(result):
+    for cells in _sweep_cells(result, unit=""):
         table.add_row(*cells)
     return table
 
