@@ -11,16 +11,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console, Group
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    MofNCompleteColumn,
-    Progress,
-    SpinnerColumn,
-    TextColumn,
-    TimeElapsedColumn,
-    TransferSpeedColumn,
-)
+from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TransferSpeedColumn
 
 from ptq_cli import render, settings
 from ptq_cli.atomic import check_writable, write_text
@@ -104,35 +95,17 @@ app = typer.Typer(
 )
 
 
-class DType(str, Enum):
-    int8 = "int8"
-    uint8 = "uint8"
+def _choices(name: str, values) -> type[Enum]:
+    """A str Enum for typer from a service's tuple of accepted values (the one list of them)."""
+    return Enum(name, [(value, value) for value in dict.fromkeys(values)], type=str)
 
 
-class Backend(str, Enum):
-    onnxruntime = "onnxruntime"
-    pytorch = "pytorch"
-
-
-class Target(str, Enum):
-    speed = "speed"
-
-
-class Asset(str, Enum):
-    cifar = "cifar"
-    model = "model"
-
-
-class Scope(str, Enum):
-    global_ = "global"
-    layer = "layer"
-
-
-class Method(str, Enum):
-    minmax = "minmax"
-    entropy = "entropy"
-    percentile = "percentile"
-    histogram = "histogram"
+DType = _choices("DType", quantize_service.DTYPES)
+Backend = _choices("Backend", quantize_service.BACKENDS)
+Target = _choices("Target", quantize_service.TARGETS)
+Method = _choices("Method", [method for methods in quantize_service.METHODS.values() for method in methods])
+Asset = _choices("Asset", fetch_service.ASSETS)
+Scope = _choices("Scope", prune_service.SCOPES)
 
 
 DataDir = Annotated[
@@ -260,7 +233,7 @@ def calibrate(
 @app.command()
 def quantize(
     model: Annotated[Path, typer.Option(help="FP32 ONNX model to quantize (the PyTorch backend converts it with onnx2torch first).")] = settings.FP32_ONNX,
-    backend: Annotated[Backend, typer.Option(help="onnxruntime: quantize_static, QDQ. pytorch: torch.ao FX graph mode, x86 engine, saved as TorchScript.")] = Backend.onnxruntime,
+    backend: Annotated[Backend, typer.Option(help="onnxruntime: quantize_static, QDQ. pytorch: torch.ao FX graph mode, x86 engine, saved as TorchScript.")] = Backend("onnxruntime"),
     dtype: Annotated[Optional[DType], typer.Option(help="Activation type (and weight type unless --weight-dtype is given). PyTorch takes int8 only. (default: int8)", show_default=False)] = None,
     target: Annotated[Optional[Target], typer.Option(help="speed: the fast x86 configuration (onnxruntime: uint8 activations, int8 per-channel weights, percentile); other options still override it.", show_default=False)] = None,
     weight_dtype: Annotated[Optional[DType], typer.Option(help="Weight type. (default: same as --dtype)", show_default=False)] = None,
@@ -297,7 +270,7 @@ ScopeOption = Annotated[Scope, typer.Option(help="global: one magnitude threshol
 def prune(
     model: Annotated[Path, typer.Option(help="FP32 ONNX model.")] = settings.FP32_ONNX,
     sparsity: Annotated[float, typer.Option(help="Fraction of the weights to set to zero, in [0, 1).")] = 0.5,
-    scope: ScopeOption = Scope.global_,
+    scope: ScopeOption = Scope("global"),
     exclude_first: ExcludeFirst = False,
     exclude_classifier: ExcludeClassifier = False,
     reconstruct: Reconstruct = True,
@@ -327,12 +300,12 @@ def prune(
 def sweep(
     sparsity: Annotated[str, typer.Option(help="Comma-separated sparsities to try, each in [0, 1).")] = "0,0.3,0.5,0.7",
     model: Annotated[Path, typer.Option(help="FP32 ONNX model.")] = settings.FP32_ONNX,
-    dtype: Annotated[DType, typer.Option(help="Activation type (and weight type unless --weight-dtype is given).")] = DType.int8,
+    dtype: Annotated[DType, typer.Option(help="Activation type (and weight type unless --weight-dtype is given).")] = DType("int8"),
     weight_dtype: Annotated[Optional[DType], typer.Option(help="Weight type. (default: same as --dtype)", show_default=False)] = None,
     per_channel: Annotated[bool, typer.Option("--per-channel/--per-tensor", help="One weight scale per output channel, or one per tensor.")] = True,
-    method: Annotated[Method, typer.Option(help="Activation calibration: minmax|entropy|percentile.")] = Method.percentile,
+    method: Annotated[Method, typer.Option(help="Activation calibration: minmax|entropy|percentile.")] = Method("percentile"),
     percentile: Annotated[Optional[float], typer.Option(help="Percentile kept by --method percentile. (default: 99.999)", show_default=False)] = None,
-    scope: ScopeOption = Scope.global_,
+    scope: ScopeOption = Scope("global"),
     exclude_first: ExcludeFirst = False,
     exclude_classifier: ExcludeClassifier = False,
     reconstruct: Reconstruct = True,
@@ -378,10 +351,10 @@ def _calibration_and_validation(calibration: Path | None, data_dir: Path | None,
 @app.command()
 def sensitivity(
     model: Annotated[Path, typer.Option(help="FP32 ONNX model.")] = settings.FP32_ONNX,
-    dtype: Annotated[DType, typer.Option(help="Activation type (and weight type unless --weight-dtype is given).")] = DType.int8,
+    dtype: Annotated[DType, typer.Option(help="Activation type (and weight type unless --weight-dtype is given).")] = DType("int8"),
     weight_dtype: Annotated[Optional[DType], typer.Option(help="Weight type. (default: same as --dtype)", show_default=False)] = None,
     per_channel: Annotated[bool, typer.Option("--per-channel/--per-tensor", help="One weight scale per output channel, or one per tensor.")] = False,
-    method: Annotated[Method, typer.Option(help="Activation calibration: minmax|entropy|percentile.")] = Method.minmax,
+    method: Annotated[Method, typer.Option(help="Activation calibration: minmax|entropy|percentile.")] = Method("minmax"),
     percentile: Annotated[Optional[float], typer.Option(help="Percentile kept by --method percentile. (default: 99.999)", show_default=False)] = None,
     calibration: Annotated[Optional[Path], typer.Option(help=f"Calibration set. (default: {settings.CALIBRATION_FILE} if it exists, else built with the calibrate defaults)", show_default=False)] = None,
     data_dir: DataDir = None,
@@ -408,7 +381,7 @@ def sensitivity(
 @app.command()
 def tune(
     model: Annotated[Path, typer.Option(help="FP32 ONNX model.")] = settings.FP32_ONNX,
-    dtype: Annotated[DType, typer.Option(help="Activation type to tune for (uint8 also tries int8 weights).")] = DType.int8,
+    dtype: Annotated[DType, typer.Option(help="Activation type to tune for (uint8 also tries int8 weights).")] = DType("int8"),
     max_drop: Annotated[float, typer.Option(help="Accuracy budget: points below FP32 allowed on the validation split.")] = 0.05,
     method: Annotated[Optional[list[Method]], typer.Option(help="Calibration methods to search; repeat for several. (default: minmax and percentile at 99.9, 99.95, 99.99, 99.999)", show_default=False)] = None,
     per_channel: Annotated[Optional[bool], typer.Option("--per-channel/--per-tensor", help="Search only this weight granularity. (default: both)", show_default=False)] = None,
@@ -506,7 +479,7 @@ def report(
         Optional[Path],
         typer.Option(help=f"Also write the report as Markdown, to PATH if given. (PATH defaults to {settings.MARKDOWN_REPORT})", metavar="[PATH]"),
     ] = None,
-    plot: Annotated[bool, typer.Option("--plot", help=f"Also draw PNG charts (per-class accuracy; accuracy vs compressed size of `ptq sweep`) beside the Markdown report, linked from it; implies --markdown.")] = False,
+    plot: Annotated[bool, typer.Option("--plot", help="Also draw PNG charts (per-class accuracy; accuracy vs compressed size of `ptq sweep`) beside the Markdown report, linked from it; implies --markdown.")] = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Compare every evaluated model (no re-evaluation): accuracy, delta, size, size reduction, speed."""

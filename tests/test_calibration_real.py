@@ -7,7 +7,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from conftest import CIFAR, assert_clean_failure, ptq, ptq_ok, read_json
+from conftest import CIFAR, assert_clean_failure, ptq, ptq_ok
 from ptq_cli.services import cifar
 from ptq_cli.services.calibration import build_calibration_set, load_calibration_set
 

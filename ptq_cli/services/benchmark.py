@@ -4,21 +4,20 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 
 import ptq_cli
-from ptq_cli.atomic import write_text
 from ptq_cli.errors import PtqError
 from ptq_cli.services import cifar
 from ptq_cli.services.models import load_model, resolve_threads
+from ptq_cli.services.progress import ProgressCallback, Steps
+from ptq_cli.services.records import from_dict, write_record
 
 BENCHMARK_DIR = "benchmarks"  # under the results directory, beside the evaluation records
-ProgressCallback = Callable[[int, int], None]
 
 
 @dataclass(frozen=True)
@@ -60,14 +59,7 @@ def benchmark_model(
     model = load_model(model_path, threads)
     images = cifar.to_model_input(cifar.load_test(data_dir).images[:batch_size])
     single = images[:1]
-    total_steps = 2 * (warmup + runs)
-    done = 0
-
-    def step() -> None:
-        nonlocal done
-        done += 1
-        if progress:
-            progress(done, total_steps)
+    step = Steps(2 * (warmup + runs), progress)
 
     latencies = []
     for index in range(warmup + runs):
@@ -108,19 +100,16 @@ def benchmark_path(results_dir: Path, model_path: Path | str) -> Path:
 
 
 def save_benchmark(record: BenchmarkRecord, results_dir: Path) -> Path:
-    path = benchmark_path(results_dir, record.model_path)
-    write_text(path, json.dumps(asdict(record), indent=2) + "\n")
-    return path
+    return write_record(benchmark_path(results_dir, record.model_path), record)
 
 
 def load_benchmarks(results_dir: Path) -> dict[str, BenchmarkRecord]:
     """Benchmark records by model sha256; unreadable ones are ignored (benchmarks are optional)."""
-    known = {field.name for field in fields(BenchmarkRecord)}
     found: dict[str, BenchmarkRecord] = {}
     for path in sorted((Path(results_dir) / BENCHMARK_DIR).glob("*.json")):
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
-            record = BenchmarkRecord(**{key: value for key, value in data.items() if key in known})
+            record = from_dict(BenchmarkRecord, data)
         except (OSError, ValueError, TypeError, AttributeError):
             continue
         found[record.model_sha256] = record

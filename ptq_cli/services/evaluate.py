@@ -4,22 +4,21 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 
 import ptq_cli
-from ptq_cli.atomic import write_text
 from ptq_cli.errors import PtqError
 from ptq_cli.services import cifar
 from ptq_cli.services.models import load_model, resolve_threads
+from ptq_cli.services.progress import ProgressCallback
+from ptq_cli.services.records import from_dict, write_record
 from ptq_cli.settings import BASELINE_ACCURACY, MANIFEST_NAME
 
 RECORD_SCHEMA = 1
-ProgressCallback = Callable[[int, int], None]  # (images done, images total)
 
 
 @dataclass(frozen=True)
@@ -113,15 +112,13 @@ def record_path(results_dir: Path, model_path: Path | str) -> Path:
 
 def save_record(record: EvaluationRecord, results_dir: Path) -> Path:
     path = record_path(results_dir, record.model_path)
-    write_text(path, json.dumps(asdict(record), indent=2) + "\n")
-    return path
+    return write_record(path, record)
 
 
 def read_record(path: Path) -> EvaluationRecord:
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
-        known = {field.name for field in fields(EvaluationRecord)}
-        return EvaluationRecord(**{key: value for key, value in data.items() if key in known})
+        return from_dict(EvaluationRecord, data)
     except (OSError, ValueError, TypeError, AttributeError) as error:
         raise PtqError(f"{path}: not a ptq evaluation record ({error})") from error
 

@@ -181,9 +181,9 @@ def load_onnx(path: Path, threads: int | None = None) -> LoadedModel:
 
 
 def load_torchscript(path: Path, threads: int | None = None) -> LoadedModel:
-    from ptq_cli.services.torch_compat import quiet_torch_quantization_warnings
-
     import torch
+
+    from ptq_cli.services.torch_compat import quiet_torch_quantization_warnings
 
     quiet_torch_quantization_warnings()
     path = Path(path)

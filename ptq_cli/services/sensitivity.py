@@ -5,23 +5,21 @@ Measured on the validation split (training images the calibration set does not u
 
 from __future__ import annotations
 
-import json
 import tempfile
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ptq_cli.atomic import write_text
 from ptq_cli.services.calibration import CalibrationSet
 from ptq_cli.services.models import load_onnx, read_onnx
+from ptq_cli.services.progress import ProgressCallback
 from ptq_cli.services.quantize import QuantizationSettings, preprocess_onnx, quantize_onnx
+from ptq_cli.services.records import write_record
 from ptq_cli.services.validation import ValidationSet, score, sqnr_db
 
 # The layers that compute: onnxruntime quantizes these (Relu folds into the preceding layer's output
 # range; Transpose and Reshape only move quantized data).
 LAYER_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul", "Add", "Mul", "AveragePool", "MaxPool", "Softmax")
 
-ProgressCallback = Callable[[int, int], None]
 SENSITIVITY_DIR = "sensitivity"  # under the results directory; not read as evaluation records
 
 
@@ -94,6 +92,4 @@ def layer_sensitivity(
 
 
 def save_result(result: SensitivityResult, results_dir: Path) -> Path:
-    path = Path(results_dir) / SENSITIVITY_DIR / f"{result.model.stem}_{result.settings.dtype}.json"
-    write_text(path, json.dumps(asdict(result), indent=2, default=str) + "\n")
-    return path
+    return write_record(Path(results_dir) / SENSITIVITY_DIR / f"{result.model.stem}_{result.settings.dtype}.json", result)

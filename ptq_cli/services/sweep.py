@@ -9,20 +9,20 @@ from __future__ import annotations
 
 import gzip
 import json
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from ptq_cli.atomic import check_writable, write_text
+from ptq_cli.atomic import check_writable
 from ptq_cli.errors import PtqError
 from ptq_cli.services import evaluate as evaluate_service
 from ptq_cli.services import prune as prune_service
 from ptq_cli.services import quantize as quantize_service
 from ptq_cli.services.calibration import CalibrationSet
+from ptq_cli.services.progress import ProgressCallback, Steps
+from ptq_cli.services.records import from_dict, write_record
 from ptq_cli.settings import BASELINE_ACCURACY
 
 SWEEP_DIR = "sweep"  # under the results directory
-ProgressCallback = Callable[[int, int], None]  # (steps done, steps total)
 
 
 @dataclass(frozen=True)
@@ -96,14 +96,7 @@ def sweep(
         return evaluations[path].accuracy
 
     points = []
-    total = 2 * len(sparsities) + sum(1 for value in sparsities if value > 0)
-    done = 0
-
-    def step() -> None:
-        nonlocal done
-        done += 1
-        if progress:
-            progress(done, total)
+    step = Steps(2 * len(sparsities) + sum(1 for value in sparsities if value > 0), progress)
 
     for sparsity in sparsities:
         fp32 = model_path
@@ -131,7 +124,9 @@ def sweep(
             size_bytes=quantized.stat().st_size,
             compressed_bytes=gzip_size(quantized),
         ))
-    from ptq_cli.services.report import describe_quantization  # the report's wording, one place
+    from ptq_cli.services.report import (
+        describe_quantization,  # the report's wording, one place
+    )
 
     result = SweepResult(
         source=str(model_path), dtype=quantization.dtype, scope=pruning.scope, exclude_first=pruning.exclude_first,
@@ -139,16 +134,15 @@ def sweep(
         quantization=describe_quantization(asdict(quantization) | {"calibration_samples": len(calibration.labels)}),
         points=points, record=str(record),
     )
-    write_text(record, json.dumps(asdict(result), indent=2) + "\n")
+    write_record(record, result)
     return result
 
 
 def read_sweep(path: Path) -> SweepResult:
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
-        known = {field.name for field in fields(SweepPoint)}
-        points = [SweepPoint(**{key: value for key, value in point.items() if key in known}) for point in data["points"]]
-        return SweepResult(**{**{key: data[key] for key in (f.name for f in fields(SweepResult)) if key != "points"}, "points": points})
+        points = [from_dict(SweepPoint, point) for point in data["points"]]
+        return replace(from_dict(SweepResult, {**data, "points": []}), points=points)
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:
         raise PtqError(f"{path}: not a ptq sweep record ({error})") from error
 

@@ -11,17 +11,17 @@ here (see services/validation.py); `ptq evaluate` judges the chosen model.
 
 from __future__ import annotations
 
-import json
 import tempfile
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ptq_cli.atomic import check_writable, write_text
+from ptq_cli.atomic import check_writable
 from ptq_cli.errors import PtqError
 from ptq_cli.services.calibration import CalibrationSet, stratified_subset
 from ptq_cli.services.models import load_onnx, read_onnx
+from ptq_cli.services.progress import ProgressCallback, Steps
 from ptq_cli.services.quantize import QuantizationSettings, make_settings, quantize_onnx
+from ptq_cli.services.records import write_record
 from ptq_cli.services.sensitivity import layer_sensitivity, preprocessed, quantizable_layers
 from ptq_cli.services.validation import ValidationSet, score, sqnr_db
 
@@ -35,7 +35,6 @@ MAX_FLOAT_LAYERS = 2
 SIZE_LIMIT = 0.40  # a model with float layers must stay below this fraction of the FP32 file
 TUNING_DIR = "tuning"  # under the results directory; not read as evaluation records
 
-ProgressCallback = Callable[[int, int], None]
 
 
 @dataclass(frozen=True)
@@ -133,13 +132,7 @@ def tune(
         layers = quantizable_layers(preprocessed(model, Path(workdir)))
         total += len(layers) if max_float_layers else 0
 
-        done = 0
-
-        def step() -> None:
-            nonlocal done
-            done += 1
-            if progress:
-                progress(min(done, total), total)
+        step = Steps(total, progress)
 
         def try_candidate(stage: str, settings: QuantizationSettings, calibration_set: CalibrationSet) -> Candidate:
             settings = replace(settings, calibration_samples=len(calibration_set.labels), calibration_seed=calibration_set.seed,
@@ -203,7 +196,7 @@ def tune(
 
     result = TuneResult(model_path, dtype, max_drop, fp32.accuracy, validation.describe(), candidates, chosen, bool(eligible),
                         reason, output, record)
-    write_text(record, json.dumps(asdict(result), indent=2, default=str) + "\n")
+    write_record(record, result)
     return result
 
 
