@@ -93,7 +93,9 @@ def main() -> None:
     run_dir = workdir / "ptq-run"
     run_dir.mkdir(exist_ok=True)
     run_options = ["--runs", str(options.runs), *threads]  # the same options twice: options are part of a stage's identity
-    first, _ = ptq(["run", "--force", *run_options], run_dir, env)
+    first, output = ptq(["run", "--force", *run_options, "--json"], run_dir, env)
+    stage_seconds = {stage["name"]: stage["seconds"] for stage in json.loads(output)["stages"]}
+    warm_stages = sum(seconds for name, seconds in stage_seconds.items() if not name.startswith(("convert", "benchmark")))
     before = _hashes(run_dir)
     second, _ = ptq(["run", *run_options], run_dir, env)
     unchanged = _hashes(run_dir) == before
@@ -104,6 +106,7 @@ def main() -> None:
     runs.add_row("second (all up to date)", f"{second:.2f}", f"{second / first:.1%}")
     console.print(runs)
     console.print(f"second run changed no file: {unchanged}")
+    console.print(f"inside the first run: calibrate + quantize + evaluate + report = {warm_stages:.2f} s (one process; convert and benchmark excluded)")
     console.print(f"work directory: {workdir}")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -138,3 +139,27 @@ def test_stratified_subset_keeps_classes_balanced_and_within_the_set():
     assert np.array_equal(small.images[:, 0, 0, 0], small.indices - 100)  # images stay with their indices
     with pytest.raises(PtqError):
         stratified_subset(full, 7)
+
+
+def _candidate(accuracy_drop, sqnr, float_nodes=(), dtype="int8", weight_dtype="int8", rejected=None):
+    from ptq_cli.services.quantize import make_settings
+    from ptq_cli.services.tune import Candidate
+
+    settings = replace(make_settings(dtype, weight_dtype=weight_dtype), float_nodes=tuple(float_nodes))
+    return Candidate("method", settings, 92.0 - accuracy_drop, accuracy_drop, sqnr, 1000, 0.3, accuracy_drop <= 0.05, rejected)
+
+
+def test_tune_keeps_the_candidate_closest_to_fp32_within_the_budget():
+    from ptq_cli.services.tune import choose
+
+    more_accurate = _candidate(-0.30, 24.0)  # +0.30 points on validation, but further from FP32
+    closer = _candidate(0.02, 26.0)
+    float_layer = _candidate(-0.40, 30.0, float_nodes=["conv"])  # a float layer costs size: only if nothing else fits
+    too_large = _candidate(-0.50, 40.0, rejected="too large")
+    out_of_budget = _candidate(0.20, 35.0)
+    chosen, met, reason = choose([more_accurate, closer, float_layer, too_large, out_of_budget], 0.05)
+    assert (chosen, met) == (closer, True) and "output SQNR" in reason
+    fast = _candidate(0.04, 20.0, dtype="uint8")  # uint8 x int8: the x86 fast path comes before fidelity
+    assert choose([closer, fast], 0.05)[0] == fast
+    chosen, met, reason = choose([out_of_budget, _candidate(0.10, 20.0)], 0.05)
+    assert (chosen.accuracy_drop, met) == (0.10, False) and "most accurate" in reason
