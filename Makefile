@@ -26,11 +26,12 @@ $(VENV)/.installed: pyproject.toml Makefile
 run: install
 	$(PTQ) run $(FORCE)
 
-# After `make run`: tune int8 and uint8 on the validation split, then judge the choices on the test set.
+# After `make run`: tune ONNX Runtime int8 and uint8 and PyTorch int8 on the validation split, then judge the choices on the test set.
 tune: install
 	$(PTQ) tune --dtype int8
 	$(PTQ) tune --dtype uint8
-	$(PTQ) evaluate --model models/resnet8_int8_tuned.onnx --model models/resnet8_uint8_tuned.onnx
+	$(PTQ) tune --backend pytorch
+	$(PTQ) evaluate --model models/resnet8_int8_tuned.onnx --model models/resnet8_uint8_tuned.onnx --model models/resnet8_pytorch_int8_tuned.pt
 	$(PTQ) report --markdown
 
 # After `make run`: prune at 0/30/50/70% (global), quantize int8, evaluate; then the report with its charts.

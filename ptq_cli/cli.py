@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -35,6 +36,10 @@ try:  # typer >= 0.22 vendors click; older typer uses the click package
     from typer._click.exceptions import ClickException, UsageError
 except ImportError:  # pragma: no cover
     from click.exceptions import ClickException, UsageError
+
+# torch's C++ side prints deprecation warnings for quantized tensors straight to stderr; ptq's stderr is
+# for its own messages. Set before torch is first imported (services import it lazily).
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 out = Console()
 err = Console(stderr=True)
@@ -382,18 +387,19 @@ def sensitivity(
 def tune(
     model: Annotated[Path, typer.Option(help="FP32 ONNX model.")] = settings.FP32_ONNX,
     dtype: Annotated[DType, typer.Option(help="Activation type to tune for (uint8 also tries int8 weights).")] = DType("int8"),
+    backend: Annotated[Backend, typer.Option(help="onnxruntime (QDQ) or pytorch (FX, int8 only: granularity x observer x calibration size, no float layers).")] = Backend("onnxruntime"),
     max_drop: Annotated[float, typer.Option(help="Accuracy budget: points below FP32 allowed on the validation split.")] = 0.05,
-    method: Annotated[Optional[list[Method]], typer.Option(help="Calibration methods to search; repeat for several. (default: minmax and percentile at 99.9, 99.95, 99.99, 99.999)", show_default=False)] = None,
+    method: Annotated[Optional[list[Method]], typer.Option(help="Calibration methods to search; repeat for several. (default: onnxruntime minmax and percentile at 99.9, 99.95, 99.99, 99.999; pytorch histogram and minmax)", show_default=False)] = None,
     per_channel: Annotated[Optional[bool], typer.Option("--per-channel/--per-tensor", help="Search only this weight granularity. (default: both)", show_default=False)] = None,
     max_float_layers: Annotated[int, typer.Option(help="Most sensitive layers to try leaving in float, one more at a time (0: none).")] = tune_service.MAX_FLOAT_LAYERS,
     calibration: Annotated[Optional[Path], typer.Option(help=f"Calibration set. (default: {settings.CALIBRATION_FILE} if it exists, else built with the calibrate defaults)", show_default=False)] = None,
     data_dir: DataDir = None,
     validation_per_class: ValidationPerClass = settings.VALIDATION_PER_CLASS,
-    output: Annotated[Optional[Path], typer.Option(help="Where to write the chosen model. (default: models/<model>_<dtype>_tuned.onnx)", show_default=False)] = None,
+    output: Annotated[Optional[Path], typer.Option(help="Where to write the chosen model. (default: models/<model>_<dtype>_tuned.onnx, or models/<model>_pytorch_int8_tuned.pt)", show_default=False)] = None,
     results_dir: Annotated[Path, typer.Option(help="The record of the search goes to RESULTS_DIR/tuning/<output>.json.")] = settings.RESULTS_DIR,
     as_json: JsonFlag = False,
 ) -> None:
-    """Search onnxruntime quantization settings for the smallest, fastest model within --max-drop of FP32.
+    """Search quantization settings for the smallest, fastest model within --max-drop of FP32.
 
     Every decision is made on the validation split (training images not in the calibration set); the
     test set is never read. Stages: calibration method x granularity x weight type, calibration size,
@@ -402,14 +408,15 @@ def tune(
     """
     check_model(model)
     calibration_set, validation_set = _calibration_and_validation(calibration, data_dir, validation_per_class)
-    destination = output or tune_service.default_output(model, dtype.value)
-    with _progress_bar(f"Tuning {dtype.value}") as progress:
+    destination = output or tune_service.default_output(model, dtype.value, backend.value)
+    with _progress_bar(f"Tuning {dtype.value} ({backend.value})") as progress:
         result = tune_service.tune(
             model, dtype.value, max_drop, calibration_set, validation_set, destination, results_dir,
-            methods=tuple(m.value for m in method) if method else tune_service.METHODS,
+            methods=tuple(m.value for m in method) if method else None,
             granularities=(per_channel,) if per_channel is not None else (True, False),
             max_float_layers=max_float_layers,
             progress=progress,
+            backend=backend.value,
         )
     _emit(as_json, result, render.tuning(result))
 

@@ -446,7 +446,7 @@ def _short_configuration(settings) -> str:
 
 def tuning(result: TuneResult) -> Group:
     table = Table(
-        title=f"ptq tune {result.dtype}: validation split, FP32 {result.fp32_validation_accuracy:.2f}%, budget {result.max_drop:g} points",
+        title=f"ptq tune {result.dtype} ({result.chosen.settings.framework}): validation split, FP32 {result.fp32_validation_accuracy:.2f}%, budget {result.max_drop:g} points",
         title_justify="left",
         box=box.SIMPLE_HEAD,
         padding=(0, 1, 0, 0),

@@ -90,3 +90,21 @@ def test_sensitivity_lists_every_quantizable_layer_worst_first(pipeline, train_o
     # Quantizing a convolution alone must cost something, however little.
     assert all(np.isfinite(layer["output_sqnr_db"]) for layer in layers if layer["op_type"] == "Conv")
     assert read_json(tmp_path / "results" / "sensitivity" / "resnet8_int8.json")["layers"] == layers
+
+
+def test_tune_pytorch_path_writes_torchscript_with_its_validation_score(pipeline, train_only_data, tmp_path):
+    output = tmp_path / "tuned.pt"
+    run = ptq_ok(
+        "tune", "--backend", "pytorch", "--max-drop", "5", "--method", "histogram", "--per-channel", "--validation-per-class", "100",
+        "--data-dir", train_only_data, "--output", output, "--results-dir", tmp_path / "results", "--json", cwd=pipeline,
+    )
+    result = json.loads(run.stdout)
+    assert {c["settings"]["framework"] for c in result["candidates"]} == {"pytorch"}
+    assert [c["stage"] for c in result["candidates"]] == ["method", "size", "size"]  # no float-layer stage in FX
+    assert result["met_budget"] is True
+    # within the budget, the candidate closest to FP32 is kept
+    eligible = [c for c in result["candidates"] if c["within_budget"]]
+    assert result["chosen"]["output_sqnr_db"] == max(c["output_sqnr_db"] for c in eligible)
+    evaluated = json.loads(ptq_ok("evaluate", "--model", output, "--results-dir", tmp_path / "results", "--json", cwd=pipeline).stdout)
+    assert evaluated["framework"] == "pytorch" and evaluated["dtype"] == "int8"
+    assert evaluated["quantization"]["validation"]["accuracy"] == result["chosen"]["validation_accuracy"]

@@ -122,8 +122,10 @@ def qconfig_mapping(per_channel: bool, method: str):
     return get_default_qconfig_mapping(ENGINE).set_global(QConfig(activation=activation, weight=weight))
 
 
-def quantize_fx(model, output: Path, settings: QuantizationSettings, calibration: CalibrationSet) -> int:
-    """prepare_fx -> calibrate -> convert_fx, saved as TorchScript; returns the file size."""
+def quantize_fx(model, output: Path, settings: QuantizationSettings, calibration: CalibrationSet, metadata: dict | None = None) -> int:
+    """prepare_fx -> calibrate -> convert_fx, saved as TorchScript; returns the file size.
+
+    `metadata` (e.g. the validation scores `tune` measured) is stored next to the settings in the file."""
     import torch
     from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
@@ -137,5 +139,5 @@ def quantize_fx(model, output: Path, settings: QuantizationSettings, calibration
             prepared(batch)
     quantized = convert_fx(prepared)
     with atomic_output(output) as tmp:
-        save_torchscript(quantized, tmp, calibration.images[:8], asdict(settings))
+        save_torchscript(quantized, tmp, calibration.images[:8], {**asdict(settings), **(metadata or {})})
         return tmp.stat().st_size

@@ -22,8 +22,9 @@ from pathlib import Path
 from ptq_cli.atomic import check_writable
 from ptq_cli.errors import PtqError
 from ptq_cli.services.calibration import CalibrationSet, stratified_subset
-from ptq_cli.services.models import load_onnx, read_onnx
+from ptq_cli.services.models import ONNXRUNTIME, PYTORCH, load_onnx, load_torchscript, read_onnx
 from ptq_cli.services.progress import ProgressCallback, Steps
+from ptq_cli.services.quantize import METHODS as BACKEND_METHODS
 from ptq_cli.services.quantize import QuantizationSettings, make_settings, quantize_onnx
 from ptq_cli.services.records import write_record
 from ptq_cli.services.sensitivity import layer_sensitivity, preprocessed, quantizable_layers
@@ -75,8 +76,9 @@ class TuneResult:
 
 def describe(settings: QuantizationSettings) -> str:
     method = f"percentile {settings.percentile:g}" if settings.method == "percentile" else settings.method
+    types = "FX a:quint8 w:qint8" if settings.format == "FX" else f"a:{settings.dtype} w:{settings.weight_dtype}"  # as the report says
     parts = [
-        f"a:{settings.dtype} w:{settings.weight_dtype}",
+        types,
         "per-channel" if settings.per_channel else "per-tensor",
         method,
         f"{settings.calibration_samples} samples",
@@ -121,12 +123,18 @@ def tune(
     validation: ValidationSet,
     output: Path,
     results_dir: Path,
-    methods: tuple[str, ...] = METHODS,
+    methods: tuple[str, ...] | None = None,
     granularities: tuple[bool, ...] = (True, False),
     max_float_layers: int = MAX_FLOAT_LAYERS,
     progress: ProgressCallback | None = None,
+    backend: str = ONNXRUNTIME,
 ) -> TuneResult:
+    """Search, choose, write the chosen model and the record. The PyTorch backend searches granularity x
+    observer (histogram, minmax) and calibration size; it has no float-layer stage (FX quantizes all)."""
     model_path, output = Path(model_path), Path(output)
+    methods = methods or (METHODS if backend == ONNXRUNTIME else BACKEND_METHODS[PYTORCH])
+    if backend == PYTORCH:
+        max_float_layers = 0
     if max_drop < 0:
         raise PtqError(f"--max-drop: must be at least 0 points, got {max_drop}")
     if max_float_layers < 0:
@@ -140,7 +148,7 @@ def tune(
     fp32_size = model_path.stat().st_size
     fp32 = score(load_onnx(model_path), validation)
     calibration_grid = [
-        make_settings(dtype, weight_dtype=weights, per_channel=per_channel, method=method, percentile=percentile)
+        make_settings(dtype, backend, weight_dtype=weights, per_channel=per_channel, method=method, percentile=percentile)
         for weights in weight_dtypes(dtype)
         for per_channel in granularities
         for method in methods
@@ -159,9 +167,7 @@ def tune(
         def try_candidate(stage: str, settings: QuantizationSettings, calibration_set: CalibrationSet) -> Candidate:
             settings = replace(settings, calibration_samples=len(calibration_set.labels), calibration_seed=calibration_set.seed,
                                calibration_source=calibration_set.source)
-            path = Path(workdir) / "candidate.onnx"
-            size = quantize_onnx(model, path, settings, calibration_set)
-            quantized = score(load_onnx(path), validation)
+            size, quantized = _quantize_and_score(model, Path(workdir), settings, calibration_set, validation)
             drop = round(fp32.accuracy - quantized.accuracy, 4)
             too_large = bool(settings.float_nodes) and size >= SIZE_LIMIT * fp32_size
             candidate = Candidate(
@@ -202,8 +208,9 @@ def tune(
 
         chosen, met_budget, reason = choose(candidates, max_drop)
         validation_summary = {**validation.describe(), "accuracy": chosen.validation_accuracy, "fp32_accuracy": fp32.accuracy}
-        quantize_onnx(model, output, chosen.settings, calibration_sets[chosen.settings.calibration_samples],
-                      metadata={"validation": validation_summary, "tuned_max_drop": max_drop})
+        write = quantize_onnx if backend == ONNXRUNTIME else _quantize_fx
+        write(model, output, chosen.settings, calibration_sets[chosen.settings.calibration_samples],
+              metadata={"validation": validation_summary, "tuned_max_drop": max_drop})
 
     result = TuneResult(model_path, dtype, max_drop, fp32.accuracy, validation.describe(), candidates, chosen, met_budget,
                         reason, output, record)
@@ -211,5 +218,22 @@ def tune(
     return result
 
 
-def default_output(model: Path, dtype: str) -> Path:
+def _quantize_fx(*args, **kwargs) -> int:
+    from ptq_cli.services.torch_backend import quantize_fx  # torch only when the PyTorch path is asked for
+
+    return quantize_fx(*args, **kwargs)
+
+
+def _quantize_and_score(model, workdir: Path, settings: QuantizationSettings, calibration: CalibrationSet, validation: ValidationSet):
+    """(file size, validation score) of one candidate, quantized with its own framework."""
+    if settings.framework == PYTORCH:
+        path = workdir / "candidate.pt"
+        return _quantize_fx(model, path, settings, calibration), score(load_torchscript(path), validation)
+    path = workdir / "candidate.onnx"
+    return quantize_onnx(model, path, settings, calibration), score(load_onnx(path), validation)
+
+
+def default_output(model: Path, dtype: str, backend: str = ONNXRUNTIME) -> Path:
+    if backend == PYTORCH:
+        return Path(model).with_name(f"{Path(model).stem}_pytorch_{dtype}_tuned.pt")
     return Path(model).with_name(f"{Path(model).stem}_{dtype}_tuned.onnx")
