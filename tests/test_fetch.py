@@ -135,6 +135,8 @@ def test_mirror_copies_and_validates_the_real_assets(tmp_path, assets):
         assert (tmp_path / "copy" / "cifar-10-batches-py" / name).read_bytes() == (assets / "cifar-10-batches-py" / name).read_bytes()
     in_place = json.loads(ptq_ok("fetch", "--mirror", assets, "--dest", assets, "--json", cwd=tmp_path).stdout)
     assert [asset["action"] for asset in in_place["assets"]] == ["checked in place", "checked in place"]
+    text = ptq_ok("fetch", "--mirror", assets, "--dest", "copy", "--asset", "model", cwd=tmp_path).stdout
+    assert "model: already present" in text and "input 32x32x3" in text
 
 
 def test_mirror_with_a_wrong_class_count_is_refused(tmp_path):

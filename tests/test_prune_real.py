@@ -62,6 +62,16 @@ def test_prune_reaches_the_sparsity_and_touches_only_weights(tmp_path, pipeline,
     onnx.checker.check_model(onnx.load(str(tmp_path / "p.onnx")))
 
 
+def test_prune_text_output_names_every_layer_and_the_sparsity_reached(tmp_path, pipeline):
+    run = ptq_ok("prune", "--model", pipeline / "models" / "resnet8.onnx", "--sparsity", "0.3", "--scope", "layer", "--no-reconstruct",
+                 "--exclude-classifier", "--output", "p.onnx", cwd=tmp_path)
+    assert "Requested 30% (layer); achieved 30.00% over the pruned layers" in run.stdout
+    rows = [line.split() for line in run.stdout.splitlines() if " Conv " in line or " MatMul " in line]
+    assert [row[1] for row in rows] == ["Conv"] * 9 + ["MatMul"]
+    assert all(abs(float(row[4].rstrip("%")) - 30) <= 1 for row in rows[:9])  # each convolution at 30% (layer scope)
+    assert rows[-1][4:] == ["0.0%", "(kept)"]  # --exclude-classifier
+
+
 @pytest.mark.parametrize("value", ["1", "1.5", "-0.1"])
 def test_sparsity_outside_zero_one_is_refused(tmp_path, pipeline, value):
     run = ptq("prune", "--model", pipeline / "models" / "resnet8.onnx", "--sparsity", value, "--output", "p.onnx", cwd=tmp_path)

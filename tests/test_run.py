@@ -43,6 +43,9 @@ def test_second_run_skips_every_stage_and_changes_no_file(pipeline_snapshot):
     assert [stage["ran"] for stage in result["stages"]] == [False] * len(result["stages"])
     assert result["manifest_written"] is False
     assert _hashes(pipeline_snapshot) == before
+    text = ptq_ok("run", "--no-benchmark", cwd=pipeline_snapshot).stdout
+    assert f"All {len(result['stages'])} stages up to date" in text and "nothing written" in text
+    assert _hashes(pipeline_snapshot) == before
 
 
 def test_a_missing_output_reruns_only_its_stage_and_those_after_it_that_read_it(pipeline_snapshot):

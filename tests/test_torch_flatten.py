@@ -12,8 +12,9 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from ptq_cli.services.graph import static_reshape_targets
 from ptq_cli.services.models import load_torchscript
-from ptq_cli.services.torch_backend import onnx_to_graph_module, save_torchscript, static_reshape_targets
+from ptq_cli.services.torch_backend import onnx_to_graph_module, save_torchscript
 
 
 def dynamic_flatten_classifier():

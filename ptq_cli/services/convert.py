@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ import numpy as np
 from ptq_cli.atomic import atomic_output, check_writable
 from ptq_cli.errors import CheckFailed, PtqError
 from ptq_cli.services import cifar
+from ptq_cli.services.graph import canonical
 from ptq_cli.services.models import NCHW, PYTORCH, load_onnx, load_torchscript, onnx_layout, read_onnx
 
 TOLERANCE = 1e-4
@@ -125,40 +125,6 @@ def _native_stderr_silenced() -> Iterator[None]:
         os.close(saved)
 
 
-GENERATED_NAME = re.compile(r"^(.*__)(\d+)$")  # tf2onnx's numbered names, e.g. const_fold_opt__140
-
-
-def canonical_names(model):
-    """Renumber tf2onnx's generated names (tensors, symbolic dimensions) in graph order; sort initializers by name.
-
-    tf2onnx numbers the constants it folds in the order it meets them in a Python set, which changes
-    with the interpreter's hash seed: without this, two conversions of one .h5 differ byte for byte.
-    """
-    graph = model.graph
-    values = (*graph.input, *graph.output, *graph.value_info)
-    dims = [dim for value in values for dim in value.type.tensor_type.shape.dim if dim.dim_param]
-    order = [name for node in graph.node for name in (*node.input, *node.output)] + [init.name for init in graph.initializer]
-    order += [dim.dim_param for dim in dims]
-    renamed: dict[str, str] = {}
-    for name in order:
-        match = GENERATED_NAME.match(name)
-        if match and name not in renamed:
-            renamed[name] = f"{match.group(1)}{len(renamed) + 1}"
-    for node in graph.node:
-        node.input[:] = [renamed.get(name, name) for name in node.input]
-        node.output[:] = [renamed.get(name, name) for name in node.output]
-        if GENERATED_NAME.match(node.name):
-            node.name = renamed.get(node.name, node.name)
-    for value in (*graph.initializer, *values):
-        value.name = renamed.get(value.name, value.name)
-    for dim in dims:
-        dim.dim_param = renamed.get(dim.dim_param, dim.dim_param)
-    initializers = sorted(graph.initializer, key=lambda init: init.name)
-    del graph.initializer[:]
-    graph.initializer.extend(initializers)
-    return model
-
-
 def keras_to_onnx(keras_path: Path, output: Path, data_dir: Path, opset: int = 13, check_count: int = 1000) -> ConversionResult:
     """Keras .h5 -> ONNX with tf2onnx, checked against Keras on `check_count` test images."""
     keras_path = Path(keras_path)
@@ -185,7 +151,7 @@ def keras_to_onnx(keras_path: Path, output: Path, data_dir: Path, opset: int = 1
         with _collected_warnings("tf2onnx") as messages:
             model_proto, _ = tf2onnx.convert.from_keras(keras_model, input_signature=signature, opset=opset)
         converter_warnings.extend(f"tf2onnx: {message}" for message in messages)
-        tmp.write_bytes(canonical_names(model_proto).SerializeToString())
+        tmp.write_bytes(canonical(model_proto).SerializeToString())
 
     return _checked_write(
         keras_path, output, write, reference, lambda tmp: load_onnx(tmp).predict(images), converter_warnings

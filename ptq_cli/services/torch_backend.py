@@ -13,6 +13,7 @@ import numpy as np
 
 from ptq_cli.atomic import atomic_output
 from ptq_cli.services.calibration import CalibrationSet
+from ptq_cli.services.graph import static_reshape_targets
 from ptq_cli.services.models import TORCHSCRIPT_METADATA_FILE
 from ptq_cli.services.quantize import CALIBRATION_BATCH, QuantizationSettings, preprocess_onnx
 from ptq_cli.services.torch_compat import import_onnx2torch, quiet_torch_quantization_warnings
@@ -36,52 +37,6 @@ def onnx_to_graph_module(model, fold: bool = True):
             preprocess_onnx(model, folded)
             model = onnx.load(str(folded))
     return onnx2torch.convert(static_reshape_targets(model)).eval()
-
-
-def static_reshape_targets(model):
-    """Each Reshape whose target is computed at run time (Shape -> Slice -> Concat, as tf2onnx emits for
-    Flatten when its own reshape optimizer does not fold it) gets the constant target [-1, d1, ...].
-
-    onnx2torch's Reshape turns its target tensor into a Python list, so torch.jit.trace would bake in
-    the example's batch size and the TorchScript file would reject every other batch size. The constant
-    is exact when shape inference knows every output dimension but the batch one, which it takes from
-    the input's batch dimension. The Shape arithmetic left without a consumer is then removed.
-    """
-    import onnx
-    from onnx import numpy_helper
-    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-
-    model = SymbolicShapeInference.infer_shapes(model, auto_merge=True)
-    initializers = {tensor.name for tensor in model.graph.initializer}
-    shapes = {info.name: info.type.tensor_type.shape for info in [*model.graph.value_info, *model.graph.output]}
-    batch_symbols = {dim.dim_param for value in model.graph.input for dim in value.type.tensor_type.shape.dim[:1] if dim.dim_param}
-    rewritten = False
-    for node in model.graph.node:
-        if node.op_type != "Reshape" or node.input[1] in initializers or node.output[0] not in shapes:
-            continue
-        dims = shapes[node.output[0]].dim
-        if not dims or dims[0].dim_param not in batch_symbols or not all(dim.HasField("dim_value") for dim in dims[1:]):
-            continue
-        target = numpy_helper.from_array(np.array([-1, *(dim.dim_value for dim in dims[1:])], dtype=np.int64), f"{node.output[0]}__static_shape")
-        model.graph.initializer.append(target)
-        node.input[1] = target.name
-        rewritten = True
-    if rewritten:
-        _drop_dead_nodes(model)
-        onnx.checker.check_model(model)
-    return model
-
-
-def _drop_dead_nodes(model) -> None:
-    """Remove nodes none of whose outputs is used, until none is left."""
-    graph_outputs = {value.name for value in model.graph.output}
-    while True:
-        used = graph_outputs | {name for node in model.graph.node for name in node.input}
-        dead = [node for node in model.graph.node if not any(out in used for out in node.output)]
-        if not dead:
-            return
-        for node in dead:
-            model.graph.node.remove(node)
 
 
 def save_torchscript(module, path: Path, example: np.ndarray, metadata: dict) -> None:

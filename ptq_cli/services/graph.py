@@ -1,0 +1,115 @@
+"""Tidying of ONNX graphs: static Reshape targets, dead nodes, and one canonical form for converted models."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+
+def static_reshape_targets(model):
+    """Each Reshape whose target is computed at run time (Shape -> Slice -> Concat, as tf2onnx emits for
+    Flatten when its own reshape optimizer does not fold it) gets the constant target [-1, d1, ...].
+
+    onnx2torch's Reshape turns its target tensor into a Python list, so torch.jit.trace would bake in
+    the example's batch size and the TorchScript file would reject every other batch size. The constant
+    is exact when shape inference knows every output dimension but the batch one, which it takes from
+    the input's batch dimension. The Shape arithmetic left without a consumer is then removed.
+    """
+    import onnx
+    from onnx import numpy_helper
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    model = SymbolicShapeInference.infer_shapes(model, auto_merge=True)
+    initializers = {tensor.name for tensor in model.graph.initializer}
+    shapes = {info.name: info.type.tensor_type.shape for info in [*model.graph.value_info, *model.graph.output]}
+    batch_symbols = {dim.dim_param for value in model.graph.input for dim in value.type.tensor_type.shape.dim[:1] if dim.dim_param}
+    rewritten = False
+    for node in model.graph.node:
+        if node.op_type != "Reshape" or node.input[1] in initializers or node.output[0] not in shapes:
+            continue
+        dims = shapes[node.output[0]].dim
+        if not dims or dims[0].dim_param not in batch_symbols or not all(dim.HasField("dim_value") for dim in dims[1:]):
+            continue
+        target = numpy_helper.from_array(np.array([-1, *(dim.dim_value for dim in dims[1:])], dtype=np.int64), f"{node.output[0]}__static_shape")
+        model.graph.initializer.append(target)
+        node.input[1] = target.name
+        rewritten = True
+    if rewritten:
+        drop_dead_nodes(model)
+        onnx.checker.check_model(model)
+    return model
+
+
+def drop_dead_nodes(model) -> None:
+    """Remove nodes none of whose outputs is used, until none is left."""
+    graph_outputs = {value.name for value in model.graph.output}
+    while True:
+        used = graph_outputs | {name for node in model.graph.node for name in node.input}
+        dead = [node for node in model.graph.node if not any(out in used for out in node.output)]
+        if not dead:
+            return
+        for node in dead:
+            model.graph.node.remove(node)
+
+
+GENERATED_NAME = re.compile(r"^(.*__)(\d+)$")  # tf2onnx's numbered names, e.g. const_fold_opt__140
+
+
+def canonical_names(model):
+    """Renumber tf2onnx's generated names (tensors, symbolic dimensions) in graph order; sort initializers by name.
+
+    tf2onnx numbers the constants it folds in the order it meets them in a Python set, which changes
+    with the interpreter's hash seed: without this, two conversions of one .h5 differ byte for byte.
+    """
+    graph = model.graph
+    values = (*graph.input, *graph.output, *graph.value_info)
+    dims = [dim for value in values for dim in value.type.tensor_type.shape.dim if dim.dim_param]
+    order = [name for node in graph.node for name in (*node.input, *node.output)] + [init.name for init in graph.initializer]
+    order += [dim.dim_param for dim in dims]
+    renamed: dict[str, str] = {}
+    for name in order:
+        match = GENERATED_NAME.match(name)
+        if match and name not in renamed:
+            renamed[name] = f"{match.group(1)}{len(renamed) + 1}"
+    for node in graph.node:
+        node.input[:] = [renamed.get(name, name) for name in node.input]
+        node.output[:] = [renamed.get(name, name) for name in node.output]
+        if GENERATED_NAME.match(node.name):
+            node.name = renamed.get(node.name, node.name)
+    for value in (*graph.initializer, *values):
+        value.name = renamed.get(value.name, value.name)
+    for dim in dims:
+        dim.dim_param = renamed.get(dim.dim_param, dim.dim_param)
+    initializers = sorted(graph.initializer, key=lambda init: init.name)
+    del graph.initializer[:]
+    graph.initializer.extend(initializers)
+    return model
+
+
+def drop_unused_initializers(model) -> None:
+    used = {name for node in model.graph.node for name in node.input} | {value.name for value in model.graph.output}
+    kept = [init for init in model.graph.initializer if init.name in used]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+
+
+def canonical(model):
+    """One form for a tf2onnx conversion, whatever tf2onnx's optimizers did this time.
+
+    tf2onnx does not always fold Keras' Flatten into a constant Reshape target (on one machine, or in one
+    run out of several, it leaves Shape -> Slice -> Concat), and it numbers the constants it folds in a
+    hash-seed-dependent order. Folding the target here, dropping what that leaves unused, naming every
+    Reshape target after its node and renumbering the generated names makes two conversions of one .h5
+    byte-identical.
+    """
+    model = static_reshape_targets(model)
+    del model.graph.value_info[:]  # shape inference's annotations; tf2onnx writes none
+    drop_dead_nodes(model)
+    drop_unused_initializers(model)
+    initializers = {init.name: init for init in model.graph.initializer}
+    for node in model.graph.node:
+        target = initializers.get(node.input[1]) if node.op_type == "Reshape" else None
+        if target is not None and sum(name == target.name for other in model.graph.node for name in other.input) == 1:
+            target.name = node.input[1] = f"{node.output[0]}__static_shape"
+    return canonical_names(model)
