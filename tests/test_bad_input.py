@@ -251,11 +251,16 @@ def test_ctrl_c_during_evaluation_leaves_no_record(tmp_path, assets):
                                cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=secondary)
     os.close(secondary)
     shown = _read_until(primary, b"Evaluating", seconds=120)
-    time.sleep(1.0)  # into the evaluation loop
+    shown += _read_until(primary, None, seconds=1.0)  # a second into the evaluation loop, still reading the terminal
     process.send_signal(signal.SIGINT)
-    stdout = process.communicate(timeout=60)[0].decode()
-    shown += _read_until(primary, None, seconds=5)
+    deadline = time.monotonic() + 60
+    while process.poll() is None and time.monotonic() < deadline:
+        shown += _read_until(primary, None, seconds=0.5)  # keep draining: a full terminal buffer would block the child
+    shown += _read_until(primary, None, seconds=1)
     os.close(primary)
+    if process.poll() is None:
+        process.kill()
+    stdout = process.stdout.read().decode()
     stderr = re.sub(rb"\x1b\[[0-9;?]*[A-Za-z]", b"", shown).decode(errors="replace")
     assert process.returncode == 130, (stdout, stderr)
     assert "Error: interrupted; no partial output was written" in stderr
