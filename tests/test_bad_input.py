@@ -248,7 +248,9 @@ def test_ctrl_c_during_evaluation_leaves_no_record(tmp_path, assets):
     env = {**os.environ, "PTQ_ASSETS": str(CIFAR.parent), "COLUMNS": "120"}
     primary, secondary = pty.openpty()
     process = subprocess.Popen([sys.executable, "-m", "ptq_cli", "evaluate", "--model", "slow.onnx", "--results-dir", "res"],
-                               cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=secondary)
+                               cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=secondary,
+                               # as from an interactive shell: a background job (e.g. CI started with `&`) inherits SIGINT ignored
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     os.close(secondary)
     shown = _read_until(primary, b"Evaluating", seconds=120)
     shown += _read_until(primary, None, seconds=1.0)  # a second into the evaluation loop, still reading the terminal
