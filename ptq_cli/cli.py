@@ -286,8 +286,10 @@ def prune(
 ) -> None:
     """Magnitude pruning: zero the smallest Conv and Gemm/MatMul weights; biases and batch-norm stay untouched.
 
-    Writes an ordinary ONNX model (`ptq quantize --model` takes it) and prints the sparsity reached per
-    layer. No fine-tuning follows (PTQ, no GPU): `ptq sweep` shows what pruning alone costs.
+    Then, unless --no-reconstruct, the kept weights are re-fitted layer by layer by least squares on the
+    calibration images, so each layer reproduces the original's output (no training, no labels). Writes
+    an ordinary ONNX model (`ptq quantize --model` takes it) and prints the sparsity reached per layer.
+    `ptq sweep` shows what pruning costs in accuracy, with and without the re-fit.
     """
     pruning_settings = prune_service.make_settings(sparsity, scope.value, exclude_first, exclude_classifier, reconstruct)
     destination = output or prune_service.default_output(model, sparsity, scope.value)
