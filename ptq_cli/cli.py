@@ -97,6 +97,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    rich_markup_mode="markdown",  # docstring paragraphs reflow to the terminal's width
 )
 
 
