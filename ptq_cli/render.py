@@ -412,7 +412,7 @@ def pipeline_run(result: RunResult) -> Group:
         table.add_column(column, justify="right" if column == "Seconds" else "left", no_wrap=column != "Outputs")
     for stage in result.stages:
         status = "[green]ran[/green]" if stage.ran else "[dim]up to date[/dim]"
-        table.add_row(stage.name, status, f"{stage.seconds:.1f}", ", ".join(stage.outputs))
+        table.add_row(stage.name, status, f"{stage.seconds:.1f}", ", ".join(Path(output).name for output in stage.outputs))
     ran = len(result.ran)
     summary = (
         f"{ran} of {len(result.stages)} stages ran in {result.wall_seconds:.1f} s; manifest: {result.manifest}"
