@@ -118,6 +118,10 @@ DataDir = Annotated[
     Optional[Path],
     typer.Option("--data-dir", help=f"CIFAR-10 python batches. (default: ${settings.ASSETS_ENV}/cifar-10-batches-py, {settings.ASSETS_ENV}={settings.DEFAULT_ASSETS})", show_default=False),
 ]
+CalibrationFile = Annotated[
+    Optional[Path],
+    typer.Option(help=f"Calibration set from `ptq calibrate`, the same for every model made. (default: {settings.CALIBRATION_FILE} if it exists, else built with the calibrate defaults)", show_default=False),
+]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout (for scripts) instead of tables.")]
 
 
@@ -246,7 +250,7 @@ def quantize(
     per_channel: Annotated[Optional[bool], typer.Option("--per-channel/--per-tensor", help="One weight scale per output channel, or one per tensor. (default: per-tensor for onnxruntime, per-channel for pytorch)", show_default=False)] = None,
     method: Annotated[Optional[Method], typer.Option(help="Activation calibration: onnxruntime minmax|entropy|percentile (default minmax); pytorch histogram|minmax (default histogram).", show_default=False)] = None,
     percentile: Annotated[Optional[float], typer.Option(help="Percentile kept by --method percentile. (default: 99.999)", show_default=False)] = None,
-    calibration: Annotated[Optional[Path], typer.Option(help=f"Calibration set from `ptq calibrate`. (default: {settings.CALIBRATION_FILE} if it exists, else built with the calibrate defaults)", show_default=False)] = None,
+    calibration: CalibrationFile = None,
     data_dir: DataDir = None,
     preprocess: Annotated[bool, typer.Option("--preprocess/--no-preprocess", help="Run onnxruntime's quant_pre_process first (shape inference, folds batch-norm Mul/Add into Conv).")] = True,
     output: Annotated[Optional[Path], typer.Option(help="Where to write the quantized model. (default: models/<model>_<dtype>.onnx, or models/<model>_pytorch_<dtype>.pt)", show_default=False)] = None,
@@ -258,8 +262,7 @@ def quantize(
         target and target.value,
     )
     check_model(model)  # a bad model fails before any calibration work
-    with _working("Loading the calibration set…"):
-        calibration_set = calibration_service.load_or_build(calibration, data_dir or settings.cifar_dir())
+    calibration_set = _calibration_set(calibration, data_dir)
     destination = output or quantize_service.default_output(model, quantization_settings)
     with _working(f"Calibrating ({quantization_settings.method}, {len(calibration_set.labels)} samples) and quantizing with {backend.value}…"):
         result = quantize_service.quantize(model, destination, quantization_settings, calibration_set)
@@ -280,7 +283,7 @@ def prune(
     exclude_first: ExcludeFirst = False,
     exclude_classifier: ExcludeClassifier = False,
     reconstruct: Reconstruct = True,
-    calibration: Annotated[Optional[Path], typer.Option(help=f"Calibration set for the re-fit. (default: {settings.CALIBRATION_FILE} if it exists, else built with the calibrate defaults)", show_default=False)] = None,
+    calibration: CalibrationFile = None,
     data_dir: DataDir = None,
     output: Annotated[Optional[Path], typer.Option(help="Where to write the pruned model. (default: models/<model>_pruned<NN>.onnx)", show_default=False)] = None,
     as_json: JsonFlag = False,
@@ -297,8 +300,7 @@ def prune(
     check_model(model)
     images = None
     if reconstruct:
-        with _working("Loading the calibration set…"):
-            images = calibration_service.load_or_build(calibration, data_dir or settings.cifar_dir()).images
+        images = _calibration_set(calibration, data_dir).images
     with _working("Pruning" + (" and re-fitting the kept weights…" if reconstruct else "…")):
         result = prune_service.prune(model, destination, pruning_settings, images)
     _emit(as_json, result, render.pruning(result))
@@ -317,7 +319,7 @@ def sweep(
     exclude_first: ExcludeFirst = False,
     exclude_classifier: ExcludeClassifier = False,
     reconstruct: Reconstruct = True,
-    calibration: Annotated[Optional[Path], typer.Option(help=f"Calibration set, the same for every point. (default: {settings.CALIBRATION_FILE} if it exists, else built with the calibrate defaults)", show_default=False)] = None,
+    calibration: CalibrationFile = None,
     data_dir: DataDir = None,
     models_dir: Annotated[Path, typer.Option(help="Where the pruned and quantized models go.")] = settings.MODELS_DIR / "sweep",
     results_dir: Annotated[Path, typer.Option(help="The sweep record goes to RESULTS_DIR/sweep/<model>_<dtype>_<scope>.json, which `ptq report` shows.")] = settings.RESULTS_DIR,
@@ -334,8 +336,7 @@ def sweep(
         dtype.value, weight_dtype=weight_dtype and weight_dtype.value, per_channel=per_channel, method=method.value, percentile=percentile
     )
     check_model(model)
-    with _working("Loading the calibration set…"):
-        calibration_set = calibration_service.load_or_build(calibration, data_dir or settings.cifar_dir())
+    calibration_set = _calibration_set(calibration, data_dir)
     with _progress_bar("Prune, quantize, evaluate") as progress:
         result = sweep_service.sweep(
             model, sparsities, quantization_settings, calibration_set, data_dir or settings.cifar_dir(), models_dir, results_dir,
@@ -349,11 +350,15 @@ ValidationPerClass = Annotated[
 ]
 
 
+def _calibration_set(calibration: Path | None, data_dir: Path | None):
+    with _working("Loading the calibration set…"):
+        return calibration_service.load_or_build(calibration, data_dir or settings.cifar_dir())
+
+
 def _calibration_and_validation(calibration: Path | None, data_dir: Path | None, validation_per_class: int):
-    data = data_dir or settings.cifar_dir()
-    with _working("Loading the calibration set and the validation split (training batches only)…"):
-        calibration_set = calibration_service.load_or_build(calibration, data)
-        return calibration_set, validation_service.build_validation_set(calibration_set, data, validation_per_class)
+    calibration_set = _calibration_set(calibration, data_dir)
+    with _working("Drawing the validation split (training batches only)…"):
+        return calibration_set, validation_service.build_validation_set(calibration_set, data_dir or settings.cifar_dir(), validation_per_class)
 
 
 @app.command()
@@ -364,7 +369,7 @@ def sensitivity(
     per_channel: Annotated[bool, typer.Option("--per-channel/--per-tensor", help="One weight scale per output channel, or one per tensor.")] = False,
     method: Annotated[Method, typer.Option(help="Activation calibration: minmax|entropy|percentile.")] = Method("minmax"),
     percentile: Annotated[Optional[float], typer.Option(help="Percentile kept by --method percentile. (default: 99.999)", show_default=False)] = None,
-    calibration: Annotated[Optional[Path], typer.Option(help=f"Calibration set. (default: {settings.CALIBRATION_FILE} if it exists, else built with the calibrate defaults)", show_default=False)] = None,
+    calibration: CalibrationFile = None,
     data_dir: DataDir = None,
     validation_per_class: ValidationPerClass = settings.VALIDATION_PER_CLASS,
     results_dir: Annotated[Path, typer.Option(help="The record goes to RESULTS_DIR/sensitivity/<model>_<dtype>.json.")] = settings.RESULTS_DIR,
@@ -395,7 +400,7 @@ def tune(
     method: Annotated[Optional[list[Method]], typer.Option(help="Calibration methods to search; repeat for several. (default: onnxruntime minmax and percentile at 99.9, 99.95, 99.99, 99.999; pytorch histogram and minmax)", show_default=False)] = None,
     per_channel: Annotated[Optional[bool], typer.Option("--per-channel/--per-tensor", help="Search only this weight granularity. (default: both)", show_default=False)] = None,
     max_float_layers: Annotated[int, typer.Option(help="Most sensitive layers to try leaving in float, one more at a time (0: none).")] = tune_service.MAX_FLOAT_LAYERS,
-    calibration: Annotated[Optional[Path], typer.Option(help=f"Calibration set. (default: {settings.CALIBRATION_FILE} if it exists, else built with the calibrate defaults)", show_default=False)] = None,
+    calibration: CalibrationFile = None,
     data_dir: DataDir = None,
     validation_per_class: ValidationPerClass = settings.VALIDATION_PER_CLASS,
     output: Annotated[Optional[Path], typer.Option(help="Where to write the chosen model. (default: models/<model>_<dtype>_tuned.onnx, or models/<model>_pytorch_int8_tuned.pt)", show_default=False)] = None,
