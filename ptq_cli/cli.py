@@ -253,13 +253,14 @@ def quantize(
     calibration: CalibrationFile = None,
     data_dir: DataDir = None,
     preprocess: Annotated[bool, typer.Option("--preprocess/--no-preprocess", help="Run onnxruntime's quant_pre_process first (shape inference, folds batch-norm Mul/Add into Conv).")] = True,
+    space_to_depth: Annotated[Optional[bool], typer.Option("--space-to-depth/--no-space-to-depth", help="Regroup convolutions whose input channels are not a multiple of 4 (the RGB stem) over 4-pixel blocks, so onnxruntime's fast x86 int8 kernel runs them; same arithmetic. (default: on for uint8 activations with int8 weights, where that kernel runs)", show_default=False)] = None,
     output: Annotated[Optional[Path], typer.Option(help="Where to write the quantized model. (default: models/<model>_<dtype>.onnx, or models/<model>_pytorch_<dtype>.pt)", show_default=False)] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Static post-training quantization, calibrated on the calibration set: ONNX Runtime (QDQ) or PyTorch (FX)."""
     quantization_settings = quantize_service.make_settings(
         dtype and dtype.value, backend.value, weight_dtype and weight_dtype.value, per_channel, method and method.value, percentile, preprocess,
-        target and target.value,
+        target and target.value, space_to_depth,
     )
     check_model(model)  # a bad model fails before any calibration work
     calibration_set = _calibration_set(calibration, data_dir)
@@ -471,18 +472,23 @@ def benchmark(
     model: Annotated[Optional[list[Path]], typer.Option(help="Model file (.onnx or TorchScript .pt); repeat for several. (default: every model in models/)", show_default=False)] = None,
     batch_size: Annotated[int, typer.Option(help="Batch size for the throughput measurement (latency is always at batch 1).")] = 256,
     threads: Annotated[Optional[int], typer.Option(help="Inference threads. (default: all cores)", show_default=False)] = None,
-    runs: Annotated[int, typer.Option(help="Timed runs for each measurement, after 10 warm-up runs.")] = 100,
+    runs: Annotated[int, typer.Option(help="Timed runs of each model for each measurement, after 10 warm-up runs.")] = 100,
     data_dir: DataDir = None,
     results_dir: Annotated[Path, typer.Option(help="Records go to RESULTS_DIR/benchmarks/<model file>.json, read by `ptq report`.")] = settings.RESULTS_DIR,
     as_json: JsonFlag = False,
 ) -> None:
-    """Latency at batch 1 (p50/p95/p99) and throughput at --batch-size, after warm-up, for ONNX and TorchScript models."""
-    records = []
-    for model_path in model or _default_models():
-        with _progress_bar(f"Benchmarking {model_path.name}") as progress:
-            record = benchmark_service.benchmark_model(model_path, data_dir or settings.cifar_dir(), batch_size, threads, runs, progress=progress)
+    """Latency at batch 1 (p50/p95/p99) and throughput at --batch-size, after warm-up, for ONNX and TorchScript models.
+
+    Several models are measured in turns, one run of each at a time, so that the machine's ups and downs
+    reach them all alike: compare models in one call. Throughput is the batch size over the median batch time.
+    """
+    models = model or _default_models()
+    for model_path in models:
+        check_writable(benchmark_service.benchmark_path(results_dir, model_path))
+    with _progress_bar(f"Benchmarking {len(models)} model{'s' if len(models) > 1 else ''} in turns") as progress:
+        records = benchmark_service.benchmark_models(models, data_dir or settings.cifar_dir(), batch_size, threads, runs, progress=progress)
+    for record in records:
         benchmark_service.save_benchmark(record, results_dir)
-        records.append(record)
     ratios = benchmark_service.speedups(records, benchmark_service.load_benchmarks(results_dir))
     _emit(as_json, [{**render.plain(record), "speedup_vs_fp32": ratios[record.model_path]} for record in records], render.benchmarks(records, ratios))
 

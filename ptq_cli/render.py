@@ -118,6 +118,10 @@ def quantization(result: QuantizeResult) -> Table:
             ("granularity", "per-channel" if settings.per_channel else "per-tensor"),
             ("calibration method", method),
             ("calibration samples", f"{settings.calibration_samples} (seed {settings.calibration_seed}, {settings.calibration_source})"),
+            *(
+                ("space-to-depth", f"{rewrite.node}: {rewrite.input_channels} -> {rewrite.block * rewrite.input_channels} input channels ({rewrite.block}-pixel blocks)")
+                for rewrite in result.space_to_depth
+            ),
             ("output", f"{result.output} ({size(result.output_size_bytes)}, {result.size_ratio:.1%} of {size(result.source_size_bytes)})"),
         ],
     )
@@ -412,7 +416,9 @@ def pipeline_run(result: RunResult) -> Group:
         table.add_column(column, justify="right" if column == "Seconds" else "left", no_wrap=column != "Outputs")
     for stage in result.stages:
         status = "[green]ran[/green]" if stage.ran else "[dim]up to date[/dim]"
-        table.add_row(stage.name, status, f"{stage.seconds:.1f}", ", ".join(Path(output).name for output in stage.outputs))
+        outputs = [Path(output) for output in stage.outputs]
+        listed = ", ".join(path.name for path in outputs) if len(outputs) <= 2 else f"{len(outputs)} records in {outputs[0].parent}/"
+        table.add_row(stage.name, status, f"{stage.seconds:.1f}", listed)
     ran = len(result.ran)
     summary = (
         f"{ran} of {len(result.stages)} stages ran in {result.wall_seconds:.1f} s; manifest: {result.manifest}"

@@ -163,3 +163,35 @@ def test_tune_keeps_the_candidate_closest_to_fp32_within_the_budget():
     assert choose([closer, fast], 0.05)[0] == fast
     chosen, met, reason = choose([out_of_budget, _candidate(0.10, 20.0)], 0.05)
     assert (chosen.accuracy_drop, met) == (0.10, False) and "most accurate" in reason
+
+
+def test_benchmark_measures_models_in_turns(monkeypatch, tmp_path):
+    """Each timed run goes round every model before the next run: a slow spell of the machine reaches all alike."""
+    from ptq_cli.services import benchmark
+    from ptq_cli.services.models import LoadedModel, ModelInfo
+
+    calls: list[tuple[str, int]] = []
+
+    def fake_model(path, threads):
+        info = ModelInfo(path, "onnxruntime", "fp32" if "fp32" in str(path) else "uint8", None, 1, str(path))
+        return LoadedModel(info, lambda images: calls.append((str(path), len(images))) or np.zeros((len(images), 10), np.float32))
+
+    monkeypatch.setattr(benchmark, "load_model", fake_model)
+    monkeypatch.setattr(benchmark.cifar, "load_test", lambda data_dir: cifar.CifarSplit(np.zeros((8, 32, 32, 3), np.uint8), np.zeros(8, np.int64), (), ()))
+    records = benchmark.benchmark_models([tmp_path / "fp32.onnx", tmp_path / "q.onnx"], tmp_path, batch_size=8, threads=1, runs=3, warmup=1)
+    assert calls == [(str(tmp_path / name), size) for size in (1, 8) for _ in range(4) for name in ("fp32.onnx", "q.onnx")]
+    assert [record.dtype for record in records] == ["fp32", "uint8"] and all(record.runs == 3 for record in records)
+
+
+def test_pipeline_stage_made_by_another_ptq_version_is_not_up_to_date(tmp_path):
+    import ptq_cli
+    from ptq_cli.services.pipeline import Stage, _Hashes, _up_to_date
+
+    output = tmp_path / "model.onnx"
+    output.write_bytes(b"made")
+    hashes = _Hashes()
+    stage = Stage("quantize", "ptq quantize", (), (output,), {"target": "speed"}, lambda: None)
+    entry = {"options": {"target": "speed"}, "inputs": {}, "outputs": {str(output): hashes(output)}, "tool_version": ptq_cli.__version__}
+    assert _up_to_date(entry, stage, {}, hashes)
+    assert not _up_to_date({**entry, "tool_version": "0.0.1"}, stage, {}, hashes)
+    assert not _up_to_date({key: value for key, value in entry.items() if key != "tool_version"}, stage, {}, hashes)

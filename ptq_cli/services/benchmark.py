@@ -34,7 +34,7 @@ class BenchmarkRecord:
     latency_ms_p95: float
     latency_ms_p99: float
     batch_size: int
-    images_per_second: float  # at batch_size
+    images_per_second: float  # at batch_size: batch_size / the median time of a batch
     timestamp: str
     tool_version: str
 
@@ -43,56 +43,63 @@ class BenchmarkRecord:
         return Path(self.model_path).name
 
 
-def benchmark_model(
-    model_path: Path,
+def benchmark_models(
+    model_paths: list[Path],
     data_dir: Path,
     batch_size: int = 256,
     threads: int | None = None,
     runs: int = 100,
     warmup: int = 10,
     progress: ProgressCallback | None = None,
-) -> BenchmarkRecord:
+) -> list[BenchmarkRecord]:
+    """Latency at batch 1 and throughput at `batch_size` of every model, measured in turns.
+
+    Each timed run goes round all the models before the next begins, so a change in the machine's speed
+    during the measurement (another tenant, a frequency change) reaches every model alike and the ratios
+    between them hold. Throughput is the batch size over the median time of a batch, so one stalled
+    batch does not move it."""
     for option, value in (("--batch-size", batch_size), ("--runs", runs)):
         if value < 1:
             raise PtqError(f"{option}: must be at least 1, got {value}")
     threads = resolve_threads(threads)
-    model = load_model(model_path, threads)
+    models = [load_model(path, threads) for path in model_paths]
     images = cifar.to_model_input(cifar.load_test(data_dir).images[:batch_size])
     single = images[:1]
-    step = Steps(2 * (warmup + runs), progress)
-
-    latencies = []
-    for index in range(warmup + runs):
-        began = time.perf_counter()
-        model.predict(single)
-        if index >= warmup:
-            latencies.append(time.perf_counter() - began)
-        step()
-    timed = 0.0
-    for index in range(warmup + runs):
-        began = time.perf_counter()
-        model.predict(images)
-        if index >= warmup:
-            timed += time.perf_counter() - began
-        step()
-    p50, p95, p99 = (float(value) * 1000 for value in np.percentile(latencies, [50, 95, 99]))
-    return BenchmarkRecord(
-        model_path=str(model.info.path),
-        model_sha256=model.info.sha256,
-        model_size_bytes=model.info.size_bytes,
-        framework=model.info.framework,
-        dtype=model.info.dtype,
-        threads=threads,
-        warmup=warmup,
-        runs=runs,
-        latency_ms_p50=round(p50, 4),
-        latency_ms_p95=round(p95, 4),
-        latency_ms_p99=round(p99, 4),
-        batch_size=len(images),
-        images_per_second=round(len(images) * runs / timed, 1),
-        timestamp=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        tool_version=ptq_cli.__version__,
-    )
+    step = Steps(2 * (warmup + runs) * len(models), progress)
+    latencies: list[list[float]] = [[] for _ in models]
+    batch_seconds: list[list[float]] = [[] for _ in models]
+    for inputs, timings in ((single, latencies), (images, batch_seconds)):
+        for index in range(warmup + runs):
+            for model, times in zip(models, timings):
+                began = time.perf_counter()
+                model.predict(inputs)
+                if index >= warmup:
+                    times.append(time.perf_counter() - began)
+                step()
+    timestamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    records = []
+    for model, latency, seconds in zip(models, latencies, batch_seconds):
+        p50, p95, p99 = (float(value) * 1000 for value in np.percentile(latency, [50, 95, 99]))
+        records.append(
+            BenchmarkRecord(
+                model_path=str(model.info.path),
+                model_sha256=model.info.sha256,
+                model_size_bytes=model.info.size_bytes,
+                framework=model.info.framework,
+                dtype=model.info.dtype,
+                threads=threads,
+                warmup=warmup,
+                runs=runs,
+                latency_ms_p50=round(p50, 4),
+                latency_ms_p95=round(p95, 4),
+                latency_ms_p99=round(p99, 4),
+                batch_size=len(images),
+                images_per_second=round(len(images) / float(np.median(seconds)), 1),
+                timestamp=timestamp,
+                tool_version=ptq_cli.__version__,
+            )
+        )
+    return records
 
 
 def benchmark_path(results_dir: Path, model_path: Path | str) -> Path:

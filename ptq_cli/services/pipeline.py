@@ -138,18 +138,21 @@ def plan(options: RunOptions, render_markdown: Callable[[report_service.Report],
         stages.append(Stage(f"evaluate {model.name}", f"ptq evaluate --model {model}", (model, *test_files), (record,), threads,
                             lambda model=model: evaluate_service.save_record(evaluate_service.evaluate_model(model, data, threads=options.threads), results)))
     if options.benchmark:
-        for model in models:
-            record = benchmark_service.benchmark_path(results, model)
-            stages.append(Stage(f"benchmark {model.name}", f"ptq benchmark --model {model} --runs {options.benchmark_runs}", (model,), (record,),
-                                {"runs": options.benchmark_runs, **threads},
-                                lambda model=model: benchmark_service.save_benchmark(
-                                    benchmark_service.benchmark_model(model, data, threads=options.threads, runs=options.benchmark_runs), results)))
+        # One stage for all models: they are measured in turns, so their speed-ups come from one measurement.
+        stages.append(Stage("benchmark", f"ptq benchmark {' '.join(f'--model {model}' for model in models)} --runs {options.benchmark_runs}",
+                            tuple(models), tuple(benchmark_service.benchmark_path(results, model) for model in models),
+                            {"runs": options.benchmark_runs, **threads}, lambda: _benchmark(models, options)))
     records = tuple(evaluate_service.record_path(results, model) for model in models)
     if options.benchmark:
         records += tuple(benchmark_service.benchmark_path(results, model) for model in models)
     stages.append(Stage("report", f"ptq report --markdown {options.markdown}", records, (options.markdown,), {},
                         lambda: write_text(options.markdown, render_markdown(report_service.report_from_results(results)))))
     return stages
+
+
+def _benchmark(models: list[Path], options: RunOptions) -> None:
+    for record in benchmark_service.benchmark_models(models, options.data_dir, threads=options.threads, runs=options.benchmark_runs):
+        benchmark_service.save_benchmark(record, options.results_dir)
 
 
 def _calibrate(options: RunOptions, output: Path) -> None:
@@ -176,7 +179,8 @@ def read_manifest(path: Path) -> dict:
 
 
 def _up_to_date(entry: dict | None, stage: Stage, inputs: dict[str, str], hashes: _Hashes) -> bool:
-    if not entry or entry.get("options") != stage.options or entry.get("inputs") != inputs:
+    # Another ptq version may make other outputs from the same inputs (e.g. a new graph rewrite).
+    if not entry or entry.get("tool_version") != ptq_cli.__version__ or entry.get("options") != stage.options or entry.get("inputs") != inputs:
         return False
     recorded = entry.get("outputs") or {}
     return set(recorded) == {str(path) for path in stage.outputs} and all(
@@ -230,6 +234,7 @@ def run(
         if ran:
             entries[stage.name] = {
                 "name": stage.name, "command": stage.command, "options": stage.options, "inputs": inputs, "outputs": outputs,
+                "tool_version": ptq_cli.__version__,
                 "seconds": outcome.seconds, "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             }
         outcomes.append(outcome)

@@ -15,6 +15,7 @@ from ptq_cli.atomic import atomic_output, check_writable
 from ptq_cli.errors import PtqError
 from ptq_cli.services.calibration import CalibrationSet
 from ptq_cli.services.models import NCHW, ONNXRUNTIME, PRUNING_METADATA_KEY, PYTORCH, QUANTIZATION_METADATA_KEY, onnx_layout, read_onnx, to_layout
+from ptq_cli.services.space_to_depth import Rewrite, space_to_depth_convs
 
 DTYPES = ("int8", "uint8")
 BACKENDS = (ONNXRUNTIME, PYTORCH)
@@ -31,7 +32,7 @@ DEFAULT_DTYPE = "int8"
 TARGETS = ("speed",)
 PRESETS = {
     "speed": {
-        ONNXRUNTIME: {"dtype": "uint8", "weight_dtype": "int8", "per_channel": True, "method": "percentile"},
+        ONNXRUNTIME: {"dtype": "uint8", "weight_dtype": "int8", "per_channel": True, "method": "percentile", "space_to_depth": True},
         PYTORCH: {},  # PyTorch's x86 int8 is already uint8 activations x int8 per-channel weights
     }
 }
@@ -56,6 +57,9 @@ class QuantizationSettings:
     calibration_source: str | None = None
     target: str | None = None  # the preset the settings came from, if any
     float_nodes: tuple[str, ...] = ()  # nodes left in float (names in the preprocessed graph)
+    # Regroup convolutions whose input channels are not a multiple of 4 (the RGB stem) so onnxruntime's
+    # fast x86 int8 kernel runs them (services/space_to_depth.py); same arithmetic.
+    space_to_depth: bool = False
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,7 @@ class QuantizeResult:
     source_size_bytes: int
     output_size_bytes: int
     settings: QuantizationSettings
+    space_to_depth: tuple[Rewrite, ...] = ()  # the convolutions regrouped before quantizing
 
     @property
     def size_ratio(self) -> float:
@@ -88,9 +93,11 @@ def make_settings(
     percentile: float | None = None,
     preprocess: bool = True,
     target: str | None = None,
+    space_to_depth: bool | None = None,
 ) -> QuantizationSettings:
     """Validated settings. Without a target the defaults are the seed study's, the weights following the
-    activations' type; a target's preset fills in what the options leave open."""
+    activations' type; a target's preset fills in what the options leave open. Space-to-depth is on by
+    default where it speeds the model up: onnxruntime, uint8 activations x int8 weights."""
     if backend not in BACKENDS:
         raise PtqError(f"--backend: '{backend}' is not one of {', '.join(BACKENDS)}")
     if target is not None and target not in TARGETS:
@@ -112,6 +119,10 @@ def make_settings(
             "(their activations are uint8 already); use --dtype int8, or --backend onnxruntime for uint8"
         )
     method = method or METHODS[backend][0]
+    if space_to_depth and backend != ONNXRUNTIME:
+        raise PtqError("--space-to-depth: applies to --backend onnxruntime only")
+    if space_to_depth is None:
+        space_to_depth = preset.get("space_to_depth", backend == ONNXRUNTIME and (dtype, weight_dtype) == ("uint8", "int8"))
     if method not in METHODS[backend]:
         raise PtqError(f"--method: '{method}' is not a {backend} calibration method ({', '.join(METHODS[backend])})")
     if method == "percentile":
@@ -130,6 +141,7 @@ def make_settings(
         percentile=percentile,
         preprocess=preprocess,
         target=target,
+        space_to_depth=space_to_depth,
     )
 
 
@@ -173,16 +185,21 @@ def quantize(model_path: Path, output: Path, settings: QuantizationSettings, cal
     if settings.framework == PYTORCH:
         from ptq_cli.services.torch_backend import quantize_fx
 
-        size = quantize_fx(model, output, settings, calibration)
-    else:
-        size = quantize_onnx(model, output, settings, calibration)
-    return QuantizeResult(model_path, output, model_path.stat().st_size, size, settings)
+        return QuantizeResult(model_path, output, model_path.stat().st_size, quantize_fx(model, output, settings, calibration), settings)
+    written = quantize_onnx(model, output, settings, calibration)
+    return QuantizeResult(model_path, output, model_path.stat().st_size, written.size_bytes, settings, written.space_to_depth)
+
+
+@dataclass(frozen=True)
+class OnnxQuantized:
+    size_bytes: int
+    space_to_depth: tuple[Rewrite, ...]
 
 
 def quantize_onnx(
     model, output: Path, settings: QuantizationSettings, calibration: CalibrationSet, metadata: dict | None = None
-) -> int:
-    """onnxruntime.quantization.quantize_static in QDQ format; returns the file size.
+) -> OnnxQuantized:
+    """onnxruntime.quantization.quantize_static in QDQ format: the file's size, and what space-to-depth regrouped.
 
     `metadata` (e.g. the validation scores `tune` measured) is stored next to the settings in the model."""
     import onnx
@@ -197,6 +214,13 @@ def quantize_onnx(
         if settings.preprocess:
             source = str(Path(workdir) / "preprocessed.onnx")
             preprocess_onnx(model, source)
+        rewrites: list[Rewrite] = []
+        if settings.space_to_depth:
+            graph = onnx.load(source) if isinstance(source, str) else onnx.ModelProto.FromString(model.SerializeToString())
+            graph, rewrites = space_to_depth_convs(graph, skip=set(settings.float_nodes))  # a float conv gains nothing
+            if rewrites:
+                source = str(Path(workdir) / "space_to_depth.onnx")
+                onnx.save(graph, source)
         # quantize_static print()s its histogram progress; stdout belongs to ptq's own output (--json).
         with atomic_output(output) as tmp, contextlib.redirect_stdout(io.StringIO()):
             quantize_static(
@@ -213,8 +237,9 @@ def quantize_onnx(
                 extra_options=extra_options,
             )
             quantized = onnx.load(str(tmp))
-            props = {QUANTIZATION_METADATA_KEY: json.dumps({**asdict(settings), **(metadata or {})})}
+            described = {**asdict(settings), "space_to_depth_convs": [asdict(rewrite) for rewrite in rewrites], **(metadata or {})}
+            props = {QUANTIZATION_METADATA_KEY: json.dumps(described)}
             props.update({prop.key: prop.value for prop in model.metadata_props if prop.key == PRUNING_METADATA_KEY})  # a pruned source stays described
             onnx.helper.set_model_props(quantized, props)
             onnx.save(quantized, str(tmp))
-            return tmp.stat().st_size
+            return OnnxQuantized(tmp.stat().st_size, tuple(rewrites))

@@ -89,8 +89,11 @@ def describe_quantization(settings: dict | None) -> str:
         settings.get("method", "?") + (f" {settings['percentile']:g}" if settings.get("percentile") else ""),
         f"{settings.get('calibration_samples', '?')} samples",
     ]
+    short = lambda name: name.split("/")[-2] if "/" in name else name  # noqa: E731  (tf2onnx names: model_1/conv2d_1/BiasAdd)
     if settings.get("float_nodes"):
-        parts.append("float: " + ", ".join(name.split("/")[-2] if "/" in name else name for name in settings["float_nodes"]))
+        parts.append("float: " + ", ".join(short(name) for name in settings["float_nodes"]))
+    if settings.get("space_to_depth_convs"):
+        parts.append("space-to-depth: " + ", ".join(short(rewrite["node"]) for rewrite in settings["space_to_depth_convs"]))
     return ", ".join(parts)
 
 

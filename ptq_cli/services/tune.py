@@ -230,7 +230,7 @@ def _quantize_and_score(model, workdir: Path, settings: QuantizationSettings, ca
         path = workdir / "candidate.pt"
         return _quantize_fx(model, path, settings, calibration), score(load_torchscript(path), validation)
     path = workdir / "candidate.onnx"
-    return quantize_onnx(model, path, settings, calibration), score(load_onnx(path), validation)
+    return quantize_onnx(model, path, settings, calibration).size_bytes, score(load_onnx(path), validation)
 
 
 def default_output(model: Path, dtype: str, backend: str = ONNXRUNTIME) -> Path:

@@ -1,0 +1,127 @@
+"""Space-to-depth of narrow convolutions: the rewritten float graph computes what the original did,
+convolutions it cannot or need not rewrite stay as they were, and on the real ResNet8 the quantized
+stem gets 12 input channels (the shape onnxruntime's fast x86 int8 kernel takes)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from conftest import CIFAR, ptq_ok
+from ptq_cli.services import cifar
+from ptq_cli.services.models import load_onnx
+from ptq_cli.services.space_to_depth import space_to_depth_convs
+
+
+def conv_model(in_channels=3, kernel=(3, 3), pads=(1, 1, 1, 1), strides=(1, 1), group=1, width=16, relu=True, nhwc_input=False, bias=True):
+    """A one-Conv model (optionally behind tf2onnx's NHWC -> NCHW Transpose, optionally followed by Relu)."""
+    rng = np.random.default_rng(in_channels * 100 + kernel[1])
+    weights = rng.standard_normal((8, in_channels // group, *kernel)).astype(np.float32)
+    initializers = [numpy_helper.from_array(weights, "w")]
+    conv_inputs = ["x_nchw" if nhwc_input else "x", "w"]
+    if bias:
+        initializers.append(numpy_helper.from_array(rng.standard_normal(8).astype(np.float32), "b"))
+        conv_inputs.append("b")
+    nodes = []
+    if nhwc_input:
+        nodes.append(helper.make_node("Transpose", ["x"], ["x_nchw"], perm=[0, 3, 1, 2]))
+    nodes.append(helper.make_node("Conv", conv_inputs, ["y_conv"], name="stem", kernel_shape=list(kernel), pads=list(pads), strides=list(strides), group=group))
+    nodes.append(helper.make_node("Relu" if relu else "Identity", ["y_conv"], ["y"]))
+    shape = ["N", 8, width, in_channels] if nhwc_input else ["N", in_channels, 8, width]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", None, None, None])], initializers)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+
+
+def outputs(model, images: np.ndarray) -> np.ndarray:
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": images})[0]
+
+
+def conv_input_channels(model) -> dict[str, int]:
+    weights = {init.name: init for init in model.graph.initializer}
+    return {node.name: numpy_helper.to_array(weights[node.input[1]]).shape[1] for node in model.graph.node if node.op_type == "Conv"}
+
+
+@pytest.mark.parametrize(
+    ("case", "in_channels", "kernel", "pads", "block", "options"),
+    [
+        ("RGB 3x3 same", 3, (3, 3), (1, 1, 1, 1), 4, {}),
+        ("behind tf2onnx's NHWC transpose", 3, (3, 3), (1, 1, 1, 1), 4, {"nhwc_input": True}),
+        ("grey 5x5", 1, (5, 5), (2, 2, 2, 2), 4, {"relu": False}),
+        ("2 channels, 3x1 kernel", 2, (3, 1), (1, 0, 1, 0), 2, {}),
+        ("6 channels", 6, (3, 3), (1, 1, 1, 1), 2, {"bias": False}),
+        ("asymmetric width pads", 3, (3, 3), (1, 0, 1, 2), 4, {}),
+        ("7 wide, 32 pixels", 3, (1, 7), (0, 3, 0, 3), 4, {"width": 32}),
+    ],
+)
+def test_rewrite_computes_the_same_outputs(case, in_channels, kernel, pads, block, options):
+    original = conv_model(in_channels, kernel, pads, **options)
+    rewritten, rewrites = space_to_depth_convs(conv_model(in_channels, kernel, pads, **options))
+    assert [(r.node, r.block, r.input_channels, r.output_channels) for r in rewrites] == [("stem", block, in_channels, 8)], case
+    assert conv_input_channels(rewritten) == {"stem": block * in_channels}
+    onnx.checker.check_model(rewritten)
+    width = options.get("width", 16)
+    shape = (5, 8, width, in_channels) if options.get("nhwc_input") else (5, in_channels, 8, width)
+    images = np.random.default_rng(1).uniform(-3, 3, shape).astype(np.float32)
+    expected = outputs(original, images)
+    assert np.abs(outputs(rewritten, images) - expected).max() <= 1e-5 * max(1.0, np.abs(expected).max()), case
+    if options.get("nhwc_input"):
+        # The input transpose is folded into the regrouping, not stacked on it.
+        assert [node.op_type for node in rewritten.graph.node][:2] == ["Reshape", "Transpose"]
+
+
+@pytest.mark.parametrize(
+    ("case", "options", "skip"),
+    [
+        ("channels already a multiple of 4", {"in_channels": 4}, set()),
+        ("stride 2", {"strides": (2, 2)}, set()),
+        ("grouped", {"in_channels": 6, "group": 2}, set()),
+        ("output narrower than input", {"pads": (0, 0, 0, 0)}, set()),
+        ("width not a multiple of the block", {"width": 30}, set()),
+        ("left in float", {}, {"stem"}),
+    ],
+)
+def test_convolutions_it_cannot_or_need_not_rewrite_stay_unchanged(case, options, skip):
+    model = conv_model(**options)
+    before = model.SerializeToString()
+    rewritten, rewrites = space_to_depth_convs(model, skip=skip)
+    assert rewrites == [], case
+    assert rewritten.SerializeToString() == before, case
+
+
+def test_resnet8_stem_is_regrouped_and_the_speed_model_keeps_its_accuracy(pipeline):
+    fp32_path = pipeline / "models" / "resnet8.onnx"
+    rewritten, rewrites = space_to_depth_convs(onnx.load(str(fp32_path)))
+    assert [(r.block, r.input_channels, r.output_channels) for r in rewrites] == [(4, 3, 16)]
+    images = cifar.to_model_input(cifar.load_test(CIFAR).images[:500])
+    session = ort.InferenceSession(rewritten.SerializeToString(), providers=["CPUExecutionProvider"])
+    original = load_onnx(fp32_path).predict(images)
+    regrouped = session.run(None, {session.get_inputs()[0].name: images})[0]
+    assert np.abs(regrouped - original).max() < 1e-4
+    assert np.array_equal(regrouped.argmax(axis=1), original.argmax(axis=1))
+
+    # The speed preset regroups the stem by default and says so; --no-space-to-depth leaves it.
+    result = json.loads(ptq_ok("quantize", "--target", "speed", "--output", "models/s2d.onnx", "--json", cwd=pipeline).stdout)
+    assert result["settings"]["space_to_depth"] is True
+    assert [(r["node"], r["block"]) for r in result["space_to_depth"]] == [(rewrites[0].node, 4)]
+    plain = json.loads(ptq_ok("quantize", "--target", "speed", "--no-space-to-depth", "--output", "models/plain.onnx", "--json", cwd=pipeline).stdout)
+    assert plain["settings"]["space_to_depth"] is False and plain["space_to_depth"] == []
+
+    def stem_channels(path) -> int:
+        model = onnx.load(str(path))
+        weights = {init.name: init for init in model.graph.initializer}
+        stem = next(node for node in model.graph.node if node.name == rewrites[0].node)
+        weight = next(node for node in model.graph.node if node.output[0] == stem.input[1])  # QDQ: Conv <- DequantizeLinear <- int8 weights
+        return numpy_helper.to_array(weights[weight.input[0]]).shape[1]
+
+    assert stem_channels(pipeline / "models" / "s2d.onnx") == 12
+    assert stem_channels(pipeline / "models" / "plain.onnx") == 3
+    # The two quantized models agree on (nearly) every image: the rewrite changes where the work runs, not the arithmetic.
+    full = cifar.to_model_input(cifar.load_test(CIFAR).images)
+    agree = np.mean(load_onnx(pipeline / "models" / "s2d.onnx").predict(full).argmax(axis=1) == load_onnx(pipeline / "models" / "plain.onnx").predict(full).argmax(axis=1))
+    assert agree >= 0.998
