@@ -390,13 +390,15 @@ def report_markdown(report: Report, charts: list[Path] | None = None) -> str:
 
 
 def benchmarks(records: list[BenchmarkRecord], speedups: dict[str, float | None]) -> Table:
-    table = Table(title="Benchmark (after warm-up, one process)", title_justify="left", box=box.SIMPLE_HEAD, padding=0, show_edge=False)
-    for column in ("Model", "Framework", "Type", "p50 ms", "p95 ms", "p99 ms", "Batch", "img/s", "Speed"):
+    settings = sorted({(record.batch_size, record.threads) for record in records})
+    where = "; ".join(f"throughput at batch {batch}, {threads} thread{'s' if threads > 1 else ''}" for batch, threads in settings)
+    table = Table(title=f"Benchmark: latency at batch 1, {where}", title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False)
+    for column in ("Model", "Framework", "Type", "p50 ms", "p95 ms", "p99 ms", "img/s", "Speed"):
         table.add_column(column, justify="left" if column in ("Model", "Framework", "Type") else "right", no_wrap=True)
     for record in records:
         table.add_row(
             record.name, record.framework, record.dtype, milliseconds(record.latency_ms_p50), milliseconds(record.latency_ms_p95),
-            milliseconds(record.latency_ms_p99), str(record.batch_size), f"{record.images_per_second:,.0f}", speedup(speedups.get(record.model_path)),
+            milliseconds(record.latency_ms_p99), f"{record.images_per_second:,.0f}", speedup(speedups.get(record.model_path)),
         )
     return table
 

@@ -11,7 +11,7 @@ import numpy as np
 from conftest import CIFAR, assert_clean_failure, ptq, ptq_ok, read_json
 from ptq_cli import settings
 from ptq_cli.services import cifar
-from ptq_cli.services.models import load_onnx
+from ptq_cli.services.models import TORCH_CHUNK, load_onnx, load_torchscript
 
 
 def test_cifar_cache_is_used_and_invalidated_when_a_file_changes(tmp_path, monkeypatch, assets):
@@ -45,6 +45,16 @@ def test_data_parallel_inference_matches_one_thread(pipeline):
         two = load_onnx(pipeline / "models" / name, threads=2).predict(images)
         assert np.array_equal(one.argmax(axis=1), two.argmax(axis=1))
         assert np.allclose(one, two, atol=1e-5)
+
+
+def test_torchscript_large_batch_runs_in_chunks_with_the_same_results(pipeline):
+    images = cifar.to_model_input(cifar.load_test(CIFAR).images[: 3 * TORCH_CHUNK + 5])
+    for name in ("resnet8.pt", "resnet8_pytorch_int8.pt"):
+        model = load_torchscript(pipeline / "models" / name)
+        whole = model.predict(images)
+        one_by_one = np.concatenate([model.predict(images[start:start + 7]) for start in range(0, len(images), 7)])
+        assert whole.shape == (len(images), 10)
+        assert np.allclose(whole, one_by_one, atol=1e-5) and np.array_equal(whole.argmax(axis=1), one_by_one.argmax(axis=1))
 
 
 def test_target_speed_quantizes_u8s8_per_channel_within_budget(pipeline):

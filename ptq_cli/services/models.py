@@ -180,6 +180,12 @@ def load_onnx(path: Path, threads: int | None = None) -> LoadedModel:
     return LoadedModel(info, predict)
 
 
+# TorchScript runs a large batch in chunks of at most this many images, whose activations stay in
+# cache. Measured on 2 cores, 1,024 images per call (images/s, FP32 / int8): 3,391 / 7,400 whole;
+# 9,500-11,500 / 15,500-25,900 in chunks of 64. onnxruntime, split per thread already, stays flat.
+TORCH_CHUNK = 64
+
+
 def load_torchscript(path: Path, threads: int | None = None) -> LoadedModel:
     import torch
 
@@ -203,7 +209,9 @@ def load_torchscript(path: Path, threads: int | None = None) -> LoadedModel:
 
     def predict(images: np.ndarray) -> np.ndarray:
         with torch.inference_mode():
-            return module(torch.from_numpy(images)).numpy()
+            if len(images) <= TORCH_CHUNK:
+                return module(torch.from_numpy(images)).numpy()
+            return np.concatenate([module(torch.from_numpy(chunk)).numpy() for chunk in np.array_split(images, -(-len(images) // TORCH_CHUNK))])
 
     try:
         probe = predict(np.zeros((1, 32, 32, 3), dtype=np.float32))
