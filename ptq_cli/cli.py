@@ -253,7 +253,7 @@ def quantize(
     calibration: CalibrationFile = None,
     data_dir: DataDir = None,
     preprocess: Annotated[bool, typer.Option("--preprocess/--no-preprocess", help="Run onnxruntime's quant_pre_process first (shape inference, folds batch-norm Mul/Add into Conv).")] = True,
-    space_to_depth: Annotated[Optional[bool], typer.Option("--space-to-depth/--no-space-to-depth", help="Regroup convolutions whose input channels are not a multiple of 4 (the RGB stem) over 4-pixel blocks, so onnxruntime's fast x86 int8 kernel runs them; same arithmetic. (default: on for uint8 activations with int8 weights, where that kernel runs)", show_default=False)] = None,
+    space_to_depth: Annotated[Optional[bool], typer.Option("--space-to-depth/--no-space-to-depth", help="Regroup convolutions the fast x86 int8 kernel handles poorly (input channels not a multiple of 4, like the RGB stem; fewer than 32 output channels) over blocks of pixels along the width; same products, more zeros in the file. (default: on for uint8 activations with int8 weights, where that kernel runs)", show_default=False)] = None,
     output: Annotated[Optional[Path], typer.Option(help="Where to write the quantized model. (default: models/<model>_<dtype>.onnx, or models/<model>_pytorch_<dtype>.pt)", show_default=False)] = None,
     as_json: JsonFlag = False,
 ) -> None:

@@ -119,7 +119,8 @@ def quantization(result: QuantizeResult) -> Table:
             ("calibration method", method),
             ("calibration samples", f"{settings.calibration_samples} (seed {settings.calibration_seed}, {settings.calibration_source})"),
             *(
-                ("space-to-depth", f"{rewrite.node}: {rewrite.input_channels} -> {rewrite.block * rewrite.input_channels} input channels ({rewrite.block}-pixel blocks)")
+                ("space-to-depth", f"{rewrite.node}: {rewrite.input_channels}->{rewrite.output_channels} channels as "
+                                   f"{rewrite.block * rewrite.input_channels}->{rewrite.block * rewrite.output_channels} ({rewrite.block}-pixel blocks)")
                 for rewrite in result.space_to_depth
             ),
             ("output", f"{result.output} ({size(result.output_size_bytes)}, {result.size_ratio:.1%} of {size(result.source_size_bytes)})"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -173,14 +174,20 @@ def test_benchmark_measures_models_in_turns(monkeypatch, tmp_path):
     calls: list[tuple[str, int]] = []
 
     def fake_model(path, threads):
-        info = ModelInfo(path, "onnxruntime", "fp32" if "fp32" in str(path) else "uint8", None, 1, str(path))
+        framework = "pytorch" if path.suffix == ".pt" else "onnxruntime"
+        info = ModelInfo(path, framework, "fp32" if "fp32" in str(path) else "uint8", None, 1, str(path))
         return LoadedModel(info, lambda images: calls.append((str(path), len(images))) or np.zeros((len(images), 10), np.float32))
 
     monkeypatch.setattr(benchmark, "load_model", fake_model)
     monkeypatch.setattr(benchmark.cifar, "load_test", lambda data_dir: cifar.CifarSplit(np.zeros((8, 32, 32, 3), np.uint8), np.zeros(8, np.int64), (), ()))
-    records = benchmark.benchmark_models([tmp_path / "fp32.onnx", tmp_path / "q.onnx"], tmp_path, batch_size=8, threads=1, runs=3, warmup=1)
-    assert calls == [(str(tmp_path / name), size) for size in (1, 8) for _ in range(4) for name in ("fp32.onnx", "q.onnx")]
-    assert [record.dtype for record in records] == ["fp32", "uint8"] and all(record.runs == 3 for record in records)
+    paths = [tmp_path / name for name in ("fp32.onnx", "fp32.pt", "q.onnx", "q.pt")]
+    records = benchmark.benchmark_models(paths, tmp_path, batch_size=8, threads=1, runs=3, warmup=1)
+    # One framework after the other (PyTorch's spinning threads would slow the next model), in turns within it.
+    expected = [(str(tmp_path / name), size) for pair in (("fp32.onnx", "q.onnx"), ("fp32.pt", "q.pt"))
+                for size in (1, 8) for _ in range(4) for name in pair]
+    assert calls == expected
+    assert [Path(record.model_path).name for record in records] == ["fp32.onnx", "fp32.pt", "q.onnx", "q.pt"]
+    assert all(record.runs == 3 for record in records)
 
 
 def test_pipeline_stage_made_by_another_ptq_version_is_not_up_to_date(tmp_path):

@@ -52,10 +52,10 @@ def benchmark_models(
     warmup: int = 10,
     progress: ProgressCallback | None = None,
 ) -> list[BenchmarkRecord]:
-    """Latency at batch 1 and throughput at `batch_size` of every model, measured in turns.
+    """Latency at batch 1 and throughput at `batch_size` of every model, the models of each framework in turns.
 
-    Each timed run goes round all the models before the next begins, so a change in the machine's speed
-    during the measurement (another tenant, a frequency change) reaches every model alike and the ratios
+    Each timed run goes round the framework's models before the next begins, so a change in the machine's
+    speed during the measurement (another tenant, a frequency change) reaches them alike and the ratios
     between them hold. Throughput is the batch size over the median time of a batch, so one stalled
     batch does not move it."""
     for option, value in (("--batch-size", batch_size), ("--runs", runs)):
@@ -68,14 +68,19 @@ def benchmark_models(
     step = Steps(2 * (warmup + runs) * len(models), progress)
     latencies: list[list[float]] = [[] for _ in models]
     batch_seconds: list[list[float]] = [[] for _ in models]
-    for inputs, timings in ((single, latencies), (images, batch_seconds)):
-        for index in range(warmup + runs):
-            for model, times in zip(models, timings):
-                began = time.perf_counter()
-                model.predict(inputs)
-                if index >= warmup:
-                    times.append(time.perf_counter() - began)
-                step()
+    # One framework at a time: PyTorch's OpenMP threads keep spinning after a run and would slow
+    # whatever model ran next (speed-ups compare models of one framework anyway).
+    frameworks = list(dict.fromkeys(model.info.framework for model in models))
+    for framework in frameworks:
+        group = [index for index, model in enumerate(models) if model.info.framework == framework]
+        for inputs, timings in ((single, latencies), (images, batch_seconds)):
+            for run in range(warmup + runs):
+                for index in group:
+                    began = time.perf_counter()
+                    models[index].predict(inputs)
+                    if run >= warmup:
+                        timings[index].append(time.perf_counter() - began)
+                    step()
     timestamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
     records = []
     for model, latency, seconds in zip(models, latencies, batch_seconds):

@@ -15,7 +15,7 @@ from ptq_cli.atomic import atomic_output, check_writable
 from ptq_cli.errors import PtqError
 from ptq_cli.services.calibration import CalibrationSet
 from ptq_cli.services.models import NCHW, ONNXRUNTIME, PRUNING_METADATA_KEY, PYTORCH, QUANTIZATION_METADATA_KEY, onnx_layout, read_onnx, to_layout
-from ptq_cli.services.space_to_depth import Rewrite, space_to_depth_convs
+from ptq_cli.services.space_to_depth import Rewrite, quantized_pads, space_to_depth_convs
 
 DTYPES = ("int8", "uint8")
 BACKENDS = (ONNXRUNTIME, PYTORCH)
@@ -57,8 +57,8 @@ class QuantizationSettings:
     calibration_source: str | None = None
     target: str | None = None  # the preset the settings came from, if any
     float_nodes: tuple[str, ...] = ()  # nodes left in float (names in the preprocessed graph)
-    # Regroup convolutions whose input channels are not a multiple of 4 (the RGB stem) so onnxruntime's
-    # fast x86 int8 kernel runs them (services/space_to_depth.py); same arithmetic.
+    # Regroup the convolutions onnxruntime's fast x86 int8 kernel handles poorly (the RGB stem, 16-channel
+    # layers) over blocks of pixels (services/space_to_depth.py); same products.
     space_to_depth: bool = False
 
 
@@ -237,6 +237,8 @@ def quantize_onnx(
                 extra_options=extra_options,
             )
             quantized = onnx.load(str(tmp))
+            if rewrites:
+                quantized_pads(quantized)
             described = {**asdict(settings), "space_to_depth_convs": [asdict(rewrite) for rewrite in rewrites], **(metadata or {})}
             props = {QUANTIZATION_METADATA_KEY: json.dumps(described)}
             props.update({prop.key: prop.value for prop in model.metadata_props if prop.key == PRUNING_METADATA_KEY})  # a pruned source stays described
