@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import CIFAR, ptq_ok
+from conftest import CIFAR, assert_clean_failure, ptq, ptq_ok
 from ptq_cli.services import cifar
 from ptq_cli.services.models import load_onnx
 from ptq_cli.services.space_to_depth import space_to_depth_convs
@@ -137,3 +137,9 @@ def test_resnet8_narrow_convolutions_are_regrouped_and_run_on_8_bits(pipeline):
     full = cifar.to_model_input(cifar.load_test(CIFAR).images)
     agree = np.mean(load_onnx(pipeline / "models" / "s2d.onnx").predict(full).argmax(axis=1) == load_onnx(pipeline / "models" / "plain.onnx").predict(full).argmax(axis=1))
     assert agree >= 0.99
+
+
+def test_space_to_depth_is_refused_for_the_pytorch_backend(tmp_path):
+    run = ptq("quantize", "--backend", "pytorch", "--space-to-depth", "--output", "q.pt", cwd=tmp_path)
+    assert_clean_failure(run, 2, "--space-to-depth")
+    assert list(tmp_path.iterdir()) == []
