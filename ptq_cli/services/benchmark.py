@@ -83,7 +83,7 @@ def benchmark_models(
                     step()
     timestamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
     records = []
-    for model, latency, seconds in zip(models, latencies, batch_seconds):
+    for model, latency, seconds in zip(models, latencies, batch_seconds, strict=True):
         p50, p95, p99 = (float(value) * 1000 for value in np.percentile(latency, [50, 95, 99]))
         records.append(
             BenchmarkRecord(

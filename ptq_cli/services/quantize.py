@@ -32,7 +32,7 @@ DEFAULT_DTYPE = "int8"
 TARGETS = ("speed",)
 PRESETS = {
     "speed": {
-        ONNXRUNTIME: {"dtype": "uint8", "weight_dtype": "int8", "per_channel": True, "method": "percentile", "space_to_depth": True},
+        ONNXRUNTIME: {"dtype": "uint8", "weight_dtype": "int8", "per_channel": True, "method": "percentile"},
         PYTORCH: {},  # PyTorch's x86 int8 is already uint8 activations x int8 per-channel weights
     }
 }

@@ -34,7 +34,7 @@ TO_NHWC, TO_NCHW = [0, 2, 3, 1], [0, 3, 1, 2]
 
 @dataclass(frozen=True)
 class Rewrite:
-    node: str  # the Conv's name, kept by its replacement (so --float-node style exclusions still match)
+    node: str  # the Conv's name, kept by its replacement (so float-layer exclusions by name still match)
     block: int  # pixels grouped along the width
     input_channels: int  # before; after: block * input_channels
     output_channels: int  # before; after: block * output_channels
@@ -82,7 +82,7 @@ def _static_widths(model) -> dict[str, int]:
     return widths
 
 
-def _eligible(node, attributes: dict, weights: np.ndarray | None, width: int | None) -> int | None:
+def _eligible(attributes: dict, weights: np.ndarray | None, width: int | None) -> int | None:
     """The block size for this Conv, or None when the rewrite does not apply (or is not needed)."""
     if weights is None or weights.ndim != 4:
         return None
@@ -108,7 +108,7 @@ def space_to_depth_convs(model, skip: frozenset[str] | set[str] = frozenset()):
 
     A Conv whose only consumer is a Relu takes it along, so the quantizer still fuses the pair."""
     import onnx
-    from onnx import helper, numpy_helper
+    from onnx import numpy_helper
 
     from ptq_cli.services.graph import drop_dead_nodes, drop_unused_initializers
 
@@ -121,70 +121,75 @@ def space_to_depth_convs(model, skip: frozenset[str] | set[str] = frozenset()):
     for key in [node.output[0] for node in graph.node if node.op_type == "Conv" and node.name not in skip]:
         conv = next(node for node in graph.node if node.op_type == "Conv" and node.output[0] == key)
         weights = numpy_helper.to_array(initializers[conv.input[1]]) if conv.input[1] in initializers else None
-        if len(conv.input) > 2 and conv.input[2] and conv.input[2] not in initializers:
+        has_bias = len(conv.input) > 2 and bool(conv.input[2])
+        if has_bias and conv.input[2] not in initializers:
             continue
-        attributes = _attributes(conv)
-        block = _eligible(conv, attributes, weights, widths.get(conv.input[0]))
+        block = _eligible(_attributes(conv), weights, widths.get(conv.input[0]))
         if block is None:
             continue
-        out_channels, in_channels, height, _ = weights.shape
-        pads = attributes.get("pads", [0, 0, 0, 0])
-        new_weights = blocked_weights(weights, block)
-        width = widths[conv.input[0]]
-        # Padded on the left by the conv's own left pad, and on the right to whole blocks: each output block
-        # then reads new_weights.shape[3] whole input blocks from its own onward.
-        padded = width + block * (new_weights.shape[3] - 1)
-        bias = numpy_helper.to_array(initializers[conv.input[2]]) if len(conv.input) > 2 and conv.input[2] else np.zeros(out_channels, weights.dtype)
+        bias = numpy_helper.to_array(initializers[conv.input[2]]) if has_bias else np.zeros(weights.shape[0], weights.dtype)
         consumers = [node for node in graph.node if conv.output[0] in node.input]
         relu = consumers[0] if len(consumers) == 1 and consumers[0].op_type == "Relu" and conv.output[0] not in graph_outputs else None
-        prefix = f"{conv.name or conv.output[0]}/space_to_depth"
-
-        def constant(name: str, value: np.ndarray) -> str:
-            graph.initializer.append(numpy_helper.from_array(value, f"{prefix}/{name}"))
-            return f"{prefix}/{name}"
-
-        nodes = list(graph.node)
-        producer = next((node for node in nodes if conv.input[0] in node.output), None)
-        chain = []
-        if producer is not None and producer.op_type == "Transpose" and _attributes(producer).get("perm") == TO_NCHW:
-            nhwc = producer.input[0]  # tf2onnx's NHWC -> NCHW transpose at the input: undo it instead of adding one
-        else:
-            nhwc = f"{prefix}/nhwc"
-            chain.append(helper.make_node("Transpose", [conv.input[0]], [nhwc], name=f"{prefix}/to_nhwc", perm=TO_NHWC))
-        result = (relu or conv).output[0]
-        # Reshape target 0 keeps that dimension (N, H), -1 takes the rest: no static batch or height is needed.
-        chain += [
-            helper.make_node("Pad", [nhwc, constant("pads", np.array([0, 0, pads[1], 0, 0, 0, padded - width - pads[1], 0], np.int64))],
-                             [f"{prefix}/padded"], name=f"{prefix}/pad", mode="constant"),
-            helper.make_node("Reshape", [f"{prefix}/padded", constant("grouped_shape", np.array([0, 0, -1, block * in_channels], np.int64))],
-                             [f"{prefix}/grouped"], name=f"{prefix}/group"),
-            helper.make_node("Transpose", [f"{prefix}/grouped"], [f"{prefix}/grouped_nchw"], name=f"{prefix}/grouped_to_nchw", perm=TO_NCHW),
-            helper.make_node("Conv", [f"{prefix}/grouped_nchw", constant("weights", new_weights), constant("bias", np.tile(bias, block))],
-                             [f"{prefix}/conv"], name=conv.name, kernel_shape=[height, new_weights.shape[3]], pads=[pads[0], 0, pads[2], 0]),
-        ]
-        last = f"{prefix}/conv"
-        if relu is not None:
-            chain.append(helper.make_node("Relu", [last], [f"{prefix}/relu"], name=relu.name))
-            last = f"{prefix}/relu"
-        chain += [
-            helper.make_node("Transpose", [last], [f"{prefix}/out_nhwc"], name=f"{prefix}/out_to_nhwc", perm=TO_NHWC),
-            helper.make_node("Reshape", [f"{prefix}/out_nhwc", constant("ungrouped_shape", np.array([0, 0, -1, out_channels], np.int64))],
-                             [f"{prefix}/ungrouped"], name=f"{prefix}/ungroup"),
-            helper.make_node("Transpose", [f"{prefix}/ungrouped"], [result], name=f"{prefix}/out_to_nchw", perm=TO_NCHW),
-        ]
-        position = nodes.index(conv)
-        graph.node.remove(conv)
-        if relu is not None:
-            graph.node.remove(relu)
-        for node in reversed(chain):
-            graph.node.insert(position, node)
-        rewrites.append(Rewrite(conv.name, block, in_channels, out_channels))
+        _regroup(graph, conv, relu, weights, bias, block, widths[conv.input[0]])
+        rewrites.append(Rewrite(conv.name, block, weights.shape[1], weights.shape[0]))
     if rewrites:
         drop_dead_nodes(model)
         drop_unused_initializers(model)
         del graph.value_info[:]  # the rewritten tensors' old annotations no longer hold
         onnx.checker.check_model(model)
     return model, rewrites
+
+
+def _regroup(graph, conv, relu, weights: np.ndarray, bias: np.ndarray, block: int, width: int) -> None:
+    """Replace `conv` (and `relu`) by: pad -> group B pixels -> blocked Conv (-> Relu) -> ungroup."""
+    from onnx import helper, numpy_helper
+
+    out_channels, in_channels, height, _ = weights.shape
+    pads = _attributes(conv).get("pads", [0, 0, 0, 0])
+    new_weights = blocked_weights(weights, block)
+    # Padded on the left by the conv's own left pad, and on the right to whole blocks: each output block
+    # then reads new_weights.shape[3] whole input blocks from its own onward.
+    padded = width + block * (new_weights.shape[3] - 1)
+    prefix = f"{conv.name or conv.output[0]}/space_to_depth"
+
+    def constant(name: str, value: np.ndarray) -> str:
+        graph.initializer.append(numpy_helper.from_array(value, f"{prefix}/{name}"))
+        return f"{prefix}/{name}"
+
+    nodes = list(graph.node)
+    producer = next((node for node in nodes if conv.input[0] in node.output), None)
+    chain = []
+    if producer is not None and producer.op_type == "Transpose" and _attributes(producer).get("perm") == TO_NCHW:
+        nhwc = producer.input[0]  # tf2onnx's NHWC -> NCHW transpose at the input: undo it instead of adding one
+    else:
+        nhwc = f"{prefix}/nhwc"
+        chain.append(helper.make_node("Transpose", [conv.input[0]], [nhwc], name=f"{prefix}/to_nhwc", perm=TO_NHWC))
+    # Reshape target 0 keeps that dimension (N, H), -1 takes the rest: no static batch or height is needed.
+    chain += [
+        helper.make_node("Pad", [nhwc, constant("pads", np.array([0, 0, pads[1], 0, 0, 0, padded - width - pads[1], 0], np.int64))],
+                         [f"{prefix}/padded"], name=f"{prefix}/pad", mode="constant"),
+        helper.make_node("Reshape", [f"{prefix}/padded", constant("grouped_shape", np.array([0, 0, -1, block * in_channels], np.int64))],
+                         [f"{prefix}/grouped"], name=f"{prefix}/group"),
+        helper.make_node("Transpose", [f"{prefix}/grouped"], [f"{prefix}/grouped_nchw"], name=f"{prefix}/grouped_to_nchw", perm=TO_NCHW),
+        helper.make_node("Conv", [f"{prefix}/grouped_nchw", constant("weights", new_weights), constant("bias", np.tile(bias, block))],
+                         [f"{prefix}/conv"], name=conv.name, kernel_shape=[height, new_weights.shape[3]], pads=[pads[0], 0, pads[2], 0]),
+    ]
+    last = f"{prefix}/conv"
+    if relu is not None:
+        chain.append(helper.make_node("Relu", [last], [f"{prefix}/relu"], name=relu.name))
+        last = f"{prefix}/relu"
+    chain += [
+        helper.make_node("Transpose", [last], [f"{prefix}/out_nhwc"], name=f"{prefix}/out_to_nhwc", perm=TO_NHWC),
+        helper.make_node("Reshape", [f"{prefix}/out_nhwc", constant("ungrouped_shape", np.array([0, 0, -1, out_channels], np.int64))],
+                         [f"{prefix}/ungrouped"], name=f"{prefix}/ungroup"),
+        helper.make_node("Transpose", [f"{prefix}/ungrouped"], [(relu or conv).output[0]], name=f"{prefix}/out_to_nchw", perm=TO_NCHW),
+    ]
+    position = nodes.index(conv)
+    graph.node.remove(conv)
+    if relu is not None:
+        graph.node.remove(relu)
+    for node in reversed(chain):
+        graph.node.insert(position, node)
 
 
 def quantized_pads(model) -> int:
@@ -212,7 +217,7 @@ def quantized_pads(model) -> int:
             continue
         quantize = consumers[0]
         scales, zero_points = (value(dequantize.input[1]), value(quantize.input[1])), (value(dequantize.input[2]), value(quantize.input[2]))
-        if any(item is None for item in (*scales, *zero_points)) or scales[0] != scales[1] or zero_points[0] != zero_points[1]:
+        if any(item is None for item in (*scales, *zero_points)) or not (np.array_equal(*scales) and np.array_equal(*zero_points)):
             continue
         pads = pad.input[1]
         del pad.input[:]
