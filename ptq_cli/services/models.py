@@ -182,7 +182,7 @@ def load_onnx(path: Path, threads: int | None = None) -> LoadedModel:
 
 # TorchScript runs a large batch in chunks of at most this many images, whose activations stay in
 # cache. Measured on 2 cores, 1,024 images per call (images/s, FP32 / int8): 3,391 / 7,400 whole;
-# 9,500-11,500 / 15,500-25,900 in chunks of 64. onnxruntime, split per thread already, stays flat.
+# 9,545-11,489 / 16,778-25,858 in chunks of 64 (two runs). onnxruntime, split per thread already, stays flat.
 TORCH_CHUNK = 64
 
 
