@@ -479,8 +479,9 @@ def benchmark(
 ) -> None:
     """Latency at batch 1 (p50/p95/p99) and throughput at --batch-size, after warm-up, for ONNX and TorchScript models.
 
-    Several models are measured in turns, one run of each at a time, so that the machine's ups and downs
-    reach them all alike: compare models in one call. Throughput is the batch size over the median batch time.
+    The models of one framework are measured in turns, one run of each at a time, so that the machine's ups
+    and downs reach them all alike: compare models in one call. (PyTorch models come after the onnxruntime
+    ones: their spinning threads would slow the next model.) Throughput is the batch size over the median batch time.
     """
     models = model or _default_models()
     for model_path in models:
