@@ -104,7 +104,7 @@ def main() -> None:
     # The warm pipeline as a user meets it: the converted models are there, everything after them is not.
     for path in [*(run_dir / "models").glob("*"), *(run_dir / "calibration").glob("*"), *(run_dir / "results").glob("resnet8*.json"),
                  *(run_dir / "reports").glob("*")]:
-        if path.name not in ("resnet8.onnx", "resnet8.pt"):
+        if path.is_file() and path.name not in ("resnet8.onnx", "resnet8.pt"):
             path.unlink()
     warm, _ = ptq(["run", "--no-benchmark", *threads], run_dir, env)
     runs = Table(title="ptq run in a new directory (one process each)", title_justify="left")

@@ -420,7 +420,7 @@ def pipeline_run(result: RunResult) -> Group:
     for stage in result.stages:
         status = "[green]ran[/green]" if stage.ran else "[dim]up to date[/dim]"
         outputs = [Path(output) for output in stage.outputs]
-        listed = ", ".join(path.name for path in outputs) if len(outputs) <= 2 else f"{len(outputs)} records in {outputs[0].parent}/"
+        listed = ", ".join(path.name for path in outputs) if len(outputs) <= 2 else f"{len(outputs)} files in {outputs[0].parent}/"
         table.add_row(stage.name, status, f"{stage.seconds:.1f}", listed)
     ran = len(result.ran)
     summary = (

@@ -68,3 +68,16 @@ def test_forced_run_with_the_same_seed_makes_byte_identical_models(pipeline_snap
     for name in PIPELINE_MODELS:
         assert after[f"models/{name}"] == before[f"models/{name}"], name
     assert after["calibration/cifar10_calib.npz"] == before["calibration/cifar10_calib.npz"]
+
+
+def test_benchmark_stage_measures_every_model_once_and_the_report_uses_it(pipeline_snapshot):
+    result = json.loads(ptq_ok("run", "--runs", "2", "--json", cwd=pipeline_snapshot).stdout)
+    assert [stage["name"] for stage in result["stages"] if stage["ran"]] == ["benchmark", "report"]
+    records = {name: read_json(pipeline_snapshot / "results" / "benchmarks" / f"{name}.json") for name in PIPELINE_MODELS}
+    for name, record in records.items():
+        model = pipeline_snapshot / "models" / name
+        assert record["model_sha256"] == hashlib.sha256(model.read_bytes()).hexdigest() and record["runs"] == 2, name
+    report = json.loads(ptq_ok("report", "--json", cwd=pipeline_snapshot).stdout)
+    assert {row["model"]: row["speed_source"] for row in report["rows"]} == dict.fromkeys(PIPELINE_MODELS, "benchmark")
+    text = ptq_ok("run", "--runs", "2", cwd=pipeline_snapshot).stdout
+    assert "6 files in results/benchmarks/" in text

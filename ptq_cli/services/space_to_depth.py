@@ -30,6 +30,7 @@ ALIGNMENT = 4  # the input-channel multiple MLAS's x86 int8 ConvSym kernels take
 # 1.8 ms for the same work regrouped as 32->32 over pixel pairs.
 MIN_OUTPUT_CHANNELS = 32
 TO_NHWC, TO_NCHW = [0, 2, 3, 1], [0, 3, 1, 2]
+SUFFIX = "/space_to_depth"  # the rewrite's nodes are named <conv name>/space_to_depth/...; quantized_pads finds its Pads by it
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,7 @@ def _regroup(graph, conv, relu, weights: np.ndarray, bias: np.ndarray, block: in
     # Padded on the left by the conv's own left pad, and on the right to whole blocks: each output block
     # then reads new_weights.shape[3] whole input blocks from its own onward.
     padded = width + block * (new_weights.shape[3] - 1)
-    prefix = f"{conv.name or conv.output[0]}/space_to_depth"
+    prefix = f"{conv.name or conv.output[0]}{SUFFIX}"
 
     def constant(name: str, value: np.ndarray) -> str:
         graph.initializer.append(numpy_helper.from_array(value, f"{prefix}/{name}"))
@@ -210,7 +211,7 @@ def quantized_pads(model) -> int:
         return numpy_helper.to_array(initializers[name]) if name in initializers else None
 
     fused = 0
-    for pad in [node for node in graph.node if node.op_type == "Pad" and node.name.endswith("/space_to_depth/pad")]:
+    for pad in [node for node in graph.node if node.op_type == "Pad" and node.name.endswith(f"{SUFFIX}/pad")]:
         dequantize = producers.get(pad.input[0])
         consumers = [node for node in graph.node if pad.output[0] in node.input]
         if dequantize is None or dequantize.op_type != "DequantizeLinear" or len(consumers) != 1 or consumers[0].op_type != "QuantizeLinear":
