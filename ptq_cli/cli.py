@@ -6,6 +6,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -16,14 +17,18 @@ from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progres
 
 from ptq_cli import render, settings
 from ptq_cli.atomic import check_writable, write_text
+from ptq_cli.datasets import Dataset, open_dataset
 from ptq_cli.errors import Interrupted, PtqError
 from ptq_cli.services import benchmark as benchmark_service
 from ptq_cli.services import calibration as calibration_service
 from ptq_cli.services import convert as convert_service
 from ptq_cli.services import evaluate as evaluate_service
 from ptq_cli.services import fetch as fetch_service
+from ptq_cli.services import inputs as inputs_service
+from ptq_cli.services import models as models_service
 from ptq_cli.services import pipeline as pipeline_service
 from ptq_cli.services import prune as prune_service
+from ptq_cli.services import quant_settings
 from ptq_cli.services import quantize as quantize_service
 from ptq_cli.services import report as report_service
 from ptq_cli.services import sensitivity as sensitivity_service
@@ -93,7 +98,7 @@ def _fail(message: str, exit_code: int) -> int:
 
 app = typer.Typer(
     cls=PtqGroup,
-    help="Post-training quantization of the MLPerf Tiny ResNet8 on CIFAR-10: convert, calibrate, quantize, evaluate, report.",
+    help="Post-training quantization of image classifiers (ONNX in; ONNX Runtime and PyTorch int8 out), measured on your images. Defaults: the MLPerf Tiny ResNet8 study on CIFAR-10.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
@@ -106,21 +111,63 @@ def _choices(name: str, values) -> type[Enum]:
     return Enum(name, [(value, value) for value in dict.fromkeys(values)], type=str)
 
 
-DType = _choices("DType", quantize_service.DTYPES)
-Backend = _choices("Backend", quantize_service.BACKENDS)
-Target = _choices("Target", quantize_service.TARGETS)
-Method = _choices("Method", [method for methods in quantize_service.METHODS.values() for method in methods])
+DType = _choices("DType", quant_settings.DTYPES)
+Backend = _choices("Backend", quant_settings.BACKENDS)
+Target = _choices("Target", quant_settings.TARGETS)
+Method = _choices("Method", [method for methods in quant_settings.METHODS.values() for method in methods])
+Preset = _choices("Preset", inputs_service.PRESETS)
 Asset = _choices("Asset", fetch_service.ASSETS)
 Scope = _choices("Scope", prune_service.SCOPES)
 
 
-DataDir = Annotated[
+# One option block for the data and its preprocessing, shared by every command that reads images.
+DataOption = Annotated[
     Optional[Path],
-    typer.Option("--data-dir", help=f"CIFAR-10 python batches. (default: ${settings.ASSETS_ENV}/cifar-10-batches-py, {settings.ASSETS_ENV}={settings.DEFAULT_ASSETS})", show_default=False),
+    typer.Option("--data", "--data-dir", help=f"Labelled images, told apart by layout: CIFAR-10 python batches, an image folder (ROOT/train|test|val/<class>/*.png|jpg|…, or ROOT/<class>/*), or an .npz (images uint8 NHWC, labels[, class_names]). (default: ${settings.ASSETS_ENV}/cifar-10-batches-py, {settings.ASSETS_ENV}={settings.DEFAULT_ASSETS})", show_default=False, rich_help_panel="Data and preprocessing"),
 ]
+CalibrationDataOption = Annotated[
+    Optional[Path],
+    typer.Option(help="Draw calibration (and tuning's validation) images from this dataset instead of --data's train split, e.g. when --data has only a test set. (default: --data)", show_default=False, rich_help_panel="Data and preprocessing"),
+]
+PresetOption = Annotated[
+    Optional[Preset],
+    typer.Option("--preprocess", help="The model's input normalisation: raw255 (pixels 0-255), unit (0-1), imagenet or cifar10-normalized (0-1, then mean/std). (default: what a model ptq made says, else raw255)", show_default=False, rich_help_panel="Data and preprocessing"),
+]
+ScaleOption = Annotated[Optional[float], typer.Option(help="Pixels (0-255) are multiplied by this, e.g. 0.00392157 for 0-1. (default: the preset's)", show_default=False, rich_help_panel="Data and preprocessing")]
+MeanOption = Annotated[Optional[str], typer.Option(help="Per-channel mean subtracted after scaling: R,G,B or one value. (default: the preset's)", show_default=False, rich_help_panel="Data and preprocessing")]
+StdOption = Annotated[Optional[str], typer.Option(help="Per-channel standard deviation divided by after the mean: R,G,B or one value. (default: the preset's)", show_default=False, rich_help_panel="Data and preprocessing")]
+BgrOption = Annotated[Optional[bool], typer.Option("--bgr/--rgb", help="Channel order the model takes. (default: RGB)", show_default=False, rich_help_panel="Data and preprocessing")]
+
+
+@dataclass(frozen=True)
+class DataChoice:
+    data: Path
+    calibration_data: Path | None
+    flags: inputs_service.PreprocessingFlags
+
+    def dataset(self) -> Dataset:
+        return open_dataset(self.data)
+
+    def calibration_dataset(self) -> Dataset:
+        if self.calibration_data is not None:
+            return open_dataset(self.calibration_data)
+        dataset = self.dataset()
+        if dataset.single_set:
+            raise PtqError(f"{self.data}: one set of images with no train split: calibrating on it would use the images models are judged on; "
+                           "give --calibration-data")
+        return dataset
+
+
+def _data(data: Path | None, calibration_data: Path | None, preset, scale: float | None, mean: str | None, std: str | None,
+          bgr: bool | None) -> DataChoice:
+    """The data and preprocessing options, validated before any work."""
+    flags = inputs_service.make_flags(preset and preset.value, scale, mean, std, bgr)
+    return DataChoice(data or settings.cifar_dir(), calibration_data, flags)
+
+
 CalibrationFile = Annotated[
     Optional[Path],
-    typer.Option(help=f"Calibration set from `ptq calibrate`, the same for every model made. (default: {settings.CALIBRATION_FILE} if it exists, else built with the calibrate defaults)", show_default=False),
+    typer.Option(help=f"Calibration set from `ptq calibrate`, the same for every model made. (default: {settings.CALIBRATION_FILE} if it was drawn from the same dataset, else built with the calibrate defaults)", show_default=False),
 ]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout (for scripts) instead of tables.")]
 
@@ -198,8 +245,13 @@ def convert(
     onnx_source: Annotated[Optional[Path], typer.Option("--onnx", help="Start from this ONNX model instead of Keras (use with --torch).", show_default=False)] = None,
     torch_output: Annotated[Optional[Path], typer.Option("--torch", help="Also convert the ONNX model to PyTorch (onnx2torch), saved as TorchScript here, e.g. models/resnet8.pt.", show_default=False)] = None,
     opset: Annotated[int, typer.Option(help="ONNX opset for tf2onnx.")] = 13,
-    data_dir: DataDir = None,
     check_images: Annotated[int, typer.Option(help="Test images on which source and converted outputs must agree within 1e-4.")] = 1000,
+    data: DataOption = None,
+    preprocess: PresetOption = None,
+    scale: ScaleOption = None,
+    mean: MeanOption = None,
+    std: StdOption = None,
+    bgr: BgrOption = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Convert Keras -> ONNX (tf2onnx) and/or ONNX -> PyTorch TorchScript (onnx2torch), checking each on real test images.
@@ -211,32 +263,41 @@ def convert(
         raise PtqError("--keras and --onnx: give one source model, not both")
     if onnx_source is not None and torch_output is None:
         raise PtqError("--onnx: converts an existing ONNX model to PyTorch and needs --torch PATH")
-    data = data_dir or settings.cifar_dir()
+    choice = _data(data, None, preprocess, scale, mean, std, bgr)
+    dataset = choice.dataset()
     results = []
     if onnx_source is None:
         with _working("Converting Keras -> ONNX with tf2onnx and checking against Keras…"):
-            results.append(convert_service.keras_to_onnx(keras or settings.keras_model_path(), output, data, opset, check_images))
+            results.append(convert_service.keras_to_onnx(keras or settings.keras_model_path(), output, dataset, opset, check_images, choice.flags))
     if torch_output is not None:
         with _working("Converting ONNX -> PyTorch with onnx2torch and checking against onnxruntime…"):
-            results.append(convert_service.onnx_to_torchscript(onnx_source or output, torch_output, data, check_images))
+            results.append(convert_service.onnx_to_torchscript(onnx_source or output, torch_output, dataset, check_images, choice.flags))
     _emit(as_json, results if len(results) > 1 else results[0], Group(*map(render.conversion, results)))
 
 
 @app.command()
 def calibrate(
-    data_dir: DataDir = None,
-    samples_per_class: Annotated[int, typer.Option(help="Images drawn from each of the 10 classes.")] = settings.SAMPLES_PER_CLASS,
+    samples_per_class: Annotated[int, typer.Option(help="Images drawn from each class.")] = settings.SAMPLES_PER_CLASS,
     seed: Annotated[int, typer.Option(help="Random seed: the same seed gives the same images.")] = settings.SEED,
+    model: Annotated[Optional[Path], typer.Option(help="Resize the images to this model's input size (needed when a folder's images differ in size). (default: the images' own size)", show_default=False)] = None,
     output: Annotated[Path, typer.Option(help="Where to write the calibration set (.npz).")] = settings.CALIBRATION_FILE,
+    data: DataOption = None,
+    calibration_data: CalibrationDataOption = None,
     as_json: JsonFlag = False,
 ) -> None:
-    """Draw a seeded, class-stratified calibration set from the five training batches (never the test batch)."""
+    """Draw a seeded, class-stratified calibration set from the dataset's train split (never its test split).
+
+    The set holds the images as uint8 pixels; each model's own preprocessing is applied when quantizing.
+    """
+    calibration_service.check_seed(seed)
     check_writable(output)
-    with _working("Sampling the training batches…"):
-        calibration_set = calibration_service.build_calibration_set(data_dir or settings.cifar_dir(), samples_per_class, seed)
+    choice = _data(data, calibration_data, None, None, None, None, None)
+    size = models_service.load_model(model, 1).input.size if model is not None else None
+    with _working("Sampling the training images…"):
+        calibration_set = calibration_service.build_calibration_set(choice.calibration_dataset(), samples_per_class, seed, size)
         calibration_service.save_calibration_set(calibration_set, output)
     summary = {"output": output, "samples": len(calibration_set.labels), "seed": seed, "per_class": calibration_set.per_class_counts,
-               "source_batches": calibration_set.source_batches, "pixel_range": calibration_set.pixel_range}
+               "dataset": calibration_set.dataset, "split": calibration_set.split, "pixel_range": calibration_set.pixel_range}
     _emit(as_json, summary, render.calibration(calibration_set, output))
 
 
@@ -251,22 +312,35 @@ def quantize(
     method: Annotated[Optional[Method], typer.Option(help="Activation calibration: onnxruntime minmax|entropy|percentile (default minmax); pytorch histogram|minmax (default histogram).", show_default=False)] = None,
     percentile: Annotated[Optional[float], typer.Option(help="Percentile kept by --method percentile. (default: 99.999)", show_default=False)] = None,
     calibration: CalibrationFile = None,
-    data_dir: DataDir = None,
-    preprocess: Annotated[bool, typer.Option("--preprocess/--no-preprocess", help="Run onnxruntime's quant_pre_process first (shape inference, folds batch-norm Mul/Add into Conv).")] = True,
+    graph_preprocess: Annotated[bool, typer.Option("--graph-preprocess/--no-graph-preprocess", help="Run onnxruntime's quant_pre_process first (shape inference, folds batch-norm Mul/Add into Conv).")] = True,
     space_to_depth: Annotated[Optional[bool], typer.Option("--space-to-depth/--no-space-to-depth", help="Regroup convolutions the fast x86 int8 kernel handles poorly (input channels not a multiple of 4, like the RGB stem; fewer than 32 output channels) over blocks of pixels along the width; same products, more zeros in the file. (default: on for uint8 activations with int8 weights, where that kernel runs)", show_default=False)] = None,
-    output: Annotated[Optional[Path], typer.Option(help="Where to write the quantized model. (default: models/<model>_<dtype>.onnx, or models/<model>_pytorch_<dtype>.pt)", show_default=False)] = None,
+    output: Annotated[Optional[Path], typer.Option(help="Where to write the quantized model. (default: beside the model, <model>_<dtype>.onnx, or <model>_pytorch_<dtype>.pt)", show_default=False)] = None,
+    data: DataOption = None,
+    calibration_data: CalibrationDataOption = None,
+    preprocess: PresetOption = None,
+    scale: ScaleOption = None,
+    mean: MeanOption = None,
+    std: StdOption = None,
+    bgr: BgrOption = None,
     as_json: JsonFlag = False,
 ) -> None:
-    """Static post-training quantization, calibrated on the calibration set: ONNX Runtime (QDQ) or PyTorch (FX)."""
-    quantization_settings = quantize_service.make_settings(
-        dtype and dtype.value, backend.value, weight_dtype and weight_dtype.value, per_channel, method and method.value, percentile, preprocess,
+    """Static post-training quantization, calibrated on the calibration set: ONNX Runtime (QDQ) or PyTorch (FX).
+
+    The model's input (layout, channels, size, batch) is read from the model; its preprocessing comes
+    from --preprocess/--scale/--mean/--std/--bgr and is stored in the quantized model, so evaluating it
+    needs no flags. Models below opset 10 (13 for per-channel) are upgraded first.
+    """
+    quantization_settings = quant_settings.make_settings(
+        dtype and dtype.value, backend.value, weight_dtype and weight_dtype.value, per_channel, method and method.value, percentile, graph_preprocess,
         target and target.value, space_to_depth,
     )
+    choice = _data(data, calibration_data, preprocess, scale, mean, std, bgr)
     check_model(model)  # a bad model fails before any calibration work
-    calibration_set = _calibration_set(calibration, data_dir)
     destination = output or quantize_service.default_output(model, quantization_settings)
+    check_writable(destination)
+    calibration_set = _calibration_set(calibration, choice, model)
     with _working(f"Calibrating ({quantization_settings.method}, {len(calibration_set.labels)} samples) and quantizing with {backend.value}…"):
-        result = quantize_service.quantize(model, destination, quantization_settings, calibration_set)
+        result = quantize_service.quantize(model, destination, quantization_settings, calibration_set, choice.flags)
     _emit(as_json, result, render.quantization(result))
 
 
@@ -285,8 +359,14 @@ def prune(
     exclude_classifier: ExcludeClassifier = False,
     reconstruct: Reconstruct = True,
     calibration: CalibrationFile = None,
-    data_dir: DataDir = None,
-    output: Annotated[Optional[Path], typer.Option(help="Where to write the pruned model. (default: models/<model>_pruned<NN>.onnx)", show_default=False)] = None,
+    output: Annotated[Optional[Path], typer.Option(help="Where to write the pruned model. (default: beside the model, <model>_pruned<NN>.onnx)", show_default=False)] = None,
+    data: DataOption = None,
+    calibration_data: CalibrationDataOption = None,
+    preprocess: PresetOption = None,
+    scale: ScaleOption = None,
+    mean: MeanOption = None,
+    std: StdOption = None,
+    bgr: BgrOption = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Magnitude pruning: zero the smallest Conv and Gemm/MatMul weights; biases and batch-norm stay untouched.
@@ -297,13 +377,14 @@ def prune(
     `ptq sweep` shows what pruning costs in accuracy, with and without the re-fit.
     """
     pruning_settings = prune_service.make_settings(sparsity, scope.value, exclude_first, exclude_classifier, reconstruct)
+    choice = _data(data, calibration_data, preprocess, scale, mean, std, bgr)
     destination = output or prune_service.default_output(model, sparsity, scope.value)
     check_model(model)
     images = None
     if reconstruct:
-        images = _calibration_set(calibration, data_dir).images
+        images = _calibration_set(calibration, choice, model).images
     with _working("Pruning" + (" and re-fitting the kept weights…" if reconstruct else "…")):
-        result = prune_service.prune(model, destination, pruning_settings, images)
+        result = prune_service.prune_calibrated(model, destination, pruning_settings, images, choice.flags)
     _emit(as_json, result, render.pruning(result))
 
 
@@ -321,9 +402,15 @@ def sweep(
     exclude_classifier: ExcludeClassifier = False,
     reconstruct: Reconstruct = True,
     calibration: CalibrationFile = None,
-    data_dir: DataDir = None,
     models_dir: Annotated[Path, typer.Option(help="Where the pruned and quantized models go.")] = settings.MODELS_DIR / "sweep",
     results_dir: Annotated[Path, typer.Option(help="The sweep record goes to RESULTS_DIR/sweep/<model>_<dtype>_<scope>.json, which `ptq report` shows.")] = settings.RESULTS_DIR,
+    data: DataOption = None,
+    calibration_data: CalibrationDataOption = None,
+    preprocess: PresetOption = None,
+    scale: ScaleOption = None,
+    mean: MeanOption = None,
+    std: StdOption = None,
+    bgr: BgrOption = None,
     as_json: JsonFlag = False,
 ) -> None:
     """For each sparsity: prune, quantize (onnxruntime), evaluate both on the test set; accuracy, size and gzipped size.
@@ -333,15 +420,16 @@ def sweep(
     """
     sparsities = sweep_service.parse_sparsities(sparsity)
     pruning_check = prune_service.make_settings(0.0, scope.value, exclude_first, exclude_classifier, reconstruct)  # checked before any work
-    quantization_settings = quantize_service.make_settings(
+    quantization_settings = quant_settings.make_settings(
         dtype.value, weight_dtype=weight_dtype and weight_dtype.value, per_channel=per_channel, method=method.value, percentile=percentile
     )
+    choice = _data(data, calibration_data, preprocess, scale, mean, std, bgr)
     check_model(model)
-    calibration_set = _calibration_set(calibration, data_dir)
+    calibration_set = _calibration_set(calibration, choice, model)
     with _progress_bar("Prune, quantize, evaluate") as progress:
         result = sweep_service.sweep(
-            model, sparsities, quantization_settings, calibration_set, data_dir or settings.cifar_dir(), models_dir, results_dir,
-            pruning_check, progress,
+            model, sparsities, quantization_settings, calibration_set, choice.dataset(), models_dir, results_dir,
+            pruning_check, progress, choice.flags,
         )
     _emit(as_json, result, render.sweep(result))
 
@@ -351,15 +439,18 @@ ValidationPerClass = Annotated[
 ]
 
 
-def _calibration_set(calibration: Path | None, data_dir: Path | None):
+def _calibration_set(calibration: Path | None, choice: DataChoice, model: Path):
     with _working("Loading the calibration set…"):
-        return calibration_service.load_or_build(calibration, data_dir or settings.cifar_dir())
+        if calibration is not None:
+            return calibration_service.load_calibration_set(calibration)
+        size = models_service.load_model(model, 1, choice.flags).input.size
+        return calibration_service.load_or_build(None, choice.calibration_dataset(), size)
 
 
-def _calibration_and_validation(calibration: Path | None, data_dir: Path | None, validation_per_class: int):
-    calibration_set = _calibration_set(calibration, data_dir)
-    with _working("Drawing the validation split (training batches only)…"):
-        return calibration_set, validation_service.build_validation_set(calibration_set, data_dir or settings.cifar_dir(), validation_per_class)
+def _calibration_and_validation(calibration: Path | None, choice: DataChoice, model: Path, validation_per_class: int):
+    calibration_set = _calibration_set(calibration, choice, model)
+    with _working("Drawing the validation split (training images only)…"):
+        return calibration_set, validation_service.build_validation_set(calibration_set, choice.calibration_dataset(), validation_per_class)
 
 
 @app.command()
@@ -371,9 +462,15 @@ def sensitivity(
     method: Annotated[Method, typer.Option(help="Activation calibration: minmax|entropy|percentile.")] = Method("minmax"),
     percentile: Annotated[Optional[float], typer.Option(help="Percentile kept by --method percentile. (default: 99.999)", show_default=False)] = None,
     calibration: CalibrationFile = None,
-    data_dir: DataDir = None,
     validation_per_class: ValidationPerClass = settings.VALIDATION_PER_CLASS,
     results_dir: Annotated[Path, typer.Option(help="The record goes to RESULTS_DIR/sensitivity/<model>_<dtype>.json.")] = settings.RESULTS_DIR,
+    data: DataOption = None,
+    calibration_data: CalibrationDataOption = None,
+    preprocess: PresetOption = None,
+    scale: ScaleOption = None,
+    mean: MeanOption = None,
+    std: StdOption = None,
+    bgr: BgrOption = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Per layer: quantize that layer alone and measure the model's output SQNR and validation accuracy against FP32.
@@ -381,13 +478,14 @@ def sensitivity(
     Measured on the validation split (training images not in the calibration set), never the test set;
     sorted worst first. The layer names are what `ptq tune` leaves in float.
     """
-    quantization_settings = quantize_service.make_settings(
+    quantization_settings = quant_settings.make_settings(
         dtype.value, weight_dtype=weight_dtype and weight_dtype.value, per_channel=per_channel, method=method.value, percentile=percentile
     )
+    choice = _data(data, calibration_data, preprocess, scale, mean, std, bgr)
     check_model(model)
-    calibration_set, validation_set = _calibration_and_validation(calibration, data_dir, validation_per_class)
+    calibration_set, validation_set = _calibration_and_validation(calibration, choice, model, validation_per_class)
     with _progress_bar("Quantizing one layer at a time") as progress:
-        result = sensitivity_service.layer_sensitivity(model, quantization_settings, calibration_set, validation_set, progress)
+        result = sensitivity_service.layer_sensitivity(model, quantization_settings, calibration_set, validation_set, progress, choice.flags)
     record_file = sensitivity_service.save_result(result, results_dir)
     _emit(as_json, result, render.sensitivity(result, record_file))
 
@@ -402,10 +500,16 @@ def tune(
     per_channel: Annotated[Optional[bool], typer.Option("--per-channel/--per-tensor", help="Search only this weight granularity. (default: both)", show_default=False)] = None,
     max_float_layers: Annotated[int, typer.Option(help="Most sensitive layers to try leaving in float, one more at a time (0: none).")] = tune_service.MAX_FLOAT_LAYERS,
     calibration: CalibrationFile = None,
-    data_dir: DataDir = None,
     validation_per_class: ValidationPerClass = settings.VALIDATION_PER_CLASS,
-    output: Annotated[Optional[Path], typer.Option(help="Where to write the chosen model. (default: models/<model>_<dtype>_tuned.onnx, or models/<model>_pytorch_int8_tuned.pt)", show_default=False)] = None,
+    output: Annotated[Optional[Path], typer.Option(help="Where to write the chosen model. (default: beside the model, <model>_<dtype>_tuned.onnx, or <model>_pytorch_int8_tuned.pt)", show_default=False)] = None,
     results_dir: Annotated[Path, typer.Option(help="The record of the search goes to RESULTS_DIR/tuning/<output>.json.")] = settings.RESULTS_DIR,
+    data: DataOption = None,
+    calibration_data: CalibrationDataOption = None,
+    preprocess: PresetOption = None,
+    scale: ScaleOption = None,
+    mean: MeanOption = None,
+    std: StdOption = None,
+    bgr: BgrOption = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Search quantization settings for the smallest, fastest model within --max-drop of FP32.
@@ -415,8 +519,9 @@ def tune(
     then the most sensitive layers left in float. Without any candidate in budget, the most accurate
     is kept and the command says so (exit 0).
     """
+    choice = _data(data, calibration_data, preprocess, scale, mean, std, bgr)
     check_model(model)
-    calibration_set, validation_set = _calibration_and_validation(calibration, data_dir, validation_per_class)
+    calibration_set, validation_set = _calibration_and_validation(calibration, choice, model, validation_per_class)
     destination = output or tune_service.default_output(model, dtype.value, backend.value)
     with _progress_bar(f"Tuning {dtype.value} ({backend.value})") as progress:
         result = tune_service.tune(
@@ -426,12 +531,14 @@ def tune(
             max_float_layers=max_float_layers,
             progress=progress,
             backend=backend.value,
+            flags=choice.flags,
         )
     _emit(as_json, result, render.tuning(result))
 
 
 def _default_models() -> list[Path]:
-    found = sorted(path for path in settings.MODELS_DIR.glob("*") if path.suffix in (".onnx", ".pt"))
+    # Temporary files of an interrupted write start with a dot (atomic.py): never models.
+    found = sorted(path for path in settings.MODELS_DIR.glob("*") if path.suffix in (".onnx", ".pt") and not path.name.startswith("."))
     if not found:
         raise PtqError(f"{settings.MODELS_DIR}: no .onnx or .pt models to evaluate (run `ptq convert` or pass --model)")
     return found
@@ -440,29 +547,38 @@ def _default_models() -> list[Path]:
 @app.command()
 def evaluate(
     model: Annotated[Optional[list[Path]], typer.Option(help="Model file (.onnx or TorchScript .pt); repeat for several. (default: every model in models/)", show_default=False)] = None,
-    per_class: Annotated[bool, typer.Option("--per-class", help="Also show per-class accuracy, with the delta against the FP32 model's record if there is one.")] = False,
-    data_dir: DataDir = None,
-    results_dir: Annotated[Path, typer.Option(help="Where to write one JSON record per model.")] = settings.RESULTS_DIR,
+    per_class: Annotated[bool, typer.Option("--per-class", help="Also show per-class accuracy, with the delta against the FP32 source model's record.")] = False,
+    results_dir: Annotated[Path, typer.Option(help="Where to write one JSON record per model and dataset.")] = settings.RESULTS_DIR,
     batch_size: Annotated[int, typer.Option(help="Images per inference call.")] = 1000,
     threads: Annotated[Optional[int], typer.Option(help="Inference threads. (default: all cores)", show_default=False)] = None,
+    data: DataOption = None,
+    preprocess: PresetOption = None,
+    scale: ScaleOption = None,
+    mean: MeanOption = None,
+    std: StdOption = None,
+    bgr: BgrOption = None,
     as_json: JsonFlag = False,
 ) -> None:
-    """Top-1 accuracy on all 10,000 CIFAR-10 test images, against the 87.19% FP32 baseline."""
+    """Top-1 accuracy on the dataset's test split (val if it has no test), against the model's FP32 source.
+
+    A quantized model's delta is against its FP32 source model measured on the same images: the source
+    (named in the model) is evaluated too if its record is missing. Records go to
+    RESULTS_DIR/<model file>@<dataset>.json, one per model and dataset.
+    """
+    choice = _data(data, None, preprocess, scale, mean, std, bgr)
+    dataset = choice.dataset()
     models = model or _default_models()
     for model_path in models:
-        check_writable(evaluate_service.record_path(results_dir, model_path))
+        check_writable(evaluate_service.record_path(results_dir, model_path, dataset))
     records = []
     for model_path in models:
         with _progress_bar(f"Evaluating {model_path.name}") as progress:
-            record = evaluate_service.evaluate_model(model_path, data_dir or settings.cifar_dir(), batch_size, threads, progress)
-        record_file = evaluate_service.save_record(record, results_dir)
-        records.append(record)
+            evaluated = evaluate_service.evaluate_and_save(model_path, dataset, results_dir, batch_size, threads, progress, choice.flags)
+        records.append(evaluated.record)
         if not as_json:
-            reference = None
-            if per_class and record.dtype != "fp32":
-                others = evaluate_service.load_records(results_dir).records
-                reference = evaluate_service.fp32_reference(others, record.framework)
-            out.print(render.evaluation(record, reference, per_class, record_file))
+            if evaluated.source_evaluated is not None:
+                out.print(f"[dim]Evaluated its FP32 source {evaluated.source_evaluated} too (no record of it on this dataset).[/dim]")
+            out.print(render.evaluation(evaluated.record, evaluated.reference, per_class, evaluated.path))
     if as_json:
         out.print(render.as_json(records if len(records) > 1 else records[0]), soft_wrap=True)
 
@@ -473,21 +589,28 @@ def benchmark(
     batch_size: Annotated[int, typer.Option(help="Batch size for the throughput measurement (latency is always at batch 1).")] = 256,
     threads: Annotated[Optional[int], typer.Option(help="Inference threads. (default: all cores)", show_default=False)] = None,
     runs: Annotated[int, typer.Option(help="Timed runs of each model for each measurement, after 10 warm-up runs.")] = 100,
-    data_dir: DataDir = None,
     results_dir: Annotated[Path, typer.Option(help="Records go to RESULTS_DIR/benchmarks/<model file>.json, read by `ptq report`.")] = settings.RESULTS_DIR,
+    data: DataOption = None,
+    preprocess: PresetOption = None,
+    scale: ScaleOption = None,
+    mean: MeanOption = None,
+    std: StdOption = None,
+    bgr: BgrOption = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Latency at batch 1 (p50/p95/p99) and throughput at --batch-size, after warm-up, for ONNX and TorchScript models.
 
     The models of one framework are measured in turns, one run of each at a time, so that the machine's ups
     and downs reach them all alike: compare models in one call. (PyTorch models come after the onnxruntime
-    ones: their spinning threads would slow the next model.) Throughput is the batch size over the median batch time.
+    ones: their spinning threads would slow the next model; onnxruntime runs with spinning off.) Throughput
+    is the batch size over the median batch time. A model with a fixed batch runs chunks of it.
     """
+    choice = _data(data, None, preprocess, scale, mean, std, bgr)
     models = model or _default_models()
     for model_path in models:
         check_writable(benchmark_service.benchmark_path(results_dir, model_path))
     with _progress_bar(f"Benchmarking {len(models)} model{'s' if len(models) > 1 else ''} in turns") as progress:
-        records = benchmark_service.benchmark_models(models, data_dir or settings.cifar_dir(), batch_size, threads, runs, progress=progress)
+        records = benchmark_service.benchmark_models(models, choice.dataset(), batch_size, threads, runs, progress=progress, flags=choice.flags)
     for record in records:
         benchmark_service.save_benchmark(record, results_dir)
     ratios = benchmark_service.speedups(records, benchmark_service.load_benchmarks(results_dir))
@@ -521,14 +644,22 @@ def report(
 
 @app.command(name="run")
 def run_pipeline(
+    model: Annotated[Optional[Path], typer.Option(help="Your FP32 ONNX classifier: the study runs on it (no Keras step), outputs named after it, e.g. models/<model>_int8.onnx. (default: the MLPerf Tiny ResNet8, converted from --keras)", show_default=False)] = None,
     keras: Annotated[Optional[Path], typer.Option(help=f"Keras .h5 model. (default: ${settings.ASSETS_ENV}/mlperf-tiny-resnet8/pretrainedResnet.h5)", show_default=False)] = None,
-    data_dir: DataDir = None,
     samples_per_class: Annotated[int, typer.Option(help="Calibration images drawn from each class.")] = settings.SAMPLES_PER_CLASS,
     seed: Annotated[int, typer.Option(help="Calibration seed.")] = settings.SEED,
+    pytorch: Annotated[bool, typer.Option("--pytorch/--no-pytorch", help="Also convert to TorchScript and quantize with PyTorch.")] = True,
     benchmark: Annotated[bool, typer.Option("--benchmark/--no-benchmark", help="Benchmark every model (latency and throughput) for the report.")] = True,
     runs: Annotated[int, typer.Option(help="Timed runs per benchmark measurement.")] = 100,
     threads: Annotated[Optional[int], typer.Option(help="Inference threads. (default: all cores)", show_default=False)] = None,
     force: Annotated[bool, typer.Option("--force", help="Run every stage, even those whose outputs are up to date.")] = False,
+    data: DataOption = None,
+    calibration_data: CalibrationDataOption = None,
+    preprocess: PresetOption = None,
+    scale: ScaleOption = None,
+    mean: MeanOption = None,
+    std: StdOption = None,
+    bgr: BgrOption = None,
     as_json: JsonFlag = False,
 ) -> None:
     """The whole study: convert, calibrate, quantize (int8, uint8, speed, PyTorch), evaluate, benchmark, report.
@@ -536,10 +667,17 @@ def run_pipeline(
     Each stage is skipped when its inputs (by sha256), its options and its outputs are those recorded in
     results/manifest.json by the run that made them. The manifest also keeps the tool and library
     versions, the seed and each stage's command and wall time. Outputs go to models/, calibration/,
-    results/ and reports/ under the current directory.
+    results/ and reports/ under the current directory. `ptq run --model yours.onnx --data DIR` runs it on
+    your model and images.
     """
+    if model is not None and keras is not None:
+        raise PtqError("--model and --keras: give one source model, not both")
+    choice = _data(data, calibration_data, preprocess, scale, mean, std, bgr)
+    if model is not None:
+        check_model(model)
     options = pipeline_service.RunOptions(
-        keras_model=keras or settings.keras_model_path(), data_dir=data_dir or settings.cifar_dir(), samples_per_class=samples_per_class,
+        keras_model=None if model is not None else (keras or settings.keras_model_path()), data_dir=choice.data, model=model,
+        calibration_data=calibration_data, flags=choice.flags, pytorch=pytorch, samples_per_class=samples_per_class,
         seed=seed, benchmark=benchmark, benchmark_runs=runs, threads=threads, force=force,
     )
     columns = (SpinnerColumn(finished_text="[green]✓[/green]"), TextColumn("{task.description}"), TimeElapsedColumn())

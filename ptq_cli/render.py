@@ -21,11 +21,10 @@ from ptq_cli.services.fetch import FetchResult
 from ptq_cli.services.pipeline import RunResult
 from ptq_cli.services.prune import PruneResult
 from ptq_cli.services.quantize import QuantizeResult
-from ptq_cli.services.report import Report, ReportRow
+from ptq_cli.services.report import DatasetGroup, Report, ReportRow
 from ptq_cli.services.sensitivity import SensitivityResult
 from ptq_cli.services.sweep import SweepResult
 from ptq_cli.services.tune import TuneResult, describe
-from ptq_cli.settings import BASELINE_ACCURACY
 
 
 def plain(value: Any) -> Any:
@@ -94,8 +93,8 @@ def calibration(calibration_set: CalibrationSet, output: Path) -> Group:
             ("output", str(output)),
             ("samples", f"{len(calibration_set.labels)} ({calibration_set.samples_per_class} per class)"),
             ("seed", str(calibration_set.seed)),
-            ("source batches", ", ".join(calibration_set.source_batches)),
-            ("pixel range", f"{low:g} .. {high:g} (float32, NHWC)"),
+            ("drawn from", f"{calibration_set.dataset} ({calibration_set.split})"),
+            ("images", f"{'x'.join(map(str, calibration_set.images.shape[1:]))} uint8, pixels {low} .. {high} (preprocessed per model when quantizing)"),
         ],
     )
     per_class = Table(title="Samples per class", title_justify="left")
@@ -113,6 +112,8 @@ def quantization(result: QuantizeResult) -> Table:
         "Quantization",
         [
             ("model", str(result.source)),
+            ("input", f"{result.model_input}; preprocessing {result.preprocessing}"),
+            *(("note", note) for note in result.notes),
             ("framework", f"{settings.framework} ({settings.format})"),
             ("activations / weights", f"{settings.dtype} / {settings.weight_dtype}"),
             ("granularity", "per-channel" if settings.per_channel else "per-tensor"),
@@ -129,16 +130,23 @@ def quantization(result: QuantizeResult) -> Table:
 
 
 def evaluation(record: EvaluationRecord, reference: EvaluationRecord | None, per_class: bool, record_file: Path) -> Group:
+    delta = None if reference is None else record.accuracy - reference.accuracy
+    comparison = (("  (no FP32 source record to compare with)", "dim"),) if reference is None else (
+        f"  delta vs FP32 {reference.name} ({reference.accuracy:.2f}%): ",
+        (signed(delta), "green" if delta >= 0 else "red"),
+        " pts",
+    )
     headline = Text.assemble(
         (f"{record.name}", "bold"),
-        f"  {record.framework} {record.dtype}  top-1 ",
+        f"  {record.framework} {record.dtype} on {record.dataset_label}  top-1 ",
         (f"{record.accuracy:.2f}%", "bold"),
-        f" ({record.correct}/{record.images})  delta vs {BASELINE_ACCURACY:.2f}% baseline: ",
-        (signed(record.delta_vs_baseline), "green" if record.delta_vs_baseline >= 0 else "red"),
-        f" pts  {record.images_per_second:,.0f} images/s  -> {record_file}",
+        f" ({record.correct}/{record.images})",
+        *comparison,
+        f"  {record.images_per_second:,.0f} images/s  -> {record_file}",
     )
+    details = Text(f"  input {record.model_input}; preprocessing {record.preprocessing}", style="dim")
     if not per_class:
-        return Group(headline)
+        return Group(headline, details)
     table = Table(title=f"Per-class accuracy: {record.name}", title_justify="left")
     table.add_column("class")
     table.add_column("accuracy", justify="right")
@@ -146,15 +154,25 @@ def evaluation(record: EvaluationRecord, reference: EvaluationRecord | None, per
         table.add_column(f"FP32 ({reference.name})", justify="right")
         table.add_column("delta", justify="right")
     for index, name in enumerate(record.class_names):
-        cells = [name, f"{record.per_class_accuracy[index]:.1f}%"]
+        accuracy = record.per_class_accuracy[index]
+        cells = [name, class_percent(accuracy)]
         if reference is not None:
-            cells += [f"{reference.per_class_accuracy[index]:.1f}%", signed(record.per_class_accuracy[index] - reference.per_class_accuracy[index])]
+            other = reference.per_class_accuracy[index]
+            cells += [class_percent(other), "-" if accuracy is None or other is None else signed(accuracy - other)]
         table.add_row(*cells)
-    return Group(headline, table)
+    return Group(headline, details, table)
+
+
+def class_percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}%"
+
+
+def delta(points: float | None) -> str:
+    return "-" if points is None else signed(points)
 
 
 REPORT_COLUMNS = (
-    "Model", "Framework", "Data type", "Configuration", "Accuracy", "Delta vs baseline", "Model size", "Size reduction",
+    "Model", "Framework", "Data type", "Configuration", "Accuracy", "Delta vs FP32 source", "Model size", "Size reduction",
     "Images/s", "Speed-up", "Latency p50 (ms)",
 )
 
@@ -170,7 +188,7 @@ def _report_cells(row: ReportRow) -> list[str]:
         row.dtype,
         row.configuration,
         f"{row.accuracy:.2f}%",
-        signed(row.delta),
+        delta(row.delta),
         size(row.size_bytes),
         percent(row.size_reduction),
         f"{row.images_per_second:,.0f}" + ("" if row.speed_source == "benchmark" else " (eval)"),
@@ -179,16 +197,24 @@ def _report_cells(row: ReportRow) -> list[str]:
     ]
 
 
-def _recommendation_lines(report: Report) -> list[str]:
-    advice = report.recommendation
+def _recommendation_lines(group: DatasetGroup) -> list[str]:
+    advice = group.recommendation
     if advice is None:
         return []
     return [
-        f"Best accuracy: {advice.best_accuracy.model} ({advice.best_accuracy.accuracy:.2f}%, {signed(advice.best_accuracy.delta)} pts)",
+        f"Best accuracy: {advice.best_accuracy.model} ({advice.best_accuracy.accuracy:.2f}%, {delta(advice.best_accuracy.delta)} pts)",
         f"Smallest: {advice.smallest.model} ({size(advice.smallest.size_bytes)}, {advice.smallest.accuracy:.2f}%)",
         f"Fastest: {advice.fastest.model} ({advice.fastest.images_per_second:,.0f} images/s, {advice.fastest.accuracy:.2f}%, "
-        f"{signed(advice.fastest.delta)} pts; {advice.fastest.configuration})",
+        f"{delta(advice.fastest.delta)} pts; {advice.fastest.configuration})",
     ]
+
+
+def _group_title(group: DatasetGroup) -> str:
+    """e.g. "top-1 on 10,000 images of cifar-10-batches-py (test), delta in points vs the 87.19% FP32 baseline (resnet8.onnx)"."""
+    baseline = group.baseline
+    against = (f"delta in points vs the {baseline.accuracy:.2f}% FP32 baseline ({baseline.model}, measured)" if baseline is not None
+               else "no FP32 model measured on it")
+    return f"top-1 on {group.images:,} images of {group.label}, {against}"
 
 
 # Narrower than REPORT_COLUMNS so the table fits an 80-column terminal; the Markdown keeps the long names.
@@ -196,8 +222,19 @@ TERMINAL_COLUMNS = ("Model", "Framework", "Type", "Top-1", "Delta", "KB", "Saved
 
 
 def report(report: Report) -> Group:
+    parts: list[Any] = []
+    for group in report.groups:
+        parts += _group_tables(group)
+    parts += [sweep_table(result) for result in report.sweeps]
+    if any(row.speed_source == "evaluate" for row in report.rows):
+        parts.append(Text("img/s: from `ptq benchmark` where it measured the file, else from evaluation (batch 1000); speed-ups compare like with like.", style="dim"))
+    parts += [Text(f"skipped {line}", style="yellow") for line in report.skipped]
+    return Group(*parts)
+
+
+def _group_tables(group: DatasetGroup) -> list[Any]:
     table = Table(
-        title=f"Quantization report: top-1 on 10,000 test images, delta in points vs the {report.baseline:.2f}% FP32 baseline",
+        title=f"Quantization report: {_group_title(group)}",
         title_justify="left",
         box=box.SIMPLE_HEAD,
         padding=0,
@@ -210,24 +247,20 @@ def report(report: Report) -> Group:
     configurations.add_column("Configuration")
     configurations.add_column("Val / test", justify="right")
     configurations.add_column("p50 ms", justify="right")
-    for row in report.rows:
+    for row in group.rows:
         cells = _report_cells(row)
         table.add_row(*cells[:3], *cells[4:6], f"{row.size_bytes / 1024:.1f}", cells[7], f"{row.images_per_second:,.0f}", cells[9])
         configurations.add_row(row.model, row.configuration, _validation_and_test(row), cells[10])
     parts: list[Any] = [table, configurations]
-    if report.class_losses:
-        losses = Table(title="Classes that lose the most (vs the FP32 model of the same framework)", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    if group.class_losses:
+        losses = Table(title="Classes that lose the most (vs each model's FP32 source)", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
         for column in ("Model", "Class", "Accuracy", "FP32", "Delta"):
             losses.add_column(column, justify="left" if column in ("Model", "Class") else "right")
-        for loss in report.class_losses:
+        for loss in group.class_losses:
             losses.add_row(loss.model, loss.class_name, f"{loss.accuracy:.1f}%", f"{loss.reference_accuracy:.1f}%", signed(loss.delta))
         parts.append(losses)
-    parts += [sweep_table(result) for result in report.sweeps]
-    parts += [Text(line) for line in _recommendation_lines(report)]
-    if any(row.speed_source == "evaluate" for row in report.rows):
-        parts.append(Text("img/s: from `ptq benchmark` where it measured the file, else from evaluation (batch 1000); speed-ups compare like with like.", style="dim"))
-    parts += [Text(f"skipped {line}", style="yellow") for line in report.skipped]
-    return Group(*parts)
+    parts += [Text(line) for line in _recommendation_lines(group)]
+    return parts
 
 
 def _validation_and_test(row: ReportRow) -> str:
@@ -274,7 +307,8 @@ def sweep_table(result: SweepResult) -> Table:
 
 def sweep(result: SweepResult) -> Group:
     table = sweep_table(result)
-    note = (f"Delta: quantized top-1 vs the {BASELINE_ACCURACY:.2f}% FP32 baseline. 'FP32 pruned': what pruning alone leaves (no fine-tuning). "
+    baseline = "-" if result.fp32_accuracy is None else f"{result.fp32_accuracy:.2f}%"
+    note = (f"Delta: quantized top-1 vs the unpruned FP32 model ({baseline}, measured). 'FP32 pruned': what pruning alone leaves (no fine-tuning). "
             f"Gzipped: gzip -9 of the file. Record: {result.record}")
     return Group(table, Text(note, style="dim"))
 
@@ -306,17 +340,18 @@ def write_charts(report: Report, directory: Path) -> list[Path]:
     import numpy as np
 
     written = []
-    rows = [row for row in report.rows if row.per_class_accuracy]
+    main = report.groups[0] if report.groups else None
+    rows = [row for row in (main.rows if main else []) if row.per_class_accuracy and None not in row.per_class_accuracy]
     if rows:
         figure, axes = plt.subplots(figsize=(12, 5))
         width = 0.8 / len(rows)
-        positions = np.arange(len(report.class_names))
+        positions = np.arange(len(main.class_names))
         for index, row in enumerate(rows):
             axes.bar(positions + (index - (len(rows) - 1) / 2) * width, row.per_class_accuracy, width, label=f"{row.model} ({row.accuracy:.2f}%)")
-        axes.set_xticks(positions, report.class_names)
+        axes.set_xticks(positions, main.class_names)
         axes.set_ylabel("top-1 accuracy (%)")
         axes.set_ylim(max(0.0, min(min(row.per_class_accuracy) for row in rows) - 5), 100)
-        axes.set_title("Per-class accuracy on the CIFAR-10 test set (1,000 images per class)")
+        axes.set_title(f"Per-class accuracy on {main.label}")
         axes.legend(fontsize="small", ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.08), frameon=False)
         axes.grid(axis="y", alpha=0.3)
         written.append(_save(figure, Path(directory) / CHART_PER_CLASS))
@@ -330,7 +365,9 @@ def write_charts(report: Report, directory: Path) -> list[Path]:
                 axes.plot([s / 1024 for s in sizes], accuracies, marker="o", label=label)
                 for point, x, y in zip(result.points, sizes, accuracies):
                     axes.annotate(f"{point.sparsity:.0%}", (x / 1024, y), textcoords="offset points", xytext=(4, 4), fontsize="small")
-        axes.axhline(report.baseline, color="gray", linestyle="--", linewidth=1, label=f"FP32 baseline {report.baseline:.2f}%")
+        baseline = report.sweeps[0].fp32_accuracy
+        if baseline is not None:
+            axes.axhline(baseline, color="gray", linestyle="--", linewidth=1, label=f"FP32 baseline {baseline:.2f}%")
         axes.set_xlabel("gzip -9 size of the model file (KB)")
         axes.set_ylabel("top-1 accuracy (%)")
         axes.set_title("Prune then quantize: accuracy against compressed size (labels: sparsity)")
@@ -352,39 +389,40 @@ def _save(figure, path: Path) -> Path:
 
 def report_markdown(report: Report, charts: list[Path] | None = None) -> str:
     lines = [
-        "# Quantization analysis: ResNet8 on CIFAR-10",
+        "# Quantization analysis",
         "",
-        f"Top-1 accuracy on the 10,000-image CIFAR-10 test set; delta in percentage points against the "
-        f"{report.baseline:.2f}% FP32 baseline. Size reduction and speed-up are against the FP32 model of the same framework. "
+        "Delta: percentage points against the FP32 model each model was made from, measured on the same images. "
+        "Size reduction and speed-up are against the FP32 model of the same framework. "
         "Images/s and latency come from `ptq benchmark` (throughput at its batch size, latency at batch 1); "
         "'(eval)' marks throughput measured during evaluation instead (batch 1000).",
-        "",
-        *_markdown_table(REPORT_COLUMNS, [_report_cells(row) for row in report.rows]),
     ]
-    lines += ["", "## How each model was configured", "",
-              "Validation: the training-image split `ptq tune` decided on (FP32 in brackets); '-' for models not tuned.", ""]
-    lines += _markdown_table(
-        ("Model", "Configuration", "Validation top-1", "Test top-1"),
-        [[row.model, row.configuration,
-          "-" if row.validation_accuracy is None else f"{row.validation_accuracy:.2f}% (FP32 {row.validation_fp32_accuracy:.2f}%)",
-          f"{row.accuracy:.2f}%"] for row in report.rows],
-    )
-    if report.class_losses:
-        lines += ["", "## Classes that lose the most", ""]
+    for group in report.groups:
+        lines += ["", f"## {_group_title(group)[0].upper()}{_group_title(group)[1:]}", ""]
+        lines += _markdown_table(REPORT_COLUMNS, [_report_cells(row) for row in group.rows])
+        lines += ["", "### How each model was configured", "",
+                  "Validation: the training-image split `ptq tune` decided on (FP32 in brackets); '-' for models not tuned.", ""]
         lines += _markdown_table(
-            ("Model", "Class", "Accuracy", "FP32", "Delta"),
-            [[loss.model, loss.class_name, f"{loss.accuracy:.1f}%", f"{loss.reference_accuracy:.1f}%", signed(loss.delta)] for loss in report.class_losses],
+            ("Model", "Input", "Preprocessing", "Configuration", "Validation top-1", "Test top-1"),
+            [[row.model, row.model_input or "-", row.preprocessing or "-", row.configuration,
+              "-" if row.validation_accuracy is None else f"{row.validation_accuracy:.2f}% (FP32 {row.validation_fp32_accuracy:.2f}%)",
+              f"{row.accuracy:.2f}%"] for row in group.rows],
         )
+        if group.class_losses:
+            lines += ["", "### Classes that lose the most", ""]
+            lines += _markdown_table(
+                ("Model", "Class", "Accuracy", "FP32", "Delta"),
+                [[loss.model, loss.class_name, f"{loss.accuracy:.1f}%", f"{loss.reference_accuracy:.1f}%", signed(loss.delta)] for loss in group.class_losses],
+            )
+        recommendation = _recommendation_lines(group)
+        if recommendation:
+            lines += ["", "### Recommendation", ""] + [f"- {line}" for line in recommendation]
     for result in report.sweeps:
         lines += ["", f"## {_sweep_title(result)}", "",
                   "'FP32 pruned' is what pruning alone leaves (no fine-tuning); 'Quantized' is that model after quantization, "
-                  "'Delta' its distance to the FP32 baseline; gzipped sizes are gzip -9 of the files.", ""]
+                  "'Delta' its distance to the unpruned FP32 model; gzipped sizes are gzip -9 of the files.", ""]
         lines += _markdown_table(SWEEP_COLUMNS, _sweep_cells(result))
     if charts:
         lines += ["", "## Charts", ""] + [f"![{path.stem.replace('_', ' ')}]({path.name})" for path in charts]
-    recommendation = _recommendation_lines(report)
-    if recommendation:
-        lines += ["", "## Recommendation", ""] + [f"- {line}" for line in recommendation]
     if report.skipped:
         lines += ["", "## Skipped records", ""] + [f"- {line}" for line in report.skipped]
     return "\n".join(lines) + "\n"

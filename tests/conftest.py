@@ -83,3 +83,17 @@ def assert_clean_failure(run: Run, exit_code: int, mentions: str) -> None:
     assert lines[0].startswith("Error:"), run.stderr
     assert mentions in lines[0], run.stderr
     assert "Traceback" not in run.stderr + run.stdout
+
+
+def record_of(results: Path, model_name: str) -> dict:
+    """The evaluation record of one model file (on whichever dataset: tests evaluate on one)."""
+    found = sorted(Path(results).glob(f"{model_name}@*.json"))
+    assert len(found) == 1, f"{model_name}: {len(found)} records in {results}: {sorted(p.name for p in Path(results).iterdir())}"
+    return read_json(found[0])
+
+
+def cifar_split(split: str):
+    """The real CIFAR-10 split as LabelledImages (uint8 NHWC)."""
+    from ptq_cli.datasets.cifar10 import Cifar10
+
+    return Cifar10(CIFAR).load(split)

@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from conftest import CIFAR, assert_clean_failure, ptq, ptq_ok, record_of
 
-from conftest import CIFAR, assert_clean_failure, ptq, ptq_ok, read_json
-from ptq_cli.services import cifar
+from ptq_cli.datasets import cifar10 as cifar
 
 
 def _files(directory):
@@ -115,7 +115,8 @@ def test_report_without_records(tmp_path):
 def test_report_skips_a_corrupt_record_and_names_it(tmp_path, pipeline):
     results = tmp_path / "results"
     results.mkdir()
-    (results / "resnet8.onnx.json").write_bytes((pipeline / "results" / "resnet8.onnx.json").read_bytes())
+    source = next((pipeline / "results").glob("resnet8.onnx@*.json"))
+    (results / source.name).write_bytes(source.read_bytes())
     (results / "broken.json").write_text('{"model_path": ')
     run = ptq("report", cwd=tmp_path)
     assert run.returncode == 0, run.stderr
@@ -153,14 +154,14 @@ def _five_class_copy(source, target):
 def test_nchw_model_is_detected_and_fed_transposed_images(tmp_path, pipeline):
     _nchw_copy(pipeline / "models" / "resnet8.onnx", tmp_path / "nchw.onnx")
     ptq_ok("evaluate", "--model", "nchw.onnx", "--results-dir", "res", cwd=tmp_path)
-    assert read_json(tmp_path / "res" / "nchw.onnx.json")["correct"] == read_json(pipeline / "results" / "resnet8.onnx.json")["correct"]
+    assert record_of(tmp_path / "res", "nchw.onnx")["correct"] == record_of(pipeline / "results", "resnet8.onnx")["correct"]
     ptq_ok("quantize", "--model", "nchw.onnx", "--target", "speed", "--output", "nchw_q.onnx", cwd=tmp_path)
     ptq_ok("evaluate", "--model", "nchw_q.onnx", "--results-dir", "res", cwd=tmp_path)
-    assert read_json(tmp_path / "res" / "nchw_q.onnx.json")["accuracy"] >= 87.19 - 0.3  # calibrated on transposed images too
-    run = ptq("quantize", "--model", "nchw.onnx", "--backend", "pytorch", "--output", "nchw.pt", cwd=tmp_path)
-    assert_clean_failure(run, 2, "nchw.onnx")
-    assert "NCHW" in run.stderr
-    assert not (tmp_path / "nchw.pt").exists()
+    assert record_of(tmp_path / "res", "nchw_q.onnx")["accuracy"] >= 87.19 - 0.3  # calibrated on transposed images too
+    # PyTorch's own layout is taken by the PyTorch backend too.
+    ptq_ok("quantize", "--model", "nchw.onnx", "--backend", "pytorch", "--output", "nchw.pt", cwd=tmp_path)
+    ptq_ok("evaluate", "--model", "nchw.pt", "--results-dir", "res", cwd=tmp_path)
+    assert record_of(tmp_path / "res", "nchw.pt")["accuracy"] >= 87.19 - 0.5
 
 
 def test_model_without_ten_class_scores_is_refused(tmp_path, pipeline):
@@ -169,7 +170,7 @@ def test_model_without_ten_class_scores_is_refused(tmp_path, pipeline):
                     ["benchmark", "--model", "five.onnx", "--results-dir", "res"]):
         run = ptq(*command, cwd=tmp_path)
         assert_clean_failure(run, 2, "five.onnx")
-        assert "10 class scores" in run.stderr
+        assert "class scores" in run.stderr
     assert _files(tmp_path) == [Path("five.onnx")]
 
 

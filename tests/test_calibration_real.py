@@ -6,9 +6,9 @@ import hashlib
 
 import numpy as np
 import pytest
+from conftest import CIFAR, assert_clean_failure, cifar_split, ptq, ptq_ok
 
-from conftest import CIFAR, assert_clean_failure, ptq, ptq_ok
-from ptq_cli.services import cifar
+from ptq_cli.datasets import cifar10 as cifar
 from ptq_cli.services.calibration import build_calibration_set, load_calibration_set
 
 
@@ -34,15 +34,15 @@ def test_same_seed_same_indices_other_seed_other_indices(calibration_sets):
 
 
 def test_images_and_labels_are_those_of_the_training_batches(calibration_sets):
-    train = cifar.load_train(CIFAR)
+    train = cifar_split("train")
     calibration = calibration_sets["c"]
     assert np.array_equal(calibration.images, train.images[calibration.indices].astype(np.float32))
     assert np.array_equal(calibration.labels, train.labels[calibration.indices])
-    assert calibration.source_batches == cifar.TRAIN_BATCHES
+    assert calibration.split == "train" and calibration.dataset == str(CIFAR)
 
 
 def test_no_test_image_in_calibration_set(calibration_sets):
-    test_hashes = {hashlib.sha1(image.tobytes()).digest() for image in cifar.load_test(CIFAR).images}
+    test_hashes = {hashlib.sha1(image.tobytes()).digest() for image in cifar_split("test").images}
     for calibration in calibration_sets.values():
         pixels = calibration.images.astype(np.uint8)
         assert not any(hashlib.sha1(image.tobytes()).digest() in test_hashes for image in pixels)
@@ -63,7 +63,7 @@ def test_calibrate_json_summary(tmp_path, assets):
     summary = __import__("json").loads(run.stdout)
     assert summary["samples"] == 30 and summary["seed"] == 5
     assert summary["per_class"]["truck"] == 3
-    assert summary["source_batches"] == list(cifar.TRAIN_BATCHES)
+    assert summary["split"] == "train"
 
 
 def test_too_many_samples_per_class_is_refused(tmp_path, assets):

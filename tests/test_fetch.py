@@ -13,9 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import KERAS_MODEL, assert_clean_failure, ptq, ptq_ok
-from ptq_cli.services import cifar, fetch
+
+from ptq_cli.datasets import cifar10 as cifar
+from ptq_cli.services import fetch
 
 CLASS_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import re
 
-from conftest import PIPELINE_MODELS, ptq_ok, read_json
+from conftest import PIPELINE_MODELS, ptq_ok, read_json, record_of
 
 # Per-class top-1 of the FP32 model on test_batch, airplane ... truck (shared/assets/README.md).
 FP32_PER_CLASS = [87.7, 95.4, 83.9, 73.4, 87.2, 74.2, 94.6, 90.5, 92.4, 92.6]
 
 
 def test_converted_fp32_onnx_scores_exactly_the_baseline(pipeline):
-    record = read_json(pipeline / "results" / "resnet8.onnx.json")
+    record = record_of(pipeline / "results", "resnet8.onnx")
     assert record["framework"] == "onnxruntime" and record["dtype"] == "fp32"
     assert record["images"] == 10000 and record["correct"] == 8719
-    assert record["accuracy"] == 87.19 and record["delta_vs_baseline"] == 0.0
+    assert record["accuracy"] == 87.19 and record["dataset_format"] == "cifar10" and record["split"] == "test"
     assert record["per_class_accuracy"] == FP32_PER_CLASS
     assert sum(map(sum, record["confusion_matrix"])) == 10000
     assert record["class_names"][0] == "airplane" and record["class_names"][-1] == "truck"
@@ -31,9 +31,9 @@ def test_convert_reports_its_check_as_json(pipeline):
 
 
 def test_quantized_models_are_accurate_and_small(pipeline):
-    fp32 = read_json(pipeline / "results" / "resnet8.onnx.json")
+    fp32 = record_of(pipeline / "results", "resnet8.onnx")
     for dtype in ("int8", "uint8"):
-        record = read_json(pipeline / "results" / f"resnet8_{dtype}.onnx.json")
+        record = record_of(pipeline / "results", f"resnet8_{dtype}.onnx")
         assert record["dtype"] == dtype
         assert record["accuracy"] > 85.0, record["accuracy"]
         assert record["model_size_bytes"] < 0.45 * fp32["model_size_bytes"]
@@ -56,7 +56,7 @@ def test_quantize_prints_method_samples_and_output(pipeline):
 
 def test_evaluate_per_class_shows_delta_against_fp32(pipeline):
     run = ptq_ok("evaluate", "--model", "models/resnet8_uint8.onnx", "--per-class", "--results-dir", "results", cwd=pipeline)
-    record = read_json(pipeline / "results" / "resnet8_uint8.onnx.json")
+    record = record_of(pipeline / "results", "resnet8_uint8.onnx")
     assert "FP32 (resnet8.onnx)" in run.stdout
     # The bird row shows its accuracy, the FP32 one and the signed delta between them.
     bird = record["per_class_accuracy"][2]
@@ -100,7 +100,7 @@ def test_report_bare_markdown_flag_writes_the_default_file(pipeline):
 def test_report_json_matches_records(pipeline):
     report = __import__("json").loads(ptq_ok("report", "--json", cwd=pipeline).stdout)
     by_model = {row["model"]: row for row in report["rows"]}
-    uint8 = read_json(pipeline / "results" / "resnet8_uint8.onnx.json")
+    uint8 = record_of(pipeline / "results", "resnet8_uint8.onnx")
     assert by_model["resnet8_uint8.onnx"]["accuracy"] == uint8["accuracy"]
     assert by_model["resnet8.onnx"]["size_reduction"] is None
     assert report["recommendation"]["best_accuracy"]["dtype"] in ("int8", "uint8")

@@ -8,9 +8,9 @@ import re
 import numpy as np
 import onnx
 import pytest
+from conftest import assert_clean_failure, ptq, ptq_ok, read_json
 from onnx import numpy_helper
 
-from conftest import assert_clean_failure, ptq, ptq_ok, read_json
 from ptq_cli.services.prune import weight_layers
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

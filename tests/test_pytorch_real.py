@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 
-from conftest import assert_clean_failure, ptq, ptq_ok, read_json
+from conftest import assert_clean_failure, ptq, ptq_ok, record_of
 
 
 def test_pytorch_fp32_scores_exactly_the_onnx_accuracy(pipeline):
-    onnx_record = read_json(pipeline / "results" / "resnet8.onnx.json")
-    torch_record = read_json(pipeline / "results" / "resnet8.pt.json")
+    onnx_record = record_of(pipeline / "results", "resnet8.onnx")
+    torch_record = record_of(pipeline / "results", "resnet8.pt")
     assert (torch_record["framework"], torch_record["dtype"]) == ("pytorch", "fp32")
     assert torch_record["accuracy"] == onnx_record["accuracy"] == 87.19
     assert torch_record["confusion_matrix"] == onnx_record["confusion_matrix"]
@@ -25,8 +25,8 @@ def test_onnx_to_torch_conversion_is_checked(pipeline):
 
 
 def test_pytorch_int8_is_close_to_fp32_and_half_the_size(pipeline):
-    fp32 = read_json(pipeline / "results" / "resnet8.pt.json")
-    int8 = read_json(pipeline / "results" / "resnet8_pytorch_int8.pt.json")
+    fp32 = record_of(pipeline / "results", "resnet8.pt")
+    int8 = record_of(pipeline / "results", "resnet8_pytorch_int8.pt")
     assert (int8["framework"], int8["dtype"]) == ("pytorch", "int8")
     assert fp32["accuracy"] - int8["accuracy"] <= 0.3, int8["accuracy"]
     assert int8["model_size_bytes"] <= 0.5 * fp32["model_size_bytes"]
@@ -85,8 +85,8 @@ def test_report_shows_both_frameworks_side_by_side(pipeline):
         ("pytorch", "int8", "resnet8_pytorch_int8.pt"),
     ]
     by_model = {row["model"]: row for row in report["rows"]}
-    torch_int8 = read_json(pipeline / "results" / "resnet8_pytorch_int8.pt.json")
-    torch_fp32 = read_json(pipeline / "results" / "resnet8.pt.json")
+    torch_int8 = record_of(pipeline / "results", "resnet8_pytorch_int8.pt")
+    torch_fp32 = record_of(pipeline / "results", "resnet8.pt")
     assert by_model["resnet8_pytorch_int8.pt"]["size_bytes"] == torch_int8["model_size_bytes"]
     assert by_model["resnet8_pytorch_int8.pt"]["size_reduction"] == round(1 - torch_int8["model_size_bytes"] / torch_fp32["model_size_bytes"], 4)
 

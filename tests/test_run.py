@@ -6,7 +6,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from conftest import KERAS_MODEL, PIPELINE_MODELS, ptq_ok, read_json
+from conftest import KERAS_MODEL, PIPELINE_MODELS, ptq_ok, read_json, record_of
 
 
 def _hashes(directory: Path) -> dict[str, str]:
@@ -16,7 +16,7 @@ def _hashes(directory: Path) -> dict[str, str]:
 def test_run_makes_every_model_record_and_the_report(pipeline_snapshot):
     for name in PIPELINE_MODELS:
         assert (pipeline_snapshot / "models" / name).is_file()
-        assert read_json(pipeline_snapshot / "results" / f"{name}.json")["images"] == 10_000
+        assert record_of(pipeline_snapshot / "results", name)["images"] == 10_000
     assert (pipeline_snapshot / "calibration" / "cifar10_calib.npz").is_file()
     assert "resnet8_uint8_speed.onnx" in (pipeline_snapshot / "reports" / "QUANTIZATION_ANALYSIS.md").read_text()
 
@@ -49,14 +49,15 @@ def test_second_run_skips_every_stage_and_changes_no_file(pipeline_snapshot):
 
 
 def test_a_missing_output_reruns_only_its_stage_and_those_after_it_that_read_it(pipeline_snapshot):
-    (pipeline_snapshot / "results" / "resnet8_int8.onnx.json").unlink()
+    int8_record = next((pipeline_snapshot / "results").glob("resnet8_int8.onnx@*.json"))
+    int8_record.unlink()
     before = _hashes(pipeline_snapshot)
     result = json.loads(ptq_ok("run", "--no-benchmark", "--json", cwd=pipeline_snapshot).stdout)
     ran = [stage["name"] for stage in result["stages"] if stage["ran"]]
     assert ran == ["evaluate resnet8_int8.onnx", "report"]
     after = _hashes(pipeline_snapshot)
     changed = {path for path in after if before.get(path) != after[path]}
-    assert changed == {"results/resnet8_int8.onnx.json", "reports/QUANTIZATION_ANALYSIS.md", "results/manifest.json"}
+    assert changed == {f"results/{int8_record.name}", "reports/QUANTIZATION_ANALYSIS.md", "results/manifest.json"}
     assert read_json(pipeline_snapshot / "results" / "manifest.json")["last_run"]["up_to_date"][0] == "convert keras -> onnx"
 
 

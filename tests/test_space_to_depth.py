@@ -10,11 +10,10 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from conftest import assert_clean_failure, cifar_split, ptq, ptq_ok
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import CIFAR, assert_clean_failure, ptq, ptq_ok
-from ptq_cli.services import cifar
-from ptq_cli.services.models import load_onnx
+from ptq_cli.services.models import load_model as load_onnx
 from ptq_cli.services.space_to_depth import space_to_depth_convs
 
 
@@ -104,7 +103,7 @@ def test_resnet8_narrow_convolutions_are_regrouped_and_run_on_8_bits(pipeline):
     rewritten, rewrites = space_to_depth_convs(onnx.load(str(fp32_path)))
     # The RGB stem (3 inputs), and the two 16 -> 16 convolutions (narrow outputs).
     assert [(r.block, r.input_channels, r.output_channels) for r in rewrites] == [(4, 3, 16), (2, 16, 16), (2, 16, 16)]
-    images = cifar.to_model_input(cifar.load_test(CIFAR).images[:500])
+    images = cifar_split("test").images[:500].astype(np.float32)
     session = ort.InferenceSession(rewritten.SerializeToString(), providers=["CPUExecutionProvider"])
     original = load_onnx(fp32_path).predict(images)
     regrouped = session.run(None, {session.get_inputs()[0].name: images})[0]
@@ -134,7 +133,7 @@ def test_resnet8_narrow_convolutions_are_regrouped_and_run_on_8_bits(pipeline):
     assert len(pads) == 3 and all(producers.get(pad.input[0]) != "DequantizeLinear" for pad in pads)
     # The two quantized models agree on nearly every image: the rewrite changes where the work runs, not the
     # arithmetic. (Float rounding in calibration can move a zero point by one code: 63 of 10,000 differed.)
-    full = cifar.to_model_input(cifar.load_test(CIFAR).images)
+    full = cifar_split("test").images.astype(np.float32)
     agree = np.mean(load_onnx(pipeline / "models" / "s2d.onnx").predict(full).argmax(axis=1) == load_onnx(pipeline / "models" / "plain.onnx").predict(full).argmax(axis=1))
     assert agree >= 0.99
 

@@ -7,11 +7,13 @@ import pickle
 import shutil
 
 import numpy as np
+from conftest import CIFAR, assert_clean_failure, cifar_split, ptq, ptq_ok, record_of
 
-from conftest import CIFAR, assert_clean_failure, ptq, ptq_ok, read_json
 from ptq_cli import settings
-from ptq_cli.services import cifar
-from ptq_cli.services.models import TORCH_CHUNK, load_onnx, load_torchscript
+from ptq_cli.backends.pytorch import TORCH_CHUNK
+from ptq_cli.datasets import cifar10 as cifar
+from ptq_cli.services.models import load_model as load_onnx
+from ptq_cli.services.models import load_model as load_torchscript
 
 
 def test_cifar_cache_is_used_and_invalidated_when_a_file_changes(tmp_path, monkeypatch, assets):
@@ -20,10 +22,10 @@ def test_cifar_cache_is_used_and_invalidated_when_a_file_changes(tmp_path, monke
     data.mkdir()
     for name in (cifar.TEST_BATCH, cifar.META_FILE):
         shutil.copy(CIFAR / name, data / name)
-    first = cifar.load_test(data)
+    first = cifar.Cifar10(data).load("test")
     cached = list((tmp_path / "cache").iterdir())
     assert len(cached) == 1
-    again = cifar.load_test(data)
+    again = cifar.Cifar10(data).load("test")
     assert np.array_equal(first.images, again.images) and list((tmp_path / "cache").iterdir()) == cached
 
     # Change one label in test_batch: the next load must see it, never the cached arrays.
@@ -32,14 +34,14 @@ def test_cifar_cache_is_used_and_invalidated_when_a_file_changes(tmp_path, monke
     batch[b"labels"][0] = (batch[b"labels"][0] + 1) % 10
     with (data / cifar.TEST_BATCH).open("wb") as handle:
         pickle.dump(batch, handle, protocol=2)
-    changed = cifar.load_test(data)
+    changed = cifar.Cifar10(data).load("test")
     assert changed.labels[0] == (first.labels[0] + 1) % 10
     assert np.array_equal(changed.labels[1:], first.labels[1:])
     assert len(list((tmp_path / "cache").iterdir())) == 2
 
 
 def test_data_parallel_inference_matches_one_thread(pipeline):
-    images = cifar.to_model_input(cifar.load_test(CIFAR).images[:300])
+    images = cifar_split("test").images[:300].astype(np.float32)
     for name in ("resnet8.onnx", "resnet8_uint8.onnx"):
         one = load_onnx(pipeline / "models" / name, threads=1).predict(images)
         two = load_onnx(pipeline / "models" / name, threads=2).predict(images)
@@ -48,7 +50,7 @@ def test_data_parallel_inference_matches_one_thread(pipeline):
 
 
 def test_torchscript_large_batch_runs_in_chunks_with_the_same_results(pipeline):
-    images = cifar.to_model_input(cifar.load_test(CIFAR).images[: 3 * TORCH_CHUNK + 5])
+    images = cifar_split("test").images[: 3 * TORCH_CHUNK + 5].astype(np.float32)
     for name in ("resnet8.pt", "resnet8_pytorch_int8.pt"):
         model = load_torchscript(pipeline / "models" / name)
         whole = model.predict(images)
@@ -65,13 +67,14 @@ def test_target_speed_quantizes_u8s8_per_channel_within_budget(pipeline):
     assert (settings_used["dtype"], settings_used["weight_dtype"], settings_used["per_channel"], settings_used["method"]) == ("uint8", "int8", True, "percentile")
     assert settings_used["target"] == "speed"
     ptq_ok("evaluate", "--model", "models/resnet8_uint8_speed.onnx", "--results-dir", "speed-results", cwd=pipeline)
-    record = read_json(pipeline / "speed-results" / "resnet8_uint8_speed.onnx.json")
+    record = record_of(pipeline / "speed-results", "resnet8_uint8_speed.onnx")
     assert record["accuracy"] >= 87.19 - 0.3
 
 
 def test_benchmark_records_latency_and_throughput_and_report_uses_them(pipeline, tmp_path):
     for name in ("resnet8.onnx", "resnet8_int8.onnx"):
-        shutil.copy(pipeline / "results" / f"{name}.json", tmp_path / f"{name}.json")
+        found = next((pipeline / "results").glob(f"{name}@*.json"))
+        shutil.copy(found, tmp_path / found.name)
     results = tmp_path
     run = ptq_ok("benchmark", "--model", "models/resnet8.onnx", "--model", "models/resnet8_int8.onnx", "--runs", "5",
                  "--batch-size", "64", "--results-dir", results, "--json", cwd=pipeline)
@@ -82,7 +85,7 @@ def test_benchmark_records_latency_and_throughput_and_report_uses_them(pipeline,
         assert row["batch_size"] == 64 and row["runs"] == 5 and row["images_per_second"] > 0
     assert fp32["speedup_vs_fp32"] is None
     assert int8["speedup_vs_fp32"] == round(int8["images_per_second"] / fp32["images_per_second"], 3)
-    saved = read_json(results / "benchmarks" / "resnet8_int8.onnx.json")
+    saved = record_of(results / "benchmarks", "resnet8_int8.onnx")
     assert saved["images_per_second"] == int8["images_per_second"]
 
     report = json.loads(ptq_ok("report", "--results-dir", results, "--json", cwd=pipeline).stdout)

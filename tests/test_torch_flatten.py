@@ -12,9 +12,10 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from ptq_cli.backends.pytorch import onnx_to_graph_module, save_torchscript
 from ptq_cli.services.graph import static_reshape_targets
-from ptq_cli.services.models import load_torchscript
-from ptq_cli.services.torch_backend import onnx_to_graph_module, save_torchscript
+from ptq_cli.services.inputs import NHWC, ModelInput
+from ptq_cli.services.models import load_model as load_torchscript
 
 
 def dynamic_flatten_classifier():
@@ -62,7 +63,8 @@ def test_torchscript_traced_on_one_batch_size_runs_any_other(tmp_path, fold):
     model = dynamic_flatten_classifier()
     images = np.random.default_rng(1).uniform(0, 255, (20, 32, 32, 3)).astype(np.float32)
     path = tmp_path / "flatten.pt"
-    save_torchscript(onnx_to_graph_module(model, fold=fold), path, images[:8], {"dtype": "fp32"})
+    described = ModelInput("input", NHWC, 3, 32, 32, None)
+    save_torchscript(onnx_to_graph_module(model, fold=fold), path, images[:8], {}, described)
 
     expected = ort.InferenceSession(model.SerializeToString()).run(None, {"input": images})[0]
     scripted = torch.jit.load(str(path))

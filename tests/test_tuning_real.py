@@ -8,9 +8,9 @@ import json
 
 import numpy as np
 import pytest
-from conftest import CIFAR, ptq, ptq_ok, read_json
+from conftest import CIFAR, cifar_split, ptq, ptq_ok, read_json, record_of
 
-from ptq_cli.services import cifar
+from ptq_cli.datasets import cifar10 as cifar
 from ptq_cli.services.calibration import build_calibration_set
 from ptq_cli.services.validation import build_validation_set
 
@@ -24,9 +24,9 @@ def test_validation_split_is_disjoint_from_calibration_and_holds_no_test_image(a
     validation = build_validation_set(calibration, CIFAR, samples_per_class=500)
     assert np.intersect1d(validation.indices, calibration.indices).size == 0
     assert np.bincount(validation.labels, minlength=10).tolist() == [500] * 10
-    train = cifar.load_train(CIFAR)
+    train = cifar_split("train")
     assert np.array_equal(validation.images, train.images[validation.indices].astype(np.float32))
-    test_hashes = {hashlib.sha256(image.tobytes()).digest() for image in cifar.load_test(CIFAR).images}
+    test_hashes = {hashlib.sha256(image.tobytes()).digest() for image in cifar_split("test").images}
     calibration_hashes = {hashlib.sha256(image.astype(np.uint8).tobytes()).digest() for image in calibration.images}
     validation_hashes = {hashlib.sha256(image.astype(np.uint8).tobytes()).digest() for image in validation.images}
     assert not validation_hashes & test_hashes
@@ -58,7 +58,7 @@ def test_tune_with_an_impossible_budget_keeps_the_best_and_never_reads_the_test_
     assert result["met_budget"] is False and "no candidate is within 0 points" in result["reason"]
     assert result["chosen"]["validation_accuracy"] == max(c["validation_accuracy"] for c in result["candidates"])
     assert [c["stage"] for c in result["candidates"]] == ["method", "size", "size"]
-    assert output.is_file() and read_json(tmp_path / "results" / "tuning" / "tuned.onnx.json")["met_budget"] is False
+    assert output.is_file() and record_of(tmp_path / "results" / "tuning", "tuned.onnx")["met_budget"] is False
     assert result["validation"]["images"] == 1000
 
     evaluated = ptq_ok("evaluate", "--model", output, "--results-dir", tmp_path / "results", "--json", cwd=pipeline)

@@ -11,8 +11,9 @@ import pytest
 
 from ptq_cli.atomic import atomic_output, write_text
 from ptq_cli.cli import _fill_optional_values
+from ptq_cli.datasets import cifar10 as cifar
+from ptq_cli.datasets import open_dataset
 from ptq_cli.errors import CheckFailed, PtqError
-from ptq_cli.services import cifar
 from ptq_cli.services.calibration import stratified_indices
 from ptq_cli.services.convert import _checked_write, compare_outputs
 from ptq_cli.services.evaluate import EvaluationRecord
@@ -97,13 +98,14 @@ def test_load_batch_rejects_wrong_structure(tmp_path, data, labels, problem):
         cifar.load_batch(_batch_file(tmp_path, data, labels))
 
 
-def _record(name, framework, dtype, accuracy, size, speed, per_class):
+def _record(name, framework, dtype, accuracy, size, speed, per_class, source="f.onnx"):
     return EvaluationRecord(
-        model_path=f"models/{name}", model_sha256="0" * 64, model_size_bytes=size, framework=framework, dtype=dtype,
+        model_path=f"models/{name}", model_sha256=f"sha-{name}", model_size_bytes=size, framework=framework, dtype=dtype,
         quantization=None if dtype == "fp32" else {"dtype": dtype, "method": "minmax", "calibration_samples": 10},
-        dataset="test_batch", images=100, correct=int(accuracy), accuracy=accuracy, delta_vs_baseline=accuracy - 87.19,
+        dataset="test_batch", images=100, correct=int(accuracy), accuracy=accuracy,
         class_names=["a", "b"], per_class_accuracy=per_class, confusion_matrix=[[1, 0], [0, 1]], images_per_second=speed,
-        batch_size=10, threads=1, timestamp="t", tool_version="0",
+        batch_size=10, threads=1, timestamp="t", tool_version="0", dataset_sha256="d",
+        source_sha256=None if dtype == "fp32" else f"sha-{source}",
     )
 
 
@@ -116,13 +118,18 @@ def test_report_compares_each_model_with_its_framework_fp32():
     ])
     rows = {row.model: row for row in report.rows}
     assert [row.model for row in report.rows] == ["f.onnx", "q.onnx", "f.pt", "q.pt"]
+    # Accuracy deltas against the FP32 source (f.onnx for both quantized models); size and speed against
+    # the same framework's FP32 model.
+    assert (rows["q.onnx"].delta, rows["q.onnx"].reference) == (-1.0, "f.onnx")
+    assert (rows["q.pt"].delta, rows["q.pt"].reference) == (-0.5, "f.onnx")
+    assert rows["f.onnx"].delta is None and len(report.groups) == 1 and report.groups[0].baseline.model == "f.onnx"
     assert rows["q.onnx"].size_reduction == 0.75 and rows["q.onnx"].speedup == 2.0
     assert rows["q.pt"].size_reduction == 0.75 and rows["q.pt"].speedup == 2.0
     assert rows["f.onnx"].size_reduction is None
-    assert (report.class_losses[0].model, report.class_losses[0].class_name, report.class_losses[0].delta) == ("q.onnx", "a", -5.0)
-    assert report.recommendation.best_accuracy.model == "q.pt"
-    assert report.recommendation.smallest.model == "q.onnx"
-    assert report.recommendation.fastest.model == "q.onnx"
+    assert (report.groups[0].class_losses[0].model, report.groups[0].class_losses[0].class_name, report.groups[0].class_losses[0].delta) == ("q.onnx", "a", -5.0)
+    assert report.groups[0].recommendation.best_accuracy.model == "q.pt"
+    assert report.groups[0].recommendation.smallest.model == "q.onnx"
+    assert report.groups[0].recommendation.fastest.model == "q.onnx"
 
 
 def test_stratified_subset_keeps_classes_balanced_and_within_the_set():
@@ -132,7 +139,7 @@ def test_stratified_subset_keeps_classes_balanced_and_within_the_set():
     full = CalibrationSet(
         images=np.arange(60, dtype=np.float32)[:, None, None, None] * np.ones((1, 32, 32, 3), np.float32),
         labels=labels, indices=np.arange(100, 160), seed=1, samples_per_class=6,
-        source_batches=("data_batch_1",), class_names=tuple("abcdefghij"), source="synthetic",
+        dataset="synthetic", split="train", dataset_sha256="", class_names=tuple("abcdefghij"), source="synthetic",
     )
     small = stratified_subset(full, 2)
     assert np.bincount(small.labels, minlength=10).tolist() == [2] * 10
@@ -143,7 +150,7 @@ def test_stratified_subset_keeps_classes_balanced_and_within_the_set():
 
 
 def _candidate(accuracy_drop, sqnr, float_nodes=(), dtype="int8", weight_dtype="int8", rejected=None):
-    from ptq_cli.services.quantize import make_settings
+    from ptq_cli.services.quant_settings import make_settings
     from ptq_cli.services.tune import Candidate
 
     settings = replace(make_settings(dtype, weight_dtype=weight_dtype), float_nodes=tuple(float_nodes))
@@ -169,19 +176,22 @@ def test_tune_keeps_the_candidate_closest_to_fp32_within_the_budget():
 def test_benchmark_measures_models_in_turns(monkeypatch, tmp_path):
     """Each timed run goes round every model before the next run: a slow spell of the machine reaches all alike."""
     from ptq_cli.services import benchmark
+    from ptq_cli.services.inputs import NHWC, ModelInput, Preprocessing
     from ptq_cli.services.models import LoadedModel, ModelInfo
 
     calls: list[tuple[str, int]] = []
 
-    def fake_model(path, threads):
+    def fake_model(path, threads, flags=None):
         framework = "pytorch" if path.suffix == ".pt" else "onnxruntime"
         info = ModelInfo(path, framework, "fp32" if "fp32" in str(path) else "uint8", None, 1, str(path))
-        return LoadedModel(info, lambda images: calls.append((str(path), len(images))) or np.zeros((len(images), 10), np.float32))
+        return LoadedModel(info, lambda images: calls.append((str(path), len(images))) or np.zeros((len(images), 10), np.float32),
+                           ModelInput("x", NHWC, 3, 32, 32, None), Preprocessing(), 10)
 
     monkeypatch.setattr(benchmark, "load_model", fake_model)
-    monkeypatch.setattr(benchmark.cifar, "load_test", lambda data_dir: cifar.CifarSplit(np.zeros((8, 32, 32, 3), np.uint8), np.zeros(8, np.int64), (), ()))
+    images = tmp_path / "images.npz"
+    np.savez(images, images=np.zeros((8, 32, 32, 3), np.uint8), labels=np.zeros(8, np.int64))
     paths = [tmp_path / name for name in ("fp32.onnx", "fp32.pt", "q.onnx", "q.pt")]
-    records = benchmark.benchmark_models(paths, tmp_path, batch_size=8, threads=1, runs=3, warmup=1)
+    records = benchmark.benchmark_models(paths, open_dataset(images), batch_size=8, threads=1, runs=3, warmup=1)
     # One framework after the other (PyTorch's spinning threads would slow the next model), in turns within it.
     expected = [(str(tmp_path / name), size) for pair in (("fp32.onnx", "q.onnx"), ("fp32.pt", "q.pt"))
                 for size in (1, 8) for _ in range(4) for name in pair]

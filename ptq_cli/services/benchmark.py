@@ -11,13 +11,18 @@ from pathlib import Path
 import numpy as np
 
 import ptq_cli
+from ptq_cli.datasets import Dataset
 from ptq_cli.errors import PtqError
-from ptq_cli.services import cifar
-from ptq_cli.services.models import load_model, resolve_threads
+from ptq_cli.services.inputs import PreprocessingFlags
+from ptq_cli.services.models import check_classes, load_model, resolve_threads
 from ptq_cli.services.progress import ProgressCallback, Steps
 from ptq_cli.services.records import from_dict, write_record
 
-BENCHMARK_DIR = "benchmarks"  # under the results directory, beside the evaluation records
+BENCHMARK_DIR = "benchmarks"
+RUNTIME_SETTINGS = {
+    "onnxruntime": "CPUExecutionProvider, 1 intra-op thread per run, allow_spinning 0, one shard per thread",
+    "pytorch": "torch.set_num_threads(threads), chunks of 64 images",
+}  # under the results directory, beside the evaluation records
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,9 @@ class BenchmarkRecord:
     images_per_second: float  # at batch_size: batch_size / the median time of a batch
     timestamp: str
     tool_version: str
+    # How the runtime ran: onnxruntime with intra-op spinning off, one session per model, a batch in
+    # one shard per thread; TorchScript in chunks of 64 images.
+    runtime_settings: str = ""
 
     @property
     def name(self) -> str:
@@ -45,12 +53,13 @@ class BenchmarkRecord:
 
 def benchmark_models(
     model_paths: list[Path],
-    data_dir: Path,
+    dataset: Dataset,
     batch_size: int = 256,
     threads: int | None = None,
     runs: int = 100,
     warmup: int = 10,
     progress: ProgressCallback | None = None,
+    flags: PreprocessingFlags | None = None,
 ) -> list[BenchmarkRecord]:
     """Latency at batch 1 and throughput at `batch_size` of every model, the models of each framework in turns.
 
@@ -62,9 +71,16 @@ def benchmark_models(
         if value < 1:
             raise PtqError(f"{option}: must be at least 1, got {value}")
     threads = resolve_threads(threads)
-    models = [load_model(path, threads) for path in model_paths]
-    images = cifar.to_model_input(cifar.load_test(data_dir).images[:batch_size])
-    single = images[:1]
+    models = [load_model(path, threads, flags) for path in model_paths]
+    split = dataset.evaluation_split()
+    loaded = dataset.load(split, models[0].input.size) if models else None
+    for model in models:
+        check_classes(model.info.path, model.num_classes, loaded.class_names, dataset.root)
+    pixels = loaded.images[:batch_size] if loaded is not None else None
+    if pixels is not None and len(pixels) < batch_size:  # a small dataset: its images again, to fill the batch
+        pixels = np.resize(pixels, (batch_size, *pixels.shape[1:]))
+    # Each model's own input (size, layout, preprocessing), prepared before any timing.
+    batches = [model.prepare(pixels) for model in models]
     step = Steps(2 * (warmup + runs) * len(models), progress)
     latencies: list[list[float]] = [[] for _ in models]
     batch_seconds: list[list[float]] = [[] for _ in models]
@@ -73,9 +89,10 @@ def benchmark_models(
     frameworks = list(dict.fromkeys(model.info.framework for model in models))
     for framework in frameworks:
         group = [index for index, model in enumerate(models) if model.info.framework == framework]
-        for inputs, timings in ((single, latencies), (images, batch_seconds)):
+        for single, timings in ((True, latencies), (False, batch_seconds)):
             for run in range(warmup + runs):
                 for index in group:
+                    inputs = batches[index][:1] if single else batches[index]
                     began = time.perf_counter()
                     models[index].predict(inputs)
                     if run >= warmup:
@@ -98,10 +115,11 @@ def benchmark_models(
                 latency_ms_p50=round(p50, 4),
                 latency_ms_p95=round(p95, 4),
                 latency_ms_p99=round(p99, 4),
-                batch_size=len(images),
-                images_per_second=round(len(images) / float(np.median(seconds)), 1),
+                batch_size=batch_size,
+                images_per_second=round(batch_size / float(np.median(seconds)), 1),
                 timestamp=timestamp,
                 tool_version=ptq_cli.__version__,
+                runtime_settings=RUNTIME_SETTINGS.get(model.info.framework, ""),
             )
         )
     return records

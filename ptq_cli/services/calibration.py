@@ -1,4 +1,4 @@
-"""A seeded, class-stratified calibration set drawn from the CIFAR-10 training batches only."""
+"""A seeded, class-stratified calibration set drawn from a dataset's training split (never its test split)."""
 
 from __future__ import annotations
 
@@ -10,18 +10,20 @@ import numpy as np
 
 from ptq_cli import settings
 from ptq_cli.atomic import atomic_output
+from ptq_cli.datasets import Dataset
 from ptq_cli.errors import PtqError
-from ptq_cli.services import cifar
 
 
 @dataclass(frozen=True)
 class CalibrationSet:
-    images: np.ndarray  # (N, 32, 32, 3) float32, 0-255: the model's input format
+    images: np.ndarray  # (N, H, W, C) uint8 pixels, as the dataset holds them; the model's preprocessing comes later
     labels: np.ndarray  # (N,) int64
-    indices: np.ndarray  # (N,) int64 positions in the concatenated training batches
+    indices: np.ndarray  # (N,) int64 positions in the dataset split
     seed: int
     samples_per_class: int
-    source_batches: tuple[str, ...]
+    dataset: str  # the dataset's path
+    split: str  # the split drawn from
+    dataset_sha256: str  # content key of that split: a validation split is drawn from the same images
     class_names: tuple[str, ...]
     source: str  # where it came from: the .npz path, or "built in memory"
 
@@ -31,8 +33,8 @@ class CalibrationSet:
         return {name: int(count) for name, count in zip(self.class_names, counts)}
 
     @property
-    def pixel_range(self) -> tuple[float, float]:
-        return float(self.images.min()), float(self.images.max())
+    def pixel_range(self) -> tuple[int, int]:
+        return int(self.images.min()), int(self.images.max())
 
 
 def stratified_indices(labels: np.ndarray, samples_per_class: int, seed: int) -> np.ndarray:
@@ -41,33 +43,50 @@ def stratified_indices(labels: np.ndarray, samples_per_class: int, seed: int) ->
     chosen = [
         rng.choice(np.flatnonzero(labels == label), size=samples_per_class, replace=False)
         for label in range(int(labels.max()) + 1)
+        if np.any(labels == label)
     ]
     return np.sort(np.concatenate(chosen))
 
 
-def draw_stratified(labels: np.ndarray, pool: np.ndarray, samples_per_class: int, seed: int, option: str, where: str) -> np.ndarray:
+def draw_stratified(labels: np.ndarray, pool: np.ndarray, samples_per_class: int, seed: int, option: str, where: str, classes: int) -> np.ndarray:
     """`samples_per_class` indices of each class from `pool` (indices into `labels`), or a one-line error
     naming `option` when a class has too few images in the pool."""
     if samples_per_class < 1:
         raise PtqError(f"{option}: must be at least 1, got {samples_per_class}")
-    counts = np.bincount(labels[pool], minlength=int(labels.max()) + 1)
+    counts = np.bincount(labels[pool], minlength=classes) if len(pool) else np.zeros(classes, np.int64)
     if samples_per_class > int(counts.min()):
         raise PtqError(f"{option}: {samples_per_class} is more than the {int(counts.min())} images of class {int(counts.argmin())} {where}")
     return pool[stratified_indices(labels[pool], samples_per_class, seed)]
 
 
-def build_calibration_set(data_dir: Path, samples_per_class: int, seed: int) -> CalibrationSet:
-    train = cifar.load_train(data_dir)
-    everything = np.arange(len(train.labels))
-    indices = draw_stratified(train.labels, everything, samples_per_class, seed, "--samples-per-class", f"in {data_dir}")
+def check_seed(seed: int) -> int:
+    if not 0 <= seed < 2**32:
+        raise PtqError(f"--seed: must be in 0..{2**32 - 1}, got {seed}")
+    return seed
+
+
+def build_calibration_set(dataset: Dataset, samples_per_class: int | None, seed: int, size: tuple[int, int] | None = None) -> CalibrationSet:
+    """`size` (H, W): resize to the model's input (needed when a folder's images differ in size).
+    `samples_per_class` None: the default number, or all images of the smallest class if it has fewer."""
+    check_seed(seed)
+    split = dataset.calibration_split()
+    images = dataset.load(split, size)
+    everything = np.arange(len(images.labels))
+    if samples_per_class is None:
+        counts = np.bincount(images.labels, minlength=len(images.class_names))
+        samples_per_class = max(1, min(settings.SAMPLES_PER_CLASS, int(counts.min())))
+    indices = draw_stratified(images.labels, everything, samples_per_class, seed, "--samples-per-class",
+                              f"in {dataset.root} ({split})", len(images.class_names))
     return CalibrationSet(
-        images=cifar.to_model_input(train.images[indices]),
-        labels=train.labels[indices],
+        images=images.images[indices],
+        labels=images.labels[indices],
         indices=indices,
         seed=seed,
         samples_per_class=samples_per_class,
-        source_batches=train.source_batches,
-        class_names=train.class_names,
+        dataset=str(dataset.root),
+        split=split,
+        dataset_sha256=images.content_sha256,
+        class_names=images.class_names,
         source="built in memory",
     )
 
@@ -81,7 +100,9 @@ def save_calibration_set(calibration: CalibrationSet, path: Path) -> None:
             indices=calibration.indices,
             seed=np.int64(calibration.seed),
             samples_per_class=np.int64(calibration.samples_per_class),
-            source_batches=np.array(calibration.source_batches),
+            dataset=np.array(calibration.dataset),
+            split=np.array(calibration.split),
+            dataset_sha256=np.array(calibration.dataset_sha256),
             class_names=np.array(calibration.class_names),
         )
 
@@ -92,31 +113,43 @@ def load_calibration_set(path: Path) -> CalibrationSet:
         raise PtqError(f"{path}: calibration file not found (make one with `ptq calibrate`)")
     try:
         with np.load(path, allow_pickle=False) as data:
-            images = data["images"]
+            images, labels = data["images"], data["labels"]
             calibration = CalibrationSet(
                 images=images,
-                labels=data["labels"],
+                labels=labels,
                 indices=data["indices"],
                 seed=int(data["seed"]),
                 samples_per_class=int(data["samples_per_class"]),
-                source_batches=tuple(str(name) for name in data["source_batches"]),
+                dataset=str(data["dataset"]) if "dataset" in data.files else "",
+                split=str(data["split"]) if "split" in data.files else "train",
+                dataset_sha256=str(data["dataset_sha256"]) if "dataset_sha256" in data.files else "",
                 class_names=tuple(str(name) for name in data["class_names"]),
                 source=str(path),
             )
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as error:
+    except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile, EOFError) as error:
         raise PtqError(f"{path}: not a ptq calibration file ({error})") from error
-    if images.dtype != np.float32 or images.ndim != 4 or images.shape[1:] != cifar.IMAGE_SHAPE:
-        raise PtqError(f"{path}: images are {images.dtype} {images.shape}, expected float32 N x 32 x 32 x 3")
+    if images.ndim != 4 or images.shape[3] not in (1, 3, 4) or not len(images):
+        raise PtqError(f"{path}: images are {images.dtype} {images.shape}, expected N x H x W x C pixels (N > 0)")
+    if images.dtype != np.uint8:
+        # ptq 0.2 stored float32 0-255 pixels: accepted when that is exactly what they are.
+        if images.dtype != np.float32 or not np.all(np.isfinite(images)) or images.min() < 0 or images.max() > 255 or np.any(images != np.round(images)):
+            raise PtqError(f"{path}: images are {images.dtype}, expected uint8 pixels 0-255 (or ptq 0.2's float32 0-255)")
+        calibration = replace(calibration, images=images.astype(np.uint8))
+    if labels.ndim != 1 or len(labels) != len(images) or labels.dtype.kind not in "iu" or labels.min() < 0 or labels.max() >= len(calibration.class_names):
+        raise PtqError(f"{path}: labels do not match the {len(images)} images and {len(calibration.class_names)} classes")
     return calibration
 
 
-def load_or_build(path: Path | None, data_dir: Path) -> CalibrationSet:
-    """The given file; else the default file if `ptq calibrate` wrote it; else the default set, built in memory."""
+def load_or_build(path: Path | None, dataset: Dataset, size: tuple[int, int] | None = None) -> CalibrationSet:
+    """The given file; else the default file if `ptq calibrate` wrote it from this dataset; else the
+    default set, built in memory."""
     if path is not None:
         return load_calibration_set(path)
     if settings.CALIBRATION_FILE.is_file():
-        return load_calibration_set(settings.CALIBRATION_FILE)
-    return build_calibration_set(data_dir, settings.SAMPLES_PER_CLASS, settings.SEED)
+        found = load_calibration_set(settings.CALIBRATION_FILE)
+        if Path(found.dataset).resolve() == dataset.root.resolve():
+            return found
+    return build_calibration_set(dataset, None, settings.SEED, size)
 
 
 def stratified_subset(calibration: CalibrationSet, samples_per_class: int) -> CalibrationSet:

@@ -13,10 +13,11 @@ from pathlib import Path
 import numpy as np
 
 from ptq_cli.atomic import atomic_output, check_writable
+from ptq_cli.datasets import Dataset
 from ptq_cli.errors import CheckFailed, PtqError
-from ptq_cli.services import cifar
+from ptq_cli.services import inputs
 from ptq_cli.services.graph import canonical
-from ptq_cli.services.models import NCHW, PYTORCH, load_onnx, load_torchscript, onnx_layout, read_onnx
+from ptq_cli.services.models import SOURCE_METADATA_KEY, load_model, read_onnx
 
 TOLERANCE = 1e-4
 
@@ -74,10 +75,11 @@ def _checked_write(
     return ConversionResult(source, output, size, check, tuple(warnings or ()))
 
 
-def check_images(data_dir: Path, count: int) -> np.ndarray:
+def check_images(dataset: Dataset, count: int, size: tuple[int, int] | None = None) -> np.ndarray:
+    """uint8 pixels of the first `count` images of the evaluation split."""
     if count < 1:
         raise PtqError(f"--check-images: must be at least 1, got {count}")
-    return cifar.to_model_input(cifar.load_test(data_dir).images[:count])
+    return dataset.load(dataset.evaluation_split(), size).images[:count]
 
 
 class _WarningCollector(logging.Handler):
@@ -125,13 +127,14 @@ def _native_stderr_silenced() -> Iterator[None]:
         os.close(saved)
 
 
-def keras_to_onnx(keras_path: Path, output: Path, data_dir: Path, opset: int = 13, check_count: int = 1000) -> ConversionResult:
+def keras_to_onnx(keras_path: Path, output: Path, dataset: Dataset, opset: int = 13, check_count: int = 1000,
+                  flags: inputs.PreprocessingFlags | None = None) -> ConversionResult:
     """Keras .h5 -> ONNX with tf2onnx, checked against Keras on `check_count` test images."""
     keras_path = Path(keras_path)
     if not keras_path.is_file():
         raise PtqError(f"{keras_path}: Keras model file not found")
     check_writable(output)
-    images = check_images(data_dir, check_count)
+    pixels = check_images(dataset, check_count)
     try:
         with _native_stderr_silenced():
             import tensorflow as tf
@@ -142,6 +145,15 @@ def keras_to_onnx(keras_path: Path, output: Path, data_dir: Path, opset: int = 1
         keras_model = tf.keras.models.load_model(str(keras_path), compile=False)
     except Exception as error:  # Keras raises many types for a bad file; all mean the same to the user
         raise PtqError(f"{keras_path}: not a loadable Keras model ({str(error).splitlines()[0]})") from error
+    shape = keras_model.input_shape
+    if len(shape) != 4 or shape[3] not in (1, 3) or not shape[1] or not shape[2]:
+        raise PtqError(f"{keras_path}: Keras model input {shape} is not N x H x W x C images")
+    keras_input = inputs.ModelInput("input", inputs.NHWC, shape[3], shape[1], shape[2], None)
+    preprocessing = inputs.resolve(flags or inputs.PreprocessingFlags(), None)
+    from ptq_cli.datasets.base import convert_channels, resize
+
+    fitted = convert_channels(resize(pixels, keras_input.size) if pixels.shape[1:3] != keras_input.size else pixels, keras_input.channels, dataset.root)
+    images = inputs.prepare(fitted, keras_input, preprocessing)
     reference = keras_model.predict(images, batch_size=500, verbose=0)
     signature = (tf.TensorSpec((None, *keras_model.input_shape[1:]), tf.float32, name="input"),)
 
@@ -151,26 +163,35 @@ def keras_to_onnx(keras_path: Path, output: Path, data_dir: Path, opset: int = 1
         with _collected_warnings("tf2onnx") as messages:
             model_proto, _ = tf2onnx.convert.from_keras(keras_model, input_signature=signature, opset=opset)
         converter_warnings.extend(f"tf2onnx: {message}" for message in messages)
-        tmp.write_bytes(canonical(model_proto).SerializeToString())
+        model_proto = canonical(model_proto)
+        if preprocessing != inputs.Preprocessing():
+            import onnx
+
+            onnx.helper.set_model_props(model_proto, {inputs.INPUT_METADATA_KEY: preprocessing.to_json()})
+        tmp.write_bytes(model_proto.SerializeToString())
 
     return _checked_write(
-        keras_path, output, write, reference, lambda tmp: load_onnx(tmp).predict(images), converter_warnings
+        keras_path, output, write, reference, lambda tmp: load_model(tmp, None, flags).predict(images), converter_warnings
     )
 
 
-def onnx_to_torchscript(onnx_path: Path, output: Path, data_dir: Path, check_count: int = 1000) -> ConversionResult:
-    """ONNX -> PyTorch with onnx2torch, saved as TorchScript, checked against onnxruntime."""
-    from ptq_cli.services import torch_backend
+def onnx_to_torchscript(onnx_path: Path, output: Path, dataset: Dataset, check_count: int = 1000,
+                        flags: inputs.PreprocessingFlags | None = None) -> ConversionResult:
+    """ONNX -> PyTorch with onnx2torch, saved as TorchScript (with the model's input contract), checked
+    against onnxruntime. NCHW and NHWC models alike; a fixed batch is made symbolic where that computes the same."""
+    from ptq_cli.backends import pytorch
 
     check_writable(output)
-    if onnx_layout(onnx_path, read_onnx(onnx_path)) == NCHW:
-        raise PtqError(f"{onnx_path}: NCHW input; the PyTorch conversion takes NHWC models like the Keras ResNet8's")
-    images = check_images(data_dir, check_count)
-    reference = load_onnx(onnx_path).predict(images)
-    module = torch_backend.onnx_to_graph_module(read_onnx(onnx_path))
-    metadata = {"dtype": "fp32", "framework": PYTORCH, "source": str(onnx_path)}
+    onnx_path = Path(onnx_path)
+    source = load_model(onnx_path, None, flags)
+    pixels = check_images(dataset, check_count, source.input.size)
+    images = source.prepare(pixels)
+    reference = source.predict(images)
+    model, described, fixed = pytorch.torch_ready(read_onnx(onnx_path), onnx_path)
+    module = pytorch.onnx_to_graph_module(model)
+    stored = {inputs.INPUT_METADATA_KEY: source.preprocessing.to_json(), SOURCE_METADATA_KEY: source.info.sha256}
 
     def write(tmp: Path) -> None:
-        torch_backend.save_torchscript(module, tmp, images[:8], metadata)
+        pytorch.save_torchscript(module, tmp, images[: fixed or 8], stored, described)
 
-    return _checked_write(Path(onnx_path), output, write, reference, lambda tmp: load_torchscript(tmp).predict(images))
+    return _checked_write(onnx_path, output, write, reference, lambda tmp: load_model(tmp).predict(images))

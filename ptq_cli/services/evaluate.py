@@ -1,29 +1,31 @@
-"""Top-1 accuracy on the full CIFAR-10 test set, written as one JSON record per model."""
+"""Top-1 accuracy on a dataset's evaluation split, written as one JSON record per model and dataset."""
 
 from __future__ import annotations
 
 import json
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 
 import ptq_cli
+from ptq_cli.datasets import Dataset
 from ptq_cli.errors import PtqError
-from ptq_cli.services import cifar
-from ptq_cli.services.models import load_model, resolve_threads
+from ptq_cli.services.inputs import Preprocessing, PreprocessingFlags
+from ptq_cli.services.models import check_classes, file_sha256, load_model, resolve_threads
 from ptq_cli.services.progress import ProgressCallback
 from ptq_cli.services.records import from_dict, write_record
-from ptq_cli.settings import BASELINE_ACCURACY, MANIFEST_NAME
+from ptq_cli.settings import MANIFEST_NAME
 
-RECORD_SCHEMA = 1
+RECORD_SCHEMA = 2
 
 
 @dataclass(frozen=True)
 class EvaluationRecord:
-    """What `evaluate` measured for one model file; `report` reads these and computes nothing new."""
+    """What `evaluate` measured for one model file on one dataset; `report` reads these and computes nothing new."""
 
     model_path: str
     model_sha256: str
@@ -31,11 +33,10 @@ class EvaluationRecord:
     framework: str
     dtype: str
     quantization: dict | None
-    dataset: str
+    dataset: str  # the dataset's path
     images: int
     correct: int
     accuracy: float  # top-1, percent
-    delta_vs_baseline: float  # percentage points against BASELINE_ACCURACY
     class_names: list[str]
     per_class_accuracy: list[float]  # percent, in class_names order
     confusion_matrix: list[list[int]]  # rows: true class, columns: predicted class
@@ -46,31 +47,49 @@ class EvaluationRecord:
     tool_version: str
     schema: int = RECORD_SCHEMA
     pruning: dict | None = None  # how `ptq prune` pruned the model (or its FP32 source), if it did
+    dataset_format: str = ""
+    split: str = ""
+    dataset_sha256: str = ""  # content key of the split: records of one dataset compare only with each other
+    source_sha256: str | None = None  # the float model this one was made from: its delta is against that model's record
+    model_input: str = ""  # e.g. "NCHW 3x32x32, batch 1 (made symbolic)"
+    preprocessing: str = ""  # e.g. "cifar10-normalized"
+    preprocessing_settings: dict | None = None  # scale, mean, std, bgr, preset: what the images were fed as
 
     @property
     def name(self) -> str:
         return Path(self.model_path).name
 
+    @property
+    def dataset_label(self) -> str:
+        return f"{Path(self.dataset).name} ({self.split})" if self.split else Path(self.dataset).name
+
 
 def evaluate_model(
     model_path: Path,
-    data_dir: Path,
+    dataset: Dataset,
     batch_size: int = 1000,
     threads: int | None = None,
     progress: ProgressCallback | None = None,
+    flags: PreprocessingFlags | None = None,
 ) -> EvaluationRecord:
     if batch_size < 1:
         raise PtqError(f"--batch-size: must be at least 1, got {batch_size}")
-    model = load_model(model_path, threads)
-    test = cifar.load_test(data_dir)
+    model = load_model(model_path, threads, flags)
+    split = dataset.evaluation_split()
+    test = dataset.load(split, model.input.size, model.input.channels)
+    check_classes(model.info.path, model.num_classes, test.class_names, dataset.root)
     total = len(test.labels)
+    if total == 0:
+        raise PtqError(f"{dataset.root}: the {split} split has no images")
     predictions = np.empty(total, dtype=np.int64)
     inference_seconds = 0.0
     for start in range(0, total, batch_size):
-        batch = cifar.to_model_input(test.images[start : start + batch_size])
+        batch = model.prepare(test.images[start : start + batch_size])
         began = time.perf_counter()
         scores = model.predict(batch)
         inference_seconds += time.perf_counter() - began
+        if not np.all(np.isfinite(scores)):
+            raise PtqError(f"{model_path}: the model outputs NaN or infinite scores on {dataset.root} ({split})")
         predictions[start : start + len(batch)] = scores.argmax(axis=1)
         if progress:
             progress(start + len(batch), total)
@@ -80,7 +99,8 @@ def evaluate_model(
     np.add.at(confusion, (test.labels, predictions), 1)
     correct = int(np.trace(confusion))
     accuracy = 100.0 * correct / total
-    per_class = 100.0 * np.diag(confusion) / confusion.sum(axis=1)
+    per_class = [100.0 * float(confusion[index, index]) / row_total if (row_total := confusion[index].sum()) else None
+                 for index in range(num_classes)]
     return EvaluationRecord(
         model_path=str(model.info.path),
         model_sha256=model.info.sha256,
@@ -88,39 +108,53 @@ def evaluate_model(
         framework=model.info.framework,
         dtype=model.info.dtype,
         quantization=model.info.quantization,
-        dataset=str(Path(data_dir) / cifar.TEST_BATCH),
+        dataset=str(dataset.root),
         images=total,
         correct=correct,
         accuracy=round(accuracy, 4),
-        delta_vs_baseline=round(accuracy - BASELINE_ACCURACY, 4),
         class_names=list(test.class_names),
-        per_class_accuracy=[round(float(value), 4) for value in per_class],
+        per_class_accuracy=[None if value is None else round(value, 4) for value in per_class],
         confusion_matrix=confusion.tolist(),
-        images_per_second=round(total / inference_seconds, 1),
+        images_per_second=round(total / max(inference_seconds, 1e-9), 1),
         batch_size=batch_size,
         threads=resolve_threads(threads),
         timestamp=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         tool_version=ptq_cli.__version__,
         pruning=model.info.pruning,
+        dataset_format=dataset.format,
+        split=split,
+        dataset_sha256=test.content_sha256,
+        source_sha256=model.info.source_sha256,
+        model_input=model.describe_input(),
+        preprocessing=model.preprocessing.describe(),
+        preprocessing_settings=asdict(model.preprocessing),
     )
 
 
-def record_path(results_dir: Path, model_path: Path | str) -> Path:
-    """results/resnet8.onnx.json: the suffix keeps ONNX and TorchScript models of one name apart."""
-    return Path(results_dir) / f"{Path(model_path).name}.json"
+def record_path(results_dir: Path, model_path: Path | str, dataset: Dataset) -> Path:
+    """results/resnet8.onnx@cifar-10-batches-py-test-1a2b3c.json: one record per model file and dataset."""
+    return Path(results_dir) / f"{Path(model_path).name}@{dataset.slug(dataset.evaluation_split())}.json"
 
 
-def save_record(record: EvaluationRecord, results_dir: Path) -> Path:
-    path = record_path(results_dir, record.model_path)
-    return write_record(path, record)
+def save_record(record: EvaluationRecord, results_dir: Path, dataset: Dataset) -> Path:
+    return write_record(record_path(results_dir, record.model_path, dataset), record)
 
 
 def read_record(path: Path) -> EvaluationRecord:
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-        return from_dict(EvaluationRecord, data)
+        data = json.loads(Path(path).read_text(encoding="utf-8"), parse_constant=_refuse_constant)
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        record = from_dict(EvaluationRecord, data)
+        if not isinstance(record.accuracy, (int, float)) or not math.isfinite(record.accuracy) or not isinstance(record.model_path, str):
+            raise ValueError("no finite accuracy")
+        return record
     except (OSError, ValueError, TypeError, AttributeError) as error:
         raise PtqError(f"{path}: not a ptq evaluation record ({error})") from error
+
+
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number JSON allows")
 
 
 @dataclass(frozen=True)
@@ -136,7 +170,7 @@ def load_records(results_dir: Path) -> RecordSet:
         raise PtqError(f"{results_dir}: results directory not found (run `ptq evaluate` first)")
     records, skipped = [], []
     for path in sorted(results_dir.glob("*.json")):
-        if path.name == MANIFEST_NAME:
+        if path.name == MANIFEST_NAME or path.name.startswith("."):
             continue
         try:
             records.append(read_record(path))
@@ -145,8 +179,69 @@ def load_records(results_dir: Path) -> RecordSet:
     return RecordSet(records, skipped)
 
 
-def fp32_reference(records: list[EvaluationRecord], framework: str) -> EvaluationRecord | None:
-    """The float model to compare against: the same framework's if there is one, else any float model."""
-    floats = [record for record in records if record.dtype == "fp32" and not record.pruning]
-    same = [record for record in floats if record.framework == framework]
+def reference_for(record: EvaluationRecord, records: list[EvaluationRecord]) -> EvaluationRecord | None:
+    """The record of the float model `record`'s model was made from, measured on the same images."""
+    if not record.source_sha256:
+        return None
+    return next((other for other in records if other.model_sha256 == record.source_sha256 and other.dataset_sha256 == record.dataset_sha256
+                 and other is not record), None)
+
+
+def source_to_evaluate(record: EvaluationRecord, records: list[EvaluationRecord]) -> Path | None:
+    """The source model file to evaluate too, when its record on this dataset is missing and the file is
+    still the one the model was made from."""
+    if not record.source_sha256 or reference_for(record, records) is not None:
+        return None
+    path = (record.quantization or {}).get("source_model")
+    if not path or not Path(path).is_file() or file_sha256(Path(path)) != record.source_sha256:
+        return None
+    return Path(path)
+
+
+def fp32_reference(records: list[EvaluationRecord], record: EvaluationRecord) -> EvaluationRecord | None:
+    """The float model to compare a model with: its source, else a float model of its framework on its dataset."""
+    source = reference_for(record, records)
+    if source is not None:
+        return source
+    floats = [other for other in records if other.dtype == "fp32" and not other.pruning and other.dataset_sha256 == record.dataset_sha256]
+    same = [other for other in floats if other.framework == record.framework]
     return (same or floats or [None])[0]
+
+
+def flags_of(record: EvaluationRecord) -> PreprocessingFlags:
+    """The preprocessing a record's images were fed with, as flags (to feed its FP32 source the same)."""
+    stored = record.preprocessing_settings or asdict(Preprocessing())
+    return PreprocessingFlags(None, stored["scale"], tuple(stored["mean"]), tuple(stored["std"]), stored["bgr"])
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    record: EvaluationRecord
+    path: Path  # where the record was written
+    reference: EvaluationRecord | None  # the FP32 model it is compared with, if any record has it
+    source_evaluated: Path | None = None  # the FP32 source, evaluated too because its record was missing
+
+
+def evaluate_and_save(
+    model_path: Path,
+    dataset: Dataset,
+    results_dir: Path,
+    batch_size: int = 1000,
+    threads: int | None = None,
+    progress: ProgressCallback | None = None,
+    flags: PreprocessingFlags | None = None,
+) -> Evaluated:
+    """Evaluate, write the record, and evaluate the model's FP32 source too when its record on this
+    dataset is missing (fed exactly as the model was), so the delta is always against a measurement."""
+    record = evaluate_model(model_path, dataset, batch_size, threads, progress, flags)
+    path = save_record(record, results_dir, dataset)
+    records = load_records(results_dir).records
+    source = source_to_evaluate(record, records)
+    if source is not None:
+        source_record = evaluate_model(source, dataset, batch_size, threads, None, flags_of(record))
+        save_record(source_record, results_dir, dataset)
+        records.append(source_record)
+    reference = fp32_reference(records, record) if record.dtype != "fp32" or record.source_sha256 else None
+    if reference is not None and reference.model_sha256 == record.model_sha256:
+        reference = None
+    return Evaluated(record, path, reference, source)

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ptq_cli.atomic import atomic_output
+from ptq_cli.datasets import cifar10 as cifar
 from ptq_cli.errors import PtqError
-from ptq_cli.services import cifar
 
 CIFAR = "cifar"
 MODEL = "model"
@@ -102,7 +102,7 @@ def download(
 
 
 def check_keras_file(path: Path) -> str:
-    """An HDF5 file holding a Keras model whose input is 32 x 32 x 3 (structure, not a hash)."""
+    """An HDF5 file holding a Keras image model, N x H x W x C input (structure, not a hash)."""
     path = Path(path)
     if not path.is_file():
         raise PtqError(f"{path}: Keras model file not found")
@@ -122,8 +122,8 @@ def check_keras_file(path: Path) -> str:
         raise PtqError(f"{path}: not a Keras .h5 model (no readable model_config: {error})") from error
     layers = config.get("config", {}).get("layers", [])
     shape = layers[0].get("config", {}).get("batch_input_shape") if layers else None
-    if shape is None or list(shape[1:]) != [32, 32, 3]:
-        raise PtqError(f"{path}: Keras model input {shape} is not N x 32 x 32 x 3")
+    if shape is None or len(shape) != 4 or shape[3] not in (1, 3) or not shape[1] or not shape[2]:
+        raise PtqError(f"{path}: Keras model input {shape} is not N x H x W x C images")
     return f"Keras {config.get('class_name', 'model')}, input {'x'.join(map(str, shape[1:]))}, {len(layers)} layers"
 
 

@@ -113,3 +113,41 @@ def canonical(model):
         if target is not None and sum(name == target.name for other in model.graph.node for name in other.input) == 1:
             target.name = node.input[1] = f"{node.output[0]}__static_shape"
     return canonical_names(model)
+
+
+def symbolic_batch(model):
+    """A copy of `model` whose inputs' and outputs' first dimension is the symbolic 'N' and whose inferred
+    intermediate shapes are dropped; whether it still computes the same is for the caller to check."""
+    import onnx
+
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for value in [*copy.graph.input, *copy.graph.output]:
+        dims = value.type.tensor_type.shape.dim
+        if len(dims):
+            dims[0].Clear()
+            dims[0].dim_param = "N"
+    del copy.graph.value_info[:]
+    return copy
+
+
+def default_opset(model) -> int:
+    return next((entry.version for entry in model.opset_import if entry.domain in ("", "ai.onnx")), 0)
+
+
+def upgrade_opset(model, minimum: int, target: int):
+    """(model, note): models below `minimum` converted to `target` with onnx's own version converter."""
+    import onnx
+    from onnx import version_converter
+
+    from ptq_cli.errors import PtqError
+
+    opset = default_opset(model)
+    if opset >= minimum:
+        return model, None
+    try:
+        upgraded = version_converter.convert_version(model, target)
+        onnx.checker.check_model(upgraded)
+    except Exception as error:  # the converter raises RuntimeError or its own adapter errors
+        raise PtqError(f"{model.graph.name or 'model'}: opset {opset} could not be upgraded to {target} ({str(error).splitlines()[0]})") from error
+    return upgraded, f"opset {opset} upgraded to {target} (onnx.version_converter): quantization needs opset {minimum} or later"

@@ -1,27 +1,27 @@
-"""Load a model file (ONNX or TorchScript) into one runner: NHWC float32 batch in, class scores out."""
+"""A loaded model, whatever its framework: what it is (ModelInfo), what it takes (ModelInput and its
+preprocessing), and one predict function. The frameworks themselves live in ptq_cli/backends."""
 
 from __future__ import annotations
 
 import hashlib
-import io
-import json
 import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from ptq_cli.datasets.base import convert_channels, resize
 from ptq_cli.errors import PtqError
+from ptq_cli.services import inputs
+from ptq_cli.services.inputs import ModelInput, Preprocessing
 
 # Quantize records how a model was made inside the model file itself, under this metadata key.
 QUANTIZATION_METADATA_KEY = "ptq.quantization"
 # ... and `ptq prune` how it pruned a model (kept through quantization), under this one.
 PRUNING_METADATA_KEY = "ptq.pruning"
-# ... and in TorchScript files, as this extra file inside the archive.
-TORCHSCRIPT_METADATA_FILE = "ptq.json"
-ZIP_MAGIC = b"PK\x03\x04"  # TorchScript files are zip archives
+# ... and the sha256 of the float model a model was made from (the reference of its accuracy delta).
+SOURCE_METADATA_KEY = "ptq.source_sha256"
 ONNXRUNTIME = "onnxruntime"
 PYTORCH = "pytorch"
 
@@ -29,29 +29,64 @@ PYTORCH = "pytorch"
 @dataclass(frozen=True)
 class ModelInfo:
     path: Path
-    framework: str  # ONNXRUNTIME or PYTORCH
+    framework: str  # a backend name: ONNXRUNTIME or PYTORCH
     dtype: str  # "fp32", "int8" or "uint8"
     quantization: dict | None  # the settings quantize used; None for a float model
     size_bytes: int
     sha256: str
     pruning: dict | None = None  # the settings prune used; None for an unpruned model
+    source_sha256: str | None = None  # the float model this one was made from, if ptq made it
 
 
 @dataclass(frozen=True)
 class LoadedModel:
     info: ModelInfo
-    predict: Callable[[np.ndarray], np.ndarray]  # (N, 32, 32, 3) float32 -> (N, 10) scores
+    predict: Callable[[np.ndarray], np.ndarray]  # a batch in the model's input format -> (N, classes) scores
+    input: ModelInput
+    preprocessing: Preprocessing
+    num_classes: int
+    batch_note: str | None = None  # how a fixed batch dimension is handled, if the model has one
+
+    def fit(self, images: np.ndarray) -> np.ndarray:
+        """uint8 images of any size and channel count, at the model's."""
+        if images.shape[1:3] != self.input.size:
+            images = resize(images, self.input.size)
+        return convert_channels(images, self.input.channels, self.info.path)
+
+    def prepare(self, images: np.ndarray) -> np.ndarray:
+        """uint8 N x H x W x C images -> the model's input (size, channels, scale, normalisation, layout)."""
+        return inputs.prepare(self.fit(images), self.input, self.preprocessing)
+
+    def classify(self, images: np.ndarray) -> np.ndarray:
+        return self.predict(self.prepare(images))
+
+    def describe_input(self) -> str:
+        """e.g. "NCHW 3x32x32, batch 1 (fixed batch 1 made symbolic (same outputs))"."""
+        shape = self.input.shape(1)[1:]
+        batch = "batch N" if self.input.batch is None else f"batch {self.input.batch}"
+        return f"{self.input.layout} {'x'.join(map(str, shape))}, {batch}" + (f" ({self.batch_note})" if self.batch_note else "")
 
 
 def file_sha256(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def _require_file(path: Path) -> None:
+def require_file(path: Path) -> None:
     if not path.exists():
         raise PtqError(f"{path}: model file not found")
     if not path.is_file():
         raise PtqError(f"{path}: not a file")
+
+
+def read_bytes(path: Path) -> bytes:
+    require_file(path)
+    try:
+        data = Path(path).read_bytes()
+    except OSError as error:
+        raise PtqError(f"{path}: cannot read ({error.strerror or error})") from error
+    if not data:
+        raise PtqError(f"{path}: empty file")
+    return data
 
 
 def read_onnx(path: Path, data: bytes | None = None):
@@ -61,8 +96,7 @@ def read_onnx(path: Path, data: bytes | None = None):
 
     path = Path(path)
     if data is None:
-        _require_file(path)
-        data = path.read_bytes()
+        data = read_bytes(path)
     try:
         model = onnx.load_from_string(data)
         onnx.checker.check_model(model)
@@ -73,52 +107,48 @@ def read_onnx(path: Path, data: bytes | None = None):
     return model
 
 
-def _onnx_dtype(model) -> tuple[str, dict | None]:
-    import onnx
-
-    metadata = {prop.key: prop.value for prop in model.metadata_props}
-    if QUANTIZATION_METADATA_KEY in metadata:
-        settings = json.loads(metadata[QUANTIZATION_METADATA_KEY])
-        return settings["dtype"], settings
-    # A quantized model from elsewhere: the zero point of its first QuantizeLinear tells the activation type.
-    initializers = {init.name: init for init in model.graph.initializer}
-    for node in model.graph.node:
-        if node.op_type == "QuantizeLinear" and len(node.input) > 2 and node.input[2] in initializers:
-            zero_point = initializers[node.input[2]]
-            return ("uint8" if zero_point.data_type == onnx.TensorProto.UINT8 else "int8"), None
-    return "fp32", None
-
-
-NHWC = "NHWC"  # CIFAR-10 as ptq holds it, and the Keras model's layout
-NCHW = "NCHW"  # PyTorch's usual layout: such ONNX models get their batch transposed
-
-
-def check_io(path: Path, input_shape: list, output_shape: list) -> str:
-    """The input layout of a CIFAR-10 classifier, or a one-line error: 32x32 RGB in, 10 class scores out."""
-    known = [dim if isinstance(dim, int) and dim > 0 else None for dim in input_shape]
-    if not output_shape or output_shape[-1] != 10:
-        raise PtqError(f"{path}: output shape {output_shape} does not give 10 class scores (CIFAR-10 has 10 classes)")
-    if len(known) == 4 and known[1:] == [3, 32, 32]:
-        return NCHW
-    if len(known) == 4 and known[1:] in ([32, 32, 3], [None, None, None]):
-        return NHWC
-    raise PtqError(f"{path}: input shape {input_shape} is neither NHWC N x 32 x 32 x 3 nor NCHW N x 3 x 32 x 32")
-
-
-def _dims(value) -> list:
+def onnx_dims(value) -> list:
     return [dim.dim_value if dim.HasField("dim_value") else (dim.dim_param or None) for dim in value.type.tensor_type.shape.dim]
 
 
-def onnx_layout(path: Path, model) -> str:
-    """check_io on the shapes an ONNX graph declares (before any session is made)."""
+def graph_inputs(model) -> list:
     initializers = {init.name for init in model.graph.initializer}
-    inputs = [value for value in model.graph.input if value.name not in initializers]
-    return check_io(path, _dims(inputs[0]), _dims(model.graph.output[0]))
+    return [value for value in model.graph.input if value.name not in initializers]
 
 
-def to_layout(images: np.ndarray, layout: str) -> np.ndarray:
-    """NHWC images in the model's layout."""
-    return images if layout == NHWC else np.ascontiguousarray(images.transpose(0, 3, 1, 2))
+def model_input(path: Path, name: str, shape: list, elem_float: bool = True) -> ModelInput:
+    """The layout, channels and size of an image classifier's input from its declared shape.
+
+    A 4-D input whose second dimension is 1 or 3 (and last is not) is NCHW, PyTorch's layout; one whose
+    last dimension is 1 or 3 is NHWC, TensorFlow's. A fully symbolic N x ? x ? x ? input is taken as
+    NHWC 32 x 32 x 3, the Keras ResNet8's contract."""
+    if not elem_float:
+        raise PtqError(f"{path}: input '{name}' is not float32; ptq feeds float images (scaled and normalised as told)")
+    known = [dim if isinstance(dim, int) and dim > 0 else None for dim in shape]
+    if len(known) != 4:
+        raise PtqError(f"{path}: input shape {shape} is not an image batch (N x C x H x W or N x H x W x C)")
+    batch = known[0]
+    if known[1] in (1, 3) and known[3] not in (1, 3) and known[2] and known[3]:
+        return ModelInput(name, inputs.NCHW, known[1], known[2], known[3], batch)
+    if known[3] in (1, 3) and known[1] and known[2]:
+        return ModelInput(name, inputs.NHWC, known[3], known[1], known[2], batch)
+    if known[1:] == [None, None, None]:
+        return ModelInput(name, inputs.NHWC, 3, 32, 32, batch)
+    raise PtqError(f"{path}: input shape {shape} is neither N x C x H x W nor N x H x W x C with 1 or 3 channels and a fixed size")
+
+
+def num_classes(path: Path, output_shape: list) -> int | None:
+    """The class count an output shape declares ([N, K] or [N, K, 1, 1]), None if symbolic."""
+    dims = [dim for dim in output_shape[1:] if dim != 1] if len(output_shape) > 2 else output_shape[1:]
+    if len(output_shape) < 2 or len(dims) > 1:
+        raise PtqError(f"{path}: output shape {output_shape} is not N x classes")
+    last = dims[0] if dims else 1
+    return last if isinstance(last, int) and last > 0 else None
+
+
+def check_classes(path: Path, model_classes: int, class_names: tuple[str, ...], where: Path | str) -> None:
+    if model_classes != len(class_names):
+        raise PtqError(f"{path}: the model gives {model_classes} class scores, but {where} has {len(class_names)} classes")
 
 
 def default_threads() -> int:
@@ -132,102 +162,8 @@ def resolve_threads(threads: int | None) -> int:
     return threads or default_threads()
 
 
-# Batches smaller than this per thread are run whole: splitting them costs more than it saves.
-MIN_SHARD = 32
+def load_model(path: Path, threads: int | None = None, flags: inputs.PreprocessingFlags | None = None) -> LoadedModel:
+    """The runner for a model file, the backend chosen by the file's content, not its name."""
+    from ptq_cli import backends
 
-
-def load_onnx(path: Path, threads: int | None = None) -> LoadedModel:
-    """One onnxruntime session for the model's whole life, run data-parallel over `threads` threads.
-
-    Each run uses one intra-op thread and a large batch is split into one shard per thread, run
-    concurrently on the same session (onnxruntime releases the GIL and allows concurrent runs).
-    Measured on ResNet8 at batch 256 on 2 cores: int8 goes from about 21,000 to 25,000 images/s
-    against intra-op threading, because its small convolutions split poorly inside one operator,
-    while FP32 stays within noise of it (benchmarks/pipeline.py shows both).
-    """
-    import onnxruntime as ort
-
-    path = Path(path)
-    _require_file(path)
-    data = path.read_bytes()
-    model = read_onnx(path, data)
-    dtype, quantization = _onnx_dtype(model)
-    threads = resolve_threads(threads)
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    options.inter_op_num_threads = 1
-    options.log_severity_level = 3
-    try:
-        session = ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
-    except Exception as error:  # onnxruntime raises its own exception types for unloadable graphs
-        raise PtqError(f"{path}: onnxruntime cannot load it ({str(error).splitlines()[0]})") from error
-    model_input = session.get_inputs()[0]
-    layout = check_io(path, list(model_input.shape), list(session.get_outputs()[0].shape))
-    input_name = model_input.name
-    pool = ThreadPoolExecutor(threads, thread_name_prefix="ptq-ort") if threads > 1 else None
-
-    def run(images: np.ndarray) -> np.ndarray:
-        return session.run(None, {input_name: to_layout(images, layout)})[0]
-
-    def predict(images: np.ndarray) -> np.ndarray:
-        if pool is None or len(images) < MIN_SHARD * threads:
-            return run(images)
-        return np.concatenate(list(pool.map(run, np.array_split(images, threads))))
-
-    metadata = {prop.key: prop.value for prop in model.metadata_props}
-    pruning = json.loads(metadata[PRUNING_METADATA_KEY]) if PRUNING_METADATA_KEY in metadata else None
-    info = ModelInfo(path, ONNXRUNTIME, dtype, quantization, len(data), hashlib.sha256(data).hexdigest(), pruning)
-    return LoadedModel(info, predict)
-
-
-# TorchScript runs a large batch in chunks of at most this many images, whose activations stay in
-# cache. Measured on 2 cores, 1,024 images per call (images/s, FP32 / int8): 3,391 / 7,400 whole;
-# 9,545-11,489 / 16,778-25,858 in chunks of 64 (two runs). onnxruntime, split per thread already, stays flat.
-TORCH_CHUNK = 64
-
-
-def load_torchscript(path: Path, threads: int | None = None) -> LoadedModel:
-    import torch
-
-    from ptq_cli.services.torch_compat import quiet_torch_quantization_warnings
-
-    quiet_torch_quantization_warnings()
-    path = Path(path)
-    _require_file(path)
-    threads = resolve_threads(threads)
-    data = path.read_bytes()
-    extra_files = {TORCHSCRIPT_METADATA_FILE: ""}
-    try:
-        module = torch.jit.load(io.BytesIO(data), map_location="cpu", _extra_files=extra_files)
-    except Exception as error:  # torch raises RuntimeError, ValueError or zip errors for a damaged archive
-        raise PtqError(f"{path}: not a loadable TorchScript model ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from error
-    module.eval()
-    metadata = json.loads(extra_files[TORCHSCRIPT_METADATA_FILE] or "{}")
-    dtype = metadata.get("dtype") or ("int8" if "quantize_per_tensor" in module.inlined_graph.str() else "fp32")
-    quantization = metadata if dtype != "fp32" else None
-    torch.set_num_threads(threads)
-
-    def predict(images: np.ndarray) -> np.ndarray:
-        with torch.inference_mode():
-            if len(images) <= TORCH_CHUNK:
-                return module(torch.from_numpy(images)).numpy()
-            return np.concatenate([module(torch.from_numpy(chunk)).numpy() for chunk in np.array_split(images, -(-len(images) // TORCH_CHUNK))])
-
-    try:
-        probe = predict(np.zeros((1, 32, 32, 3), dtype=np.float32))
-    except RuntimeError as error:
-        # A TorchScript error is a stack of frames; its last line says what went wrong.
-        cause = [line for line in str(error).splitlines() if line.strip()][-1:] or [type(error).__name__]
-        raise PtqError(f"{path}: does not take an NHWC N x 32 x 32 x 3 float32 batch ({cause[0].strip()})") from error
-    check_io(path, [None, 32, 32, 3], list(probe.shape))
-    info = ModelInfo(path, PYTORCH, dtype, quantization, len(data), hashlib.sha256(data).hexdigest())
-    return LoadedModel(info, predict)
-
-
-def load_model(path: Path, threads: int | None = None) -> LoadedModel:
-    """The runner for a model file, chosen by its content, not its name."""
-    path = Path(path)
-    _require_file(path)
-    with path.open("rb") as handle:
-        is_zip = handle.read(4) == ZIP_MAGIC
-    return load_torchscript(path, threads) if is_zip or path.suffix == ".pt" else load_onnx(path, threads)
+    return backends.for_file(path).load(Path(path), threads, flags or inputs.PreprocessingFlags())

@@ -14,7 +14,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from importlib import metadata as package_metadata
 from pathlib import Path
@@ -22,31 +22,33 @@ from pathlib import Path
 import ptq_cli
 from ptq_cli import settings
 from ptq_cli.atomic import check_writable, write_text
+from ptq_cli.datasets import Dataset, open_dataset
 from ptq_cli.errors import PtqError
 from ptq_cli.services import benchmark as benchmark_service
 from ptq_cli.services import calibration as calibration_service
-from ptq_cli.services import cifar
 from ptq_cli.services import convert as convert_service
 from ptq_cli.services import evaluate as evaluate_service
+from ptq_cli.services import quant_settings
 from ptq_cli.services import quantize as quantize_service
 from ptq_cli.services import report as report_service
+from ptq_cli.services.inputs import PreprocessingFlags
+from ptq_cli.services.models import load_model
 
 MANIFEST_SCHEMA = 1
-LIBRARIES = ("numpy", "onnx", "onnxruntime", "torch", "onnx2torch", "tensorflow-cpu", "tf2onnx", "typer", "rich")
-FP32_TORCH = settings.MODELS_DIR / "resnet8.pt"
-# (file name, ptq quantize options) of the quantized models, in the order `make run` always made them.
-QUANTIZED = (
-    ("resnet8_int8.onnx", {"dtype": "int8"}),
-    ("resnet8_uint8.onnx", {"dtype": "uint8"}),
-    ("resnet8_uint8_speed.onnx", {"target": "speed"}),
-    ("resnet8_pytorch_int8.pt", {"backend": "pytorch", "dtype": "int8"}),
-)
+LIBRARIES = ("numpy", "onnx", "onnxruntime", "torch", "onnx2torch", "tensorflow-cpu", "tf2onnx", "typer", "rich", "pillow")
+# ptq quantize options of the quantized models, in the order `make run` always made them; each is named
+# by quantize's default_output (resnet8_int8.onnx, resnet8_uint8.onnx, resnet8_uint8_speed.onnx, resnet8_pytorch_int8.pt).
+QUANTIZED = ({"dtype": "int8"}, {"dtype": "uint8"}, {"target": "speed"}, {"backend": "pytorch", "dtype": "int8"})
 
 
 @dataclass(frozen=True)
 class RunOptions:
-    keras_model: Path
+    keras_model: Path | None  # the study's source; None when `model` is given
     data_dir: Path
+    model: Path | None = None  # a user's FP32 ONNX model: no Keras step, outputs named after it
+    calibration_data: Path | None = None
+    flags: PreprocessingFlags = PreprocessingFlags()
+    pytorch: bool = True  # also convert to TorchScript and quantize with PyTorch
     samples_per_class: int = settings.SAMPLES_PER_CLASS
     seed: int = settings.SEED
     benchmark: bool = True
@@ -65,6 +67,8 @@ class Stage:
     outputs: tuple[Path, ...]
     options: dict
     action: Callable[[], object]
+    # Dataset splits read, hashed by content as one input each (a folder of 10,000 images is one entry).
+    data_inputs: tuple[tuple[Dataset, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -111,38 +115,66 @@ class _Hashes:
         return self.known[key]
 
 
+def _flag_text(flags: PreprocessingFlags) -> str:
+    parts = []
+    if flags.preset:
+        parts.append(f"--preprocess {flags.preset}")
+    if flags.scale is not None:
+        parts.append(f"--scale {flags.scale:g}")
+    for name in ("mean", "std"):
+        if getattr(flags, name) is not None:
+            parts.append(f"--{name} {','.join(f'{value:g}' for value in getattr(flags, name))}")
+    if flags.bgr is not None:
+        parts.append("--bgr" if flags.bgr else "--rgb")
+    return (" " + " ".join(parts)) if parts else ""
+
+
 def plan(options: RunOptions, render_markdown: Callable[[report_service.Report], str]) -> list[Stage]:
     """The stages of `make run`, in order; each reads only files earlier stages (or the user) provide."""
-    data, results = options.data_dir, options.results_dir
-    train_files = tuple(data / name for name in (cifar.META_FILE, *cifar.TRAIN_BATCHES))
-    test_files = (data / cifar.META_FILE, data / cifar.TEST_BATCH)
-    fp32 = settings.FP32_ONNX
-    calibration = settings.CALIBRATION_FILE
-    models = [fp32, FP32_TORCH, *(settings.MODELS_DIR / name for name, _ in QUANTIZED)]
-    stages = [
-        Stage("convert keras -> onnx", f"ptq convert --keras {options.keras_model}", (options.keras_model, *test_files), (fp32,), {"opset": 13},
-              lambda: convert_service.keras_to_onnx(options.keras_model, fp32, data)),
-        Stage("convert onnx -> pytorch", f"ptq convert --onnx {fp32} --torch {FP32_TORCH}", (fp32, *test_files), (FP32_TORCH,), {},
-              lambda: convert_service.onnx_to_torchscript(fp32, FP32_TORCH, data)),
-        Stage("calibrate", f"ptq calibrate --samples-per-class {options.samples_per_class} --seed {options.seed}", train_files, (calibration,),
-              {"samples_per_class": options.samples_per_class, "seed": options.seed}, lambda: _calibrate(options, calibration)),
-    ]
-    for name, quantize_options in QUANTIZED:
-        output = settings.MODELS_DIR / name
-        flags = " ".join(f"--{key} {value}" for key, value in quantize_options.items())
-        stages.append(Stage(f"quantize {name}", f"ptq quantize {flags}", (fp32, calibration), (output,), quantize_options,
-                            lambda output=output, quantize_options=quantize_options: _quantize(fp32, output, calibration, quantize_options)))
+    data, results, flags = options.data_dir, options.results_dir, options.flags
+    dataset = open_dataset(data)
+    calibration_dataset = open_dataset(options.calibration_data) if options.calibration_data else dataset
+    if options.calibration_data is None and dataset.single_set:
+        raise PtqError(f"{data}: one set of images with no train split: give --calibration-data to calibrate on other images")
+    test = ((dataset, dataset.evaluation_split()),)
+    train = ((calibration_dataset, calibration_dataset.calibration_split()),)
+    data_flags = f" --data {data}" + (f" --calibration-data {options.calibration_data}" if options.calibration_data else "") + _flag_text(flags)
+    flag_options = {key: value for key, value in asdict(flags).items() if value is not None}
+    fp32 = options.model if options.model is not None else settings.FP32_ONNX
+    stem = Path(fp32).stem
+    fp32_torch = settings.MODELS_DIR / f"{stem}.pt"
+    calibration = settings.CALIBRATION_FILE if options.model is None else settings.CALIBRATION_FILE.with_name(f"{stem}_calib.npz")
+    quantized = [(quantize_service.default_output(fp32, quant_settings.make_settings(**quantize_options), settings.MODELS_DIR), quantize_options)
+                 for quantize_options in QUANTIZED if options.pytorch or quantize_options.get("backend") != "pytorch"]
+    models = [fp32, *([fp32_torch] if options.pytorch else []), *(path for path, _ in quantized)]
+    stages = []
+    if options.model is None:
+        stages.append(Stage("convert keras -> onnx", f"ptq convert --keras {options.keras_model}{data_flags}", (options.keras_model,), (fp32,),
+                            {"opset": 13, **flag_options},
+                            lambda: convert_service.keras_to_onnx(options.keras_model, fp32, dataset, flags=flags), test))
+    if options.pytorch:
+        stages.append(Stage("convert onnx -> pytorch", f"ptq convert --onnx {fp32} --torch {fp32_torch}{data_flags}", (fp32,), (fp32_torch,), flag_options,
+                            lambda: convert_service.onnx_to_torchscript(fp32, fp32_torch, dataset, flags=flags), test))
+    stages.append(Stage("calibrate", f"ptq calibrate --model {fp32} --samples-per-class {options.samples_per_class} --seed {options.seed}{data_flags}",
+                        (fp32,), (calibration,), {"samples_per_class": options.samples_per_class, "seed": options.seed},
+                        lambda: _calibrate(options, calibration_dataset, fp32, calibration), train))
+    for output, quantize_options in quantized:
+        command_flags = " ".join(f"--{key} {value}" for key, value in quantize_options.items())
+        stages.append(Stage(f"quantize {output.name}", f"ptq quantize --model {fp32} {command_flags}{_flag_text(flags)}", (fp32, calibration), (output,),
+                            {**quantize_options, **flag_options},
+                            lambda output=output, quantize_options=quantize_options: _quantize(fp32, output, calibration, quantize_options, flags)))
     threads = {"threads": options.threads} if options.threads else {}
     for model in models:
-        record = evaluate_service.record_path(results, model)
-        stages.append(Stage(f"evaluate {model.name}", f"ptq evaluate --model {model}", (model, *test_files), (record,), threads,
-                            lambda model=model: evaluate_service.save_record(evaluate_service.evaluate_model(model, data, threads=options.threads), results)))
+        record = evaluate_service.record_path(results, model, dataset)
+        stages.append(Stage(f"evaluate {model.name}", f"ptq evaluate --model {model}{data_flags}", (model,), (record,), {**threads, **flag_options},
+                            lambda model=model: evaluate_service.save_record(
+                                evaluate_service.evaluate_model(model, dataset, threads=options.threads, flags=flags), results, dataset), test))
     if options.benchmark:
         # One stage for all models: they are measured in turns, so their speed-ups come from one measurement.
-        stages.append(Stage("benchmark", f"ptq benchmark {' '.join(f'--model {model}' for model in models)} --runs {options.benchmark_runs}",
+        stages.append(Stage("benchmark", f"ptq benchmark {' '.join(f'--model {model}' for model in models)} --runs {options.benchmark_runs}{data_flags}",
                             tuple(models), tuple(benchmark_service.benchmark_path(results, model) for model in models),
-                            {"runs": options.benchmark_runs, **threads}, lambda: _benchmark(models, options)))
-    records = tuple(evaluate_service.record_path(results, model) for model in models)
+                            {"runs": options.benchmark_runs, **threads}, lambda: _benchmark(models, dataset, options), test))
+    records = tuple(evaluate_service.record_path(results, model, dataset) for model in models)
     if options.benchmark:
         records += tuple(benchmark_service.benchmark_path(results, model) for model in models)
     stages.append(Stage("report", f"ptq report --markdown {options.markdown}", records, (options.markdown,), {},
@@ -150,19 +182,20 @@ def plan(options: RunOptions, render_markdown: Callable[[report_service.Report],
     return stages
 
 
-def _benchmark(models: list[Path], options: RunOptions) -> None:
-    for record in benchmark_service.benchmark_models(models, options.data_dir, threads=options.threads, runs=options.benchmark_runs):
+def _benchmark(models: list[Path], dataset: Dataset, options: RunOptions) -> None:
+    for record in benchmark_service.benchmark_models(models, dataset, threads=options.threads, runs=options.benchmark_runs, flags=options.flags):
         benchmark_service.save_benchmark(record, options.results_dir)
 
 
-def _calibrate(options: RunOptions, output: Path) -> None:
-    calibration = calibration_service.build_calibration_set(options.data_dir, options.samples_per_class, options.seed)
+def _calibrate(options: RunOptions, dataset: Dataset, model: Path, output: Path) -> None:
+    size = load_model(model, 1, options.flags).input.size
+    calibration = calibration_service.build_calibration_set(dataset, options.samples_per_class, options.seed, size)
     calibration_service.save_calibration_set(calibration, output)
 
 
-def _quantize(model: Path, output: Path, calibration: Path, options: dict) -> None:
-    quantization_settings = quantize_service.make_settings(**options)
-    quantize_service.quantize(model, output, quantization_settings, calibration_service.load_calibration_set(calibration))
+def _quantize(model: Path, output: Path, calibration: Path, options: dict, flags: PreprocessingFlags) -> None:
+    quantization_settings = quant_settings.make_settings(**options)
+    quantize_service.quantize(model, output, quantization_settings, calibration_service.load_calibration_set(calibration), flags)
 
 
 def manifest_path(results_dir: Path) -> Path:
@@ -217,7 +250,22 @@ def run(
     entries: dict[str, dict] = {entry["name"]: entry for entry in previous.get("stages", []) if isinstance(entry, dict) and "name" in entry}
     hashes = _Hashes()
     outcomes: list[StageOutcome] = []
+    calibration_service.check_seed(options.seed)
+    for option, value in (("--samples-per-class", options.samples_per_class), ("--runs", options.benchmark_runs)):
+        if value < 1:
+            raise PtqError(f"{option}: must be at least 1, got {value}")
+    from ptq_cli.services.models import resolve_threads
+
+    resolve_threads(options.threads)
     stages = plan(options, render_markdown)
+    content_keys: dict[tuple[str, str], str] = {}
+
+    def content_key(dataset: Dataset, split: str) -> str:
+        key = (str(dataset.root), split)
+        if key not in content_keys:
+            content_keys[key] = dataset.content_key(split)
+        return content_keys[key]
+
     for path in (manifest_file, *(output for stage in stages for output in stage.outputs)):
         check_writable(path)  # a read-only directory fails now, not after minutes of work
     for index, stage in enumerate(stages):
@@ -226,6 +274,7 @@ def run(
         started = time.perf_counter()
         _check_inputs(stage)
         inputs = {str(path): hashes(path) for path in stage.inputs}
+        inputs.update({f"{dataset.root} ({split})": content_key(dataset, split) for dataset, split in stage.data_inputs})
         ran = options.force or not _up_to_date(entries.get(stage.name), stage, inputs, hashes)
         if ran:
             stage.action()

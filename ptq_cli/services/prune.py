@@ -147,7 +147,8 @@ def _attribute(node, name: str, default):
 
 def _patches(inputs: np.ndarray, node) -> np.ndarray:
     """im2col of a Conv's NCHW input: one row per output position, columns in the weight's (C, kh, kw) order."""
-    if _attribute(node, "group", 1) != 1 or _attribute(node, "dilations", [1, 1]) != [1, 1] or _attribute(node, "auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
+    if (_attribute(node, "group", 1) != 1 or _attribute(node, "dilations", [1, 1]) != [1, 1]
+            or _attribute(node, "auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET")):
         raise PtqError(f"{node.name}: re-fit supports plain 2-D convolutions only (use --no-reconstruct)")
     kernel_h, kernel_w = _attribute(node, "kernel_shape", None)
     stride_h, stride_w = _attribute(node, "strides", [1, 1])
@@ -162,17 +163,17 @@ def _activations(model, names: list[str], images: np.ndarray) -> dict[str, np.nd
     import onnx
     import onnxruntime as ort
 
-    from ptq_cli.services.models import onnx_layout, to_layout
-
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
     outputs = {value.name for value in probe.graph.output}
     probe.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in names if name not in outputs)
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # keep every named tensor
-    session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    feed = {session.get_inputs()[0].name: to_layout(images, onnx_layout(Path(model.graph.name), model))}
-    return dict(zip(names, session.run(names, feed)))
+    try:
+        session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        return dict(zip(names, session.run(names, {session.get_inputs()[0].name: images})))
+    except Exception as error:  # onnxruntime's own exception types
+        raise PtqError(f"onnxruntime cannot run the layers for the re-fit ({str(error).splitlines()[0]}); try --no-reconstruct") from error
 
 
 def _rows(weights: np.ndarray, op_type: str) -> np.ndarray:
@@ -220,10 +221,12 @@ def refit(original, pruned, images: np.ndarray, weights: set[str]) -> None:
         tensors[weight].CopyFrom(numpy_helper.from_array(_from_rows(refitted, node.op_type, kept.shape).astype(kept.dtype), weight))
 
 
-def prune(model_path: Path, output: Path, settings: PruningSettings, calibration_images: np.ndarray | None = None) -> PruneResult:
+def prune(model_path: Path, output: Path, settings: PruningSettings, calibration_images: np.ndarray | None = None,
+          stored: dict[str, str] | None = None) -> PruneResult:
     """Prune the ONNX model at `model_path` and write it (atomically) to `output`, settings in its metadata.
 
-    With settings.reconstruct, `calibration_images` (NHWC float32, training images) drive the re-fit."""
+    With settings.reconstruct, `calibration_images` (training images in the model's input format) drive
+    the re-fit. `stored` is metadata to keep in the pruned model (its input contract, its source's sha256)."""
     import onnx
 
     model_path, output = Path(model_path), Path(output)
@@ -244,6 +247,7 @@ def prune(model_path: Path, output: Path, settings: PruningSettings, calibration
     metadata = {prop.key: prop.value for prop in model.metadata_props}
     samples = 0 if calibration_images is None or not settings.reconstruct else len(calibration_images)
     metadata[PRUNING_METADATA_KEY] = json.dumps({**asdict(settings), "reconstruction_samples": samples, "source": str(model_path)})
+    metadata.update(stored or {})
     onnx.helper.set_model_props(model, metadata)
     with atomic_output(output) as tmp:
         onnx.save(model, str(tmp))
@@ -264,3 +268,19 @@ def default_output(model: Path, sparsity: float, scope: str) -> Path:
     """models/resnet8.onnx -> models/resnet8_pruned50.onnx (global) or resnet8_pruned50_layer.onnx."""
     suffix = "" if scope == "global" else f"_{scope}"
     return Path(model).with_name(f"{Path(model).stem}_pruned{round(sparsity * 100):02d}{suffix}{Path(model).suffix}")
+
+
+def prune_calibrated(model_path: Path, output: Path, settings: PruningSettings, calibration_images: np.ndarray | None,
+                     flags=None) -> PruneResult:
+    """`prune` with the calibration images (uint8 pixels) put in the model's input format, and the model's
+    input contract and sha256 kept in the pruned model, so that it evaluates as its source does and its
+    delta is taken against it."""
+    from ptq_cli.services.inputs import INPUT_METADATA_KEY
+    from ptq_cli.services.models import SOURCE_METADATA_KEY, load_model
+
+    loaded = load_model(model_path, None, flags)
+    if loaded.info.dtype != "fp32":
+        raise PtqError(f"{model_path}: already quantized ({loaded.info.dtype}); prune the FP32 model")
+    images = None if calibration_images is None or not settings.reconstruct else loaded.prepare(calibration_images)
+    stored = {INPUT_METADATA_KEY: loaded.preprocessing.to_json(), SOURCE_METADATA_KEY: loaded.info.sha256}
+    return prune(model_path, output, settings, images, stored)

@@ -1,4 +1,4 @@
-"""The comparison of every evaluated model, built from the evaluation records alone."""
+"""The comparison of every evaluated model, built from the records alone, one group per dataset."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 from ptq_cli.services.benchmark import BenchmarkRecord, load_benchmarks
 from ptq_cli.services.evaluate import EvaluationRecord, fp32_reference, load_records
+from ptq_cli.services.quant_settings import describe_model
 from ptq_cli.services.sweep import SweepResult, load_sweeps
-from ptq_cli.settings import BASELINE_ACCURACY
 
 FRAMEWORK_ORDER = {"onnxruntime": 0, "pytorch": 1}
 DTYPE_ORDER = {"fp32": 0, "int8": 1, "uint8": 2}
@@ -21,7 +21,8 @@ class ReportRow:
     dtype: str
     configuration: str  # how it was quantized, in a few words
     accuracy: float
-    delta: float  # points vs BASELINE_ACCURACY
+    delta: float | None  # points vs the FP32 model it was made from (its record on the same dataset)
+    reference: str | None  # that FP32 model's file name
     size_bytes: int
     size_reduction: float | None  # fraction saved against the same framework's FP32 file
     images_per_second: float  # from `ptq benchmark` when it measured this exact file, else from evaluate
@@ -32,7 +33,9 @@ class ReportRow:
     # there and the FP32 model's, to read next to the test accuracy.
     validation_accuracy: float | None = None
     validation_fp32_accuracy: float | None = None
-    per_class_accuracy: tuple[float, ...] = ()  # percent, in Report.class_names order
+    per_class_accuracy: tuple[float | None, ...] = ()  # percent, in the group's class_names order
+    model_input: str = ""
+    preprocessing: str = ""
 
 
 @dataclass(frozen=True)
@@ -55,46 +58,28 @@ class Recommendation:
 
 
 @dataclass(frozen=True)
-class Report:
-    baseline: float
+class DatasetGroup:
+    """Every model evaluated on one dataset split (same images, by content)."""
+
+    label: str  # e.g. "cifar-10-batches-py (test)"
+    dataset: str
+    images: int
     rows: list[ReportRow]
-    class_losses: list[ClassLoss]  # worst first, quantized models against their FP32 reference
+    class_names: tuple[str, ...]
+    class_losses: list[ClassLoss]  # worst first, quantized models against their FP32 source
     recommendation: Recommendation | None
+    baseline: ReportRow | None  # the FP32 model most rows are compared with: its measured accuracy heads the table
+
+
+@dataclass(frozen=True)
+class Report:
+    groups: list[DatasetGroup]
     skipped: list[str]  # records that could not be read
-    class_names: tuple[str, ...] = ()
     sweeps: tuple[SweepResult, ...] = ()  # `ptq sweep` results, read from results/sweep/
 
-
-def describe_pruning(pruning: dict | None) -> str:
-    if not pruning:
-        return ""
-    kept = [name for name, flag in (("first conv", pruning.get("exclude_first")), ("classifier", pruning.get("exclude_classifier"))) if flag]
-    refit = " re-fitted" if pruning.get("reconstruct") else ""
-    return f"pruned {pruning['sparsity']:.0%} {pruning['scope']}{refit}" + (f" (dense: {', '.join(kept)})" if kept else "")
-
-
-def describe_model(settings: dict | None, pruning: dict | None = None) -> str:
-    """How a model was made, in a few words: its pruning, then its quantization."""
-    return ", ".join(part for part in (describe_pruning(pruning), describe_quantization(settings)) if part)
-
-
-def describe_quantization(settings: dict | None) -> str:
-    if not settings:
-        return "float"
-    # PyTorch's x86 kernels pair unsigned activations with signed weights whatever the model is called.
-    types = "a:quint8 w:qint8" if settings.get("format") == "FX" else f"a:{settings['dtype']} w:{settings.get('weight_dtype', settings['dtype'])}"
-    parts = [
-        f"{settings.get('format', 'QDQ')} {types}",
-        "per-channel" if settings.get("per_channel") else "per-tensor",
-        settings.get("method", "?") + (f" {settings['percentile']:g}" if settings.get("percentile") else ""),
-        f"{settings.get('calibration_samples', '?')} samples",
-    ]
-    short = lambda name: name.split("/")[-2] if "/" in name else name  # noqa: E731  (tf2onnx names: model_1/conv2d_1/BiasAdd)
-    if settings.get("float_nodes"):
-        parts.append("float: " + ", ".join(short(name) for name in settings["float_nodes"]))
-    if settings.get("space_to_depth_convs"):
-        parts.append("space-to-depth: " + ", ".join(short(rewrite["node"]) for rewrite in settings["space_to_depth_convs"]))
-    return ", ".join(parts)
+    @property
+    def rows(self) -> list[ReportRow]:
+        return [row for group in self.groups for row in group.rows]
 
 
 def _speed(record: EvaluationRecord, benchmarks: dict[str, BenchmarkRecord]) -> tuple[float, str]:
@@ -104,14 +89,22 @@ def _speed(record: EvaluationRecord, benchmarks: dict[str, BenchmarkRecord]) -> 
     return record.images_per_second, "evaluate"
 
 
-def _row(record: EvaluationRecord, reference: EvaluationRecord | None, benchmarks: dict[str, BenchmarkRecord]) -> ReportRow:
-    is_reference = reference is not None and reference.model_path == record.model_path
-    comparable = reference is not None and not is_reference
+def _same_framework_fp32(record: EvaluationRecord, records: list[EvaluationRecord]) -> EvaluationRecord | None:
+    return next((other for other in records if other.dtype == "fp32" and not other.pruning and other.framework == record.framework
+                 and other.dataset_sha256 == record.dataset_sha256), None)
+
+
+def _row(record: EvaluationRecord, records: list[EvaluationRecord], benchmarks: dict[str, BenchmarkRecord]) -> ReportRow:
+    reference = fp32_reference(records, record) if (record.dtype != "fp32" or record.source_sha256) else None
+    reference = None if reference is not None and reference.model_sha256 == record.model_sha256 else reference
+    framework_fp32 = _same_framework_fp32(record, records)
+    comparable = framework_fp32 is not None and framework_fp32.model_sha256 != record.model_sha256 and record.dtype != "fp32"
     speed, source = _speed(record, benchmarks)
-    speedup = None
+    speedup = size_reduction = None
     if comparable:
-        reference_speed, reference_source = _speed(reference, benchmarks)
+        reference_speed, reference_source = _speed(framework_fp32, benchmarks)
         speedup = round(speed / reference_speed, 3) if reference_source == source else None
+        size_reduction = round(1.0 - record.model_size_bytes / framework_fp32.model_size_bytes, 4)
     benchmark = benchmarks.get(record.model_sha256)
     validation = (record.quantization or {}).get("validation") or {}
     return ReportRow(
@@ -120,9 +113,10 @@ def _row(record: EvaluationRecord, reference: EvaluationRecord | None, benchmark
         dtype=record.dtype,
         configuration=describe_model(record.quantization, record.pruning),
         accuracy=record.accuracy,
-        delta=round(record.accuracy - BASELINE_ACCURACY, 4),
+        delta=None if reference is None else round(record.accuracy - reference.accuracy, 4),
+        reference=None if reference is None else reference.name,
         size_bytes=record.model_size_bytes,
-        size_reduction=round(1.0 - record.model_size_bytes / reference.model_size_bytes, 4) if comparable else None,
+        size_reduction=size_reduction,
         images_per_second=speed,
         speed_source=source,
         speedup=speedup,
@@ -130,6 +124,8 @@ def _row(record: EvaluationRecord, reference: EvaluationRecord | None, benchmark
         validation_accuracy=validation.get("accuracy"),
         validation_fp32_accuracy=validation.get("fp32_accuracy"),
         per_class_accuracy=tuple(record.per_class_accuracy),
+        model_input=record.model_input,
+        preprocessing=record.preprocessing,
     )
 
 
@@ -137,7 +133,32 @@ def _class_losses(record: EvaluationRecord, reference: EvaluationRecord) -> list
     return [
         ClassLoss(record.name, name, accuracy, reference_accuracy)
         for name, accuracy, reference_accuracy in zip(record.class_names, record.per_class_accuracy, reference.per_class_accuracy)
+        if accuracy is not None and reference_accuracy is not None
     ]
+
+
+def _group(records: list[EvaluationRecord], benchmarks: dict[str, BenchmarkRecord], worst_classes: int) -> DatasetGroup:
+    records = sorted(records, key=lambda r: (FRAMEWORK_ORDER.get(r.framework, 9), DTYPE_ORDER.get(r.dtype, 9), r.name))
+    rows = [_row(record, records, benchmarks) for record in records]
+    losses: list[ClassLoss] = []
+    for record in records:
+        reference = fp32_reference(records, record)
+        if record.dtype != "fp32" and reference is not None:
+            losses.extend(_class_losses(record, reference))
+    losses.sort(key=lambda loss: loss.delta)
+    quantized = [row for row in rows if row.dtype != "fp32"]
+    candidates = quantized or rows
+    recommendation = Recommendation(
+        best_accuracy=max(candidates, key=lambda row: row.accuracy),
+        smallest=min(candidates, key=lambda row: row.size_bytes),
+        fastest=max(candidates, key=lambda row: row.images_per_second),
+    )
+    references = [row.reference for row in rows if row.reference]
+    most_common = max(set(references), key=references.count) if references else None
+    baseline = next((row for row in rows if row.model == most_common), None) or next((row for row in rows if row.dtype == "fp32"), None)
+    first = records[0]
+    return DatasetGroup(first.dataset_label, first.dataset, first.images, rows, tuple(first.class_names), losses[:worst_classes],
+                        recommendation, baseline)
 
 
 def build_report(
@@ -147,30 +168,12 @@ def build_report(
     worst_classes: int = 5,
     sweeps: list[SweepResult] | None = None,
 ) -> Report:
-    records = sorted(records, key=lambda r: (FRAMEWORK_ORDER.get(r.framework, 9), DTYPE_ORDER.get(r.dtype, 9), r.name))
-    references = {record.model_path: fp32_reference(records, record.framework) for record in records}
-    rows = [_row(record, references[record.model_path], benchmarks or {}) for record in records]
-
-    losses: list[ClassLoss] = []
+    by_dataset: dict[str, list[EvaluationRecord]] = {}
     for record in records:
-        reference = references[record.model_path]
-        if record.dtype != "fp32" and reference is not None:
-            losses.extend(_class_losses(record, reference))
-    losses.sort(key=lambda loss: loss.delta)
-
-    quantized = [row for row in rows if row.dtype != "fp32"]
-    candidates = quantized or rows
-    recommendation = (
-        Recommendation(
-            best_accuracy=max(candidates, key=lambda row: row.accuracy),
-            smallest=min(candidates, key=lambda row: row.size_bytes),
-            fastest=max(candidates, key=lambda row: row.images_per_second),
-        )
-        if candidates
-        else None
-    )
-    class_names = tuple(records[0].class_names) if records else ()
-    return Report(BASELINE_ACCURACY, rows, losses[:worst_classes], recommendation, list(skipped or []), class_names, tuple(sweeps or ()))
+        by_dataset.setdefault(record.dataset_sha256 or record.dataset, []).append(record)
+    groups = [_group(group, benchmarks or {}, worst_classes) for group in by_dataset.values()]
+    groups.sort(key=lambda group: (-len(group.rows), group.label))  # the main study first
+    return Report(groups, list(skipped or []), tuple(sweeps or ()))
 
 
 def report_from_results(results_dir: Path) -> Report:

@@ -9,10 +9,13 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ptq_cli.backends.onnxruntime import preprocess
 from ptq_cli.services.calibration import CalibrationSet
-from ptq_cli.services.models import load_onnx, read_onnx
+from ptq_cli.services.inputs import PreprocessingFlags
+from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressCallback
-from ptq_cli.services.quantize import QuantizationSettings, preprocess_onnx, quantize_onnx
+from ptq_cli.services.quant_settings import QuantizationSettings
+from ptq_cli.services.quantize import SourceModel, calibration_inputs, load_source, quantize_source, with_calibration
 from ptq_cli.services.records import write_record
 from ptq_cli.services.validation import ValidationSet, score, sqnr_db
 
@@ -42,7 +45,7 @@ class SensitivityResult:
 
 
 def quantizable_layers(model) -> list[tuple[str, str]]:
-    """(node name, op type) of each layer in the graph quantize_onnx sees, in graph order."""
+    """(node name, op type) of each layer in the graph quantization sees, in graph order."""
     return [(node.name, node.op_type) for node in model.graph.node if node.op_type in LAYER_OPS]
 
 
@@ -50,23 +53,24 @@ def preprocessed(model, workdir: Path):
     import onnx
 
     path = Path(workdir) / "preprocessed.onnx"
-    preprocess_onnx(model, path)
+    preprocess(model, path)
     return onnx.load(str(path))
 
 
 def layer_sensitivity(
-    model_path: Path,
+    model_path: Path | SourceModel,
     settings: QuantizationSettings,
     calibration: CalibrationSet,
     validation: ValidationSet,
     progress: ProgressCallback | None = None,
+    flags: PreprocessingFlags | None = None,
 ) -> SensitivityResult:
-    model = read_onnx(model_path)
-    settings = replace(settings, calibration_samples=len(calibration.labels), calibration_seed=calibration.seed,
-                       calibration_source=calibration.source)
-    fp32 = score(load_onnx(model_path), validation)
+    source = model_path if isinstance(model_path, SourceModel) else load_source(model_path, flags or PreprocessingFlags(), settings.per_channel)
+    settings = with_calibration(settings, calibration)
+    fp32 = score(load_model(source.path, None, flags), validation)
+    prepared = calibration_inputs(source, calibration)
     with tempfile.TemporaryDirectory(prefix="ptq-sensitivity-") as workdir:
-        graph = preprocessed(model, Path(workdir)) if settings.preprocess else model
+        graph = preprocessed(source.model, Path(workdir)) if settings.preprocess else source.model
         layers = quantizable_layers(graph)
         others = {name for name, _ in layers}
         results = []
@@ -74,8 +78,8 @@ def layer_sensitivity(
             # Every other layer stays in float: only this one's error reaches the output.
             only_this = replace(settings, float_nodes=tuple(sorted(others - {name})))
             candidate = Path(workdir) / "candidate.onnx"
-            quantize_onnx(model, candidate, only_this, calibration)
-            quantized = score(load_onnx(candidate), validation)
+            quantize_source(source, candidate, only_this, calibration, prepared=prepared)
+            quantized = score(load_model(candidate), validation)
             results.append(
                 LayerSensitivity(
                     node=name,
@@ -88,7 +92,7 @@ def layer_sensitivity(
             if progress:
                 progress(done + 1, len(layers))
     results.sort(key=lambda layer: (layer.output_sqnr_db, -layer.accuracy_drop))
-    return SensitivityResult(Path(model_path), settings, fp32.accuracy, validation.describe(), results)
+    return SensitivityResult(source.path, settings, fp32.accuracy, validation.describe(), results)
 
 
 def save_result(result: SensitivityResult, results_dir: Path) -> Path:

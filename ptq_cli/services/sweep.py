@@ -13,14 +13,16 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from ptq_cli.atomic import check_writable
+from ptq_cli.datasets import Dataset
 from ptq_cli.errors import PtqError
 from ptq_cli.services import evaluate as evaluate_service
 from ptq_cli.services import prune as prune_service
 from ptq_cli.services import quantize as quantize_service
 from ptq_cli.services.calibration import CalibrationSet
+from ptq_cli.services.inputs import PreprocessingFlags
 from ptq_cli.services.progress import ProgressCallback, Steps
+from ptq_cli.services.quant_settings import describe_quantization
 from ptq_cli.services.records import from_dict, write_record
-from ptq_cli.settings import BASELINE_ACCURACY
 
 SWEEP_DIR = "sweep"  # under the results directory
 
@@ -35,7 +37,7 @@ class SweepPoint:
     fp32_compressed_bytes: int
     model: str  # the pruned, then quantized model
     accuracy: float
-    delta: float  # points against BASELINE_ACCURACY
+    delta: float  # points against the unpruned FP32 model, measured in the same sweep
     size_bytes: int
     compressed_bytes: int  # gzip -9
 
@@ -51,6 +53,8 @@ class SweepResult:
     quantization: str  # the quantization settings, in a few words
     points: list[SweepPoint]
     record: str  # where this result is stored
+    fp32_accuracy: float | None = None  # the unpruned FP32 model's, the reference of every delta
+    dataset: str = ""
 
 
 def parse_sparsities(text: str) -> tuple[float, ...]:
@@ -75,11 +79,12 @@ def sweep(
     sparsities: tuple[float, ...],
     quantization: quantize_service.QuantizationSettings,
     calibration: CalibrationSet,
-    data_dir: Path,
+    dataset: Dataset,
     models_dir: Path,
     results_dir: Path,
     pruning: prune_service.PruningSettings | None = None,
     progress: ProgressCallback | None = None,
+    flags: PreprocessingFlags | None = None,
 ) -> SweepResult:
     """`pruning` gives the scope, exclusions and re-fit; its sparsity is replaced by each of `sparsities`."""
     pruning = pruning or prune_service.make_settings(0.0)
@@ -92,21 +97,22 @@ def sweep(
 
     def accuracy(path: Path) -> float:
         if path not in evaluations:
-            evaluations[path] = evaluate_service.evaluate_model(path, data_dir)
+            evaluations[path] = evaluate_service.evaluate_model(path, dataset, flags=flags)
         return evaluations[path].accuracy
 
     points = []
     step = Steps(2 * len(sparsities) + sum(1 for value in sparsities if value > 0), progress)
+    reference = accuracy(model_path)
 
     for sparsity in sparsities:
         fp32 = model_path
         achieved = 0.0
         if sparsity > 0:
             fp32 = Path(models_dir) / prune_service.default_output(model_path, sparsity, pruning.scope).name
-            achieved = prune_service.prune(model_path, fp32, replace(pruning, sparsity=sparsity), calibration.images).pruned_sparsity
+            achieved = prune_service.prune_calibrated(model_path, fp32, replace(pruning, sparsity=sparsity), calibration.images, flags).pruned_sparsity
             step()
         quantized = Path(models_dir) / f"{fp32.stem}_{quantization.dtype}{fp32.suffix}"
-        quantize_service.quantize(fp32, quantized, quantization, calibration)
+        quantize_service.quantize(fp32, quantized, quantization, calibration, flags)
         step()
         fp32_accuracy = accuracy(fp32)
         quantized_accuracy = accuracy(quantized)
@@ -120,19 +126,15 @@ def sweep(
             fp32_compressed_bytes=gzip_size(fp32),
             model=str(quantized),
             accuracy=quantized_accuracy,
-            delta=round(quantized_accuracy - BASELINE_ACCURACY, 4),
+            delta=round(quantized_accuracy - reference, 4),
             size_bytes=quantized.stat().st_size,
             compressed_bytes=gzip_size(quantized),
         ))
-    from ptq_cli.services.report import (
-        describe_quantization,  # the report's wording, one place
-    )
-
     result = SweepResult(
         source=str(model_path), dtype=quantization.dtype, scope=pruning.scope, exclude_first=pruning.exclude_first,
         exclude_classifier=pruning.exclude_classifier, reconstruct=pruning.reconstruct,
         quantization=describe_quantization(asdict(quantization) | {"calibration_samples": len(calibration.labels)}),
-        points=points, record=str(record),
+        points=points, record=str(record), fp32_accuracy=reference, dataset=str(dataset.root),
     )
     write_record(record, result)
     return result

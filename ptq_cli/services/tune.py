@@ -16,16 +16,19 @@ from the candidate with the best SQNR. The test set is never read here (see serv
 from __future__ import annotations
 
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from ptq_cli import backends
 from ptq_cli.atomic import check_writable
 from ptq_cli.errors import PtqError
 from ptq_cli.services.calibration import CalibrationSet, stratified_subset
-from ptq_cli.services.models import ONNXRUNTIME, PYTORCH, load_onnx, load_torchscript, read_onnx
+from ptq_cli.services.inputs import PreprocessingFlags
+from ptq_cli.services.models import ONNXRUNTIME, PYTORCH, load_model
 from ptq_cli.services.progress import ProgressCallback, Steps
-from ptq_cli.services.quantize import METHODS as BACKEND_METHODS
-from ptq_cli.services.quantize import QuantizationSettings, make_settings, quantize_onnx
+from ptq_cli.services.quant_settings import METHODS as BACKEND_METHODS
+from ptq_cli.services.quant_settings import QuantizationSettings, describe_quantization, make_settings
+from ptq_cli.services.quantize import SourceModel, calibration_inputs, load_source, quantize_source, with_calibration
 from ptq_cli.services.records import write_record
 from ptq_cli.services.sensitivity import layer_sensitivity, preprocessed, quantizable_layers
 from ptq_cli.services.validation import ValidationSet, score, sqnr_db
@@ -75,17 +78,7 @@ class TuneResult:
 
 
 def describe(settings: QuantizationSettings) -> str:
-    method = f"percentile {settings.percentile:g}" if settings.method == "percentile" else settings.method
-    types = "FX a:quint8 w:qint8" if settings.format == "FX" else f"a:{settings.dtype} w:{settings.weight_dtype}"  # as the report says
-    parts = [
-        types,
-        "per-channel" if settings.per_channel else "per-tensor",
-        method,
-        f"{settings.calibration_samples} samples",
-    ]
-    if settings.float_nodes:
-        parts.append("float: " + ", ".join(name.split("/")[-2] if "/" in name else name for name in settings.float_nodes))
-    return ", ".join(parts)
+    return describe_quantization(asdict(settings))
 
 
 def weight_dtypes(dtype: str) -> tuple[str, ...]:
@@ -128,6 +121,7 @@ def tune(
     max_float_layers: int = MAX_FLOAT_LAYERS,
     progress: ProgressCallback | None = None,
     backend: str = ONNXRUNTIME,
+    flags: PreprocessingFlags | None = None,
 ) -> TuneResult:
     """Search, choose, write the chosen model and the record. The PyTorch backend searches granularity x
     observer (histogram, minmax) and calibration size; it has no float-layer stage (FX quantizes all)."""
@@ -141,12 +135,15 @@ def tune(
         raise PtqError(f"--max-float-layers: must be at least 0, got {max_float_layers}")
     if model_path.resolve() == output.resolve():
         raise PtqError(f"--output: {output} would overwrite the model being tuned")
-    model = read_onnx(model_path)
+    backends.backend(backend)
     record = Path(results_dir) / TUNING_DIR / f"{output.name}.json"
     for path in (output, record):
         check_writable(path)
+    source = load_source(model_path, flags or PreprocessingFlags())
+    model = source.model
+    prepared = {len(calibration.labels): calibration_inputs(source, calibration)}
     fp32_size = model_path.stat().st_size
-    fp32 = score(load_onnx(model_path), validation)
+    fp32 = score(load_model(model_path, None, flags), validation)
     calibration_grid = [
         make_settings(dtype, backend, weight_dtype=weights, per_channel=per_channel, method=method, percentile=percentile)
         for weights in weight_dtypes(dtype)
@@ -165,9 +162,10 @@ def tune(
         step = Steps(total, progress)
 
         def try_candidate(stage: str, settings: QuantizationSettings, calibration_set: CalibrationSet) -> Candidate:
-            settings = replace(settings, calibration_samples=len(calibration_set.labels), calibration_seed=calibration_set.seed,
-                               calibration_source=calibration_set.source)
-            size, quantized = _quantize_and_score(model, Path(workdir), settings, calibration_set, validation)
+            settings = with_calibration(settings, calibration_set)
+            if len(calibration_set.labels) not in prepared:
+                prepared[len(calibration_set.labels)] = calibration_inputs(source, calibration_set)
+            size, quantized = _quantize_and_score(source, Path(workdir), settings, calibration_set, validation, prepared[len(calibration_set.labels)])
             drop = round(fp32.accuracy - quantized.accuracy, 4)
             too_large = bool(settings.float_nodes) and size >= SIZE_LIMIT * fp32_size
             candidate = Candidate(
@@ -201,16 +199,15 @@ def tune(
             try_candidate("size", leader.settings, subset)
         leader, leader_calibration = best()
         if max_float_layers:
-            ranking = layer_sensitivity(model_path, leader.settings, leader_calibration, validation, progress=lambda *_: step())
+            ranking = layer_sensitivity(source, leader.settings, leader_calibration, validation, progress=lambda *_: step(), flags=flags)
             worst = [layer.node for layer in ranking.layers]
             for count in range(1, min(max_float_layers, len(worst)) + 1):
                 try_candidate("float", replace(leader.settings, float_nodes=tuple(worst[:count])), leader_calibration)
 
         chosen, met_budget, reason = choose(candidates, max_drop)
         validation_summary = {**validation.describe(), "accuracy": chosen.validation_accuracy, "fp32_accuracy": fp32.accuracy}
-        write = quantize_onnx if backend == ONNXRUNTIME else _quantize_fx
-        write(model, output, chosen.settings, calibration_sets[chosen.settings.calibration_samples],
-              metadata={"validation": validation_summary, "tuned_max_drop": max_drop})
+        quantize_source(source, output, chosen.settings, calibration_sets[chosen.settings.calibration_samples],
+                        metadata={"validation": validation_summary, "tuned_max_drop": max_drop})
 
     result = TuneResult(model_path, dtype, max_drop, fp32.accuracy, validation.describe(), candidates, chosen, met_budget,
                         reason, output, record)
@@ -218,19 +215,12 @@ def tune(
     return result
 
 
-def _quantize_fx(*args, **kwargs) -> int:
-    from ptq_cli.services.torch_backend import quantize_fx  # torch only when the PyTorch path is asked for
-
-    return quantize_fx(*args, **kwargs)
-
-
-def _quantize_and_score(model, workdir: Path, settings: QuantizationSettings, calibration: CalibrationSet, validation: ValidationSet):
-    """(file size, validation score) of one candidate, quantized with its own framework."""
-    if settings.framework == PYTORCH:
-        path = workdir / "candidate.pt"
-        return _quantize_fx(model, path, settings, calibration), score(load_torchscript(path), validation)
-    path = workdir / "candidate.onnx"
-    return quantize_onnx(model, path, settings, calibration).size_bytes, score(load_onnx(path), validation)
+def _quantize_and_score(source: SourceModel, workdir: Path, settings: QuantizationSettings, calibration: CalibrationSet,
+                        validation: ValidationSet, prepared):
+    """(file size, validation score) of one candidate, quantized with its own backend."""
+    path = workdir / f"candidate{backends.backend(settings.framework).SUFFIX}"
+    written = quantize_source(source, path, settings, calibration, prepared=prepared)
+    return written.size_bytes, score(load_model(path), validation)
 
 
 def default_output(model: Path, dtype: str, backend: str = ONNXRUNTIME) -> Path:

@@ -1,0 +1,42 @@
+"""The backend table: one module per framework, each with the same functions.
+
+- `load(path, threads, flags) -> LoadedModel`: run a model file of this framework;
+- `quantize(onnx_model, output, settings, calibration_inputs, stored_metadata) -> QuantizedFile`;
+- `sniff(first_bytes) -> bool`: whether a file is this framework's;
+- `NAME`, `SUFFIX`.
+How a model was quantized is described in one place for all: services.quant_settings.describe_quantization.
+A new runtime is a new module here and a row in BACKENDS.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+
+from ptq_cli.backends import onnxruntime, pytorch
+from ptq_cli.errors import PtqError
+from ptq_cli.services.models import require_file
+
+BACKENDS: dict[str, ModuleType] = {onnxruntime.NAME: onnxruntime, pytorch.NAME: pytorch}
+# Told apart by content, most specific first; ONNX takes what no other backend claims.
+SNIFF_ORDER = (pytorch, onnxruntime)
+
+
+def backend(name: str) -> ModuleType:
+    if name not in BACKENDS:
+        raise PtqError(f"--backend: '{name}' is not one of {', '.join(BACKENDS)}")
+    return BACKENDS[name]
+
+
+def for_file(path: Path) -> ModuleType:
+    """The backend of a model file, by its content (a TorchScript file is a zip archive), not its name."""
+    path = Path(path)
+    require_file(path)
+    try:
+        with path.open("rb") as handle:
+            head = handle.read(8)
+    except OSError as error:
+        raise PtqError(f"{path}: cannot read ({error.strerror or error})") from error
+    if path.suffix == pytorch.SUFFIX:
+        return pytorch
+    return next(module for module in SNIFF_ORDER if module.sniff(head))

@@ -1,0 +1,267 @@
+"""ONNX Runtime: load and run ONNX models, quantize them with onnxruntime.quantization (QDQ)."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from ptq_cli.atomic import atomic_output
+from ptq_cli.backends.base import QuantizedFile
+from ptq_cli.errors import PtqError
+from ptq_cli.services import inputs
+from ptq_cli.services.graph import symbolic_batch
+from ptq_cli.services.models import (
+    ONNXRUNTIME,
+    PRUNING_METADATA_KEY,
+    QUANTIZATION_METADATA_KEY,
+    SOURCE_METADATA_KEY,
+    LoadedModel,
+    ModelInfo,
+    graph_inputs,
+    model_input,
+    num_classes,
+    onnx_dims,
+    read_bytes,
+    read_onnx,
+    resolve_threads,
+)
+from ptq_cli.services.quant_settings import QuantizationSettings
+from ptq_cli.services.space_to_depth import Rewrite, quantized_pads, space_to_depth_convs
+
+NAME = ONNXRUNTIME
+SUFFIX = ".onnx"
+CALIBRATION_BATCH = 100
+# Batches smaller than this per thread are run whole: splitting them costs more than it saves.
+MIN_SHARD = 32
+
+
+def metadata(model) -> dict[str, str]:
+    return {prop.key: prop.value for prop in model.metadata_props}
+
+
+def _dtype(model) -> tuple[str, dict | None]:
+    import onnx
+
+    stored = metadata(model)
+    if QUANTIZATION_METADATA_KEY in stored:
+        try:
+            settings = json.loads(stored[QUANTIZATION_METADATA_KEY])
+            return str(settings["dtype"]), settings
+        except (ValueError, KeyError, TypeError):
+            pass  # unreadable settings: tell the type from the graph
+    # A quantized model from elsewhere: the zero point of its first QuantizeLinear tells the activation type.
+    initializers = {init.name: init for init in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "QuantizeLinear" and len(node.input) > 2 and node.input[2] in initializers:
+            zero_point = initializers[node.input[2]]
+            return ("uint8" if zero_point.data_type == onnx.TensorProto.UINT8 else "int8"), None
+    return "fp32", None
+
+
+def describe_input(path: Path, model):
+    """(ModelInput, declared class count or None) of an ONNX classifier, or a one-line error."""
+    import onnx
+
+    found = graph_inputs(model)
+    if len(found) != 1:
+        raise PtqError(f"{path}: {len(found)} inputs ({', '.join(value.name for value in found)}); ptq takes image classifiers with one image input")
+    value = found[0]
+    is_float = value.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    described = model_input(path, value.name, onnx_dims(value), is_float)
+    return described, num_classes(path, onnx_dims(model.graph.output[0]))
+
+
+def _session(path: Path, data: bytes):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    # Idle onnxruntime threads spin, and would slow whatever runs next (another model being timed).
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    ort.set_default_logger_severity(3)  # a failed run is reported as a PtqError, not as a log line
+    try:
+        return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+    except Exception as error:  # onnxruntime raises its own exception types for unloadable graphs
+        raise PtqError(f"{path}: onnxruntime cannot load it ({str(error).splitlines()[0]})") from error
+
+
+def free_batch(path: Path, model, described: inputs.ModelInput):
+    """The model with a symbolic batch dimension if it computes the same as the fixed-batch model image
+    by image (compared on random inputs); None where the graph ties itself to the fixed batch."""
+    if described.batch is None:
+        return model
+    candidate = symbolic_batch(model)
+    rng = np.random.default_rng(0)
+    probe = rng.standard_normal((max(2, described.batch + 1), *described.shape(1)[1:]), dtype=np.float32)
+    try:
+        fixed = _session(path, model.SerializeToString())
+        freed = _session(path, candidate.SerializeToString())
+        expected = [fixed.run(None, {described.name: np.repeat(probe[i : i + 1], described.batch, axis=0)})[0][:1] for i in range(len(probe))]
+        got = freed.run(None, {described.name: probe})[0]
+    except Exception:  # noqa: BLE001  any failure means the batch cannot be freed
+        return None
+    return candidate if got.shape == (len(probe), *expected[0].shape[1:]) and np.allclose(np.concatenate(expected), got, rtol=1e-4, atol=1e-5) else None
+
+
+def load(path: Path, threads: int | None, flags: inputs.PreprocessingFlags) -> LoadedModel:
+    """One onnxruntime session for the model's whole life, run data-parallel over `threads` threads.
+
+    Each run uses one intra-op thread and a large batch is split into one shard per thread, run
+    concurrently on the same session (onnxruntime releases the GIL and allows concurrent runs): small
+    convolutions split poorly inside one operator. A fixed batch dimension is made symbolic where that
+    computes the same; otherwise the model runs on chunks of its fixed batch."""
+    path = Path(path)
+    data = read_bytes(path)
+    model = read_onnx(path, data)
+    dtype, quantization = _dtype(model)
+    threads = resolve_threads(threads)
+    described, classes = describe_input(path, model)
+    stored = metadata(model)
+    preprocessing = inputs.resolve(flags, inputs.from_metadata(stored.get(inputs.INPUT_METADATA_KEY)))
+    note, chunk = None, None
+    if described.batch is not None:
+        freed = free_batch(path, model, described)
+        if freed is not None:
+            session = _session(path, freed.SerializeToString())
+            note = f"fixed batch {described.batch} made symbolic (same outputs)"
+        else:
+            session, chunk = _session(path, data), described.batch
+            note = f"fixed batch {described.batch}: run {described.batch} image{'s' if described.batch > 1 else ''} at a time"
+    else:
+        session = _session(path, data)
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="ptq-ort") if threads > 1 else None
+
+    def run(batch: np.ndarray) -> np.ndarray:
+        try:
+            return session.run(None, {described.name: batch})[0]
+        except Exception as error:  # onnxruntime's own exception types
+            raise PtqError(f"{path}: onnxruntime failed to run it ({str(error).splitlines()[0]})") from error
+
+    def run_fixed(batch: np.ndarray) -> np.ndarray:
+        padded = -(-len(batch) // chunk) * chunk
+        if padded != len(batch):
+            batch = np.concatenate([batch, np.repeat(batch[-1:], padded - len(batch), axis=0)])
+        return np.concatenate([run(part) for part in np.split(batch, padded // chunk)])[: len(batch)]
+
+    def predict(batch: np.ndarray) -> np.ndarray:
+        if chunk is not None:
+            if pool is None or len(batch) < 2 * chunk:
+                return run_fixed(batch)[: len(batch)]
+            count = len(batch)
+            return np.concatenate(list(pool.map(run_fixed, np.array_split(batch, threads))))[:count]
+        if pool is None or len(batch) < MIN_SHARD * threads:
+            return run(batch)
+        return np.concatenate(list(pool.map(run, np.array_split(batch, threads))))
+
+    if classes is None:
+        classes = int(predict(np.zeros(described.shape(1), np.float32)).shape[-1])
+    pruning = json.loads(stored[PRUNING_METADATA_KEY]) if PRUNING_METADATA_KEY in stored else None
+    info = ModelInfo(path, NAME, dtype, quantization, len(data), hashlib.sha256(data).hexdigest(), pruning, stored.get(SOURCE_METADATA_KEY))
+    return LoadedModel(info, predict, described, preprocessing, classes, note)
+
+
+def sniff(head: bytes) -> bool:
+    """Anything that is not another backend's file is tried as ONNX (which then says if it is not)."""
+    return True
+
+
+def preprocess(model, output: Path) -> None:
+    """onnxruntime's recommended pre-quantization step: shape inference plus its basic graph optimizer,
+    which folds the batch-norm Mul/Add after each Conv into the Conv."""
+    from onnxruntime.quantization import quant_pre_process
+
+    try:
+        quant_pre_process(model, str(output))
+    except Exception as error:  # shape inference and the optimizer raise many types
+        raise PtqError(f"{model.graph.name or 'model'}: onnxruntime's quant_pre_process failed ({str(error).splitlines()[0]}); try --no-preprocess") from error
+
+
+def _reader(input_name: str, images: np.ndarray, batch: int | None):
+    from onnxruntime.quantization import CalibrationDataReader
+
+    if batch is None:
+        batches = np.array_split(images, max(1, len(images) // CALIBRATION_BATCH))
+    else:  # a fixed batch: full batches only
+        batches = [images[start : start + batch] for start in range(0, len(images) - batch + 1, batch)]
+
+    class BatchReader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self._batches = iter(batches)
+
+        def get_next(self) -> dict[str, np.ndarray] | None:
+            item = next(self._batches, None)
+            return None if item is None else {input_name: item}
+
+    return BatchReader()
+
+
+def quantize(model, output: Path, settings: QuantizationSettings, calibration: np.ndarray, stored: dict[str, str]) -> QuantizedFile:
+    """onnxruntime.quantization.quantize_static in QDQ format, written atomically.
+
+    `calibration` is the calibration images in the model's input format; `stored` is metadata to keep
+    in the model (settings, input contract, source sha256, tune's validation scores)."""
+    import onnx
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    quant_types = {"int8": QuantType.QInt8, "uint8": QuantType.QUInt8}
+    methods = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy, "percentile": CalibrationMethod.Percentile}
+    extra_options = {"CalibPercentile": settings.percentile} if settings.percentile is not None else {}
+    described, _ = describe_input(Path(model.graph.name or "model"), model)
+    notes: list[str] = []
+    fixed_batch = described.batch
+    if described.batch is not None:
+        freed = free_batch(Path(model.graph.name or "model"), model, described)
+        if freed is not None:
+            model, fixed_batch = freed, None
+            notes.append(f"fixed batch {described.batch} made symbolic in the quantized model (same outputs)")
+
+    with tempfile.TemporaryDirectory(prefix="ptq-quantize-") as workdir:
+        source = model  # quantize_static takes the ModelProto, or the preprocessed file's path
+        if settings.preprocess:
+            source = str(Path(workdir) / "preprocessed.onnx")
+            preprocess(model, source)
+        rewrites: list[Rewrite] = []
+        if settings.space_to_depth:
+            graph = onnx.load(source) if isinstance(source, str) else onnx.ModelProto.FromString(model.SerializeToString())
+            graph, rewrites = space_to_depth_convs(graph, skip=set(settings.float_nodes))  # a float conv gains nothing
+            if rewrites:
+                source = str(Path(workdir) / "space_to_depth.onnx")
+                onnx.save(graph, source)
+        # quantize_static print()s its histogram progress; stdout belongs to ptq's own output (--json).
+        with atomic_output(output) as tmp, contextlib.redirect_stdout(io.StringIO()):
+            try:
+                quantize_static(
+                    source, str(tmp), _reader(described.name, calibration, fixed_batch),
+                    quant_format=QuantFormat.QDQ,
+                    per_channel=settings.per_channel,
+                    activation_type=quant_types[settings.dtype],
+                    weight_type=quant_types[settings.weight_dtype],
+                    calibrate_method=methods[settings.method],
+                    nodes_to_exclude=list(settings.float_nodes),
+                    extra_options=extra_options,
+                )
+            except PtqError:
+                raise
+            except Exception as error:  # onnxruntime.quantization raises many types for graphs it cannot handle
+                first_line = str(error).splitlines()[0] if str(error) else ""
+                raise PtqError(f"{model.graph.name or 'model'}: onnxruntime.quantization failed ({type(error).__name__}: {first_line})") from error
+            quantized = onnx.load(str(tmp))
+            if rewrites:
+                quantized_pads(quantized)
+            described_settings = {**asdict(settings), "space_to_depth_convs": [asdict(rewrite) for rewrite in rewrites]}
+            extra = json.loads(stored.pop(QUANTIZATION_METADATA_KEY, "{}"))
+            props = {QUANTIZATION_METADATA_KEY: json.dumps({**described_settings, **extra}), **stored}
+            props.update({key: value for key, value in metadata(model).items() if key == PRUNING_METADATA_KEY})  # a pruned source stays described
+            onnx.helper.set_model_props(quantized, props)
+            onnx.save(quantized, str(tmp))
+            return QuantizedFile(tmp.stat().st_size, tuple(rewrites), tuple(notes))

@@ -1,0 +1,228 @@
+"""PyTorch: ONNX -> torch.fx with onnx2torch, FX graph-mode int8 quantization (x86), TorchScript files."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import tempfile
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from ptq_cli.atomic import atomic_output
+from ptq_cli.backends import onnxruntime as ort_backend
+from ptq_cli.backends.base import QuantizedFile
+from ptq_cli.errors import PtqError
+from ptq_cli.services import inputs
+from ptq_cli.services.graph import static_reshape_targets
+from ptq_cli.services.models import (
+    PYTORCH,
+    QUANTIZATION_METADATA_KEY,
+    SOURCE_METADATA_KEY,
+    LoadedModel,
+    ModelInfo,
+    read_bytes,
+    resolve_threads,
+)
+from ptq_cli.services.quant_settings import QuantizationSettings
+from ptq_cli.services.torch_compat import import_onnx2torch, quiet_torch_quantization_warnings
+
+NAME = PYTORCH
+SUFFIX = ".pt"
+ENGINE = "x86"  # fbgemm-based kernels for x86 CPUs
+ZIP_MAGIC = b"PK\x03\x04"  # TorchScript files are zip archives
+# ptq's metadata inside a TorchScript archive, as this extra file: the same keys as in ONNX metadata.
+TORCHSCRIPT_METADATA_FILE = "ptq.json"
+MODEL_INPUT_KEY = "ptq.model_input"
+CALIBRATION_BATCH = 100
+# TorchScript runs a large batch in chunks of at most this many images, whose activations stay in
+# cache (see README, "Speed": about 3x the throughput of whole 1,024-image batches).
+TORCH_CHUNK = 64
+# Tried, in order, on a TorchScript file ptq did not make (which says nothing of its input).
+PROBE_INPUTS = (inputs.ModelInput("input", inputs.NCHW, 3, 32, 32, None), inputs.ModelInput("input", inputs.NHWC, 3, 32, 32, None))
+
+
+def sniff(head: bytes) -> bool:
+    return head.startswith(ZIP_MAGIC)
+
+
+def onnx_to_graph_module(model, fold: bool = True):
+    """The ONNX model as a torch.fx GraphModule (onnx2torch).
+
+    With `fold`, onnxruntime's own graph optimizer (quant_pre_process) first folds the batch-norm
+    Mul/Add that tf2onnx leaves after each Conv, so the torch graph is plain Conv/ReLU/add/Linear that
+    FX quantization fuses and quantizes end to end.
+    """
+    import onnx
+
+    onnx2torch = import_onnx2torch()
+    if fold:
+        with tempfile.TemporaryDirectory(prefix="ptq-torch-") as workdir:
+            folded = Path(workdir) / "folded.onnx"
+            ort_backend.preprocess(model, folded)
+            model = onnx.load(str(folded))
+    try:
+        return onnx2torch.convert(static_reshape_targets(model)).eval()
+    except Exception as error:  # onnx2torch raises NotImplementedError and others for ops it lacks
+        first_line = str(error).splitlines()[0] if str(error) else ""
+        raise PtqError(f"{model.graph.name or 'model'}: onnx2torch cannot convert it ({type(error).__name__}: {first_line})") from error
+
+
+def torch_ready(model, path: Path):
+    """(model, ModelInput, fixed batch or None): a fixed batch is made symbolic where that computes the same."""
+    described, _ = ort_backend.describe_input(path, model)
+    if described.batch is None:
+        return model, described, None
+    freed = ort_backend.free_batch(path, model, described)
+    return (freed, described, None) if freed is not None else (model, described, described.batch)
+
+
+def save_torchscript(module, path: Path, example: np.ndarray, stored: dict[str, str], described: inputs.ModelInput) -> None:
+    """Trace to TorchScript (loads without this project's code) with ptq's metadata inside the file."""
+    import torch
+
+    with torch.no_grad(), warnings.catch_warnings():
+        # The tracer warns that Reshape's target becomes a constant: static_reshape_targets made it
+        # [-1, ...] beforehand, so the trace holds for any batch size (the conversion check runs 1000 images).
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        scripted = torch.jit.trace(module, torch.from_numpy(example), check_trace=False)
+    # Saved through a buffer: given a path, torch names the archive's root folder after the file, so
+    # the temporary name would make two identical models differ byte for byte.
+    buffer = io.BytesIO()
+    contents = {**stored, MODEL_INPUT_KEY: json.dumps(asdict(described))}
+    torch.jit.save(scripted, buffer, _extra_files={TORCHSCRIPT_METADATA_FILE: json.dumps(contents, sort_keys=True)})
+    Path(path).write_bytes(buffer.getvalue())
+
+
+def qconfig_mapping(per_channel: bool, method: str):
+    """Weights: signed int8, symmetric (the x86 quantized kernels need that). Activations: unsigned 8-bit.
+
+    reduce_range is off: it keeps 7 bits for activations to avoid an overflow in the AVX2 instruction
+    older x86 CPUs use; CPUs with VNNI (this one has avx512_vnni) do not need it, and the 8th bit is worth
+    about 0.2 points here.
+    """
+    import torch
+    from torch.ao.quantization import QConfig, get_default_qconfig_mapping
+    from torch.ao.quantization.observer import HistogramObserver, MinMaxObserver, PerChannelMinMaxObserver
+
+    weight = (
+        PerChannelMinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_channel_symmetric)
+        if per_channel
+        else MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric)
+    )
+    observer = HistogramObserver if method == "histogram" else MinMaxObserver
+    activation = observer.with_args(dtype=torch.quint8, reduce_range=False)
+    # The x86 mapping keeps its fixed-range settings for ops like softmax; everything else gets ours.
+    return get_default_qconfig_mapping(ENGINE).set_global(QConfig(activation=activation, weight=weight))
+
+
+def _batches(images: np.ndarray, fixed: int | None) -> list[np.ndarray]:
+    if fixed is None:
+        return [images[start : start + CALIBRATION_BATCH] for start in range(0, len(images), CALIBRATION_BATCH)]
+    return [images[start : start + fixed] for start in range(0, len(images) - fixed + 1, fixed)]
+
+
+def quantize(model, output: Path, settings: QuantizationSettings, calibration: np.ndarray, stored: dict[str, str]) -> QuantizedFile:
+    """prepare_fx -> calibrate -> convert_fx, saved as TorchScript (NCHW and NHWC models alike)."""
+    import torch
+    from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+
+    quiet_torch_quantization_warnings()
+    torch.backends.quantized.engine = ENGINE
+    model, described, fixed = torch_ready(model, Path(model.graph.name or "model"))
+    float_module = onnx_to_graph_module(model, fold=settings.preprocess)
+    batches = _batches(calibration, fixed)
+    example = torch.from_numpy(batches[0][:1] if fixed is None else batches[0])
+    prepared = prepare_fx(float_module, qconfig_mapping(settings.per_channel, settings.method), (example,))
+    with torch.no_grad():
+        for batch in batches:
+            prepared(torch.from_numpy(batch))
+    quantized = convert_fx(prepared)
+    extra = json.loads(stored.pop(QUANTIZATION_METADATA_KEY, "{}"))
+    contents = {**stored, QUANTIZATION_METADATA_KEY: json.dumps({**asdict(settings), **extra})}
+    with atomic_output(output) as tmp:
+        save_torchscript(quantized, tmp, batches[0][: 8 if fixed is None else fixed], contents, described)
+        size = tmp.stat().st_size
+    notes = () if described.batch is None or fixed is not None else (f"fixed batch {described.batch} made symbolic (same outputs)",)
+    return QuantizedFile(size, (), notes)
+
+
+def _read_metadata(raw: str) -> dict:
+    try:
+        data = json.loads(raw or "{}")
+    except ValueError:
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    if "dtype" in data and QUANTIZATION_METADATA_KEY not in data:  # ptq 0.2's flat form: the settings themselves
+        return {QUANTIZATION_METADATA_KEY: json.dumps(data)} if data.get("dtype") != "fp32" else {}
+    return data
+
+
+def load(path: Path, threads: int | None, flags: inputs.PreprocessingFlags) -> LoadedModel:
+    import torch
+
+    quiet_torch_quantization_warnings()
+    path = Path(path)
+    threads = resolve_threads(threads)
+    data = read_bytes(path)
+    extra_files = {TORCHSCRIPT_METADATA_FILE: ""}
+    try:
+        module = torch.jit.load(io.BytesIO(data), map_location="cpu", _extra_files=extra_files)
+    except Exception as error:  # torch raises RuntimeError, ValueError or zip errors for a damaged archive
+        raise PtqError(f"{path}: not a loadable TorchScript model ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from error
+    module.eval()
+    stored = _read_metadata(extra_files[TORCHSCRIPT_METADATA_FILE])
+    quantization = json.loads(stored[QUANTIZATION_METADATA_KEY]) if QUANTIZATION_METADATA_KEY in stored else None
+    dtype = (quantization or {}).get("dtype") or ("int8" if "quantize_per_tensor" in module.inlined_graph.str() else "fp32")
+    torch.set_num_threads(threads)
+
+    def call(batch: np.ndarray) -> np.ndarray:
+        result = module(torch.from_numpy(batch))
+        if isinstance(result, (tuple, list)) and result:
+            result = result[0]
+        if not isinstance(result, torch.Tensor):
+            raise PtqError(f"{path}: returns {type(result).__name__}, not a tensor of class scores")
+        return result.float().numpy()
+
+    def predict(batch: np.ndarray) -> np.ndarray:
+        with torch.inference_mode():
+            if len(batch) <= TORCH_CHUNK:
+                return call(batch)
+            return np.concatenate([call(chunk) for chunk in np.array_split(batch, -(-len(batch) // TORCH_CHUNK))])
+
+    candidates = PROBE_INPUTS
+    if MODEL_INPUT_KEY in stored:
+        try:
+            candidates = (inputs.ModelInput(**json.loads(stored[MODEL_INPUT_KEY])),)
+        except (ValueError, TypeError):
+            pass
+    described, probe, cause = None, None, ""
+    for candidate in candidates:
+        try:
+            probe = predict(np.zeros(candidate.shape(candidate.batch or 1), dtype=np.float32))
+            described = candidate
+            break
+        except RuntimeError as error:
+            # A TorchScript error is a stack of frames; its last line says what went wrong.
+            cause = ([line for line in str(error).splitlines() if line.strip()][-1:] or [type(error).__name__])[0].strip()
+    if described is None:
+        shapes = " or ".join("x".join(map(str, c.shape(1))) for c in candidates)
+        raise PtqError(f"{path}: does not take a float32 batch of {shapes} ({cause})")
+    if probe.ndim != 2:
+        raise PtqError(f"{path}: output shape {list(probe.shape)} is not N x classes")
+    preprocessing = inputs.resolve(flags, inputs.from_metadata(stored.get(inputs.INPUT_METADATA_KEY)))
+    fixed = described.batch
+    if fixed is not None:
+        whole = predict
+
+        def predict(batch: np.ndarray) -> np.ndarray:  # noqa: F811  a traced fixed batch: chunks of it
+            padded = -(-len(batch) // fixed) * fixed
+            filled = np.concatenate([batch, np.repeat(batch[-1:], padded - len(batch), axis=0)]) if padded != len(batch) else batch
+            return np.concatenate([whole(part) for part in np.split(filled, padded // fixed)])[: len(batch)]
+
+    info = ModelInfo(path, NAME, dtype, quantization, len(data), hashlib.sha256(data).hexdigest(), None, stored.get(SOURCE_METADATA_KEY))
+    return LoadedModel(info, predict, described, preprocessing, int(probe.shape[1]))

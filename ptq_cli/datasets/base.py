@@ -1,0 +1,205 @@
+"""The one dataset interface: splits of labelled uint8 images (N x H x W x C), class names, a content key.
+
+Every format (CIFAR-10 batches, an image folder, an .npz) is one module implementing `Dataset`; services
+receive a `Dataset` and never know the format. Like onnxruntime's CalibrationDataReader, nothing here
+knows the model: the model's size and channel count are asked for by the caller (`load(split, size, channels)`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import zipfile
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ptq_cli import settings
+from ptq_cli.atomic import atomic_output
+from ptq_cli.errors import PtqError
+
+TRAIN, VAL, TEST = "train", "val", "test"
+SPLITS = (TRAIN, VAL, TEST)
+
+
+@dataclass(frozen=True)
+class LabelledImages:
+    images: np.ndarray  # (N, H, W, C) uint8
+    labels: np.ndarray  # (N,) int64 in 0..len(class_names)-1
+    class_names: tuple[str, ...]
+    split: str
+    content_sha256: str  # of the source files of this split: any change gives another key
+
+
+@dataclass(frozen=True)
+class DatasetRef:
+    """What a record says about the images it was measured on."""
+
+    path: str
+    format: str
+    split: str
+    content_sha256: str
+    images: int
+
+    @property
+    def label(self) -> str:
+        return f"{Path(self.path).name} ({self.split})"
+
+
+class Dataset(ABC):
+    """Labelled images in one of the formats people keep them in."""
+
+    format: str = "?"
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    @abstractmethod
+    def splits(self) -> tuple[str, ...]:
+        """The splits this dataset has, of TRAIN, VAL, TEST; a single-set source has only TEST."""
+
+    @abstractmethod
+    def class_names(self) -> tuple[str, ...]: ...
+
+    @abstractmethod
+    def source_files(self, split: str) -> list[Path]:
+        """The files the split is read from."""
+
+    @abstractmethod
+    def content_key(self, split: str) -> str:
+        """sha256 over the bytes of the split's source files (cheap next to decoding them)."""
+
+    @abstractmethod
+    def _decode(self, split: str, size: tuple[int, int] | None) -> tuple[np.ndarray, np.ndarray]:
+        """(uint8 N x H x W x C images, int64 labels) of the split, resized to `size` (H, W) if the
+        format cannot hold images of different sizes in one array otherwise."""
+
+    # A source with one unnamed set of images (an .npz, a folder of class folders): it serves as the
+    # evaluation set, and as calibration data only when pointed at by --calibration-data.
+    single_set: bool = False
+    # Formats whose images may differ in size decode straight to the size asked for (cached per size);
+    # the others are cached as they are and resized after loading.
+    resizes_on_decode: bool = False
+
+    def evaluation_split(self) -> str:
+        """The split models are judged on: test, else val."""
+        for split in (TEST, VAL):
+            if split in self.splits():
+                return split
+        raise PtqError(f"{self.root}: no test or val split to evaluate on")
+
+    def calibration_split(self) -> str:
+        """The split calibration (and tuning's validation) images are drawn from: train, or the only set."""
+        if TRAIN in self.splits():
+            return TRAIN
+        if self.single_set:
+            return TEST
+        raise PtqError(f"{self.root}: no train split to draw calibration images from (give --calibration-data)")
+
+    def slug(self, split: str) -> str:
+        """A file-name-safe name of this dataset split, unique per location: `cifar-10-batches-py-test-1a2b3c`."""
+        where = hashlib.sha256(str(self.root.resolve()).encode()).hexdigest()[:6]
+        stem = re.sub(r"[^A-Za-z0-9._-]+", "_", self.root.stem or "data")
+        return f"{stem}-{split}-{where}"
+
+    def ref(self, split: str, images: int) -> DatasetRef:
+        return DatasetRef(str(self.root), self.format, split, self.content_key(split), images)
+
+    def load(self, split: str, size: tuple[int, int] | None = None, channels: int | None = None) -> LabelledImages:
+        """The split's images, resized to `size` (H, W) and converted to `channels` (1 or 3) when given.
+
+        Decoded (and resized) arrays are cached under the split's content key, with a digest of the
+        arrays checked on every load: a changed source or a damaged cache file is never served."""
+        if split not in self.splits():
+            raise PtqError(f"{self.root}: no '{split}' split (it has: {', '.join(self.splits())})")
+        key = self.content_key(split)
+        decode_size = tuple(size) if size is not None and self.resizes_on_decode else None
+        shape = f"{decode_size[0]}x{decode_size[1]}" if decode_size else "native"
+        cache = settings.cache_dir() / f"{self.format}-{key[:40]}-{split}-{shape}.npz"
+        cached = read_cache(cache)
+        if cached is None:
+            images, labels = self._decode(split, decode_size)
+            write_cache(cache, images, labels)
+        else:
+            images, labels = cached
+        if size is not None and images.shape[1:3] != tuple(size):
+            images = resize(images, size)
+        names = self.class_names()
+        if labels.size and (labels.min() < 0 or labels.max() >= len(names)):
+            raise PtqError(f"{self.root}: labels outside 0..{len(names) - 1} in the {split} split")
+        if channels is not None:
+            images = convert_channels(images, channels, self.root)
+        return LabelledImages(images, labels, names, split, key)
+
+
+def file_digest(paths: list[Path]) -> str:
+    """sha256 over names and bytes of the files, in the given order."""
+    digest = hashlib.sha256()
+    for path in paths:
+        if not path.is_file():
+            raise PtqError(f"{path}: file not found")
+        try:
+            data = path.read_bytes()
+        except OSError as error:
+            raise PtqError(f"{path}: cannot read ({error.strerror or error})") from error
+        digest.update(path.name.encode() + b"\0" + hashlib.sha256(data).digest())
+    return digest.hexdigest()
+
+
+def _arrays_digest(images: np.ndarray, labels: np.ndarray) -> str:
+    digest = hashlib.sha256(str((images.dtype, images.shape, labels.dtype, labels.shape)).encode())
+    digest.update(np.ascontiguousarray(images).data)
+    digest.update(np.ascontiguousarray(labels).data)
+    return digest.hexdigest()
+
+
+def read_cache(path: Path) -> tuple[np.ndarray, np.ndarray] | None:
+    """The cached arrays if the file is readable and its arrays match the digest stored beside them."""
+    try:
+        with np.load(path, allow_pickle=False) as arrays:
+            images, labels, stored = arrays["images"], arrays["labels"], str(arrays["digest"])
+    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile, AttributeError):
+        return None  # not cached yet, or unreadable: decode again
+    if images.dtype != np.uint8 or images.ndim != 4 or labels.ndim != 1 or len(labels) != len(images):
+        return None
+    return (images, labels.astype(np.int64)) if _arrays_digest(images, labels) == stored else None
+
+
+def write_cache(path: Path, images: np.ndarray, labels: np.ndarray) -> None:
+    try:
+        with atomic_output(path) as tmp, tmp.open("wb") as handle:
+            np.savez(handle, images=images, labels=labels, digest=np.array(_arrays_digest(images, labels)))
+    except (PtqError, OSError):
+        pass  # a read-only or full cache only costs speed
+
+
+def resize(images: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """Bilinear resize of uint8 NHWC images to (H, W) with Pillow, as image loaders of training code do."""
+    from PIL import Image
+
+    height, width = size
+    out = np.empty((len(images), height, width, images.shape[3]), dtype=np.uint8)
+    for index, image in enumerate(images):
+        pixels = image[:, :, 0] if image.shape[2] == 1 else image
+        resized = np.asarray(Image.fromarray(pixels).resize((width, height), Image.BILINEAR))
+        out[index] = resized.reshape(height, width, -1)
+    return out
+
+
+def convert_channels(images: np.ndarray, channels: int, where: Path | str) -> np.ndarray:
+    """Grey to RGB by repetition, RGB to grey with ITU-R 601 weights (Pillow's "L"), RGBA loses alpha."""
+    have = images.shape[3]
+    if have == channels:
+        return images
+    if have == 4:
+        images, have = images[..., :3], 3
+        if channels == 3:
+            return np.ascontiguousarray(images)
+    if have == 1 and channels == 3:
+        return np.ascontiguousarray(np.repeat(images, 3, axis=3))
+    if have == 3 and channels == 1:
+        grey = images.astype(np.float32) @ np.array([0.299, 0.587, 0.114], dtype=np.float32)
+        return np.clip(np.rint(grey), 0, 255).astype(np.uint8)[..., None]
+    raise PtqError(f"{where}: images have {have} channels; the model takes {channels}")

@@ -1,0 +1,127 @@
+"""An image folder: ROOT/<split>/<class>/<image> (splits train, test, optional val), or ROOT/<class>/<image>
+as a single set. Class names: ROOT/classes.txt (one per line, in label order) or the sorted folder names."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+
+from ptq_cli.datasets.base import SPLITS, TEST, Dataset
+from ptq_cli.errors import PtqError
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
+CLASSES_FILE = "classes.txt"
+# Files image folders carry without being images; everything else that is not an image is an error.
+IGNORED = {"thumbs.db", "desktop.ini", CLASSES_FILE}
+
+
+def is_image_folder(path: Path) -> bool:
+    return path.is_dir() and any(child.is_dir() and not child.name.startswith(".") for child in path.iterdir())
+
+
+class ImageFolder(Dataset):
+    format = "folder"
+    resizes_on_decode = True
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        if not self.root.is_dir():
+            raise PtqError(f"{self.root}: image folder not found")
+        folders = _subfolders(self.root)
+        named = [name for name in folders if name in SPLITS]
+        self._split_dirs = {name: self.root / name for name in named} if named else {TEST: self.root}
+        self.single_set = not named
+        if not folders:
+            raise PtqError(f"{self.root}: no class folders (expected ROOT/<split>/<class>/<image> or ROOT/<class>/<image>)")
+        self._classes = self._read_classes()
+        self._files: dict[str, list[tuple[Path, int]]] = {}
+
+    def splits(self) -> tuple[str, ...]:
+        return tuple(split for split in SPLITS if split in self._split_dirs)
+
+    def class_names(self) -> tuple[str, ...]:
+        return self._classes
+
+    def _read_classes(self) -> tuple[str, ...]:
+        per_split = {split: _subfolders(directory) for split, directory in self._split_dirs.items()}
+        for split, names in per_split.items():
+            if not names:
+                raise PtqError(f"{self._split_dirs[split]}: no class folders in it")
+        first_split, first = next(iter(per_split.items()))
+        for split, names in per_split.items():
+            if names != first:
+                only_here = sorted(set(names) - set(first)) or sorted(set(first) - set(names))
+                raise PtqError(f"{self._split_dirs[split]}: class folders differ from {self._split_dirs[first_split]} ({', '.join(only_here[:5])})")
+        listed = self.root / CLASSES_FILE
+        if not listed.is_file():
+            return tuple(first)
+        try:
+            names = tuple(line.strip() for line in listed.read_text(encoding="utf-8").splitlines() if line.strip())
+        except (OSError, UnicodeDecodeError) as error:
+            raise PtqError(f"{listed}: cannot read the class names ({error})") from error
+        if sorted(names) != sorted(first) or len(set(names)) != len(names):
+            raise PtqError(f"{listed}: lists {len(names)} classes that are not the {len(first)} class folders")
+        return names
+
+    def files(self, split: str) -> list[tuple[Path, int]]:
+        """(image path, label) of the split, classes in label order, files sorted by name."""
+        if split not in self._files:
+            found = []
+            for label, name in enumerate(self._classes):
+                directory = self._split_dirs[split] / name
+                images = []
+                for path in sorted(directory.iterdir()):
+                    if path.name.startswith(".") or path.name.lower() in IGNORED or path.is_dir():
+                        continue
+                    if path.suffix.lower() not in IMAGE_SUFFIXES:
+                        raise PtqError(f"{path}: not an image file (expected {', '.join(IMAGE_SUFFIXES)})")
+                    images.append((path, label))
+                if not images:
+                    raise PtqError(f"{directory}: empty class folder")
+                found.extend(images)
+            self._files[split] = found
+        return self._files[split]
+
+    def source_files(self, split: str) -> list[Path]:
+        return [path for path, _ in self.files(split)]
+
+    def content_key(self, split: str) -> str:
+        digest = hashlib.sha256("\n".join(self._classes).encode())
+        for path, label in self.files(split):
+            try:
+                data = path.read_bytes()
+            except OSError as error:
+                raise PtqError(f"{path}: cannot read ({error.strerror or error})") from error
+            digest.update(f"{path.relative_to(self.root)}\0{label}\0".encode() + hashlib.sha256(data).digest())
+        return digest.hexdigest()
+
+    def _decode(self, split: str, size: tuple[int, int] | None) -> tuple[np.ndarray, np.ndarray]:
+        from PIL import Image, UnidentifiedImageError
+
+        files = self.files(split)
+        images: list[np.ndarray] = []
+        for path, _ in files:
+            try:
+                with Image.open(path) as image:
+                    image.load()
+                    converted = image.convert("L" if image.mode in ("1", "L", "I", "I;16", "F") else "RGB")
+            except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as error:
+                raise PtqError(f"{path}: not a readable image ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from error
+            if size is not None and converted.size != (size[1], size[0]):
+                converted = converted.resize((size[1], size[0]), Image.BILINEAR)
+            pixels = np.asarray(converted, dtype=np.uint8)
+            images.append(pixels[..., None] if pixels.ndim == 2 else pixels)
+        shapes = {image.shape for image in images}
+        if len({shape[:2] for shape in shapes}) > 1:
+            examples = ", ".join(f"{h}x{w}" for h, w in sorted({shape[:2] for shape in shapes})[:3])
+            raise PtqError(f"{self._split_dirs[split]}: images differ in size ({examples}); give a model so they are resized to its input")
+        if len(shapes) > 1:  # grey and colour images mixed: all to RGB
+            images = [np.repeat(image, 3, axis=2) if image.shape[2] == 1 else image for image in images]
+        labels = np.array([label for _, label in files], dtype=np.int64)
+        return np.stack(images), labels
+
+
+def _subfolders(directory: Path) -> list[str]:
+    return sorted(child.name for child in directory.iterdir() if child.is_dir() and not child.name.startswith("."))

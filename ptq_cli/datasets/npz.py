@@ -1,0 +1,70 @@
+"""A NumPy .npz of labelled images: `images` (uint8 N x H x W x C, or N x H x W for grey) and `labels`,
+optional `class_names`; a single set. With `train_images`/`train_labels` (and `test_`, `val_` likewise)
+it holds several splits."""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from ptq_cli.datasets.base import SPLITS, TEST, Dataset, file_digest
+from ptq_cli.errors import PtqError
+
+
+class NpzDataset(Dataset):
+    format = "npz"
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        if not self.root.is_file():
+            raise PtqError(f"{self.root}: .npz file not found")
+        try:
+            with np.load(self.root, allow_pickle=False) as arrays:
+                self._keys = set(arrays.files)
+                names = arrays["class_names"] if "class_names" in arrays.files else None
+                label_arrays = [arrays[key] for key in self._keys if key == "labels" or key.endswith("_labels")]
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:
+            raise PtqError(f"{self.root}: not a readable .npz ({error})") from error
+        if "images" in self._keys:
+            self._prefixes = {TEST: ""}
+            self.single_set = True
+        else:
+            self._prefixes = {split: f"{split}_" for split in SPLITS if f"{split}_images" in self._keys}
+        if not self._prefixes:
+            raise PtqError(f"{self.root}: no 'images' array (keys: {', '.join(sorted(self._keys)) or 'none'}); expected images, labels[, class_names]")
+        for prefix in self._prefixes.values():
+            if f"{prefix}labels" not in self._keys:
+                raise PtqError(f"{self.root}: '{prefix}images' without '{prefix}labels'")
+        if names is not None:
+            if names.ndim != 1 or names.dtype.kind not in "US":
+                raise PtqError(f"{self.root}: 'class_names' is not a list of strings")
+            self._classes = tuple(str(name) for name in names)
+        else:
+            highest = max((int(labels.max()) for labels in label_arrays if labels.size and labels.dtype.kind in "iu"), default=0)
+            self._classes = tuple(str(index) for index in range(highest + 1))
+
+    def splits(self) -> tuple[str, ...]:
+        return tuple(split for split in SPLITS if split in self._prefixes)
+
+    def class_names(self) -> tuple[str, ...]:
+        return self._classes
+
+    def source_files(self, split: str) -> list[Path]:
+        return [self.root]
+
+    def content_key(self, split: str) -> str:
+        return file_digest([self.root]) + f":{split}"
+
+    def _decode(self, split: str, size: tuple[int, int] | None) -> tuple[np.ndarray, np.ndarray]:
+        prefix = self._prefixes[split]
+        with np.load(self.root, allow_pickle=False) as arrays:
+            images, labels = arrays[f"{prefix}images"], arrays[f"{prefix}labels"]
+        if images.ndim == 3:
+            images = images[..., None]
+        if images.dtype != np.uint8 or images.ndim != 4 or images.shape[3] not in (1, 3, 4) or not len(images):
+            raise PtqError(f"{self.root}: '{prefix}images' is {images.dtype} {images.shape}, expected uint8 N x H x W x C (C 1, 3 or 4, N > 0)")
+        if labels.dtype.kind not in "iu" or labels.shape != (len(images),):
+            raise PtqError(f"{self.root}: '{prefix}labels' is {labels.dtype} {labels.shape}, expected {len(images)} integer labels")
+        return np.ascontiguousarray(images), labels.astype(np.int64)

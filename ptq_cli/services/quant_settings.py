@@ -1,0 +1,150 @@
+"""Quantization settings: the one vocabulary every backend shares, validated in one place, and the one
+describer of a model's quantization (report, tune, sweep and render all use it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ptq_cli.errors import PtqError
+from ptq_cli.services.models import ONNXRUNTIME, PYTORCH
+
+DTYPES = ("int8", "uint8")
+BACKENDS = (ONNXRUNTIME, PYTORCH)
+# Each library's own calibration methods; the first is the default.
+METHODS = {ONNXRUNTIME: ("minmax", "entropy", "percentile"), PYTORCH: ("histogram", "minmax")}
+# ONNX Runtime keeps the seed study's per-tensor default; PyTorch's x86 default is per-channel.
+DEFAULT_PER_CHANNEL = {ONNXRUNTIME: False, PYTORCH: True}
+FORMATS = {ONNXRUNTIME: "QDQ", PYTORCH: "FX"}
+DEFAULT_PERCENTILE = 99.999
+DEFAULT_DTYPE = "int8"
+# `--target speed`: the fast configuration on x86. onnxruntime's x86 int8 kernels (VNNI) multiply
+# unsigned activations by signed weights; int8 x int8 and uint8 x uint8 fall back to slower paths.
+# Per-channel weights with percentile calibration keep the accuracy (see README for the figures).
+TARGETS = ("speed",)
+PRESETS = {
+    "speed": {
+        ONNXRUNTIME: {"dtype": "uint8", "weight_dtype": "int8", "per_channel": True, "method": "percentile"},
+        PYTORCH: {},  # PyTorch's x86 int8 is already uint8 activations x int8 per-channel weights
+    }
+}
+
+
+@dataclass(frozen=True)
+class QuantizationSettings:
+    """Everything that decides the quantized model; stored inside it and in its evaluation record."""
+
+    framework: str  # ONNXRUNTIME or PYTORCH
+    format: str  # "QDQ" (onnxruntime) or "FX" (torch.ao FX graph mode)
+    dtype: str  # activations: "int8" or "uint8"; names the model's data type
+    weight_dtype: str
+    per_channel: bool
+    method: str
+    percentile: float | None  # only for method "percentile"
+    preprocess: bool  # onnxruntime's quant_pre_process (shape inference, BN folding) before quantizing
+    # Filled in by quantize() from the calibration set it was given.
+    calibration_samples: int = 0
+    calibration_seed: int | None = None
+    calibration_source: str | None = None
+    target: str | None = None  # the preset the settings came from, if any
+    float_nodes: tuple[str, ...] = ()  # nodes left in float (names in the preprocessed graph)
+    # Regroup the convolutions onnxruntime's fast x86 int8 kernel handles poorly (the RGB stem, 16-channel
+    # layers) over blocks of pixels (services/space_to_depth.py); same products.
+    space_to_depth: bool = False
+
+
+def make_settings(
+    dtype: str | None = None,
+    backend: str = ONNXRUNTIME,
+    weight_dtype: str | None = None,
+    per_channel: bool | None = None,
+    method: str | None = None,
+    percentile: float | None = None,
+    preprocess: bool = True,
+    target: str | None = None,
+    space_to_depth: bool | None = None,
+) -> QuantizationSettings:
+    """Validated settings. Without a target the defaults are the seed study's, the weights following the
+    activations' type; a target's preset fills in what the options leave open. Space-to-depth is on by
+    default where it speeds the model up: onnxruntime, uint8 activations x int8 weights."""
+    if backend not in BACKENDS:
+        raise PtqError(f"--backend: '{backend}' is not one of {', '.join(BACKENDS)}")
+    if target is not None and target not in TARGETS:
+        raise PtqError(f"--target: '{target}' is not one of {', '.join(TARGETS)}")
+    preset = PRESETS[target][backend] if target else {}
+    dtype = dtype or preset.get("dtype") or DEFAULT_DTYPE
+    weight_dtype = weight_dtype or preset.get("weight_dtype")
+    per_channel = preset.get("per_channel") if per_channel is None else per_channel
+    method = method or preset.get("method")
+    if dtype not in DTYPES:
+        raise PtqError(f"--dtype: '{dtype}' is not one of {', '.join(DTYPES)}")
+    weight_dtype = weight_dtype or dtype
+    if weight_dtype not in DTYPES:
+        raise PtqError(f"--weight-dtype: '{weight_dtype}' is not one of {', '.join(DTYPES)}")
+    if backend == PYTORCH and "uint8" in (dtype, weight_dtype):
+        option = "--dtype" if dtype == "uint8" else "--weight-dtype"
+        raise PtqError(
+            f"{option} uint8: PyTorch's x86/fbgemm quantized convolutions need signed int8 weights "
+            "(their activations are uint8 already); use --dtype int8, or --backend onnxruntime for uint8"
+        )
+    method = method or METHODS[backend][0]
+    if space_to_depth and backend != ONNXRUNTIME:
+        raise PtqError("--space-to-depth: applies to --backend onnxruntime only")
+    if space_to_depth is None:
+        space_to_depth = preset.get("space_to_depth", backend == ONNXRUNTIME and (dtype, weight_dtype) == ("uint8", "int8"))
+    if method not in METHODS[backend]:
+        raise PtqError(f"--method: '{method}' is not a {backend} calibration method ({', '.join(METHODS[backend])})")
+    if method == "percentile":
+        percentile = DEFAULT_PERCENTILE if percentile is None else percentile
+        if not 50.0 < percentile <= 100.0:
+            raise PtqError(f"--percentile: {percentile} is not in (50, 100]")
+    elif percentile is not None:
+        raise PtqError("--percentile: only applies to --method percentile")
+    return QuantizationSettings(
+        framework=backend,
+        format=FORMATS[backend],
+        dtype=dtype,
+        weight_dtype=weight_dtype,
+        per_channel=DEFAULT_PER_CHANNEL[backend] if per_channel is None else per_channel,
+        method=method,
+        percentile=percentile,
+        preprocess=preprocess,
+        target=target,
+        space_to_depth=space_to_depth,
+    )
+
+
+def short_node(name: str) -> str:
+    """tf2onnx names a layer's nodes model_1/conv2d_1/BiasAdd: the layer is the middle part."""
+    return name.split("/")[-2] if "/" in name else name
+
+
+def describe_pruning(pruning: dict | None) -> str:
+    if not pruning:
+        return ""
+    kept = [name for name, flag in (("first conv", pruning.get("exclude_first")), ("classifier", pruning.get("exclude_classifier"))) if flag]
+    refit = " re-fitted" if pruning.get("reconstruct") else ""
+    return f"pruned {pruning['sparsity']:.0%} {pruning['scope']}{refit}" + (f" (dense: {', '.join(kept)})" if kept else "")
+
+
+def describe_quantization(settings: dict | None) -> str:
+    """How a model was quantized, in a few words, from its stored settings (a dict: records hold JSON)."""
+    if not settings:
+        return "float"
+    # PyTorch's x86 kernels pair unsigned activations with signed weights whatever the model is called.
+    types = "a:quint8 w:qint8" if settings.get("format") == "FX" else f"a:{settings['dtype']} w:{settings.get('weight_dtype', settings['dtype'])}"
+    parts = [
+        f"{settings.get('format', 'QDQ')} {types}",
+        "per-channel" if settings.get("per_channel") else "per-tensor",
+        settings.get("method", "?") + (f" {settings['percentile']:g}" if settings.get("percentile") else ""),
+        f"{settings.get('calibration_samples', '?')} samples",
+    ]
+    if settings.get("float_nodes"):
+        parts.append("float: " + ", ".join(short_node(name) for name in settings["float_nodes"]))
+    if settings.get("space_to_depth_convs"):
+        parts.append("space-to-depth: " + ", ".join(short_node(rewrite["node"]) for rewrite in settings["space_to_depth_convs"]))
+    return ", ".join(parts)
+
+
+def describe_model(settings: dict | None, pruning: dict | None = None) -> str:
+    """How a model was made, in a few words: its pruning, then its quantization."""
+    return ", ".join(part for part in (describe_pruning(pruning), describe_quantization(settings)) if part)

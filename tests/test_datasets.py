@@ -1,0 +1,253 @@
+"""Bring your own model and images, in-process (typer's CliRunner) on tiny synthetic models and data.
+
+The classifier: mean of each colour channel -> 3 scores (red, green, blue); the images: solid colours with
+noise, so a correctly fed model scores 100% and a wrongly fed one (BGR, another size) measurably less.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+from PIL import Image
+from typer.testing import CliRunner
+
+from ptq_cli.cli import app
+from ptq_cli.datasets import open_dataset
+
+CLASSES = ("red", "green", "blue")
+runner = CliRunner()
+
+
+def invoke(*args, cwd: Path):
+    import os
+
+    before = Path.cwd()
+    os.chdir(cwd)
+    try:
+        return runner.invoke(app, [str(arg) for arg in args], env={"COLUMNS": "200"}, prog_name="ptq")
+    finally:
+        os.chdir(before)
+
+
+def one_line_error(result, mentions: str) -> None:
+    assert result.exit_code == 2, (result.exit_code, result.output)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error:") and mentions in lines[0], result.stderr
+    assert "Traceback" not in result.output
+
+
+def colour_images(count_per_class: int, size: int = 8, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    images, labels = [], []
+    for label in range(3):
+        for _ in range(count_per_class):
+            image = rng.integers(0, 60, (size, size, 3))
+            image[..., label] += 150
+            images.append(image.astype(np.uint8))
+            labels.append(label)
+    return np.stack(images), np.array(labels, np.int64)
+
+
+def channel_mean_classifier(path: Path, layout: str = "NCHW", batch: int | str = "N", size: int = 8, classes: int = 3,
+                            opset: int = 13, two_inputs: bool = False) -> Path:
+    """Scores = per-channel mean (x W, an identity for 3 classes); NCHW or NHWC, float input."""
+    shape = [batch, 3, size, size] if layout == "NCHW" else [batch, size, size, 3]
+    axes = [2, 3] if layout == "NCHW" else [1, 2]
+    weights = np.eye(3, classes, dtype=np.float32)
+    nodes = [helper.make_node("ReduceMean", ["image"], ["means"], axes=axes, keepdims=0),
+             helper.make_node("MatMul", ["means", "weights"], ["scores"])]
+    inputs = [helper.make_tensor_value_info("image", onnx.TensorProto.FLOAT, shape)]
+    if two_inputs:
+        inputs.append(helper.make_tensor_value_info("mask", onnx.TensorProto.FLOAT, shape))
+    graph = helper.make_graph(nodes, "colours", inputs, [helper.make_tensor_value_info("scores", onnx.TensorProto.FLOAT, [batch, classes])],
+                              [numpy_helper.from_array(weights, "weights")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=7)
+    onnx.save(model, str(path))
+    return path
+
+
+def image_folder(root: Path, splits=("train", "test"), per_class: int = 6, suffix: str = ".png", size: int = 8) -> Path:
+    for offset, split in enumerate(splits):
+        images, labels = colour_images(per_class, size, seed=offset)
+        for index, (image, label) in enumerate(zip(images, labels)):
+            folder = root / split / CLASSES[label]
+            folder.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(image).save(folder / f"{index:04d}{suffix}")
+    (root / "classes.txt").write_text("\n".join(CLASSES) + "\n")  # the model's order, not the sorted folder names
+    return root
+
+
+def evaluate_record(results: Path, model: str) -> dict:
+    found = sorted(results.glob(f"{model}@*.json"))
+    assert len(found) == 1, [p.name for p in results.iterdir()]
+    return json.loads(found[0].read_text())
+
+
+def test_image_folder_is_read_by_layout_and_fed_as_the_model_wants(tmp_path):
+    image_folder(tmp_path / "colours")
+    channel_mean_classifier(tmp_path / "m.onnx")
+    result = invoke("evaluate", "--model", "m.onnx", "--data", "colours", "--results-dir", "res", cwd=tmp_path)
+    assert result.exit_code == 0, result.output
+    record = evaluate_record(tmp_path / "res", "m.onnx")
+    assert record["accuracy"] == 100.0 and record["class_names"] == list(CLASSES) and record["dataset_format"] == "folder"
+    assert record["model_input"].startswith("NCHW 3x8x8")
+    # Fed BGR, red and blue swap: only green stays right.
+    result = invoke("evaluate", "--model", "m.onnx", "--data", "colours", "--bgr", "--results-dir", "bgr", cwd=tmp_path)
+    assert result.exit_code == 0, result.output
+    assert abs(evaluate_record(tmp_path / "bgr", "m.onnx")["accuracy"] - 100 / 3) < 0.01
+
+
+def test_classes_txt_orders_the_labels(tmp_path):
+    image_folder(tmp_path / "colours")
+    dataset = open_dataset(tmp_path / "colours")
+    assert dataset.class_names() == CLASSES  # not the sorted folder names (blue, green, red)
+    (tmp_path / "colours" / "classes.txt").unlink()
+    assert open_dataset(tmp_path / "colours").class_names() == ("blue", "green", "red")
+    test = dataset.load("test")
+    assert test.images.shape == (18, 8, 8, 3) and test.labels.tolist() == [0] * 6 + [1] * 6 + [2] * 6
+
+
+def test_grey_and_rgba_images_take_the_models_channel_count(tmp_path):
+    root = image_folder(tmp_path / "colours")
+    red = root / "test" / "red"
+    Image.fromarray(np.full((8, 8), 90, np.uint8)).save(red / "grey.png")
+    rgba = np.zeros((8, 8, 4), np.uint8)
+    rgba[..., 0], rgba[..., 3] = 200, 255
+    Image.fromarray(rgba).save(red / "rgba.png")
+    test = open_dataset(root).load("test", (8, 8), 3)
+    reds = test.images[test.labels == 0]  # files sorted by name: 0000..0005.png, grey.png, rgba.png
+    assert test.images.shape == (20, 8, 8, 3)
+    assert reds[6][0, 0].tolist() == [90, 90, 90] and reds[7][0, 0].tolist() == [200, 0, 0]
+    grey = open_dataset(root).load("test", (8, 8), 1)
+    assert grey.images.shape == (20, 8, 8, 1) and grey.images[test.labels == 0][6][0, 0, 0] == 90
+
+
+def test_images_are_resized_to_the_model_input(tmp_path):
+    image_folder(tmp_path / "colours", size=16)
+    channel_mean_classifier(tmp_path / "m.onnx", size=8)
+    result = invoke("evaluate", "--model", "m.onnx", "--data", "colours", "--results-dir", "res", cwd=tmp_path)
+    assert result.exit_code == 0, result.output
+    assert evaluate_record(tmp_path / "res", "m.onnx")["accuracy"] == 100.0
+
+
+def test_npz_dataset_and_its_bad_forms(tmp_path):
+    images, labels = colour_images(5)
+    np.savez(tmp_path / "set.npz", images=images, labels=labels, class_names=np.array(CLASSES))
+    channel_mean_classifier(tmp_path / "m.onnx", layout="NHWC")
+    result = invoke("evaluate", "--model", "m.onnx", "--data", "set.npz", "--results-dir", "res", cwd=tmp_path)
+    assert result.exit_code == 0, result.output
+    assert evaluate_record(tmp_path / "res", "m.onnx")["accuracy"] == 100.0
+    np.savez(tmp_path / "keys.npz", x=images, y=labels)
+    one_line_error(invoke("evaluate", "--model", "m.onnx", "--data", "keys.npz", "--results-dir", "r2", cwd=tmp_path), "keys.npz")
+    np.savez(tmp_path / "shape.npz", images=images.astype(np.float32), labels=labels)
+    one_line_error(invoke("evaluate", "--model", "m.onnx", "--data", "shape.npz", "--results-dir", "r3", cwd=tmp_path), "shape.npz")
+    assert not (tmp_path / "r2").exists() and not (tmp_path / "r3").exists()
+
+
+@pytest.mark.parametrize("damage, mentions", [
+    ("empty class", "green"),
+    ("corrupt image", "0000.png"),
+    ("not an image", "notes.txt"),
+    ("classes differ", "differ"),
+])
+def test_bad_image_folders_fail_in_one_line(tmp_path, damage, mentions):
+    root = image_folder(tmp_path / "colours")
+    channel_mean_classifier(tmp_path / "m.onnx")
+    if damage == "empty class":
+        for path in (root / "test" / "green").iterdir():
+            path.unlink()
+    elif damage == "corrupt image":
+        (root / "test" / "red" / "0000.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    elif damage == "not an image":
+        (root / "test" / "red" / "notes.txt").write_text("hello")
+    else:
+        (root / "test" / "purple").mkdir()
+        Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(root / "test" / "purple" / "a.png")
+    one_line_error(invoke("evaluate", "--model", "m.onnx", "--data", "colours", "--results-dir", "res", cwd=tmp_path), mentions)
+    assert not (tmp_path / "res").exists()
+
+
+@pytest.mark.parametrize("options, mentions", [
+    (["--mean", "0.5,0.5"], "--mean"),
+    (["--std", "0"], "--std"),
+    (["--std", "1,x,1"], "--std"),
+    (["--scale", "-1"], "--scale"),
+])
+def test_bad_preprocessing_options_fail_before_work(tmp_path, options, mentions):
+    image_folder(tmp_path / "colours")
+    channel_mean_classifier(tmp_path / "m.onnx")
+    for command in (["evaluate", "--results-dir", "res"], ["quantize", "--output", "q.onnx"]):
+        one_line_error(invoke(*command, "--model", "m.onnx", "--data", "colours", *options, cwd=tmp_path), mentions)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["colours", "m.onnx"]
+
+
+def test_models_that_do_not_fit_the_data_are_refused(tmp_path):
+    image_folder(tmp_path / "colours")
+    channel_mean_classifier(tmp_path / "four.onnx", classes=4)
+    channel_mean_classifier(tmp_path / "two.onnx", two_inputs=True)
+    for model, mentions in (("four.onnx", "4 class scores"), ("two.onnx", "2 inputs")):
+        for command in (["evaluate", "--results-dir", "res"], ["quantize", "--output", "q.onnx"]):
+            one_line_error(invoke(*command, "--model", model, "--data", "colours", cwd=tmp_path), mentions)
+    assert not (tmp_path / "res").exists() and not (tmp_path / "q.onnx").exists()
+
+
+def test_a_single_set_needs_calibration_data_from_elsewhere(tmp_path):
+    image_folder(tmp_path / "only", splits=("test",))
+    flat = tmp_path / "flat"  # ROOT/<class>/<image>: one set
+    (tmp_path / "only" / "test").rename(flat)
+    image_folder(tmp_path / "calib", splits=("train",))
+    channel_mean_classifier(tmp_path / "m.onnx")
+    one_line_error(invoke("quantize", "--model", "m.onnx", "--data", "flat", "--output", "q.onnx", cwd=tmp_path), "--calibration-data")
+    result = invoke("quantize", "--model", "m.onnx", "--data", "flat", "--calibration-data", "calib", "--output", "q.onnx",
+                    "--dtype", "uint8", "--json", cwd=tmp_path)
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "q.onnx").is_file()
+
+
+def test_quantized_model_keeps_its_preprocessing_and_fixed_batch_is_freed(tmp_path):
+    image_folder(tmp_path / "colours", per_class=12)
+    channel_mean_classifier(tmp_path / "m.onnx", batch=1, opset=9)
+    result = invoke("quantize", "--model", "m.onnx", "--data", "colours", "--preprocess", "unit", "--output", "q.onnx",
+                    "--dtype", "uint8", "--json", cwd=tmp_path)
+    assert result.exit_code == 0, result.output
+    notes = json.loads(result.stdout)["notes"]
+    assert any("opset 9 upgraded to 13" in note for note in notes) and any("fixed batch 1 made symbolic" in note for note in notes)
+    quantized = onnx.load(str(tmp_path / "q.onnx"))
+    metadata = {prop.key: prop.value for prop in quantized.metadata_props}
+    assert json.loads(metadata["ptq.input"])["preset"] == "unit"
+    assert quantized.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "N"
+    # Evaluated without flags: the stored contract; the FP32 source evaluated too, fed the same way.
+    result = invoke("evaluate", "--model", "q.onnx", "--data", "colours", "--results-dir", "res", cwd=tmp_path)
+    assert result.exit_code == 0, result.output
+    quantized_record, source_record = evaluate_record(tmp_path / "res", "q.onnx"), evaluate_record(tmp_path / "res", "m.onnx")
+    assert quantized_record["preprocessing"] == "unit" == source_record["preprocessing"]
+    assert quantized_record["source_sha256"] == source_record["model_sha256"]
+    assert "delta vs FP32 m.onnx" in result.stdout
+    assert source_record["model_input"] == "NCHW 3x8x8, batch 1 (fixed batch 1 made symbolic (same outputs))"
+
+
+def test_records_are_kept_per_dataset_and_the_report_groups_them(tmp_path):
+    image_folder(tmp_path / "png")
+    image_folder(tmp_path / "jpeg", suffix=".jpg")
+    channel_mean_classifier(tmp_path / "m.onnx")
+    for data in ("png", "jpeg"):
+        assert invoke("evaluate", "--model", "m.onnx", "--data", data, "--results-dir", "res", cwd=tmp_path).exit_code == 0
+    assert len(list((tmp_path / "res").glob("m.onnx@*.json"))) == 2
+    result = invoke("report", "--results-dir", "res", "--json", cwd=tmp_path)
+    assert result.exit_code == 0, result.output
+    groups = json.loads(result.stdout)["groups"]
+    assert sorted(group["label"] for group in groups) == ["jpeg (test)", "png (test)"]
+
+
+def test_each_command_has_its_own_help_with_the_data_options(tmp_path):
+    for command in ("calibrate", "quantize", "evaluate", "benchmark", "sensitivity", "tune", "prune", "sweep", "run", "convert"):
+        result = invoke(command, "--help", cwd=tmp_path)
+        assert result.exit_code == 0, (command, result.output)
+        assert "--data" in result.stdout and f"ptq {command}" in result.stdout
+    for command in ("quantize", "evaluate", "benchmark", "sensitivity", "tune", "prune", "sweep", "run"):
+        assert "--preprocess" in invoke(command, "--help", cwd=tmp_path).stdout
