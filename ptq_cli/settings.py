@@ -5,9 +5,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-# Top-1 accuracy (percent) of the MLPerf Tiny ResNet8 float model on CIFAR-10 test_batch.
-BASELINE_ACCURACY = 87.19
-
 # Where the real assets live; one setting, overridable for another location.
 ASSETS_ENV = "PTQ_ASSETS"
 DEFAULT_ASSETS = Path("../shared/assets")
@@ -25,7 +22,7 @@ def keras_model_path() -> Path:
     return assets_dir() / "mlperf-tiny-resnet8" / "pretrainedResnet.h5"
 
 
-# Decoded CIFAR-10 arrays, keyed by the source files' content (see services/cifar.py).
+# Decoded datasets, keyed by the source files' content (see datasets/base.py).
 CACHE_ENV = "PTQ_CACHE_DIR"
 
 
