@@ -189,7 +189,7 @@ def test_benchmark_measures_models_in_turns(monkeypatch, tmp_path):
 
     monkeypatch.setattr(benchmark, "load_model", fake_model)
     images = tmp_path / "images.npz"
-    np.savez(images, images=np.zeros((8, 32, 32, 3), np.uint8), labels=np.zeros(8, np.int64))
+    np.savez(images, images=np.zeros((8, 32, 32, 3), np.uint8), labels=np.zeros(8, np.int64), class_names=np.array(list("abcdefghij")))
     paths = [tmp_path / name for name in ("fp32.onnx", "fp32.pt", "q.onnx", "q.pt")]
     records = benchmark.benchmark_models(paths, open_dataset(images), batch_size=8, threads=1, runs=3, warmup=1)
     # One framework after the other (PyTorch's spinning threads would slow the next model), in turns within it.

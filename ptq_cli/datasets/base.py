@@ -33,21 +33,6 @@ class LabelledImages:
     content_sha256: str  # of the source files of this split: any change gives another key
 
 
-@dataclass(frozen=True)
-class DatasetRef:
-    """What a record says about the images it was measured on."""
-
-    path: str
-    format: str
-    split: str
-    content_sha256: str
-    images: int
-
-    @property
-    def label(self) -> str:
-        return f"{Path(self.path).name} ({self.split})"
-
-
 class Dataset(ABC):
     """Labelled images in one of the formats people keep them in."""
 
@@ -103,9 +88,6 @@ class Dataset(ABC):
         where = hashlib.sha256(str(self.root.resolve()).encode()).hexdigest()[:6]
         stem = re.sub(r"[^A-Za-z0-9._-]+", "_", self.root.stem or "data")
         return f"{stem}-{split}-{where}"
-
-    def ref(self, split: str, images: int) -> DatasetRef:
-        return DatasetRef(str(self.root), self.format, split, self.content_key(split), images)
 
     def load(self, split: str, size: tuple[int, int] | None = None, channels: int | None = None) -> LabelledImages:
         """The split's images, resized to `size` (H, W) and converted to `channels` (1 or 3) when given.

@@ -75,11 +75,11 @@ def _checked_write(
     return ConversionResult(source, output, size, check, tuple(warnings or ()))
 
 
-def check_images(dataset: Dataset, count: int, size: tuple[int, int] | None = None) -> np.ndarray:
-    """uint8 pixels of the first `count` images of the evaluation split."""
+def check_images(dataset: Dataset, count: int, size: tuple[int, int] | None = None, channels: int | None = None) -> np.ndarray:
+    """uint8 pixels of the first `count` images of the evaluation split, at `size` and `channels` if given."""
     if count < 1:
         raise PtqError(f"--check-images: must be at least 1, got {count}")
-    return dataset.load(dataset.evaluation_split(), size).images[:count]
+    return dataset.load(dataset.evaluation_split(), size, channels).images[:count]
 
 
 class _WarningCollector(logging.Handler):
@@ -134,7 +134,8 @@ def keras_to_onnx(keras_path: Path, output: Path, dataset: Dataset, opset: int =
     if not keras_path.is_file():
         raise PtqError(f"{keras_path}: Keras model file not found")
     check_writable(output)
-    pixels = check_images(dataset, check_count)
+    if check_count < 1:
+        raise PtqError(f"--check-images: must be at least 1, got {check_count}")
     try:
         with _native_stderr_silenced():
             import tensorflow as tf
@@ -150,10 +151,7 @@ def keras_to_onnx(keras_path: Path, output: Path, dataset: Dataset, opset: int =
         raise PtqError(f"{keras_path}: Keras model input {shape} is not N x H x W x C images")
     keras_input = inputs.ModelInput("input", inputs.NHWC, shape[3], shape[1], shape[2], None)
     preprocessing = inputs.resolve(flags or inputs.PreprocessingFlags(), None)
-    from ptq_cli.datasets.base import convert_channels, resize
-
-    fitted = convert_channels(resize(pixels, keras_input.size) if pixels.shape[1:3] != keras_input.size else pixels, keras_input.channels, dataset.root)
-    images = inputs.prepare(fitted, keras_input, preprocessing)
+    images = inputs.prepare(check_images(dataset, check_count, keras_input.size, keras_input.channels), keras_input, preprocessing)
     reference = keras_model.predict(images, batch_size=500, verbose=0)
     signature = (tf.TensorSpec((None, *keras_model.input_shape[1:]), tf.float32, name="input"),)
 

@@ -57,9 +57,6 @@ class LoadedModel:
         """uint8 N x H x W x C images -> the model's input (size, channels, scale, normalisation, layout)."""
         return inputs.prepare(self.fit(images), self.input, self.preprocessing)
 
-    def classify(self, images: np.ndarray) -> np.ndarray:
-        return self.predict(self.prepare(images))
-
     def describe_input(self) -> str:
         """e.g. "NCHW 3x32x32, batch 1 (fixed batch 1 made symbolic (same outputs))"."""
         shape = self.input.shape(1)[1:]
