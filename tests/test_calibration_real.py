@@ -23,8 +23,8 @@ def calibration_sets(tmp_path_factory, assets):
 def test_exactly_n_per_class(calibration_sets):
     for calibration in calibration_sets.values():
         assert np.bincount(calibration.labels, minlength=10).tolist() == [20] * 10
-        assert calibration.images.shape == (200, 32, 32, 3) and calibration.images.dtype == np.float32
-        assert calibration.pixel_range == (0.0, 255.0)
+        assert calibration.images.shape == (200, 32, 32, 3) and calibration.images.dtype == np.uint8  # pixels; preprocessing per model
+        assert calibration.pixel_range == (0, 255)
 
 
 def test_same_seed_same_indices_other_seed_other_indices(calibration_sets):
@@ -54,7 +54,7 @@ def test_calibration_never_reads_the_test_batch(tmp_path, assets):
     data.mkdir()
     for name in (*cifar.TRAIN_BATCHES, cifar.META_FILE):
         (data / name).symlink_to(CIFAR / name)
-    calibration = build_calibration_set(data, samples_per_class=5, seed=1)
+    calibration = build_calibration_set(cifar.Cifar10(data), samples_per_class=5, seed=1)
     assert len(calibration.labels) == 50
 
 

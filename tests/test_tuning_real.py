@@ -20,8 +20,8 @@ RESNET8_LAYERS = {"Conv": 9, "Add": 3, "AveragePool": 1, "Gemm": 1, "Softmax": 1
 
 
 def test_validation_split_is_disjoint_from_calibration_and_holds_no_test_image(assets):
-    calibration = build_calibration_set(CIFAR, 100, 42)
-    validation = build_validation_set(calibration, CIFAR, samples_per_class=500)
+    calibration = build_calibration_set(cifar.Cifar10(CIFAR), 100, 42)
+    validation = build_validation_set(calibration, cifar.Cifar10(CIFAR), samples_per_class=500)
     assert np.intersect1d(validation.indices, calibration.indices).size == 0
     assert np.bincount(validation.labels, minlength=10).tolist() == [500] * 10
     train = cifar_split("train")
@@ -31,7 +31,7 @@ def test_validation_split_is_disjoint_from_calibration_and_holds_no_test_image(a
     validation_hashes = {hashlib.sha256(image.astype(np.uint8).tobytes()).digest() for image in validation.images}
     assert not validation_hashes & test_hashes
     assert not validation_hashes & calibration_hashes
-    again = build_validation_set(calibration, CIFAR, samples_per_class=500)
+    again = build_validation_set(calibration, cifar.Cifar10(CIFAR), samples_per_class=500)
     assert np.array_equal(again.indices, validation.indices)
 
 
