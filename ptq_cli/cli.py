@@ -549,7 +549,7 @@ def evaluate(
     model: Annotated[Optional[list[Path]], typer.Option(help="Model file (.onnx or TorchScript .pt); repeat for several. (default: every model in models/)", show_default=False)] = None,
     per_class: Annotated[bool, typer.Option("--per-class", help="Also show per-class accuracy, with the delta against the FP32 source model's record.")] = False,
     results_dir: Annotated[Path, typer.Option(help="Where to write one JSON record per model and dataset.")] = settings.RESULTS_DIR,
-    batch_size: Annotated[int, typer.Option(help="Images per inference call.")] = 1000,
+    batch_size: Annotated[int, typer.Option(help="Images per inference call (split over the threads).")] = settings.EVALUATION_BATCH,
     threads: Annotated[Optional[int], typer.Option(help="Inference threads. (default: all cores)", show_default=False)] = None,
     data: DataOption = None,
     preprocess: PresetOption = None,

@@ -75,7 +75,8 @@ def test_corrupt_torchscript_file(pipeline, tmp_path):
 
 def test_report_shows_both_frameworks_side_by_side(pipeline):
     report = json.loads(ptq_ok("report", "--json", cwd=pipeline).stdout)
-    rows = [(row["framework"], row["dtype"], row["model"]) for row in report["rows"]]
+    (study,) = report["groups"]
+    rows = [(row["framework"], row["dtype"], row["model"]) for row in study["rows"]]
     assert rows == [
         ("onnxruntime", "fp32", "resnet8.onnx"),
         ("onnxruntime", "int8", "resnet8_int8.onnx"),
@@ -84,7 +85,7 @@ def test_report_shows_both_frameworks_side_by_side(pipeline):
         ("pytorch", "fp32", "resnet8.pt"),
         ("pytorch", "int8", "resnet8_pytorch_int8.pt"),
     ]
-    by_model = {row["model"]: row for row in report["rows"]}
+    by_model = {row["model"]: row for row in study["rows"]}
     torch_int8 = record_of(pipeline / "results", "resnet8_pytorch_int8.pt")
     torch_fp32 = record_of(pipeline / "results", "resnet8.pt")
     assert by_model["resnet8_pytorch_int8.pt"]["size_bytes"] == torch_int8["model_size_bytes"]

@@ -79,6 +79,6 @@ def test_benchmark_stage_measures_every_model_once_and_the_report_uses_it(pipeli
         model = pipeline_snapshot / "models" / name
         assert record["model_sha256"] == hashlib.sha256(model.read_bytes()).hexdigest() and record["runs"] == 2, name
     report = json.loads(ptq_ok("report", "--json", cwd=pipeline_snapshot).stdout)
-    assert {row["model"]: row["speed_source"] for row in report["rows"]} == dict.fromkeys(PIPELINE_MODELS, "benchmark")
+    assert {row["model"]: row["speed_source"] for row in report["groups"][0]["rows"]} == dict.fromkeys(PIPELINE_MODELS, "benchmark")
     text = ptq_ok("run", "--runs", "2", cwd=pipeline_snapshot).stdout
     assert "6 files in results/benchmarks/" in text

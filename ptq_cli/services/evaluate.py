@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 import ptq_cli
+from ptq_cli import settings
 from ptq_cli.datasets import Dataset
 from ptq_cli.errors import PtqError
 from ptq_cli.services.inputs import Preprocessing, PreprocessingFlags
@@ -67,7 +68,7 @@ class EvaluationRecord:
 def evaluate_model(
     model_path: Path,
     dataset: Dataset,
-    batch_size: int = 1000,
+    batch_size: int = settings.EVALUATION_BATCH,
     threads: int | None = None,
     progress: ProgressCallback | None = None,
     flags: PreprocessingFlags | None = None,
@@ -226,7 +227,7 @@ def evaluate_and_save(
     model_path: Path,
     dataset: Dataset,
     results_dir: Path,
-    batch_size: int = 1000,
+    batch_size: int = settings.EVALUATION_BATCH,
     threads: int | None = None,
     progress: ProgressCallback | None = None,
     flags: PreprocessingFlags | None = None,

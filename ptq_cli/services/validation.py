@@ -17,8 +17,6 @@ from ptq_cli.errors import PtqError
 from ptq_cli.services.calibration import CalibrationSet, draw_stratified
 from ptq_cli.services.models import LoadedModel
 
-EVALUATION_BATCH = 1000
-
 
 @dataclass(frozen=True)
 class ValidationSet:
@@ -72,7 +70,8 @@ class ValidationScore:
 def score(model: LoadedModel, validation: ValidationSet) -> ValidationScore:
     prepared = model.prepare(validation.images)
     began = time.perf_counter()
-    outputs = np.concatenate([model.predict(prepared[start : start + EVALUATION_BATCH]) for start in range(0, len(prepared), EVALUATION_BATCH)])
+    step = settings.EVALUATION_BATCH
+    outputs = np.concatenate([model.predict(prepared[start : start + step]) for start in range(0, len(prepared), step)])
     seconds = time.perf_counter() - began
     accuracy = 100.0 * float(np.mean(outputs.argmax(axis=1) == validation.labels))
     return ValidationScore(round(accuracy, 4), round(len(outputs) / seconds, 1), outputs)
