@@ -8,7 +8,7 @@ PTQ_ASSETS ?= ../shared/assets
 export PTQ_ASSETS
 ONNX2TORCH := onnx2torch==1.5.15
 
-.PHONY: install run tune sweep test bench clean
+.PHONY: install run tune sweep test test-fast bench clean
 
 install: $(VENV)/.installed
 
@@ -41,6 +41,10 @@ sweep: install
 
 test: install
 	$(BIN)/python -m pytest
+
+# Everything but the real-asset tests (no study run, no CIFAR): in-process, synthetic models and data.
+test-fast: install
+	$(BIN)/python -m pytest -m "not real_assets"
 
 bench: install
 	$(BIN)/python benchmarks/pipeline.py

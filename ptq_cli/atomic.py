@@ -1,4 +1,9 @@
-"""Write every output through a temporary file and a rename, so no reader ever sees half a file."""
+"""Write every output through a temporary file and a rename, so no reader ever sees half a file.
+
+The one naming rule for temporary files: `.<name>.<pid>-<random>.partial<suffix>`, beside the output.
+Whatever lists models or records skips them (`is_temporary`), and the next write to the same folder
+removes those left by a process that no longer runs (a `kill -9`, a power cut).
+"""
 
 from __future__ import annotations
 
@@ -18,8 +23,9 @@ def atomic_output(path: Path) -> Iterator[Path]:
     _refuse_directory(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(path)
         # Same directory, so the final os.replace is atomic; same suffix, for writers that look at it.
-        fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=f".partial{path.suffix}")
+        fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}-", suffix=f"{PARTIAL}{path.suffix}")
         os.close(fd)
     except OSError as error:
         raise PtqError(f"{path}: cannot write ({error.strerror or error})") from error
@@ -34,6 +40,35 @@ def atomic_output(path: Path) -> Iterator[Path]:
     except BaseException:
         tmp_path.unlink(missing_ok=True)
         raise
+
+
+PARTIAL = ".partial"
+
+
+def is_temporary(path: Path) -> bool:
+    """A temporary file of an unfinished write (finished or abandoned): never a model or a record."""
+    name = Path(path).name
+    return name.startswith(".") and PARTIAL in name
+
+
+def remove_stale_temporaries(path: Path) -> None:
+    """Delete the temporary files in `path`'s folder whose writing process is gone; a live writer's stay."""
+    for candidate in Path(path).parent.glob(f".*{PARTIAL}*"):
+        owner = candidate.name.rsplit(PARTIAL, 1)[0].rsplit(".", 1)[-1].split("-", 1)[0]
+        if candidate.is_file() and not (owner.isdigit() and _running(int(owner))):
+            candidate.unlink(missing_ok=True)
+
+
+def _running(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # someone else's process (or an odd number): leave its file alone
+    return True
 
 
 def _refuse_directory(path: Path) -> None:

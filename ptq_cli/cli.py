@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
+import math
 import os
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -16,7 +19,7 @@ from rich.console import Console, Group
 from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TransferSpeedColumn
 
 from ptq_cli import render, settings
-from ptq_cli.atomic import check_writable, write_text
+from ptq_cli.atomic import check_writable, is_temporary, write_text
 from ptq_cli.datasets import Dataset, open_dataset
 from ptq_cli.errors import Interrupted, PtqError
 from ptq_cli.services import benchmark as benchmark_service
@@ -56,14 +59,23 @@ class PtqGroup(typer.core.TyperGroup):
     def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None, standalone_mode: bool = True, **extra: Any) -> Any:
         args = _fill_optional_values(list(sys.argv[1:] if args is None else args))
         try:
-            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            with _terminate_as_interrupt():
+                code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except PtqError as error:
             code = _fail(str(error), error.exit_code)
         except UsageError as error:
+            if not error.format_message():  # `ptq` alone: the help was asked for, and has been printed
+                return self._exit(0, standalone_mode)
             command = error.ctx.command_path if error.ctx else "ptq"
             code = _fail(f"{error.format_message()} (see `{command} --help`)", error.exit_code)
         except ClickException as error:
             code = _fail(error.format_message(), error.exit_code)
+        except OSError as error:  # a full disk, a vanished directory: the file and the reason, not a traceback
+            code = _fail(f"{error.filename or 'ptq'}: {error.strerror or error}", 2)
+        return self._exit(code, standalone_mode)
+
+    @staticmethod
+    def _exit(code: Any, standalone_mode: bool) -> Any:
         if not standalone_mode:
             return code
         sys.exit(code if isinstance(code, int) else 0)
@@ -74,6 +86,24 @@ class PtqGroup(typer.core.TyperGroup):
             return super().invoke(ctx)
         except KeyboardInterrupt as interrupt:
             raise Interrupted("interrupted; no partial output was written") from interrupt
+
+
+@contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM (kill, a CI timeout, systemd) ends ptq the way Ctrl-C does: temporary files removed."""
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 # Options whose value may be left out (`--markdown` alone means the default path). Typer has no such
@@ -102,7 +132,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
-    rich_markup_mode="markdown",  # docstring paragraphs reflow to the terminal's width
+    rich_markup_mode="rich",  # paragraphs reflow to the width; markdown mode ate `_x_` and `<name>` in defaults
 )
 
 
@@ -120,6 +150,27 @@ Asset = _choices("Asset", fetch_service.ASSETS)
 Scope = _choices("Scope", prune_service.SCOPES)
 
 
+def _finite(value: float | None) -> float | None:
+    """Click's float ranges let NaN through (every comparison with it is false)."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"must be a finite number, got {value}")
+    return value
+
+
+# Counts and seeds shared by the commands, range-checked while parsing: before any work starts.
+MAX_THREADS = 4 * (os.cpu_count() or 1)  # more threads than that only slows inference down
+ThreadsOption = Annotated[
+    Optional[int],
+    typer.Option(min=1, max=MAX_THREADS, help=f"Inference threads, 1 to {MAX_THREADS}. (default: all cores)", show_default=False),
+]
+SeedOption = Annotated[int, typer.Option(min=0, max=2**32 - 1, help="Random seed for drawing the calibration images: the same seed gives the same images.")]
+SamplesPerClassOption = Annotated[
+    Optional[int],
+    typer.Option(min=1, help=f"Calibration images drawn from each class. (default: {settings.SAMPLES_PER_CLASS}, or all of the smallest class if it has fewer)", show_default=False),
+]
+RunsOption = Annotated[int, typer.Option(min=1, help="Timed runs of each model for each measurement, after 10 warm-up runs.")]
+
+
 # One option block for the data and its preprocessing, shared by every command that reads images.
 DataOption = Annotated[
     Optional[Path],
@@ -133,7 +184,7 @@ PresetOption = Annotated[
     Optional[Preset],
     typer.Option("--preprocess", help="The model's input normalisation: raw255 (pixels 0-255), unit (0-1), imagenet or cifar10-normalized (0-1, then mean/std). (default: what a model ptq made says, else raw255)", show_default=False, rich_help_panel="Data and preprocessing"),
 ]
-ScaleOption = Annotated[Optional[float], typer.Option(help="Pixels (0-255) are multiplied by this, e.g. 0.00392157 for 0-1. (default: the preset's)", show_default=False, rich_help_panel="Data and preprocessing")]
+ScaleOption = Annotated[Optional[float], typer.Option(callback=_finite, help="Pixels (0-255) are multiplied by this, e.g. 0.00392157 for 0-1. (default: the preset's)", show_default=False, rich_help_panel="Data and preprocessing")]
 MeanOption = Annotated[Optional[str], typer.Option(help="Per-channel mean subtracted after scaling: R,G,B or one value. (default: the preset's)", show_default=False, rich_help_panel="Data and preprocessing")]
 StdOption = Annotated[Optional[str], typer.Option(help="Per-channel standard deviation divided by after the mean: R,G,B or one value. (default: the preset's)", show_default=False, rich_help_panel="Data and preprocessing")]
 BgrOption = Annotated[Optional[bool], typer.Option("--bgr/--rgb", help="Channel order the model takes. (default: RGB)", show_default=False, rich_help_panel="Data and preprocessing")]
@@ -244,8 +295,8 @@ def convert(
     output: Annotated[Path, typer.Option(help="Where to write the ONNX model converted from Keras.")] = settings.FP32_ONNX,
     onnx_source: Annotated[Optional[Path], typer.Option("--onnx", help="Start from this ONNX model instead of Keras (use with --torch).", show_default=False)] = None,
     torch_output: Annotated[Optional[Path], typer.Option("--torch", help="Also convert the ONNX model to PyTorch (onnx2torch), saved as TorchScript here, e.g. models/resnet8.pt.", show_default=False)] = None,
-    opset: Annotated[int, typer.Option(help="ONNX opset for tf2onnx.")] = 13,
-    check_images: Annotated[int, typer.Option(help="Test images on which source and converted outputs must agree within 1e-4.")] = 1000,
+    opset: Annotated[int, typer.Option(min=10, max=21, help="ONNX opset for tf2onnx.")] = 13,
+    check_images: Annotated[int, typer.Option(min=0, help="Test images on which source and converted outputs must agree within 1e-4.")] = 1000,
     data: DataOption = None,
     preprocess: PresetOption = None,
     scale: ScaleOption = None,
@@ -277,8 +328,8 @@ def convert(
 
 @app.command()
 def calibrate(
-    samples_per_class: Annotated[int, typer.Option(help="Images drawn from each class.")] = settings.SAMPLES_PER_CLASS,
-    seed: Annotated[int, typer.Option(help="Random seed: the same seed gives the same images.")] = settings.SEED,
+    samples_per_class: SamplesPerClassOption = None,
+    seed: SeedOption = settings.SEED,
     model: Annotated[Optional[Path], typer.Option(help="Resize the images to this model's input size (needed when a folder's images differ in size). (default: the images' own size)", show_default=False)] = None,
     output: Annotated[Path, typer.Option(help="Where to write the calibration set (.npz).")] = settings.CALIBRATION_FILE,
     data: DataOption = None,
@@ -310,7 +361,7 @@ def quantize(
     weight_dtype: Annotated[Optional[DType], typer.Option(help="Weight type. (default: same as --dtype)", show_default=False)] = None,
     per_channel: Annotated[Optional[bool], typer.Option("--per-channel/--per-tensor", help="One weight scale per output channel, or one per tensor. (default: per-tensor for onnxruntime, per-channel for pytorch)", show_default=False)] = None,
     method: Annotated[Optional[Method], typer.Option(help="Activation calibration: onnxruntime minmax|entropy|percentile (default minmax); pytorch histogram|minmax (default histogram).", show_default=False)] = None,
-    percentile: Annotated[Optional[float], typer.Option(help="Percentile kept by --method percentile. (default: 99.999)", show_default=False)] = None,
+    percentile: Annotated[Optional[float], typer.Option(callback=_finite, min=50, max=100, help="Percentile kept by --method percentile. (default: 99.999)", show_default=False)] = None,
     calibration: CalibrationFile = None,
     graph_preprocess: Annotated[bool, typer.Option("--graph-preprocess/--no-graph-preprocess", help="Run onnxruntime's quant_pre_process first (shape inference, folds batch-norm Mul/Add into Conv).")] = True,
     space_to_depth: Annotated[Optional[bool], typer.Option("--space-to-depth/--no-space-to-depth", help="Regroup convolutions the fast x86 int8 kernel handles poorly (input channels not a multiple of 4, like the RGB stem; fewer than 32 output channels) over blocks of pixels along the width; same products, more zeros in the file. (default: on for uint8 activations with int8 weights, where that kernel runs)", show_default=False)] = None,
@@ -353,7 +404,7 @@ ScopeOption = Annotated[Scope, typer.Option(help="global: one magnitude threshol
 @app.command()
 def prune(
     model: Annotated[Path, typer.Option(help="FP32 ONNX model.")] = settings.FP32_ONNX,
-    sparsity: Annotated[float, typer.Option(help="Fraction of the weights to set to zero, in [0, 1).")] = 0.5,
+    sparsity: Annotated[float, typer.Option(callback=_finite, help="Fraction of the weights to set to zero, in [0, 1).")] = 0.5,
     scope: ScopeOption = Scope("global"),
     exclude_first: ExcludeFirst = False,
     exclude_classifier: ExcludeClassifier = False,
@@ -396,7 +447,7 @@ def sweep(
     weight_dtype: Annotated[Optional[DType], typer.Option(help="Weight type. (default: same as --dtype)", show_default=False)] = None,
     per_channel: Annotated[bool, typer.Option("--per-channel/--per-tensor", help="One weight scale per output channel, or one per tensor.")] = True,
     method: Annotated[Method, typer.Option(help="Activation calibration: minmax|entropy|percentile.")] = Method("percentile"),
-    percentile: Annotated[Optional[float], typer.Option(help="Percentile kept by --method percentile. (default: 99.999)", show_default=False)] = None,
+    percentile: Annotated[Optional[float], typer.Option(callback=_finite, min=50, max=100, help="Percentile kept by --method percentile. (default: 99.999)", show_default=False)] = None,
     scope: ScopeOption = Scope("global"),
     exclude_first: ExcludeFirst = False,
     exclude_classifier: ExcludeClassifier = False,
@@ -435,7 +486,7 @@ def sweep(
 
 
 ValidationPerClass = Annotated[
-    int, typer.Option(help="Validation split size: training images per class, disjoint from the calibration set.")
+    int, typer.Option(min=1, help="Validation split size: training images per class, disjoint from the calibration set.")
 ]
 
 
@@ -460,7 +511,7 @@ def sensitivity(
     weight_dtype: Annotated[Optional[DType], typer.Option(help="Weight type. (default: same as --dtype)", show_default=False)] = None,
     per_channel: Annotated[bool, typer.Option("--per-channel/--per-tensor", help="One weight scale per output channel, or one per tensor.")] = False,
     method: Annotated[Method, typer.Option(help="Activation calibration: minmax|entropy|percentile.")] = Method("minmax"),
-    percentile: Annotated[Optional[float], typer.Option(help="Percentile kept by --method percentile. (default: 99.999)", show_default=False)] = None,
+    percentile: Annotated[Optional[float], typer.Option(callback=_finite, min=50, max=100, help="Percentile kept by --method percentile. (default: 99.999)", show_default=False)] = None,
     calibration: CalibrationFile = None,
     validation_per_class: ValidationPerClass = settings.VALIDATION_PER_CLASS,
     results_dir: Annotated[Path, typer.Option(help="The record goes to RESULTS_DIR/sensitivity/<model>_<dtype>.json.")] = settings.RESULTS_DIR,
@@ -495,10 +546,10 @@ def tune(
     model: Annotated[Path, typer.Option(help="FP32 ONNX model.")] = settings.FP32_ONNX,
     dtype: Annotated[DType, typer.Option(help="Activation type to tune for (uint8 also tries int8 weights).")] = DType("int8"),
     backend: Annotated[Backend, typer.Option(help="onnxruntime (QDQ) or pytorch (FX, int8 only: granularity x observer x calibration size, no float layers).")] = Backend("onnxruntime"),
-    max_drop: Annotated[float, typer.Option(help="Accuracy budget: points below FP32 allowed on the validation split.")] = 0.05,
+    max_drop: Annotated[float, typer.Option(callback=_finite, min=0, help="Accuracy budget: points below FP32 allowed on the validation split.")] = 0.05,
     method: Annotated[Optional[list[Method]], typer.Option(help="Calibration methods to search; repeat for several. (default: onnxruntime minmax and percentile at 99.9, 99.95, 99.99, 99.999; pytorch histogram and minmax)", show_default=False)] = None,
     per_channel: Annotated[Optional[bool], typer.Option("--per-channel/--per-tensor", help="Search only this weight granularity. (default: both)", show_default=False)] = None,
-    max_float_layers: Annotated[int, typer.Option(help="Most sensitive layers to try leaving in float, one more at a time (0: none).")] = tune_service.MAX_FLOAT_LAYERS,
+    max_float_layers: Annotated[int, typer.Option(min=0, help="Most sensitive layers to try leaving in float, one more at a time (0: none).")] = tune_service.MAX_FLOAT_LAYERS,
     calibration: CalibrationFile = None,
     validation_per_class: ValidationPerClass = settings.VALIDATION_PER_CLASS,
     output: Annotated[Optional[Path], typer.Option(help="Where to write the chosen model. (default: beside the model, <model>_<dtype>_tuned.onnx, or <model>_pytorch_int8_tuned.pt)", show_default=False)] = None,
@@ -537,8 +588,7 @@ def tune(
 
 
 def _default_models() -> list[Path]:
-    # Temporary files of an interrupted write start with a dot (atomic.py): never models.
-    found = sorted(path for path in settings.MODELS_DIR.glob("*") if path.suffix in (".onnx", ".pt") and not path.name.startswith("."))
+    found = sorted(path for path in settings.MODELS_DIR.glob("*") if path.suffix in (".onnx", ".pt") and not is_temporary(path))
     if not found:
         raise PtqError(f"{settings.MODELS_DIR}: no .onnx or .pt models to evaluate (run `ptq convert` or pass --model)")
     return found
@@ -549,8 +599,8 @@ def evaluate(
     model: Annotated[Optional[list[Path]], typer.Option(help="Model file (.onnx or TorchScript .pt); repeat for several. (default: every model in models/)", show_default=False)] = None,
     per_class: Annotated[bool, typer.Option("--per-class", help="Also show per-class accuracy, with the delta against the FP32 source model's record.")] = False,
     results_dir: Annotated[Path, typer.Option(help="Where to write one JSON record per model and dataset.")] = settings.RESULTS_DIR,
-    batch_size: Annotated[int, typer.Option(help="Images per inference call (split over the threads).")] = settings.EVALUATION_BATCH,
-    threads: Annotated[Optional[int], typer.Option(help="Inference threads. (default: all cores)", show_default=False)] = None,
+    batch_size: Annotated[int, typer.Option(min=1, help="Images per inference call (split over the threads).")] = settings.EVALUATION_BATCH,
+    threads: ThreadsOption = None,
     data: DataOption = None,
     preprocess: PresetOption = None,
     scale: ScaleOption = None,
@@ -586,9 +636,9 @@ def evaluate(
 @app.command()
 def benchmark(
     model: Annotated[Optional[list[Path]], typer.Option(help="Model file (.onnx or TorchScript .pt); repeat for several. (default: every model in models/)", show_default=False)] = None,
-    batch_size: Annotated[int, typer.Option(help="Batch size for the throughput measurement (latency is always at batch 1).")] = 256,
-    threads: Annotated[Optional[int], typer.Option(help="Inference threads. (default: all cores)", show_default=False)] = None,
-    runs: Annotated[int, typer.Option(help="Timed runs of each model for each measurement, after 10 warm-up runs.")] = 100,
+    batch_size: Annotated[int, typer.Option(min=1, help="Batch size for the throughput measurement (latency is always at batch 1).")] = 256,
+    threads: ThreadsOption = None,
+    runs: RunsOption = 100,
     results_dir: Annotated[Path, typer.Option(help="Records go to RESULTS_DIR/benchmarks/<model file>.json, read by `ptq report`.")] = settings.RESULTS_DIR,
     data: DataOption = None,
     preprocess: PresetOption = None,
@@ -625,9 +675,16 @@ def report(
         typer.Option(help=f"Also write the report as Markdown, to PATH if given. (PATH defaults to {settings.MARKDOWN_REPORT})", metavar="[PATH]"),
     ] = None,
     plot: Annotated[bool, typer.Option("--plot", help="Also draw PNG charts (per-class accuracy; accuracy vs compressed size of `ptq sweep`) beside the Markdown report, linked from it; implies --markdown.")] = False,
+    refresh: Annotated[bool, typer.Option("--refresh", help="First evaluate again every model whose file changed since its record (rows otherwise marked stale).")] = False,
+    threads: ThreadsOption = None,
     as_json: JsonFlag = False,
 ) -> None:
-    """Compare every evaluated model (no re-evaluation): accuracy, delta, size, size reduction, speed."""
+    """Compare every evaluated model: accuracy, delta, size, size reduction, speed.
+
+    Reads the records, never re-evaluates (unless --refresh); each row is checked against the model file now on disk, and marked stale when the file changed since it was measured, or missing."""
+    if refresh:
+        with _working("Evaluating the models that changed since their records…"):
+            evaluate_service.refresh_stale(results_dir, threads)
     result = report_service.report_from_results(results_dir)
     if not result.rows:
         raise PtqError(f"{results_dir}: no evaluation records (run `ptq evaluate` first)")
@@ -646,12 +703,12 @@ def report(
 def run_pipeline(
     model: Annotated[Optional[Path], typer.Option(help="Your FP32 ONNX classifier: the study runs on it (no Keras step), outputs named after it, e.g. models/<model>_int8.onnx. (default: the MLPerf Tiny ResNet8, converted from --keras)", show_default=False)] = None,
     keras: Annotated[Optional[Path], typer.Option(help=f"Keras .h5 model. (default: ${settings.ASSETS_ENV}/mlperf-tiny-resnet8/pretrainedResnet.h5)", show_default=False)] = None,
-    samples_per_class: Annotated[int, typer.Option(help="Calibration images drawn from each class.")] = settings.SAMPLES_PER_CLASS,
-    seed: Annotated[int, typer.Option(help="Calibration seed.")] = settings.SEED,
+    samples_per_class: SamplesPerClassOption = None,
+    seed: SeedOption = settings.SEED,
     pytorch: Annotated[bool, typer.Option("--pytorch/--no-pytorch", help="Also convert to TorchScript and quantize with PyTorch.")] = True,
     benchmark: Annotated[bool, typer.Option("--benchmark/--no-benchmark", help="Benchmark every model (latency and throughput) for the report.")] = True,
-    runs: Annotated[int, typer.Option(help="Timed runs per benchmark measurement.")] = 100,
-    threads: Annotated[Optional[int], typer.Option(help="Inference threads. (default: all cores)", show_default=False)] = None,
+    runs: RunsOption = 100,
+    threads: ThreadsOption = None,
     force: Annotated[bool, typer.Option("--force", help="Run every stage, even those whose outputs are up to date.")] = False,
     data: DataOption = None,
     calibration_data: CalibrationDataOption = None,
@@ -692,6 +749,25 @@ def run_pipeline(
 
         result = pipeline_service.run(options, render.report_markdown, ["ptq", *sys.argv[1:]], on_stage)
     _emit(as_json, result, render.pipeline_run(result))
+
+
+def _reflow(text: str) -> str:
+    """Docstring paragraphs as one line each (typer's rich mode keeps single line breaks); list items stay lines."""
+    paragraphs = []
+    for paragraph in inspect.cleandoc(text).split("\n\n"):
+        lines = paragraph.splitlines()
+        joined = lines[:1]
+        for line in lines[1:]:
+            if line.lstrip().startswith(("- ", "* ")):
+                joined.append(line)
+            else:
+                joined[-1] += " " + line.strip()
+        paragraphs.append("\n".join(joined))
+    return "\n\n".join(paragraphs)
+
+
+for _command in app.registered_commands:
+    _command.help = _reflow(_command.help or inspect.getdoc(_command.callback) or "")
 
 
 def main() -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +11,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from ptq_cli import settings
 from ptq_cli.atomic import atomic_output
 from ptq_cli.services.benchmark import BenchmarkRecord
 from ptq_cli.services.calibration import CalibrationSet
@@ -21,6 +21,7 @@ from ptq_cli.services.fetch import FetchResult
 from ptq_cli.services.pipeline import RunResult
 from ptq_cli.services.prune import PruneResult
 from ptq_cli.services.quantize import QuantizeResult
+from ptq_cli.services.records import to_json
 from ptq_cli.services.report import DatasetGroup, Report, ReportRow
 from ptq_cli.services.sensitivity import SensitivityResult
 from ptq_cli.services.sweep import SweepResult
@@ -42,7 +43,7 @@ def plain(value: Any) -> Any:
 
 
 def as_json(value: Any) -> str:
-    return json.dumps(plain(value), indent=2)
+    return to_json(plain(value))
 
 
 def size(num_bytes: int) -> str:
@@ -181,9 +182,13 @@ def milliseconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
+def _model_cell(row: ReportRow) -> str:
+    return row.model if row.status == "ok" else f"{row.model} ({row.status})"
+
+
 def _report_cells(row: ReportRow) -> list[str]:
     return [
-        row.model,
+        _model_cell(row),
         row.framework,
         row.dtype,
         row.configuration,
@@ -227,12 +232,26 @@ def report(report: Report) -> Group:
         parts += _group_tables(group)
     parts += [sweep_table(result) for result in report.sweeps]
     if any(row.speed_source == "evaluate" for row in report.rows):
-        parts.append(Text("img/s: from `ptq benchmark` where it measured the file, else from evaluation (batch 1000); speed-ups compare like with like.", style="dim"))
+        parts.append(Text(f"img/s: from `ptq benchmark` where it measured the file, else from evaluation (batch {settings.EVALUATION_BATCH}); "
+                          "speed-ups compare like with like.", style="dim"))
+    parts += [Text(line, style="yellow") for line in _status_lines(report)]
     parts += [Text(f"skipped {line}", style="yellow") for line in report.skipped]
     return Group(*parts)
 
 
-def _group_tables(group: DatasetGroup) -> list[Any]:
+def _status_lines(report: Report) -> list[str]:
+    lines = []
+    stale = sorted({row.model for row in report.rows if row.status == "stale"})
+    missing = sorted({row.model for row in report.rows if row.status == "missing"})
+    if stale:
+        lines.append(f"stale: {', '.join(stale)} changed since evaluated; its figures are not the file's "
+                     "(`ptq report --refresh` evaluates it again)")
+    if missing:
+        lines.append(f"missing: {', '.join(missing)} no longer exists; its figures are kept for reference")
+    return lines
+
+
+def _main_table(group: DatasetGroup) -> Table:
     table = Table(
         title=f"Quantization report: {_group_title(group)}",
         title_justify="left",
@@ -240,17 +259,27 @@ def _group_tables(group: DatasetGroup) -> list[Any]:
         padding=0,
         show_edge=False,
     )
+    # Numbers never wrap nor get cut; on a narrow terminal the model name folds instead.
     for column in TERMINAL_COLUMNS:
-        table.add_column(column, justify="left" if column in TERMINAL_COLUMNS[:3] else "right", no_wrap=True)
-    configurations = Table(title="How each model was made and timed", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    configurations.add_column("Model", no_wrap=True)
-    configurations.add_column("Configuration")
-    configurations.add_column("Val / test", justify="right")
-    configurations.add_column("p50 ms", justify="right")
+        if column == "Model":
+            table.add_column(column, overflow="fold", min_width=12)
+        else:
+            table.add_column(column, justify="left" if column in TERMINAL_COLUMNS[:3] else "right", no_wrap=True)
     for row in group.rows:
         cells = _report_cells(row)
         table.add_row(*cells[:3], *cells[4:6], f"{row.size_bytes / 1024:.1f}", cells[7], f"{row.images_per_second:,.0f}", cells[9])
-        configurations.add_row(row.model, row.configuration, _validation_and_test(row), cells[10])
+    return table
+
+
+def _group_tables(group: DatasetGroup) -> list[Any]:
+    table = _main_table(group)
+    configurations = Table(title="How each model was made and timed", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    configurations.add_column("Model", overflow="fold", min_width=12)
+    configurations.add_column("Configuration", min_width=12)
+    configurations.add_column("Val / test", justify="right", no_wrap=True)
+    configurations.add_column("p50 ms", justify="right", no_wrap=True)
+    for row in group.rows:
+        configurations.add_row(_model_cell(row), row.configuration, _validation_and_test(row), milliseconds(row.latency_ms_p50))
     parts: list[Any] = [table, configurations]
     if group.class_losses:
         losses = Table(title="Classes that lose the most (vs each model's FP32 source)", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
@@ -394,8 +423,11 @@ def report_markdown(report: Report, charts: list[Path] | None = None) -> str:
         "Delta: percentage points against the FP32 model each model was made from, measured on the same images. "
         "Size reduction and speed-up are against the FP32 model of the same framework. "
         "Images/s and latency come from `ptq benchmark` (throughput at its batch size, latency at batch 1); "
-        "'(eval)' marks throughput measured during evaluation instead (batch 1000).",
+        f"'(eval)' marks throughput measured during evaluation instead (batch {settings.EVALUATION_BATCH}).",
     ]
+    status = _status_lines(report)
+    if status:
+        lines += [""] + [f"**{line}**" for line in status]
     for group in report.groups:
         lines += ["", f"## {_group_title(group)[0].upper()}{_group_title(group)[1:]}", ""]
         lines += _markdown_table(REPORT_COLUMNS, [_report_cells(row) for row in group.rows])
@@ -466,7 +498,10 @@ def pipeline_run(result: RunResult) -> Group:
         if ran
         else f"All {len(result.stages)} stages up to date ({result.wall_seconds:.1f} s); nothing written (--force runs them again)."
     )
-    return Group(table, Text(summary))
+    parts: list[Any] = [table, Text(summary)]
+    for group in result.report.groups if result.report else []:
+        parts += ["", _main_table(group)]  # the study's answer, without asking for `ptq report`
+    return Group(*parts)
 
 
 def sensitivity(result: SensitivityResult, record_file: Path) -> Group:

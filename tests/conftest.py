@@ -44,6 +44,17 @@ def ptq_ok(*args: str, cwd: Path) -> Run:
     return run
 
 
+REAL_ASSET_FIXTURES = {"assets", "pipeline", "pipeline_snapshot"}
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """A test on the real assets is marked `real_assets` whether it says so or uses a fixture that reads
+    them: `make test-fast` (-m "not real_assets") must not start the study."""
+    for item in items:
+        if REAL_ASSET_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.real_assets)
+
+
 @pytest.fixture(scope="session")
 def assets() -> Path:
     if not CIFAR.is_dir() or not KERAS_MODEL.is_file():
@@ -87,8 +98,15 @@ def assert_clean_failure(run: Run, exit_code: int, mentions: str) -> None:
 
 def record_of(results: Path, model_name: str) -> dict:
     """The evaluation record of one model file (on whichever dataset: tests evaluate on one)."""
-    found = sorted(Path(results).glob(f"{model_name}@*.json"))
+    found = sorted(Path(results).glob(f"{model_name}-??????@*.json"))
     assert len(found) == 1, f"{model_name}: {len(found)} records in {results}: {sorted(p.name for p in Path(results).iterdir())}"
+    return read_json(found[0])
+
+
+def benchmark_of(results: Path, model_name: str) -> dict:
+    """The benchmark record of one model file (speed is not tied to a dataset)."""
+    found = sorted((Path(results) / "benchmarks").glob(f"{model_name}-??????.json"))
+    assert len(found) == 1, f"{model_name}: {len(found)} benchmark records in {results}"
     return read_json(found[0])
 
 

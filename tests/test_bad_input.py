@@ -115,7 +115,7 @@ def test_report_without_records(tmp_path):
 def test_report_skips_a_corrupt_record_and_names_it(tmp_path, pipeline):
     results = tmp_path / "results"
     results.mkdir()
-    source = next((pipeline / "results").glob("resnet8.onnx@*.json"))
+    source = next((pipeline / "results").glob("resnet8.onnx-??????@*.json"))
     (results / source.name).write_bytes(source.read_bytes())
     (results / "broken.json").write_text('{"model_path": ')
     run = ptq("report", cwd=tmp_path)

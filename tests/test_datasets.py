@@ -1,7 +1,6 @@
 """Bring your own model and images, in-process (typer's CliRunner) on tiny synthetic models and data.
 
-The classifier: mean of each colour channel -> 3 scores (red, green, blue); the images: solid colours with
-noise, so a correctly fed model scores 100% and a wrongly fed one (BGR, another size) measurably less.
+The classifier and images are tests/synthetic.py's.
 """
 
 from __future__ import annotations
@@ -12,78 +11,14 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from onnx import helper, numpy_helper
 from PIL import Image
-from typer.testing import CliRunner
+from synthetic import CLASSES, channel_mean_classifier, colour_images, image_folder, invoke, one_line_error
 
-from ptq_cli.cli import app
 from ptq_cli.datasets import open_dataset
-
-CLASSES = ("red", "green", "blue")
-runner = CliRunner()
-
-
-def invoke(*args, cwd: Path):
-    import os
-
-    before = Path.cwd()
-    os.chdir(cwd)
-    try:
-        return runner.invoke(app, [str(arg) for arg in args], env={"COLUMNS": "200"}, prog_name="ptq")
-    finally:
-        os.chdir(before)
-
-
-def one_line_error(result, mentions: str) -> None:
-    assert result.exit_code == 2, (result.exit_code, result.output)
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("Error:") and mentions in lines[0], result.stderr
-    assert "Traceback" not in result.output
-
-
-def colour_images(count_per_class: int, size: int = 8, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    images, labels = [], []
-    for label in range(3):
-        for _ in range(count_per_class):
-            image = rng.integers(0, 60, (size, size, 3))
-            image[..., label] += 150
-            images.append(image.astype(np.uint8))
-            labels.append(label)
-    return np.stack(images), np.array(labels, np.int64)
-
-
-def channel_mean_classifier(path: Path, layout: str = "NCHW", batch: int | str = "N", size: int = 8, classes: int = 3,
-                            opset: int = 13, two_inputs: bool = False) -> Path:
-    """Scores = per-channel mean (x W, an identity for 3 classes); NCHW or NHWC, float input."""
-    shape = [batch, 3, size, size] if layout == "NCHW" else [batch, size, size, 3]
-    axes = [2, 3] if layout == "NCHW" else [1, 2]
-    weights = np.eye(3, classes, dtype=np.float32)
-    nodes = [helper.make_node("ReduceMean", ["image"], ["means"], axes=axes, keepdims=0),
-             helper.make_node("MatMul", ["means", "weights"], ["scores"])]
-    inputs = [helper.make_tensor_value_info("image", onnx.TensorProto.FLOAT, shape)]
-    if two_inputs:
-        inputs.append(helper.make_tensor_value_info("mask", onnx.TensorProto.FLOAT, shape))
-    graph = helper.make_graph(nodes, "colours", inputs, [helper.make_tensor_value_info("scores", onnx.TensorProto.FLOAT, [batch, classes])],
-                              [numpy_helper.from_array(weights, "weights")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=7)
-    onnx.save(model, str(path))
-    return path
-
-
-def image_folder(root: Path, splits=("train", "test"), per_class: int = 6, suffix: str = ".png", size: int = 8) -> Path:
-    for offset, split in enumerate(splits):
-        images, labels = colour_images(per_class, size, seed=offset)
-        for index, (image, label) in enumerate(zip(images, labels)):
-            folder = root / split / CLASSES[label]
-            folder.mkdir(parents=True, exist_ok=True)
-            Image.fromarray(image).save(folder / f"{index:04d}{suffix}")
-    (root / "classes.txt").write_text("\n".join(CLASSES) + "\n")  # the model's order, not the sorted folder names
-    return root
 
 
 def evaluate_record(results: Path, model: str) -> dict:
-    found = sorted(results.glob(f"{model}@*.json"))
+    found = sorted(results.glob(f"{model}-??????@*.json"))
     assert len(found) == 1, [p.name for p in results.iterdir()]
     return json.loads(found[0].read_text())
 
@@ -237,7 +172,7 @@ def test_records_are_kept_per_dataset_and_the_report_groups_them(tmp_path):
     channel_mean_classifier(tmp_path / "m.onnx")
     for data in ("png", "jpeg"):
         assert invoke("evaluate", "--model", "m.onnx", "--data", data, "--results-dir", "res", cwd=tmp_path).exit_code == 0
-    assert len(list((tmp_path / "res").glob("m.onnx@*.json"))) == 2
+    assert len(list((tmp_path / "res").glob("m.onnx-??????@*.json"))) == 2
     result = invoke("report", "--results-dir", "res", "--json", cwd=tmp_path)
     assert result.exit_code == 0, result.output
     groups = json.loads(result.stdout)["groups"]

@@ -75,7 +75,7 @@ def _markdown_rows(text: str) -> dict[str, list[str]]:
 def test_report_markdown_has_one_row_per_record_with_its_numbers(pipeline):
     ptq_ok("report", "--markdown", "out/analysis.md", cwd=pipeline)
     rows = _markdown_rows((pipeline / "out" / "analysis.md").read_text())
-    records = {path.name.split("@")[0]: read_json(path) for path in (pipeline / "results").glob("*@*.json")}
+    records = {path.name.split("@")[0][:-7]: read_json(path) for path in (pipeline / "results").glob("*@*.json")}
     assert set(rows) == set(records) == set(PIPELINE_MODELS)
     fp32_size = {"onnxruntime": records["resnet8.onnx"]["model_size_bytes"], "pytorch": records["resnet8.pt"]["model_size_bytes"]}
     for name, record in records.items():

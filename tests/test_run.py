@@ -6,7 +6,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from conftest import KERAS_MODEL, PIPELINE_MODELS, ptq_ok, read_json, record_of
+from conftest import KERAS_MODEL, PIPELINE_MODELS, benchmark_of, ptq_ok, read_json, record_of
 
 
 def _hashes(directory: Path) -> dict[str, str]:
@@ -49,7 +49,7 @@ def test_second_run_skips_every_stage_and_changes_no_file(pipeline_snapshot):
 
 
 def test_a_missing_output_reruns_only_its_stage_and_those_after_it_that_read_it(pipeline_snapshot):
-    int8_record = next((pipeline_snapshot / "results").glob("resnet8_int8.onnx@*.json"))
+    int8_record = next((pipeline_snapshot / "results").glob("resnet8_int8.onnx-??????@*.json"))
     int8_record.unlink()
     before = _hashes(pipeline_snapshot)
     result = json.loads(ptq_ok("run", "--no-benchmark", "--json", cwd=pipeline_snapshot).stdout)
@@ -74,7 +74,7 @@ def test_forced_run_with_the_same_seed_makes_byte_identical_models(pipeline_snap
 def test_benchmark_stage_measures_every_model_once_and_the_report_uses_it(pipeline_snapshot):
     result = json.loads(ptq_ok("run", "--runs", "2", "--json", cwd=pipeline_snapshot).stdout)
     assert [stage["name"] for stage in result["stages"] if stage["ran"]] == ["benchmark", "report"]
-    records = {name: read_json(pipeline_snapshot / "results" / "benchmarks" / f"{name}.json") for name in PIPELINE_MODELS}
+    records = {name: benchmark_of(pipeline_snapshot / "results", name) for name in PIPELINE_MODELS}
     for name, record in records.items():
         model = pipeline_snapshot / "models" / name
         assert record["model_sha256"] == hashlib.sha256(model.read_bytes()).hexdigest() and record["runs"] == 2, name

@@ -7,7 +7,7 @@ import pickle
 import shutil
 
 import numpy as np
-from conftest import CIFAR, assert_clean_failure, cifar_split, ptq, ptq_ok, read_json, record_of
+from conftest import CIFAR, assert_clean_failure, benchmark_of, cifar_split, ptq, ptq_ok, record_of
 
 from ptq_cli import settings
 from ptq_cli.backends.pytorch import TORCH_CHUNK
@@ -73,7 +73,7 @@ def test_target_speed_quantizes_u8s8_per_channel_within_budget(pipeline):
 
 def test_benchmark_records_latency_and_throughput_and_report_uses_them(pipeline, tmp_path):
     for name in ("resnet8.onnx", "resnet8_int8.onnx"):
-        found = next((pipeline / "results").glob(f"{name}@*.json"))
+        found = next((pipeline / "results").glob(f"{name}-??????@*.json"))
         shutil.copy(found, tmp_path / found.name)
     results = tmp_path
     run = ptq_ok("benchmark", "--model", "models/resnet8.onnx", "--model", "models/resnet8_int8.onnx", "--runs", "5",
@@ -85,7 +85,7 @@ def test_benchmark_records_latency_and_throughput_and_report_uses_them(pipeline,
         assert row["batch_size"] == 64 and row["runs"] == 5 and row["images_per_second"] > 0
     assert fp32["speedup_vs_fp32"] is None
     assert int8["speedup_vs_fp32"] == round(int8["images_per_second"] / fp32["images_per_second"], 3)
-    saved = read_json(results / "benchmarks" / "resnet8_int8.onnx.json")  # speed is not tied to a dataset
+    saved = benchmark_of(results, "resnet8_int8.onnx")  # speed is not tied to a dataset
     assert saved["images_per_second"] == int8["images_per_second"]
 
     report = json.loads(ptq_ok("report", "--results-dir", results, "--json", cwd=pipeline).stdout)

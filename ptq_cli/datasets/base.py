@@ -140,9 +140,10 @@ def _arrays_digest(images: np.ndarray, labels: np.ndarray) -> str:
 def read_cache(path: Path) -> tuple[np.ndarray, np.ndarray] | None:
     """The cached arrays if the file is readable and its arrays match the digest stored beside them."""
     try:
-        with np.load(path, allow_pickle=False) as arrays:
+        arrays = np.load(path, allow_pickle=False)
+        with arrays:  # a .npy or a pickle at the cache path is no cache: TypeError/AttributeError here
             images, labels, stored = arrays["images"], arrays["labels"], str(arrays["digest"])
-    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile, AttributeError):
+    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile, AttributeError, TypeError):
         return None  # not cached yet, or unreadable: decode again
     if images.dtype != np.uint8 or images.ndim != 4 or labels.ndim != 1 or len(labels) != len(images):
         return None

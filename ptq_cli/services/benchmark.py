@@ -16,7 +16,7 @@ from ptq_cli.errors import PtqError
 from ptq_cli.services.inputs import PreprocessingFlags
 from ptq_cli.services.models import check_classes, load_model, resolve_threads
 from ptq_cli.services.progress import ProgressCallback, Steps
-from ptq_cli.services.records import from_dict, write_record
+from ptq_cli.services.records import from_dict, model_key, record_files, write_record
 
 BENCHMARK_DIR = "benchmarks"
 RUNTIME_SETTINGS = {
@@ -126,7 +126,7 @@ def benchmark_models(
 
 
 def benchmark_path(results_dir: Path, model_path: Path | str) -> Path:
-    return Path(results_dir) / BENCHMARK_DIR / f"{Path(model_path).name}.json"
+    return Path(results_dir) / BENCHMARK_DIR / f"{model_key(model_path)}.json"
 
 
 def save_benchmark(record: BenchmarkRecord, results_dir: Path) -> Path:
@@ -136,7 +136,7 @@ def save_benchmark(record: BenchmarkRecord, results_dir: Path) -> Path:
 def load_benchmarks(results_dir: Path) -> dict[str, BenchmarkRecord]:
     """Benchmark records by model sha256; unreadable ones are ignored (benchmarks are optional)."""
     found: dict[str, BenchmarkRecord] = {}
-    for path in sorted((Path(results_dir) / BENCHMARK_DIR).glob("*.json")):
+    for path in record_files(Path(results_dir) / BENCHMARK_DIR):
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
             record = from_dict(BenchmarkRecord, data)

@@ -65,6 +65,13 @@ def check_seed(seed: int) -> int:
     return seed
 
 
+def default_samples_per_class(dataset: Dataset) -> int:
+    """settings.SAMPLES_PER_CLASS, or every image of the smallest class when it has fewer."""
+    labels = dataset.load(dataset.calibration_split()).labels
+    counts = np.bincount(labels, minlength=len(dataset.class_names()))
+    return max(1, min(settings.SAMPLES_PER_CLASS, int(counts.min())))
+
+
 def build_calibration_set(dataset: Dataset, samples_per_class: int | None, seed: int, size: tuple[int, int] | None = None) -> CalibrationSet:
     """`size` (H, W): resize to the model's input (needed when a folder's images differ in size).
     `samples_per_class` None: the default number, or all images of the smallest class if it has fewer."""
@@ -73,8 +80,7 @@ def build_calibration_set(dataset: Dataset, samples_per_class: int | None, seed:
     images = dataset.load(split, size)
     everything = np.arange(len(images.labels))
     if samples_per_class is None:
-        counts = np.bincount(images.labels, minlength=len(images.class_names))
-        samples_per_class = max(1, min(settings.SAMPLES_PER_CLASS, int(counts.min())))
+        samples_per_class = default_samples_per_class(dataset)
     indices = draw_stratified(images.labels, everything, samples_per_class, seed, "--samples-per-class",
                               f"in {dataset.root} ({split})", len(images.class_names))
     return CalibrationSet(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -13,13 +14,12 @@ import numpy as np
 
 import ptq_cli
 from ptq_cli import settings
-from ptq_cli.datasets import Dataset
+from ptq_cli.datasets import Dataset, open_dataset
 from ptq_cli.errors import PtqError
 from ptq_cli.services.inputs import Preprocessing, PreprocessingFlags
 from ptq_cli.services.models import check_classes, file_sha256, load_model, resolve_threads
 from ptq_cli.services.progress import ProgressCallback
-from ptq_cli.services.records import from_dict, write_record
-from ptq_cli.settings import MANIFEST_NAME
+from ptq_cli.services.records import from_dict, model_key, record_files, write_record
 
 RECORD_SCHEMA = 2
 
@@ -133,8 +133,8 @@ def evaluate_model(
 
 
 def record_path(results_dir: Path, model_path: Path | str, dataset: Dataset) -> Path:
-    """results/resnet8.onnx@cifar-10-batches-py-test-1a2b3c.json: one record per model file and dataset."""
-    return Path(results_dir) / f"{Path(model_path).name}@{dataset.slug(dataset.evaluation_split())}.json"
+    """results/resnet8.onnx-4d5e6f@cifar-10-batches-py-test-1a2b3c.json: one record per model file and dataset."""
+    return Path(results_dir) / f"{model_key(model_path)}@{dataset.slug(dataset.evaluation_split())}.json"
 
 
 def save_record(record: EvaluationRecord, results_dir: Path, dataset: Dataset) -> Path:
@@ -170,14 +170,41 @@ def load_records(results_dir: Path) -> RecordSet:
     if not results_dir.is_dir():
         raise PtqError(f"{results_dir}: results directory not found (run `ptq evaluate` first)")
     records, skipped = [], []
-    for path in sorted(results_dir.glob("*.json")):
-        if path.name == MANIFEST_NAME or path.name.startswith("."):
-            continue
+    for path in record_files(results_dir):
         try:
             records.append(read_record(path))
         except PtqError as error:
             skipped.append(str(error))
     return RecordSet(records, skipped)
+
+
+OK, STALE, MISSING = "ok", "stale", "missing"
+
+
+def record_status(record: EvaluationRecord) -> str:
+    """Whether the record still describes the file at its path: "ok", "stale" (the file changed since it
+    was measured) or "missing". A figure is only as good as the bytes it was measured on."""
+    path = Path(record.model_path)
+    if not path.is_file():
+        return MISSING
+    try:
+        return OK if file_sha256(path) == record.model_sha256 else STALE
+    except OSError:
+        return MISSING
+
+
+def refresh_stale(results_dir: Path, threads: int | None = None, progress_for: Callable[[str], ProgressCallback | None] | None = None) -> list[Path]:
+    """Evaluate again every model whose file changed since its record was written, on the record's dataset
+    and fed as that record says; returns the records rewritten."""
+    rewritten = []
+    for record in load_records(results_dir).records:
+        if record_status(record) != STALE:
+            continue
+        dataset = open_dataset(Path(record.dataset))
+        progress = progress_for(record.name) if progress_for else None
+        fresh = evaluate_model(Path(record.model_path), dataset, record.batch_size or settings.EVALUATION_BATCH, threads, progress, flags_of(record))
+        rewritten.append(save_record(fresh, results_dir, dataset))
+    return rewritten
 
 
 def reference_for(record: EvaluationRecord, records: list[EvaluationRecord]) -> EvaluationRecord | None:
@@ -221,6 +248,7 @@ class Evaluated:
     path: Path  # where the record was written
     reference: EvaluationRecord | None  # the FP32 model it is compared with, if any record has it
     source_evaluated: Path | None = None  # the FP32 source, evaluated too because its record was missing
+    reference_status: str = OK  # whether the reference's file is still the one its record measured
 
 
 def evaluate_and_save(
@@ -245,4 +273,4 @@ def evaluate_and_save(
     reference = fp32_reference(records, record) if record.dtype != "fp32" or record.source_sha256 else None
     if reference is not None and reference.model_sha256 == record.model_sha256:
         reference = None
-    return Evaluated(record, path, reference, source)
+    return Evaluated(record, path, reference, source, record_status(reference) if reference is not None else OK)

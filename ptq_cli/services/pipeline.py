@@ -14,7 +14,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from importlib import metadata as package_metadata
 from pathlib import Path
@@ -49,7 +49,7 @@ class RunOptions:
     calibration_data: Path | None = None
     flags: PreprocessingFlags = PreprocessingFlags()
     pytorch: bool = True  # also convert to TorchScript and quantize with PyTorch
-    samples_per_class: int = settings.SAMPLES_PER_CLASS
+    samples_per_class: int | None = None  # None: the default, or all of the smallest class when it has fewer
     seed: int = settings.SEED
     benchmark: bool = True
     benchmark_runs: int = 100
@@ -87,6 +87,7 @@ class RunResult:
     wall_seconds: float
     manifest: Path
     manifest_written: bool
+    report: report_service.Report | None = None  # the comparison of the study's models, from their records
 
     @property
     def ran(self) -> list[str]:
@@ -140,6 +141,8 @@ def plan(options: RunOptions, render_markdown: Callable[[report_service.Report],
     train = ((calibration_dataset, calibration_dataset.calibration_split()),)
     data_flags = f" --data {data}" + (f" --calibration-data {options.calibration_data}" if options.calibration_data else "") + _flag_text(flags)
     flag_options = {key: value for key, value in asdict(flags).items() if value is not None}
+    if options.samples_per_class is None:
+        options = replace(options, samples_per_class=calibration_service.default_samples_per_class(calibration_dataset))
     fp32 = options.model if options.model is not None else settings.FP32_ONNX
     stem = Path(fp32).stem
     fp32_torch = settings.MODELS_DIR / f"{stem}.pt"
@@ -251,7 +254,7 @@ def run(
     hashes = _Hashes()
     outcomes: list[StageOutcome] = []
     calibration_service.check_seed(options.seed)
-    for option, value in (("--samples-per-class", options.samples_per_class), ("--runs", options.benchmark_runs)):
+    for option, value in (("--samples-per-class", options.samples_per_class or 1), ("--runs", options.benchmark_runs)):
         if value < 1:
             raise PtqError(f"{option}: must be at least 1, got {value}")
     from ptq_cli.services.models import resolve_threads
@@ -311,4 +314,4 @@ def run(
             "stages": [entries[stage.name] for stage in stages],
         }
         write_text(manifest_file, json.dumps(manifest, indent=2) + "\n")
-    return RunResult(outcomes, wall, manifest_file, written)
+    return RunResult(outcomes, wall, manifest_file, written, report_service.report_from_results(options.results_dir))

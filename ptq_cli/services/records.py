@@ -1,23 +1,63 @@
 """JSON records of dataclasses: written atomically, read back keeping only the fields the class knows
-(so a record written by an older or newer ptq still loads)."""
+(so a record written by an older or newer ptq still loads), and named by the model file they measured."""
 
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import asdict, fields
+import math
+import os
+from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ptq_cli.atomic import write_text
+from ptq_cli.atomic import is_temporary, write_text
+from ptq_cli.settings import MANIFEST_NAME
 
 Record = TypeVar("Record")
 
 
+def finite(value: Any) -> Any:
+    """`value` with NaN and infinities as None (null): JSON has no NaN, and a reader must not see one."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if is_dataclass(value) and not isinstance(value, type):
+        return finite(asdict(value))
+    if isinstance(value, dict):
+        return {key: finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(item) for item in value]
+    if hasattr(value, "tolist"):  # numpy scalars and arrays
+        return finite(value.tolist())
+    return value
+
+
+def to_json(value: Any) -> str:
+    return json.dumps(finite(value), indent=2, default=str, allow_nan=False)
+
+
 def write_record(path: Path, record: Any) -> Path:
-    write_text(path, json.dumps(asdict(record), indent=2, default=str) + "\n")
+    write_text(path, to_json(record) + "\n")
     return Path(path)
 
 
 def from_dict(cls: type[Record], data: dict) -> Record:
+    if not isinstance(data, dict):
+        raise TypeError(f"a JSON object was expected, found {type(data).__name__}")
     known = {field.name for field in fields(cls)}
     return cls(**{key: value for key, value in data.items() if key in known})
+
+
+def record_files(directory: Path) -> list[Path]:
+    """The records in `directory`: its .json files, without the run manifest and unfinished writes."""
+    return sorted(path for path in Path(directory).glob("*.json") if path.name != MANIFEST_NAME and not is_temporary(path))
+
+
+def model_key(model_path: Path | str) -> str:
+    """`resnet8.onnx-1a2b3c`: the model's file name and a digest of its folder, so two models of the same
+    name in different folders keep their own records. The folder is taken relative to the working
+    directory, so a project directory that is moved or copied keeps its record names."""
+    path = Path(model_path)
+    folder = os.path.relpath(path.resolve().parent, Path.cwd().resolve())
+    folder = hashlib.sha256(folder.encode()).hexdigest()[:6]
+    return f"{path.name}-{folder}"

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ptq_cli.services.benchmark import BenchmarkRecord, load_benchmarks
-from ptq_cli.services.evaluate import EvaluationRecord, fp32_reference, load_records
+from ptq_cli.services.evaluate import OK, EvaluationRecord, fp32_reference, load_records, record_status
 from ptq_cli.services.quant_settings import describe_model
 from ptq_cli.services.sweep import SweepResult, load_sweeps
 
@@ -36,6 +36,7 @@ class ReportRow:
     per_class_accuracy: tuple[float | None, ...] = ()  # percent, in the group's class_names order
     model_input: str = ""
     preprocessing: str = ""
+    status: str = OK  # "stale": the file changed since it was measured; "missing": it is gone
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def _same_framework_fp32(record: EvaluationRecord, records: list[EvaluationRecor
                  and other.dataset_sha256 == record.dataset_sha256), None)
 
 
-def _row(record: EvaluationRecord, records: list[EvaluationRecord], benchmarks: dict[str, BenchmarkRecord]) -> ReportRow:
+def _row(record: EvaluationRecord, records: list[EvaluationRecord], benchmarks: dict[str, BenchmarkRecord], status: str) -> ReportRow:
     reference = fp32_reference(records, record) if (record.dtype != "fp32" or record.source_sha256) else None
     reference = None if reference is not None and reference.model_sha256 == record.model_sha256 else reference
     framework_fp32 = _same_framework_fp32(record, records)
@@ -126,6 +127,7 @@ def _row(record: EvaluationRecord, records: list[EvaluationRecord], benchmarks: 
         per_class_accuracy=tuple(record.per_class_accuracy),
         model_input=record.model_input,
         preprocessing=record.preprocessing,
+        status=status,
     )
 
 
@@ -137,22 +139,24 @@ def _class_losses(record: EvaluationRecord, reference: EvaluationRecord) -> list
     ]
 
 
-def _group(records: list[EvaluationRecord], benchmarks: dict[str, BenchmarkRecord], worst_classes: int) -> DatasetGroup:
+def _group(records: list[EvaluationRecord], benchmarks: dict[str, BenchmarkRecord], worst_classes: int,
+           statuses: dict[str, str]) -> DatasetGroup:
     records = sorted(records, key=lambda r: (FRAMEWORK_ORDER.get(r.framework, 9), DTYPE_ORDER.get(r.dtype, 9), r.name))
-    rows = [_row(record, records, benchmarks) for record in records]
+    rows = [_row(record, records, benchmarks, statuses.get(record.model_path, OK)) for record in records]
     losses: list[ClassLoss] = []
     for record in records:
         reference = fp32_reference(records, record)
         if record.dtype != "fp32" and reference is not None:
             losses.extend(_class_losses(record, reference))
     losses.sort(key=lambda loss: loss.delta)
-    quantized = [row for row in rows if row.dtype != "fp32"]
-    candidates = quantized or rows
+    current = [row for row in rows if row.status == OK]  # never recommend a file whose figures are not its own
+    quantized = [row for row in current if row.dtype != "fp32"]
+    candidates = quantized or current
     recommendation = Recommendation(
         best_accuracy=max(candidates, key=lambda row: row.accuracy),
         smallest=min(candidates, key=lambda row: row.size_bytes),
         fastest=max(candidates, key=lambda row: row.images_per_second),
-    )
+    ) if candidates else None
     references = [row.reference for row in rows if row.reference]
     most_common = max(set(references), key=references.count) if references else None
     baseline = next((row for row in rows if row.model == most_common), None) or next((row for row in rows if row.dtype == "fp32"), None)
@@ -167,16 +171,20 @@ def build_report(
     benchmarks: dict[str, BenchmarkRecord] | None = None,
     worst_classes: int = 5,
     sweeps: list[SweepResult] | None = None,
+    statuses: dict[str, str] | None = None,
 ) -> Report:
+    """`statuses`: record_status by model path (every row "ok" when not given)."""
     by_dataset: dict[str, list[EvaluationRecord]] = {}
     for record in records:
         by_dataset.setdefault(record.dataset_sha256 or record.dataset, []).append(record)
-    groups = [_group(group, benchmarks or {}, worst_classes) for group in by_dataset.values()]
+    groups = [_group(group, benchmarks or {}, worst_classes, statuses or {}) for group in by_dataset.values()]
     groups.sort(key=lambda group: (-len(group.rows), group.label))  # the main study first
     return Report(groups, list(skipped or []), tuple(sweeps or ()))
 
 
 def report_from_results(results_dir: Path) -> Report:
+    """The report of the records under `results_dir`, each row checked against the file now on disk."""
     record_set = load_records(results_dir)
     sweeps, skipped_sweeps = load_sweeps(results_dir)
-    return build_report(record_set.records, record_set.skipped + skipped_sweeps, load_benchmarks(results_dir), sweeps=sweeps)
+    statuses = {record.model_path: record_status(record) for record in record_set.records}
+    return build_report(record_set.records, record_set.skipped + skipped_sweeps, load_benchmarks(results_dir), sweeps=sweeps, statuses=statuses)

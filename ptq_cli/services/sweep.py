@@ -22,7 +22,7 @@ from ptq_cli.services.calibration import CalibrationSet
 from ptq_cli.services.inputs import PreprocessingFlags
 from ptq_cli.services.progress import ProgressCallback, Steps
 from ptq_cli.services.quant_settings import describe_quantization
-from ptq_cli.services.records import from_dict, write_record
+from ptq_cli.services.records import from_dict, record_files, write_record
 
 SWEEP_DIR = "sweep"  # under the results directory
 
@@ -152,7 +152,7 @@ def read_sweep(path: Path) -> SweepResult:
 def load_sweeps(results_dir: Path) -> tuple[list[SweepResult], list[str]]:
     """Every sweep record under results_dir/sweep; unreadable ones are skipped and named."""
     sweeps, skipped = [], []
-    for path in sorted((Path(results_dir) / SWEEP_DIR).glob("*.json")):
+    for path in record_files(Path(results_dir) / SWEEP_DIR):
         try:
             sweeps.append(read_sweep(path))
         except PtqError as error:

@@ -29,7 +29,7 @@ from ptq_cli.services.progress import ProgressCallback, Steps
 from ptq_cli.services.quant_settings import METHODS as BACKEND_METHODS
 from ptq_cli.services.quant_settings import QuantizationSettings, describe_quantization, make_settings
 from ptq_cli.services.quantize import SourceModel, calibration_inputs, load_source, quantize_source, with_calibration
-from ptq_cli.services.records import write_record
+from ptq_cli.services.records import model_key, write_record
 from ptq_cli.services.sensitivity import layer_sensitivity, preprocessed, quantizable_layers
 from ptq_cli.services.validation import ValidationSet, score, sqnr_db
 
@@ -136,7 +136,7 @@ def tune(
     if model_path.resolve() == output.resolve():
         raise PtqError(f"--output: {output} would overwrite the model being tuned")
     backends.backend(backend)
-    record = Path(results_dir) / TUNING_DIR / f"{output.name}.json"
+    record = Path(results_dir) / TUNING_DIR / f"{model_key(output)}.json"
     for path in (output, record):
         check_writable(path)
     source = load_source(model_path, flags or PreprocessingFlags())

@@ -1,0 +1,79 @@
+"""A tiny synthetic classifier and datasets for in-process CLI tests (typer's CliRunner).
+
+The classifier: mean of each colour channel -> 3 scores (red, green, blue); the images: solid colours with
+noise, so a correctly fed model scores 100% and a wrongly fed one (BGR, another size) measurably less.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+from PIL import Image
+from typer.testing import CliRunner
+
+from ptq_cli.cli import app
+
+CLASSES = ("red", "green", "blue")
+runner = CliRunner()
+
+
+def invoke(*args, cwd: Path, columns: int = 200):
+    """`ptq ARGS` in-process, in `cwd`, on a terminal `columns` wide."""
+    before = Path.cwd()
+    os.chdir(cwd)
+    try:
+        return runner.invoke(app, [str(arg) for arg in args], env={"COLUMNS": str(columns)}, prog_name="ptq")
+    finally:
+        os.chdir(before)
+
+
+def one_line_error(result, mentions: str) -> None:
+    assert result.exit_code == 2, (result.exit_code, result.output)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error:") and mentions in lines[0], result.stderr
+    assert "Traceback" not in result.output
+
+
+def colour_images(count_per_class: int, size: int = 8, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    images, labels = [], []
+    for label in range(3):
+        for _ in range(count_per_class):
+            image = rng.integers(0, 60, (size, size, 3))
+            image[..., label] += 150
+            images.append(image.astype(np.uint8))
+            labels.append(label)
+    return np.stack(images), np.array(labels, np.int64)
+
+
+def channel_mean_classifier(path: Path, layout: str = "NCHW", batch: int | str = "N", size: int = 8, classes: int = 3,
+                            opset: int = 13, two_inputs: bool = False) -> Path:
+    """Scores = per-channel mean (x W, an identity for 3 classes); NCHW or NHWC, float input."""
+    shape = [batch, 3, size, size] if layout == "NCHW" else [batch, size, size, 3]
+    axes = [2, 3] if layout == "NCHW" else [1, 2]
+    weights = np.eye(3, classes, dtype=np.float32)
+    nodes = [helper.make_node("ReduceMean", ["image"], ["means"], axes=axes, keepdims=0),
+             helper.make_node("MatMul", ["means", "weights"], ["scores"])]
+    inputs = [helper.make_tensor_value_info("image", onnx.TensorProto.FLOAT, shape)]
+    if two_inputs:
+        inputs.append(helper.make_tensor_value_info("mask", onnx.TensorProto.FLOAT, shape))
+    graph = helper.make_graph(nodes, "colours", inputs, [helper.make_tensor_value_info("scores", onnx.TensorProto.FLOAT, [batch, classes])],
+                              [numpy_helper.from_array(weights, "weights")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=7)
+    onnx.save(model, str(path))
+    return path
+
+
+def image_folder(root: Path, splits=("train", "test"), per_class: int = 6, suffix: str = ".png", size: int = 8) -> Path:
+    for offset, split in enumerate(splits):
+        images, labels = colour_images(per_class, size, seed=offset)
+        for index, (image, label) in enumerate(zip(images, labels)):
+            folder = root / split / CLASSES[label]
+            folder.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(image).save(folder / f"{index:04d}{suffix}")
+    (root / "classes.txt").write_text("\n".join(CLASSES) + "\n")  # the model's order, not the sorted folder names
+    return root
