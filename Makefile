@@ -42,9 +42,10 @@ sweep: install
 test: install
 	$(BIN)/python -m pytest
 
-# Everything but the real-asset tests (no study run, no CIFAR): in-process, synthetic models and data.
+# Everything but the real-asset tests (no study run, no CIFAR): in-process, synthetic models and data;
+# the fuzz harness runs a quarter of its cases.
 test-fast: install
-	$(BIN)/python -m pytest -m "not real_assets"
+	PTQ_FUZZ_SCALE=0.25 $(BIN)/python -m pytest -m "not real_assets"
 
 bench: install
 	$(BIN)/python benchmarks/pipeline.py

@@ -6,11 +6,13 @@ noise, so a correctly fed model scores 100% and a wrongly fed one (BGR, another 
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
 import numpy as np
 import onnx
+import typer.main
 from onnx import helper, numpy_helper
 from PIL import Image
 from typer.testing import CliRunner
@@ -19,6 +21,11 @@ from ptq_cli.cli import app
 
 CLASSES = ("red", "green", "blue")
 runner = CliRunner()
+
+
+# typer's CliRunner rebuilds the click command from the app on every call (a third of a short call's
+# time); the app does not change during the tests, so build it once.
+typer.testing._get_command = functools.cache(typer.testing._get_command)
 
 
 def invoke(*args, cwd: Path, columns: int = 200):

@@ -26,6 +26,7 @@ from ptq_cli.services.models import (
     LoadedModel,
     ModelInfo,
     graph_inputs,
+    metadata_object,
     model_input,
     num_classes,
     onnx_dims,
@@ -76,6 +77,8 @@ def describe_input(path: Path, model):
     value = found[0]
     is_float = value.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
     described = model_input(path, value.name, onnx_dims(value), is_float)
+    if not model.graph.output:
+        raise PtqError(f"{path}: the graph has no outputs; ptq takes classifiers whose first output is the class scores")
     return described, num_classes(path, onnx_dims(model.graph.output[0]))
 
 
@@ -127,7 +130,7 @@ def load(path: Path, threads: int | None, flags: inputs.PreprocessingFlags) -> L
     threads = resolve_threads(threads)
     described, classes = describe_input(path, model)
     stored = metadata(model)
-    preprocessing = inputs.resolve(flags, inputs.from_metadata(stored.get(inputs.INPUT_METADATA_KEY)))
+    preprocessing = inputs.resolve(flags, inputs.from_metadata(stored.get(inputs.INPUT_METADATA_KEY), path))
     note, chunk = None, None
     if described.batch is not None:
         freed = free_batch(path, model, described)
@@ -165,7 +168,7 @@ def load(path: Path, threads: int | None, flags: inputs.PreprocessingFlags) -> L
 
     if classes is None:
         classes = int(predict(np.zeros(described.shape(1), np.float32)).shape[-1])
-    pruning = json.loads(stored[PRUNING_METADATA_KEY]) if PRUNING_METADATA_KEY in stored else None
+    pruning = metadata_object(path, stored, PRUNING_METADATA_KEY)
     info = ModelInfo(path, NAME, dtype, quantization, len(data), hashlib.sha256(data).hexdigest(), pruning, stored.get(SOURCE_METADATA_KEY))
     return LoadedModel(info, predict, described, preprocessing, classes, note)
 

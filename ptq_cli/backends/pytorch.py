@@ -24,6 +24,7 @@ from ptq_cli.services.models import (
     SOURCE_METADATA_KEY,
     LoadedModel,
     ModelInfo,
+    metadata_object,
     read_bytes,
     resolve_threads,
 )
@@ -176,7 +177,7 @@ def load(path: Path, threads: int | None, flags: inputs.PreprocessingFlags) -> L
         raise PtqError(f"{path}: not a loadable TorchScript model ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from error
     module.eval()
     stored = _read_metadata(extra_files[TORCHSCRIPT_METADATA_FILE])
-    quantization = json.loads(stored[QUANTIZATION_METADATA_KEY]) if QUANTIZATION_METADATA_KEY in stored else None
+    quantization = metadata_object(path, stored, QUANTIZATION_METADATA_KEY)
     dtype = (quantization or {}).get("dtype") or ("int8" if "quantize_per_tensor" in module.inlined_graph.str() else "fp32")
     torch.set_num_threads(threads)
 
@@ -214,7 +215,7 @@ def load(path: Path, threads: int | None, flags: inputs.PreprocessingFlags) -> L
         raise PtqError(f"{path}: does not take a float32 batch of {shapes} ({cause})")
     if probe.ndim != 2:
         raise PtqError(f"{path}: output shape {list(probe.shape)} is not N x classes")
-    preprocessing = inputs.resolve(flags, inputs.from_metadata(stored.get(inputs.INPUT_METADATA_KEY)))
+    preprocessing = inputs.resolve(flags, inputs.from_metadata(stored.get(inputs.INPUT_METADATA_KEY), path))
     fixed = described.batch
     if fixed is not None:
         whole = predict

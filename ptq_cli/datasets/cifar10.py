@@ -75,11 +75,14 @@ def load_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     batch = _unpickle(path)
     if not isinstance(batch, dict) or b"data" not in batch or b"labels" not in batch:
         raise PtqError(f"{path}: not a CIFAR-10 batch (no b'data' and b'labels' keys)")
-    data = np.asarray(batch[b"data"])
     try:
-        labels = np.asarray(batch[b"labels"], dtype=np.int64)
-    except (TypeError, ValueError) as error:
-        raise PtqError(f"{path}: b'labels' are not integers") from error
+        data = np.asarray(batch[b"data"])
+        labels = np.asarray(batch[b"labels"])
+    except (TypeError, ValueError, OverflowError) as error:
+        raise PtqError(f"{path}: b'data' or b'labels' is not an array ({error})") from error
+    if labels.size and labels.dtype.kind not in "iu":
+        raise PtqError(f"{path}: b'labels' are {labels.dtype}, not integers")
+    labels = labels.astype(np.int64)
     if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
         raise PtqError(f"{path}: b'data' is {data.dtype} {data.shape}, expected uint8 N x 3072")
     if labels.shape != (data.shape[0],):

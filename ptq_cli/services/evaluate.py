@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -19,6 +18,7 @@ from ptq_cli.errors import PtqError
 from ptq_cli.services.inputs import Preprocessing, PreprocessingFlags
 from ptq_cli.services.models import check_classes, file_sha256, load_model, resolve_threads
 from ptq_cli.services.progress import ProgressCallback
+from ptq_cli.services.quant_settings import describe_model
 from ptq_cli.services.records import from_dict, model_key, record_files, write_record
 
 RECORD_SCHEMA = 2
@@ -39,7 +39,7 @@ class EvaluationRecord:
     correct: int
     accuracy: float  # top-1, percent
     class_names: list[str]
-    per_class_accuracy: list[float]  # percent, in class_names order
+    per_class_accuracy: list[float | None]  # percent, in class_names order; None for a class with no images
     confusion_matrix: list[list[int]]  # rows: true class, columns: predicted class
     images_per_second: float  # inference only, at batch_size
     batch_size: int
@@ -147,10 +147,15 @@ def read_record(path: Path) -> EvaluationRecord:
         if not isinstance(data, dict):
             raise ValueError("not a JSON object")
         record = from_dict(EvaluationRecord, data)
-        if not isinstance(record.accuracy, (int, float)) or not math.isfinite(record.accuracy) or not isinstance(record.model_path, str):
-            raise ValueError("no finite accuracy")
+        if not (0 <= record.accuracy <= 100 and 0 <= record.correct <= record.images and record.model_size_bytes >= 0):
+            raise ValueError("accuracy, correct/images or size out of range")
+        classes = len(record.class_names)
+        if len(record.per_class_accuracy) != classes or len(record.confusion_matrix) != classes \
+                or any(len(row) != classes for row in record.confusion_matrix):
+            raise ValueError(f"per-class figures do not match its {classes} classes")
+        describe_model(record.quantization, record.pruning)  # its settings must read as ptq wrote them
         return record
-    except (OSError, ValueError, TypeError, AttributeError) as error:
+    except (OSError, ValueError, TypeError, AttributeError, KeyError) as error:
         raise PtqError(f"{path}: not a ptq evaluation record ({error})") from error
 
 

@@ -5,7 +5,9 @@ images (uint8 N x H x W x C) into the model's input."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import numpy as np
 
@@ -131,14 +133,21 @@ def preset_of(preprocessing: Preprocessing) -> str | None:
     return None
 
 
-def from_metadata(text: str | None) -> Preprocessing | None:
+def from_metadata(text: str | None, where: Path | str = "model") -> Preprocessing | None:
+    """The preprocessing a model ptq wrote says it takes (metadata INPUT_METADATA_KEY), checked like flags."""
     if not text:
         return None
     try:
         data = json.loads(text)
-        return Preprocessing(float(data["scale"]), tuple(map(float, data["mean"])), tuple(map(float, data["std"])), bool(data["bgr"]), data.get("preset"))
-    except (ValueError, KeyError, TypeError) as error:
-        raise PtqError(f"model metadata '{INPUT_METADATA_KEY}' is not readable ({error})") from error
+        stored = Preprocessing(float(data["scale"]), tuple(map(float, data["mean"])), tuple(map(float, data["std"])), bool(data["bgr"]),
+                               None if data.get("preset") is None else str(data["preset"]))
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise PtqError(f"{where}: model metadata '{INPUT_METADATA_KEY}' is not readable ({error})") from error
+    values = (stored.scale, *stored.mean, *stored.std)
+    if len(stored.mean) not in (1, 3) or len(stored.std) not in (1, 3) or not all(math.isfinite(v) for v in values) \
+            or stored.scale <= 0 or min(stored.std) <= 0:
+        raise PtqError(f"{where}: model metadata '{INPUT_METADATA_KEY}' holds an unusable preprocessing ({text[:80]})")
+    return stored
 
 
 def resolve(flags: PreprocessingFlags, stored: Preprocessing | None) -> Preprocessing:

@@ -4,6 +4,7 @@ preprocessing), and one predict function. The frameworks themselves live in ptq_
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,6 +63,20 @@ class LoadedModel:
         shape = self.input.shape(1)[1:]
         batch = "batch N" if self.input.batch is None else f"batch {self.input.batch}"
         return f"{self.input.layout} {'x'.join(map(str, shape))}, {batch}" + (f" ({self.batch_note})" if self.batch_note else "")
+
+
+def metadata_object(path: Path, stored: dict[str, str], key: str) -> dict | None:
+    """A JSON object ptq stored in a model's metadata under `key`, or None when absent; a one-line error
+    naming the file when the entry is damaged."""
+    if key not in stored:
+        return None
+    try:
+        value = json.loads(stored[key])
+    except ValueError as error:
+        raise PtqError(f"{path}: model metadata '{key}' is not JSON ({error})") from error
+    if not isinstance(value, dict):
+        raise PtqError(f"{path}: model metadata '{key}' is not a JSON object")
+    return value
 
 
 def file_sha256(path: Path) -> str:

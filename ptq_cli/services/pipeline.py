@@ -211,7 +211,18 @@ def read_manifest(path: Path) -> dict:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
-    return data if isinstance(data, dict) and data.get("schema") == MANIFEST_SCHEMA else {}
+    if not isinstance(data, dict) or data.get("schema") != MANIFEST_SCHEMA:
+        return {}
+    stages = data.get("stages")
+    # Only well-formed stage entries count; a stage without one runs again.
+    data["stages"] = [entry for entry in stages if _well_formed(entry)] if isinstance(stages, list) else []
+    return data
+
+
+def _well_formed(entry: object) -> bool:
+    return (isinstance(entry, dict) and isinstance(entry.get("name"), str) and isinstance(entry.get("options"), dict)
+            and all(isinstance(entry.get(key), dict) and all(isinstance(value, str) for value in entry[key].values())
+                    for key in ("inputs", "outputs")))
 
 
 def _up_to_date(entry: dict | None, stage: Stage, inputs: dict[str, str], hashes: _Hashes) -> bool:
@@ -250,7 +261,7 @@ def run(
     began, started_at = time.perf_counter(), datetime.now(timezone.utc).isoformat(timespec="seconds")
     manifest_file = manifest_path(options.results_dir)
     previous = read_manifest(manifest_file)
-    entries: dict[str, dict] = {entry["name"]: entry for entry in previous.get("stages", []) if isinstance(entry, dict) and "name" in entry}
+    entries: dict[str, dict] = {entry["name"]: entry for entry in previous.get("stages", [])}
     hashes = _Hashes()
     outcomes: list[StageOutcome] = []
     calibration_service.check_seed(options.seed)

@@ -7,6 +7,8 @@ import hashlib
 import json
 import math
 import os
+import types
+import typing
 from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -42,10 +44,40 @@ def write_record(path: Path, record: Any) -> Path:
 
 
 def from_dict(cls: type[Record], data: dict) -> Record:
+    """The record of class `cls` in `data`, each known field checked against its annotation (finite
+    numbers, strings, lists of them...): a TypeError names the first field that does not fit."""
     if not isinstance(data, dict):
         raise TypeError(f"a JSON object was expected, found {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
     known = {field.name for field in fields(cls)}
+    for key in known & data.keys():
+        if not _fits(data[key], hints[key]):
+            raise TypeError(f"field '{key}' is {json.dumps(data[key])[:40]}, expected {hints[key]}")
     return cls(**{key: value for key, value in data.items() if key in known})
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, arg) for arg in args)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if hint is str:
+        return isinstance(value, str)
+    if hint is dict or origin is dict:
+        return isinstance(value, dict)
+    if hint in (list, tuple) or origin in (list, tuple):
+        element = args[0] if args else Any
+        return isinstance(value, list) and all(_fits(item, element) for item in value)
+    return True  # nested records are checked by their own from_dict
 
 
 def record_files(directory: Path) -> list[Path]:

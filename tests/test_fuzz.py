@@ -1,0 +1,400 @@
+"""Fuzz harness: every kind of file ptq reads, mutated, and option values drawn, by hypothesis.
+
+The contract, for every case: exit 0 with a sound result, or exit 2 with one line on stderr and nothing
+written; never a traceback. In-process (CliRunner) on tests/synthetic.py's tiny classifier and images, so
+it runs on every change: all 2,300 cases in `make test` (CI), a quarter of them in `make test-fast`.
+Cases are derandomized: a failure reproduces.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import shutil
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from synthetic import CLASSES, channel_mean_classifier, colour_images, image_folder, invoke
+
+from ptq_cli import settings as ptq_settings
+
+FUZZ = settings(derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck), print_blob=True)
+
+
+def fuzz(examples: int):
+    """`examples` cases (2,300 over the harness), scaled by PTQ_FUZZ_SCALE: `make test-fast` runs a quarter."""
+    return settings(FUZZ, max_examples=max(10, round(examples * float(os.environ.get("PTQ_FUZZ_SCALE", "1")))))
+OUTPUTS = ("models", "results", "res", "reports", "out", "calibration", "q.onnx", "report.md", "calib_out.npz")
+
+
+def colours_npz(path: Path) -> Path:
+    train_images, train_labels = colour_images(4, seed=1)
+    test_images, test_labels = colour_images(4, seed=2)
+    np.savez(path, train_images=train_images, train_labels=train_labels, test_images=test_images, test_labels=test_labels,
+             class_names=np.array(CLASSES))
+    return path
+
+
+def cifar_dir(root: Path) -> Path:
+    """The CIFAR-10 python layout (10 class names), 2 images of each of the first 3 classes, 32x32."""
+    root.mkdir(parents=True)
+    images, labels = colour_images(2, size=32, seed=3)
+    data = images.transpose(0, 3, 1, 2).reshape(len(images), -1)
+    for name in [f"data_batch_{index}" for index in range(1, 6)] + ["test_batch"]:
+        with open(root / name, "wb") as handle:
+            pickle.dump({b"data": data, b"labels": labels.tolist(), b"batch_label": name.encode()}, handle)
+    with open(root / "batches.meta", "wb") as handle:
+        names = [*CLASSES, *(f"other{index}" for index in range(7))]
+        pickle.dump({b"label_names": [name.encode() for name in names], b"num_cases_per_batch": len(labels)}, handle)
+    return root
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory) -> Path:
+    """Every kind of file ptq reads, made by ptq itself where ptq writes it."""
+    root = tmp_path_factory.mktemp("fuzz-template")
+    (root / "models").mkdir()
+    channel_mean_classifier(root / "models" / "m.onnx")
+    channel_mean_classifier(root / "big.onnx", size=32, classes=10)
+    colours_npz(root / "colours.npz")
+    image_folder(root / "folder", per_class=3)
+    cifar_dir(root / "cifar")
+    cache = root / "cache"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(ptq_settings.CACHE_ENV, str(cache))
+        for command in (("calibrate", "--data", "colours.npz", "--output", "calib.npz"),
+                        ("quantize", "--model", "models/m.onnx", "--data", "colours.npz", "--output", "models/m_uint8.onnx", "--dtype", "uint8"),
+                        ("run", "--model", "models/m.onnx", "--data", "colours.npz", "--no-pytorch", "--runs", "2"),
+                        ("evaluate", "--data", "colours.npz"),
+                        ("evaluate", "--model", "big.onnx", "--data", "cifar", "--results-dir", "cifar-results")):
+            result = invoke(*command, cwd=root)
+            assert result.exit_code == 0, (command, result.output)
+    return root
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {str(path.relative_to(directory)): path.read_bytes() for path in sorted(directory.rglob("*"))
+            if path.is_file() and not str(path.relative_to(directory)).startswith("cache")}
+
+
+def project(template: Path, tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("case")
+    shutil.copytree(template, work, dirs_exist_ok=True, ignore=shutil.ignore_patterns("cache"))
+    shutil.copytree(template / "cache", work / "cache")
+    return work
+
+
+def check_contract(result, before: dict[str, bytes], after: dict[str, bytes], command) -> None:
+    assert result.exception is None or isinstance(result.exception, SystemExit), (command, repr(result.exception), result.output)
+    assert "Traceback" not in result.output, (command, result.output)
+    assert result.exit_code in (0, 2), (command, result.exit_code, result.output)
+    if result.exit_code == 2:
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("Error:"), (command, result.stderr)
+        assert after == before, (command, sorted(set(after) ^ set(before)) or [k for k in after if after[k] != before.get(k)])
+        return
+    for name, data in after.items():
+        if name.endswith(".json") and (name not in before or before[name] != data):
+            json.loads(data, parse_constant=lambda constant: pytest.fail(f"{command}: {name} holds {constant}"))
+
+
+def run_case(work: Path, *command):
+    before = snapshot(work)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(ptq_settings.CACHE_ENV, str(work / "cache"))
+        result = invoke(*command, cwd=work)
+    check_contract(result, before, snapshot(work), command)
+    return result
+
+
+# Byte-level mutations, for any file.
+
+def mutate_bytes(data: bytes, draw) -> bytes:
+    kind = draw(st.sampled_from(["truncate", "flip", "random", "empty", "append", "splice"]))
+    if kind == "empty" or not data:
+        return b""
+    if kind == "truncate":
+        return data[: draw(st.integers(0, len(data) - 1))]
+    if kind == "flip":
+        position = draw(st.integers(0, len(data) - 1))
+        return data[:position] + bytes([data[position] ^ draw(st.integers(1, 255))]) + data[position + 1 :]
+    if kind == "random":
+        return draw(st.binary(min_size=0, max_size=64))
+    if kind == "append":
+        return data + draw(st.binary(min_size=1, max_size=32))
+    start = draw(st.integers(0, len(data) - 1))
+    return data[:start] + draw(st.binary(min_size=1, max_size=16)) + data[start + 16 :]
+
+
+ODD_VALUES = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12), st.lists(st.integers(-3, 3), max_size=3), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+)
+
+
+def mutate_json(value, draw):
+    """`value` with one node somewhere replaced by an odd value (or removed)."""
+    if isinstance(value, dict) and value and draw(st.booleans()):
+        key = draw(st.sampled_from(sorted(value)))
+        copy = dict(value)
+        if draw(st.integers(0, 4)) == 0:
+            del copy[key]
+        else:
+            copy[key] = mutate_json(value[key], draw)
+        return copy
+    if isinstance(value, list) and value and draw(st.booleans()):
+        index = draw(st.integers(0, len(value) - 1))
+        return [*value[:index], mutate_json(value[index], draw), *value[index + 1 :]]
+    return draw(ODD_VALUES)
+
+
+def odd_array(draw, like: np.ndarray) -> np.ndarray:
+    try:
+        return _odd_array(draw, like)
+    except (ValueError, TypeError, IndexError):  # e.g. class names as floats: the drawn change does not apply
+        return np.zeros(like.shape, np.float32)
+
+
+def _odd_array(draw, like: np.ndarray) -> np.ndarray:
+    kind = draw(st.sampled_from(["dtype", "shape", "nan", "negative", "huge", "empty", "strings", "scalar", "object-free float"]))
+    if kind == "dtype":
+        return like.astype(draw(st.sampled_from([np.float32, np.float64, np.int8, np.int64, np.uint16, np.bool_])))
+    if kind == "shape":
+        return like.reshape(-1) if like.ndim > 1 else like.reshape(1, -1)
+    if kind == "nan":
+        return np.full(like.shape, np.nan, np.float32)
+    if kind == "negative":
+        return (-np.abs(like.astype(np.int64)) - 1).astype(np.int64)
+    if kind == "huge":
+        return np.full(like.shape, 2**40, np.int64)
+    if kind == "empty":
+        return like[:0]
+    if kind == "strings":
+        return np.array([str(item) for item in like.reshape(-1)[:5]])
+    if kind == "scalar":
+        return np.array(draw(st.integers(-5, 5)))
+    return like.astype(np.float32) / 255.0
+
+
+def mutate_npz(path: Path, draw) -> None:
+    with np.load(path, allow_pickle=False) as data:
+        arrays = dict(data)
+    key = draw(st.sampled_from(sorted(arrays)))
+    action = draw(st.sampled_from(["replace", "replace", "replace", "drop", "rename"]))
+    if action == "drop":
+        del arrays[key]
+    elif action == "rename":
+        arrays["x_" + key] = arrays.pop(key)
+    else:
+        arrays[key] = odd_array(draw, arrays[key])
+    np.savez(path, **arrays)
+
+
+# The fuzz tests, one per kind of file, and one for option values.
+
+@fuzz(250)
+@given(data=st.data())
+def test_fuzz_model_file(template, tmp_path_factory, data):
+    work = project(template, tmp_path_factory)
+    model = work / "models" / "m.onnx"
+    if data.draw(st.booleans(), label="structural"):
+        proto = onnx.load(str(model))
+        change = data.draw(st.sampled_from(["elem_type", "dims", "opset", "outputs", "metadata", "inputs"]), label="change")
+        if change == "elem_type":
+            proto.graph.input[0].type.tensor_type.elem_type = data.draw(st.sampled_from([2, 3, 6, 7, 10, 11]))
+        elif change == "dims":
+            dim = proto.graph.input[0].type.tensor_type.shape.dim[data.draw(st.integers(0, 3))]
+            dim.Clear()
+            choice = data.draw(st.one_of(st.integers(-2, 70), st.text(max_size=3)))
+            if isinstance(choice, int):
+                dim.dim_value = choice
+            else:
+                dim.dim_param = choice
+        elif change == "opset":
+            proto.opset_import[0].version = data.draw(st.integers(-1, 30))
+        elif change == "outputs":
+            del proto.graph.output[:]
+        elif change == "inputs":
+            proto.graph.input.append(proto.graph.input[0])
+        else:
+            entry = proto.metadata_props.add()
+            entry.key = data.draw(st.sampled_from(["ptq.input", "ptq.quantization", "ptq.source_sha256", "ptq.pruning"]))
+            entry.value = data.draw(st.one_of(st.text(max_size=20), ODD_VALUES.map(json.dumps)))
+        model.write_bytes(proto.SerializeToString())
+    else:
+        model.write_bytes(mutate_bytes(model.read_bytes(), data.draw))
+    command = data.draw(st.sampled_from([
+        ("evaluate", "--model", "models/m.onnx", "--data", "colours.npz", "--results-dir", "res"),
+        ("benchmark", "--model", "models/m.onnx", "--runs", "1", "--batch-size", "4", "--results-dir", "res"),
+        ("quantize", "--model", "models/m.onnx", "--data", "colours.npz", "--calibration", "calib.npz", "--output", "q.onnx"),
+    ]), label="command")
+    run_case(work, *command)
+
+
+@fuzz(300)
+@given(data=st.data())
+def test_fuzz_dataset_npz(template, tmp_path_factory, data):
+    work = project(template, tmp_path_factory)
+    mutate_npz(work / "colours.npz", data.draw)
+    command = data.draw(st.sampled_from([
+        ("evaluate", "--model", "models/m.onnx", "--data", "colours.npz", "--results-dir", "res"),
+        ("calibrate", "--data", "colours.npz", "--output", "calib_out.npz"),
+    ]), label="command")
+    result = run_case(work, *command)
+    if result.exit_code == 0 and command[0] == "evaluate":
+        record = json.loads(next((work / "res").glob("*.json")).read_text())
+        assert 0 <= record["accuracy"] <= 100 and record["correct"] <= record["images"]
+
+
+@fuzz(250)
+@given(data=st.data())
+def test_fuzz_image_folder(template, tmp_path_factory, data):
+    work = project(template, tmp_path_factory)
+    folder = work / "folder"
+    target = data.draw(st.sampled_from(["image", "classes.txt", "stray file", "empty class", "extra class"]), label="target")
+    if target == "image":
+        images = sorted(folder.rglob("*.png"))
+        victim = images[data.draw(st.integers(0, len(images) - 1))]
+        victim.write_bytes(mutate_bytes(victim.read_bytes(), data.draw))
+    elif target == "classes.txt":
+        (folder / "classes.txt").write_text(data.draw(st.text(max_size=40)))
+    elif target == "stray file":
+        (folder / "test" / "red" / data.draw(st.sampled_from(["notes.txt", "x.jpg", ".DS_Store", "Thumbs.db"]))).write_bytes(data.draw(st.binary(max_size=20)))
+    elif target == "empty class":
+        for image in (folder / "train" / "green").iterdir():
+            image.unlink()
+    else:
+        (folder / "test" / "purple").mkdir()
+        shutil.copy(next((folder / "test" / "red").iterdir()), folder / "test" / "purple" / "0.png")
+    run_case(work, "evaluate", "--model", "models/m.onnx", "--data", "folder", "--results-dir", "res")
+
+
+@fuzz(200)
+@given(data=st.data())
+def test_fuzz_cifar_batches(template, tmp_path_factory, data):
+    work = project(template, tmp_path_factory)
+    victim = work / "cifar" / data.draw(st.sampled_from(["test_batch", "batches.meta", "data_batch_1"]), label="file")
+    if data.draw(st.booleans(), label="bytes"):
+        victim.write_bytes(mutate_bytes(victim.read_bytes(), data.draw))
+    else:
+        with open(victim, "rb") as handle:
+            content = pickle.load(handle, encoding="bytes")
+        key = data.draw(st.sampled_from(sorted(content)))
+        content[key] = data.draw(st.one_of(ODD_VALUES, st.just(np.zeros((2, 5), np.uint8)), st.just([b"x"] * 2),
+                                           st.just(np.full((6, 3072), 255, np.float64))))
+        with open(victim, "wb") as handle:
+            pickle.dump(content, handle)
+    command = data.draw(st.sampled_from([
+        ("evaluate", "--model", "big.onnx", "--data", "cifar", "--results-dir", "res"),
+        ("calibrate", "--data", "cifar", "--samples-per-class", "1", "--output", "calib_out.npz"),
+    ]), label="command")
+    run_case(work, *command)
+
+
+@fuzz(150)
+@given(data=st.data())
+def test_fuzz_calibration_file(template, tmp_path_factory, data):
+    work = project(template, tmp_path_factory)
+    if data.draw(st.booleans(), label="bytes"):
+        (work / "calib.npz").write_bytes(mutate_bytes((work / "calib.npz").read_bytes(), data.draw))
+    else:
+        mutate_npz(work / "calib.npz", data.draw)
+    run_case(work, "quantize", "--model", "models/m.onnx", "--data", "colours.npz", "--calibration", "calib.npz", "--output", "q.onnx")
+
+
+@fuzz(400)
+@given(data=st.data())
+def test_fuzz_records(template, tmp_path_factory, data):
+    work = project(template, tmp_path_factory)
+    records = sorted((work / "results").rglob("*.json"))
+    victim = records[data.draw(st.integers(0, len(records) - 1))]
+    if data.draw(st.booleans(), label="bytes"):
+        victim.write_bytes(mutate_bytes(victim.read_bytes(), data.draw))
+    else:
+        victim.write_text(json.dumps(mutate_json(json.loads(victim.read_text()), data.draw)))
+    command = data.draw(st.sampled_from([
+        ("report", "--json"),
+        ("report", "--markdown", "report.md"),
+        ("evaluate", "--model", "models/m_uint8.onnx", "--data", "colours.npz", "--per-class"),
+    ]), label="command")
+    result = run_case(work, *command)
+    if result.exit_code == 0 and command == ("report", "--json"):
+        json.loads(result.stdout, parse_constant=lambda constant: pytest.fail(f"report --json holds {constant}"))
+
+
+@fuzz(100)
+@given(data=st.data())
+def test_fuzz_manifest(template, tmp_path_factory, data):
+    work = project(template, tmp_path_factory)
+    manifest = work / "results" / "manifest.json"
+    if data.draw(st.booleans(), label="bytes"):
+        manifest.write_bytes(mutate_bytes(manifest.read_bytes(), data.draw))
+    else:
+        manifest.write_text(json.dumps(mutate_json(json.loads(manifest.read_text()), data.draw)))
+    run_case(work, "run", "--model", "models/m.onnx", "--data", "colours.npz", "--no-pytorch", "--no-benchmark", "--json")
+
+
+@fuzz(150)
+@given(data=st.data())
+def test_fuzz_cache(template, tmp_path_factory, data):
+    """A damaged cache is rebuilt: the result is the one the intact data gives."""
+    work = project(template, tmp_path_factory)
+    caches = sorted((work / "cache").glob("*.npz"))
+    victim = caches[data.draw(st.integers(0, len(caches) - 1))]
+    if data.draw(st.booleans(), label="bytes"):
+        victim.write_bytes(mutate_bytes(victim.read_bytes(), data.draw))
+    else:
+        try:
+            mutate_npz(victim, data.draw)
+        except (ValueError, OSError, zipfile.BadZipFile):
+            return
+    result = run_case(work, "evaluate", "--model", "models/m.onnx", "--data", "colours.npz", "--results-dir", "res", "--json")
+    assert result.exit_code == 0 and json.loads(result.stdout)["correct"] == 12
+
+
+OPTION_VALUES = st.one_of(st.integers(-(2**40), 2**40).map(str), st.floats(allow_nan=True, allow_infinity=True).map(str),
+                          st.sampled_from(["", "nan", "inf", "-0", "1,2", "0,0,0", "1,2,3,4", "abc", "int8", "uint8", "none", "-1"]))
+COMMAND_OPTIONS = {
+    ("calibrate", "--data", "colours.npz", "--output", "calib_out.npz"): ["--seed", "--samples-per-class", "--model"],
+    ("evaluate", "--model", "models/m.onnx", "--data", "colours.npz", "--results-dir", "res"):
+        ["--batch-size", "--threads", "--scale", "--mean", "--std", "--preprocess"],
+    ("benchmark", "--model", "models/m.onnx", "--results-dir", "res"): ["--runs", "--batch-size", "--threads"],
+    ("quantize", "--model", "models/m.onnx", "--data", "colours.npz", "--output", "q.onnx"):
+        ["--dtype", "--weight-dtype", "--method", "--percentile", "--samples-per-class", "--seed", "--mean", "--std", "--scale"],
+    ("prune", "--model", "models/m.onnx", "--output", "q.onnx"): ["--sparsity"],
+    ("report",): ["--results-dir", "--markdown"],
+}
+
+
+@fuzz(500)
+@given(data=st.data())
+def test_fuzz_options(template, tmp_path_factory, data):
+    work = project(template, tmp_path_factory)
+    base = data.draw(st.sampled_from(sorted(COMMAND_OPTIONS)), label="command")
+    options = []
+    for option in data.draw(st.lists(st.sampled_from(COMMAND_OPTIONS[base]), min_size=1, max_size=3, unique=True), label="options"):
+        options += [option, data.draw(OPTION_VALUES, label=option)]
+    result = run_case(work, *base, *options)
+    if result.exit_code == 0 and base[0] == "evaluate":
+        record = json.loads(next((work / "res").glob("*.json")).read_text())
+        assert math.isfinite(record["accuracy"]) and 0 <= record["accuracy"] <= 100
+
+
+def test_the_harness_catches_a_traceback(template, tmp_path_factory, monkeypatch):
+    """The contract check fails on a crash: a harness that cannot fail proves nothing."""
+    work = project(template, tmp_path_factory)
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr("ptq_cli.services.report.report_from_results", crash)
+    with pytest.raises(AssertionError):
+        run_case(work, "report")
+
