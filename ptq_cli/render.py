@@ -130,12 +130,16 @@ def quantization(result: QuantizeResult) -> Table:
     )
 
 
-def evaluation(record: EvaluationRecord, reference: EvaluationRecord | None, per_class: bool, record_file: Path) -> Group:
+def evaluation(record: EvaluationRecord, reference: EvaluationRecord | None, per_class: bool, record_file: Path,
+               reference_status: str = "ok") -> Group:
     delta = None if reference is None else record.accuracy - reference.accuracy
     comparison = (("  (no FP32 source record to compare with)", "dim"),) if reference is None else (
         f"  delta vs FP32 {reference.name} ({reference.accuracy:.2f}%): ",
         (signed(delta), "green" if delta >= 0 else "red"),
         " pts",
+        *(((f" [FP32 record {reference_status}: {reference.name} changed since; evaluate it again]", "yellow"),)
+          if reference_status == "stale" else ((f" [FP32 record: {reference.name} is {reference_status}]", "yellow"),)
+          if reference_status != "ok" else ()),
     )
     headline = Text.assemble(
         (f"{record.name}", "bold"),

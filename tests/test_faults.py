@@ -323,3 +323,35 @@ def test_the_report_fits_80_columns_without_cutting_a_number(project):
     assert max(len(line) for line in result.stdout.splitlines()) <= 80
     for row in report["groups"][0]["rows"]:
         assert f"{row['accuracy']:.2f}%" in result.stdout and f"{row['images_per_second']:,.0f}" in result.stdout
+
+
+def test_per_class_marks_an_fp32_reference_whose_file_changed(project):
+    ok("quantize", "--model", "models/m.onnx", "--data", "colours.npz", "--output", "models/q.onnx", cwd=project)
+    ok("evaluate", "--data", "colours.npz", cwd=project)
+    channel_mean_classifier(project / "models" / "m.onnx", layout="NHWC")  # the FP32 file changes
+    result = ok("evaluate", "--model", "models/q.onnx", "--data", "colours.npz", "--per-class", cwd=project)
+    assert "FP32 record stale" in result.stdout
+
+
+def test_sigterm_ends_ptq_like_ctrl_c_with_nothing_half_written(project):
+    """A real process: `kill` (SIGTERM) during a long benchmark: exit 130, one line, no record, no temp file."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, settings.CACHE_ENV: str(project / "cache")}
+    process = subprocess.Popen([sys.executable, "-m", "ptq_cli", "benchmark", "--model", "models/m.onnx", "--data", "colours.npz",
+                                "--runs", "100000000"],
+                               cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (project / "cache").exists() and process.poll() is None:
+        time.sleep(0.1)  # the cache appears once ptq has loaded the data: it is past its imports
+    time.sleep(0.5)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "interrupted" in lines[0] and "Traceback" not in stderr
+    assert not (project / "results").exists() and files_under(project / "models") == ["m.onnx"]
