@@ -17,7 +17,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[keras,dev]'
+	$(BIN)/pip install --quiet -e '.[keras,dev,openvino]'
 	$(BIN)/pip install --quiet --no-deps $(ONNX2TORCH)
 	touch $@
 

@@ -148,6 +148,19 @@ Method = _choices("Method", [method for methods in quant_settings.METHODS.values
 Preset = _choices("Preset", inputs_service.PRESETS)
 Asset = _choices("Asset", fetch_service.ASSETS)
 Scope = _choices("Scope", prune_service.SCOPES)
+NncfPreset = _choices("NncfPreset", quant_settings.NNCF_PRESETS)
+BiasCorrection = _choices("BiasCorrection", quant_settings.BIAS_CORRECTIONS)
+Runtime = _choices("Runtime", ("onnxruntime", "openvino"))
+Precision = _choices("Precision", ("f32", "bf16"))
+# Where a model runs: ONNX files on onnxruntime unless told; OpenVINO IR always on OpenVINO.
+RuntimeOption = Annotated[
+    Optional[Runtime],
+    typer.Option(help="Run ONNX models on onnxruntime or on OpenVINO (IR models always run on OpenVINO). (default: onnxruntime)", show_default=False, rich_help_panel="Runtime"),
+]
+PrecisionOption = Annotated[
+    Optional[Precision],
+    typer.Option(help="OpenVINO's inference precision hint, recorded with every figure (its own default on AMX CPUs is bf16). (default: f32)", show_default=False, rich_help_panel="Runtime"),
+]
 
 
 def _finite(value: float | None) -> float | None:
@@ -355,7 +368,7 @@ def calibrate(
 @app.command()
 def quantize(
     model: Annotated[Path, typer.Option(help="FP32 ONNX model to quantize (the PyTorch backend converts it with onnx2torch first).")] = settings.FP32_ONNX,
-    backend: Annotated[Backend, typer.Option(help="onnxruntime: quantize_static, QDQ. pytorch: torch.ao FX graph mode, x86 engine, saved as TorchScript.")] = Backend("onnxruntime"),
+    backend: Annotated[Backend, typer.Option(help="onnxruntime: quantize_static, QDQ. pytorch: torch.ao FX graph mode, x86 engine, saved as TorchScript. openvino: openvino.convert_model, then nncf.quantize, saved as OpenVINO IR (.xml + .bin).")] = Backend("onnxruntime"),
     dtype: Annotated[Optional[DType], typer.Option(help="Activation type (and weight type unless --weight-dtype is given). PyTorch takes int8 only. (default: int8)", show_default=False)] = None,
     target: Annotated[Optional[Target], typer.Option(help="speed: the fast x86 configuration (onnxruntime: uint8 activations, int8 per-channel weights, percentile); other options still override it.", show_default=False)] = None,
     weight_dtype: Annotated[Optional[DType], typer.Option(help="Weight type. (default: same as --dtype)", show_default=False)] = None,
@@ -365,7 +378,11 @@ def quantize(
     calibration: CalibrationFile = None,
     graph_preprocess: Annotated[bool, typer.Option("--graph-preprocess/--no-graph-preprocess", help="Run onnxruntime's quant_pre_process first (shape inference, folds batch-norm Mul/Add into Conv).")] = True,
     space_to_depth: Annotated[Optional[bool], typer.Option("--space-to-depth/--no-space-to-depth", help="Regroup convolutions the fast x86 int8 kernel handles poorly (input channels not a multiple of 4, like the RGB stem; fewer than 32 output channels) over blocks of pixels along the width; same products, more zeros in the file. (default: on for uint8 activations with int8 weights, where that kernel runs)", show_default=False)] = None,
-    output: Annotated[Optional[Path], typer.Option(help="Where to write the quantized model. (default: beside the model, <model>_<dtype>.onnx, or <model>_pytorch_<dtype>.pt)", show_default=False)] = None,
+    output: Annotated[Optional[Path], typer.Option(help="Where to write the quantized model. (default: beside the model, <model>_<dtype>.onnx, <model>_pytorch_<dtype>.pt or <model>_openvino_<dtype>.xml)", show_default=False)] = None,
+    nncf_preset: Annotated[Optional[NncfPreset], typer.Option("--preset", help="NNCF preset (--backend openvino): performance (symmetric activations) or mixed (asymmetric). (default: performance)", show_default=False, rich_help_panel="NNCF (--backend openvino)")] = None,
+    bias_correction: Annotated[Optional[BiasCorrection], typer.Option(help="NNCF bias correction: fast, full (slower, often more accurate) or none. (default: fast)", show_default=False, rich_help_panel="NNCF (--backend openvino)")] = None,
+    subset_size: Annotated[Optional[int], typer.Option(min=1, help="Calibration samples NNCF uses. (default: the whole calibration set)", show_default=False, rich_help_panel="NNCF (--backend openvino)")] = None,
+    ignored_scope: Annotated[Optional[list[str]], typer.Option(help="A layer (node name) NNCF leaves in float; repeat for several.", show_default=False, rich_help_panel="NNCF (--backend openvino)")] = None,
     data: DataOption = None,
     calibration_data: CalibrationDataOption = None,
     preprocess: PresetOption = None,
@@ -375,7 +392,7 @@ def quantize(
     bgr: BgrOption = None,
     as_json: JsonFlag = False,
 ) -> None:
-    """Static post-training quantization, calibrated on the calibration set: ONNX Runtime (QDQ) or PyTorch (FX).
+    """Static post-training quantization, calibrated on the calibration set: ONNX Runtime (QDQ), PyTorch (FX) or OpenVINO (NNCF).
 
     The model's input (layout, channels, size, batch) is read from the model; its preprocessing comes
     from --preprocess/--scale/--mean/--std/--bgr and is stored in the quantized model, so evaluating it
@@ -383,8 +400,11 @@ def quantize(
     """
     quantization_settings = quant_settings.make_settings(
         dtype and dtype.value, backend.value, weight_dtype and weight_dtype.value, per_channel, method and method.value, percentile, graph_preprocess,
-        target and target.value, space_to_depth,
+        target and target.value, space_to_depth, nncf_preset and nncf_preset.value, bias_correction and bias_correction.value, subset_size,
+        tuple(ignored_scope or ()),
     )
+    if ignored_scope and backend.value != "openvino":
+        raise PtqError("--ignored-scope: an NNCF option; applies to --backend openvino")
     choice = _data(data, calibration_data, preprocess, scale, mean, std, bgr)
     check_model(model)  # a bad model fails before any calibration work
     destination = output or quantize_service.default_output(model, quantization_settings)
@@ -607,6 +627,8 @@ def evaluate(
     mean: MeanOption = None,
     std: StdOption = None,
     bgr: BgrOption = None,
+    runtime: RuntimeOption = None,
+    precision: PrecisionOption = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Top-1 accuracy on the dataset's test split (val if it has no test), against the model's FP32 source.
@@ -619,11 +641,13 @@ def evaluate(
     dataset = choice.dataset()
     models = model or _default_models()
     for model_path in models:
-        check_writable(evaluate_service.record_path(results_dir, model_path, dataset))
+        check_writable(evaluate_service.record_path(results_dir, model_path, dataset, evaluate_service.runtime_tag(
+            model_path, runtime and runtime.value, precision and precision.value)))
     records = []
     for model_path in models:
         with _progress_bar(f"Evaluating {model_path.name}") as progress:
-            evaluated = evaluate_service.evaluate_and_save(model_path, dataset, results_dir, batch_size, threads, progress, choice.flags)
+            evaluated = evaluate_service.evaluate_and_save(model_path, dataset, results_dir, batch_size, threads, progress, choice.flags,
+                                                           runtime and runtime.value, precision and precision.value)
         records.append(evaluated.record)
         if not as_json:
             if evaluated.source_evaluated is not None:
@@ -646,6 +670,8 @@ def benchmark(
     mean: MeanOption = None,
     std: StdOption = None,
     bgr: BgrOption = None,
+    runtime: RuntimeOption = None,
+    precision: PrecisionOption = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Latency at batch 1 (p50/p95/p99) and throughput at --batch-size, after warm-up, for ONNX and TorchScript models.
@@ -658,9 +684,11 @@ def benchmark(
     choice = _data(data, None, preprocess, scale, mean, std, bgr)
     models = model or _default_models()
     for model_path in models:
-        check_writable(benchmark_service.benchmark_path(results_dir, model_path))
+        check_writable(benchmark_service.benchmark_path(results_dir, model_path, evaluate_service.runtime_tag(
+            model_path, runtime and runtime.value, precision and precision.value)))
     with _progress_bar(f"Benchmarking {len(models)} model{'s' if len(models) > 1 else ''} in turns") as progress:
-        records = benchmark_service.benchmark_models(models, choice.dataset(), batch_size, threads, runs, progress=progress, flags=choice.flags)
+        records = benchmark_service.benchmark_models(models, choice.dataset(), batch_size, threads, runs, progress=progress, flags=choice.flags,
+                                                     runtime=runtime and runtime.value, precision=precision and precision.value)
     for record in records:
         benchmark_service.save_benchmark(record, results_dir)
     ratios = benchmark_service.speedups(records, benchmark_service.load_benchmarks(results_dir))

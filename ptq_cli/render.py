@@ -143,7 +143,7 @@ def evaluation(record: EvaluationRecord, reference: EvaluationRecord | None, per
     )
     headline = Text.assemble(
         (f"{record.name}", "bold"),
-        f"  {record.framework} {record.dtype} on {record.dataset_label}  top-1 ",
+        f"  {record.framework}{f' ({record.precision})' if record.precision else ''} {record.dtype} on {record.dataset_label}  top-1 ",
         (f"{record.accuracy:.2f}%", "bold"),
         f" ({record.correct}/{record.images})",
         *comparison,
@@ -193,7 +193,7 @@ def _model_cell(row: ReportRow) -> str:
 def _report_cells(row: ReportRow) -> list[str]:
     return [
         _model_cell(row),
-        row.framework,
+        row.framework + (f" {row.precision}" if row.precision else ""),
         row.dtype,
         row.configuration,
         f"{row.accuracy:.2f}%",

@@ -13,13 +13,15 @@ from __future__ import annotations
 from pathlib import Path
 from types import ModuleType
 
-from ptq_cli.backends import onnxruntime, pytorch
+from ptq_cli.backends import onnxruntime, openvino, pytorch
 from ptq_cli.errors import PtqError
 from ptq_cli.services.models import require_file
 
-BACKENDS: dict[str, ModuleType] = {onnxruntime.NAME: onnxruntime, pytorch.NAME: pytorch}
+BACKENDS: dict[str, ModuleType] = {onnxruntime.NAME: onnxruntime, pytorch.NAME: pytorch, openvino.NAME: openvino}
 # Told apart by content, most specific first; ONNX takes what no other backend claims.
-SNIFF_ORDER = (pytorch, onnxruntime)
+SNIFF_ORDER = (pytorch, openvino, onnxruntime)
+# Runtimes that run another backend's files: OpenVINO runs ONNX files too.
+RUNTIMES = (onnxruntime.NAME, openvino.NAME)
 
 
 def backend(name: str) -> ModuleType:
@@ -28,15 +30,24 @@ def backend(name: str) -> ModuleType:
     return BACKENDS[name]
 
 
-def for_file(path: Path) -> ModuleType:
-    """The backend of a model file, by its content (a TorchScript file is a zip archive), not its name."""
+def for_file(path: Path, runtime: str | None = None) -> ModuleType:
+    """The backend of a model file, by its content (a TorchScript file is a zip archive), not its name;
+    `runtime` "openvino" takes an ONNX file to OpenVINO."""
     path = Path(path)
     require_file(path)
+    if runtime is not None and runtime not in RUNTIMES:
+        raise PtqError(f"--runtime: '{runtime}' is not one of {', '.join(RUNTIMES)}")
     try:
         with path.open("rb") as handle:
             head = handle.read(8)
     except OSError as error:
         raise PtqError(f"{path}: cannot read ({error.strerror or error})") from error
     if path.suffix == pytorch.SUFFIX:
-        return pytorch
-    return next(module for module in SNIFF_ORDER if module.sniff(head))
+        found = pytorch
+    else:
+        found = next(module for module in SNIFF_ORDER if module.sniff(head))
+    if runtime is None or runtime == found.NAME:
+        return found
+    if found is onnxruntime and runtime == openvino.NAME:
+        return openvino
+    raise PtqError(f"--runtime {runtime}: {path} is a {found.NAME} model; only ONNX files run on another runtime")

@@ -13,6 +13,7 @@ import numpy as np
 import ptq_cli
 from ptq_cli.datasets import Dataset
 from ptq_cli.errors import PtqError
+from ptq_cli.services.evaluate import runtime_tag
 from ptq_cli.services.inputs import PreprocessingFlags
 from ptq_cli.services.models import check_classes, load_model, resolve_threads
 from ptq_cli.services.progress import ProgressCallback, Steps
@@ -22,6 +23,7 @@ BENCHMARK_DIR = "benchmarks"
 RUNTIME_SETTINGS = {
     "onnxruntime": "CPUExecutionProvider, 1 intra-op thread per run, allow_spinning 0, one shard per thread",
     "pytorch": "torch.set_num_threads(threads), chunks of 64 images",
+    "openvino": "CPU plugin, INFERENCE_NUM_THREADS threads, one synchronous infer request",
 }  # under the results directory, beside the evaluation records
 
 
@@ -45,6 +47,7 @@ class BenchmarkRecord:
     # How the runtime ran: onnxruntime with intra-op spinning off, one session per model, a batch in
     # one shard per thread; TorchScript in chunks of 64 images.
     runtime_settings: str = ""
+    precision: str | None = None  # OpenVINO's inference precision hint; None for the other runtimes
 
     @property
     def name(self) -> str:
@@ -60,6 +63,8 @@ def benchmark_models(
     warmup: int = 10,
     progress: ProgressCallback | None = None,
     flags: PreprocessingFlags | None = None,
+    runtime: str | None = None,
+    precision: str | None = None,
 ) -> list[BenchmarkRecord]:
     """Latency at batch 1 and throughput at `batch_size` of every model, the models of each framework in turns.
 
@@ -71,7 +76,7 @@ def benchmark_models(
         if value < 1:
             raise PtqError(f"{option}: must be at least 1, got {value}")
     threads = resolve_threads(threads)
-    models = [load_model(path, threads, flags) for path in model_paths]
+    models = [load_model(path, threads, flags, runtime, precision) for path in model_paths]
     split = dataset.evaluation_split()
     loaded = dataset.load(split, models[0].input.size) if models else None
     for model in models:
@@ -119,22 +124,26 @@ def benchmark_models(
                 images_per_second=round(batch_size / float(np.median(seconds)), 1),
                 timestamp=timestamp,
                 tool_version=ptq_cli.__version__,
-                runtime_settings=RUNTIME_SETTINGS.get(model.info.framework, ""),
+                runtime_settings=RUNTIME_SETTINGS.get(model.info.framework, "")
+                + (f", INFERENCE_PRECISION_HINT {model.info.precision}" if model.info.precision else ""),
+                precision=model.info.precision,
             )
         )
     return records
 
 
-def benchmark_path(results_dir: Path, model_path: Path | str) -> Path:
-    return Path(results_dir) / BENCHMARK_DIR / f"{model_key(model_path)}.json"
+def benchmark_path(results_dir: Path, model_path: Path | str, tag: str = "") -> Path:
+    """RESULTS/benchmarks/<model key><runtime tag>.json (the tag as evaluate.runtime_tag makes it)."""
+    return Path(results_dir) / BENCHMARK_DIR / f"{model_key(model_path)}{tag}.json"
 
 
 def save_benchmark(record: BenchmarkRecord, results_dir: Path) -> Path:
-    return write_record(benchmark_path(results_dir, record.model_path), record)
+    runtime = ("openvino", record.precision) if record.framework == "openvino" else (None, None)
+    return write_record(benchmark_path(results_dir, record.model_path, runtime_tag(record.model_path, *runtime)), record)
 
 
 def load_benchmarks(results_dir: Path) -> dict[str, BenchmarkRecord]:
-    """Benchmark records by model sha256; unreadable ones are ignored (benchmarks are optional)."""
+    """Benchmark records by (model sha256, runtime); unreadable ones are ignored (benchmarks are optional)."""
     found: dict[str, BenchmarkRecord] = {}
     for path in record_files(Path(results_dir) / BENCHMARK_DIR):
         try:
@@ -142,8 +151,12 @@ def load_benchmarks(results_dir: Path) -> dict[str, BenchmarkRecord]:
             record = from_dict(BenchmarkRecord, data)
         except (OSError, ValueError, TypeError, AttributeError):
             continue
-        found[record.model_sha256] = record
+        found[benchmark_key(record.model_sha256, record.framework)] = record
     return found
+
+
+def benchmark_key(sha256: str, framework: str) -> str:
+    return f"{sha256}:{framework}"
 
 
 def speedups(records: list[BenchmarkRecord], saved: dict[str, BenchmarkRecord] | None = None) -> dict[str, float | None]:

@@ -55,6 +55,7 @@ class EvaluationRecord:
     model_input: str = ""  # e.g. "NCHW 3x32x32, batch 1 (made symbolic)"
     preprocessing: str = ""  # e.g. "cifar10-normalized"
     preprocessing_settings: dict | None = None  # scale, mean, std, bgr, preset: what the images were fed as
+    precision: str | None = None  # OpenVINO's inference precision hint (f32, bf16); None for the other runtimes
 
     @property
     def name(self) -> str:
@@ -72,10 +73,14 @@ def evaluate_model(
     threads: int | None = None,
     progress: ProgressCallback | None = None,
     flags: PreprocessingFlags | None = None,
+    runtime: str | None = None,
+    precision: str | None = None,
 ) -> EvaluationRecord:
+    """Top-1 of the model on the dataset's evaluation split; `runtime` "openvino" runs an ONNX file on
+    OpenVINO with the `precision` hint."""
     if batch_size < 1:
         raise PtqError(f"--batch-size: must be at least 1, got {batch_size}")
-    model = load_model(model_path, threads, flags)
+    model = load_model(model_path, threads, flags, runtime, precision)
     split = dataset.evaluation_split()
     test = dataset.load(split, model.input.size, model.input.channels)
     check_classes(model.info.path, model.num_classes, test.class_names, dataset.root)
@@ -129,16 +134,31 @@ def evaluate_model(
         model_input=model.describe_input(),
         preprocessing=model.preprocessing.describe(),
         preprocessing_settings=asdict(model.preprocessing),
+        precision=model.info.precision,
     )
 
 
-def record_path(results_dir: Path, model_path: Path | str, dataset: Dataset) -> Path:
-    """results/resnet8.onnx-4d5e6f@cifar-10-batches-py-test-1a2b3c.json: one record per model file and dataset."""
-    return Path(results_dir) / f"{model_key(model_path)}@{dataset.slug(dataset.evaluation_split())}.json"
+def runtime_tag(model_path: Path | str, runtime: str | None, precision: str | None) -> str:
+    """"" for a model on its own runtime; "~openvino-f32" for an ONNX file run on OpenVINO (or an IR at
+    another precision than f32), so the two runs of one file keep two records."""
+    native = Path(model_path).suffix == ".xml"
+    if runtime == "openvino" and not native:
+        return f"~openvino-{precision or 'f32'}"
+    return f"~{precision}" if native and precision not in (None, "f32") else ""
+
+
+def record_path(results_dir: Path, model_path: Path | str, dataset: Dataset, tag: str = "") -> Path:
+    """results/resnet8.onnx-4d5e6f@cifar-10-batches-py-test-1a2b3c.json: one record per model file, runtime and dataset."""
+    return Path(results_dir) / f"{model_key(model_path)}{tag}@{dataset.slug(dataset.evaluation_split())}.json"
 
 
 def save_record(record: EvaluationRecord, results_dir: Path, dataset: Dataset) -> Path:
-    return write_record(record_path(results_dir, record.model_path, dataset), record)
+    return write_record(record_path(results_dir, record.model_path, dataset, runtime_tag(record.model_path, *_runtime_of(record))), record)
+
+
+def _runtime_of(record: EvaluationRecord) -> tuple[str | None, str | None]:
+    """(runtime, precision) a record was measured with, as load_model takes them."""
+    return ("openvino", record.precision) if record.framework == "openvino" else (None, None)
 
 
 def read_record(path: Path) -> EvaluationRecord:
@@ -207,7 +227,8 @@ def refresh_stale(results_dir: Path, threads: int | None = None, progress_for: C
             continue
         dataset = open_dataset(Path(record.dataset))
         progress = progress_for(record.name) if progress_for else None
-        fresh = evaluate_model(Path(record.model_path), dataset, record.batch_size or settings.EVALUATION_BATCH, threads, progress, flags_of(record))
+        fresh = evaluate_model(Path(record.model_path), dataset, record.batch_size or settings.EVALUATION_BATCH, threads, progress, flags_of(record),
+                               *_runtime_of(record))
         rewritten.append(save_record(fresh, results_dir, dataset))
     return rewritten
 
@@ -264,10 +285,12 @@ def evaluate_and_save(
     threads: int | None = None,
     progress: ProgressCallback | None = None,
     flags: PreprocessingFlags | None = None,
+    runtime: str | None = None,
+    precision: str | None = None,
 ) -> Evaluated:
     """Evaluate, write the record, and evaluate the model's FP32 source too when its record on this
     dataset is missing (fed exactly as the model was), so the delta is always against a measurement."""
-    record = evaluate_model(model_path, dataset, batch_size, threads, progress, flags)
+    record = evaluate_model(model_path, dataset, batch_size, threads, progress, flags, runtime, precision)
     path = save_record(record, results_dir, dataset)
     records = load_records(results_dir).records
     source = source_to_evaluate(record, records)

@@ -25,6 +25,7 @@ PRUNING_METADATA_KEY = "ptq.pruning"
 SOURCE_METADATA_KEY = "ptq.source_sha256"
 ONNXRUNTIME = "onnxruntime"
 PYTORCH = "pytorch"
+OPENVINO = "openvino"
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class ModelInfo:
     sha256: str
     pruning: dict | None = None  # the settings prune used; None for an unpruned model
     source_sha256: str | None = None  # the float model this one was made from, if ptq made it
+    precision: str | None = None  # the inference precision hint it ran with (OpenVINO: f32 or bf16)
 
 
 @dataclass(frozen=True)
@@ -174,8 +176,15 @@ def resolve_threads(threads: int | None) -> int:
     return threads or default_threads()
 
 
-def load_model(path: Path, threads: int | None = None, flags: inputs.PreprocessingFlags | None = None) -> LoadedModel:
-    """The runner for a model file, the backend chosen by the file's content, not its name."""
+def load_model(path: Path, threads: int | None = None, flags: inputs.PreprocessingFlags | None = None, runtime: str | None = None,
+               precision: str | None = None) -> LoadedModel:
+    """The runner for a model file, the backend chosen by the file's content, not its name; `runtime`
+    "openvino" runs an ONNX file on OpenVINO instead of onnxruntime, with the `precision` hint."""
     from ptq_cli import backends
 
-    return backends.for_file(path).load(Path(path), threads, flags or inputs.PreprocessingFlags())
+    backend = backends.for_file(path, runtime)
+    if backend.NAME == OPENVINO:
+        return backend.load(Path(path), threads, flags or inputs.PreprocessingFlags(), precision)
+    if precision is not None:
+        raise PtqError(f"--precision: applies to the OpenVINO runtime; {path} runs on {backend.NAME}")
+    return backend.load(Path(path), threads, flags or inputs.PreprocessingFlags())

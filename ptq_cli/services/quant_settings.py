@@ -6,15 +6,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ptq_cli.errors import PtqError
-from ptq_cli.services.models import ONNXRUNTIME, PYTORCH
+from ptq_cli.services.models import ONNXRUNTIME, OPENVINO, PYTORCH
 
 DTYPES = ("int8", "uint8")
-BACKENDS = (ONNXRUNTIME, PYTORCH)
-# Each library's own calibration methods; the first is the default.
-METHODS = {ONNXRUNTIME: ("minmax", "entropy", "percentile"), PYTORCH: ("histogram", "minmax")}
-# ONNX Runtime keeps the seed study's per-tensor default; PyTorch's x86 default is per-channel.
-DEFAULT_PER_CHANNEL = {ONNXRUNTIME: False, PYTORCH: True}
-FORMATS = {ONNXRUNTIME: "QDQ", PYTORCH: "FX"}
+BACKENDS = (ONNXRUNTIME, PYTORCH, OPENVINO)
+# Each library's own calibration methods; the first is the default. NNCF has one (min/max statistics of
+# its preset, then bias correction), set by --preset and --bias-correction.
+METHODS = {ONNXRUNTIME: ("minmax", "entropy", "percentile"), PYTORCH: ("histogram", "minmax"), OPENVINO: ("nncf",)}
+# ONNX Runtime keeps the seed study's per-tensor default; PyTorch's x86 default is per-channel, NNCF's too.
+DEFAULT_PER_CHANNEL = {ONNXRUNTIME: False, PYTORCH: True, OPENVINO: True}
+FORMATS = {ONNXRUNTIME: "QDQ", PYTORCH: "FX", OPENVINO: "IR"}
+NNCF_PRESETS = ("performance", "mixed")  # NNCF's: symmetric activations, or asymmetric ones
+BIAS_CORRECTIONS = ("fast", "full", "none")
 DEFAULT_PERCENTILE = 99.999
 DEFAULT_DTYPE = "int8"
 # `--target speed`: the fast configuration on x86. onnxruntime's x86 int8 kernels (VNNI) multiply
@@ -25,6 +28,7 @@ PRESETS = {
     "speed": {
         ONNXRUNTIME: {"dtype": "uint8", "weight_dtype": "int8", "per_channel": True, "method": "percentile"},
         PYTORCH: {},  # PyTorch's x86 int8 is already uint8 activations x int8 per-channel weights
+        OPENVINO: {},  # NNCF's performance preset is the fast one
     }
 }
 
@@ -50,6 +54,10 @@ class QuantizationSettings:
     # Regroup the convolutions onnxruntime's fast x86 int8 kernel handles poorly (the RGB stem, 16-channel
     # layers) over blocks of pixels (services/space_to_depth.py); same products.
     space_to_depth: bool = False
+    # NNCF (OpenVINO) only: its preset, its bias correction, and how many calibration samples it uses.
+    nncf_preset: str | None = None
+    bias_correction: str | None = None
+    subset_size: int | None = None
 
 
 def make_settings(
@@ -62,6 +70,10 @@ def make_settings(
     preprocess: bool = True,
     target: str | None = None,
     space_to_depth: bool | None = None,
+    nncf_preset: str | None = None,
+    bias_correction: str | None = None,
+    subset_size: int | None = None,
+    float_nodes: tuple[str, ...] = (),
 ) -> QuantizationSettings:
     """Validated settings. Without a target the defaults are the seed study's, the weights following the
     activations' type; a target's preset fills in what the options leave open. Space-to-depth is on by
@@ -80,6 +92,22 @@ def make_settings(
     weight_dtype = weight_dtype or dtype
     if weight_dtype not in DTYPES:
         raise PtqError(f"--weight-dtype: '{weight_dtype}' is not one of {', '.join(DTYPES)}")
+    nncf_given = [option for option, value in (("--preset", nncf_preset), ("--bias-correction", bias_correction), ("--subset-size", subset_size))
+                  if value is not None]
+    if backend != OPENVINO and nncf_given:
+        raise PtqError(f"{nncf_given[0]}: an NNCF option; applies to --backend openvino")
+    if backend == OPENVINO:
+        if "uint8" in (dtype, weight_dtype):
+            raise PtqError("--dtype uint8: NNCF quantizes to int8 (its presets choose symmetric or asymmetric activations: --preset)")
+        if per_channel is False:
+            raise PtqError("--per-tensor: NNCF quantizes weights per channel on the CPU")
+        nncf_preset, bias_correction = nncf_preset or NNCF_PRESETS[0], bias_correction or BIAS_CORRECTIONS[0]
+        if nncf_preset not in NNCF_PRESETS:
+            raise PtqError(f"--preset: '{nncf_preset}' is not one of {', '.join(NNCF_PRESETS)}")
+        if bias_correction not in BIAS_CORRECTIONS:
+            raise PtqError(f"--bias-correction: '{bias_correction}' is not one of {', '.join(BIAS_CORRECTIONS)}")
+        if subset_size is not None and subset_size < 1:
+            raise PtqError(f"--subset-size: must be at least 1, got {subset_size}")
     if backend == PYTORCH and "uint8" in (dtype, weight_dtype):
         option = "--dtype" if dtype == "uint8" else "--weight-dtype"
         raise PtqError(
@@ -110,6 +138,10 @@ def make_settings(
         preprocess=preprocess,
         target=target,
         space_to_depth=space_to_depth,
+        nncf_preset=nncf_preset,
+        bias_correction=bias_correction,
+        subset_size=subset_size,
+        float_nodes=tuple(float_nodes),
     )
 
 
@@ -132,6 +164,12 @@ def describe_quantization(settings: dict | None) -> str:
         return "float"
     # PyTorch's x86 kernels pair unsigned activations with signed weights whatever the model is called.
     types = "a:quint8 w:qint8" if settings.get("format") == "FX" else f"a:{settings['dtype']} w:{settings.get('weight_dtype', settings['dtype'])}"
+    if settings.get("format") == "IR":
+        parts = [f"NNCF IR {types}", f"{settings.get('nncf_preset')} preset", f"{settings.get('bias_correction')} bias correction",
+                 f"{settings.get('subset_size') or settings.get('calibration_samples', '?')} samples"]
+        if settings.get("float_nodes"):
+            parts.append("float: " + ", ".join(short_node(name) for name in settings["float_nodes"]))
+        return ", ".join(parts)
     parts = [
         f"{settings.get('format', 'QDQ')} {types}",
         "per-channel" if settings.get("per_channel") else "per-tensor",

@@ -15,7 +15,7 @@ from ptq_cli.errors import PtqError
 from ptq_cli.services import inputs
 from ptq_cli.services.calibration import CalibrationSet
 from ptq_cli.services.graph import upgrade_opset
-from ptq_cli.services.models import ONNXRUNTIME, PYTORCH, QUANTIZATION_METADATA_KEY, SOURCE_METADATA_KEY, LoadedModel, check_classes, read_onnx
+from ptq_cli.services.models import ONNXRUNTIME, OPENVINO, PYTORCH, QUANTIZATION_METADATA_KEY, SOURCE_METADATA_KEY, LoadedModel, check_classes, read_onnx
 from ptq_cli.services.quant_settings import QuantizationSettings
 
 # QDQ needs opset 10; per-channel QDQ needs 13. Older models are converted to this opset first.
@@ -96,6 +96,8 @@ def default_output(model: Path, settings: QuantizationSettings, models_dir: Path
     directory = Path(models_dir) if models_dir is not None else model.parent
     if settings.framework == PYTORCH:
         return directory / f"{model.stem}_pytorch_{settings.dtype}.pt"
+    if settings.framework == OPENVINO:
+        return directory / f"{model.stem}_openvino_{settings.dtype}.xml"
     suffix = f"_{settings.target}" if settings.target and settings.framework == ONNXRUNTIME else ""
     return directory / f"{model.stem}_{settings.dtype}{suffix}.onnx"
 

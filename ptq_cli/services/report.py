@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ptq_cli.services.benchmark import BenchmarkRecord, load_benchmarks
+from ptq_cli.services.benchmark import BenchmarkRecord, benchmark_key, load_benchmarks
 from ptq_cli.services.evaluate import OK, EvaluationRecord, fp32_reference, load_records, record_status
 from ptq_cli.services.quant_settings import describe_model
 from ptq_cli.services.sweep import SweepResult, load_sweeps
@@ -37,6 +37,7 @@ class ReportRow:
     model_input: str = ""
     preprocessing: str = ""
     status: str = OK  # "stale": the file changed since it was measured; "missing": it is gone
+    precision: str | None = None  # OpenVINO's inference precision hint, never left out of a figure
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ class Report:
 
 
 def _speed(record: EvaluationRecord, benchmarks: dict[str, BenchmarkRecord]) -> tuple[float, str]:
-    benchmark = benchmarks.get(record.model_sha256)
+    benchmark = benchmarks.get(benchmark_key(record.model_sha256, record.framework))
     if benchmark is not None:
         return benchmark.images_per_second, "benchmark"
     return record.images_per_second, "evaluate"
@@ -106,7 +107,7 @@ def _row(record: EvaluationRecord, records: list[EvaluationRecord], benchmarks: 
         reference_speed, reference_source = _speed(framework_fp32, benchmarks)
         speedup = round(speed / reference_speed, 3) if reference_source == source else None
         size_reduction = round(1.0 - record.model_size_bytes / framework_fp32.model_size_bytes, 4)
-    benchmark = benchmarks.get(record.model_sha256)
+    benchmark = benchmarks.get(benchmark_key(record.model_sha256, record.framework))
     validation = (record.quantization or {}).get("validation") or {}
     return ReportRow(
         model=record.name,
@@ -128,6 +129,7 @@ def _row(record: EvaluationRecord, records: list[EvaluationRecord], benchmarks: 
         model_input=record.model_input,
         preprocessing=record.preprocessing,
         status=status,
+        precision=record.precision,
     )
 
 

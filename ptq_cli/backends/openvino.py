@@ -1,0 +1,209 @@
+"""OpenVINO: runs OpenVINO IR (.xml + .bin) and, when asked (`--runtime openvino`), ONNX files; quantizes
+with NNCF (`nncf.quantize`, OpenVINO backend) into IR.
+
+The CPU plugin's default inference precision on a CPU with AMX or AVX512-BF16 is bf16, which silently
+costs accuracy; ptq always sets the hint (`f32` unless told) and records it with every figure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from ptq_cli.backends.base import QuantizedFile
+from ptq_cli.errors import PtqError
+from ptq_cli.services import inputs
+from ptq_cli.services.models import (
+    PRUNING_METADATA_KEY,
+    QUANTIZATION_METADATA_KEY,
+    SOURCE_METADATA_KEY,
+    LoadedModel,
+    ModelInfo,
+    metadata_object,
+    model_input,
+    num_classes,
+    read_bytes,
+    resolve_threads,
+)
+from ptq_cli.services.quant_settings import QuantizationSettings
+
+NAME = "openvino"
+SUFFIX = ".xml"
+PRECISIONS = ("f32", "bf16")
+DEFAULT_PRECISION = "f32"
+RT_INFO_SECTION = "ptq"  # ptq's metadata in the IR's rt_info: ptq/<key>
+STORED_KEYS = (QUANTIZATION_METADATA_KEY, inputs.INPUT_METADATA_KEY, SOURCE_METADATA_KEY, PRUNING_METADATA_KEY)
+
+
+def sniff(head: bytes) -> bool:
+    return head.lstrip().startswith((b"<?xml", b"<net"))
+
+
+def available() -> bool:
+    try:
+        import openvino  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _openvino():
+    try:
+        import openvino
+    except ImportError as error:
+        raise PtqError("OpenVINO is not installed: pip install 'ptq-cli[openvino]' (make install does)") from error
+    return openvino
+
+
+def _files(path: Path) -> list[Path]:
+    """The files a model consists of: an IR's .xml and .bin, or the one ONNX file."""
+    if path.suffix == SUFFIX:
+        weights = path.with_suffix(".bin")
+        if not weights.is_file():
+            raise PtqError(f"{path}: its weights {weights.name} are missing (an OpenVINO IR is an .xml and a .bin)")
+        return [path, weights]
+    return [path]
+
+
+def _stored(path: Path, model) -> dict[str, str]:
+    """ptq's metadata: from the IR's rt_info, or from an ONNX file's metadata_props."""
+    if path.suffix != SUFFIX:
+        from ptq_cli.backends.onnxruntime import metadata
+        from ptq_cli.services.models import read_onnx
+
+        return metadata(read_onnx(path))
+    return {key: str(model.get_rt_info([RT_INFO_SECTION, key]).astype(str)) for key in STORED_KEYS if model.has_rt_info([RT_INFO_SECTION, key])}
+
+
+def _dims(partial_shape) -> list:
+    return [dim.get_length() if dim.is_static else None for dim in partial_shape]
+
+
+def load(path: Path, threads: int | None, flags: inputs.PreprocessingFlags, precision: str | None = None) -> LoadedModel:
+    """The model compiled for the CPU with the precision hint set (f32 unless told) and `threads` threads;
+    a fixed batch is reshaped to a dynamic one (OpenVINO re-infers the shapes)."""
+    ov = _openvino()
+    path = Path(path)
+    precision = precision or DEFAULT_PRECISION
+    if precision not in PRECISIONS:
+        raise PtqError(f"--precision: '{precision}' is not one of {', '.join(PRECISIONS)}")
+    files = _files(path)
+    digest, size = hashlib.sha256(), 0
+    for file in files:
+        data = read_bytes(file)
+        digest.update(data)
+        size += len(data)
+    core = ov.Core()
+    try:
+        model = core.read_model(str(path))
+    except Exception as error:  # OpenVINO raises RuntimeError subclasses for unreadable models
+        raise PtqError(f"{path}: OpenVINO cannot read it ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from error
+    if len(model.inputs) != 1:
+        raise PtqError(f"{path}: {len(model.inputs)} inputs; ptq takes image classifiers with one image input")
+    if not model.outputs:
+        raise PtqError(f"{path}: the model has no outputs")
+    stored = _stored(path, model)
+    value = model.inputs[0]
+    described = model_input(path, value.get_any_name(), _dims(value.get_partial_shape()), value.get_element_type() == ov.Type.f32)
+    classes = num_classes(path, _dims(model.outputs[0].get_partial_shape()))
+    note = None
+    if described.batch is not None:
+        try:
+            model.reshape({value.get_any_name(): ov.PartialShape([-1, *described.shape(1)[1:]])})
+            note = f"fixed batch {described.batch} made dynamic (OpenVINO reshape)"
+        except Exception:  # noqa: BLE001  a graph tied to its batch: run it in chunks of that batch
+            note = f"fixed batch {described.batch}: run {described.batch} at a time"
+    threads = resolve_threads(threads)
+    config = {"INFERENCE_PRECISION_HINT": precision, "INFERENCE_NUM_THREADS": threads}
+    try:
+        compiled = core.compile_model(model, "CPU", config)
+    except Exception as error:  # noqa: BLE001
+        raise PtqError(f"{path}: OpenVINO cannot compile it ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from error
+    request = compiled.create_infer_request()
+    chunk = described.batch if note and "at a time" in note else None
+
+    def run(batch: np.ndarray) -> np.ndarray:
+        try:
+            return np.asarray(request.infer({0: np.ascontiguousarray(batch)})[compiled.output(0)]).reshape(len(batch), -1)
+        except Exception as error:  # noqa: BLE001  OpenVINO's own exception types
+            raise PtqError(f"{path}: OpenVINO failed to run it ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from error
+
+    def predict(batch: np.ndarray) -> np.ndarray:
+        if chunk is None:
+            return run(batch)
+        padded = -(-len(batch) // chunk) * chunk
+        filled = np.concatenate([batch, np.repeat(batch[-1:], padded - len(batch), axis=0)]) if padded != len(batch) else batch
+        return np.concatenate([run(part) for part in np.split(filled, padded // chunk)])[: len(batch)]
+
+    if classes is None:
+        classes = int(predict(np.zeros(described.shape(described.batch or 1), np.float32)).shape[-1])
+    quantization = metadata_object(path, stored, QUANTIZATION_METADATA_KEY)
+    dtype = str((quantization or {}).get("dtype") or ("int8" if any(op.get_type_name() == "FakeQuantize" for op in model.get_ops()) else "fp32"))
+    preprocessing = inputs.resolve(flags, inputs.from_metadata(stored.get(inputs.INPUT_METADATA_KEY), path))
+    info = ModelInfo(path, NAME, dtype, quantization, size, digest.hexdigest(), metadata_object(path, stored, PRUNING_METADATA_KEY),
+                     stored.get(SOURCE_METADATA_KEY), precision)
+    return LoadedModel(info, predict, described, preprocessing, classes, note)
+
+
+def quantize(model, output: Path, settings: QuantizationSettings, calibration: np.ndarray, stored: dict[str, str]) -> QuantizedFile:
+    """NNCF post-training quantization of the ONNX model, converted with openvino.convert_model, calibrated
+    on `calibration` (images in the model's input format, one per NNCF sample); written as IR (.xml + .bin,
+    weights not compressed to fp16), both files through temporary names."""
+    ov = _openvino()
+    import nncf
+
+    output = Path(output)
+    if output.suffix != SUFFIX:
+        raise PtqError(f"--output: {output} must end in .xml (an OpenVINO IR is written as .xml and .bin)")
+    with tempfile.TemporaryDirectory(prefix="ptq-openvino-") as workdir:
+        source = Path(workdir) / "source.onnx"
+        source.write_bytes(model.SerializeToString())
+        try:
+            converted = ov.convert_model(str(source))
+        except Exception as error:  # noqa: BLE001  the converter's own exception types
+            raise PtqError(f"{model.graph.name or 'model'}: openvino.convert_model failed ({str(error).splitlines()[0]})") from error
+    samples = [calibration[index : index + 1] for index in range(len(calibration))]
+    first = converted.inputs[0]
+    if _dims(first.get_partial_shape())[0] not in (None, 1):
+        converted.reshape({first.get_any_name(): ov.PartialShape([-1, *_dims(first.get_partial_shape())[1:]])})
+    advanced = nncf.AdvancedQuantizationParameters(disable_bias_correction=settings.bias_correction == "none")
+    try:
+        # NNCF draws its progress bars on stdout, which is for ptq's results (--json): they go to stderr.
+        with contextlib.redirect_stdout(sys.stderr):
+            quantized = nncf.quantize(
+                converted,
+                nncf.Dataset(samples),
+                preset=nncf.QuantizationPreset.MIXED if settings.nncf_preset == "mixed" else nncf.QuantizationPreset.PERFORMANCE,
+                subset_size=settings.subset_size or len(samples),
+                fast_bias_correction=settings.bias_correction != "full",
+                ignored_scope=nncf.IgnoredScope(names=list(settings.float_nodes)) if settings.float_nodes else None,
+                advanced_parameters=advanced,
+            )
+    except Exception as error:  # noqa: BLE001  NNCF raises its own types (e.g. for an unknown ignored layer)
+        raise PtqError(f"nncf.quantize failed ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})") from error
+    extra = json.loads(stored.get(QUANTIZATION_METADATA_KEY, "{}"))
+    from dataclasses import asdict
+
+    contents = {**stored, QUANTIZATION_METADATA_KEY: json.dumps({**asdict(settings), **extra})}
+    for key, value in contents.items():
+        quantized.set_rt_info(value, [RT_INFO_SECTION, key])
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.{os.getpid()}-", suffix=".partial", dir=output.parent))
+    try:
+        ov.save_model(quantized, str(staging / output.name), compress_to_fp16=False)
+        weights = output.with_suffix(".bin")
+        # The .bin first: an .xml on disk always has its weights beside it.
+        os.replace(staging / weights.name, weights)
+        os.replace(staging / output.name, output)
+    finally:
+        for leftover in staging.glob("*"):
+            leftover.unlink(missing_ok=True)
+        staging.rmdir()
+    return QuantizedFile(output.stat().st_size + output.with_suffix(".bin").stat().st_size)

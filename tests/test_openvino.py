@@ -1,0 +1,96 @@
+"""The OpenVINO backend: NNCF quantization to IR, OpenVINO as a runtime for ONNX files, the precision hint
+in every record. In-process on tests/synthetic.py's classifier; one real-asset test against a plain
+openvino script."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from synthetic import CLASSES, channel_mean_classifier, colour_images, invoke, one_line_error
+
+from ptq_cli import settings
+
+pytest.importorskip("openvino", reason="the openvino extra is not installed")
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv(settings.CACHE_ENV, str(tmp_path / "cache"))
+    channel_mean_classifier(tmp_path / "m.onnx", batch=1)  # a fixed batch, as exporters write it
+    train_images, train_labels = colour_images(6, seed=1)
+    test_images, test_labels = colour_images(6, seed=2)
+    np.savez(tmp_path / "colours.npz", train_images=train_images, train_labels=train_labels, test_images=test_images,
+             test_labels=test_labels, class_names=np.array(CLASSES))
+    return tmp_path
+
+
+def ok(*args, cwd):
+    result = invoke(*args, cwd=cwd)
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def records(results: Path) -> dict[str, dict]:
+    return {path.name: json.loads(path.read_text()) for path in results.glob("*.json")}
+
+
+def test_nncf_quantizes_to_ir_that_evaluates_on_openvino_with_its_precision_recorded(project):
+    result = ok("quantize", "--model", "m.onnx", "--data", "colours.npz", "--backend", "openvino", "--bias-correction", "full", "--json",
+                cwd=project)
+    summary = json.loads(result.stdout)  # NNCF's progress bars stay off stdout
+    assert summary["settings"]["framework"] == "openvino" and summary["settings"]["bias_correction"] == "full"
+    assert (project / "m_openvino_int8.xml").is_file() and (project / "m_openvino_int8.bin").is_file()
+    assert not [path.name for path in project.iterdir() if path.name.startswith(".")]
+    ok("evaluate", "--model", "m_openvino_int8.xml", "--data", "colours.npz", "--results-dir", "res", cwd=project)
+    (record,) = [record for record in records(project / "res").values() if record["model_path"].endswith(".xml")]
+    assert record["framework"] == "openvino" and record["precision"] == "f32" and record["dtype"] == "int8"
+    assert record["accuracy"] == 100.0 and record["quantization"]["nncf_preset"] == "performance"
+    # The source was evaluated for the delta (on onnxruntime, its own runtime).
+    assert any(r["framework"] == "onnxruntime" and r["dtype"] == "fp32" for r in records(project / "res").values())
+
+
+def test_an_onnx_file_runs_on_either_runtime_and_keeps_one_record_per_runtime_and_precision(project):
+    for extra in ((), ("--runtime", "openvino"), ("--runtime", "openvino", "--precision", "bf16")):
+        ok("evaluate", "--model", "m.onnx", "--data", "colours.npz", "--results-dir", "res", *extra, cwd=project)
+    found = sorted((record["framework"], record["precision"]) for record in records(project / "res").values())
+    assert found == [("onnxruntime", None), ("openvino", "bf16"), ("openvino", "f32")]
+    report = ok("report", "--results-dir", "res", cwd=project).stdout
+    assert "openvino bf16" in report and "openvino f32" in report  # a bf16 row is never shown as plain FP32
+
+
+@pytest.mark.parametrize("args, mentions", [
+    (("quantize", "--model", "m.onnx", "--data", "colours.npz", "--preset", "mixed"), "--preset"),
+    (("quantize", "--model", "m.onnx", "--data", "colours.npz", "--backend", "openvino", "--dtype", "uint8"), "--dtype"),
+    (("quantize", "--model", "m.onnx", "--data", "colours.npz", "--backend", "openvino", "--output", "q.onnx"), ".xml"),
+    (("quantize", "--model", "m.onnx", "--data", "colours.npz", "--backend", "openvino", "--ignored-scope", "no_such_layer",
+      "--output", "q.xml"), "nncf"),
+    (("evaluate", "--model", "m.onnx", "--data", "colours.npz", "--precision", "bf16"), "--precision"),
+])
+def test_what_nncf_or_openvino_cannot_do_is_refused_in_one_line(project, args, mentions):
+    one_line_error(invoke(*args, cwd=project), mentions)
+    assert not list(project.glob("*.xml")) and not list(project.glob("q.*"))
+
+
+def test_an_ir_without_its_weights_is_refused(project):
+    ok("quantize", "--model", "m.onnx", "--data", "colours.npz", "--backend", "openvino", cwd=project)
+    (project / "m_openvino_int8.bin").unlink()
+    one_line_error(invoke("evaluate", "--model", "m_openvino_int8.xml", "--data", "colours.npz", cwd=project), "m_openvino_int8.bin")
+
+
+@pytest.mark.real_assets
+def test_ptq_evaluate_matches_a_plain_openvino_script(pipeline, tmp_path):
+    import openvino as ov
+    from conftest import cifar_split
+
+    model = tmp_path / "resnet8_openvino_int8.xml"
+    ok("quantize", "--model", pipeline / "models" / "resnet8.onnx", "--backend", "openvino", "--output", model, cwd=pipeline)
+    ok("evaluate", "--model", model, "--results-dir", tmp_path / "res", cwd=pipeline)
+    (record,) = [r for r in records(tmp_path / "res").values() if r["model_path"].endswith(".xml")]
+    test = cifar_split("test")
+    compiled = ov.Core().compile_model(str(model), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    scores = np.concatenate([compiled(test.images[start : start + 500].astype(np.float32))[0] for start in range(0, 10000, 500)])
+    assert record["correct"] == int((scores.argmax(axis=1) == test.labels).sum())
+    assert abs(record["accuracy"] - 87.19) < 1.0
