@@ -16,6 +16,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TransferSpeedColumn
 
 from ptq_cli import render, settings
@@ -122,7 +123,8 @@ def _fill_optional_values(args: list[str]) -> list[str]:
 
 
 def _fail(message: str, exit_code: int) -> int:
-    err.print(f"[red]Error:[/red] {message}", highlight=False, soft_wrap=True)
+    message = " ".join(str(message).split())  # one line, whatever a library put in its message
+    err.print(f"[red]Error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
     return exit_code
 
 

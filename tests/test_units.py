@@ -181,7 +181,7 @@ def test_benchmark_measures_models_in_turns(monkeypatch, tmp_path):
 
     calls: list[tuple[str, int]] = []
 
-    def fake_model(path, threads, flags=None):
+    def fake_model(path, threads, flags=None, runtime=None, precision=None):
         framework = "pytorch" if path.suffix == ".pt" else "onnxruntime"
         info = ModelInfo(path, framework, "fp32" if "fp32" in str(path) else "uint8", None, 1, str(path))
         return LoadedModel(info, lambda images: calls.append((str(path), len(images))) or np.zeros((len(images), 10), np.float32),
