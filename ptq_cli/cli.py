@@ -736,6 +736,7 @@ def run_pipeline(
     samples_per_class: SamplesPerClassOption = None,
     seed: SeedOption = settings.SEED,
     pytorch: Annotated[bool, typer.Option("--pytorch/--no-pytorch", help="Also convert to TorchScript and quantize with PyTorch.")] = True,
+    openvino: Annotated[bool, typer.Option("--openvino/--no-openvino", help="Also quantize with NNCF (full bias correction) to OpenVINO IR, and run the FP32 model on OpenVINO at f32; skipped when the openvino extra is not installed.")] = True,
     benchmark: Annotated[bool, typer.Option("--benchmark/--no-benchmark", help="Benchmark every model (latency and throughput) for the report.")] = True,
     runs: RunsOption = 100,
     threads: ThreadsOption = None,
@@ -764,7 +765,7 @@ def run_pipeline(
         check_model(model)
     options = pipeline_service.RunOptions(
         keras_model=None if model is not None else (keras or settings.keras_model_path()), data_dir=choice.data, model=model,
-        calibration_data=calibration_data, flags=choice.flags, pytorch=pytorch, samples_per_class=samples_per_class,
+        calibration_data=calibration_data, flags=choice.flags, pytorch=pytorch, openvino=openvino, samples_per_class=samples_per_class,
         seed=seed, benchmark=benchmark, benchmark_runs=runs, threads=threads, force=force,
     )
     columns = (SpinnerColumn(finished_text="[green]✓[/green]"), TextColumn("{task.description}"), TimeElapsedColumn())

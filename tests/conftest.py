@@ -21,7 +21,8 @@ CIFAR = ASSETS / "cifar-10-batches-py"
 KERAS_MODEL = ASSETS / "mlperf-tiny-resnet8" / "pretrainedResnet.h5"
 
 
-PIPELINE_MODELS = ("resnet8.onnx", "resnet8.pt", "resnet8_int8.onnx", "resnet8_uint8.onnx", "resnet8_uint8_speed.onnx", "resnet8_pytorch_int8.pt")
+PIPELINE_MODELS = ("resnet8.onnx", "resnet8.pt", "resnet8_int8.onnx", "resnet8_uint8.onnx", "resnet8_uint8_speed.onnx", "resnet8_pytorch_int8.pt",
+                   "resnet8_openvino_int8.xml")
 
 
 @dataclass

@@ -71,7 +71,7 @@ def template(tmp_path_factory) -> Path:
         patch.setenv(ptq_settings.CACHE_ENV, str(cache))
         for command in (("calibrate", "--data", "colours.npz", "--output", "calib.npz"),
                         ("quantize", "--model", "models/m.onnx", "--data", "colours.npz", "--output", "models/m_uint8.onnx", "--dtype", "uint8"),
-                        ("run", "--model", "models/m.onnx", "--data", "colours.npz", "--no-pytorch", "--runs", "2"),
+                        ("run", "--model", "models/m.onnx", "--data", "colours.npz", "--no-pytorch", "--no-openvino", "--runs", "2"),
                         ("evaluate", "--data", "colours.npz"),
                         ("evaluate", "--model", "big.onnx", "--data", "cifar", "--results-dir", "cifar-results")):
             result = invoke(*command, cwd=root)
@@ -338,7 +338,7 @@ def test_fuzz_manifest(template, tmp_path_factory, data):
         manifest.write_bytes(mutate_bytes(manifest.read_bytes(), data.draw))
     else:
         manifest.write_text(json.dumps(mutate_json(json.loads(manifest.read_text()), data.draw)))
-    run_case(work, "run", "--model", "models/m.onnx", "--data", "colours.npz", "--no-pytorch", "--no-benchmark", "--json")
+    run_case(work, "run", "--model", "models/m.onnx", "--data", "colours.npz", "--no-pytorch", "--no-openvino", "--no-benchmark", "--json")
 
 
 @fuzz(150)

@@ -84,8 +84,10 @@ def test_report_shows_both_frameworks_side_by_side(pipeline):
         ("onnxruntime", "uint8", "resnet8_uint8_speed.onnx"),
         ("pytorch", "fp32", "resnet8.pt"),
         ("pytorch", "int8", "resnet8_pytorch_int8.pt"),
+        ("openvino", "fp32", "resnet8.onnx"),  # the same ONNX file, run on OpenVINO at f32
+        ("openvino", "int8", "resnet8_openvino_int8.xml"),
     ]
-    by_model = {row["model"]: row for row in study["rows"]}
+    by_model = {row["model"]: row for row in study["rows"] if row["framework"] != "openvino"}
     torch_int8 = record_of(pipeline / "results", "resnet8_pytorch_int8.pt")
     torch_fp32 = record_of(pipeline / "results", "resnet8.pt")
     assert by_model["resnet8_pytorch_int8.pt"]["size_bytes"] == torch_int8["model_size_bytes"]

@@ -82,7 +82,12 @@ def metadata_object(path: Path, stored: dict[str, str], key: str) -> dict | None
 
 
 def file_sha256(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    """The sha256 of a model's bytes: an OpenVINO IR's .xml and then its .bin, any other model's one file."""
+    path = Path(path)
+    digest = hashlib.sha256(path.read_bytes())
+    if path.suffix == ".xml" and path.with_suffix(".bin").is_file():
+        digest.update(path.with_suffix(".bin").read_bytes())
+    return digest.hexdigest()
 
 
 def require_file(path: Path) -> None:

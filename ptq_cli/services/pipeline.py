@@ -22,6 +22,7 @@ from pathlib import Path
 import ptq_cli
 from ptq_cli import settings
 from ptq_cli.atomic import check_writable, write_text
+from ptq_cli.backends import openvino as openvino_backend
 from ptq_cli.datasets import Dataset, open_dataset
 from ptq_cli.errors import PtqError
 from ptq_cli.services import benchmark as benchmark_service
@@ -39,6 +40,9 @@ LIBRARIES = ("numpy", "onnx", "onnxruntime", "torch", "onnx2torch", "tensorflow-
 # ptq quantize options of the quantized models, in the order `make run` always made them; each is named
 # by quantize's default_output (resnet8_int8.onnx, resnet8_uint8.onnx, resnet8_uint8_speed.onnx, resnet8_pytorch_int8.pt).
 QUANTIZED = ({"dtype": "int8"}, {"dtype": "uint8"}, {"target": "speed"}, {"backend": "pytorch", "dtype": "int8"})
+# With the openvino extra: NNCF int8 with full bias correction (the more accurate of NNCF's two on ResNet8,
+# README), and the FP32 model run on OpenVINO at f32 to compare it with on its own runtime.
+OPENVINO_QUANTIZED = {"backend": "openvino", "bias_correction": "full"}
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,7 @@ class RunOptions:
     calibration_data: Path | None = None
     flags: PreprocessingFlags = PreprocessingFlags()
     pytorch: bool = True  # also convert to TorchScript and quantize with PyTorch
+    openvino: bool = True  # also quantize with NNCF and run on OpenVINO, when the extra is installed
     samples_per_class: int | None = None  # None: the default, or all of the smallest class when it has fewer
     seed: int = settings.SEED
     benchmark: bool = True
@@ -149,6 +154,10 @@ def plan(options: RunOptions, render_markdown: Callable[[report_service.Report],
     calibration = settings.CALIBRATION_FILE if options.model is None else settings.CALIBRATION_FILE.with_name(f"{stem}_calib.npz")
     quantized = [(quantize_service.default_output(fp32, quant_settings.make_settings(**quantize_options), settings.MODELS_DIR), quantize_options)
                  for quantize_options in QUANTIZED if options.pytorch or quantize_options.get("backend") != "pytorch"]
+    with_openvino = options.openvino and openvino_backend.available()
+    if with_openvino:
+        quantized.append((quantize_service.default_output(fp32, quant_settings.make_settings(**OPENVINO_QUANTIZED), settings.MODELS_DIR),
+                          OPENVINO_QUANTIZED))
     models = [fp32, *([fp32_torch] if options.pytorch else []), *(path for path, _ in quantized)]
     stages = []
     if options.model is None:
@@ -163,7 +172,8 @@ def plan(options: RunOptions, render_markdown: Callable[[report_service.Report],
                         lambda: _calibrate(options, calibration_dataset, fp32, calibration), train))
     for output, quantize_options in quantized:
         command_flags = " ".join(f"--{key} {value}" for key, value in quantize_options.items())
-        stages.append(Stage(f"quantize {output.name}", f"ptq quantize --model {fp32} {command_flags}{_flag_text(flags)}", (fp32, calibration), (output,),
+        files = (output, output.with_suffix(".bin")) if output.suffix == ".xml" else (output,)  # an IR is two files
+        stages.append(Stage(f"quantize {output.name}", f"ptq quantize --model {fp32} {command_flags}{_flag_text(flags)}", (fp32, calibration), files,
                             {**quantize_options, **flag_options},
                             lambda output=output, quantize_options=quantize_options: _quantize(fp32, output, calibration, quantize_options, flags)))
     threads = {"threads": options.threads} if options.threads else {}
@@ -172,12 +182,19 @@ def plan(options: RunOptions, render_markdown: Callable[[report_service.Report],
         stages.append(Stage(f"evaluate {model.name}", f"ptq evaluate --model {model}{data_flags}", (model,), (record,), {**threads, **flag_options},
                             lambda model=model: evaluate_service.save_record(
                                 evaluate_service.evaluate_model(model, dataset, threads=options.threads, flags=flags), results, dataset), test))
+    openvino_fp32 = ()
+    if with_openvino:
+        openvino_fp32 = (evaluate_service.record_path(results, fp32, dataset, evaluate_service.runtime_tag(fp32, "openvino", "f32")),)
+        stages.append(Stage(f"evaluate {fp32.name} on openvino", f"ptq evaluate --model {fp32} --runtime openvino --precision f32{data_flags}", (fp32,),
+                            openvino_fp32, {**threads, **flag_options, "runtime": "openvino", "precision": "f32"},
+                            lambda: evaluate_service.save_record(evaluate_service.evaluate_model(
+                                fp32, dataset, threads=options.threads, flags=flags, runtime="openvino", precision="f32"), results, dataset), test))
     if options.benchmark:
         # One stage for all models: they are measured in turns, so their speed-ups come from one measurement.
         stages.append(Stage("benchmark", f"ptq benchmark {' '.join(f'--model {model}' for model in models)} --runs {options.benchmark_runs}{data_flags}",
                             tuple(models), tuple(benchmark_service.benchmark_path(results, model) for model in models),
                             {"runs": options.benchmark_runs, **threads}, lambda: _benchmark(models, dataset, options), test))
-    records = tuple(evaluate_service.record_path(results, model, dataset) for model in models)
+    records = tuple(evaluate_service.record_path(results, model, dataset) for model in models) + openvino_fp32
     if options.benchmark:
         records += tuple(benchmark_service.benchmark_path(results, model) for model in models)
     stages.append(Stage("report", f"ptq report --markdown {options.markdown}", records, (options.markdown,), {},
