@@ -405,8 +405,6 @@ def quantize(
         target and target.value, space_to_depth, nncf_preset and nncf_preset.value, bias_correction and bias_correction.value, subset_size,
         tuple(ignored_scope or ()),
     )
-    if ignored_scope and backend.value != "openvino":
-        raise PtqError("--ignored-scope: an NNCF option; applies to --backend openvino")
     choice = _data(data, calibration_data, preprocess, scale, mean, std, bgr)
     check_model(model)  # a bad model fails before any calibration work
     destination = output or quantize_service.default_output(model, quantization_settings)
@@ -609,16 +607,19 @@ def tune(
     _emit(as_json, result, render.tuning(result))
 
 
+MODEL_SUFFIXES = (".onnx", ".pt", ".xml")  # ONNX, TorchScript, OpenVINO IR
+
+
 def _default_models() -> list[Path]:
-    found = sorted(path for path in settings.MODELS_DIR.glob("*") if path.suffix in (".onnx", ".pt") and not is_temporary(path))
+    found = sorted(path for path in settings.MODELS_DIR.glob("*") if path.suffix in MODEL_SUFFIXES and not is_temporary(path))
     if not found:
-        raise PtqError(f"{settings.MODELS_DIR}: no .onnx or .pt models to evaluate (run `ptq convert` or pass --model)")
+        raise PtqError(f"{settings.MODELS_DIR}: no .onnx, .pt or .xml models to evaluate (run `ptq convert` or pass --model)")
     return found
 
 
 @app.command()
 def evaluate(
-    model: Annotated[Optional[list[Path]], typer.Option(help="Model file (.onnx or TorchScript .pt); repeat for several. (default: every model in models/)", show_default=False)] = None,
+    model: Annotated[Optional[list[Path]], typer.Option(help="Model file (.onnx, TorchScript .pt or OpenVINO IR .xml); repeat for several. (default: every model in models/)", show_default=False)] = None,
     per_class: Annotated[bool, typer.Option("--per-class", help="Also show per-class accuracy, with the delta against the FP32 source model's record.")] = False,
     results_dir: Annotated[Path, typer.Option(help="Where to write one JSON record per model and dataset.")] = settings.RESULTS_DIR,
     batch_size: Annotated[int, typer.Option(min=1, help="Images per inference call (split over the threads).")] = settings.EVALUATION_BATCH,
@@ -637,7 +638,7 @@ def evaluate(
 
     A quantized model's delta is against its FP32 source model measured on the same images: the source
     (named in the model) is evaluated too if its record is missing. Records go to
-    RESULTS_DIR/<model file>@<dataset>.json, one per model and dataset.
+    RESULTS_DIR/<model file>-<folder>@<dataset>.json, one per model file, runtime and dataset.
     """
     choice = _data(data, None, preprocess, scale, mean, std, bgr)
     dataset = choice.dataset()
@@ -661,7 +662,7 @@ def evaluate(
 
 @app.command()
 def benchmark(
-    model: Annotated[Optional[list[Path]], typer.Option(help="Model file (.onnx or TorchScript .pt); repeat for several. (default: every model in models/)", show_default=False)] = None,
+    model: Annotated[Optional[list[Path]], typer.Option(help="Model file (.onnx, TorchScript .pt or OpenVINO IR .xml); repeat for several. (default: every model in models/)", show_default=False)] = None,
     batch_size: Annotated[int, typer.Option(min=1, help="Batch size for the throughput measurement (latency is always at batch 1).")] = 256,
     threads: ThreadsOption = None,
     runs: RunsOption = 100,

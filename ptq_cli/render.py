@@ -130,6 +130,9 @@ def quantization(result: QuantizeResult) -> Table:
     )
 
 
+REFERENCE_STATUS = {"stale": "its file changed since; evaluate it again", "missing": "its file is gone"}
+
+
 def evaluation(record: EvaluationRecord, reference: EvaluationRecord | None, per_class: bool, record_file: Path,
                reference_status: str = "ok") -> Group:
     delta = None if reference is None else record.accuracy - reference.accuracy
@@ -137,9 +140,7 @@ def evaluation(record: EvaluationRecord, reference: EvaluationRecord | None, per
         f"  delta vs FP32 {reference.name} ({reference.accuracy:.2f}%): ",
         (signed(delta), "green" if delta >= 0 else "red"),
         " pts",
-        *(((f" [FP32 record {reference_status}: {reference.name} changed since; evaluate it again]", "yellow"),)
-          if reference_status == "stale" else ((f" [FP32 record: {reference.name} is {reference_status}]", "yellow"),)
-          if reference_status != "ok" else ()),
+        *(() if reference_status == "ok" else ((f" [FP32 record {reference_status}: {REFERENCE_STATUS[reference_status]}]", "yellow"),)),
     )
     headline = Text.assemble(
         (f"{record.name}", "bold"),

@@ -68,10 +68,20 @@ def test_an_onnx_file_runs_on_either_runtime_and_keeps_one_record_per_runtime_an
     (("quantize", "--model", "m.onnx", "--data", "colours.npz", "--backend", "openvino", "--ignored-scope", "no_such_layer",
       "--output", "q.xml"), "nncf"),
     (("evaluate", "--model", "m.onnx", "--data", "colours.npz", "--precision", "bf16"), "--precision"),
+    (("quantize", "--model", "m.onnx", "--data", "colours.npz", "--ignored-scope", "scores"), "--ignored-scope"),
 ])
 def test_what_nncf_or_openvino_cannot_do_is_refused_in_one_line(project, args, mentions):
     one_line_error(invoke(*args, cwd=project), mentions)
     assert not list(project.glob("*.xml")) and not list(project.glob("q.*"))
+
+
+def test_an_ir_is_one_of_the_models_evaluate_finds_and_runs_only_on_openvino(project):
+    (project / "models").mkdir()
+    ok("quantize", "--model", "m.onnx", "--data", "colours.npz", "--backend", "openvino", "--output", "models/m_ov.xml", cwd=project)
+    result = ok("evaluate", "--data", "colours.npz", "--json", cwd=project)  # no --model: every model in models/
+    assert json.loads(result.stdout)["model_path"] == "models/m_ov.xml"
+    one_line_error(invoke("evaluate", "--model", "models/m_ov.xml", "--data", "colours.npz", "--runtime", "onnxruntime", cwd=project),
+                   "only ONNX files run on another runtime")
 
 
 def test_an_ir_without_its_weights_is_refused(project):

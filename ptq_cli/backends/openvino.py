@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -113,13 +114,13 @@ def load(path: Path, threads: int | None, flags: inputs.PreprocessingFlags, prec
     value = model.inputs[0]
     described = model_input(path, value.get_any_name(), _dims(value.get_partial_shape()), value.get_element_type() == ov.Type.f32)
     classes = num_classes(path, _dims(model.outputs[0].get_partial_shape()))
-    note = None
+    note, chunk = None, None
     if described.batch is not None:
         try:
             model.reshape({value.get_any_name(): ov.PartialShape([-1, *described.shape(1)[1:]])})
             note = f"fixed batch {described.batch} made dynamic (OpenVINO reshape)"
         except Exception:  # noqa: BLE001  a graph tied to its batch: run it in chunks of that batch
-            note = f"fixed batch {described.batch}: run {described.batch} at a time"
+            note, chunk = f"fixed batch {described.batch}: run {described.batch} at a time", described.batch
     threads = resolve_threads(threads)
     config = {"INFERENCE_PRECISION_HINT": precision, "INFERENCE_NUM_THREADS": threads}
     try:
@@ -127,7 +128,6 @@ def load(path: Path, threads: int | None, flags: inputs.PreprocessingFlags, prec
     except Exception as error:  # noqa: BLE001
         raise PtqError(f"{path}: OpenVINO cannot compile it ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from error
     request = compiled.create_infer_request()
-    chunk = described.batch if note and "at a time" in note else None
 
     def run(batch: np.ndarray) -> np.ndarray:
         try:
@@ -189,8 +189,6 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     except Exception as error:  # noqa: BLE001  NNCF raises its own types (e.g. for an unknown ignored layer)
         raise PtqError(f"nncf.quantize failed ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})") from error
     extra = json.loads(stored.get(QUANTIZATION_METADATA_KEY, "{}"))
-    from dataclasses import asdict
-
     contents = {**stored, QUANTIZATION_METADATA_KEY: json.dumps({**asdict(settings), **extra})}
     for key, value in contents.items():
         quantized.set_rt_info(value, [RT_INFO_SECTION, key])

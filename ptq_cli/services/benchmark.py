@@ -13,7 +13,7 @@ import numpy as np
 import ptq_cli
 from ptq_cli.datasets import Dataset
 from ptq_cli.errors import PtqError
-from ptq_cli.services.evaluate import runtime_tag
+from ptq_cli.services.evaluate import runtime_of, runtime_tag
 from ptq_cli.services.inputs import PreprocessingFlags
 from ptq_cli.services.models import check_classes, load_model, resolve_threads
 from ptq_cli.services.progress import ProgressCallback, Steps
@@ -138,8 +138,7 @@ def benchmark_path(results_dir: Path, model_path: Path | str, tag: str = "") -> 
 
 
 def save_benchmark(record: BenchmarkRecord, results_dir: Path) -> Path:
-    runtime = ("openvino", record.precision) if record.framework == "openvino" else (None, None)
-    return write_record(benchmark_path(results_dir, record.model_path, runtime_tag(record.model_path, *runtime)), record)
+    return write_record(benchmark_path(results_dir, record.model_path, runtime_tag(record.model_path, *runtime_of(record))), record)
 
 
 def load_benchmarks(results_dir: Path) -> dict[str, BenchmarkRecord]:

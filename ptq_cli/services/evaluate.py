@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -153,11 +154,11 @@ def record_path(results_dir: Path, model_path: Path | str, dataset: Dataset, tag
 
 
 def save_record(record: EvaluationRecord, results_dir: Path, dataset: Dataset) -> Path:
-    return write_record(record_path(results_dir, record.model_path, dataset, runtime_tag(record.model_path, *_runtime_of(record))), record)
+    return write_record(record_path(results_dir, record.model_path, dataset, runtime_tag(record.model_path, *runtime_of(record))), record)
 
 
-def _runtime_of(record: EvaluationRecord) -> tuple[str | None, str | None]:
-    """(runtime, precision) a record was measured with, as load_model takes them."""
+def runtime_of(record: EvaluationRecord | BenchmarkLike) -> tuple[str | None, str | None]:
+    """(runtime, precision) a record (evaluation or benchmark) was measured with, as load_model takes them."""
     return ("openvino", record.precision) if record.framework == "openvino" else (None, None)
 
 
@@ -206,6 +207,11 @@ def load_records(results_dir: Path) -> RecordSet:
 OK, STALE, MISSING = "ok", "stale", "missing"
 
 
+class BenchmarkLike(Protocol):
+    framework: str
+    precision: str | None
+
+
 def record_status(record: EvaluationRecord) -> str:
     """Whether the record still describes the file at its path: "ok", "stale" (the file changed since it
     was measured) or "missing". A figure is only as good as the bytes it was measured on."""
@@ -228,7 +234,7 @@ def refresh_stale(results_dir: Path, threads: int | None = None, progress_for: C
         dataset = open_dataset(Path(record.dataset))
         progress = progress_for(record.name) if progress_for else None
         fresh = evaluate_model(Path(record.model_path), dataset, record.batch_size or settings.EVALUATION_BATCH, threads, progress, flags_of(record),
-                               *_runtime_of(record))
+                               *runtime_of(record))
         rewritten.append(save_record(fresh, results_dir, dataset))
     return rewritten
 

@@ -92,8 +92,8 @@ def make_settings(
     weight_dtype = weight_dtype or dtype
     if weight_dtype not in DTYPES:
         raise PtqError(f"--weight-dtype: '{weight_dtype}' is not one of {', '.join(DTYPES)}")
-    nncf_given = [option for option, value in (("--preset", nncf_preset), ("--bias-correction", bias_correction), ("--subset-size", subset_size))
-                  if value is not None]
+    nncf_given = [option for option, value in (("--preset", nncf_preset), ("--bias-correction", bias_correction), ("--subset-size", subset_size),
+                                                   ("--ignored-scope", float_nodes or None)) if value is not None]
     if backend != OPENVINO and nncf_given:
         raise PtqError(f"{nncf_given[0]}: an NNCF option; applies to --backend openvino")
     if backend == OPENVINO:
