@@ -17,7 +17,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[keras,dev,openvino]'
+	$(BIN)/pip install --quiet -e '.[keras,dev,openvino,litert]'
 	$(BIN)/pip install --quiet --no-deps $(ONNX2TORCH)
 	touch $@
 
@@ -26,12 +26,14 @@ $(VENV)/.installed: pyproject.toml Makefile
 run: install
 	$(PTQ) run $(FORCE)
 
-# After `make run`: tune ONNX Runtime int8 and uint8 and PyTorch int8 on the validation split, then judge the choices on the test set.
+# After `make run`: tune ONNX Runtime int8 and uint8, PyTorch int8 and NNCF int8 on the validation split, then judge the choices on the test set.
 tune: install
 	$(PTQ) tune --dtype int8
 	$(PTQ) tune --dtype uint8
 	$(PTQ) tune --backend pytorch
-	$(PTQ) evaluate --model models/resnet8_int8_tuned.onnx --model models/resnet8_uint8_tuned.onnx --model models/resnet8_pytorch_int8_tuned.pt
+	$(PTQ) tune --backend openvino
+	$(PTQ) evaluate --model models/resnet8_int8_tuned.onnx --model models/resnet8_uint8_tuned.onnx --model models/resnet8_pytorch_int8_tuned.pt \
+		--model models/resnet8_openvino_int8_tuned.xml
 	$(PTQ) report --markdown
 
 # After `make run`: prune at 0/30/50/70% (global), quantize int8, evaluate; then the report with its charts.

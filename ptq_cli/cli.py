@@ -27,6 +27,7 @@ from ptq_cli.services import benchmark as benchmark_service
 from ptq_cli.services import calibration as calibration_service
 from ptq_cli.services import convert as convert_service
 from ptq_cli.services import evaluate as evaluate_service
+from ptq_cli.services import export as export_service
 from ptq_cli.services import fetch as fetch_service
 from ptq_cli.services import inputs as inputs_service
 from ptq_cli.services import models as models_service
@@ -565,14 +566,14 @@ def sensitivity(
 def tune(
     model: Annotated[Path, typer.Option(help="FP32 ONNX model.")] = settings.FP32_ONNX,
     dtype: Annotated[DType, typer.Option(help="Activation type to tune for (uint8 also tries int8 weights).")] = DType("int8"),
-    backend: Annotated[Backend, typer.Option(help="onnxruntime (QDQ) or pytorch (FX, int8 only: granularity x observer x calibration size, no float layers).")] = Backend("onnxruntime"),
+    backend: Annotated[Backend, typer.Option(help="onnxruntime (QDQ), pytorch (FX, int8 only: granularity x observer x calibration size, no float layers) or openvino (NNCF, int8: preset x bias correction x calibration size x ignored scope).")] = Backend("onnxruntime"),
     max_drop: Annotated[float, typer.Option(callback=_finite, min=0, help="Accuracy budget: points below FP32 allowed on the validation split.")] = 0.05,
     method: Annotated[Optional[list[Method]], typer.Option(help="Calibration methods to search; repeat for several. (default: onnxruntime minmax and percentile at 99.9, 99.95, 99.99, 99.999; pytorch histogram and minmax)", show_default=False)] = None,
     per_channel: Annotated[Optional[bool], typer.Option("--per-channel/--per-tensor", help="Search only this weight granularity. (default: both)", show_default=False)] = None,
     max_float_layers: Annotated[int, typer.Option(min=0, help="Most sensitive layers to try leaving in float, one more at a time (0: none).")] = tune_service.MAX_FLOAT_LAYERS,
     calibration: CalibrationFile = None,
     validation_per_class: ValidationPerClass = settings.VALIDATION_PER_CLASS,
-    output: Annotated[Optional[Path], typer.Option(help="Where to write the chosen model. (default: beside the model, <model>_<dtype>_tuned.onnx, or <model>_pytorch_int8_tuned.pt)", show_default=False)] = None,
+    output: Annotated[Optional[Path], typer.Option(help="Where to write the chosen model. (default: beside the model, <model>_<dtype>_tuned.onnx, <model>_pytorch_int8_tuned.pt or <model>_openvino_int8_tuned.xml)", show_default=False)] = None,
     results_dir: Annotated[Path, typer.Option(help="The record of the search goes to RESULTS_DIR/tuning/<output>.json.")] = settings.RESULTS_DIR,
     data: DataOption = None,
     calibration_data: CalibrationDataOption = None,
@@ -586,8 +587,8 @@ def tune(
     """Search quantization settings for the smallest, fastest model within --max-drop of FP32.
 
     Every decision is made on the validation split (training images not in the calibration set); the
-    test set is never read. Stages: calibration method x granularity x weight type, calibration size,
-    then the most sensitive layers left in float. Without any candidate in budget, the most accurate
+    test set is never read. Stages: calibration method x granularity x weight type (NNCF: preset x bias
+    correction), calibration size, then the most sensitive layers left in float (NNCF: its ignored scope). Without any candidate in budget, the most accurate
     is kept and the command says so (exit 0).
     """
     choice = _data(data, calibration_data, preprocess, scale, mean, std, bgr)
@@ -607,19 +608,19 @@ def tune(
     _emit(as_json, result, render.tuning(result))
 
 
-MODEL_SUFFIXES = (".onnx", ".pt", ".xml")  # ONNX, TorchScript, OpenVINO IR
+MODEL_SUFFIXES = (".onnx", ".pt", ".xml", ".tflite")  # ONNX, TorchScript, OpenVINO IR, TFLite
 
 
 def _default_models() -> list[Path]:
     found = sorted(path for path in settings.MODELS_DIR.glob("*") if path.suffix in MODEL_SUFFIXES and not is_temporary(path))
     if not found:
-        raise PtqError(f"{settings.MODELS_DIR}: no .onnx, .pt or .xml models to evaluate (run `ptq convert` or pass --model)")
+        raise PtqError(f"{settings.MODELS_DIR}: no .onnx, .pt, .xml or .tflite models to evaluate (run `ptq convert` or pass --model)")
     return found
 
 
 @app.command()
 def evaluate(
-    model: Annotated[Optional[list[Path]], typer.Option(help="Model file (.onnx, TorchScript .pt or OpenVINO IR .xml); repeat for several. (default: every model in models/)", show_default=False)] = None,
+    model: Annotated[Optional[list[Path]], typer.Option(help="Model file (.onnx, TorchScript .pt, OpenVINO IR .xml or TFLite .tflite); repeat for several. (default: every model in models/)", show_default=False)] = None,
     per_class: Annotated[bool, typer.Option("--per-class", help="Also show per-class accuracy, with the delta against the FP32 source model's record.")] = False,
     results_dir: Annotated[Path, typer.Option(help="Where to write one JSON record per model and dataset.")] = settings.RESULTS_DIR,
     batch_size: Annotated[int, typer.Option(min=1, help="Images per inference call (split over the threads).")] = settings.EVALUATION_BATCH,
@@ -632,6 +633,7 @@ def evaluate(
     bgr: BgrOption = None,
     runtime: RuntimeOption = None,
     precision: PrecisionOption = None,
+    label: Annotated[Optional[str], typer.Option(help="What the report calls the model, beside its file name (one --model only).", show_default=False)] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Top-1 accuracy on the dataset's test split (val if it has no test), against the model's FP32 source.
@@ -643,6 +645,8 @@ def evaluate(
     choice = _data(data, None, preprocess, scale, mean, std, bgr)
     dataset = choice.dataset()
     models = model or _default_models()
+    if label is not None and len(models) != 1:
+        raise PtqError(f"--label: names one model, but {len(models)} are being evaluated")
     for model_path in models:
         check_writable(evaluate_service.record_path(results_dir, model_path, dataset, evaluate_service.runtime_tag(
             model_path, runtime and runtime.value, precision and precision.value)))
@@ -650,7 +654,7 @@ def evaluate(
     for model_path in models:
         with _progress_bar(f"Evaluating {model_path.name}") as progress:
             evaluated = evaluate_service.evaluate_and_save(model_path, dataset, results_dir, batch_size, threads, progress, choice.flags,
-                                                           runtime and runtime.value, precision and precision.value)
+                                                           runtime and runtime.value, precision and precision.value, label)
         records.append(evaluated.record)
         if not as_json:
             if evaluated.source_evaluated is not None:
@@ -662,7 +666,7 @@ def evaluate(
 
 @app.command()
 def benchmark(
-    model: Annotated[Optional[list[Path]], typer.Option(help="Model file (.onnx, TorchScript .pt or OpenVINO IR .xml); repeat for several. (default: every model in models/)", show_default=False)] = None,
+    model: Annotated[Optional[list[Path]], typer.Option(help="Model file (.onnx, TorchScript .pt, OpenVINO IR .xml or TFLite .tflite); repeat for several. (default: every model in models/)", show_default=False)] = None,
     batch_size: Annotated[int, typer.Option(min=1, help="Batch size for the throughput measurement (latency is always at batch 1).")] = 256,
     threads: ThreadsOption = None,
     runs: RunsOption = 100,
@@ -695,7 +699,22 @@ def benchmark(
     for record in records:
         benchmark_service.save_benchmark(record, results_dir)
     ratios = benchmark_service.speedups(records, benchmark_service.load_benchmarks(results_dir))
-    _emit(as_json, [{**render.plain(record), "speedup_vs_fp32": ratios[record.model_path]} for record in records], render.benchmarks(records, ratios))
+    _emit(as_json, [{**render.plain(record), "speedup_vs_fp32": ratios[benchmark_service.run_key(record)]} for record in records], render.benchmarks(records, ratios))
+
+
+@app.command()
+def export(
+    model: Annotated[Path, typer.Option(help="The .tflite model to export.")],
+    c_array: Annotated[bool, typer.Option("--c-array", help="Write it as C source and header: a 16-byte-aligned const unsigned char array and its length, as TensorFlow Lite Micro projects compile in.")] = False,
+    output_dir: Annotated[Optional[Path], typer.Option(help="Where to write <model>.c and <model>.h. (default: beside the model)", show_default=False)] = None,
+    symbol: Annotated[Optional[str], typer.Option(help="The array's C name; its length is <symbol>_len. (default: from the file name, e.g. resnet8_int8_tflite)", show_default=False)] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Export a model in the form a deployment compiles in (today: --c-array, for TFLite Micro)."""
+    if not c_array:
+        raise PtqError("--c-array: the one export format so far; pass it")
+    result = export_service.export_c_array(model, output_dir, symbol)
+    _emit(as_json, result, render.exported(result))
 
 
 @app.command()
@@ -738,6 +757,7 @@ def run_pipeline(
     seed: SeedOption = settings.SEED,
     pytorch: Annotated[bool, typer.Option("--pytorch/--no-pytorch", help="Also convert to TorchScript and quantize with PyTorch.")] = True,
     openvino: Annotated[bool, typer.Option("--openvino/--no-openvino", help="Also quantize with NNCF (full bias correction) to OpenVINO IR, and run the FP32 model on OpenVINO at f32; skipped when the openvino extra is not installed.")] = True,
+    litert: Annotated[bool, typer.Option("--litert/--no-litert", help="Also evaluate and benchmark MLCommons' int8 TFLite ResNet8 (the MLPerf Tiny reference) with LiteRT; skipped when the litert extra is not installed or for --model.")] = True,
     benchmark: Annotated[bool, typer.Option("--benchmark/--no-benchmark", help="Benchmark every model (latency and throughput) for the report.")] = True,
     runs: RunsOption = 100,
     threads: ThreadsOption = None,
@@ -766,7 +786,7 @@ def run_pipeline(
         check_model(model)
     options = pipeline_service.RunOptions(
         keras_model=None if model is not None else (keras or settings.keras_model_path()), data_dir=choice.data, model=model,
-        calibration_data=calibration_data, flags=choice.flags, pytorch=pytorch, openvino=openvino, samples_per_class=samples_per_class,
+        calibration_data=calibration_data, flags=choice.flags, pytorch=pytorch, openvino=openvino, litert=litert, samples_per_class=samples_per_class,
         seed=seed, benchmark=benchmark, benchmark_runs=runs, threads=threads, force=force,
     )
     columns = (SpinnerColumn(finished_text="[green]✓[/green]"), TextColumn("{task.description}"), TimeElapsedColumn())

@@ -13,13 +13,15 @@ from rich.text import Text
 
 from ptq_cli import settings
 from ptq_cli.atomic import atomic_output
-from ptq_cli.services.benchmark import BenchmarkRecord
+from ptq_cli.services.benchmark import BenchmarkRecord, run_key
 from ptq_cli.services.calibration import CalibrationSet
 from ptq_cli.services.convert import ConversionResult
 from ptq_cli.services.evaluate import EvaluationRecord
+from ptq_cli.services.export import CArrayExport
 from ptq_cli.services.fetch import FetchResult
 from ptq_cli.services.pipeline import RunResult
 from ptq_cli.services.prune import PruneResult
+from ptq_cli.services.quant_settings import short_node
 from ptq_cli.services.quantize import QuantizeResult
 from ptq_cli.services.records import to_json
 from ptq_cli.services.report import DatasetGroup, Report, ReportRow
@@ -179,7 +181,7 @@ def delta(points: float | None) -> str:
 
 REPORT_COLUMNS = (
     "Model", "Framework", "Data type", "Configuration", "Accuracy", "Delta vs FP32 source", "Model size", "Size reduction",
-    "Images/s", "Speed-up", "Latency p50 (ms)",
+    "Images/s", "Speed-up", "Speed-up vs onnxruntime FP32", "Latency p50 (ms)",
 )
 
 
@@ -188,13 +190,14 @@ def milliseconds(value: float | None) -> str:
 
 
 def _model_cell(row: ReportRow) -> str:
-    return row.model if row.status == "ok" else f"{row.model} ({row.status})"
+    name = f"{row.label} ({row.model})" if row.label else row.model
+    return name if row.status == "ok" else f"{name} ({row.status})"
 
 
 def _report_cells(row: ReportRow) -> list[str]:
     return [
         _model_cell(row),
-        row.framework + (f" {row.precision}" if row.precision else ""),
+        _runtime(row),
         row.dtype,
         row.configuration,
         f"{row.accuracy:.2f}%",
@@ -203,6 +206,7 @@ def _report_cells(row: ReportRow) -> list[str]:
         percent(row.size_reduction),
         f"{row.images_per_second:,.0f}" + ("" if row.speed_source == "benchmark" else " (eval)"),
         speedup(row.speedup),
+        speedup(row.speedup_vs_onnxruntime),
         milliseconds(row.latency_ms_p50),
     ]
 
@@ -211,12 +215,20 @@ def _recommendation_lines(group: DatasetGroup) -> list[str]:
     advice = group.recommendation
     if advice is None:
         return []
+    fastest = advice.fastest
+    budget = f"within {advice.budget:.2f} points of FP32"
     return [
         f"Best accuracy: {advice.best_accuracy.model} ({advice.best_accuracy.accuracy:.2f}%, {delta(advice.best_accuracy.delta)} pts)",
         f"Smallest: {advice.smallest.model} ({size(advice.smallest.size_bytes)}, {advice.smallest.accuracy:.2f}%)",
-        f"Fastest: {advice.fastest.model} ({advice.fastest.images_per_second:,.0f} images/s, {advice.fastest.accuracy:.2f}%, "
-        f"{delta(advice.fastest.delta)} pts; {advice.fastest.configuration})",
+        f"Fastest {budget}: {fastest.model} on {_runtime(fastest)} ({fastest.images_per_second:,.0f} images/s"
+        + (f", {fastest.speedup_vs_onnxruntime:.2f}x onnxruntime FP32" if fastest.speedup_vs_onnxruntime else "")
+        + f", {fastest.accuracy:.2f}%, {delta(fastest.delta)} pts; {fastest.configuration})"
+        if fastest else f"Fastest {budget}: none",
     ]
+
+
+def _runtime(row: ReportRow) -> str:
+    return row.framework + (f" {row.precision}" if row.precision else "")
 
 
 def _group_title(group: DatasetGroup) -> str:
@@ -264,15 +276,18 @@ def _main_table(group: DatasetGroup) -> Table:
         padding=0,
         show_edge=False,
     )
-    # Numbers never wrap nor get cut; on a narrow terminal the model name folds instead.
-    for column in TERMINAL_COLUMNS:
+    # Numbers never wrap nor get cut; on a narrow terminal the model name folds instead. "xORT" (the
+    # speed-up against onnxruntime's FP32 run) only when another runtime is in the table.
+    other_runtimes = any(row.framework != "onnxruntime" for row in group.rows)
+    for column in TERMINAL_COLUMNS + (("xORT",) if other_runtimes else ()):
         if column == "Model":
             table.add_column(column, overflow="fold", min_width=12)
         else:
             table.add_column(column, justify="left" if column in TERMINAL_COLUMNS[:3] else "right", no_wrap=True)
     for row in group.rows:
         cells = _report_cells(row)
-        table.add_row(*cells[:3], *cells[4:6], f"{row.size_bytes / 1024:.1f}", cells[7], f"{row.images_per_second:,.0f}", cells[9])
+        table.add_row(*cells[:3], *cells[4:6], f"{row.size_bytes / 1024:.1f}", cells[7], f"{row.images_per_second:,.0f}", cells[9],
+                      *(cells[10:11] if other_runtimes else ()))
     return table
 
 
@@ -465,7 +480,7 @@ def report_markdown(report: Report, charts: list[Path] | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def benchmarks(records: list[BenchmarkRecord], speedups: dict[str, float | None]) -> Table:
+def benchmarks(records: list[BenchmarkRecord], speedups: dict[tuple, float | None]) -> Table:
     settings = sorted({(record.batch_size, record.threads) for record in records})
     where = "; ".join(f"throughput at batch {batch}, {threads} thread{'s' if threads > 1 else ''}" for batch, threads in settings)
     table = Table(title=f"Benchmark: latency at batch 1, {where}", title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False)
@@ -473,8 +488,9 @@ def benchmarks(records: list[BenchmarkRecord], speedups: dict[str, float | None]
         table.add_column(column, justify="left" if column in ("Model", "Framework", "Type") else "right", no_wrap=True)
     for record in records:
         table.add_row(
-            record.name, record.framework, record.dtype, milliseconds(record.latency_ms_p50), milliseconds(record.latency_ms_p95),
-            milliseconds(record.latency_ms_p99), f"{record.images_per_second:,.0f}", speedup(speedups.get(record.model_path)),
+            record.name, record.framework + (f" {record.precision}" if record.precision else ""), record.dtype,
+            milliseconds(record.latency_ms_p50), milliseconds(record.latency_ms_p95),
+            milliseconds(record.latency_ms_p99), f"{record.images_per_second:,.0f}", speedup(speedups.get(run_key(record))),
         )
     return table
 
@@ -525,9 +541,11 @@ def sensitivity(result: SensitivityResult, record_file: Path) -> Group:
 
 
 def _short_configuration(settings) -> str:
+    floats = f" float:{','.join(short_node(name) for name in settings.float_nodes)}" if settings.float_nodes else ""
+    if settings.nncf_preset:
+        return f"{settings.nncf_preset} bias:{settings.bias_correction} n={settings.subset_size or settings.calibration_samples}{floats}"
     granularity = "channel" if settings.per_channel else "tensor"
     method = f"p{settings.percentile:g}" if settings.method == "percentile" else settings.method
-    floats = f" float:{','.join(name.split('/')[-2] if '/' in name else name for name in settings.float_nodes)}" if settings.float_nodes else ""
     return f"w:{settings.weight_dtype} {granularity} {method} n={settings.calibration_samples}{floats}"
 
 
@@ -555,3 +573,8 @@ def tuning(result: TuneResult) -> Group:
         Text(f"Chosen: {result.chosen.label} -> {result.output} (validation {result.chosen.validation_accuracy:.2f}%)"),
         Text(f"Record: {result.record}. Judge it on the test set with: ptq evaluate --model {result.output}"),
     )
+
+
+def exported(result: CArrayExport) -> Text:
+    return Text(f"{result.model.name} ({result.size_bytes:,} bytes) -> {result.source} and {result.header}: "
+                f"const unsigned char {result.symbol}[], {result.symbol}_len")

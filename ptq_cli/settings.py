@@ -22,6 +22,14 @@ def keras_model_path() -> Path:
     return assets_dir() / "mlperf-tiny-resnet8" / "pretrainedResnet.h5"
 
 
+def mlperf_reference_path() -> Path:
+    """MLCommons' own full-int8 TFLite ResNet8: the reference the study's 8-bit models are judged against."""
+    return assets_dir() / "mlperf-tiny-resnet8" / "pretrainedResnet_quant.tflite"
+
+
+MLPERF_REFERENCE_LABEL = "MLPerf Tiny reference int8"
+
+
 # Decoded datasets, keyed by the source files' content (see datasets/base.py).
 CACHE_ENV = "PTQ_CACHE_DIR"
 

@@ -104,9 +104,10 @@ def record_of(results: Path, model_name: str) -> dict:
     return read_json(found[0])
 
 
-def benchmark_of(results: Path, model_name: str) -> dict:
-    """The benchmark record of one model file (speed is not tied to a dataset)."""
-    found = sorted((Path(results) / "benchmarks").glob(f"{model_name}-??????.json"))
+def benchmark_of(results: Path, model_name: str, runtime_tag: str = "") -> dict:
+    """The benchmark record of one model file (speed is not tied to a dataset); `runtime_tag` "~openvino-f32"
+    for an ONNX file's run on OpenVINO."""
+    found = sorted((Path(results) / "benchmarks").glob(f"{model_name}-??????{runtime_tag}.json"))
     assert len(found) == 1, f"{model_name}: {len(found)} benchmark records in {results}"
     return read_json(found[0])
 

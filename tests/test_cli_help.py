@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from synthetic import invoke
 
-COMMANDS = ("fetch", "convert", "calibrate", "quantize", "prune", "sweep", "sensitivity", "tune", "evaluate", "benchmark", "report", "run")
+COMMANDS = ("fetch", "convert", "calibrate", "quantize", "prune", "sweep", "sensitivity", "tune", "evaluate", "benchmark", "report", "run", "export")
 
 
 def test_help_lists_every_command_in_its_table():

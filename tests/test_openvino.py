@@ -66,7 +66,7 @@ def test_an_onnx_file_runs_on_either_runtime_and_keeps_one_record_per_runtime_an
     (("quantize", "--model", "m.onnx", "--data", "colours.npz", "--backend", "openvino", "--dtype", "uint8"), "--dtype"),
     (("quantize", "--model", "m.onnx", "--data", "colours.npz", "--backend", "openvino", "--output", "q.onnx"), ".xml"),
     (("quantize", "--model", "m.onnx", "--data", "colours.npz", "--backend", "openvino", "--ignored-scope", "no_such_layer",
-      "--output", "q.xml"), "nncf"),
+      "--output", "q.xml"), "is not a layer"),
     (("evaluate", "--model", "m.onnx", "--data", "colours.npz", "--precision", "bf16"), "--precision"),
     (("quantize", "--model", "m.onnx", "--data", "colours.npz", "--ignored-scope", "scores"), "--ignored-scope"),
 ])
@@ -104,3 +104,54 @@ def test_ptq_evaluate_matches_a_plain_openvino_script(pipeline, tmp_path):
     scores = np.concatenate([compiled(test.images[start : start + 500].astype(np.float32))[0] for start in range(0, 10000, 500)])
     assert record["correct"] == int((scores.argmax(axis=1) == test.labels).sum())
     assert abs(record["accuracy"] - 87.19) < 1.0
+
+
+def two_layer_classifier(path: Path) -> Path:
+    """A 1x1 convolution (identity) then channel means x an identity: two layers NNCF quantizes."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    nodes = [helper.make_node("Conv", ["image", "kernel"], ["mixed"]),
+             helper.make_node("ReduceMean", ["mixed"], ["means"], axes=[2, 3], keepdims=0),
+             helper.make_node("MatMul", ["means", "weights"], ["scores"])]
+    graph = helper.make_graph(nodes, "colours", [helper.make_tensor_value_info("image", onnx.TensorProto.FLOAT, ["N", 3, 8, 8])],
+                              [helper.make_tensor_value_info("scores", onnx.TensorProto.FLOAT, ["N", 3])],
+                              [numpy_helper.from_array(np.eye(3, dtype=np.float32).reshape(3, 3, 1, 1), "kernel"),
+                               numpy_helper.from_array(np.eye(3, dtype=np.float32), "weights")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=7), str(path))
+    return path
+
+
+def test_layer_names_are_stable_between_conversions_and_name_what_ignored_scope_takes(project):
+    import onnx
+
+    from ptq_cli.backends import openvino as backend
+
+    model = onnx.load(str(two_layer_classifier(project / "two.onnx")))
+    layers = backend.layers(model)
+    assert len(layers) == 2 and backend.layers(model) == layers  # OpenVINO's own counters would differ the second time
+    ok("quantize", "--model", "two.onnx", "--data", "colours.npz", "--backend", "openvino", "--ignored-scope", layers[0], cwd=project)
+    refused = invoke("quantize", "--model", "two.onnx", "--data", "colours.npz", "--backend", "openvino",
+                     "--ignored-scope", "conv9", "--output", "q.xml", cwd=project)
+    one_line_error(refused, "is not a layer")
+    assert all(layer in refused.stderr for layer in layers)  # the message lists the names it takes
+
+
+def test_tune_openvino_searches_nncf_settings_then_float_layers_and_writes_the_chosen_ir(project):
+    two_layer_classifier(project / "two.onnx")
+    ok("calibrate", "--data", "colours.npz", "--samples-per-class", "3", "--output", "cal.npz", cwd=project)
+    result = ok("tune", "--model", "two.onnx", "--backend", "openvino", "--data", "colours.npz", "--calibration", "cal.npz",
+                "--validation-per-class", "2", "--max-drop", "100", "--json", cwd=project)
+    tuned = json.loads(result.stdout)
+    method = [c["settings"] for c in tuned["candidates"] if c["stage"] == "method"]
+    assert sorted((s["nncf_preset"], s["bias_correction"]) for s in method) == sorted(
+        (preset, correction) for preset in ("performance", "mixed") for correction in ("fast", "full", "none"))
+    floats = [c["settings"]["float_nodes"] for c in tuned["candidates"] if c["stage"] == "float"]
+    # Each layer alone, then the two together.
+    assert sorted(map(len, floats)) == [1, 1, 2] and {f[0] for f in floats if len(f) == 1} == set(floats[-1])
+    # Budget met by all: no float layer, then NNCF's performance preset, then the closest to FP32.
+    chosen = tuned["chosen"]["settings"]
+    assert tuned["met_budget"] and chosen["float_nodes"] == [] and chosen["nncf_preset"] == "performance"
+    assert (project / "two_openvino_int8_tuned.xml").is_file() and (project / "two_openvino_int8_tuned.bin").is_file()
+    evaluated = json.loads(ok("evaluate", "--model", "two_openvino_int8_tuned.xml", "--data", "colours.npz", "--json", cwd=project).stdout)
+    assert evaluated["framework"] == "openvino" and evaluated["quantization"]["validation"]["accuracy"] == tuned["chosen"]["validation_accuracy"]

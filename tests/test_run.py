@@ -81,9 +81,16 @@ def test_benchmark_stage_measures_every_model_once_and_the_report_uses_it(pipeli
         model = pipeline_snapshot / "models" / name
         assert record["model_sha256"] == file_sha256(model) and record["runs"] == 2, name  # an IR: its .xml and .bin
     report = json.loads(ptq_ok("report", "--json", cwd=pipeline_snapshot).stdout)
-    speeds = {(row["model"], row["framework"]): row["speed_source"] for row in report["groups"][0]["rows"]}
-    # The benchmark stage measures each file on its own runtime; the OpenVINO run of the ONNX FP32 model is timed by evaluate.
-    assert speeds.pop(("resnet8.onnx", "openvino")) == "evaluate"
-    assert sorted(name for name, _ in speeds) == sorted(PIPELINE_MODELS) and set(speeds.values()) == {"benchmark"}
+    rows = {(row["model"], row["framework"]): row for row in report["groups"][0]["rows"]}
+    # The benchmark stage measures each file on its own runtime, and the ONNX FP32 model on OpenVINO too, in the same process.
+    assert sorted(rows) == sorted([(name, record["framework"]) for name, record in records.items()]
+                                  + [("resnet8.onnx", "openvino"), ("pretrainedResnet_quant.tflite", "litert")])
+    assert {row["speed_source"] for row in rows.values()} == {"benchmark"}
+    ov_fp32 = benchmark_of(pipeline_snapshot / "results", "resnet8.onnx", "~openvino-f32")
+    assert ov_fp32["framework"] == "openvino" and ov_fp32["precision"] == "f32" and ov_fp32["runs"] == 2
+    nncf = rows["resnet8_openvino_int8.xml", "openvino"]
+    # Against the FP32 model on OpenVINO f32, and against onnxruntime's FP32 run, both from that one benchmark.
+    assert nncf["speedup"] == round(nncf["images_per_second"] / ov_fp32["images_per_second"], 3)
+    assert nncf["speedup_vs_onnxruntime"] == round(nncf["images_per_second"] / records["resnet8.onnx"]["images_per_second"], 3)
     text = ptq_ok("run", "--runs", "2", cwd=pipeline_snapshot).stdout
-    assert f"{len(PIPELINE_MODELS)} files in results/benchmarks/" in text
+    assert f"{len(PIPELINE_MODELS) + 2} files in results/benchmarks/" in text  # and the ONNX model on OpenVINO, the MLPerf reference

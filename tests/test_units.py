@@ -16,7 +16,7 @@ from ptq_cli.datasets import open_dataset
 from ptq_cli.errors import CheckFailed, PtqError
 from ptq_cli.services.calibration import stratified_indices
 from ptq_cli.services.convert import _checked_write, compare_outputs
-from ptq_cli.services.evaluate import EvaluationRecord
+from ptq_cli.services.evaluate import EvaluationRecord, newest_per_measurement
 from ptq_cli.services.report import build_report
 
 
@@ -129,7 +129,35 @@ def test_report_compares_each_model_with_its_framework_fp32():
     assert (report.groups[0].class_losses[0].model, report.groups[0].class_losses[0].class_name, report.groups[0].class_losses[0].delta) == ("q.onnx", "a", -5.0)
     assert report.groups[0].recommendation.best_accuracy.model == "q.pt"
     assert report.groups[0].recommendation.smallest.model == "q.onnx"
-    assert report.groups[0].recommendation.fastest.model == "q.onnx"
+    assert report.groups[0].recommendation.fastest is None  # both lose more than 0.10 points
+
+
+def test_report_compares_openvino_rows_with_fp32_at_their_precision_and_with_onnxruntime_fp32():
+    ort_fp32 = _record("f.onnx", "onnxruntime", "fp32", 87.0, 400, 1000.0, [85.0, 89.0])
+    ov_f32 = replace(ort_fp32, framework="openvino", precision="f32", images_per_second=800.0)
+    ov_bf16 = replace(ort_fp32, framework="openvino", precision="bf16", images_per_second=2000.0, accuracy=86.8)
+    nncf = replace(_record("q.xml", "openvino", "int8", 86.95, 150, 4000.0, [85.0, 89.0]), precision="f32")
+    qdq = _record("q.onnx", "onnxruntime", "uint8", 86.5, 100, 3000.0, [80.0, 92.0])
+    rows = {(row.model, row.framework, row.precision): row for row in build_report([ort_fp32, ov_f32, ov_bf16, nncf, qdq]).rows}
+    # Against the FP32 model on OpenVINO at the same precision hint (f32: 800 images/s), not the bf16 run.
+    assert rows["q.xml", "openvino", "f32"].speedup == 5.0
+    # And against onnxruntime's run of its FP32 source, for every runtime.
+    assert rows["q.xml", "openvino", "f32"].speedup_vs_onnxruntime == 4.0
+    assert rows["f.onnx", "openvino", "bf16"].speedup_vs_onnxruntime == 2.0
+    assert rows["f.onnx", "onnxruntime", None].speedup_vs_onnxruntime is None
+    report = build_report([ort_fp32, ov_f32, ov_bf16, nncf, qdq])
+    assert report.groups[0].recommendation.fastest.model == "q.xml"  # -0.05 points: within the budget, and the fastest
+    slower_but_within = build_report([ort_fp32, replace(nncf, accuracy=86.8), qdq, replace(qdq, model_path="models/r.onnx",
+                                      model_sha256="sha-r", accuracy=86.95, images_per_second=1500.0)])
+    assert slower_but_within.groups[0].recommendation.fastest.model == "r.onnx"  # q.xml and q.onnx lose more than 0.10 points
+
+
+def test_only_the_newest_record_of_one_measurement_is_kept():
+    old = replace(_record("q.onnx", "onnxruntime", "int8", 80.0, 100, 1.0, [80.0, 80.0]), timestamp="2026-01-01T00:00:00+00:00")
+    new = replace(old, accuracy=86.0, timestamp="2026-02-01T00:00:00+00:00")
+    other_runtime = replace(old, framework="openvino", precision="f32")
+    kept = newest_per_measurement([new, old, other_runtime])
+    assert sorted((record.framework, record.accuracy) for record in kept) == [("onnxruntime", 86.0), ("openvino", 80.0)]
 
 
 def test_stratified_subset_keeps_classes_balanced_and_within_the_set():

@@ -1,7 +1,8 @@
 """The backend table: one module per framework, each with the same functions.
 
 - `load(path, threads, flags) -> LoadedModel`: run a model file of this framework;
-- `quantize(onnx_model, output, settings, calibration_inputs, stored_metadata) -> QuantizedFile`;
+- `quantize(onnx_model, output, settings, calibration_inputs, stored_metadata) -> QuantizedFile` (the
+  backends services.quant_settings.BACKENDS names; LiteRT only runs models so far);
 - `sniff(first_bytes) -> bool`: whether a file is this framework's;
 - `NAME`, `SUFFIX`.
 How a model was quantized is described in one place for all: services.quant_settings.describe_quantization.
@@ -13,13 +14,13 @@ from __future__ import annotations
 from pathlib import Path
 from types import ModuleType
 
-from ptq_cli.backends import onnxruntime, openvino, pytorch
+from ptq_cli.backends import litert, onnxruntime, openvino, pytorch
 from ptq_cli.errors import PtqError
 from ptq_cli.services.models import require_file
 
-BACKENDS: dict[str, ModuleType] = {onnxruntime.NAME: onnxruntime, pytorch.NAME: pytorch, openvino.NAME: openvino}
+BACKENDS: dict[str, ModuleType] = {onnxruntime.NAME: onnxruntime, pytorch.NAME: pytorch, openvino.NAME: openvino, litert.NAME: litert}
 # Told apart by content, most specific first; ONNX takes what no other backend claims.
-SNIFF_ORDER = (pytorch, openvino, onnxruntime)
+SNIFF_ORDER = (pytorch, openvino, litert, onnxruntime)
 # Runtimes that run another backend's files: OpenVINO runs ONNX files too.
 RUNTIMES = (onnxruntime.NAME, openvino.NAME)
 

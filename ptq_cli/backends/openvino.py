@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
+import re
 import sys
 import tempfile
 from dataclasses import asdict
@@ -41,6 +43,11 @@ PRECISIONS = ("f32", "bf16")
 DEFAULT_PRECISION = "f32"
 RT_INFO_SECTION = "ptq"  # ptq's metadata in the IR's rt_info: ptq/<key>
 STORED_KEYS = (QUANTIZATION_METADATA_KEY, inputs.INPUT_METADATA_KEY, SOURCE_METADATA_KEY, PRUNING_METADATA_KEY)
+# The layers with weights: what NNCF quantizes and what --ignored-scope leaves in float.
+WEIGHTED_OPS = ("Convolution", "GroupConvolution", "ConvolutionBackpropData", "GroupConvolutionBackpropData", "MatMul")
+# A name OpenVINO made up while converting (Multiply_2903, from a process-wide counter): it changes from
+# one conversion to the next, so such layers are renamed by their place in the graph.
+GENERATED_NAME = re.compile(r"^[A-Z][A-Za-z0-9]*_\d+$")
 
 
 def sniff(head: bytes) -> bool:
@@ -131,7 +138,9 @@ def load(path: Path, threads: int | None, flags: inputs.PreprocessingFlags, prec
 
     def run(batch: np.ndarray) -> np.ndarray:
         try:
-            return np.asarray(request.infer({0: np.ascontiguousarray(batch)})[compiled.output(0)]).reshape(len(batch), -1)
+            # Shared buffers save a copy each way; the output is copied out before the next call reuses it.
+            outputs = request.infer({0: np.ascontiguousarray(batch)}, share_inputs=True, share_outputs=True)
+            return np.array(outputs[compiled.output(0)]).reshape(len(batch), -1)
         except Exception as error:  # noqa: BLE001  OpenVINO's own exception types
             raise PtqError(f"{path}: OpenVINO failed to run it ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from error
 
@@ -152,16 +161,9 @@ def load(path: Path, threads: int | None, flags: inputs.PreprocessingFlags, prec
     return LoadedModel(info, predict, described, preprocessing, classes, note)
 
 
-def quantize(model, output: Path, settings: QuantizationSettings, calibration: np.ndarray, stored: dict[str, str]) -> QuantizedFile:
-    """NNCF post-training quantization of the ONNX model, converted with openvino.convert_model, calibrated
-    on `calibration` (images in the model's input format, one per NNCF sample); written as IR (.xml + .bin,
-    weights not compressed to fp16), both files through temporary names."""
+def _convert(model):
+    """openvino.convert_model of an ONNX model (onnx.ModelProto), its weighted layers named stably."""
     ov = _openvino()
-    import nncf
-
-    output = Path(output)
-    if output.suffix != SUFFIX:
-        raise PtqError(f"--output: {output} must end in .xml (an OpenVINO IR is written as .xml and .bin)")
     with tempfile.TemporaryDirectory(prefix="ptq-openvino-") as workdir:
         source = Path(workdir) / "source.onnx"
         source.write_bytes(model.SerializeToString())
@@ -169,6 +171,42 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
             converted = ov.convert_model(str(source))
         except Exception as error:  # noqa: BLE001  the converter's own exception types
             raise PtqError(f"{model.graph.name or 'model'}: openvino.convert_model failed ({str(error).splitlines()[0]})") from error
+    for index, op in enumerate(op for op in converted.get_ordered_ops() if op.get_type_name() in WEIGHTED_OPS):
+        if GENERATED_NAME.match(op.get_friendly_name()):
+            op.set_friendly_name(f"{op.get_type_name().lower()}_layer{index}")
+    return converted
+
+
+def _weighted_layers(converted) -> list[str]:
+    return [op.get_friendly_name() for op in converted.get_ordered_ops() if op.get_type_name() in WEIGHTED_OPS]
+
+
+def layers(model) -> list[str]:
+    """The names of the layers NNCF quantizes in the ONNX model (onnx.ModelProto), in graph order: what
+    --ignored-scope and tune's float stage name."""
+    return _weighted_layers(_convert(model))
+
+
+def quantize(model, output: Path, settings: QuantizationSettings, calibration: np.ndarray, stored: dict[str, str]) -> QuantizedFile:
+    """NNCF post-training quantization of the ONNX model, converted with openvino.convert_model, calibrated
+    on `calibration` (images in the model's input format, one per NNCF sample); written as IR (.xml + .bin,
+    weights not compressed to fp16), both files through temporary names."""
+    ov = _openvino()
+    import nncf
+
+    # NNCF logs (INFO: ignored nodes ...) to stdout, which is for ptq's results (--json).
+    for handler in logging.getLogger("nncf").handlers:
+        if type(handler) is logging.StreamHandler:  # its own; not a subclass another tool (pytest) added
+            handler.stream = sys.stderr  # not setStream: it flushes the old stream, which may be closed
+    output = Path(output)
+    if output.suffix != SUFFIX:
+        raise PtqError(f"--output: {output} must end in .xml (an OpenVINO IR is written as .xml and .bin)")
+    converted = _convert(model)
+    layers = _weighted_layers(converted)
+    unknown = [name for name in settings.float_nodes if name not in layers]
+    if unknown:
+        raise PtqError(f"--ignored-scope: '{unknown[0]}' is not a layer of {model.graph.name or 'the model'}; "
+                       f"its layers: {', '.join(layers)}")
     samples = [calibration[index : index + 1] for index in range(len(calibration))]
     first = converted.inputs[0]
     if _dims(first.get_partial_shape())[0] not in (None, 1):

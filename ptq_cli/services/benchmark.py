@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -65,8 +66,10 @@ def benchmark_models(
     flags: PreprocessingFlags | None = None,
     runtime: str | None = None,
     precision: str | None = None,
+    also: Sequence[tuple[Path, str, str | None]] = (),
 ) -> list[BenchmarkRecord]:
     """Latency at batch 1 and throughput at `batch_size` of every model, the models of each framework in turns.
+    `also`: more runs, each (model, runtime, precision): an ONNX file on OpenVINO beside its onnxruntime run.
 
     Each timed run goes round the framework's models before the next begins, so a change in the machine's
     speed during the measurement (another tenant, a frequency change) reaches them alike and the ratios
@@ -77,6 +80,7 @@ def benchmark_models(
             raise PtqError(f"{option}: must be at least 1, got {value}")
     threads = resolve_threads(threads)
     models = [load_model(path, threads, flags, runtime, precision) for path in model_paths]
+    models += [load_model(path, threads, flags, other_runtime, other_precision) for path, other_runtime, other_precision in also]
     split = dataset.evaluation_split()
     loaded = dataset.load(split, models[0].input.size) if models else None
     for model in models:
@@ -142,7 +146,7 @@ def save_benchmark(record: BenchmarkRecord, results_dir: Path) -> Path:
 
 
 def load_benchmarks(results_dir: Path) -> dict[str, BenchmarkRecord]:
-    """Benchmark records by (model sha256, runtime); unreadable ones are ignored (benchmarks are optional)."""
+    """Benchmark records by benchmark_key (model sha256, runtime, precision); unreadable ones are ignored (benchmarks are optional)."""
     found: dict[str, BenchmarkRecord] = {}
     for path in record_files(Path(results_dir) / BENCHMARK_DIR):
         try:
@@ -150,28 +154,35 @@ def load_benchmarks(results_dir: Path) -> dict[str, BenchmarkRecord]:
             record = from_dict(BenchmarkRecord, data)
         except (OSError, ValueError, TypeError, AttributeError):
             continue
-        found[benchmark_key(record.model_sha256, record.framework)] = record
+        found[benchmark_key(record.model_sha256, record.framework, record.precision)] = record
     return found
 
 
-def benchmark_key(sha256: str, framework: str) -> str:
-    return f"{sha256}:{framework}"
+def benchmark_key(sha256: str, framework: str, precision: str | None) -> str:
+    """One file's figures on one runtime at one precision hint (bf16 and f32 runs are different figures)."""
+    return f"{sha256}:{framework}:{precision}"
 
 
-def speedups(records: list[BenchmarkRecord], saved: dict[str, BenchmarkRecord] | None = None) -> dict[str, float | None]:
-    """Throughput against the FP32 model of the same framework, measured at the same batch size and threads."""
+def run_key(record: BenchmarkRecord) -> tuple[str, str, str | None]:
+    """One file can be measured on two runtimes (an ONNX file on onnxruntime and on OpenVINO)."""
+    return record.model_path, record.framework, record.precision
+
+
+def speedups(records: list[BenchmarkRecord], saved: dict[str, BenchmarkRecord] | None = None) -> dict[tuple, float | None]:
+    """Throughput against the FP32 model on the same runtime and precision hint, measured at the same batch
+    size and threads; by run_key."""
     candidates = list(records) + [record for record in (saved or {}).values() if record not in records]
-    result: dict[str, float | None] = {}
+    result: dict[tuple, float | None] = {}
     for record in records:
         reference = next(
             (
                 other
                 for other in candidates
-                if other.dtype == "fp32" and other.framework == record.framework
+                if other.dtype == "fp32" and (other.framework, other.precision) == (record.framework, record.precision)
                 and (other.batch_size, other.threads) == (record.batch_size, record.threads)
             ),
             None,
         )
         ratio = record.images_per_second / reference.images_per_second if reference and record.dtype != "fp32" else None
-        result[record.model_path] = None if ratio is None else round(ratio, 3)
+        result[run_key(record)] = None if ratio is None else round(ratio, 3)
     return result

@@ -57,6 +57,7 @@ class EvaluationRecord:
     preprocessing: str = ""  # e.g. "cifar10-normalized"
     preprocessing_settings: dict | None = None  # scale, mean, std, bgr, preset: what the images were fed as
     precision: str | None = None  # OpenVINO's inference precision hint (f32, bf16); None for the other runtimes
+    label: str | None = None  # what the report calls the model instead of its file name (e.g. the MLPerf Tiny reference)
 
     @property
     def name(self) -> str:
@@ -76,9 +77,10 @@ def evaluate_model(
     flags: PreprocessingFlags | None = None,
     runtime: str | None = None,
     precision: str | None = None,
+    label: str | None = None,
 ) -> EvaluationRecord:
     """Top-1 of the model on the dataset's evaluation split; `runtime` "openvino" runs an ONNX file on
-    OpenVINO with the `precision` hint."""
+    OpenVINO with the `precision` hint; `label` names the model in the report."""
     if batch_size < 1:
         raise PtqError(f"--batch-size: must be at least 1, got {batch_size}")
     model = load_model(model_path, threads, flags, runtime, precision)
@@ -136,6 +138,7 @@ def evaluate_model(
         preprocessing=model.preprocessing.describe(),
         preprocessing_settings=asdict(model.preprocessing),
         precision=model.info.precision,
+        label=label,
     )
 
 
@@ -201,7 +204,18 @@ def load_records(results_dir: Path) -> RecordSet:
             records.append(read_record(path))
         except PtqError as error:
             skipped.append(str(error))
-    return RecordSet(records, skipped)
+    return RecordSet(newest_per_measurement(records), skipped)
+
+
+def newest_per_measurement(records: list[EvaluationRecord]) -> list[EvaluationRecord]:
+    """One record per (model file, runtime, precision, dataset split): the newest. Records written under an
+    older naming scheme, or copied in, would otherwise show one model twice."""
+    newest: dict[tuple, EvaluationRecord] = {}
+    for record in records:
+        key = (str(Path(record.model_path).resolve()), record.framework, record.precision, record.dataset_sha256 or record.dataset)
+        if key not in newest or record.timestamp > newest[key].timestamp:
+            newest[key] = record
+    return list(newest.values())
 
 
 OK, STALE, MISSING = "ok", "stale", "missing"
@@ -293,10 +307,11 @@ def evaluate_and_save(
     flags: PreprocessingFlags | None = None,
     runtime: str | None = None,
     precision: str | None = None,
+    label: str | None = None,
 ) -> Evaluated:
     """Evaluate, write the record, and evaluate the model's FP32 source too when its record on this
     dataset is missing (fed exactly as the model was), so the delta is always against a measurement."""
-    record = evaluate_model(model_path, dataset, batch_size, threads, progress, flags, runtime, precision)
+    record = evaluate_model(model_path, dataset, batch_size, threads, progress, flags, runtime, precision, label)
     path = save_record(record, results_dir, dataset)
     records = load_records(results_dir).records
     source = source_to_evaluate(record, records)

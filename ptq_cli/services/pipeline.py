@@ -22,6 +22,7 @@ from pathlib import Path
 import ptq_cli
 from ptq_cli import settings
 from ptq_cli.atomic import check_writable, write_text
+from ptq_cli.backends import litert as litert_backend
 from ptq_cli.backends import openvino as openvino_backend
 from ptq_cli.datasets import Dataset, open_dataset
 from ptq_cli.errors import PtqError
@@ -54,6 +55,7 @@ class RunOptions:
     flags: PreprocessingFlags = PreprocessingFlags()
     pytorch: bool = True  # also convert to TorchScript and quantize with PyTorch
     openvino: bool = True  # also quantize with NNCF and run on OpenVINO, when the extra is installed
+    litert: bool = True  # also evaluate the MLPerf Tiny int8 TFLite reference (the study only), when the extra is installed
     samples_per_class: int | None = None  # None: the default, or all of the smallest class when it has fewer
     seed: int = settings.SEED
     benchmark: bool = True
@@ -183,27 +185,46 @@ def plan(options: RunOptions, render_markdown: Callable[[report_service.Report],
                             lambda model=model: evaluate_service.save_record(
                                 evaluate_service.evaluate_model(model, dataset, threads=options.threads, flags=flags), results, dataset), test))
     openvino_fp32 = ()
+    openvino_tag = evaluate_service.runtime_tag(fp32, "openvino", "f32")
+    also = ((fp32, "openvino", "f32"),) if with_openvino else ()
     if with_openvino:
-        openvino_fp32 = (evaluate_service.record_path(results, fp32, dataset, evaluate_service.runtime_tag(fp32, "openvino", "f32")),)
+        openvino_fp32 = (evaluate_service.record_path(results, fp32, dataset, openvino_tag),)
         stages.append(Stage(f"evaluate {fp32.name} on openvino", f"ptq evaluate --model {fp32} --runtime openvino --precision f32{data_flags}", (fp32,),
                             openvino_fp32, {**threads, **flag_options, "runtime": "openvino", "precision": "f32"},
                             lambda: evaluate_service.save_record(evaluate_service.evaluate_model(
                                 fp32, dataset, threads=options.threads, flags=flags, runtime="openvino", precision="f32"), results, dataset), test))
+    reference = settings.mlperf_reference_path()
+    references = [reference] if options.litert and options.model is None and litert_backend.available() and reference.is_file() else []
+    for model in references:
+        record = evaluate_service.record_path(results, model, dataset)
+        stages.append(Stage(f"evaluate {settings.MLPERF_REFERENCE_LABEL}",
+                            f"ptq evaluate --model {model} --label '{settings.MLPERF_REFERENCE_LABEL}'{data_flags}", (model,), (record,),
+                            {**threads, "label": settings.MLPERF_REFERENCE_LABEL},
+                            lambda model=model: evaluate_service.save_record(evaluate_service.evaluate_model(
+                                model, dataset, threads=options.threads, label=settings.MLPERF_REFERENCE_LABEL), results, dataset), test))
+    models_and_references = [*models, *references]
     if options.benchmark:
         # One stage for all models: they are measured in turns, so their speed-ups come from one measurement.
-        stages.append(Stage("benchmark", f"ptq benchmark {' '.join(f'--model {model}' for model in models)} --runs {options.benchmark_runs}{data_flags}",
-                            tuple(models), tuple(benchmark_service.benchmark_path(results, model) for model in models),
-                            {"runs": options.benchmark_runs, **threads}, lambda: _benchmark(models, dataset, options), test))
-    records = tuple(evaluate_service.record_path(results, model, dataset) for model in models) + openvino_fp32
+        # With OpenVINO, the FP32 model also runs on it, in the same process (`ptq benchmark --runtime openvino` alone).
+        benchmarks = tuple(benchmark_service.benchmark_path(results, model) for model in models_and_references) \
+            + tuple(benchmark_service.benchmark_path(results, model, openvino_tag) for model, _, _ in also)
+        command = f"ptq benchmark {' '.join(f'--model {model}' for model in models_and_references)} --runs {options.benchmark_runs}{data_flags}"
+        if also:
+            command += f" (and --model {fp32} --runtime openvino --precision f32 in the same process)"
+        stages.append(Stage("benchmark", command, tuple(models_and_references), benchmarks,
+                            {"runs": options.benchmark_runs, "openvino_fp32": bool(also), **threads},
+                            lambda: _benchmark(models_and_references, also, dataset, options), test))
+    records = tuple(evaluate_service.record_path(results, model, dataset) for model in models_and_references) + openvino_fp32
     if options.benchmark:
-        records += tuple(benchmark_service.benchmark_path(results, model) for model in models)
+        records += benchmarks
     stages.append(Stage("report", f"ptq report --markdown {options.markdown}", records, (options.markdown,), {},
                         lambda: write_text(options.markdown, render_markdown(report_service.report_from_results(results)))))
     return stages
 
 
-def _benchmark(models: list[Path], dataset: Dataset, options: RunOptions) -> None:
-    for record in benchmark_service.benchmark_models(models, dataset, threads=options.threads, runs=options.benchmark_runs, flags=options.flags):
+def _benchmark(models: list[Path], also, dataset: Dataset, options: RunOptions) -> None:
+    for record in benchmark_service.benchmark_models(models, dataset, threads=options.threads, runs=options.benchmark_runs, flags=options.flags,
+                                                     also=also):
         benchmark_service.save_benchmark(record, options.results_dir)
 
 

@@ -146,7 +146,9 @@ def make_settings(
 
 
 def short_node(name: str) -> str:
-    """tf2onnx names a layer's nodes model_1/conv2d_1/BiasAdd: the layer is the middle part."""
+    """tf2onnx names a layer's nodes model_1/conv2d_1/BiasAdd: the layer is the middle part. OpenVINO
+    names a convolution split from its bias <node>/WithoutBiases."""
+    name = name.removesuffix("/WithoutBiases")
     return name.split("/")[-2] if "/" in name else name
 
 
@@ -164,6 +166,8 @@ def describe_quantization(settings: dict | None) -> str:
         return "float"
     # PyTorch's x86 kernels pair unsigned activations with signed weights whatever the model is called.
     types = "a:quint8 w:qint8" if settings.get("format") == "FX" else f"a:{settings['dtype']} w:{settings.get('weight_dtype', settings['dtype'])}"
+    if settings.get("format") == "TFLite":  # a full-integer .tflite: its tensors' types and its I/O quantization
+        return f"TFLite {types}, input {settings.get('input', '?')}, output {settings.get('output', '?')}"
     if settings.get("format") == "IR":
         parts = [f"NNCF IR {types}", f"{settings.get('nncf_preset')} preset", f"{settings.get('bias_correction')} bias correction",
                  f"{settings.get('subset_size') or settings.get('calibration_samples', '?')} samples"]

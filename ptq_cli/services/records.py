@@ -87,9 +87,12 @@ def record_files(directory: Path) -> list[Path]:
 
 def model_key(model_path: Path | str) -> str:
     """`resnet8.onnx-1a2b3c`: the model's file name and a digest of its folder, so two models of the same
-    name in different folders keep their own records. The folder is taken relative to the working
-    directory, so a project directory that is moved or copied keeps its record names."""
+    name in different folders keep their own records. A folder inside the working directory is taken
+    relative to it, so a project directory that is moved or copied keeps its record names; one outside it
+    (shared assets) by its absolute path, which the copy shares."""
     path = Path(model_path)
     folder = os.path.relpath(path.resolve().parent, Path.cwd().resolve())
+    if folder == os.pardir or folder.startswith(os.pardir + os.sep):
+        folder = str(path.resolve().parent)
     folder = hashlib.sha256(folder.encode()).hexdigest()[:6]
     return f"{path.name}-{folder}"

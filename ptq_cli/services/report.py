@@ -10,8 +10,11 @@ from ptq_cli.services.evaluate import OK, EvaluationRecord, fp32_reference, load
 from ptq_cli.services.quant_settings import describe_model
 from ptq_cli.services.sweep import SweepResult, load_sweeps
 
-FRAMEWORK_ORDER = {"onnxruntime": 0, "pytorch": 1}
+FRAMEWORK_ORDER = {"onnxruntime": 0, "pytorch": 1, "openvino": 2, "litert": 3}
 DTYPE_ORDER = {"fp32": 0, "int8": 1, "uint8": 2}
+# The recommendation's "fastest" is the fastest model at most this many points below its FP32 source.
+ACCURACY_BUDGET = 0.10
+BASE_RUNTIME = "onnxruntime"  # every speed-up is also given against this runtime's run of the FP32 source
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,7 @@ class ReportRow:
     size_reduction: float | None  # fraction saved against the same framework's FP32 file
     images_per_second: float  # from `ptq benchmark` when it measured this exact file, else from evaluate
     speed_source: str  # "benchmark" or "evaluate"
-    speedup: float | None  # against the same framework's FP32 model, measured the same way
+    speedup: float | None  # against the FP32 model on the same runtime (and precision hint), measured the same way
     latency_ms_p50: float | None  # batch 1, from `ptq benchmark`
     # Set by `ptq tune`, which chose the model on the validation split (training images): its accuracy
     # there and the FP32 model's, to read next to the test accuracy.
@@ -38,6 +41,8 @@ class ReportRow:
     preprocessing: str = ""
     status: str = OK  # "stale": the file changed since it was measured; "missing": it is gone
     precision: str | None = None  # OpenVINO's inference precision hint, never left out of a figure
+    speedup_vs_onnxruntime: float | None = None  # against the FP32 source run by onnxruntime, measured the same way
+    label: str | None = None  # shown instead of the file name (the MLPerf Tiny reference)
 
 
 @dataclass(frozen=True)
@@ -56,7 +61,8 @@ class ClassLoss:
 class Recommendation:
     best_accuracy: ReportRow
     smallest: ReportRow
-    fastest: ReportRow
+    fastest: ReportRow | None  # the fastest, on any runtime, within `budget` points of its FP32 source
+    budget: float = ACCURACY_BUDGET
 
 
 @dataclass(frozen=True)
@@ -85,7 +91,7 @@ class Report:
 
 
 def _speed(record: EvaluationRecord, benchmarks: dict[str, BenchmarkRecord]) -> tuple[float, str]:
-    benchmark = benchmarks.get(benchmark_key(record.model_sha256, record.framework))
+    benchmark = benchmarks.get(benchmark_key(record.model_sha256, record.framework, record.precision))
     if benchmark is not None:
         return benchmark.images_per_second, "benchmark"
     return record.images_per_second, "evaluate"
@@ -93,7 +99,23 @@ def _speed(record: EvaluationRecord, benchmarks: dict[str, BenchmarkRecord]) -> 
 
 def _same_framework_fp32(record: EvaluationRecord, records: list[EvaluationRecord]) -> EvaluationRecord | None:
     return next((other for other in records if other.dtype == "fp32" and not other.pruning and other.framework == record.framework
-                 and other.dataset_sha256 == record.dataset_sha256), None)
+                 and other.precision == record.precision and other.dataset_sha256 == record.dataset_sha256), None)
+
+
+def _onnxruntime_fp32(record: EvaluationRecord, records: list[EvaluationRecord]) -> EvaluationRecord | None:
+    """The onnxruntime run of the FP32 model this one was made from (or of this very file, for FP32 run elsewhere)."""
+    source = record.source_sha256 or record.model_sha256
+    return next((other for other in records if other.dtype == "fp32" and other.framework == BASE_RUNTIME
+                 and other.model_sha256 == source and other.dataset_sha256 == record.dataset_sha256), None)
+
+
+def _ratio(record: EvaluationRecord, reference: EvaluationRecord | None, benchmarks: dict[str, BenchmarkRecord]) -> float | None:
+    """Throughput against the reference's, only when both come from the same kind of measurement."""
+    if reference is None or reference is record:
+        return None
+    speed, source = _speed(record, benchmarks)
+    reference_speed, reference_source = _speed(reference, benchmarks)
+    return round(speed / reference_speed, 3) if reference_source == source and reference_speed > 0 else None
 
 
 def _row(record: EvaluationRecord, records: list[EvaluationRecord], benchmarks: dict[str, BenchmarkRecord], status: str) -> ReportRow:
@@ -104,10 +126,9 @@ def _row(record: EvaluationRecord, records: list[EvaluationRecord], benchmarks: 
     speed, source = _speed(record, benchmarks)
     speedup = size_reduction = None
     if comparable:
-        reference_speed, reference_source = _speed(framework_fp32, benchmarks)
-        speedup = round(speed / reference_speed, 3) if reference_source == source else None
+        speedup = _ratio(record, framework_fp32, benchmarks)
         size_reduction = round(1.0 - record.model_size_bytes / framework_fp32.model_size_bytes, 4)
-    benchmark = benchmarks.get(benchmark_key(record.model_sha256, record.framework))
+    benchmark = benchmarks.get(benchmark_key(record.model_sha256, record.framework, record.precision))
     validation = (record.quantization or {}).get("validation") or {}
     return ReportRow(
         model=record.name,
@@ -130,6 +151,8 @@ def _row(record: EvaluationRecord, records: list[EvaluationRecord], benchmarks: 
         preprocessing=record.preprocessing,
         status=status,
         precision=record.precision,
+        speedup_vs_onnxruntime=_ratio(record, _onnxruntime_fp32(record, records), benchmarks),
+        label=record.label,
     )
 
 
@@ -157,7 +180,7 @@ def _group(records: list[EvaluationRecord], benchmarks: dict[str, BenchmarkRecor
     recommendation = Recommendation(
         best_accuracy=max(candidates, key=lambda row: row.accuracy),
         smallest=min(candidates, key=lambda row: row.size_bytes),
-        fastest=max(candidates, key=lambda row: row.images_per_second),
+        fastest=_fastest_within_budget(quantized),
     ) if candidates else None
     references = [row.reference for row in rows if row.reference]
     most_common = max(set(references), key=references.count) if references else None
@@ -165,6 +188,13 @@ def _group(records: list[EvaluationRecord], benchmarks: dict[str, BenchmarkRecor
     first = records[0]
     return DatasetGroup(first.dataset_label, first.dataset, first.images, rows, tuple(first.class_names), losses[:worst_classes],
                         recommendation, baseline)
+
+
+def _fastest_within_budget(rows: list[ReportRow]) -> ReportRow | None:
+    """Across runtimes; speeds from `ptq benchmark` (one process, in turns) are preferred to evaluation's."""
+    within = [row for row in rows if row.delta is not None and row.delta >= -ACCURACY_BUDGET]
+    benchmarked = [row for row in within if row.speed_source == "benchmark"]
+    return max(benchmarked or within, key=lambda row: row.images_per_second, default=None)
 
 
 def build_report(

@@ -1,0 +1,66 @@
+"""A .tflite model as C source: the aligned byte array TensorFlow Lite Micro projects compile in."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ptq_cli.atomic import check_writable, write_text
+from ptq_cli.backends import litert
+from ptq_cli.errors import PtqError
+from ptq_cli.services.models import read_bytes
+
+# TFLite Micro reads the flatbuffer in place: 16-byte alignment keeps its tensors' data aligned.
+ALIGNMENT = 16
+BYTES_PER_LINE = 12
+
+
+@dataclass(frozen=True)
+class CArrayExport:
+    model: Path
+    source: Path
+    header: Path
+    symbol: str  # the array; its length is <symbol>_len
+    size_bytes: int
+
+
+def c_symbol(name: str) -> str:
+    """A C identifier from a file name: resnet8-int8.tflite -> resnet8_int8_tflite."""
+    symbol = re.sub(r"\W", "_", name)
+    return f"model_{symbol}" if symbol[:1].isdigit() else symbol
+
+
+def export_c_array(model: Path, output_dir: Path | None = None, symbol: str | None = None) -> CArrayExport:
+    """Write <model>.c and <model>.h beside the model (or in `output_dir`): the bytes as an aligned
+    `const unsigned char` array and its length as `const unsigned int`."""
+    model = Path(model)
+    data = read_bytes(model)
+    if not litert.sniff(data[:8]):
+        raise PtqError(f"{model}: not a TFLite flatbuffer; --c-array exports .tflite models (what TFLite Micro runs)")
+    symbol = symbol or c_symbol(model.name)
+    if not re.fullmatch(r"[A-Za-z_]\w*", symbol):
+        raise PtqError(f"--symbol: '{symbol}' is not a C identifier")
+    directory = Path(output_dir) if output_dir is not None else model.parent
+    source, header = directory / f"{model.stem}.c", directory / f"{model.stem}.h"
+    for path in (source, header):
+        check_writable(path)
+    guard = f"{symbol.upper()}_H_"
+    write_text(header, "\n".join([
+        f"/* {model.name}: {len(data):,} bytes, written by ptq export --c-array. */",
+        f"#ifndef {guard}", f"#define {guard}", "",
+        "#ifdef __cplusplus", 'extern "C" {', "#endif", "",
+        f"extern const unsigned char {symbol}[];",
+        f"extern const unsigned int {symbol}_len;", "",
+        "#ifdef __cplusplus", "}", "#endif", "", f"#endif /* {guard} */", "",
+    ]))
+    rows = [", ".join(f"0x{byte:02x}" for byte in data[start : start + BYTES_PER_LINE]) for start in range(0, len(data), BYTES_PER_LINE)]
+    write_text(source, "\n".join([
+        f'#include "{header.name}"', "",
+        "#if defined(__cplusplus)", f"alignas({ALIGNMENT})", "#else", f"_Alignas({ALIGNMENT})", "#endif",
+        f"const unsigned char {symbol}[] = {{",
+        *(f"  {row}," for row in rows),
+        "};", "",
+        f"const unsigned int {symbol}_len = {len(data)};", "",
+    ]))
+    return CArrayExport(model, source, header, symbol, len(data))

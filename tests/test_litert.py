@@ -1,0 +1,105 @@
+"""LiteRT: .tflite models run with the LiteRT interpreter, their input and output quantization honoured.
+The real-asset tests run MLCommons' own models; bad files fail in one line."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import CIFAR
+from synthetic import CLASSES, colour_images, invoke, one_line_error
+
+from ptq_cli import settings
+from ptq_cli.backends import litert
+
+pytest.importorskip("ai_edge_litert", reason="the litert extra is not installed")
+ASSETS = CIFAR.parent / "mlperf-tiny-resnet8"
+
+
+@pytest.fixture
+def colours(tmp_path, monkeypatch):
+    monkeypatch.setenv(settings.CACHE_ENV, str(tmp_path / "cache"))
+    images, labels = colour_images(4, seed=2)
+    np.savez(tmp_path / "colours.npz", test_images=images, test_labels=labels, class_names=np.array(CLASSES))
+    return tmp_path
+
+
+def test_a_tflite_file_is_told_by_its_flatbuffer_identifier_not_its_name():
+    assert litert.sniff(b"\x1c\x00\x00\x00TFL3") and not litert.sniff(b"\x08\x01\x12\x00\x00\x00\x00\x00")
+
+
+def test_a_broken_tflite_file_is_refused_in_one_line(colours):
+    (colours / "broken.tflite").write_bytes(b"\x1c\x00\x00\x00TFL3" + b"\x00" * 40)
+    one_line_error(invoke("evaluate", "--model", "broken.tflite", "--data", "colours.npz", cwd=colours), "broken.tflite")
+    assert not (colours / "results").exists() or not list((colours / "results").glob("*.json"))
+
+
+def test_label_names_exactly_one_model(colours):
+    one_line_error(invoke("evaluate", "--model", "a.tflite", "--model", "b.tflite", "--data", "colours.npz", "--label", "x", cwd=colours),
+                   "--label")
+
+
+@pytest.mark.real_assets
+@pytest.mark.parametrize("name, correct, dtype", [("pretrainedResnet_quant.tflite", 8697, "int8"), ("pretrainedResnet.tflite", 8719, "fp32")])
+def test_mlperf_tiny_tflite_models_score_what_mlcommons_published(tmp_path, name, correct, dtype):
+    """The int8 reference takes int8 input (scale 1, zero point -128): raw pixels are quantized as a device would."""
+    result = invoke("evaluate", "--model", str(ASSETS / name), "--data", str(CIFAR), "--results-dir", "res", "--label", "ref", "--json",
+                    cwd=tmp_path)
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert (record["framework"], record["dtype"], record["correct"], record["label"]) == ("litert", dtype, correct, "ref")
+    if dtype == "int8":
+        assert record["quantization"]["input"] == "int8 (scale 1, zero point -128)"
+
+
+C_MAIN = """
+#include <stdint.h>
+#include <stdio.h>
+#include "{header}"
+int main(int argc, char **argv) {{
+    if ((uintptr_t){symbol} % 16 != 0) return 3;
+    FILE *out = fopen(argv[1], "wb");
+    if (!out || fwrite({symbol}, 1, {symbol}_len, out) != {symbol}_len) return 2;
+    return fclose(out);
+}}
+"""
+
+
+def _compile_and_dump(directory, source, header, symbol):
+    import shutil
+    import subprocess
+
+    compiler = shutil.which("cc") or pytest.skip("no C compiler")
+    (directory / "main.c").write_text(C_MAIN.format(header=header.name, symbol=symbol))
+    subprocess.run([compiler, "-std=c11", "-Wall", "-Werror", "-I", str(header.parent), str(directory / "main.c"), str(source),
+                    "-o", str(directory / "dump")], check=True)
+    subprocess.run([str(directory / "dump"), str(directory / "dumped.bin")], check=True)
+    return (directory / "dumped.bin").read_bytes()
+
+
+def test_c_array_compiles_with_the_system_compiler_and_holds_the_exact_bytes(tmp_path):
+    data = b"\x1c\x00\x00\x00TFL3" + bytes(range(256)) * 3 + b"\x07"  # every byte value, a length not a multiple of a row
+    (tmp_path / "9-tiny model.tflite").write_bytes(data)
+    result = invoke("export", "--model", "9-tiny model.tflite", "--c-array", "--output-dir", "out", "--json", cwd=tmp_path)
+    assert result.exit_code == 0, result.output
+    exported = json.loads(result.stdout)
+    assert exported["symbol"] == "model_9_tiny_model_tflite" and exported["size_bytes"] == len(data)
+    source, header = tmp_path / exported["source"], tmp_path / exported["header"]
+    assert _compile_and_dump(tmp_path, source, header, exported["symbol"]) == data
+
+
+def test_c_array_refuses_what_is_not_tflite(tmp_path):
+    (tmp_path / "m.onnx").write_bytes(b"\x08\x07\x12\x04onnx")
+    one_line_error(invoke("export", "--model", "m.onnx", "--c-array", cwd=tmp_path), "not a TFLite flatbuffer")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["m.onnx"]
+
+
+@pytest.mark.real_assets
+def test_c_array_of_the_mlperf_reference_round_trips(tmp_path):
+    result = invoke("export", "--model", str(ASSETS / "pretrainedResnet_quant.tflite"), "--c-array", "--output-dir", str(tmp_path),
+                    "--symbol", "g_model", "--json", cwd=tmp_path)
+    assert result.exit_code == 0, result.output
+    exported = json.loads(result.stdout)
+    dumped = _compile_and_dump(tmp_path, tmp_path / "pretrainedResnet_quant.c", tmp_path / "pretrainedResnet_quant.h", "g_model")
+    assert dumped == (ASSETS / "pretrainedResnet_quant.tflite").read_bytes() and exported["size_bytes"] == 98_496
