@@ -86,6 +86,7 @@ def test_report_shows_both_frameworks_side_by_side(pipeline):
         ("pytorch", "int8", "resnet8_pytorch_int8.pt"),
         ("openvino", "fp32", "resnet8.onnx"),  # the same ONNX file, run on OpenVINO at f32
         ("openvino", "int8", "resnet8_openvino_int8.xml"),
+        ("litert", "int8", "pretrainedResnet_quant.tflite"),  # the MLPerf Tiny reference
     ]
     by_model = {row["model"]: row for row in study["rows"] if row["framework"] != "openvino"}
     torch_int8 = record_of(pipeline / "results", "resnet8_pytorch_int8.pt")
