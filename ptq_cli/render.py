@@ -189,9 +189,12 @@ def milliseconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
+def _name(row: ReportRow) -> str:
+    return f"{row.label} ({row.model})" if row.label else row.model
+
+
 def _model_cell(row: ReportRow) -> str:
-    name = f"{row.label} ({row.model})" if row.label else row.model
-    return name if row.status == "ok" else f"{name} ({row.status})"
+    return _name(row) if row.status == "ok" else f"{_name(row)} ({row.status})"
 
 
 def _report_cells(row: ReportRow) -> list[str]:
@@ -218,9 +221,9 @@ def _recommendation_lines(group: DatasetGroup) -> list[str]:
     fastest = advice.fastest
     budget = f"within {advice.budget:.2f} points of FP32"
     return [
-        f"Best accuracy: {advice.best_accuracy.model} ({advice.best_accuracy.accuracy:.2f}%, {delta(advice.best_accuracy.delta)} pts)",
-        f"Smallest: {advice.smallest.model} ({size(advice.smallest.size_bytes)}, {advice.smallest.accuracy:.2f}%)",
-        f"Fastest {budget}: {fastest.model} on {_runtime(fastest)} ({fastest.images_per_second:,.0f} images/s"
+        f"Best accuracy: {_name(advice.best_accuracy)} ({advice.best_accuracy.accuracy:.2f}%, {delta(advice.best_accuracy.delta)} pts)",
+        f"Smallest: {_name(advice.smallest)} ({size(advice.smallest.size_bytes)}, {advice.smallest.accuracy:.2f}%)",
+        f"Fastest {budget}: {_name(fastest)} on {_runtime(fastest)} ({fastest.images_per_second:,.0f} images/s"
         + (f", {fastest.speedup_vs_onnxruntime:.2f}x onnxruntime FP32" if fastest.speedup_vs_onnxruntime else "")
         + f", {fastest.accuracy:.2f}%, {delta(fastest.delta)} pts; {fastest.configuration})"
         if fastest else f"Fastest {budget}: none",
