@@ -103,3 +103,10 @@ def test_c_array_of_the_mlperf_reference_round_trips(tmp_path):
     exported = json.loads(result.stdout)
     dumped = _compile_and_dump(tmp_path, tmp_path / "pretrainedResnet_quant.c", tmp_path / "pretrainedResnet_quant.h", "g_model")
     assert dumped == (ASSETS / "pretrainedResnet_quant.tflite").read_bytes() and exported["size_bytes"] == 98_496
+
+
+@pytest.mark.parametrize("args, mentions", [((), "--c-array"), (("--c-array", "--symbol", "1bad-name"), "--symbol")])
+def test_export_refuses_a_missing_format_or_a_symbol_c_cannot_name(tmp_path, args, mentions):
+    (tmp_path / "m.tflite").write_bytes(b"\x1c\x00\x00\x00TFL3" + b"\x00" * 8)
+    one_line_error(invoke("export", "--model", "m.tflite", *args, cwd=tmp_path), mentions)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["m.tflite"]

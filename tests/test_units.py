@@ -152,6 +152,20 @@ def test_report_compares_openvino_rows_with_fp32_at_their_precision_and_with_onn
     assert slower_but_within.groups[0].recommendation.fastest.model == "r.onnx"  # q.xml and q.onnx lose more than 0.10 points
 
 
+def test_a_model_tied_to_a_batch_runs_any_batch_in_parts_of_it():
+    from ptq_cli.services.models import in_fixed_batches
+
+    parts = []
+
+    def run(part):
+        parts.append(len(part))
+        return part.sum(axis=1, keepdims=True)
+
+    batch = np.arange(14, dtype=np.float32).reshape(7, 2)
+    scores = in_fixed_batches(run, batch, 3)
+    assert parts == [3, 3, 3] and np.array_equal(scores, batch.sum(axis=1, keepdims=True))  # the padding's scores dropped
+
+
 def test_only_the_newest_record_of_one_measurement_is_kept():
     old = replace(_record("q.onnx", "onnxruntime", "int8", 80.0, 100, 1.0, [80.0, 80.0]), timestamp="2026-01-01T00:00:00+00:00")
     new = replace(old, accuracy=86.0, timestamp="2026-02-01T00:00:00+00:00")

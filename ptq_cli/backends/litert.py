@@ -14,7 +14,7 @@ import numpy as np
 
 from ptq_cli.errors import PtqError
 from ptq_cli.services import inputs
-from ptq_cli.services.models import LoadedModel, ModelInfo, model_input, num_classes, read_bytes, resolve_threads
+from ptq_cli.services.models import LoadedModel, ModelInfo, in_fixed_batches, model_input, num_classes, read_bytes, resolve_threads
 
 NAME = "litert"
 SUFFIX = ".tflite"
@@ -107,11 +107,7 @@ def load(path: Path, threads: int | None, flags: inputs.PreprocessingFlags) -> L
         return result
 
     def predict(batch: np.ndarray) -> np.ndarray:
-        if chunk is None:
-            return run(batch)
-        padded = -(-len(batch) // chunk) * chunk
-        filled = np.concatenate([batch, np.repeat(batch[-1:], padded - len(batch), axis=0)]) if padded != len(batch) else batch
-        return np.concatenate([run(part) for part in np.split(filled, padded // chunk)])[: len(batch)]
+        return run(batch) if chunk is None else in_fixed_batches(run, batch, chunk)
 
     tensor_types = {np.dtype(detail["dtype"]) for detail in interpreter.get_tensor_details()}
     integer = bool(tensor_types & set(INTEGER_TYPES))

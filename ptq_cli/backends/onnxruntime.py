@@ -26,6 +26,7 @@ from ptq_cli.services.models import (
     LoadedModel,
     ModelInfo,
     graph_inputs,
+    in_fixed_batches,
     metadata_object,
     model_input,
     num_classes,
@@ -151,10 +152,7 @@ def load(path: Path, threads: int | None, flags: inputs.PreprocessingFlags) -> L
             raise PtqError(f"{path}: onnxruntime failed to run it ({str(error).splitlines()[0]})") from error
 
     def run_fixed(batch: np.ndarray) -> np.ndarray:
-        padded = -(-len(batch) // chunk) * chunk
-        if padded != len(batch):
-            batch = np.concatenate([batch, np.repeat(batch[-1:], padded - len(batch), axis=0)])
-        return np.concatenate([run(part) for part in np.split(batch, padded // chunk)])[: len(batch)]
+        return in_fixed_batches(run, batch, chunk)
 
     def predict(batch: np.ndarray) -> np.ndarray:
         if chunk is not None:

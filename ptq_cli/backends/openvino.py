@@ -29,6 +29,7 @@ from ptq_cli.services.models import (
     SOURCE_METADATA_KEY,
     LoadedModel,
     ModelInfo,
+    in_fixed_batches,
     metadata_object,
     model_input,
     num_classes,
@@ -145,11 +146,7 @@ def load(path: Path, threads: int | None, flags: inputs.PreprocessingFlags, prec
             raise PtqError(f"{path}: OpenVINO failed to run it ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from error
 
     def predict(batch: np.ndarray) -> np.ndarray:
-        if chunk is None:
-            return run(batch)
-        padded = -(-len(batch) // chunk) * chunk
-        filled = np.concatenate([batch, np.repeat(batch[-1:], padded - len(batch), axis=0)]) if padded != len(batch) else batch
-        return np.concatenate([run(part) for part in np.split(filled, padded // chunk)])[: len(batch)]
+        return run(batch) if chunk is None else in_fixed_batches(run, batch, chunk)
 
     if classes is None:
         classes = int(predict(np.zeros(described.shape(described.batch or 1), np.float32)).shape[-1])

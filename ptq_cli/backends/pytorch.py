@@ -24,6 +24,7 @@ from ptq_cli.services.models import (
     SOURCE_METADATA_KEY,
     LoadedModel,
     ModelInfo,
+    in_fixed_batches,
     metadata_object,
     read_bytes,
     resolve_threads,
@@ -221,9 +222,7 @@ def load(path: Path, threads: int | None, flags: inputs.PreprocessingFlags) -> L
         whole = predict
 
         def predict(batch: np.ndarray) -> np.ndarray:  # noqa: F811  a traced fixed batch: chunks of it
-            padded = -(-len(batch) // fixed) * fixed
-            filled = np.concatenate([batch, np.repeat(batch[-1:], padded - len(batch), axis=0)]) if padded != len(batch) else batch
-            return np.concatenate([whole(part) for part in np.split(filled, padded // fixed)])[: len(batch)]
+            return in_fixed_batches(whole, batch, fixed)
 
     info = ModelInfo(path, NAME, dtype, quantization, len(data), hashlib.sha256(data).hexdigest(), None, stored.get(SOURCE_METADATA_KEY))
     return LoadedModel(info, predict, described, preprocessing, int(probe.shape[1]))

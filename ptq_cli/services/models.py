@@ -90,6 +90,14 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def in_fixed_batches(run: Callable[[np.ndarray], np.ndarray], batch: np.ndarray, size: int) -> np.ndarray:
+    """`run` (a model tied to a batch of `size`) over any batch: in parts of `size`, the last filled up
+    with copies of the last image, whose scores are then dropped."""
+    padded = -(-len(batch) // size) * size
+    filled = np.concatenate([batch, np.repeat(batch[-1:], padded - len(batch), axis=0)]) if padded != len(batch) else batch
+    return np.concatenate([run(part) for part in np.split(filled, padded // size)])[: len(batch)]
+
+
 def require_file(path: Path) -> None:
     if not path.exists():
         raise PtqError(f"{path}: model file not found")
