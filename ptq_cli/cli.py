@@ -153,6 +153,7 @@ Asset = _choices("Asset", fetch_service.ASSETS)
 Scope = _choices("Scope", prune_service.SCOPES)
 NncfPreset = _choices("NncfPreset", quant_settings.NNCF_PRESETS)
 BiasCorrection = _choices("BiasCorrection", quant_settings.BIAS_CORRECTIONS)
+IoType = _choices("IoType", quant_settings.IO_TYPES)
 Runtime = _choices("Runtime", ("onnxruntime", "openvino"))
 Precision = _choices("Precision", ("f32", "bf16"))
 # Where a model runs: ONNX files on onnxruntime unless told; OpenVINO IR always on OpenVINO.
@@ -370,22 +371,24 @@ def calibrate(
 
 @app.command()
 def quantize(
-    model: Annotated[Path, typer.Option(help="FP32 ONNX model to quantize (the PyTorch backend converts it with onnx2torch first).")] = settings.FP32_ONNX,
-    backend: Annotated[Backend, typer.Option(help="onnxruntime: quantize_static, QDQ. pytorch: torch.ao FX graph mode, x86 engine, saved as TorchScript. openvino: openvino.convert_model, then nncf.quantize, saved as OpenVINO IR (.xml + .bin).")] = Backend("onnxruntime"),
-    dtype: Annotated[Optional[DType], typer.Option(help="Activation type (and weight type unless --weight-dtype is given). PyTorch takes int8 only. (default: int8)", show_default=False)] = None,
+    model: Annotated[Path, typer.Option(help="FP32 ONNX model to quantize (the PyTorch backend converts it with onnx2torch first; LiteRT starts from the Keras model `ptq convert --keras` made it from).")] = settings.FP32_ONNX,
+    backend: Annotated[Backend, typer.Option(help="onnxruntime: quantize_static, QDQ. pytorch: torch.ao FX graph mode, x86 engine, saved as TorchScript. openvino: openvino.convert_model, then nncf.quantize, saved as OpenVINO IR (.xml + .bin). litert: the TFLite converter, full-integer int8 .tflite for TFLite Micro.")] = Backend("onnxruntime"),
+    dtype: Annotated[Optional[DType], typer.Option(help="Activation type (and weight type unless --weight-dtype is given). PyTorch, OpenVINO and LiteRT take int8 only. (default: int8)", show_default=False)] = None,
     target: Annotated[Optional[Target], typer.Option(help="speed: the fast x86 configuration (onnxruntime: uint8 activations, int8 per-channel weights, percentile); other options still override it.", show_default=False)] = None,
     weight_dtype: Annotated[Optional[DType], typer.Option(help="Weight type. (default: same as --dtype)", show_default=False)] = None,
-    per_channel: Annotated[Optional[bool], typer.Option("--per-channel/--per-tensor", help="One weight scale per output channel, or one per tensor. (default: per-tensor for onnxruntime, per-channel for pytorch)", show_default=False)] = None,
-    method: Annotated[Optional[Method], typer.Option(help="Activation calibration: onnxruntime minmax|entropy|percentile (default minmax); pytorch histogram|minmax (default histogram).", show_default=False)] = None,
+    per_channel: Annotated[Optional[bool], typer.Option("--per-channel/--per-tensor", help="One weight scale per output channel, or one per tensor. (default: per-tensor for onnxruntime, per-channel for the others)", show_default=False)] = None,
+    method: Annotated[Optional[Method], typer.Option(help="Activation calibration: onnxruntime minmax|entropy|percentile (default minmax); pytorch histogram|minmax (default histogram); litert minmax (the converter's) or percentile (ptq's rule on the TFLite tensors).", show_default=False)] = None,
     percentile: Annotated[Optional[float], typer.Option(callback=_finite, min=50, max=100, help="Percentile kept by --method percentile. (default: 99.999)", show_default=False)] = None,
     calibration: CalibrationFile = None,
     graph_preprocess: Annotated[bool, typer.Option("--graph-preprocess/--no-graph-preprocess", help="Run onnxruntime's quant_pre_process first (shape inference, folds batch-norm Mul/Add into Conv).")] = True,
     space_to_depth: Annotated[Optional[bool], typer.Option("--space-to-depth/--no-space-to-depth", help="Regroup convolutions the fast x86 int8 kernel handles poorly (input channels not a multiple of 4, like the RGB stem; fewer than 32 output channels) over blocks of pixels along the width; same products, more zeros in the file. (default: on for uint8 activations with int8 weights, where that kernel runs)", show_default=False)] = None,
-    output: Annotated[Optional[Path], typer.Option(help="Where to write the quantized model. (default: beside the model, <model>_<dtype>.onnx, <model>_pytorch_<dtype>.pt or <model>_openvino_<dtype>.xml)", show_default=False)] = None,
+    output: Annotated[Optional[Path], typer.Option(help="Where to write the quantized model. (default: beside the model, <model>_<dtype>.onnx, <model>_pytorch_<dtype>.pt, <model>_openvino_<dtype>.xml or <model>_<dtype>.tflite)", show_default=False)] = None,
     nncf_preset: Annotated[Optional[NncfPreset], typer.Option("--preset", help="NNCF preset (--backend openvino): performance (symmetric activations) or mixed (asymmetric). (default: performance)", show_default=False, rich_help_panel="NNCF (--backend openvino)")] = None,
     bias_correction: Annotated[Optional[BiasCorrection], typer.Option(help="NNCF bias correction: fast, full (slower, often more accurate) or none. (default: fast)", show_default=False, rich_help_panel="NNCF (--backend openvino)")] = None,
     subset_size: Annotated[Optional[int], typer.Option(min=1, help="Calibration samples NNCF uses. (default: the whole calibration set)", show_default=False, rich_help_panel="NNCF (--backend openvino)")] = None,
     ignored_scope: Annotated[Optional[list[str]], typer.Option(help="A layer (node name) NNCF leaves in float; repeat for several.", show_default=False, rich_help_panel="NNCF (--backend openvino)")] = None,
+    io: Annotated[Optional[IoType], typer.Option(help="Type of the .tflite's input and output tensors: int8 (what TFLite Micro wants), uint8, or float around the int8 body. (default: int8)", show_default=False, rich_help_panel="LiteRT (--backend litert)")] = None,
+    ranges_from: Annotated[Optional[Path], typer.Option(help="An onnxruntime QDQ model ptq quantized from the same FP32 model: its activation ranges (scale, zero point) replace the converter's calibration, tensor by tensor, so both models compute on the same grid.", show_default=False, rich_help_panel="LiteRT (--backend litert)")] = None,
     data: DataOption = None,
     calibration_data: CalibrationDataOption = None,
     preprocess: PresetOption = None,
@@ -395,7 +398,7 @@ def quantize(
     bgr: BgrOption = None,
     as_json: JsonFlag = False,
 ) -> None:
-    """Static post-training quantization, calibrated on the calibration set: ONNX Runtime (QDQ), PyTorch (FX) or OpenVINO (NNCF).
+    """Static post-training quantization, calibrated on the calibration set: ONNX Runtime (QDQ), PyTorch (FX), OpenVINO (NNCF) or LiteRT (full-integer TFLite).
 
     The model's input (layout, channels, size, batch) is read from the model; its preprocessing comes
     from --preprocess/--scale/--mean/--std/--bgr and is stored in the quantized model, so evaluating it
@@ -404,10 +407,12 @@ def quantize(
     quantization_settings = quant_settings.make_settings(
         dtype and dtype.value, backend.value, weight_dtype and weight_dtype.value, per_channel, method and method.value, percentile, graph_preprocess,
         target and target.value, space_to_depth, nncf_preset and nncf_preset.value, bias_correction and bias_correction.value, subset_size,
-        tuple(ignored_scope or ()),
+        tuple(ignored_scope or ()), io and io.value, ranges_from,
     )
     choice = _data(data, calibration_data, preprocess, scale, mean, std, bgr)
     check_model(model)  # a bad model fails before any calibration work
+    if ranges_from is not None:
+        check_model(ranges_from)
     destination = output or quantize_service.default_output(model, quantization_settings)
     check_writable(destination)
     calibration_set = _calibration_set(calibration, choice, model)
@@ -566,7 +571,7 @@ def sensitivity(
 def tune(
     model: Annotated[Path, typer.Option(help="FP32 ONNX model.")] = settings.FP32_ONNX,
     dtype: Annotated[DType, typer.Option(help="Activation type to tune for (uint8 also tries int8 weights).")] = DType("int8"),
-    backend: Annotated[Backend, typer.Option(help="onnxruntime (QDQ), pytorch (FX, int8 only: granularity x observer x calibration size, no float layers) or openvino (NNCF, int8: preset x bias correction x calibration size x ignored scope).")] = Backend("onnxruntime"),
+    backend: Annotated[Backend, typer.Option(help="onnxruntime (QDQ), pytorch (FX, int8 only: granularity x observer x calibration size, no float layers) or openvino (NNCF, int8: preset x bias correction x calibration size x ignored scope); not litert.")] = Backend("onnxruntime"),
     max_drop: Annotated[float, typer.Option(callback=_finite, min=0, help="Accuracy budget: points below FP32 allowed on the validation split.")] = 0.05,
     method: Annotated[Optional[list[Method]], typer.Option(help="Calibration methods to search; repeat for several. (default: onnxruntime minmax and percentile at 99.9, 99.95, 99.99, 99.999; pytorch histogram and minmax)", show_default=False)] = None,
     per_channel: Annotated[Optional[bool], typer.Option("--per-channel/--per-tensor", help="Search only this weight granularity. (default: both)", show_default=False)] = None,
@@ -593,6 +598,7 @@ def tune(
     """
     choice = _data(data, calibration_data, preprocess, scale, mean, std, bgr)
     check_model(model)
+    tune_service.check_backend(backend.value)  # before any data is read
     calibration_set, validation_set = _calibration_and_validation(calibration, choice, model, validation_per_class)
     destination = output or tune_service.default_output(model, dtype.value, backend.value)
     with _progress_bar(f"Tuning {dtype.value} ({backend.value})") as progress:
@@ -757,7 +763,7 @@ def run_pipeline(
     seed: SeedOption = settings.SEED,
     pytorch: Annotated[bool, typer.Option("--pytorch/--no-pytorch", help="Also convert to TorchScript and quantize with PyTorch.")] = True,
     openvino: Annotated[bool, typer.Option("--openvino/--no-openvino", help="Also quantize with NNCF (full bias correction) to OpenVINO IR, and run the FP32 model on OpenVINO at f32; skipped when the openvino extra is not installed.")] = True,
-    litert: Annotated[bool, typer.Option("--litert/--no-litert", help="Also evaluate and benchmark MLCommons' int8 TFLite ResNet8 (the MLPerf Tiny reference) with LiteRT; skipped when the litert extra is not installed or for --model.")] = True,
+    litert: Annotated[bool, typer.Option("--litert/--no-litert", help="Also quantize to int8 TFLite with the TFLite converter (the converter's calibration, and the ranges of the --target speed model), and evaluate and benchmark them with MLCommons' int8 TFLite ResNet8 (the MLPerf Tiny reference) on LiteRT; skipped when the litert extra is not installed or for --model.")] = True,
     benchmark: Annotated[bool, typer.Option("--benchmark/--no-benchmark", help="Benchmark every model (latency and throughput) for the report.")] = True,
     runs: RunsOption = 100,
     threads: ThreadsOption = None,

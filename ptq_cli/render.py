@@ -111,6 +111,8 @@ def calibration(calibration_set: CalibrationSet, output: Path) -> Group:
 def quantization(result: QuantizeResult) -> Table:
     settings = result.settings
     method = settings.method + (f" (percentile {settings.percentile:g})" if settings.percentile is not None else "")
+    if settings.ranges_from:
+        method = f"the converter's min/max, then the activation ranges of {settings.ranges_from}"
     return _key_value_table(
         "Quantization",
         [
@@ -120,6 +122,7 @@ def quantization(result: QuantizeResult) -> Table:
             ("framework", f"{settings.framework} ({settings.format})"),
             ("activations / weights", f"{settings.dtype} / {settings.weight_dtype}"),
             ("granularity", "per-channel" if settings.per_channel else "per-tensor"),
+            *((("input / output tensors", settings.io),) if settings.io else ()),
             ("calibration method", method),
             ("calibration samples", f"{settings.calibration_samples} (seed {settings.calibration_seed}, {settings.calibration_source})"),
             *(
@@ -311,8 +314,29 @@ def _group_tables(group: DatasetGroup) -> list[Any]:
         for loss in group.class_losses:
             losses.add_row(loss.model, loss.class_name, f"{loss.accuracy:.1f}%", f"{loss.reference_accuracy:.1f}%", signed(loss.delta))
         parts.append(losses)
+    if group.versus_reference:
+        versus = Table(title=f"TFLite models vs the {group.reference.label} ({group.reference.model})", title_justify="left",
+                       box=box.SIMPLE_HEAD, pad_edge=False)
+        for column in VERSUS_REFERENCE_COLUMNS:
+            versus.add_column(column, justify="left" if column == "Model" else "right", no_wrap=column != "Model")
+        for cells in _versus_reference_cells(group):
+            versus.add_row(*cells)
+        parts.append(versus)
     parts += [Text(line) for line in _recommendation_lines(group)]
     return parts
+
+
+VERSUS_REFERENCE_COLUMNS = ("Model", "Top-1", "vs reference", "Bytes", "vs reference", "p50 ms (batch 1)", "vs reference")
+
+
+def _versus_reference_cells(group: DatasetGroup) -> list[list[str]]:
+    reference = group.reference
+    rows = [[f"{reference.label} (reference)", f"{reference.accuracy:.2f}%", "-", f"{reference.size_bytes:,}", "-",
+             milliseconds(reference.latency_ms_p50), "-"]]
+    rows += [[comparison.model, f"{comparison.accuracy:.2f}%", signed(comparison.accuracy_delta), f"{comparison.size_bytes:,}",
+              f"{comparison.size_delta_bytes:+,}", milliseconds(comparison.latency_ms_p50),
+              "-" if comparison.latency_ratio is None else f"{comparison.latency_ratio:.2f}x"] for comparison in group.versus_reference]
+    return rows
 
 
 def _validation_and_test(row: ReportRow) -> str:
@@ -468,6 +492,11 @@ def report_markdown(report: Report, charts: list[Path] | None = None) -> str:
                 ("Model", "Class", "Accuracy", "FP32", "Delta"),
                 [[loss.model, loss.class_name, f"{loss.accuracy:.1f}%", f"{loss.reference_accuracy:.1f}%", signed(loss.delta)] for loss in group.class_losses],
             )
+        if group.versus_reference:
+            lines += ["", f"### TFLite models vs the {group.reference.label}", "",
+                      "Points and bytes against the reference; latency at batch 1 from `ptq benchmark`, as a ratio to the reference's "
+                      "(below 1: faster).", ""]
+            lines += _markdown_table(VERSUS_REFERENCE_COLUMNS, _versus_reference_cells(group))
         recommendation = _recommendation_lines(group)
         if recommendation:
             lines += ["", "### Recommendation", ""] + [f"- {line}" for line in recommendation]

@@ -110,3 +110,46 @@ def test_export_refuses_a_missing_format_or_a_symbol_c_cannot_name(tmp_path, arg
     (tmp_path / "m.tflite").write_bytes(b"\x1c\x00\x00\x00TFL3" + b"\x00" * 8)
     one_line_error(invoke("export", "--model", "m.tflite", *args, cwd=tmp_path), mentions)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["m.tflite"]
+
+
+@pytest.mark.real_assets
+def test_ptq_run_makes_an_int8_tflite_above_the_mlperf_reference_and_within_100kb(pipeline):
+    """The converter's own calibration on ptq's 1,000 calibration images, per-channel weights, int8 I/O."""
+    from conftest import record_of
+
+    record = record_of(pipeline / "results", "resnet8_int8.tflite")
+    reference = record_of(pipeline / "results", "pretrainedResnet_quant.tflite")
+    assert record["framework"] == "litert" and record["model_size_bytes"] <= 100_000
+    assert record["quantization"]["input"].startswith("int8 (") and record["quantization"]["output"].startswith("int8 (")
+    assert record["accuracy"] >= 87.10 and record["accuracy"] > reference["accuracy"] == 86.97
+
+
+@pytest.mark.real_assets
+def test_tflite_on_the_speed_models_ranges_agrees_with_it_on_99_percent_of_the_test_images(pipeline):
+    from conftest import cifar_split
+
+    from ptq_cli.services.models import load_model
+
+    test = cifar_split("test")
+
+    def top1(name):
+        model = load_model(pipeline / "models" / name)
+        return np.concatenate([model.predict(model.prepare(test.images[start : start + 1000])).argmax(axis=1)
+                               for start in range(0, len(test.labels), 1000)])
+
+    speed = top1("resnet8_uint8_speed.onnx")
+    agreement = {name: float(np.mean(top1(name) == speed)) for name in ("resnet8_int8_ranges.tflite", "resnet8_int8.tflite")}
+    print(f"top-1 agreement with resnet8_uint8_speed.onnx: {agreement}")
+    # On the speed model's grid the two agree far more than the converter's own calibration does.
+    assert agreement["resnet8_int8_ranges.tflite"] >= 0.99 > agreement["resnet8_int8.tflite"]
+
+
+@pytest.mark.real_assets
+def test_report_sets_ptqs_tflite_models_against_the_reference(pipeline_snapshot):
+    result = invoke("report", "--results-dir", "results", "--json", cwd=pipeline_snapshot)
+    assert result.exit_code == 0, result.output
+    group = json.loads(result.stdout)["groups"][0]
+    assert group["reference"]["label"] == settings.MLPERF_REFERENCE_LABEL
+    versus = {entry["model"]: entry for entry in group["versus_reference"]}
+    assert set(versus) == {"resnet8_int8.tflite", "resnet8_int8_ranges.tflite"}
+    assert versus["resnet8_int8.tflite"]["accuracy_delta"] == pytest.approx(versus["resnet8_int8.tflite"]["accuracy"] - 86.97)

@@ -155,3 +155,13 @@ def test_tune_openvino_searches_nncf_settings_then_float_layers_and_writes_the_c
     assert (project / "two_openvino_int8_tuned.xml").is_file() and (project / "two_openvino_int8_tuned.bin").is_file()
     evaluated = json.loads(ok("evaluate", "--model", "two_openvino_int8_tuned.xml", "--data", "colours.npz", "--json", cwd=project).stdout)
     assert evaluated["framework"] == "openvino" and evaluated["quantization"]["validation"]["accuracy"] == tuned["chosen"]["validation_accuracy"]
+
+
+def test_openvino_and_nncf_telemetry_is_declined_before_they_load():
+    """Their usage events would leave the machine; offline, the sender hangs the process at exit."""
+    from openvino_telemetry.utils.opt_in_checker import ConsentCheckResult, OptInChecker
+
+    from ptq_cli.backends import openvino as openvino_backend
+
+    openvino_backend._openvino()
+    assert OptInChecker().check(enable_opt_in_dialog=False, disable_in_ci=False) == ConsentCheckResult.DECLINED

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ptq_cli import settings
 from ptq_cli.atomic import atomic_output, write_text
 from ptq_cli.cli import _fill_optional_values
 from ptq_cli.datasets import cifar10 as cifar
@@ -254,3 +255,27 @@ def test_pipeline_stage_made_by_another_ptq_version_is_not_up_to_date(tmp_path):
     assert _up_to_date(entry, stage, {}, hashes)
     assert not _up_to_date({**entry, "tool_version": "0.0.1"}, stage, {}, hashes)
     assert not _up_to_date({key: value for key, value in entry.items() if key != "tool_version"}, stage, {}, hashes)
+
+
+def test_report_sets_each_tflite_model_against_the_mlperf_reference():
+    from ptq_cli.render import report_markdown
+    from ptq_cli.services.benchmark import BenchmarkRecord, benchmark_key
+
+    reference = replace(_record("ref.tflite", "litert", "int8", 86.97, 98_496, 900.0, [85.0, 89.0]), label=settings.MLPERF_REFERENCE_LABEL,
+                        source_sha256=None)
+    ours = _record("q.tflite", "litert", "int8", 87.11, 99_136, 950.0, [86.0, 89.0])
+    fp32 = _record("f.onnx", "onnxruntime", "fp32", 87.19, 320_000, 300.0, [86.0, 89.0])
+    other = _record("q.onnx", "onnxruntime", "int8", 87.0, 100_000, 800.0, [86.0, 89.0])
+
+    def timed(record, p50):
+        return BenchmarkRecord(record.model_path, record.model_sha256, record.model_size_bytes, record.framework, record.dtype, 1, 1, 1,
+                               p50, p50, p50, 10, record.images_per_second, "t", "0")
+
+    benchmarks = {benchmark_key(r.model_sha256, r.framework, r.precision): timed(r, p50) for r, p50 in ((reference, 0.05), (ours, 0.06))}
+    group = build_report([fp32, other, ours, reference], benchmarks=benchmarks).groups[0]
+    assert group.reference.model == "ref.tflite"
+    (versus,) = group.versus_reference  # the TFLite model only: not the reference, not the ONNX model
+    assert (versus.model, versus.accuracy_delta, versus.size_delta_bytes, versus.latency_ratio) == ("q.tflite", 0.14, 640, 1.2)
+    markdown = report_markdown(build_report([fp32, other, ours, reference], benchmarks=benchmarks))
+    assert f"### TFLite models vs the {settings.MLPERF_REFERENCE_LABEL}" in markdown and "| q.tflite | 87.11% | +0.14 | 99,136 | +640 | 0.060 | 1.20x |" in markdown
+    assert build_report([fp32, other, ours]).groups[0].versus_reference == ()  # no reference evaluated: no comparison

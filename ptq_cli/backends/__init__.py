@@ -1,8 +1,8 @@
 """The backend table: one module per framework, each with the same functions.
 
 - `load(path, threads, flags) -> LoadedModel`: run a model file of this framework;
-- `quantize(onnx_model, output, settings, calibration_inputs, stored_metadata) -> QuantizedFile` (the
-  backends services.quant_settings.BACKENDS names; LiteRT only runs models so far);
+- `quantize(onnx_model, output, settings, calibration_inputs, stored_metadata) -> QuantizedFile` (LiteRT
+  quantizes the Keras model the ONNX model records as its source);
 - `sniff(first_bytes) -> bool`: whether a file is this framework's;
 - `NAME`, `SUFFIX`.
 How a model was quantized is described in one place for all: services.quant_settings.describe_quantization.

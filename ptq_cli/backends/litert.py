@@ -1,25 +1,59 @@
 """LiteRT (TensorFlow Lite): runs .tflite models with the LiteRT interpreter (`ai-edge-litert`, not the whole
-of TensorFlow), float or full-integer, honouring the input and output quantization (scale, zero point).
+of TensorFlow), float or full-integer, honouring the input and output quantization (scale, zero point); and
+quantizes to a full-integer .tflite with the TFLite converter, from the Keras model an ONNX model was
+converted from (`ptq convert --keras` records it).
 
 A full-integer model takes int8 or uint8 input: ptq prepares float images as for any model (scale, mean,
 std), then quantizes them with the input tensor's own scale and zero point, as a device would.
+
+Quantizing: the converter calibrates on ptq's calibration set (its min/max per tensor), ptq may replace
+those ranges (its percentile rule, or the ranges of an onnxruntime model), then the converter's quantizer
+turns them into int8 tensors, the path TensorFlow's own QuantizationDebugger takes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
+import os
+import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
+from ptq_cli.atomic import atomic_output
+from ptq_cli.backends.base import QuantizedFile
 from ptq_cli.errors import PtqError
 from ptq_cli.services import inputs
-from ptq_cli.services.models import LoadedModel, ModelInfo, in_fixed_batches, model_input, num_classes, read_bytes, resolve_threads
+from ptq_cli.services.models import (
+    KERAS_SOURCE_METADATA_KEY,
+    LITERT,
+    QUANTIZATION_METADATA_KEY,
+    SOURCE_METADATA_KEY,
+    LoadedModel,
+    ModelInfo,
+    file_sha256,
+    in_fixed_batches,
+    metadata_object,
+    model_input,
+    num_classes,
+    read_bytes,
+    read_onnx,
+    resolve_threads,
+)
+from ptq_cli.services.quant_settings import QuantizationSettings
 
-NAME = "litert"
+NAME = LITERT
 SUFFIX = ".tflite"
 FORMAT = "TFLite"
 INTEGER_TYPES = {np.dtype(np.int8): "int8", np.dtype(np.uint8): "uint8"}
+METADATA_PREFIX = "ptq."  # ptq's entries in the flatbuffer's metadata; TFLite Micro ignores metadata
+# Images run through both models to tell which onnxruntime tensor is which TFLite tensor (--ranges-from).
+MATCH_IMAGES = 32
+MATCH_TOLERANCE = 0.05  # relative distance of the per-image mean and spread of the two tensors' values
+ACTIVATION_BATCH = 100  # images per interpreter call while collecting activations
 
 
 def sniff(head: bytes) -> bool:
@@ -111,12 +145,318 @@ def load(path: Path, threads: int | None, flags: inputs.PreprocessingFlags) -> L
 
     tensor_types = {np.dtype(detail["dtype"]) for detail in interpreter.get_tensor_details()}
     integer = bool(tensor_types & set(INTEGER_TYPES))
-    dtype = INTEGER_TYPES.get(input_type, "int8") if integer else "fp32"
+    stored = metadata(data)
+    made = metadata_object(path, stored, QUANTIZATION_METADATA_KEY) or {}  # how ptq quantized it, if it did
+    dtype = "int8" if integer else "fp32"
     quantization = {
-        "format": FORMAT, "dtype": dtype, "weight_dtype": "int8", "input": describe_io(image), "output": describe_io(scores),
+        **made, "format": FORMAT, "dtype": dtype, "weight_dtype": "int8", "input": describe_io(image), "output": describe_io(scores),
     } if integer else None
-    preprocessing = inputs.resolve(flags, None)
+    preprocessing = inputs.resolve(flags, inputs.from_metadata(stored.get(inputs.INPUT_METADATA_KEY), path))
     note = None if dynamic else f"fixed batch {chunk}: run {chunk} at a time"
-    info = ModelInfo(path, NAME, dtype, quantization, len(data), hashlib.sha256(data).hexdigest())
+    info = ModelInfo(path, NAME, dtype, quantization, len(data), hashlib.sha256(data).hexdigest(), source_sha256=stored.get(SOURCE_METADATA_KEY))
     return LoadedModel(info, predict, described, preprocessing, classes or int(scores["shape"][-1]), note)
 
+
+def metadata(data: bytes) -> dict[str, str]:
+    """ptq's entries in a .tflite's metadata (name -> text)."""
+    from ai_edge_litert import schema_py_generated as schema
+
+    try:
+        model = schema.Model.GetRootAs(data, 0)
+        entries = {}
+        for index in range(model.MetadataLength()):
+            entry = model.Metadata(index)
+            name = (entry.Name() or b"").decode("utf-8", "replace")
+            buffer = model.Buffers(entry.Buffer())
+            if name.startswith(METADATA_PREFIX) and buffer is not None and buffer.DataLength():
+                entries[name] = buffer.DataAsNumpy().tobytes().decode("utf-8", "replace")
+    except Exception:  # noqa: BLE001  a flatbuffer the interpreter loaded but this reader does not: no ptq metadata
+        return {}
+    return entries
+
+
+# Quantizing: from the Keras source, with the TFLite converter.
+
+IO_DTYPES = {"int8": "int8", "uint8": "uint8", "float": "float32"}
+
+
+def keras_source(onnx_model) -> Path:
+    """The Keras file `ptq convert --keras` recorded in the ONNX model, checked to be unchanged."""
+    name = onnx_model.graph.name or "model"
+    stored = {prop.key: prop.value for prop in onnx_model.metadata_props}
+    entry = metadata_object(Path(name), stored, KERAS_SOURCE_METADATA_KEY)
+    if entry is None:
+        raise PtqError(f"{name}: --backend litert quantizes the Keras model an ONNX model was converted from, and this one names "
+                       "none (ptq convert --keras records it); ptq does not convert ONNX graphs to TFLite")
+    path = Path(str(entry.get("path", "")))
+    if not path.is_file():
+        raise PtqError(f"{name}: its Keras source {path} is missing")
+    if file_sha256(path) != entry.get("sha256"):
+        raise PtqError(f"{name}: its Keras source {path} has changed since the conversion (sha256 differs); convert it again")
+    return path
+
+
+@contextlib.contextmanager
+def _quiet():
+    """TensorFlow prints the exported signature on stdout, which is for ptq's results (--json), and logs
+    from C++ on stderr; its failures come as exceptions."""
+    from ptq_cli.services.convert import native_stderr_silenced
+
+    with native_stderr_silenced(), open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+        yield
+
+
+def _tensorflow():
+    try:
+        with _quiet():
+            import tensorflow as tf
+    except ImportError as error:
+        raise PtqError(f"--backend litert: needs tensorflow-cpu to convert (pip install 'ptq-cli[keras,litert]'; make install does): {error}") from error
+    return tf
+
+
+def _calibrated(keras_path: Path, calibration: np.ndarray) -> bytes:
+    """The float TFLite model with the converter's calibration statistics (min/max per tensor) over
+    `calibration`, one image per step, not yet quantized."""
+    tf = _tensorflow()
+    try:
+        with _quiet():
+            keras_model = tf.keras.models.load_model(str(keras_path), compile=False)
+    except Exception as error:  # Keras raises many types for a bad file
+        raise PtqError(f"{keras_path}: not a loadable Keras model ({str(error).splitlines()[0]})") from error
+    expected = tuple(keras_model.input_shape[1:])
+    if tuple(calibration.shape[1:]) != expected:
+        raise PtqError(f"{keras_path}: takes input {expected}, the ONNX model's calibration images are {tuple(calibration.shape[1:])}")
+    converter = tf.lite.TFLiteConverter.from_keras_model(keras_model)
+    converter.optimizations = [tf.lite.Optimize.DEFAULT]
+    converter.representative_dataset = lambda: ([calibration[index : index + 1]] for index in range(len(calibration)))
+    converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
+    converter._experimental_calibrate_only = True  # noqa: SLF001  the statistics, to adjust before quantizing
+    try:
+        with _quiet():
+            return bytes(converter.convert())
+    except Exception as error:  # noqa: BLE001  the converter's own exception types
+        raise PtqError(f"{keras_path}: the TFLite converter failed ({_last_line(error)})") from error
+
+
+def _last_line(error: Exception) -> str:
+    """TensorFlow's converter errors end with the line that says what failed."""
+    text = str(error).strip()
+    return text.splitlines()[-1] if text else type(error).__name__
+
+
+def _ranged_tensors(model_object) -> list[int]:
+    """The tensors the converter calibrated (a min/max each), but the model's outputs: a softmax's output
+    range is fixed by its kernel."""
+    graph = model_object.subgraphs[0]
+    outputs = set(int(index) for index in graph.outputs)
+    return [index for index, tensor in enumerate(graph.tensors)
+            if index not in outputs and tensor.quantization is not None and tensor.quantization.min is not None
+            and len(tensor.quantization.min) == 1]
+
+
+def _activations(calibrated: bytes, tensors: list[int], images: np.ndarray):
+    """The float values of `tensors` on `images`, ACTIVATION_BATCH images at a time (index -> array)."""
+    from ai_edge_litert.interpreter import OpResolverType
+
+    Interpreter = _interpreter_class()
+    # Without the XNNPACK delegate: a delegated graph does not keep its inner tensors, whatever is asked.
+    interpreter = Interpreter(model_content=calibrated, experimental_preserve_all_tensors=True,
+                              experimental_op_resolver_type=OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES)
+    image = interpreter.get_input_details()[0]
+    for start in range(0, len(images), ACTIVATION_BATCH):
+        batch = images[start : start + ACTIVATION_BATCH]
+        interpreter.resize_tensor_input(image["index"], list(batch.shape))
+        interpreter.allocate_tensors()
+        interpreter.set_tensor(image["index"], np.ascontiguousarray(batch, dtype=np.float32))
+        interpreter.invoke()
+        yield {index: interpreter.get_tensor(index) for index in tensors}
+
+
+def _percentile_ranges(calibrated: bytes, tensors: list[int], calibration: np.ndarray, percentile: float) -> dict[int, tuple[float, float]]:
+    """ptq's --method percentile on the TFLite tensors: onnxruntime's own histogram collector, with the
+    settings onnxruntime's percentile calibration uses (2,048 bins, asymmetric)."""
+    from onnxruntime.quantization.calibrate import HistogramCollector
+
+    collector = HistogramCollector(method="percentile", symmetric=False, num_bins=2048, num_quantized_bins=128,
+                                   percentile=percentile, scenario="same")
+    for values in _activations(calibrated, tensors, calibration):
+        collector.collect({str(index): [value] for index, value in values.items()})
+    with contextlib.redirect_stdout(sys.stderr):  # it prints its progress
+        result = collector.compute_collection_result()
+    return {int(index): (float(bounds[0]), float(bounds[1])) for index, bounds in result.items()}
+
+
+def _grid_ranges(qdq) -> dict[str, tuple[float, float]]:
+    """The float range each activation QuantizeLinear of an onnxruntime QDQ model covers, by tensor name."""
+    from onnx import numpy_helper
+
+    constants = {initializer.name: numpy_helper.to_array(initializer) for initializer in qdq.graph.initializer}
+    ranges = {}
+    for node in qdq.graph.node:
+        if node.op_type != "QuantizeLinear" or node.input[0] in constants or len(node.input) < 3:
+            continue
+        scale, zero_point = constants.get(node.input[1]), constants.get(node.input[2])
+        if scale is None or zero_point is None or scale.size != 1:
+            continue
+        limits = np.iinfo(zero_point.dtype)
+        ranges[node.input[0]] = ((limits.min - int(zero_point)) * float(scale), (limits.max - int(zero_point)) * float(scale))
+    return ranges
+
+
+def _signature(values: np.ndarray) -> np.ndarray:
+    """Per image, the mean and spread of a tensor's values: the same whatever the layout."""
+    flat = values.reshape(len(values), -1).astype(np.float64)
+    return np.concatenate([flat.mean(axis=1), flat.std(axis=1)])
+
+
+def _ranges_model(ranges_from: Path, source_sha256: str | None):
+    """The onnxruntime QDQ model --ranges-from names, checked to be made by ptq from the same FP32 model."""
+    qdq = read_onnx(ranges_from)
+    made_from = {prop.key: prop.value for prop in qdq.metadata_props}.get(SOURCE_METADATA_KEY)
+    if source_sha256 is None or made_from != source_sha256:
+        raise PtqError(f"--ranges-from: {ranges_from} was not quantized by ptq from this FP32 model")
+    if not _grid_ranges(qdq):
+        raise PtqError(f"--ranges-from: {ranges_from} has no quantized activations (an onnxruntime QDQ model is needed)")
+    return qdq
+
+
+def _transferred_ranges(ranges_from: Path, qdq, calibrated: bytes, tensors: list[int],
+                        calibration: np.ndarray) -> tuple[dict[int, tuple[float, float]], list[int]]:
+    """The activation ranges of an onnxruntime QDQ model made from the same FP32 model, each TFLite tensor
+    matched to the onnxruntime tensor whose values it has on the same images; and the tensors left unmatched."""
+    import onnx
+    import onnxruntime
+
+    grids = _grid_ranges(qdq)
+    names = [name for name in grids if name not in {output.name for output in qdq.graph.output}]
+    qdq.graph.output.extend(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None) for name in names)
+    options = onnxruntime.SessionOptions()
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    try:
+        session = onnxruntime.InferenceSession(qdq.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    except Exception as error:  # noqa: BLE001  onnxruntime's own exception types
+        raise PtqError(f"--ranges-from: {ranges_from}: onnxruntime cannot load it ({str(error).splitlines()[0]})") from error
+    first = session.get_inputs()[0]
+    images = calibration[:MATCH_IMAGES]
+    fixed = first.shape[0] if isinstance(first.shape[0], int) and first.shape[0] > 0 else None
+    widths: list[int] = []
+
+    def run(batch: np.ndarray) -> np.ndarray:
+        """Every named tensor, flattened per image, side by side (a tensor without the batch first: NaN)."""
+        values = [value.reshape(len(batch), -1) if value.ndim and value.shape[0] == len(batch) else np.full((len(batch), 1), np.nan)
+                  for value in session.run(names, {first.name: batch})]
+        widths[:] = [value.shape[1] for value in values]
+        return np.concatenate(values, axis=1)
+
+    flat = run(images) if fixed is None else in_fixed_batches(run, images, fixed)
+    bounds = np.cumsum([0, *widths])
+    onnx_values = {name: flat[:, bounds[k] : bounds[k + 1]] for k, name in enumerate(names)}
+    tflite_values = next(_activations(calibrated, tensors, images))
+    # onnxruntime drops a ReLU its QuantizeLinear does anyway (zero point 0): what a tensor holds is its
+    # values clipped to its grid.
+    signatures = {name: _signature(np.clip(values, *grids[name])) for name, values in onnx_values.items()}
+    matched, unmatched = {}, []
+    for index in tensors:
+        wanted = _signature(tflite_values[index])
+        width = int(np.prod(tflite_values[index].shape[1:]))
+        candidates = [(np.linalg.norm(signatures[name] - wanted) / (np.linalg.norm(wanted) + 1e-12), name)
+                      for name in names if onnx_values[name].shape[1] == width]
+        distance, name = min(candidates, default=(np.inf, None))
+        if distance <= MATCH_TOLERANCE:
+            matched[index] = grids[name]
+        else:
+            unmatched.append(index)
+    return matched, unmatched
+
+
+
+def _with_ranges(calibrated: bytes, ranges: dict[int, tuple[float, float]]) -> bytes:
+    """The calibrated model with these (min, max) in place of the converter's statistics (each widened to
+    hold 0, as every quantizer does)."""
+    from tensorflow.lite.tools import flatbuffer_utils
+
+    model_object = flatbuffer_utils.convert_bytearray_to_object(calibrated)
+    tensors = model_object.subgraphs[0].tensors
+    for index, (low, high) in ranges.items():
+        tensors[index].quantization.min = np.array([min(low, 0.0)], np.float32)
+        tensors[index].quantization.max = np.array([max(high, 0.0)], np.float32)
+    return bytes(flatbuffer_utils.convert_object_to_bytearray(model_object))
+
+
+def _float_ops(model_object) -> list[str]:
+    """The ops of a quantized model that still compute in float (the model's own float I/O aside)."""
+    from tensorflow.lite.python import schema_py_generated as schema
+
+    graph = model_object.subgraphs[0]
+    edges = {int(index) for index in (*graph.inputs, *graph.outputs)}
+    names = {value: name for name, value in vars(schema.BuiltinOperator).items() if not name.startswith("_")}
+    left = []
+    for operator in graph.operators:
+        code = model_object.operatorCodes[operator.opcodeIndex]
+        kind = names.get(max(code.builtinCode, code.deprecatedBuiltinCode), "custom")
+        if kind in ("QUANTIZE", "DEQUANTIZE"):
+            continue
+        used = [int(index) for index in (*operator.inputs, *operator.outputs) if index >= 0 and int(index) not in edges]
+        if any(graph.tensors[index].type == schema.TensorType.FLOAT32 for index in used):
+            left.append(kind)
+    return left
+
+
+def _with_metadata(quantized: bytes, entries: dict[str, str]) -> bytes:
+    from tensorflow.lite.python import schema_py_generated as schema
+    from tensorflow.lite.tools import flatbuffer_utils
+
+    model_object = flatbuffer_utils.convert_bytearray_to_object(quantized)
+    model_object.metadata = list(model_object.metadata or [])
+    for name, text in entries.items():
+        buffer = schema.BufferT()
+        buffer.data = np.frombuffer(text.encode(), np.uint8)
+        model_object.buffers.append(buffer)
+        entry = schema.MetadataT()
+        entry.name, entry.buffer = name, len(model_object.buffers) - 1
+        model_object.metadata.append(entry)
+    return bytes(flatbuffer_utils.convert_object_to_bytearray(model_object))
+
+
+def quantize(model, output: Path, settings: QuantizationSettings, calibration: np.ndarray, stored: dict[str, str]) -> QuantizedFile:
+    """A full-integer .tflite of the Keras model the ONNX `model` was converted from, calibrated on
+    `calibration` (images in the model's input format, which is the Keras model's); ptq's settings and
+    input contract go into the flatbuffer's metadata."""
+    output = Path(output)
+    if output.suffix != SUFFIX:
+        raise PtqError(f"--output: {output} must end in {SUFFIX}")
+    keras_path = keras_source(model)
+    qdq = _ranges_model(Path(settings.ranges_from), stored.get(SOURCE_METADATA_KEY)) if settings.ranges_from else None
+    calibrated = _calibrated(keras_path, calibration.astype(np.float32, copy=False))
+    tf = _tensorflow()
+    from tensorflow.lite.python.convert import mlir_quantize
+    from tensorflow.lite.tools import flatbuffer_utils
+
+    tensors = _ranged_tensors(flatbuffer_utils.convert_bytearray_to_object(calibrated))
+    notes: list[str] = []
+    if settings.ranges_from:
+        ranges, unmatched = _transferred_ranges(Path(settings.ranges_from), qdq, calibrated, tensors, calibration)
+        notes.append(f"activation ranges of {len(ranges)} of {len(tensors)} tensors from {Path(settings.ranges_from).name}"
+                     + (f"; {len(unmatched)} kept the converter's min/max" if unmatched else ""))
+        calibrated = _with_ranges(calibrated, ranges)
+    elif settings.method == "percentile":
+        calibrated = _with_ranges(calibrated, _percentile_ranges(calibrated, tensors, calibration, float(settings.percentile)))
+    io_type = getattr(tf, IO_DTYPES[settings.io or "int8"])
+    try:
+        with _quiet():
+            quantized = mlir_quantize(calibrated, not settings.per_channel, input_data_type=io_type, output_data_type=io_type)
+    except Exception as error:  # noqa: BLE001  the quantizer's own exception types
+        raise PtqError(f"{keras_path}: the TFLite quantizer failed ({_last_line(error)})") from error
+    left = _float_ops(flatbuffer_utils.convert_bytearray_to_object(quantized))
+    if left:
+        raise PtqError(f"{keras_path}: the TFLite converter left {len(left)} ops in float ({', '.join(sorted(set(left)))}); "
+                       "TFLite Micro needs every op in int8")
+    # Only what was set: the file is what a microcontroller stores.
+    described = {key: value for key, value in asdict(settings).items() if value is not None and value != ()}
+    extra = json.loads(stored.get(QUANTIZATION_METADATA_KEY, "{}"))
+    entries = {**stored, QUANTIZATION_METADATA_KEY: json.dumps({**described, **extra, "keras_source": keras_path.name}, separators=(",", ":"))}
+    data = _with_metadata(quantized, entries)
+    with atomic_output(output) as tmp:
+        tmp.write_bytes(data)
+    return QuantizedFile(len(data), notes=tuple(notes))

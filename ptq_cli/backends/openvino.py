@@ -68,7 +68,19 @@ def _openvino():
         import openvino
     except ImportError as error:
         raise PtqError("OpenVINO is not installed: pip install 'ptq-cli[openvino]' (make install does)") from error
+    _decline_telemetry()
     return openvino
+
+
+def _decline_telemetry() -> None:
+    """OpenVINO's model converter and NNCF send usage events to Google Analytics unless the user has opted
+    out (openvino_telemetry's consent file); ptq sends nothing. Without a network their sender, a forked
+    process, also hangs the process at exit while it resolves the analytics host."""
+    try:
+        from openvino_telemetry.utils.opt_in_checker import ConsentCheckResult, OptInChecker
+    except ImportError:
+        return
+    OptInChecker.check = lambda self, *args, **kwargs: ConsentCheckResult.DECLINED
 
 
 def _files(path: Path) -> list[Path]:

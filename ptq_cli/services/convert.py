@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import sys
@@ -17,7 +18,7 @@ from ptq_cli.datasets import Dataset
 from ptq_cli.errors import CheckFailed, PtqError
 from ptq_cli.services import inputs
 from ptq_cli.services.graph import canonical
-from ptq_cli.services.models import SOURCE_METADATA_KEY, load_model, read_onnx
+from ptq_cli.services.models import KERAS_SOURCE_METADATA_KEY, SOURCE_METADATA_KEY, file_sha256, load_model, read_onnx
 
 TOLERANCE = 1e-4
 
@@ -113,7 +114,7 @@ def _collected_warnings(logger_name: str) -> Iterator[list[str]]:
 
 
 @contextlib.contextmanager
-def _native_stderr_silenced() -> Iterator[None]:
+def native_stderr_silenced() -> Iterator[None]:
     """TensorFlow's C++ start-up logs (absl, oneDNN) ignore TF_CPP_MIN_LOG_LEVEL; hide them during import only."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     sys.stderr.flush()
@@ -137,7 +138,7 @@ def keras_to_onnx(keras_path: Path, output: Path, dataset: Dataset, opset: int =
     if check_count < 1:
         raise PtqError(f"--check-images: must be at least 1, got {check_count}")
     try:
-        with _native_stderr_silenced():
+        with native_stderr_silenced():
             import tensorflow as tf
             import tf2onnx
     except ImportError as error:
@@ -162,10 +163,12 @@ def keras_to_onnx(keras_path: Path, output: Path, dataset: Dataset, opset: int =
             model_proto, _ = tf2onnx.convert.from_keras(keras_model, input_signature=signature, opset=opset)
         converter_warnings.extend(f"tf2onnx: {message}" for message in messages)
         model_proto = canonical(model_proto)
+        props = {KERAS_SOURCE_METADATA_KEY: json.dumps({"path": str(keras_path.resolve()), "sha256": file_sha256(keras_path)})}
         if preprocessing != inputs.Preprocessing():
-            import onnx
+            props[inputs.INPUT_METADATA_KEY] = preprocessing.to_json()
+        import onnx
 
-            onnx.helper.set_model_props(model_proto, {inputs.INPUT_METADATA_KEY: preprocessing.to_json()})
+        onnx.helper.set_model_props(model_proto, props)
         tmp.write_bytes(model_proto.SerializeToString())
 
     return _checked_write(

@@ -23,9 +23,13 @@ QUANTIZATION_METADATA_KEY = "ptq.quantization"
 PRUNING_METADATA_KEY = "ptq.pruning"
 # ... and the sha256 of the float model a model was made from (the reference of its accuracy delta).
 SOURCE_METADATA_KEY = "ptq.source_sha256"
+# ... and `ptq convert --keras` the Keras file an ONNX model was converted from ({"path", "sha256"}): LiteRT
+# quantization starts from that file.
+KERAS_SOURCE_METADATA_KEY = "ptq.keras_source"
 ONNXRUNTIME = "onnxruntime"
 PYTORCH = "pytorch"
 OPENVINO = "openvino"
+LITERT = "litert"
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,9 @@ QUANTIZED = ({"dtype": "int8"}, {"dtype": "uint8"}, {"target": "speed"}, {"backe
 # With the openvino extra: NNCF int8 with full bias correction (the more accurate of NNCF's two on ResNet8,
 # README), and the FP32 model run on OpenVINO at f32 to compare it with on its own runtime.
 OPENVINO_QUANTIZED = {"backend": "openvino", "bias_correction": "full"}
+# With the litert extra (the study only: LiteRT quantizes the Keras source): the converter's own calibration,
+# and the same with the activation ranges of the `--target speed` onnxruntime model (both models on one grid).
+LITERT_QUANTIZED = ({"backend": "litert"}, {"backend": "litert", "ranges_from": "speed"})
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,7 @@ class RunOptions:
     flags: PreprocessingFlags = PreprocessingFlags()
     pytorch: bool = True  # also convert to TorchScript and quantize with PyTorch
     openvino: bool = True  # also quantize with NNCF and run on OpenVINO, when the extra is installed
-    litert: bool = True  # also evaluate the MLPerf Tiny int8 TFLite reference (the study only), when the extra is installed
+    litert: bool = True  # also quantize to TFLite and evaluate the MLPerf Tiny int8 reference (the study only), when the extra is installed
     samples_per_class: int | None = None  # None: the default, or all of the smallest class when it has fewer
     seed: int = settings.SEED
     benchmark: bool = True
@@ -160,6 +163,13 @@ def plan(options: RunOptions, render_markdown: Callable[[report_service.Report],
     if with_openvino:
         quantized.append((quantize_service.default_output(fp32, quant_settings.make_settings(**OPENVINO_QUANTIZED), settings.MODELS_DIR),
                           OPENVINO_QUANTIZED))
+    with_litert = options.litert and options.model is None and litert_backend.available()
+    if with_litert:
+        speed = quantize_service.default_output(fp32, quant_settings.make_settings(target="speed"), settings.MODELS_DIR)
+        for litert_options in LITERT_QUANTIZED:
+            litert_options = {**litert_options, "ranges_from": str(speed)} if "ranges_from" in litert_options else litert_options
+            quantized.append((quantize_service.default_output(fp32, quant_settings.make_settings(**litert_options), settings.MODELS_DIR),
+                              litert_options))
     models = [fp32, *([fp32_torch] if options.pytorch else []), *(path for path, _ in quantized)]
     stages = []
     if options.model is None:
@@ -173,9 +183,13 @@ def plan(options: RunOptions, render_markdown: Callable[[report_service.Report],
                         (fp32,), (calibration,), {"samples_per_class": options.samples_per_class, "seed": options.seed},
                         lambda: _calibrate(options, calibration_dataset, fp32, calibration), train))
     for output, quantize_options in quantized:
-        command_flags = " ".join(f"--{key} {value}" for key, value in quantize_options.items())
+        command_flags = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in quantize_options.items())
         files = (output, output.with_suffix(".bin")) if output.suffix == ".xml" else (output,)  # an IR is two files
-        stages.append(Stage(f"quantize {output.name}", f"ptq quantize --model {fp32} {command_flags}{_flag_text(flags)}", (fp32, calibration), files,
+        # LiteRT also reads the Keras source and, for its ranges, the onnxruntime model they come from.
+        extra_inputs = ((options.keras_model,) if quantize_options.get("backend") == "litert" else ()) \
+            + ((Path(quantize_options["ranges_from"]),) if "ranges_from" in quantize_options else ())
+        stages.append(Stage(f"quantize {output.name}", f"ptq quantize --model {fp32} {command_flags}{_flag_text(flags)}",
+                            (fp32, calibration, *extra_inputs), files,
                             {**quantize_options, **flag_options},
                             lambda output=output, quantize_options=quantize_options: _quantize(fp32, output, calibration, quantize_options, flags)))
     threads = {"threads": options.threads} if options.threads else {}

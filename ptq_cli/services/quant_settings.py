@@ -6,16 +6,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ptq_cli.errors import PtqError
-from ptq_cli.services.models import ONNXRUNTIME, OPENVINO, PYTORCH
+from ptq_cli.services.models import LITERT, ONNXRUNTIME, OPENVINO, PYTORCH
 
 DTYPES = ("int8", "uint8")
-BACKENDS = (ONNXRUNTIME, PYTORCH, OPENVINO)
+BACKENDS = (ONNXRUNTIME, PYTORCH, OPENVINO, LITERT)
 # Each library's own calibration methods; the first is the default. NNCF has one (min/max statistics of
-# its preset, then bias correction), set by --preset and --bias-correction.
-METHODS = {ONNXRUNTIME: ("minmax", "entropy", "percentile"), PYTORCH: ("histogram", "minmax"), OPENVINO: ("nncf",)}
-# ONNX Runtime keeps the seed study's per-tensor default; PyTorch's x86 default is per-channel, NNCF's too.
-DEFAULT_PER_CHANNEL = {ONNXRUNTIME: False, PYTORCH: True, OPENVINO: True}
-FORMATS = {ONNXRUNTIME: "QDQ", PYTORCH: "FX", OPENVINO: "IR"}
+# its preset, then bias correction), set by --preset and --bias-correction. LiteRT: the TFLite converter's
+# min/max, or ptq's percentile rule (onnxruntime's histogram collector) applied to the same tensors.
+METHODS = {ONNXRUNTIME: ("minmax", "entropy", "percentile"), PYTORCH: ("histogram", "minmax"), OPENVINO: ("nncf",),
+           LITERT: ("minmax", "percentile")}
+# ONNX Runtime keeps the seed study's per-tensor default; PyTorch's x86 default is per-channel, NNCF's and TFLite's too.
+DEFAULT_PER_CHANNEL = {ONNXRUNTIME: False, PYTORCH: True, OPENVINO: True, LITERT: True}
+FORMATS = {ONNXRUNTIME: "QDQ", PYTORCH: "FX", OPENVINO: "IR", LITERT: "TFLite"}
+# A full-integer TFLite model's input and output tensors: int8 is what TFLite Micro wants; float keeps
+# float I/O around the int8 body.
+IO_TYPES = ("int8", "uint8", "float")
 NNCF_PRESETS = ("performance", "mixed")  # NNCF's: symmetric activations, or asymmetric ones
 BIAS_CORRECTIONS = ("fast", "full", "none")
 DEFAULT_PERCENTILE = 99.999
@@ -29,6 +34,7 @@ PRESETS = {
         ONNXRUNTIME: {"dtype": "uint8", "weight_dtype": "int8", "per_channel": True, "method": "percentile"},
         PYTORCH: {},  # PyTorch's x86 int8 is already uint8 activations x int8 per-channel weights
         OPENVINO: {},  # NNCF's performance preset is the fast one
+        LITERT: {},  # a full-integer model has one configuration of kernels
     }
 }
 
@@ -58,6 +64,9 @@ class QuantizationSettings:
     nncf_preset: str | None = None
     bias_correction: str | None = None
     subset_size: int | None = None
+    # LiteRT only: the input/output tensors' type, and the onnxruntime model whose activation ranges it copies.
+    io: str | None = None
+    ranges_from: str | None = None
 
 
 def make_settings(
@@ -74,6 +83,8 @@ def make_settings(
     bias_correction: str | None = None,
     subset_size: int | None = None,
     float_nodes: tuple[str, ...] = (),
+    io: str | None = None,
+    ranges_from: str | None = None,
 ) -> QuantizationSettings:
     """Validated settings. Without a target the defaults are the seed study's, the weights following the
     activations' type; a target's preset fills in what the options leave open. Space-to-depth is on by
@@ -108,6 +119,17 @@ def make_settings(
             raise PtqError(f"--bias-correction: '{bias_correction}' is not one of {', '.join(BIAS_CORRECTIONS)}")
         if subset_size is not None and subset_size < 1:
             raise PtqError(f"--subset-size: must be at least 1, got {subset_size}")
+    litert_given = [option for option, value in (("--io", io), ("--ranges-from", ranges_from)) if value is not None]
+    if backend != LITERT and litert_given:
+        raise PtqError(f"{litert_given[0]}: a LiteRT option; applies to --backend litert")
+    if backend == LITERT:
+        if "uint8" in (dtype, weight_dtype):
+            raise PtqError("--dtype uint8: a full-integer TFLite model computes in int8; --io uint8 gives it uint8 input and output")
+        io = io or IO_TYPES[0]
+        if io not in IO_TYPES:
+            raise PtqError(f"--io: '{io}' is not one of {', '.join(IO_TYPES)}")
+        if ranges_from is not None and method not in (None, METHODS[LITERT][0]):
+            raise PtqError(f"--method {method}: --ranges-from takes the activation ranges from {ranges_from} instead")
     if backend == PYTORCH and "uint8" in (dtype, weight_dtype):
         option = "--dtype" if dtype == "uint8" else "--weight-dtype"
         raise PtqError(
@@ -142,6 +164,8 @@ def make_settings(
         bias_correction=bias_correction,
         subset_size=subset_size,
         float_nodes=tuple(float_nodes),
+        io=io,
+        ranges_from=None if ranges_from is None else str(ranges_from),
     )
 
 
@@ -167,7 +191,14 @@ def describe_quantization(settings: dict | None) -> str:
     # PyTorch's x86 kernels pair unsigned activations with signed weights whatever the model is called.
     types = "a:quint8 w:qint8" if settings.get("format") == "FX" else f"a:{settings['dtype']} w:{settings.get('weight_dtype', settings['dtype'])}"
     if settings.get("format") == "TFLite":  # a full-integer .tflite: its tensors' types and its I/O quantization
-        return f"TFLite {types}, input {settings.get('input', '?')}, output {settings.get('output', '?')}"
+        parts = [f"TFLite {types}"]
+        if "per_channel" in settings:  # ptq made it: how it was calibrated
+            parts.append("per-channel" if settings["per_channel"] else "per-tensor")
+            ranges = settings.get("ranges_from")
+            parts.append(f"ranges of {ranges.replace(chr(92), '/').rsplit('/', 1)[-1]}" if ranges else
+                         settings.get("method", "?") + (f" {settings['percentile']:g}" if settings.get("percentile") else ""))
+            parts.append(f"{settings.get('calibration_samples', '?')} samples")
+        return ", ".join([*parts, f"input {settings.get('input', '?')}", f"output {settings.get('output', '?')}"])
     if settings.get("format") == "IR":
         parts = [f"NNCF IR {types}", f"{settings.get('nncf_preset')} preset", f"{settings.get('bias_correction')} bias correction",
                  f"{settings.get('subset_size') or settings.get('calibration_samples', '?')} samples"]

@@ -15,7 +15,17 @@ from ptq_cli.errors import PtqError
 from ptq_cli.services import inputs
 from ptq_cli.services.calibration import CalibrationSet
 from ptq_cli.services.graph import upgrade_opset
-from ptq_cli.services.models import ONNXRUNTIME, OPENVINO, PYTORCH, QUANTIZATION_METADATA_KEY, SOURCE_METADATA_KEY, LoadedModel, check_classes, read_onnx
+from ptq_cli.services.models import (
+    LITERT,
+    ONNXRUNTIME,
+    OPENVINO,
+    PYTORCH,
+    QUANTIZATION_METADATA_KEY,
+    SOURCE_METADATA_KEY,
+    LoadedModel,
+    check_classes,
+    read_onnx,
+)
 from ptq_cli.services.quant_settings import QuantizationSettings
 
 # QDQ needs opset 10; per-channel QDQ needs 13. Older models are converted to this opset first.
@@ -90,14 +100,16 @@ def with_calibration(settings: QuantizationSettings, calibration: CalibrationSet
 
 
 def default_output(model: Path, settings: QuantizationSettings, models_dir: Path | None = None) -> Path:
-    """models/resnet8.onnx -> models/resnet8_int8.onnx, resnet8_uint8_speed.onnx, or resnet8_pytorch_int8.pt
-    (beside the model, or in `models_dir`)."""
+    """models/resnet8.onnx -> models/resnet8_int8.onnx, resnet8_uint8_speed.onnx, resnet8_pytorch_int8.pt,
+    resnet8_openvino_int8.xml or resnet8_int8.tflite (beside the model, or in `models_dir`)."""
     model = Path(model)
     directory = Path(models_dir) if models_dir is not None else model.parent
     if settings.framework == PYTORCH:
         return directory / f"{model.stem}_pytorch_{settings.dtype}.pt"
     if settings.framework == OPENVINO:
         return directory / f"{model.stem}_openvino_{settings.dtype}.xml"
+    if settings.framework == LITERT:
+        return directory / f"{model.stem}_{settings.dtype}{'_ranges' if settings.ranges_from else ''}.tflite"
     suffix = f"_{settings.target}" if settings.target and settings.framework == ONNXRUNTIME else ""
     return directory / f"{model.stem}_{settings.dtype}{suffix}.onnx"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ptq_cli import settings
 from ptq_cli.services.benchmark import BenchmarkRecord, benchmark_key, load_benchmarks
 from ptq_cli.services.evaluate import OK, EvaluationRecord, fp32_reference, load_records, record_status
 from ptq_cli.services.quant_settings import describe_model
@@ -66,6 +67,19 @@ class Recommendation:
 
 
 @dataclass(frozen=True)
+class ReferenceComparison:
+    """A TFLite model of the table against the MLPerf Tiny reference, both measured in it."""
+
+    model: str
+    accuracy: float
+    accuracy_delta: float  # points vs the reference
+    size_bytes: int
+    size_delta_bytes: int
+    latency_ms_p50: float | None  # batch 1, from `ptq benchmark`
+    latency_ratio: float | None  # this model's batch-1 latency / the reference's, when both were benchmarked
+
+
+@dataclass(frozen=True)
 class DatasetGroup:
     """Every model evaluated on one dataset split (same images, by content)."""
 
@@ -77,6 +91,8 @@ class DatasetGroup:
     class_losses: list[ClassLoss]  # worst first, quantized models against their FP32 source
     recommendation: Recommendation | None
     baseline: ReportRow | None  # the FP32 model most rows are compared with: its measured accuracy heads the table
+    reference: ReportRow | None = None  # the MLPerf Tiny reference row, when it was evaluated on these images
+    versus_reference: tuple[ReferenceComparison, ...] = ()  # each other int8 TFLite model against it
 
 
 @dataclass(frozen=True)
@@ -186,8 +202,21 @@ def _group(records: list[EvaluationRecord], benchmarks: dict[str, BenchmarkRecor
     most_common = max(set(references), key=references.count) if references else None
     baseline = next((row for row in rows if row.model == most_common), None) or next((row for row in rows if row.dtype == "fp32"), None)
     first = records[0]
+    reference = next((row for row in rows if row.label == settings.MLPERF_REFERENCE_LABEL), None)
     return DatasetGroup(first.dataset_label, first.dataset, first.images, rows, tuple(first.class_names), losses[:worst_classes],
-                        recommendation, baseline)
+                        recommendation, baseline, reference, _versus_reference(rows, reference))
+
+
+def _versus_reference(rows: list[ReportRow], reference: ReportRow | None) -> tuple[ReferenceComparison, ...]:
+    if reference is None:
+        return ()
+    timed = reference.latency_ms_p50
+    return tuple(
+        ReferenceComparison(row.model, row.accuracy, round(row.accuracy - reference.accuracy, 4), row.size_bytes,
+                            row.size_bytes - reference.size_bytes, row.latency_ms_p50,
+                            round(row.latency_ms_p50 / timed, 3) if row.latency_ms_p50 and timed else None)
+        for row in rows if row.framework == reference.framework and row.dtype != "fp32" and row is not reference
+    )
 
 
 def _fastest_within_budget(rows: list[ReportRow]) -> ReportRow | None:

@@ -26,7 +26,7 @@ from ptq_cli.atomic import check_writable
 from ptq_cli.errors import PtqError
 from ptq_cli.services.calibration import CalibrationSet, stratified_subset
 from ptq_cli.services.inputs import PreprocessingFlags
-from ptq_cli.services.models import ONNXRUNTIME, OPENVINO, PYTORCH, load_model
+from ptq_cli.services.models import LITERT, ONNXRUNTIME, OPENVINO, PYTORCH, load_model
 from ptq_cli.services.progress import ProgressCallback, Steps
 from ptq_cli.services.quant_settings import BIAS_CORRECTIONS, NNCF_PRESETS, QuantizationSettings, describe_quantization, make_settings
 from ptq_cli.services.quant_settings import METHODS as BACKEND_METHODS
@@ -130,6 +130,13 @@ def choose(candidates: list[Candidate], max_drop: float) -> tuple[Candidate, boo
     )
 
 
+def check_backend(backend: str) -> None:
+    backends.backend(backend)
+    if backend == LITERT:
+        raise PtqError("--backend litert: tune searches onnxruntime, pytorch and openvino; for TFLite use ptq quantize --backend litert "
+                       "(--method, --per-tensor, --ranges-from a tuned onnxruntime model)")
+
+
 def tune(
     model_path: Path,
     dtype: str,
@@ -149,7 +156,7 @@ def tune(
     observer (histogram, minmax) and calibration size; it has no float-layer stage (FX quantizes all).
     NNCF (openvino) searches preset x bias correction, calibration size and its ignored scope."""
     model_path, output = Path(model_path), Path(output)
-    backends.backend(backend)
+    check_backend(backend)
     methods = methods or (METHODS if backend == ONNXRUNTIME else BACKEND_METHODS[backend])
     if backend == PYTORCH:
         max_float_layers = 0

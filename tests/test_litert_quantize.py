@@ -1,0 +1,159 @@
+"""`ptq quantize --backend litert`: a full-integer .tflite from the Keras model an ONNX model was converted
+from, calibrated on ptq's calibration set; tiny Keras classifiers of coloured images, in-process."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+from synthetic import CLASSES, channel_mean_classifier, colour_images, invoke, one_line_error
+
+from ptq_cli import settings
+from ptq_cli.backends import litert
+from ptq_cli.errors import PtqError
+from ptq_cli.services import quant_settings
+from ptq_cli.services.models import load_model
+
+pytest.importorskip("ai_edge_litert", reason="the litert extra is not installed")
+keras = pytest.importorskip("keras", reason="the keras extra is not installed")
+
+SCALE = 1 / 255
+
+
+def _keras_colour_classifier(path, scale: float = 1.0):
+    """Conv 1x1 (the identity, ReLU) -> mean over the image -> Dense (the identity x 10): the class is the
+    brightest channel. `scale`: the input is pixels x scale."""
+    image = keras.Input((8, 8, 3))
+    features = keras.layers.Conv2D(3, 1, activation="relu", name="conv")(image)
+    pooled = keras.layers.GlobalAveragePooling2D()(features)
+    scores = keras.layers.Dense(3, activation="softmax", name="dense")(pooled)
+    model = keras.Model(image, scores)
+    model.get_layer("conv").set_weights([np.eye(3, dtype=np.float32).reshape(1, 1, 3, 3), np.zeros(3, np.float32)])
+    model.get_layer("dense").set_weights([np.eye(3, dtype=np.float32) * 10 / (255 * scale), np.zeros(3, np.float32)])
+    model.save(path)
+    return path
+
+
+@pytest.fixture
+def study(tmp_path, monkeypatch):
+    """A Keras model, its ONNX conversion by ptq (which records the Keras file), and images in an .npz."""
+    monkeypatch.setenv(settings.CACHE_ENV, str(tmp_path / "cache"))
+    train, train_labels = colour_images(20, seed=1)
+    test, test_labels = colour_images(20, seed=2)
+    np.savez(tmp_path / "colours.npz", train_images=train, train_labels=train_labels, test_images=test, test_labels=test_labels,
+             class_names=np.array(CLASSES))
+    _keras_colour_classifier(tmp_path / "tiny.h5", SCALE)
+    converted = invoke("convert", "--keras", "tiny.h5", "--output", "tiny.onnx", "--data", "colours.npz", "--check-images", "30",
+                       "--scale", str(SCALE), cwd=tmp_path)
+    assert converted.exit_code == 0, converted.output
+    return tmp_path
+
+
+def _quantize(study, *args):
+    result = invoke("quantize", "--model", "tiny.onnx", "--backend", "litert", "--data", "colours.npz", "--json", *args, cwd=study)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def _top1(model, images):
+    return model.predict(model.prepare(images)).argmax(axis=1)
+
+
+def test_a_full_integer_tflite_with_int8_io_predicts_what_the_float_model_does(study):
+    made = _quantize(study)
+    assert made["output"] == "tiny_int8.tflite" and made["settings"]["io"] == "int8" and made["settings"]["per_channel"] is True
+    data = (study / "tiny_int8.tflite").read_bytes()
+    assert litert.sniff(data[:8]) and made["output_size_bytes"] == len(data)
+    quantized, source = load_model(study / "tiny_int8.tflite"), load_model(study / "tiny.onnx")
+    assert quantized.info.dtype == "int8" and quantized.info.quantization["input"].startswith("int8 (")
+    assert quantized.info.quantization["output"].startswith("int8 (")
+    # Stored in the flatbuffer: the preprocessing (no flags needed), the settings, the FP32 source.
+    assert quantized.preprocessing == source.preprocessing and quantized.preprocessing.scale == pytest.approx(SCALE)
+    assert quantized.info.source_sha256 == source.info.sha256
+    assert quantized.info.quantization["calibration_samples"] == 60 and quantized.info.quantization["keras_source"] == "tiny.h5"
+    images, labels = colour_images(20, seed=2)
+    assert np.array_equal(_top1(quantized, images), _top1(source, images)) and np.mean(_top1(quantized, images) == labels) == 1.0
+
+
+@pytest.mark.parametrize("io, kind", [("uint8", "uint8 ("), ("float", "float32")])
+def test_io_sets_the_input_and_output_tensor_types(study, io, kind):
+    _quantize(study, "--io", io, "--output", f"{io}.tflite")
+    quantized = load_model(study / f"{io}.tflite")
+    assert quantized.info.quantization["input"].startswith(kind) and quantized.info.quantization["output"].startswith(kind)
+    images, _ = colour_images(20, seed=2)
+    assert np.array_equal(_top1(quantized, images), _top1(load_model(study / "tiny.onnx"), images))
+
+
+def test_per_tensor_weights_have_one_scale_per_tensor(study):
+    from tensorflow.lite.tools import flatbuffer_utils
+
+    def weight_scales(name):
+        graph = flatbuffer_utils.read_model(str(study / name)).subgraphs[0]
+        convolution = next(tensor for tensor in graph.tensors if tensor.type == 9 and len(tensor.shape) == 4 and tensor.shape[-1] == 3
+                           and tensor.quantization is not None and tensor.buffer and tensor.shape[0] == 3)
+        return len(convolution.quantization.scale)
+
+    _quantize(study, "--per-tensor", "--output", "tensor.tflite")
+    _quantize(study, "--output", "channel.tflite")
+    assert (weight_scales("tensor.tflite"), weight_scales("channel.tflite")) == (1, 3)
+
+
+def test_ranges_from_an_onnxruntime_model_put_the_tflite_model_on_its_grid(study):
+    made = invoke("quantize", "--model", "tiny.onnx", "--target", "speed", "--data", "colours.npz", "--output", "speed.onnx", cwd=study)
+    assert made.exit_code == 0, made.output
+    result = _quantize(study, "--ranges-from", "speed.onnx")
+    assert result["output"] == "tiny_int8_ranges.tflite" and "from speed.onnx" in result["notes"][0]
+    qdq = onnx.load(str(study / "speed.onnx"))
+    constants = {initializer.name: numpy_helper.to_array(initializer) for initializer in qdq.graph.initializer}
+    # The first quantized activation is the image (here after tf2onnx's NHWC -> NCHW Transpose).
+    first = next(node for node in qdq.graph.node if node.op_type == "QuantizeLinear" and node.input[0] not in constants)
+    onnx_scale, onnx_zero_point = float(constants[first.input[1]]), int(constants[first.input[2]])
+    details = litert._interpreter_class()(model_path=str(study / "tiny_int8_ranges.tflite")).get_input_details()[0]
+    scale, zero_point = details["quantization"]
+    # The same grid: uint8 zero point z is int8 zero point z - 128.
+    assert scale == pytest.approx(onnx_scale, rel=1e-6) and zero_point == onnx_zero_point - 128
+    plain = litert._interpreter_class()(model_path=str(study / _quantize(study)["output"])).get_input_details()[0]
+    assert plain["quantization"][0] != pytest.approx(onnx_scale, rel=1e-6)  # the converter's own calibration differs
+
+
+def test_an_onnx_model_without_a_keras_source_is_refused(study):
+    channel_mean_classifier(study / "plain.onnx", layout="NHWC")
+    result = invoke("quantize", "--model", "plain.onnx", "--backend", "litert", "--data", "colours.npz", cwd=study)
+    one_line_error(result, "names none (ptq convert --keras records it)")
+    assert not list(study.glob("plain_*"))
+
+
+def test_a_changed_keras_source_is_refused(study):
+    _keras_colour_classifier(study / "tiny.h5", 2 * SCALE)
+    one_line_error(invoke("quantize", "--model", "tiny.onnx", "--backend", "litert", "--data", "colours.npz", cwd=study), "has changed")
+    assert not (study / "tiny_int8.tflite").exists()
+
+
+def test_ranges_from_a_model_of_another_source_are_refused(study):
+    channel_mean_classifier(study / "other.onnx", layout="NHWC")
+    made = invoke("quantize", "--model", "other.onnx", "--data", "colours.npz", "--scale", str(SCALE), "--output", "other_q.onnx", cwd=study)
+    assert made.exit_code == 0, made.output
+    one_line_error(invoke("quantize", "--model", "tiny.onnx", "--backend", "litert", "--data", "colours.npz", "--ranges-from", "other_q.onnx",
+                          cwd=study), "was not quantized by ptq from this FP32 model")
+    assert not (study / "tiny_int8_ranges.tflite").exists()
+
+
+@pytest.mark.parametrize("options, mentions", [
+    ({"backend": "litert", "dtype": "uint8"}, "--io uint8"),
+    ({"backend": "litert", "io": "int16"}, "--io"),
+    ({"backend": "onnxruntime", "io": "int8"}, "a LiteRT option"),
+    ({"backend": "openvino", "ranges_from": "m.onnx"}, "a LiteRT option"),
+    ({"backend": "litert", "method": "percentile", "ranges_from": "m.onnx"}, "--ranges-from"),
+    ({"backend": "litert", "method": "entropy"}, "not a litert calibration method"),
+])
+def test_litert_settings_are_checked_in_one_place(options, mentions):
+    with pytest.raises(PtqError, match=mentions.replace("(", r"\(")):
+        quant_settings.make_settings(**options)
+
+
+def test_tune_says_it_does_not_search_tflite_settings(study):
+    result = invoke("tune", "--model", "tiny.onnx", "--backend", "litert", "--data", "colours.npz", cwd=study)
+    one_line_error(result, "ptq quantize --backend litert")
