@@ -87,6 +87,8 @@ def test_report_shows_both_frameworks_side_by_side(pipeline):
         ("openvino", "fp32", "resnet8.onnx"),  # the same ONNX file, run on OpenVINO at f32
         ("openvino", "int8", "resnet8_openvino_int8.xml"),
         ("litert", "int8", "pretrainedResnet_quant.tflite"),  # the MLPerf Tiny reference
+        ("litert", "int8", "resnet8_int8.tflite"),
+        ("litert", "int8", "resnet8_int8_ranges.tflite"),
     ]
     by_model = {row["model"]: row for row in study["rows"] if row["framework"] != "openvino"}
     torch_int8 = record_of(pipeline / "results", "resnet8_pytorch_int8.pt")
