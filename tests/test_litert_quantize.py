@@ -141,6 +141,12 @@ def test_ranges_from_a_model_of_another_source_are_refused(study):
     assert not (study / "tiny_int8_ranges.tflite").exists()
 
 
+def test_a_missing_ranges_model_is_refused_before_any_work(study):
+    one_line_error(invoke("quantize", "--model", "tiny.onnx", "--backend", "litert", "--data", "colours.npz", "--ranges-from", "gone.onnx",
+                          cwd=study), "gone.onnx")
+    assert not (study / "tiny_int8_ranges.tflite").exists()
+
+
 @pytest.mark.parametrize("options, mentions", [
     ({"backend": "litert", "dtype": "uint8"}, "--io uint8"),
     ({"backend": "litert", "io": "int16"}, "--io"),

@@ -147,7 +147,8 @@ def load(path: Path, threads: int | None, flags: inputs.PreprocessingFlags) -> L
     integer = bool(tensor_types & set(INTEGER_TYPES))
     stored = metadata(data)
     made = metadata_object(path, stored, QUANTIZATION_METADATA_KEY) or {}  # how ptq quantized it, if it did
-    dtype = "int8" if integer else "fp32"
+    # ptq's settings name the activations' type; a model ptq did not make is named by its input's (legacy uint8 models).
+    dtype = (made.get("dtype") or INTEGER_TYPES.get(input_type, "int8")) if integer else "fp32"
     quantization = {
         **made, "format": FORMAT, "dtype": dtype, "weight_dtype": "int8", "input": describe_io(image), "output": describe_io(scores),
     } if integer else None
@@ -329,8 +330,9 @@ def _transferred_ranges(ranges_from: Path, qdq, calibrated: bytes, tensors: list
     import onnxruntime
 
     grids = _grid_ranges(qdq)
-    names = [name for name in grids if name not in {output.name for output in qdq.graph.output}]
-    qdq.graph.output.extend(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None) for name in names)
+    names = list(grids)
+    outputs = {output.name for output in qdq.graph.output}
+    qdq.graph.output.extend(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None) for name in names if name not in outputs)
     options = onnxruntime.SessionOptions()
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     try:
