@@ -689,10 +689,10 @@ def benchmark(
 ) -> None:
     """Latency at batch 1 (p50/p95/p99) and throughput at --batch-size, after warm-up, for ONNX and TorchScript models.
 
-    The models of one framework are measured in turns, one run of each at a time, so that the machine's ups
-    and downs reach them all alike: compare models in one call. (PyTorch models come after the onnxruntime
-    ones: their spinning threads would slow the next model; onnxruntime runs with spinning off.) Throughput
-    is the batch size over the median batch time. A model with a fixed batch runs chunks of it.
+    The models are measured in turns, one run of each at a time, so that the machine's ups and downs reach
+    them all alike: compare models in one call. onnxruntime (spinning off), OpenVINO and TFLite models take
+    their turns together; PyTorch models take theirs after them (their spinning threads would slow the next
+    model). Throughput is the batch size over the median batch time. A model with a fixed batch runs chunks of it.
     """
     choice = _data(data, None, preprocess, scale, mean, std, bgr)
     models = model or _default_models()

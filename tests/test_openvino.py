@@ -165,3 +165,28 @@ def test_openvino_and_nncf_telemetry_is_declined_before_they_load():
 
     openvino_backend._openvino()
     assert OptInChecker().check(enable_opt_in_dialog=False, disable_in_ci=False) == ConsentCheckResult.DECLINED
+
+
+def test_each_new_batch_size_runs_on_its_own_static_compile_up_to_the_limit_with_the_same_scores(project, monkeypatch):
+    import openvino as ov
+
+    from ptq_cli.backends import openvino as backend
+    from ptq_cli.services.inputs import PreprocessingFlags
+
+    compiled_shapes = []
+    compile_model = ov.Core.compile_model
+
+    def recording(core, model, *args, **kwargs):
+        compiled_shapes.append(str(model.inputs[0].get_partial_shape()))
+        return compile_model(core, model, *args, **kwargs)
+
+    monkeypatch.setattr(ov.Core, "compile_model", recording)
+    loaded = backend.load(project / "m.onnx", 1, PreprocessingFlags())
+    images = np.random.default_rng(0).standard_normal((9, 3, 8, 8)).astype(np.float32)
+    one_by_one = np.concatenate([loaded.predict(image[None]) for image in images])
+    sizes = list(range(2, 3 + backend.STATIC_SHAPES))  # one size more than are compiled statically
+    for size in sizes + sizes:
+        np.testing.assert_allclose(loaded.predict(images[:size]), one_by_one[:size], rtol=1e-5, atol=1e-6)
+    static = [shape for shape in compiled_shapes if "?" not in shape]
+    assert compiled_shapes[0] == "[?,3,8,8]"  # the fixed batch of 1 made dynamic, compiled at load
+    assert static == [f"[{size},3,8,8]" for size in [1, *sizes[: backend.STATIC_SHAPES - 1]]]  # each once, the rest dynamic

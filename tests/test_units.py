@@ -225,7 +225,7 @@ def test_benchmark_measures_models_in_turns(monkeypatch, tmp_path):
     calls: list[tuple[str, int]] = []
 
     def fake_model(path, threads, flags=None, runtime=None, precision=None):
-        framework = "pytorch" if path.suffix == ".pt" else "onnxruntime"
+        framework = {".pt": "pytorch", ".xml": "openvino", ".tflite": "litert"}.get(path.suffix, "onnxruntime")
         info = ModelInfo(path, framework, "fp32" if "fp32" in str(path) else "uint8", None, 1, str(path))
         return LoadedModel(info, lambda images: calls.append((str(path), len(images))) or np.zeros((len(images), 10), np.float32),
                            ModelInput("x", NHWC, 3, 32, 32, None), Preprocessing(), 10)
@@ -233,13 +233,14 @@ def test_benchmark_measures_models_in_turns(monkeypatch, tmp_path):
     monkeypatch.setattr(benchmark, "load_model", fake_model)
     images = tmp_path / "images.npz"
     np.savez(images, images=np.zeros((8, 32, 32, 3), np.uint8), labels=np.zeros(8, np.int64), class_names=np.array(list("abcdefghij")))
-    paths = [tmp_path / name for name in ("fp32.onnx", "fp32.pt", "q.onnx", "q.pt")]
-    records = benchmark.benchmark_models(paths, open_dataset(images), batch_size=8, threads=1, runs=3, warmup=1)
-    # One framework after the other (PyTorch's spinning threads would slow the next model), in turns within it.
-    expected = [(str(tmp_path / name), size) for pair in (("fp32.onnx", "q.onnx"), ("fp32.pt", "q.pt"))
-                for size in (1, 8) for _ in range(4) for name in pair]
+    names = ("fp32.onnx", "fp32.pt", "q.xml", "q.onnx", "q.pt", "q.tflite")
+    records = benchmark.benchmark_models([tmp_path / name for name in names], open_dataset(images), batch_size=8, threads=1, runs=3, warmup=1)
+    # PyTorch's models apart (its spinning threads would slow the next model), in turns among themselves;
+    # onnxruntime, OpenVINO and LiteRT in turns together, so ratios across them are measured in turns.
+    expected = [(str(tmp_path / name), size) for turn in (("fp32.onnx", "q.xml", "q.onnx", "q.tflite"), ("fp32.pt", "q.pt"))
+                for size in (1, 8) for _ in range(4) for name in turn]
     assert calls == expected
-    assert [Path(record.model_path).name for record in records] == ["fp32.onnx", "fp32.pt", "q.onnx", "q.pt"]
+    assert [Path(record.model_path).name for record in records] == list(names)
     assert all(record.runs == 3 for record in records)
 
 

@@ -42,6 +42,7 @@ NAME = "openvino"
 SUFFIX = ".xml"
 PRECISIONS = ("f32", "bf16")
 DEFAULT_PRECISION = "f32"
+STATIC_SHAPES = 4  # batch sizes compiled for a static shape per model (each compile takes tens of milliseconds)
 RT_INFO_SECTION = "ptq"  # ptq's metadata in the IR's rt_info: ptq/<key>
 STORED_KEYS = (QUANTIZATION_METADATA_KEY, inputs.INPUT_METADATA_KEY, SOURCE_METADATA_KEY, PRUNING_METADATA_KEY)
 # The layers with weights: what NNCF quantizes and what --ignored-scope leaves in float.
@@ -109,7 +110,8 @@ def _dims(partial_shape) -> list:
 
 def load(path: Path, threads: int | None, flags: inputs.PreprocessingFlags, precision: str | None = None) -> LoadedModel:
     """The model compiled for the CPU with the precision hint set (f32 unless told) and `threads` threads;
-    a fixed batch is reshaped to a dynamic one (OpenVINO re-infers the shapes)."""
+    a fixed batch is reshaped to a dynamic one (OpenVINO re-infers the shapes), and each of the first
+    STATIC_SHAPES batch sizes it is given runs on a copy compiled for that size."""
     ov = _openvino()
     path = Path(path)
     precision = precision or DEFAULT_PRECISION
@@ -147,13 +149,30 @@ def load(path: Path, threads: int | None, flags: inputs.PreprocessingFlags, prec
         compiled = core.compile_model(model, "CPU", config)
     except Exception as error:  # noqa: BLE001
         raise PtqError(f"{path}: OpenVINO cannot compile it ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from error
-    request = compiled.create_infer_request()
+    dynamic = (compiled, compiled.create_infer_request())
+    # A batch size seen again runs on a model compiled for that static shape: OpenVINO's static-shape
+    # kernels skip the per-call shape inference of the dynamic model.
+    static: dict[int, tuple | None] = {}
+
+    def compiled_for(size: int) -> tuple:
+        if chunk is not None or not model.inputs[0].get_partial_shape()[0].is_dynamic:
+            return dynamic
+        if size not in static and len(static) < STATIC_SHAPES:
+            try:
+                fixed = model.clone()
+                fixed.reshape({value.get_any_name(): ov.PartialShape([size, *described.shape(1)[1:]])})
+                exact = core.compile_model(fixed, "CPU", config)
+                static[size] = (exact, exact.create_infer_request())
+            except Exception:  # noqa: BLE001  a graph that will not take this batch statically runs dynamic
+                static[size] = None
+        return static.get(size) or dynamic
 
     def run(batch: np.ndarray) -> np.ndarray:
+        chosen, request = compiled_for(len(batch))
         try:
             # Shared buffers save a copy each way; the output is copied out before the next call reuses it.
             outputs = request.infer({0: np.ascontiguousarray(batch)}, share_inputs=True, share_outputs=True)
-            return np.array(outputs[compiled.output(0)]).reshape(len(batch), -1)
+            return np.array(outputs[chosen.output(0)]).reshape(len(batch), -1)
         except Exception as error:  # noqa: BLE001  OpenVINO's own exception types
             raise PtqError(f"{path}: OpenVINO failed to run it ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from error
 

@@ -20,12 +20,13 @@ from ptq_cli.services.models import check_classes, load_model, resolve_threads
 from ptq_cli.services.progress import ProgressCallback, Steps
 from ptq_cli.services.records import from_dict, model_key, record_files, write_record
 
-BENCHMARK_DIR = "benchmarks"
+BENCHMARK_DIR = "benchmarks"  # under the results directory, beside the evaluation records
 RUNTIME_SETTINGS = {
     "onnxruntime": "CPUExecutionProvider, 1 intra-op thread per run, allow_spinning 0, one shard per thread",
     "pytorch": "torch.set_num_threads(threads), chunks of 64 images",
-    "openvino": "CPU plugin, INFERENCE_NUM_THREADS threads, one synchronous infer request",
-}  # under the results directory, beside the evaluation records
+    "openvino": "CPU plugin, INFERENCE_NUM_THREADS threads, one synchronous infer request, compiled for each batch size",
+}
+SPINNING_FRAMEWORKS = ("pytorch",)  # their idle threads spin after a run: timed apart from the others
 
 
 @dataclass(frozen=True)
@@ -93,11 +94,12 @@ def benchmark_models(
     step = Steps(2 * (warmup + runs) * len(models), progress)
     latencies: list[list[float]] = [[] for _ in models]
     batch_seconds: list[list[float]] = [[] for _ in models]
-    # One framework at a time: PyTorch's OpenMP threads keep spinning after a run and would slow
-    # whatever model ran next (speed-ups compare models of one framework anyway).
-    frameworks = list(dict.fromkeys(model.info.framework for model in models))
-    for framework in frameworks:
-        group = [index for index, model in enumerate(models) if model.info.framework == framework]
+    # PyTorch's OpenMP threads keep spinning after a run and would slow whatever model ran next, so its
+    # models take their turns apart; onnxruntime (spinning off), OpenVINO and LiteRT take theirs together,
+    # so their ratios to onnxruntime FP32 are measured in turns too.
+    phase_of = [model.info.framework if model.info.framework in SPINNING_FRAMEWORKS else "" for model in models]
+    for phase in dict.fromkeys(phase_of):
+        group = [index for index, model_phase in enumerate(phase_of) if model_phase == phase]
         for single, timings in ((True, latencies), (False, batch_seconds)):
             for run in range(warmup + runs):
                 for index in group:
