@@ -687,11 +687,12 @@ def benchmark(
     precision: PrecisionOption = None,
     as_json: JsonFlag = False,
 ) -> None:
-    """Latency at batch 1 (p50/p95/p99) and throughput at --batch-size, after warm-up, for ONNX and TorchScript models.
+    """Latency at batch 1 (p50/p95/p99) and throughput at --batch-size, after warm-up, for ONNX, TorchScript, OpenVINO IR and TFLite models.
 
     The models are measured in turns, one run of each at a time, so that the machine's ups and downs reach
-    them all alike: compare models in one call. onnxruntime (spinning off), OpenVINO and TFLite models take
-    their turns together; PyTorch models take theirs after them (their spinning threads would slow the next
+    them all alike: compare models in one call. At a batch, onnxruntime (spinning off), OpenVINO and TFLite
+    models take their turns together; at batch 1, each runtime's models among themselves (so its threads are
+    as warm as when serving alone); PyTorch models come last (their spinning threads would slow the next
     model). Throughput is the batch size over the median batch time. A model with a fixed batch runs chunks of it.
     """
     choice = _data(data, None, preprocess, scale, mean, std, bgr)

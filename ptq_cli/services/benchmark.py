@@ -94,21 +94,32 @@ def benchmark_models(
     step = Steps(2 * (warmup + runs) * len(models), progress)
     latencies: list[list[float]] = [[] for _ in models]
     batch_seconds: list[list[float]] = [[] for _ in models]
-    # PyTorch's OpenMP threads keep spinning after a run and would slow whatever model ran next, so its
-    # models take their turns apart; onnxruntime (spinning off), OpenVINO and LiteRT take theirs together,
-    # so their ratios to onnxruntime FP32 are measured in turns too.
-    phase_of = [model.info.framework if model.info.framework in SPINNING_FRAMEWORKS else "" for model in models]
-    for phase in dict.fromkeys(phase_of):
-        group = [index for index, model_phase in enumerate(phase_of) if model_phase == phase]
-        for single, timings in ((True, latencies), (False, batch_seconds)):
-            for run in range(warmup + runs):
-                for index in group:
-                    inputs = batches[index][:1] if single else batches[index]
-                    began = time.perf_counter()
-                    models[index].predict(inputs)
-                    if run >= warmup:
-                        timings[index].append(time.perf_counter() - began)
-                    step()
+
+    def in_turns(group: list[int], single: bool, timings: list[list[float]]) -> None:
+        for run in range(warmup + runs):
+            for index in group:
+                inputs = batches[index][:1] if single else batches[index]
+                began = time.perf_counter()
+                models[index].predict(inputs)
+                if run >= warmup:
+                    timings[index].append(time.perf_counter() - began)
+                step()
+
+    frameworks = [model.info.framework for model in models]
+    quiet = [index for index, framework in enumerate(frameworks) if framework not in SPINNING_FRAMEWORKS]
+    # Batch 1: each framework's models in turns among themselves. Between another runtime's runs a
+    # runtime's worker threads fall asleep, and each call would pay their wake-up, which a model serving
+    # alone does not.
+    for framework in dict.fromkeys(frameworks[index] for index in quiet):
+        in_turns([index for index in quiet if frameworks[index] == framework], True, latencies)
+    # Throughput: onnxruntime (spinning off), OpenVINO and LiteRT in turns together, so their ratios to
+    # onnxruntime FP32 are measured in turns too; waking threads costs little against a batch.
+    in_turns(quiet, False, batch_seconds)
+    # PyTorch's OpenMP threads keep spinning after a run and would slow whatever ran next: its models last.
+    for framework in dict.fromkeys(framework for framework in frameworks if framework in SPINNING_FRAMEWORKS):
+        group = [index for index, other in enumerate(frameworks) if other == framework]
+        in_turns(group, True, latencies)
+        in_turns(group, False, batch_seconds)
     timestamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
     records = []
     for model, latency, seconds in zip(models, latencies, batch_seconds, strict=True):
