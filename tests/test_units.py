@@ -243,6 +243,7 @@ def test_benchmark_measures_models_in_turns(monkeypatch, tmp_path):
     expected = [(str(tmp_path / name), size) for size, turn in turns for _ in range(4) for name in turn]
     assert calls == expected
     assert [Path(record.model_path).name for record in records] == list(names)
+    assert all(record.runtime_settings for record in records)  # every record says how its runtime ran
     assert all(record.runs == 3 for record in records)
 
 

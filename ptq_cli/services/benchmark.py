@@ -25,6 +25,7 @@ RUNTIME_SETTINGS = {
     "onnxruntime": "CPUExecutionProvider, 1 intra-op thread per run, allow_spinning 0, one shard per thread",
     "pytorch": "torch.set_num_threads(threads), chunks of 64 images",
     "openvino": "CPU plugin, INFERENCE_NUM_THREADS threads, one synchronous infer request, compiled for each batch size",
+    "litert": "ai-edge-litert Interpreter with its default XNNPACK delegate, num_threads threads, a fixed batch run that many images per invoke",
 }
 SPINNING_FRAMEWORKS = ("pytorch",)  # their idle threads spin after a run: timed apart from the others
 
