@@ -8,7 +8,7 @@ PTQ_ASSETS ?= ../shared/assets
 export PTQ_ASSETS
 ONNX2TORCH := onnx2torch==1.5.15
 
-.PHONY: install run tune sweep test test-fast bench clean
+.PHONY: install run tune sweep test test-fast bench bench-runtimes clean
 
 install: $(VENV)/.installed
 
@@ -51,6 +51,9 @@ test-fast: install
 
 bench: install
 	$(BIN)/python benchmarks/pipeline.py
+
+bench-runtimes: install
+	$(BIN)/python benchmarks/runtimes.py
 
 clean:
 	rm -rf models calibration results reports

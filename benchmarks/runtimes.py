@@ -1,0 +1,89 @@
+"""The x86 runtimes against onnxruntime FP32: the targets of ptq's OpenVINO backend, measured.
+
+    .venv/bin/python benchmarks/runtimes.py [--workdir DIR] [--runs N] [--threads T]
+
+In a scratch directory (or DIR, reusing what is already there), as a user would, one process per command:
+`ptq run` (every model, OpenVINO and TFLite ones included), `ptq tune --backend openvino --max-drop 0.05`,
+`ptq evaluate` of the tuned IR on the test set, then one `ptq benchmark` call over the x86 models, so
+every ratio comes from one process with the models in turns. Prints each model's top-1, throughput at
+batch 256, its ratio to onnxruntime FP32 and batch-1 p50, then each target as met or missed:
+- the fastest model within 0.10 points of FP32 runs at >= 5.0x onnxruntime FP32;
+- the tuned OpenVINO model scores >= 87.14% at >= 4.5x;
+- the tuned OpenVINO model's batch-1 p50 is below onnxruntime FP32's.
+Timing lives here, never in the unit tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from pipeline import ptq
+from rich.console import Console
+from rich.table import Table
+
+FP32 = "resnet8.onnx"
+TUNED = "resnet8_openvino_int8_tuned.xml"
+MODELS = (FP32, "resnet8_uint8_speed.onnx", "resnet8_openvino_int8.xml", TUNED, "resnet8_int8.tflite", "resnet8_int8_ranges.tflite")
+WITHIN_POINTS, FASTEST_TARGET = 0.10, 5.0
+TUNED_ACCURACY, TUNED_TARGET = 87.14, 4.5
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", type=Path, help="where to run (default: a new temporary directory)")
+    parser.add_argument("--runs", type=int, default=200, help="timed runs per benchmark measurement")
+    parser.add_argument("--threads", type=int, help="inference threads (default: all cores)")
+    options = parser.parse_args()
+    repo = Path(__file__).resolve().parent.parent
+    workdir = options.workdir or Path(tempfile.mkdtemp(prefix="ptq-runtimes-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PTQ_ASSETS": str(Path(os.environ.get("PTQ_ASSETS", repo.parent / "shared" / "assets")).resolve())}
+    threads = ["--threads", str(options.threads)] if options.threads else []
+    console = Console(width=max(Console().width, 110))
+
+    ptq(["run", "--no-benchmark", *threads], workdir, env)
+    ptq(["tune", "--backend", "openvino", "--max-drop", "0.05"], workdir, env)
+    ptq(["evaluate", "--model", f"models/{TUNED}", *threads], workdir, env)
+    ptq(["benchmark", *[arg for model in MODELS for arg in ("--model", f"models/{model}")], "--runs", str(options.runs), *threads], workdir, env)
+    _, output = ptq(["report", "--json"], workdir, env)
+    # Each file on the runtime it is deployed on (the report also holds resnet8.onnx run on OpenVINO).
+    rows = {row["model"]: row for row in json.loads(output)["groups"][0]["rows"]
+            if row["model"] in MODELS and (row["model"].endswith(".xml") or row["framework"] != "openvino")}
+    baseline = rows[FP32]
+
+    table = Table(title=f"Batch 256 throughput and batch-1 p50, one `ptq benchmark` call, {options.runs} runs, models in turns", title_justify="left")
+    for column in ("model", "runtime", "top-1", "images/s", "x onnxruntime FP32", "p50 ms"):
+        table.add_column(column, justify="left" if column in ("model", "runtime") else "right")
+    for name in MODELS:
+        row = rows[name]
+        ratio = row["images_per_second"] / baseline["images_per_second"]
+        runtime = row["framework"] + (f" {row['precision']}" if row["precision"] else "")
+        table.add_row(name, runtime, f"{row['accuracy']:.2f}%", f"{row['images_per_second']:,.0f}", f"{ratio:.2f}x", f"{row['latency_ms_p50']:.3f}")
+    console.print(table)
+
+    def ratio(name: str) -> float:
+        return rows[name]["images_per_second"] / baseline["images_per_second"]
+
+    within = [name for name in MODELS if name != FP32 and rows[name]["accuracy"] >= baseline["accuracy"] - WITHIN_POINTS]
+    fastest = max(within, key=ratio, default=None)
+    tuned = rows[TUNED]
+    targets = [
+        (f"fastest within {WITHIN_POINTS:.2f} points of FP32 at >= {FASTEST_TARGET}x",
+         fastest is not None and ratio(fastest) >= FASTEST_TARGET,
+         f"{fastest}: {ratio(fastest):.2f}x, {rows[fastest]['accuracy']:.2f}%" if fastest else "no model within the budget"),
+        (f"tuned OpenVINO model >= {TUNED_ACCURACY}% at >= {TUNED_TARGET}x",
+         tuned["accuracy"] >= TUNED_ACCURACY and ratio(TUNED) >= TUNED_TARGET, f"{tuned['accuracy']:.2f}% at {ratio(TUNED):.2f}x"),
+        ("tuned OpenVINO model's batch-1 p50 below onnxruntime FP32's",
+         tuned["latency_ms_p50"] < baseline["latency_ms_p50"], f"{tuned['latency_ms_p50']:.3f} ms vs {baseline['latency_ms_p50']:.3f} ms"),
+    ]
+    for target, met, measured in targets:
+        console.print(f"{'met   ' if met else 'missed'}  {target}: {measured}")
+    console.print(f"work directory: {workdir}")
+
+
+if __name__ == "__main__":
+    main()
