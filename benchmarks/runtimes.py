@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -53,6 +54,9 @@ def main() -> None:
     # Each file on the runtime it is deployed on (the report also holds resnet8.onnx run on OpenVINO).
     rows = {row["model"]: row for row in json.loads(output)["groups"][0]["rows"]
             if row["model"] in MODELS and (row["model"].endswith(".xml") or row["framework"] != "openvino")}
+    missing = [name for name in MODELS if name not in rows]
+    if missing:
+        sys.exit(f"no figures for {', '.join(missing)} in {workdir}: are the openvino and litert extras installed (make install)?")
     baseline = rows[FP32]
 
     table = Table(title=f"Batch 256 throughput and batch-1 p50, one `ptq benchmark` call, {options.runs} runs, models in turns", title_justify="left")
