@@ -51,17 +51,23 @@ def ptq(args: list[str], workdir: Path, env: dict[str, str]) -> tuple[float, str
     return seconds, done.stdout
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def setup(description: str, prefix: str) -> tuple[argparse.Namespace, Path, dict[str, str], Console]:
+    """A benchmark script's options (--workdir, --runs, --threads), its work directory, the environment
+    its ptq commands run in (PTQ_ASSETS, ../shared/assets unless set) and a console wide enough for tables."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--workdir", type=Path, help="where to run (default: a new temporary directory)")
     parser.add_argument("--runs", type=int, default=200, help="timed runs per benchmark measurement")
     parser.add_argument("--threads", type=int, help="inference threads (default: all cores)")
     options = parser.parse_args()
     repo = Path(__file__).resolve().parent.parent
-    workdir = options.workdir or Path(tempfile.mkdtemp(prefix="ptq-bench-"))
+    workdir = options.workdir or Path(tempfile.mkdtemp(prefix=prefix))
     workdir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PTQ_ASSETS": str(Path(os.environ.get("PTQ_ASSETS", repo.parent / "shared" / "assets")).resolve())}
-    console = Console(width=max(Console().width, 110))
+    return options, workdir, env, Console(width=max(Console().width, 110))
+
+
+def main() -> None:
+    options, workdir, env, console = setup(__doc__.splitlines()[0], "ptq-bench-")
 
     ptq(["calibrate", "--output", "warm-up.npz"], workdir, env)  # fills the decoded-CIFAR cache
     timings = {name: ptq(args, workdir, env)[0] for name, args in STAGES}

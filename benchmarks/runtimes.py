@@ -15,15 +15,10 @@ Timing lives here, never in the unit tests.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
-import tempfile
-from pathlib import Path
 
-from pipeline import ptq
-from rich.console import Console
+from pipeline import ptq, setup
 from rich.table import Table
 
 FP32 = "resnet8.onnx"
@@ -34,17 +29,8 @@ TUNED_ACCURACY, TUNED_TARGET = 87.14, 4.5
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", type=Path, help="where to run (default: a new temporary directory)")
-    parser.add_argument("--runs", type=int, default=200, help="timed runs per benchmark measurement")
-    parser.add_argument("--threads", type=int, help="inference threads (default: all cores)")
-    options = parser.parse_args()
-    repo = Path(__file__).resolve().parent.parent
-    workdir = options.workdir or Path(tempfile.mkdtemp(prefix="ptq-runtimes-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PTQ_ASSETS": str(Path(os.environ.get("PTQ_ASSETS", repo.parent / "shared" / "assets")).resolve())}
+    options, workdir, env, console = setup(__doc__.splitlines()[0], "ptq-runtimes-")
     threads = ["--threads", str(options.threads)] if options.threads else []
-    console = Console(width=max(Console().width, 110))
 
     ptq(["run", "--no-benchmark", *threads], workdir, env)
     ptq(["tune", "--backend", "openvino", "--max-drop", "0.05"], workdir, env)
@@ -59,18 +45,17 @@ def main() -> None:
         sys.exit(f"no figures for {', '.join(missing)} in {workdir}: are the openvino and litert extras installed (make install)?")
     baseline = rows[FP32]
 
+    def ratio(name: str) -> float:
+        return rows[name]["images_per_second"] / baseline["images_per_second"]
+
     table = Table(title=f"Batch 256 throughput and batch-1 p50, one `ptq benchmark` call, {options.runs} runs, models in turns", title_justify="left")
     for column in ("model", "runtime", "top-1", "images/s", "x onnxruntime FP32", "p50 ms"):
         table.add_column(column, justify="left" if column in ("model", "runtime") else "right")
     for name in MODELS:
         row = rows[name]
-        ratio = row["images_per_second"] / baseline["images_per_second"]
         runtime = row["framework"] + (f" {row['precision']}" if row["precision"] else "")
-        table.add_row(name, runtime, f"{row['accuracy']:.2f}%", f"{row['images_per_second']:,.0f}", f"{ratio:.2f}x", f"{row['latency_ms_p50']:.3f}")
+        table.add_row(name, runtime, f"{row['accuracy']:.2f}%", f"{row['images_per_second']:,.0f}", f"{ratio(name):.2f}x", f"{row['latency_ms_p50']:.3f}")
     console.print(table)
-
-    def ratio(name: str) -> float:
-        return rows[name]["images_per_second"] / baseline["images_per_second"]
 
     within = [name for name in MODELS if name != FP32 and rows[name]["accuracy"] >= baseline["accuracy"] - WITHIN_POINTS]
     fastest = max(within, key=ratio, default=None)

@@ -233,8 +233,9 @@ def _recommendation_lines(group: DatasetGroup) -> list[str]:
     ]
 
 
-def _runtime(row: ReportRow) -> str:
-    return row.framework + (f" {row.precision}" if row.precision else "")
+def _runtime(measured: ReportRow | BenchmarkRecord) -> str:
+    """The runtime and, for OpenVINO, its precision hint: "openvino f32"."""
+    return measured.framework + (f" {measured.precision}" if measured.precision else "")
 
 
 def _group_title(group: DatasetGroup) -> str:
@@ -520,7 +521,7 @@ def benchmarks(records: list[BenchmarkRecord], speedups: dict[tuple, float | Non
         table.add_column(column, justify="left" if column in ("Model", "Framework", "Type") else "right", no_wrap=True)
     for record in records:
         table.add_row(
-            record.name, record.framework + (f" {record.precision}" if record.precision else ""), record.dtype,
+            record.name, _runtime(record), record.dtype,
             milliseconds(record.latency_ms_p50), milliseconds(record.latency_ms_p95),
             milliseconds(record.latency_ms_p99), f"{record.images_per_second:,.0f}", speedup(speedups.get(run_key(record))),
         )

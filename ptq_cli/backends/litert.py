@@ -372,7 +372,6 @@ def _transferred_ranges(ranges_from: Path, qdq, calibrated: bytes, tensors: list
     return matched, unmatched
 
 
-
 def _with_ranges(calibrated: bytes, ranges: dict[int, tuple[float, float]]) -> bytes:
     """The calibrated model with these (min, max) in place of the converter's statistics (each widened to
     hold 0, as every quantizer does)."""

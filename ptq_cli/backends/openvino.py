@@ -155,7 +155,7 @@ def load(path: Path, threads: int | None, flags: inputs.PreprocessingFlags, prec
     static: dict[int, tuple | None] = {}
 
     def compiled_for(size: int) -> tuple:
-        if chunk is not None or not model.inputs[0].get_partial_shape()[0].is_dynamic:
+        if chunk is not None:  # a graph tied to its batch is already static
             return dynamic
         if size not in static and len(static) < STATIC_SHAPES:
             try:

@@ -70,12 +70,12 @@ def benchmark_models(
     precision: str | None = None,
     also: Sequence[tuple[Path, str, str | None]] = (),
 ) -> list[BenchmarkRecord]:
-    """Latency at batch 1 and throughput at `batch_size` of every model, the models of each framework in turns.
+    """Latency at batch 1 and throughput at `batch_size` of every model, the models in turns.
     `also`: more runs, each (model, runtime, precision): an ONNX file on OpenVINO beside its onnxruntime run.
 
-    Each timed run goes round the framework's models before the next begins, so a change in the machine's
+    Each timed run goes round a group of models before the next begins, so a change in the machine's
     speed during the measurement (another tenant, a frequency change) reaches them alike and the ratios
-    between them hold. Throughput is the batch size over the median time of a batch, so one stalled
+    between them hold (which models share a group: below). Throughput is the batch size over the median time of a batch, so one stalled
     batch does not move it."""
     for option, value in (("--batch-size", batch_size), ("--runs", runs)):
         if value < 1:

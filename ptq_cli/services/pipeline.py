@@ -208,7 +208,7 @@ def plan(options: RunOptions, render_markdown: Callable[[report_service.Report],
                             lambda: evaluate_service.save_record(evaluate_service.evaluate_model(
                                 fp32, dataset, threads=options.threads, flags=flags, runtime="openvino", precision="f32"), results, dataset), test))
     reference = settings.mlperf_reference_path()
-    references = [reference] if options.litert and options.model is None and litert_backend.available() and reference.is_file() else []
+    references = [reference] if with_litert and reference.is_file() else []
     for model in references:
         record = evaluate_service.record_path(results, model, dataset)
         stages.append(Stage(f"evaluate {settings.MLPERF_REFERENCE_LABEL}",
