@@ -8,9 +8,16 @@ PTQ_ASSETS ?= ../shared/assets
 export PTQ_ASSETS
 ONNX2TORCH := onnx2torch==1.5.15
 
-.PHONY: install run tune sweep test test-fast bench bench-runtimes clean
+.PHONY: install qemu run tune sweep test test-fast bench bench-runtimes bench-int8 clean
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed qemu
+
+# qemu-user (Debian) runs onnxruntime's real kernels as an AVX2 CPU without VNNI, so that a VNNI machine
+# can measure the saturating int8 path (`ptq evaluate --int8-path saturating`); ptq says so when it is missing.
+qemu:
+	@command -v qemu-x86_64 >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq qemu-user >/dev/null; } || \
+		echo "qemu-user not installed (needs apt-get as root): the saturating int8 path cannot be measured on a VNNI CPU"
 
 # torch is pinned to 2.13.0, the local CPU build; onnx2torch goes in with --no-deps because its
 # metadata requires torchvision, whose registry build is CUDA-only (see README, "PyTorch without torchvision").
@@ -54,6 +61,10 @@ bench: install
 
 bench-runtimes: install
 	$(BIN)/python benchmarks/runtimes.py
+
+# ptq's default models on both x86 int8 paths and their speed, with issue 22's targets for this CPU's instruction set.
+bench-int8: install
+	$(BIN)/python benchmarks/int8_paths.py
 
 clean:
 	rm -rf models calibration results reports

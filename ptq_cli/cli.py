@@ -19,6 +19,7 @@ from rich.console import Console, Group
 from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TransferSpeedColumn
 
+from ptq_cli import cpu as cpu_info
 from ptq_cli import render, settings
 from ptq_cli.atomic import check_writable, is_temporary, write_text
 from ptq_cli.datasets import Dataset, open_dataset
@@ -26,14 +27,15 @@ from ptq_cli.errors import Interrupted, PtqError
 from ptq_cli.services import benchmark as benchmark_service
 from ptq_cli.services import calibration as calibration_service
 from ptq_cli.services import convert as convert_service
+from ptq_cli.services import emulate as emulate_service
 from ptq_cli.services import evaluate as evaluate_service
 from ptq_cli.services import export as export_service
 from ptq_cli.services import fetch as fetch_service
 from ptq_cli.services import inputs as inputs_service
 from ptq_cli.services import models as models_service
+from ptq_cli.services import overflow, quant_settings
 from ptq_cli.services import pipeline as pipeline_service
 from ptq_cli.services import prune as prune_service
-from ptq_cli.services import quant_settings
 from ptq_cli.services import quantize as quantize_service
 from ptq_cli.services import report as report_service
 from ptq_cli.services import sensitivity as sensitivity_service
@@ -156,6 +158,18 @@ BiasCorrection = _choices("BiasCorrection", quant_settings.BIAS_CORRECTIONS)
 IoType = _choices("IoType", quant_settings.IO_TYPES)
 Runtime = _choices("Runtime", ("onnxruntime", "openvino"))
 Precision = _choices("Precision", ("f32", "bf16"))
+Cpus = _choices("Cpus", cpu_info.CPU_TARGETS)
+OverflowFix = _choices("OverflowFix", overflow.OVERFLOW_FIXES)
+Int8Path = _choices("Int8Path", ("native", *cpu_info.INT8_PATHS, "both"))
+# Which CPUs a quantized model is for, and how it stays exact on those without VNNI (one block, shared).
+CpusOption = Annotated[
+    Cpus,
+    typer.Option(help="Which CPUs the model is for: all (every x86 CPU, with or without VNNI/AMX, and ARM: weights or activations bounded so that x86 kernels without VNNI cannot overflow) or vnni (x86 with VNNI/AMX, and ARM: the full 8-bit range, loses accuracy on AVX2-only CPUs). Stored in the model; evaluate and benchmark warn on a CPU outside it.", rich_help_panel="Deployment"),
+]
+OverflowFixOption = Annotated[
+    Optional[OverflowFix],
+    typer.Option(help="With --cpus all: the layers whose int8 weights are bounded so that no pair of u8 x s8 products overflows int16 (the pair rule): first-layer (where the input's full range meets them; measured) or all-layers (proven: the model cannot saturate). PyTorch keeps 7-bit activations instead; LiteRT needs nothing. (default: first-layer; PyTorch all-layers)", show_default=False, rich_help_panel="Deployment"),
+]
 # Where a model runs: ONNX files on onnxruntime unless told; OpenVINO IR always on OpenVINO.
 RuntimeOption = Annotated[
     Optional[Runtime],
@@ -389,6 +403,8 @@ def quantize(
     ignored_scope: Annotated[Optional[list[str]], typer.Option(help="A layer (node name) NNCF leaves in float; repeat for several.", show_default=False, rich_help_panel="NNCF (--backend openvino)")] = None,
     io: Annotated[Optional[IoType], typer.Option(help="Type of the .tflite's input and output tensors: int8 (what TFLite Micro wants), uint8, or float around the int8 body. (default: int8)", show_default=False, rich_help_panel="LiteRT (--backend litert)")] = None,
     ranges_from: Annotated[Optional[Path], typer.Option(help="An onnxruntime QDQ model ptq quantized from the same FP32 model: its activation ranges (scale, zero point) replace the converter's calibration, tensor by tensor, so both models compute on the same grid.", show_default=False, rich_help_panel="LiteRT (--backend litert)")] = None,
+    cpus: CpusOption = Cpus("all"),
+    overflow_fix: OverflowFixOption = None,
     data: DataOption = None,
     calibration_data: CalibrationDataOption = None,
     preprocess: PresetOption = None,
@@ -407,7 +423,7 @@ def quantize(
     quantization_settings = quant_settings.make_settings(
         dtype and dtype.value, backend.value, weight_dtype and weight_dtype.value, per_channel, method and method.value, percentile, graph_preprocess,
         target and target.value, space_to_depth, nncf_preset and nncf_preset.value, bias_correction and bias_correction.value, subset_size,
-        tuple(ignored_scope or ()), io and io.value, ranges_from,
+        tuple(ignored_scope or ()), io and io.value, ranges_from, cpus=cpus.value, overflow_fix=overflow_fix and overflow_fix.value,
     )
     choice = _data(data, calibration_data, preprocess, scale, mean, std, bgr)
     check_model(model)  # a bad model fails before any calibration work
@@ -640,6 +656,8 @@ def evaluate(
     runtime: RuntimeOption = None,
     precision: PrecisionOption = None,
     label: Annotated[Optional[str], typer.Option(help="What the report calls the model, beside its file name (one --model only).", show_default=False)] = None,
+    int8_path: Annotated[Int8Path, typer.Option(help="Which x86 int8 path to score 8-bit onnxruntime and PyTorch models on: native (this CPU's), exact (VNNI/AMX, ARM), saturating (AVX2 without VNNI) or both. The path this CPU does not take comes from onnxruntime's exact kernels, a proof that the model cannot saturate, or emulation of an AVX2 CPU (qemu-x86_64 -cpu Haswell) on --emulated-images images.", rich_help_panel="Runtime")] = Int8Path("native"),
+    emulated_images: Annotated[int, typer.Option(min=10, help="Images (the first of each class) scored under emulation, which runs about 100 images/s on ResNet8.", rich_help_panel="Runtime")] = emulate_service.DEFAULT_SUBSET,
     as_json: JsonFlag = False,
 ) -> None:
     """Top-1 accuracy on the dataset's test split (val if it has no test), against the model's FP32 source.
@@ -653,19 +671,25 @@ def evaluate(
     models = model or _default_models()
     if label is not None and len(models) != 1:
         raise PtqError(f"--label: names one model, but {len(models)} are being evaluated")
+    paths = {"native": (None,), "both": cpu_info.INT8_PATHS}.get(int8_path.value, (int8_path.value,))
     for model_path in models:
-        check_writable(evaluate_service.record_path(results_dir, model_path, dataset, evaluate_service.runtime_tag(
-            model_path, runtime and runtime.value, precision and precision.value)))
+        for path in paths:
+            check_writable(evaluate_service.record_path(results_dir, model_path, dataset, evaluate_service.runtime_tag(
+                model_path, runtime and runtime.value, precision and precision.value) + evaluate_service.requested_tag(path)))
     records = []
     for model_path in models:
-        with _progress_bar(f"Evaluating {model_path.name}") as progress:
-            evaluated = evaluate_service.evaluate_and_save(model_path, dataset, results_dir, batch_size, threads, progress, choice.flags,
-                                                           runtime and runtime.value, precision and precision.value, label)
-        records.append(evaluated.record)
-        if not as_json:
-            if evaluated.source_evaluated is not None:
-                out.print(f"[dim]Evaluated its FP32 source {evaluated.source_evaluated} too (no record of it on this dataset).[/dim]")
-            out.print(render.evaluation(evaluated.record, evaluated.reference, per_class, evaluated.path, evaluated.reference_status))
+        for path in evaluate_service.int8_paths_for(model_path, paths):
+            with _progress_bar(f"Evaluating {model_path.name}" + (f" ({path} int8 path)" if path else "")) as progress:
+                evaluated = evaluate_service.evaluate_and_save(model_path, dataset, results_dir, batch_size, threads, progress, choice.flags,
+                                                               runtime and runtime.value, precision and precision.value, label, path, emulated_images)
+            records.append(evaluated.record)
+            warning = evaluate_service.outside_target(model_path, (evaluated.record.quantization or {}).get("cpus"))
+            if warning:
+                err.print(f"warning: {escape(warning)}", soft_wrap=True)
+            if not as_json:
+                if evaluated.source_evaluated is not None:
+                    out.print(f"[dim]Evaluated its FP32 source {evaluated.source_evaluated} too (no record of it on this dataset).[/dim]")
+                out.print(render.evaluation(evaluated.record, evaluated.reference, per_class, evaluated.path, evaluated.reference_status))
     if as_json:
         out.print(render.as_json(records if len(records) > 1 else records[0]), soft_wrap=True)
 
@@ -705,6 +729,9 @@ def benchmark(
                                                      runtime=runtime and runtime.value, precision=precision and precision.value)
     for record in records:
         benchmark_service.save_benchmark(record, results_dir)
+        warning = evaluate_service.outside_target(record.model_path, record.target_cpus)
+        if warning:
+            err.print(f"warning: {escape(warning)}", soft_wrap=True)
     ratios = benchmark_service.speedups(records, benchmark_service.load_benchmarks(results_dir))
     _emit(as_json, [{**render.plain(record), "speedup_vs_fp32": ratios[benchmark_service.run_key(record)]} for record in records], render.benchmarks(records, ratios))
 

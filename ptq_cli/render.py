@@ -21,7 +21,7 @@ from ptq_cli.services.export import CArrayExport
 from ptq_cli.services.fetch import FetchResult
 from ptq_cli.services.pipeline import RunResult
 from ptq_cli.services.prune import PruneResult
-from ptq_cli.services.quant_settings import short_node
+from ptq_cli.services.quant_settings import describe_cpus, short_node
 from ptq_cli.services.quantize import QuantizeResult
 from ptq_cli.services.records import to_json
 from ptq_cli.services.report import DatasetGroup, Report, ReportRow
@@ -122,6 +122,7 @@ def quantization(result: QuantizeResult) -> Table:
             ("framework", f"{settings.framework} ({settings.format})"),
             ("activations / weights", f"{settings.dtype} / {settings.weight_dtype}"),
             ("granularity", "per-channel" if settings.per_channel else "per-tensor"),
+            ("CPUs", describe_cpus(dataclasses.asdict(settings)) or "-"),
             *((("input / output tensors", settings.io),) if settings.io else ()),
             ("calibration method", method),
             ("calibration samples", f"{settings.calibration_samples} (seed {settings.calibration_seed}, {settings.calibration_source})"),
@@ -155,7 +156,7 @@ def evaluation(record: EvaluationRecord, reference: EvaluationRecord | None, per
         *comparison,
         f"  {record.images_per_second:,.0f} images/s  -> {record_file}",
     )
-    details = Text(f"  input {record.model_input}; preprocessing {record.preprocessing}", style="dim")
+    details = Text(f"  input {record.model_input}; preprocessing {record.preprocessing}" + int8_path_text(record), style="dim")
     if not per_class:
         return Group(headline, details)
     table = Table(title=f"Per-class accuracy: {record.name}", title_justify="left")
@@ -174,6 +175,15 @@ def evaluation(record: EvaluationRecord, reference: EvaluationRecord | None, per
     return Group(headline, details, table)
 
 
+def int8_path_text(record: EvaluationRecord) -> str:
+    """"; saturating int8 path (native) on AMD EPYC (avx2)" — which path the figure holds for, and where."""
+    cpu = record.cpu or {}
+    where = f" on {cpu.get('model', '?')} ({', '.join(cpu.get('flags') or []) or 'no avx2'})" if cpu else ""
+    if not record.int8_path:
+        return f"; measured{where}" if where else ""
+    return f"; {record.int8_path} int8 path ({record.int8_basis}){where}"
+
+
 def class_percent(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}%"
 
@@ -183,9 +193,27 @@ def delta(points: float | None) -> str:
 
 
 REPORT_COLUMNS = (
-    "Model", "Framework", "Data type", "Configuration", "Accuracy", "Delta vs FP32 source", "Model size", "Size reduction",
-    "Images/s", "Speed-up", "Speed-up vs onnxruntime FP32", "Latency p50 (ms)",
+    "Model", "Framework", "Data type", "Configuration", "Accuracy", "Delta vs FP32 source", "Accuracy without VNNI", "Model size", "Size reduction",
+    "Images/s", "Speed-up", "Speed-up vs onnxruntime FP32", "Latency p50 (ms)", "Measured on",
 )
+
+
+def no_vnni(row: ReportRow, short: bool = False) -> str:
+    """The top-1 on x86 CPUs without VNNI (the saturating int8 path): "=" where it is the same by proof
+    or for a float model, a figure (* on an emulated subset), "-" where not measured."""
+    if row.dtype == "fp32" and row.framework in ("onnxruntime", "pytorch"):
+        return "="
+    if row.saturating_accuracy is None:
+        return "-"
+    if row.saturating_basis.startswith("proof"):
+        return "=" if short else f"= ({row.saturating_basis})"
+    mark = "*" if row.saturating_basis.startswith("emulated") else ""
+    figure = f"{row.saturating_accuracy:.2f}{mark}" if short else f"{row.saturating_accuracy:.2f}%{mark}"
+    return figure if short else f"{figure} ({row.saturating_basis})"
+
+
+def _measured_on(row: ReportRow) -> str:
+    return (row.measured_on or "-") + (" (another kind of CPU than this one)" if row.other_cpu else "")
 
 
 def milliseconds(value: float | None) -> str:
@@ -208,12 +236,14 @@ def _report_cells(row: ReportRow) -> list[str]:
         row.configuration,
         f"{row.accuracy:.2f}%",
         delta(row.delta),
+        no_vnni(row),
         size(row.size_bytes),
         percent(row.size_reduction),
         f"{row.images_per_second:,.0f}" + ("" if row.speed_source == "benchmark" else " (eval)"),
         speedup(row.speedup),
         speedup(row.speedup_vs_onnxruntime),
         milliseconds(row.latency_ms_p50),
+        _measured_on(row),
     ]
 
 
@@ -247,7 +277,7 @@ def _group_title(group: DatasetGroup) -> str:
 
 
 # Narrower than REPORT_COLUMNS so the table fits an 80-column terminal; the Markdown keeps the long names.
-TERMINAL_COLUMNS = ("Model", "Framework", "Type", "Top-1", "Delta", "KB", "Saved", "img/s", "Speed")
+TERMINAL_COLUMNS = ("Model", "Framework", "Type", "Top-1", "Delta", "noVNNI", "KB", "img/s", "Speed")
 
 
 def report(report: Report) -> Group:
@@ -258,13 +288,25 @@ def report(report: Report) -> Group:
     if any(row.speed_source == "evaluate" for row in report.rows):
         parts.append(Text(f"img/s: from `ptq benchmark` where it measured the file, else from evaluation (batch {settings.EVALUATION_BATCH}); "
                           "speed-ups compare like with like.", style="dim"))
+    if report.rows:
+        parts.append(Text(NO_VNNI_NOTE, style="dim"))
+        cpus = sorted({row.measured_on for row in report.rows if row.measured_on})
+        if cpus:
+            parts.append(Text(f"Measured on: {'; '.join(cpus)}.", style="dim"))
     parts += [Text(line, style="yellow") for line in _status_lines(report)]
     parts += [Text(f"skipped {line}", style="yellow") for line in report.skipped]
     return Group(*parts)
 
 
+NO_VNNI_NOTE = ("noVNNI: top-1 on x86 CPUs without VNNI (the saturating int8 path); '=' the same by proof (or a float model), "
+                "'*' emulated on a subset, '-' not measured.")
+
+
 def _status_lines(report: Report) -> list[str]:
     lines = []
+    elsewhere = sorted({f"{row.model} ({row.measured_on})" for row in report.rows if row.other_cpu})
+    if elsewhere:
+        lines.append(f"measured on another kind of CPU than this one: {', '.join(elsewhere)}")
     stale = sorted({row.model for row in report.rows if row.status == "stale"})
     missing = sorted({row.model for row in report.rows if row.status == "missing"})
     if stale:
@@ -293,8 +335,8 @@ def _main_table(group: DatasetGroup) -> Table:
             table.add_column(column, justify="left" if column in TERMINAL_COLUMNS[:3] else "right", no_wrap=True)
     for row in group.rows:
         cells = _report_cells(row)
-        table.add_row(*cells[:3], *cells[4:6], f"{row.size_bytes / 1024:.1f}", cells[7], f"{row.images_per_second:,.0f}", cells[9],
-                      *(cells[10:11] if other_runtimes else ()))
+        table.add_row(*cells[:3], *cells[4:6], no_vnni(row, short=True), f"{row.size_bytes / 1024:.1f}", f"{row.images_per_second:,.0f}",
+                      cells[10], *(cells[11:12] if other_runtimes else ()))
     return table
 
 
@@ -471,7 +513,9 @@ def report_markdown(report: Report, charts: list[Path] | None = None) -> str:
         "Delta: percentage points against the FP32 model each model was made from, measured on the same images. "
         "Size reduction and speed-up are against the FP32 model of the same framework. "
         "Images/s and latency come from `ptq benchmark` (throughput at its batch size, latency at batch 1); "
-        f"'(eval)' marks throughput measured during evaluation instead (batch {settings.EVALUATION_BATCH}).",
+        f"'(eval)' marks throughput measured during evaluation instead (batch {settings.EVALUATION_BATCH}). "
+        "Accuracy without VNNI: top-1 on x86 CPUs without VNNI (the saturating int8 path); '=' the same by proof or for a float model, "
+        "'*' emulated on a subset, '-' not measured.",
     ]
     status = _status_lines(report)
     if status:

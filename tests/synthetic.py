@@ -84,3 +84,29 @@ def image_folder(root: Path, splits=("train", "test"), per_class: int = 6, suffi
             Image.fromarray(image).save(folder / f"{index:04d}{suffix}")
     (root / "classes.txt").write_text("\n".join(CLASSES) + "\n")  # the model's order, not the sorted folder names
     return root
+
+
+def conv_classifier(path: Path, size: int = 8) -> Path:
+    """NCHW 3 x size x size -> Conv 3->6 (3x3) -> Relu -> global mean -> Gemm -> 3 colour scores. At the full
+    8-bit range a filter's largest same-sign weight codes sum to far more than 128, so the pair rule
+    changes its scales (onnxruntime's kernel for this small conv was not seen to overflow on it: the
+    real-asset ResNet8 test shows the overflow itself)."""
+    rng = np.random.default_rng(1)
+    # Every weight large and positive (no pairing of its codes is pair-safe), the filter's own colour twice
+    # as heavy; the Gemm takes each colour's filters against the others'.
+    conv = (0.03 + rng.uniform(0.0, 0.005, (6, 3, 3, 3))).astype(np.float32)
+    for filter_index in range(6):
+        conv[filter_index, filter_index % 3] += 0.03
+    gemm = np.full((6, 3), -0.5, np.float32)
+    for filter_index in range(6):
+        gemm[filter_index, filter_index % 3] = 1.0
+    nodes = [helper.make_node("Conv", ["image", "conv_w"], ["conv"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["conv"], ["relu"]),
+             helper.make_node("GlobalAveragePool", ["relu"], ["pooled"]),
+             helper.make_node("Flatten", ["pooled"], ["flat"]),
+             helper.make_node("Gemm", ["flat", "gemm_w"], ["scores"])]
+    graph = helper.make_graph(nodes, "conv_colours", [helper.make_tensor_value_info("image", onnx.TensorProto.FLOAT, ["N", 3, size, size])],
+                              [helper.make_tensor_value_info("scores", onnx.TensorProto.FLOAT, ["N", 3])],
+                              [numpy_helper.from_array(conv, "conv_w"), numpy_helper.from_array(gemm, "gemm_w")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=7), str(path))
+    return path

@@ -51,15 +51,16 @@ def test_second_run_skips_every_stage_and_changes_no_file(pipeline_snapshot):
 
 
 def test_a_missing_output_reruns_only_its_stage_and_those_after_it_that_read_it(pipeline_snapshot):
-    int8_record = next((pipeline_snapshot / "results").glob("resnet8_int8.onnx-??????@*.json"))
-    int8_record.unlink()
+    # The FP32 model's record: one int8 path or another, every row's delta reads it, so the report changes.
+    fp32_record = next((pipeline_snapshot / "results").glob("resnet8.onnx-??????@*.json"))
+    fp32_record.unlink()
     before = _hashes(pipeline_snapshot)
     result = json.loads(ptq_ok("run", "--no-benchmark", "--json", cwd=pipeline_snapshot).stdout)
     ran = [stage["name"] for stage in result["stages"] if stage["ran"]]
-    assert ran == ["evaluate resnet8_int8.onnx", "report"]
+    assert ran == ["evaluate resnet8.onnx", "report"]
     after = _hashes(pipeline_snapshot)
     changed = {path for path in after if before.get(path) != after[path]}
-    assert changed == {f"results/{int8_record.name}", "reports/QUANTIZATION_ANALYSIS.md", "results/manifest.json"}
+    assert changed == {f"results/{fp32_record.name}", "reports/QUANTIZATION_ANALYSIS.md", "results/manifest.json"}
     assert read_json(pipeline_snapshot / "results" / "manifest.json")["last_run"]["up_to_date"][0] == "convert keras -> onnx"
 
 

@@ -16,7 +16,7 @@ import numpy as np
 from ptq_cli.atomic import atomic_output
 from ptq_cli.backends.base import QuantizedFile
 from ptq_cli.errors import PtqError
-from ptq_cli.services import inputs
+from ptq_cli.services import inputs, overflow
 from ptq_cli.services.graph import symbolic_batch
 from ptq_cli.services.models import (
     ONNXRUNTIME,
@@ -83,10 +83,16 @@ def describe_input(path: Path, model):
     return described, num_classes(path, onnx_dims(model.graph.output[0]))
 
 
-def _session(path: Path, data: bytes, quiet: bool = False):
+# onnxruntime's session option for its exact (slower) u8 x s8 kernels on x86 CPUs without VNNI.
+EXACT_PATH_CONFIG = "session.x64quantprecision"
+
+
+def _session(path: Path, data: bytes, quiet: bool = False, exact_int8: bool = False):
     import onnxruntime as ort
 
     options = ort.SessionOptions()
+    if exact_int8:
+        options.add_session_config_entry(EXACT_PATH_CONFIG, "1")
     options.intra_op_num_threads = 1
     options.inter_op_num_threads = 1
     options.log_severity_level = 4 if quiet else 3  # a probe's expected failure is not the user's error
@@ -117,13 +123,14 @@ def free_batch(path: Path, model, described: inputs.ModelInput):
     return candidate if got.shape == (len(probe), *expected[0].shape[1:]) and np.allclose(np.concatenate(expected), got, rtol=1e-4, atol=1e-5) else None
 
 
-def load(path: Path, threads: int | None, flags: inputs.PreprocessingFlags) -> LoadedModel:
+def load(path: Path, threads: int | None, flags: inputs.PreprocessingFlags, exact_int8: bool = False) -> LoadedModel:
     """One onnxruntime session for the model's whole life, run data-parallel over `threads` threads.
 
     Each run uses one intra-op thread and a large batch is split into one shard per thread, run
     concurrently on the same session (onnxruntime releases the GIL and allows concurrent runs): small
     convolutions split poorly inside one operator. A fixed batch dimension is made symbolic where that
-    computes the same; otherwise the model runs on chunks of its fixed batch."""
+    computes the same; otherwise the model runs on chunks of its fixed batch. `exact_int8` turns on
+    onnxruntime's exact u8 x s8 kernels on a CPU without VNNI (which a default session does not use)."""
     path = Path(path)
     data = read_bytes(path)
     model = read_onnx(path, data)
@@ -136,13 +143,13 @@ def load(path: Path, threads: int | None, flags: inputs.PreprocessingFlags) -> L
     if described.batch is not None:
         freed = free_batch(path, model, described)
         if freed is not None:
-            session = _session(path, freed.SerializeToString())
+            session = _session(path, freed.SerializeToString(), exact_int8=exact_int8)
             note = f"fixed batch {described.batch} made symbolic (same outputs)"
         else:
-            session, chunk = _session(path, data), described.batch
+            session, chunk = _session(path, data, exact_int8=exact_int8), described.batch
             note = f"fixed batch {described.batch}: run {described.batch} image{'s' if described.batch > 1 else ''} at a time"
     else:
-        session = _session(path, data)
+        session = _session(path, data, exact_int8=exact_int8)
     pool = ThreadPoolExecutor(threads, thread_name_prefix="ptq-ort") if threads > 1 else None
 
     def run(batch: np.ndarray) -> np.ndarray:
@@ -238,6 +245,9 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
             if rewrites:
                 source = str(Path(workdir) / "space_to_depth.onnx")
                 onnx.save(graph, source)
+        if settings.overflow_fix in overflow.OVERFLOW_FIXES and settings.weight_dtype == "int8":
+            graph = onnx.load(source) if isinstance(source, str) else model
+            extra_options["TensorQuantOverrides"] = overflow.weight_overrides(graph, settings.overflow_fix, settings.per_channel)
         # quantize_static print()s its histogram progress; stdout belongs to ptq's own output (--json).
         with atomic_output(output) as tmp, contextlib.redirect_stdout(io.StringIO()):
             try:

@@ -36,6 +36,7 @@ from ptq_cli.services.models import (
     read_bytes,
     resolve_threads,
 )
+from ptq_cli.services.overflow import ALL_LAYERS, FIRST_LAYER
 from ptq_cli.services.quant_settings import QuantizationSettings
 
 NAME = "openvino"
@@ -239,7 +240,10 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     first = converted.inputs[0]
     if _dims(first.get_partial_shape())[0] not in (None, 1):
         converted.reshape({first.get_any_name(): ov.PartialShape([-1, *_dims(first.get_partial_shape())[1:]])})
-    advanced = nncf.AdvancedQuantizationParameters(disable_bias_correction=settings.bias_correction == "none")
+    from nncf.quantization.advanced_parameters import OverflowFix
+
+    overflow_fix = {FIRST_LAYER: OverflowFix.FIRST_LAYER, ALL_LAYERS: OverflowFix.ENABLE}.get(settings.overflow_fix, OverflowFix.DISABLE)
+    advanced = nncf.AdvancedQuantizationParameters(disable_bias_correction=settings.bias_correction == "none", overflow_fix=overflow_fix)
     try:
         # NNCF draws its progress bars on stdout, which is for ptq's results (--json): they go to stderr.
         with contextlib.redirect_stdout(sys.stderr):

@@ -16,7 +16,7 @@ from ptq_cli.atomic import atomic_output
 from ptq_cli.backends import onnxruntime as ort_backend
 from ptq_cli.backends.base import QuantizedFile
 from ptq_cli.errors import PtqError
-from ptq_cli.services import inputs
+from ptq_cli.services import inputs, overflow
 from ptq_cli.services.graph import static_reshape_targets
 from ptq_cli.services.models import (
     PYTORCH,
@@ -99,12 +99,53 @@ def save_torchscript(module, path: Path, example: np.ndarray, stored: dict[str, 
     Path(path).write_bytes(buffer.getvalue())
 
 
-def qconfig_mapping(per_channel: bool, method: str):
+def _pair_safe_observer(per_channel: bool):
+    """A weight observer whose scales follow the pair rule (services/overflow.py): per output channel, or
+    one scale for the tensor (the largest a channel needs)."""
+    import torch
+    from torch.ao.quantization.observer import MinMaxObserver, PerChannelMinMaxObserver
+
+    base = PerChannelMinMaxObserver if per_channel else MinMaxObserver
+
+    class PairSafeObserver(base):  # type: ignore[misc, valid-type]
+        def forward(self, weight):
+            self.weight_seen = weight.detach()
+            return super().forward(weight)
+
+        def calculate_qparams(self):
+            rows, _ = overflow.weight_rows("Conv", self.weight_seen.float().numpy())  # Conv and Linear: output channels first
+            scales = torch.from_numpy(overflow.pair_safe_scales(rows))
+            if not per_channel:
+                scales = scales.max().reshape(1)
+            return scales, torch.zeros(len(scales), dtype=torch.int64)
+
+    return PairSafeObserver.with_args(dtype=torch.qint8, qscheme=torch.per_channel_symmetric if per_channel else torch.per_tensor_symmetric)
+
+
+def first_layer_modules(module) -> list[str]:
+    """The Conv/Linear modules the input reaches without passing another one (the stem), by name."""
+    import torch
+
+    weighted = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Linear)
+    frontier = [node for node in module.graph.nodes if node.op == "placeholder"]
+    seen, found = set(frontier), []
+    while frontier:
+        for user in frontier.pop().users:
+            if user.op == "call_module" and isinstance(module.get_submodule(user.target), weighted):
+                if user.target not in found:
+                    found.append(user.target)
+            elif user not in seen:
+                seen.add(user)
+                frontier.append(user)
+    return found
+
+
+def qconfig_mapping(per_channel: bool, method: str, overflow_fix: str = overflow.NO_FIX, first_layers: tuple[str, ...] = ()):
     """Weights: signed int8, symmetric (the x86 quantized kernels need that). Activations: unsigned 8-bit.
 
-    reduce_range is off: it keeps 7 bits for activations to avoid an overflow in the AVX2 instruction
-    older x86 CPUs use; CPUs with VNNI (this one has avx512_vnni) do not need it, and the 8th bit is worth
-    about 0.2 points here.
+    fbgemm without VNNI adds pairs of u8 x s8 products into a saturating int16 (`--cpus all`): "all-layers"
+    keeps 7-bit activations (torch.ao's own x86 default, `reduce_range`; 2 * 127 * 128 never overflows);
+    "first-layer" gives the `first_layers` modules' weights pair-safe scales and keeps 8-bit activations.
     """
     import torch
     from torch.ao.quantization import QConfig, get_default_qconfig_mapping
@@ -116,9 +157,13 @@ def qconfig_mapping(per_channel: bool, method: str):
         else MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric)
     )
     observer = HistogramObserver if method == "histogram" else MinMaxObserver
-    activation = observer.with_args(dtype=torch.quint8, reduce_range=False)
+    activation = observer.with_args(dtype=torch.quint8, reduce_range=overflow_fix == overflow.ALL_LAYERS)
     # The x86 mapping keeps its fixed-range settings for ops like softmax; everything else gets ours.
-    return get_default_qconfig_mapping(ENGINE).set_global(QConfig(activation=activation, weight=weight))
+    mapping = get_default_qconfig_mapping(ENGINE).set_global(QConfig(activation=activation, weight=weight))
+    if overflow_fix == overflow.FIRST_LAYER:
+        for name in first_layers:
+            mapping.set_module_name(name, QConfig(activation=activation, weight=_pair_safe_observer(per_channel)))
+    return mapping
 
 
 def _batches(images: np.ndarray, fixed: int | None) -> list[np.ndarray]:
@@ -138,7 +183,8 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     float_module = onnx_to_graph_module(model, fold=settings.preprocess)
     batches = _batches(calibration, fixed)
     example = torch.from_numpy(batches[0][:1] if fixed is None else batches[0])
-    prepared = prepare_fx(float_module, qconfig_mapping(settings.per_channel, settings.method), (example,))
+    mapping = qconfig_mapping(settings.per_channel, settings.method, settings.overflow_fix, tuple(first_layer_modules(float_module)))
+    prepared = prepare_fx(float_module, mapping, (example,))
     with torch.no_grad():
         for batch in batches:
             prepared(torch.from_numpy(batch))

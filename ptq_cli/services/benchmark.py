@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 import ptq_cli
+from ptq_cli import cpu as cpu_info
 from ptq_cli.datasets import Dataset
 from ptq_cli.errors import PtqError
 from ptq_cli.services.evaluate import runtime_of, runtime_tag
@@ -51,6 +52,8 @@ class BenchmarkRecord:
     # one shard per thread; TorchScript in chunks of 64 images.
     runtime_settings: str = ""
     precision: str | None = None  # OpenVINO's inference precision hint; None for the other runtimes
+    cpu: dict | None = None  # the CPU it ran on (cpu.Cpu.as_record): speed is a property of the machine too
+    target_cpus: str | None = None  # the CPUs the model was quantized for (`--cpus`), if ptq says
 
     @property
     def name(self) -> str:
@@ -145,6 +148,8 @@ def benchmark_models(
                 runtime_settings=RUNTIME_SETTINGS.get(model.info.framework, "")
                 + (f", INFERENCE_PRECISION_HINT {model.info.precision}" if model.info.precision else ""),
                 precision=model.info.precision,
+                cpu=cpu_info.current().as_record(),
+                target_cpus=(model.info.quantization or {}).get("cpus"),
             )
         )
     return records

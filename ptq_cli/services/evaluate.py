@@ -13,11 +13,13 @@ from typing import Protocol
 import numpy as np
 
 import ptq_cli
+from ptq_cli import cpu as cpu_info
 from ptq_cli import settings
 from ptq_cli.datasets import Dataset, open_dataset
 from ptq_cli.errors import PtqError
+from ptq_cli.services import emulate, overflow
 from ptq_cli.services.inputs import Preprocessing, PreprocessingFlags
-from ptq_cli.services.models import check_classes, file_sha256, load_model, resolve_threads
+from ptq_cli.services.models import ONNXRUNTIME, PYTORCH, LoadedModel, check_classes, file_sha256, load_model, read_onnx, resolve_threads
 from ptq_cli.services.progress import ProgressCallback
 from ptq_cli.services.quant_settings import describe_model
 from ptq_cli.services.records import from_dict, model_key, record_files, write_record
@@ -58,6 +60,10 @@ class EvaluationRecord:
     preprocessing_settings: dict | None = None  # scale, mean, std, bgr, preset: what the images were fed as
     precision: str | None = None  # OpenVINO's inference precision hint (f32, bf16); None for the other runtimes
     label: str | None = None  # what the report calls the model instead of its file name (e.g. the MLPerf Tiny reference)
+    cpu: dict | None = None  # the CPU it ran on: model, arch, int8 flags, its native int8 path (cpu.Cpu.as_record)
+    int8_path: str | None = None  # "exact" or "saturating": the x86 int8 path the figure holds for; None for a float model
+    int8_basis: str = ""  # how that path was reached: native, a session option, a proof, or emulation (and on how many images)
+    exact_accuracy_same_images: float | None = None  # emulated on a subset: the exact path's top-1 on those images, to compare with
 
     @property
     def name(self) -> str:
@@ -66,6 +72,59 @@ class EvaluationRecord:
     @property
     def dataset_label(self) -> str:
         return f"{Path(self.dataset).name} ({self.split})" if self.split else Path(self.dataset).name
+
+
+# How a figure for an int8 path was obtained.
+NATIVE = "native"
+INT8_RUNTIMES = (ONNXRUNTIME, PYTORCH)  # the runtimes whose x86 int8 kernels differ by CPU
+
+
+def _predict(model: LoadedModel, images: np.ndarray, batch_size: int, model_path: Path, where: str,
+             progress: ProgressCallback | None = None) -> tuple[np.ndarray, float]:
+    """(top-1 predictions, inference seconds)."""
+    total = len(images)
+    predictions = np.empty(total, dtype=np.int64)
+    inference_seconds = 0.0
+    for start in range(0, total, batch_size):
+        batch = model.prepare(images[start : start + batch_size])
+        began = time.perf_counter()
+        scores = model.predict(batch)
+        inference_seconds += time.perf_counter() - began
+        if not np.all(np.isfinite(scores)):
+            raise PtqError(f"{model_path}: the model outputs NaN or infinite scores on {where}")
+        predictions[start : start + len(batch)] = scores.argmax(axis=1)
+        if progress:
+            progress(start + len(batch), total)
+    return predictions, inference_seconds
+
+
+def _int8_plan(model: LoadedModel, wanted: str | None, cpu: cpu_info.Cpu, model_path: Path) -> tuple[str | None, str]:
+    """(int8 path the figure holds for, how it is reached) for a model on this CPU."""
+    quantized = model.info.dtype != "fp32" and model.info.framework in INT8_RUNTIMES
+    if not quantized:
+        if wanted not in (None, cpu.int8_path):
+            raise PtqError(f"--int8-path {wanted}: {model_path} is not an 8-bit onnxruntime or PyTorch model (its kernels are the same on every x86 CPU)")
+        return None, ""
+    wanted = wanted or cpu.int8_path
+    if wanted == cpu.int8_path:
+        return wanted, NATIVE
+    if model.info.framework == ONNXRUNTIME:
+        if wanted == cpu_info.EXACT:
+            return wanted, "onnxruntime session.x64quantprecision=1"
+        proven, why = overflow.saturation_proof(read_onnx(model_path))
+        return wanted, (f"proof ({why}): same as the exact path" if proven else "emulate")
+    if (model.info.quantization or {}).get("overflow_fix") == overflow.ALL_LAYERS:
+        return wanted, "proof (7-bit activations: 2 x 127 x 128 <= 32,767): same as the exact path"
+    if wanted == cpu_info.SATURATING:
+        return wanted, "emulate"
+    raise PtqError(f"--int8-path exact: {model_path} is a PyTorch model with 8-bit activations; fbgemm's exact path "
+                   "needs a CPU with VNNI or AMX (no emulator here has them)")
+
+
+def other_path_measurable(framework: str, overflow_fix: str | None, int8_path: str) -> bool:
+    """Whether a model of `framework` made with `overflow_fix` can be scored on `int8_path` on this CPU
+    (PyTorch's exact path away from a VNNI CPU only by proof)."""
+    return framework != PYTORCH or int8_path == cpu_info.SATURATING or overflow_fix == overflow.ALL_LAYERS
 
 
 def evaluate_model(
@@ -78,34 +137,48 @@ def evaluate_model(
     runtime: str | None = None,
     precision: str | None = None,
     label: str | None = None,
+    int8_path: str | None = None,
+    subset: int = emulate.DEFAULT_SUBSET,
 ) -> EvaluationRecord:
     """Top-1 of the model on the dataset's evaluation split; `runtime` "openvino" runs an ONNX file on
-    OpenVINO with the `precision` hint; `label` names the model in the report."""
+    OpenVINO with the `precision` hint; `label` names the model in the report. `int8_path` ("exact" or
+    "saturating", default this CPU's) says which x86 int8 path the figure is for: the other path than
+    this CPU's own comes from onnxruntime's exact-kernel option, a proof that the model cannot saturate,
+    or emulation of an AVX2 CPU on `subset` images of the split (stratified)."""
     if batch_size < 1:
         raise PtqError(f"--batch-size: must be at least 1, got {batch_size}")
-    model = load_model(model_path, threads, flags, runtime, precision)
+    if int8_path not in (None, *cpu_info.INT8_PATHS):
+        raise PtqError(f"--int8-path: '{int8_path}' is not one of {', '.join(cpu_info.INT8_PATHS)}")
+    cpu = cpu_info.current()
+    exact_int8 = int8_path == cpu_info.EXACT and cpu.int8_path == cpu_info.SATURATING
+    model = load_model(model_path, threads, flags, runtime, precision, exact_int8=exact_int8)
+    path_measured, basis = _int8_plan(model, int8_path, cpu, Path(model_path))
     split = dataset.evaluation_split()
     test = dataset.load(split, model.input.size, model.input.channels)
     check_classes(model.info.path, model.num_classes, test.class_names, dataset.root)
-    total = len(test.labels)
-    if total == 0:
+    if len(test.labels) == 0:
         raise PtqError(f"{dataset.root}: the {split} split has no images")
-    predictions = np.empty(total, dtype=np.int64)
-    inference_seconds = 0.0
-    for start in range(0, total, batch_size):
-        batch = model.prepare(test.images[start : start + batch_size])
-        began = time.perf_counter()
-        scores = model.predict(batch)
-        inference_seconds += time.perf_counter() - began
-        if not np.all(np.isfinite(scores)):
-            raise PtqError(f"{model_path}: the model outputs NaN or infinite scores on {dataset.root} ({split})")
-        predictions[start : start + len(batch)] = scores.argmax(axis=1)
+    where = f"{dataset.root} ({split})"
+    images, labels = test.images, test.labels
+    if basis == "emulate":
+        chosen = emulate.subset_indices(labels, subset)
+        images, labels = images[chosen], labels[chosen]
+        exact_predictions, inference_seconds = _predict(model, images, batch_size, model_path, where)
+        scores = emulate.scores_under_emulation(Path(model_path), model.prepare(images))
+        predictions = scores.argmax(axis=1)
         if progress:
-            progress(start + len(batch), total)
+            progress(len(labels), len(labels))
+        basis = (f"emulated ({emulate.describe()}) on {len(labels):,} of {len(test.labels):,} images (first of each class); "
+                 f"exact path on the same images: {100.0 * float(np.mean(exact_predictions == labels)):.2f}%")
+        exact_same = round(100.0 * float(np.mean(exact_predictions == labels)), 4)
+    else:
+        predictions, inference_seconds = _predict(model, images, batch_size, model_path, where, progress)
+        exact_same = None
+    total = len(labels)
 
     num_classes = len(test.class_names)
     confusion = np.zeros((num_classes, num_classes), dtype=np.int64)
-    np.add.at(confusion, (test.labels, predictions), 1)
+    np.add.at(confusion, (labels, predictions), 1)
     correct = int(np.trace(confusion))
     accuracy = 100.0 * correct / total
     per_class = [100.0 * float(confusion[index, index]) / row_total if (row_total := confusion[index].sum()) else None
@@ -139,7 +212,22 @@ def evaluate_model(
         preprocessing_settings=asdict(model.preprocessing),
         precision=model.info.precision,
         label=label,
+        cpu=cpu.as_record(),
+        int8_path=path_measured,
+        int8_basis=basis,
+        exact_accuracy_same_images=exact_same,
     )
+
+
+def path_tag(int8_path: str | None, int8_basis: str = "") -> str:
+    """"~exact" or "~saturating" for a figure of the int8 path this CPU does not take natively (so both
+    paths of one model keep their records); "" for the native one."""
+    return f"~{int8_path}" if int8_path and int8_basis and int8_basis != NATIVE else ""
+
+
+def requested_tag(int8_path: str | None) -> str:
+    """The path tag a record of `int8_path` (as asked for) will have on this CPU."""
+    return path_tag(int8_path, "other" if int8_path not in (None, cpu_info.current().int8_path) else NATIVE)
 
 
 def runtime_tag(model_path: Path | str, runtime: str | None, precision: str | None) -> str:
@@ -157,7 +245,8 @@ def record_path(results_dir: Path, model_path: Path | str, dataset: Dataset, tag
 
 
 def save_record(record: EvaluationRecord, results_dir: Path, dataset: Dataset) -> Path:
-    return write_record(record_path(results_dir, record.model_path, dataset, runtime_tag(record.model_path, *runtime_of(record))), record)
+    tag = runtime_tag(record.model_path, *runtime_of(record)) + path_tag(record.int8_path, record.int8_basis)
+    return write_record(record_path(results_dir, record.model_path, dataset, tag), record)
 
 
 def runtime_of(record: EvaluationRecord | BenchmarkLike) -> tuple[str | None, str | None]:
@@ -212,7 +301,7 @@ def newest_per_measurement(records: list[EvaluationRecord]) -> list[EvaluationRe
     older naming scheme, or copied in, would otherwise show one model twice."""
     newest: dict[tuple, EvaluationRecord] = {}
     for record in records:
-        key = (str(Path(record.model_path).resolve()), record.framework, record.precision, record.dataset_sha256 or record.dataset)
+        key = (str(Path(record.model_path).resolve()), record.framework, record.precision, record.dataset_sha256 or record.dataset, record.int8_path)
         if key not in newest or record.timestamp > newest[key].timestamp:
             newest[key] = record
     return list(newest.values())
@@ -248,7 +337,7 @@ def refresh_stale(results_dir: Path, threads: int | None = None, progress_for: C
         dataset = open_dataset(Path(record.dataset))
         progress = progress_for(record.name) if progress_for else None
         fresh = evaluate_model(Path(record.model_path), dataset, record.batch_size or settings.EVALUATION_BATCH, threads, progress, flags_of(record),
-                               *runtime_of(record))
+                               *runtime_of(record), int8_path=record.int8_path if path_tag(record.int8_path, record.int8_basis) else None)
         rewritten.append(save_record(fresh, results_dir, dataset))
     return rewritten
 
@@ -308,10 +397,12 @@ def evaluate_and_save(
     runtime: str | None = None,
     precision: str | None = None,
     label: str | None = None,
+    int8_path: str | None = None,
+    subset: int = emulate.DEFAULT_SUBSET,
 ) -> Evaluated:
     """Evaluate, write the record, and evaluate the model's FP32 source too when its record on this
     dataset is missing (fed exactly as the model was), so the delta is always against a measurement."""
-    record = evaluate_model(model_path, dataset, batch_size, threads, progress, flags, runtime, precision, label)
+    record = evaluate_model(model_path, dataset, batch_size, threads, progress, flags, runtime, precision, label, int8_path, subset)
     path = save_record(record, results_dir, dataset)
     records = load_records(results_dir).records
     source = source_to_evaluate(record, records)
@@ -323,3 +414,25 @@ def evaluate_and_save(
     if reference is not None and reference.model_sha256 == record.model_sha256:
         reference = None
     return Evaluated(record, path, reference, source, record_status(reference) if reference is not None else OK)
+
+
+def outside_target(model_path: Path | str, target: str | None) -> str | None:
+    """One line when this CPU is outside the CPUs a model was quantized for (`--cpus vnni` on a CPU
+    without VNNI): its figures here are not the ones it gives where it is meant to run."""
+    cpu = cpu_info.current()
+    if target not in cpu_info.CPU_TARGETS or cpu_info.covers(target, cpu):
+        return None
+    return (f"{Path(model_path).name} is for {cpu_info.CPU_TARGETS[target]}; this CPU, {cpu.describe()}, "
+            "is not among them: its figures here are not the ones it gives there")
+
+
+def int8_paths_for(model_path: Path, paths: tuple[str | None, ...]) -> tuple[str | None, ...]:
+    """The int8 paths to evaluate a model on: both only where they differ by CPU (8-bit onnxruntime and
+    PyTorch models) and can be reached here; one evaluation otherwise."""
+    if len(paths) < 2:
+        return paths
+    model = load_model(model_path, 1)
+    if model.info.dtype == "fp32" or model.info.framework not in INT8_RUNTIMES:
+        return (None,)
+    fix = (model.info.quantization or {}).get("overflow_fix")
+    return tuple(path for path in paths if path == cpu_info.current().int8_path or other_path_measurable(model.info.framework, fix, path))

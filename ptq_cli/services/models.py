@@ -194,9 +194,10 @@ def resolve_threads(threads: int | None) -> int:
 
 
 def load_model(path: Path, threads: int | None = None, flags: inputs.PreprocessingFlags | None = None, runtime: str | None = None,
-               precision: str | None = None) -> LoadedModel:
+               precision: str | None = None, exact_int8: bool = False) -> LoadedModel:
     """The runner for a model file, the backend chosen by the file's content, not its name; `runtime`
-    "openvino" runs an ONNX file on OpenVINO instead of onnxruntime, with the `precision` hint."""
+    "openvino" runs an ONNX file on OpenVINO instead of onnxruntime, with the `precision` hint;
+    `exact_int8` runs an ONNX file on onnxruntime's exact u8 x s8 kernels on a CPU without VNNI."""
     from ptq_cli import backends
 
     backend = backends.for_file(path, runtime)
@@ -204,4 +205,6 @@ def load_model(path: Path, threads: int | None = None, flags: inputs.Preprocessi
         return backend.load(Path(path), threads, flags or inputs.PreprocessingFlags(), precision)
     if precision is not None:
         raise PtqError(f"--precision: applies to the OpenVINO runtime; {path} runs on {backend.NAME}")
+    if backend.NAME == ONNXRUNTIME:
+        return backend.load(Path(path), threads, flags or inputs.PreprocessingFlags(), exact_int8)
     return backend.load(Path(path), threads, flags or inputs.PreprocessingFlags())

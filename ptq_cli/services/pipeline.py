@@ -20,6 +20,7 @@ from importlib import metadata as package_metadata
 from pathlib import Path
 
 import ptq_cli
+from ptq_cli import cpu as cpu_info
 from ptq_cli import settings
 from ptq_cli.atomic import check_writable, write_text
 from ptq_cli.backends import litert as litert_backend
@@ -190,14 +191,30 @@ def plan(options: RunOptions, render_markdown: Callable[[report_service.Report],
             + ((Path(quantize_options["ranges_from"]),) if "ranges_from" in quantize_options else ())
         stages.append(Stage(f"quantize {output.name}", f"ptq quantize --model {fp32} {command_flags}{_flag_text(flags)}",
                             (fp32, calibration, *extra_inputs), files,
-                            {**quantize_options, **flag_options},
+                            {**quantize_options, **flag_options, **_portability(quantize_options)},
                             lambda output=output, quantize_options=quantize_options: _quantize(fp32, output, calibration, quantize_options, flags)))
     threads = {"threads": options.threads} if options.threads else {}
+    # A figure belongs to the int8 path it was measured on: a machine of the other kind evaluates again.
+    threads["cpu_int8_path"] = cpu_info.current().int8_path
     for model in models:
         record = evaluate_service.record_path(results, model, dataset)
         stages.append(Stage(f"evaluate {model.name}", f"ptq evaluate --model {model}{data_flags}", (model,), (record,), {**threads, **flag_options},
                             lambda model=model: evaluate_service.save_record(
                                 evaluate_service.evaluate_model(model, dataset, threads=options.threads, flags=flags), results, dataset), test))
+    # Both x86 int8 paths of the 8-bit onnxruntime and PyTorch models: the one this CPU does not take, from
+    # onnxruntime's exact kernels, a proof, or emulation (records "~exact" / "~saturating").
+    other_path = next(path for path in cpu_info.INT8_PATHS if path != cpu_info.current().int8_path)
+    other_records = []
+    for output, quantize_options in quantized:
+        made = quant_settings.make_settings(**quantize_options)
+        if made.framework not in evaluate_service.INT8_RUNTIMES or not evaluate_service.other_path_measurable(made.framework, made.overflow_fix, other_path):
+            continue
+        record = evaluate_service.record_path(results, output, dataset, evaluate_service.requested_tag(other_path))
+        other_records.append(record)
+        stages.append(Stage(f"evaluate {output.name} on the {other_path} int8 path", f"ptq evaluate --model {output} --int8-path {other_path}{data_flags}",
+                            (output,), (record,), {**threads, **flag_options, "int8_path": other_path},
+                            lambda model=output: evaluate_service.save_record(evaluate_service.evaluate_model(
+                                model, dataset, threads=options.threads, flags=flags, int8_path=other_path), results, dataset), test))
     openvino_fp32 = ()
     openvino_tag = evaluate_service.runtime_tag(fp32, "openvino", "f32")
     also = ((fp32, "openvino", "f32"),) if with_openvino else ()
@@ -228,7 +245,7 @@ def plan(options: RunOptions, render_markdown: Callable[[report_service.Report],
         stages.append(Stage("benchmark", command, tuple(models_and_references), benchmarks,
                             {"runs": options.benchmark_runs, "openvino_fp32": bool(also), **threads},
                             lambda: _benchmark(models_and_references, also, dataset, options), test))
-    records = tuple(evaluate_service.record_path(results, model, dataset) for model in models_and_references) + openvino_fp32
+    records = tuple(evaluate_service.record_path(results, model, dataset) for model in models_and_references) + openvino_fp32 + tuple(other_records)
     if options.benchmark:
         records += benchmarks
     stages.append(Stage("report", f"ptq report --markdown {options.markdown}", records, (options.markdown,), {},
@@ -240,6 +257,11 @@ def _benchmark(models: list[Path], also, dataset: Dataset, options: RunOptions) 
     for record in benchmark_service.benchmark_models(models, dataset, threads=options.threads, runs=options.benchmark_runs, flags=options.flags,
                                                      also=also):
         benchmark_service.save_benchmark(record, options.results_dir)
+
+
+def _portability(quantize_options: dict) -> dict:
+    made = quant_settings.make_settings(**quantize_options)
+    return {"cpus": made.cpus, "overflow_fix": made.overflow_fix}
 
 
 def _calibrate(options: RunOptions, dataset: Dataset, model: Path, output: Path) -> None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ptq_cli.cpu import ALL, CPU_TARGETS, VNNI
 from ptq_cli.errors import PtqError
 from ptq_cli.services.models import LITERT, ONNXRUNTIME, OPENVINO, PYTORCH
+from ptq_cli.services.overflow import ALL_LAYERS, FIRST_LAYER, NO_FIX, OVERFLOW_FIXES
 
 DTYPES = ("int8", "uint8")
 BACKENDS = (ONNXRUNTIME, PYTORCH, OPENVINO, LITERT)
@@ -39,6 +41,15 @@ PRESETS = {
 }
 
 
+# How each backend keeps a model for `--cpus all` exact on x86 CPUs without VNNI (see README, "Right on
+# every CPU"): onnxruntime and PyTorch give the first layer's weights pair-safe scales (the input's full
+# range meets full-range weights there; measured) or, "all-layers", bound every layer (proven: the pair
+# rule; PyTorch: 7-bit activations, torch.ao's own x86 default); NNCF its OverflowFix; LiteRT's XNNPACK
+# widens to int16 before adding, and needs nothing.
+DEFAULT_OVERFLOW_FIX = {ONNXRUNTIME: FIRST_LAYER, OPENVINO: FIRST_LAYER, PYTORCH: FIRST_LAYER, LITERT: NO_FIX}
+OVERFLOW_FIX_CHOICES = {ONNXRUNTIME: OVERFLOW_FIXES, OPENVINO: OVERFLOW_FIXES, PYTORCH: OVERFLOW_FIXES, LITERT: (NO_FIX,)}
+
+
 @dataclass(frozen=True)
 class QuantizationSettings:
     """Everything that decides the quantized model; stored inside it and in its evaluation record."""
@@ -67,6 +78,9 @@ class QuantizationSettings:
     # LiteRT only: the input/output tensors' type, and the onnxruntime model whose activation ranges it copies.
     io: str | None = None
     ranges_from: str | None = None
+    # Which CPUs the model is for (cpu.CPU_TARGETS) and how it is kept exact on those without VNNI.
+    cpus: str = ALL
+    overflow_fix: str = NO_FIX
 
 
 def make_settings(
@@ -85,6 +99,8 @@ def make_settings(
     float_nodes: tuple[str, ...] = (),
     io: str | None = None,
     ranges_from: str | None = None,
+    cpus: str | None = None,
+    overflow_fix: str | None = None,
 ) -> QuantizationSettings:
     """Validated settings. Without a target the defaults are the seed study's, the weights following the
     activations' type; a target's preset fills in what the options leave open. Space-to-depth is on by
@@ -149,6 +165,19 @@ def make_settings(
             raise PtqError(f"--percentile: {percentile} is not in (50, 100]")
     elif percentile is not None:
         raise PtqError("--percentile: only applies to --method percentile")
+    cpus = cpus or ALL
+    if cpus not in CPU_TARGETS:
+        raise PtqError(f"--cpus: '{cpus}' is not one of {', '.join(CPU_TARGETS)}")
+    if cpus == VNNI:
+        if overflow_fix not in (None, NO_FIX):
+            raise PtqError(f"--overflow-fix {overflow_fix}: --cpus vnni keeps the full 8-bit range; the fix is for --cpus all")
+        overflow_fix = NO_FIX
+    else:
+        overflow_fix = overflow_fix or DEFAULT_OVERFLOW_FIX[backend]
+        if overflow_fix not in OVERFLOW_FIX_CHOICES[backend]:
+            raise PtqError(f"--overflow-fix: {backend} takes {', '.join(OVERFLOW_FIX_CHOICES[backend])}")
+    if weight_dtype == "uint8" and backend == ONNXRUNTIME:
+        overflow_fix = NO_FIX  # u8 x u8 runs on a kernel that widens to 16 bits first: nothing to fix
     return QuantizationSettings(
         framework=backend,
         format=FORMATS[backend],
@@ -166,6 +195,8 @@ def make_settings(
         float_nodes=tuple(float_nodes),
         io=io,
         ranges_from=None if ranges_from is None else str(ranges_from),
+        cpus=cpus,
+        overflow_fix=overflow_fix,
     )
 
 
@@ -184,10 +215,26 @@ def describe_pruning(pruning: dict | None) -> str:
     return f"pruned {pruning['sparsity']:.0%} {pruning['scope']}{refit}" + (f" (dense: {', '.join(kept)})" if kept else "")
 
 
+def describe_cpus(settings: dict | None) -> str:
+    """The CPUs a model is for and its overflow fix, e.g. "all CPUs (first-layer pair rule)"; "" if not stated."""
+    if not settings or "cpus" not in settings:
+        return ""
+    fix = settings.get("overflow_fix") or NO_FIX
+    how = {FIRST_LAYER: "first-layer pair rule", ALL_LAYERS: "7-bit activations" if settings.get("format") == "FX" else "all-layer pair rule"}
+    if settings.get("format") == "IR":
+        how = {FIRST_LAYER: "NNCF overflow fix, first layer", ALL_LAYERS: "NNCF overflow fix, all layers"}
+    target = "all CPUs" if settings["cpus"] == ALL else f"{settings['cpus']} CPUs"
+    return f"{target} ({how[fix]})" if fix in how else target
+
+
 def describe_quantization(settings: dict | None) -> str:
     """How a model was quantized, in a few words, from its stored settings (a dict: records hold JSON)."""
     if not settings:
         return "float"
+    return ", ".join(part for part in (_describe_quantization(settings), describe_cpus(settings)) if part)
+
+
+def _describe_quantization(settings: dict) -> str:
     # PyTorch's x86 kernels pair unsigned activations with signed weights whatever the model is called.
     types = "a:quint8 w:qint8" if settings.get("format") == "FX" else f"a:{settings['dtype']} w:{settings.get('weight_dtype', settings['dtype'])}"
     if settings.get("format") == "TFLite":  # a full-integer .tflite: its tensors' types and its I/O quantization

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ptq_cli import cpu as cpu_info
 from ptq_cli import settings
+from ptq_cli.cpu import ALL, EXACT, SATURATING
 from ptq_cli.services.benchmark import BenchmarkRecord, benchmark_key, load_benchmarks
 from ptq_cli.services.evaluate import OK, EvaluationRecord, fp32_reference, load_records, record_status
 from ptq_cli.services.quant_settings import describe_model
@@ -44,6 +46,20 @@ class ReportRow:
     precision: str | None = None  # OpenVINO's inference precision hint, never left out of a figure
     speedup_vs_onnxruntime: float | None = None  # against the FP32 source run by onnxruntime, measured the same way
     label: str | None = None  # shown instead of the file name (the MLPerf Tiny reference)
+    # The x86 int8 paths (cpu.py): the row's figures are the exact path's when measured; the saturating
+    # path's (CPUs without VNNI) beside them, with how it was reached (native, proof, emulated subset).
+    int8_path: str | None = None
+    saturating_accuracy: float | None = None
+    saturating_delta: float | None = None  # its loss against the FP32 source, as the row's delta is
+    saturating_basis: str = ""
+    cpus: str | None = None  # the CPUs the model is for (`--cpus`), if ptq made it
+    measured_on: str = ""  # the CPU of the row's figures
+    other_cpu: bool = False  # measured on a CPU whose int8 path differs from this one's
+
+    @property
+    def loses_on_its_cpus(self) -> bool:
+        """Whether, on a path its target CPUs take, it loses more than the budget."""
+        return self.cpus == ALL and self.saturating_delta is not None and self.saturating_delta < -ACCURACY_BUDGET
 
 
 @dataclass(frozen=True)
@@ -134,7 +150,32 @@ def _ratio(record: EvaluationRecord, reference: EvaluationRecord | None, benchma
     return round(speed / reference_speed, 3) if reference_source == source and reference_speed > 0 else None
 
 
-def _row(record: EvaluationRecord, records: list[EvaluationRecord], benchmarks: dict[str, BenchmarkRecord], status: str) -> ReportRow:
+def _fold_int8_paths(records: list[EvaluationRecord]) -> tuple[list[EvaluationRecord], dict[int, EvaluationRecord]]:
+    """(the records that make rows, the saturating-path record beside each exact-path one by id)."""
+    by_model: dict[tuple, list[EvaluationRecord]] = {}
+    for record in records:
+        by_model.setdefault((record.model_path, record.model_sha256, record.framework, record.precision), []).append(record)
+    rows, saturating = [], {}
+    for group in by_model.values():
+        paths = {record.int8_path: record for record in group}
+        rows += [record for record in group if record.int8_path is None]
+        if EXACT in paths:
+            rows.append(paths[EXACT])
+            if SATURATING in paths:
+                saturating[id(paths[EXACT])] = paths[SATURATING]
+        elif SATURATING in paths:
+            rows.append(paths[SATURATING])
+    return rows, saturating
+
+
+def _describe_cpu(cpu: dict | None) -> str:
+    if not cpu:
+        return ""
+    return f"{cpu.get('model', '?')} ({', '.join(cpu.get('flags') or []) or 'no avx2'})"
+
+
+def _row(record: EvaluationRecord, records: list[EvaluationRecord], benchmarks: dict[str, BenchmarkRecord], status: str,
+         saturating: EvaluationRecord | None = None) -> ReportRow:
     reference = fp32_reference(records, record) if (record.dtype != "fp32" or record.source_sha256) else None
     reference = None if reference is not None and reference.model_sha256 == record.model_sha256 else reference
     framework_fp32 = _same_framework_fp32(record, records)
@@ -169,7 +210,23 @@ def _row(record: EvaluationRecord, records: list[EvaluationRecord], benchmarks: 
         precision=record.precision,
         speedup_vs_onnxruntime=_ratio(record, _onnxruntime_fp32(record, records), benchmarks),
         label=record.label,
+        **_int8_fields(record, saturating, reference),
     )
+
+
+def _int8_fields(record: EvaluationRecord, saturating: EvaluationRecord | None, reference: EvaluationRecord | None) -> dict:
+    if record.int8_path == SATURATING:  # no exact-path figure: the row's own is the saturating one
+        saturating = record
+    fields: dict = {"int8_path": record.int8_path, "cpus": (record.quantization or {}).get("cpus"), "measured_on": _describe_cpu(record.cpu),
+                    "other_cpu": bool(record.cpu) and record.cpu.get("int8_path") != cpu_info.current().int8_path}
+    if saturating is not None:
+        fields.update(saturating_accuracy=saturating.accuracy, saturating_basis=saturating.int8_basis)
+        if saturating.exact_accuracy_same_images is not None and saturating is not record:  # a subset: its loss against the exact path there
+            fields["saturating_delta"] = None if reference is None else round(
+                record.accuracy - reference.accuracy + saturating.accuracy - saturating.exact_accuracy_same_images, 4)
+        elif reference is not None:
+            fields["saturating_delta"] = round(saturating.accuracy - reference.accuracy, 4)
+    return fields
 
 
 def _class_losses(record: EvaluationRecord, reference: EvaluationRecord) -> list[ClassLoss]:
@@ -183,7 +240,8 @@ def _class_losses(record: EvaluationRecord, reference: EvaluationRecord) -> list
 def _group(records: list[EvaluationRecord], benchmarks: dict[str, BenchmarkRecord], worst_classes: int,
            statuses: dict[str, str]) -> DatasetGroup:
     records = sorted(records, key=lambda r: (FRAMEWORK_ORDER.get(r.framework, 9), DTYPE_ORDER.get(r.dtype, 9), r.name))
-    rows = [_row(record, records, benchmarks, statuses.get(record.model_path, OK)) for record in records]
+    records, saturating = _fold_int8_paths(records)
+    rows = [_row(record, records, benchmarks, statuses.get(record.model_path, OK), saturating.get(id(record))) for record in records]
     losses: list[ClassLoss] = []
     for record in records:
         reference = fp32_reference(records, record)
@@ -221,7 +279,7 @@ def _versus_reference(rows: list[ReportRow], reference: ReportRow | None) -> tup
 
 def _fastest_within_budget(rows: list[ReportRow]) -> ReportRow | None:
     """Across runtimes; speeds from `ptq benchmark` (one process, in turns) are preferred to evaluation's."""
-    within = [row for row in rows if row.delta is not None and row.delta >= -ACCURACY_BUDGET]
+    within = [row for row in rows if row.delta is not None and row.delta >= -ACCURACY_BUDGET and not row.loses_on_its_cpus]
     benchmarked = [row for row in within if row.speed_source == "benchmark"]
     return max(benchmarked or within, key=lambda row: row.images_per_second, default=None)
 

@@ -1,0 +1,80 @@
+"""The CPU ptq runs on, and which of the two x86 int8 paths its kernels take.
+
+Without VNNI, x86 u8 x s8 kernels (onnxruntime's MLAS, PyTorch's fbgemm) multiply with `vpmaddubsw`, which
+adds each pair of u8 x s8 products into a saturating int16: the *saturating* path. With AVX512-VNNI,
+AVX-VNNI or AMX the products accumulate in int32: the *exact* path. ARM kernels widen too (exact).
+"""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+EXACT, SATURATING = "exact", "saturating"
+INT8_PATHS = (EXACT, SATURATING)
+# The /proc/cpuinfo flags that decide the int8 path, recorded with every figure.
+INT8_FLAGS = ("avx2", "avx512_vnni", "avx_vnni", "amx_int8")
+VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+CPUINFO = Path("/proc/cpuinfo")
+CPUINFO_LIMIT = 1 << 20  # the first processor's block is all ptq reads; never the whole file unbounded
+
+# Which CPUs an 8-bit model is for (`--cpus`): stored in the model, shown by the report.
+ALL, VNNI = "all", "vnni"
+CPU_TARGETS = {
+    ALL: "every x86 CPU, with or without VNNI/AMX, and ARM",
+    VNNI: "x86 CPUs with VNNI or AMX, and ARM (full 8-bit range; loses accuracy on AVX2-only CPUs)",
+}
+
+
+@dataclass(frozen=True)
+class Cpu:
+    model: str
+    arch: str  # platform.machine(): x86_64, aarch64, ...
+    flags: tuple[str, ...]  # those of INT8_FLAGS it has
+
+    @property
+    def int8_path(self) -> str:
+        if not self.arch.lower().startswith(("x86", "amd64", "i686")):
+            return EXACT
+        return EXACT if any(flag in self.flags for flag in VNNI_FLAGS) else SATURATING
+
+    def describe(self) -> str:
+        """e.g. "AMD EPYC (avx2; saturating int8 path)"."""
+        flags = ", ".join(self.flags) if self.flags else "no avx2"
+        return f"{self.model} ({flags}; {self.int8_path} int8 path)"
+
+    def as_record(self) -> dict:
+        return {"model": self.model, "arch": self.arch, "flags": list(self.flags), "int8_path": self.int8_path}
+
+
+def parse_cpuinfo(text: str, arch: str) -> Cpu:
+    """The first processor's model name and int8 flags from /proc/cpuinfo's text."""
+    model, flags = "", set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if key in ("model name", "hardware", "cpu model") and not model:
+            model = value.strip()
+        elif key in ("flags", "features") and not flags:
+            flags = set(value.split())
+        if not line.strip() and model and flags:
+            break
+    return Cpu(model or arch or "unknown CPU", arch, tuple(flag for flag in INT8_FLAGS if flag in flags))
+
+
+@lru_cache(maxsize=1)
+def current() -> Cpu:
+    arch = platform.machine()
+    try:
+        with CPUINFO.open("r", encoding="utf-8", errors="replace") as handle:
+            text = handle.read(CPUINFO_LIMIT)
+    except OSError:
+        text = ""
+    return parse_cpuinfo(text, arch)
+
+
+def covers(target: str | None, cpu: Cpu) -> bool:
+    """Whether a model made for `target` CPUs is meant to run on `cpu` (None: a model ptq did not target)."""
+    return target in (None, ALL) or cpu.int8_path == EXACT

@@ -1,0 +1,199 @@
+"""Right on every CPU: the pair rule against a vpmaddubsw reference, `--cpus`, both int8 paths in evaluate
+and the report, and the warning outside a model's target. In-process, synthetic models and data; every
+assertion holds on a CPU with VNNI and on one without."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from conftest import cifar_split
+from synthetic import conv_classifier, image_folder, invoke, one_line_error
+
+from ptq_cli import cpu as cpu_info
+from ptq_cli.services import emulate, overflow
+from ptq_cli.services.models import load_model
+
+AVX2_ONLY = cpu_info.Cpu("Test AVX2 CPU", "x86_64", ("avx2",))
+WITH_VNNI = cpu_info.Cpu("Test VNNI CPU", "x86_64", ("avx2", "avx512_vnni"))
+
+
+def saturating_dot(activations: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    """Reference of x86's u8 x s8 dot product without VNNI: vpmaddubsw adds adjacent products into a
+    saturating int16, vpmaddwd sums those exactly. activations (N, K) u8, codes (K,) s8."""
+    products = activations.astype(np.int64) * codes.astype(np.int64)
+    if products.shape[1] % 2:
+        products = np.pad(products, ((0, 0), (0, 1)))
+    pairs = np.clip(products[:, 0::2] + products[:, 1::2], -32768, 32767)
+    return pairs.sum(axis=1)
+
+
+def test_pair_rule_rows_never_saturate_and_full_range_rows_do():
+    rng = np.random.default_rng(0)
+    rows = rng.normal(0, 1, (64, 72)).astype(np.float32)
+    scales = overflow.pair_safe_scales(rows)
+    codes = overflow.quantize_rows(rows, scales).astype(np.int64)
+    assert overflow.is_pair_safe(codes)
+    assert np.all(scales >= np.abs(rows).max(axis=1) / 127 - 1e-9)
+    # Any pairing, any activations: worst cases (255 under positive codes, 0 under negative, and the
+    # reverse) plus random ones give the exact dot product.
+    for row in codes:
+        order = rng.permutation(len(row))  # whichever inputs the kernel pairs
+        shuffled = row[order]
+        worst = np.stack([np.where(shuffled > 0, 255, 0), np.where(shuffled < 0, 255, 0), rng.integers(0, 256, len(row))])
+        assert np.array_equal(saturating_dot(worst, shuffled), worst.astype(np.int64) @ shuffled)
+    full_range = overflow.quantize_rows(rows, np.abs(rows).max(axis=1) / 127).astype(np.int64)
+    assert not overflow.is_pair_safe(full_range)
+    row = full_range[0]
+    worst = np.where(row > 0, 255, 0)[None, :]
+    assert not np.array_equal(saturating_dot(worst, row), worst.astype(np.int64) @ row)
+
+
+def test_pair_rule_keeps_a_row_that_is_already_safe_at_full_precision():
+    row = np.zeros((1, 16), np.float32)
+    row[0, 0], row[0, 1], row[0, 2] = 1.0, -1.0, 0.001  # one large code per sign: safe at 127
+    assert np.isclose(overflow.pair_safe_scales(row)[0], 1.0 / 127)
+
+
+def test_cpuinfo_decides_the_int8_path():
+    avx2 = cpu_info.parse_cpuinfo("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse avx avx2 fma\n\n", "x86_64")
+    vnni = cpu_info.parse_cpuinfo("model name : Xeon\nflags : avx2 avx512f avx512_vnni amx_int8\n", "x86_64")
+    arm = cpu_info.parse_cpuinfo("Features : fp asimd\n", "aarch64")
+    assert (avx2.int8_path, avx2.flags, avx2.model) == (cpu_info.SATURATING, ("avx2",), "AMD EPYC")
+    assert (vnni.int8_path, vnni.flags) == (cpu_info.EXACT, ("avx2", "avx512_vnni", "amx_int8"))
+    assert arm.int8_path == cpu_info.EXACT
+    assert cpu_info.covers(cpu_info.ALL, avx2) and not cpu_info.covers(cpu_info.VNNI, avx2) and cpu_info.covers(cpu_info.VNNI, vnni)
+
+
+@pytest.fixture
+def study(tmp_path):
+    conv_classifier(tmp_path / "conv.onnx")
+    image_folder(tmp_path / "imgs", per_class=12)
+    return tmp_path
+
+
+def _quantize(study, output: str, *options: str) -> onnx.ModelProto:
+    result = invoke("quantize", "--model", "conv.onnx", "--data", "imgs", "--target", "speed", "--no-space-to-depth", "--output", output, *options,
+                    cwd=study)
+    assert result.exit_code == 0, result.output
+    return onnx.load(str(study / output))
+
+
+def _settings(model: onnx.ModelProto) -> dict:
+    return json.loads({prop.key: prop.value for prop in model.metadata_props}["ptq.quantization"])
+
+
+def test_quantize_is_for_all_cpus_by_default_and_stores_its_target(study):
+    default = _quantize(study, "all.onnx")
+    assert (_settings(default)["cpus"], _settings(default)["overflow_fix"]) == ("all", "first-layer")
+    proven, why = overflow.saturation_proof(default)
+    assert not proven and why.startswith("Gemm")  # the conv (first layer) follows the pair rule; the Gemm keeps 8 bits
+    vnni = _quantize(study, "vnni.onnx", "--cpus", "vnni")
+    assert (_settings(vnni)["cpus"], _settings(vnni)["overflow_fix"]) == ("vnni", "none")
+    proven, why = overflow.saturation_proof(vnni)
+    assert not proven and "overflow" in why
+    every = _quantize(study, "every.onnx", "--overflow-fix", "all-layers")
+    assert overflow.saturation_proof(every)[0]
+    one_line_error(invoke("quantize", "--model", "conv.onnx", "--data", "imgs", "--cpus", "vnni", "--overflow-fix", "all-layers", cwd=study),
+                   "--cpus vnni")
+
+
+def test_resnet8_speed_model_for_vnni_saturates_and_the_default_one_does_not(pipeline_snapshot):
+    """Real weights: the saturating path as this CPU reaches it (natively, or emulated on a VNNI CPU) against
+    the exact one, on 300 test images."""
+    if cpu_info.current().int8_path == cpu_info.EXACT and emulate.qemu() is None:
+        pytest.fail("a VNNI CPU without qemu-user: `make install` installs it (apt-get install qemu-user)")
+    result = invoke("quantize", "--target", "speed", "--cpus", "vnni", "--output", "models/speed_vnni.onnx", cwd=pipeline_snapshot)
+    assert result.exit_code == 0, result.output
+    images = cifar_split("test").images[:300]
+
+    def agreement(name: str) -> float:
+        path = pipeline_snapshot / "models" / name
+        batch = load_model(path).prepare(images)
+        if cpu_info.current().int8_path == cpu_info.SATURATING:
+            exact, saturating = load_model(path, exact_int8=True).predict(batch), load_model(path).predict(batch)
+        else:
+            exact, saturating = load_model(path).predict(batch), emulate.scores_under_emulation(path, batch)
+        return float(np.mean(exact.argmax(axis=1) == saturating.argmax(axis=1)))
+
+    assert agreement("resnet8_uint8_speed.onnx") >= 0.99  # default: first-layer pair rule
+    assert agreement("speed_vnni.onnx") < 0.9  # full 8-bit range: a third of the predictions change
+
+
+def test_evaluate_both_paths_writes_a_record_each_and_the_report_shows_them(study):
+    _quantize(study, "every.onnx", "--overflow-fix", "all-layers")
+    result = invoke("evaluate", "--model", "every.onnx", "--data", "imgs", "--int8-path", "both", "--json", cwd=study)
+    assert result.exit_code == 0, result.output
+    records = json.loads(result.stdout)
+    assert sorted(record["int8_path"] for record in records) == ["exact", "saturating"]
+    assert [record["int8_basis"] for record in records].count("native") == 1
+    other = next(record for record in records if record["int8_basis"] != "native")
+    # The path this CPU does not take: onnxruntime's exact kernels, or the proof (all layers pair-safe).
+    assert other["int8_basis"].startswith("onnxruntime session.x64quantprecision" if other["int8_path"] == "exact" else "proof")
+    assert all(record["cpu"]["int8_path"] == cpu_info.current().int8_path for record in records)
+    assert {path.name.split("@")[0].split("-", 1)[1][6:] for path in (study / "results").glob("every.onnx-*")} == {"", "~" + other["int8_path"]}
+    report = json.loads(invoke("report", "--json", cwd=study).stdout)
+    row = next(row for group in report["groups"] for row in group["rows"] if row["model"] == "every.onnx")
+    assert row["int8_path"] == "exact" and row["saturating_accuracy"] is not None and row["cpus"] == "all"
+    table = invoke("report", cwd=study, columns=80).stdout
+    assert "noVNNI" in table and "Measured on:" in table
+
+
+def test_saturating_path_on_a_vnni_cpu_is_proven_or_emulated(study, monkeypatch):
+    monkeypatch.setattr(cpu_info, "current", lambda: WITH_VNNI)
+    _quantize(study, "every.onnx", "--overflow-fix", "all-layers")
+    _quantize(study, "vnni.onnx", "--cpus", "vnni")
+    proven = invoke("evaluate", "--model", "every.onnx", "--data", "imgs", "--int8-path", "saturating", "--json", cwd=study)
+    assert proven.exit_code == 0, proven.output
+    assert json.loads(proven.stdout)["int8_basis"].startswith("proof")
+    emulated = invoke("evaluate", "--model", "vnni.onnx", "--data", "imgs", "--int8-path", "saturating", "--emulated-images", "12", "--json", cwd=study)
+    if emulate.qemu() is None:
+        one_line_error(emulated, "qemu-user")
+        return
+    assert emulated.exit_code == 0, emulated.output
+    record = json.loads(emulated.stdout)
+    assert record["int8_basis"].startswith("emulated") and record["images"] == 12 and record["exact_accuracy_same_images"] is not None
+
+
+def test_a_model_outside_its_target_warns_in_evaluate_and_benchmark(study, monkeypatch):
+    _quantize(study, "vnni.onnx", "--cpus", "vnni")
+    _quantize(study, "all.onnx")
+    monkeypatch.setattr(cpu_info, "current", lambda: AVX2_ONLY)
+    for command in (("evaluate",), ("benchmark", "--runs", "2")):
+        outside = invoke(*command, "--model", "vnni.onnx", "--data", "imgs", cwd=study)
+        assert outside.exit_code == 0, outside.output
+        warnings = [line for line in outside.stderr.splitlines() if line.startswith("warning:")]
+        assert len(warnings) == 1 and "Test AVX2 CPU" in warnings[0], outside.stderr
+        inside = invoke(*command, "--model", "all.onnx", "--data", "imgs", cwd=study)
+        assert "warning:" not in inside.stderr
+    monkeypatch.setattr(cpu_info, "current", lambda: WITH_VNNI)
+    assert "warning:" not in invoke("evaluate", "--model", "vnni.onnx", "--data", "imgs", cwd=study).stderr
+
+
+def test_pytorch_pair_safe_observer_and_first_layer_walk():
+    import torch
+
+    from ptq_cli.backends import pytorch as torch_backend
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = torch.nn.Conv2d(3, 8, 3)
+            self.body = torch.nn.Conv2d(8, 8, 3)
+            self.head = torch.nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.head(self.body(torch.relu(self.stem(x.permute(0, 3, 1, 2)))).mean(dim=(2, 3)))
+
+    module = torch.fx.symbolic_trace(Net())
+    assert torch_backend.first_layer_modules(module) == ["stem"]
+    weight = torch.randn(8, 3, 3, 3)
+    for per_channel in (True, False):
+        observer = torch_backend._pair_safe_observer(per_channel)()
+        observer(weight)
+        scales, zero_points = observer.calculate_qparams()
+        rows = weight.reshape(8, -1).numpy()
+        codes = overflow.quantize_rows(rows, np.broadcast_to(scales.numpy(), (8,)).astype(np.float32))
+        assert overflow.is_pair_safe(codes) and not zero_points.any()
