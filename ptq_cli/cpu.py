@@ -7,6 +7,7 @@ AVX-VNNI or AMX the products accumulate in int32: the *exact* path. ARM kernels 
 
 from __future__ import annotations
 
+import os
 import platform
 from dataclasses import dataclass
 from functools import lru_cache
@@ -18,6 +19,8 @@ INT8_PATHS = (EXACT, SATURATING)
 INT8_FLAGS = ("avx2", "avx512_vnni", "avx_vnni", "amx_int8")
 VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 CPUINFO = Path("/proc/cpuinfo")
+# Read another cpuinfo file instead (tests, and a study rehearsed as another kind of CPU would run it).
+CPUINFO_ENV = "PTQ_CPUINFO"
 CPUINFO_LIMIT = 1 << 20  # the first processor's block is all ptq reads; never the whole file unbounded
 
 # Which CPUs an 8-bit model is for (`--cpus`): stored in the model, shown by the report.
@@ -68,7 +71,7 @@ def parse_cpuinfo(text: str, arch: str) -> Cpu:
 def current() -> Cpu:
     arch = platform.machine()
     try:
-        with CPUINFO.open("r", encoding="utf-8", errors="replace") as handle:
+        with Path(os.environ.get(CPUINFO_ENV) or CPUINFO).open("r", encoding="utf-8", errors="replace") as handle:
             text = handle.read(CPUINFO_LIMIT)
     except OSError:
         text = ""

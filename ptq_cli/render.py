@@ -290,6 +290,7 @@ def report(report: Report) -> Group:
                           "speed-ups compare like with like.", style="dim"))
     if report.rows:
         parts.append(Text(NO_VNNI_NOTE, style="dim"))
+        parts += [Text(line, style="dim") for line in _emulated_lines(report.rows)]
         cpus = sorted({row.measured_on for row in report.rows if row.measured_on})
         if cpus:
             parts.append(Text(f"Measured on: {'; '.join(cpus)}.", style="dim"))
@@ -300,6 +301,13 @@ def report(report: Report) -> Group:
 
 NO_VNNI_NOTE = ("noVNNI: top-1 on x86 CPUs without VNNI (the saturating int8 path); '=' the same by proof (or a float model), "
                 "'*' emulated on a subset, '-' not measured.")
+
+
+def _emulated_lines(rows: list[ReportRow]) -> list[str]:
+    """A subset's figure read against the exact path on the same images, not against the full test set."""
+    return [f"* {_name(row)}: {row.saturating_accuracy:.2f}% on the saturating path against {row.saturating_exact_same_images:.2f}% on the exact "
+            f"path, on the same {row.saturating_images:,} images" for row in rows
+            if row.saturating_basis.startswith("emulated") and row.saturating_exact_same_images is not None]
 
 
 def _status_lines(report: Report) -> list[str]:

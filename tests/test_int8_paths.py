@@ -157,6 +157,9 @@ def test_saturating_path_on_a_vnni_cpu_is_proven_or_emulated(study, monkeypatch)
     assert emulated.exit_code == 0, emulated.output
     record = json.loads(emulated.stdout)
     assert record["int8_basis"].startswith("emulated") and record["images"] == 12 and record["exact_accuracy_same_images"] is not None
+    # The report reads the subset's figure against the exact path on the same images.
+    table = invoke("report", cwd=study).stdout
+    assert f"* vnni.onnx: {record['accuracy']:.2f}% on the saturating path against {record['exact_accuracy_same_images']:.2f}% on the exact path, on the same 12 images" in table
 
 
 def test_a_model_outside_its_target_warns_in_evaluate_and_benchmark(study, monkeypatch):
@@ -199,3 +202,16 @@ def test_pytorch_pair_safe_observer_and_first_layer_walk():
         rows = weight.reshape(8, -1).numpy()
         codes = overflow.quantize_rows(rows, np.broadcast_to(scales.numpy(), (8,)).astype(np.float32))
         assert overflow.is_pair_safe(codes) and not zero_points.any()
+
+
+def test_ptq_cpuinfo_names_another_cpuinfo_file(tmp_path, monkeypatch):
+    (tmp_path / "cpuinfo").write_text("model name : Rehearsal Xeon\nflags : avx2 amx_int8\n")
+    monkeypatch.setenv(cpu_info.CPUINFO_ENV, str(tmp_path / "cpuinfo"))
+    cpu_info.current.cache_clear()
+    try:
+        found = cpu_info.current()
+        assert (found.model, found.flags) == ("Rehearsal Xeon", ("avx2", "amx_int8"))
+        assert found.int8_path == cpu_info.EXACT  # AMX (and any ARM CPU) takes the exact path
+    finally:
+        monkeypatch.delenv(cpu_info.CPUINFO_ENV)
+        cpu_info.current.cache_clear()

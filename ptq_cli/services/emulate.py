@@ -43,7 +43,7 @@ def subset_indices(labels: np.ndarray, size: int) -> np.ndarray:
     return np.sort(chosen)[:size] if len(chosen) > size else np.sort(chosen)
 
 
-def scores_under_emulation(model_path: Path, batch: np.ndarray) -> np.ndarray:
+def scores_under_emulation(model_path: Path, batch: np.ndarray, threads: int = 1) -> np.ndarray:
     """The model's scores on `batch` (already in its input format), computed as an AVX2 CPU without VNNI
     computes them, by the model's own runtime (onnxruntime or PyTorch)."""
     binary = qemu()
@@ -53,8 +53,9 @@ def scores_under_emulation(model_path: Path, batch: np.ndarray) -> np.ndarray:
     with tempfile.TemporaryDirectory(prefix="ptq-emulate-") as workdir:
         inputs, outputs = Path(workdir) / "inputs.npy", Path(workdir) / "scores.npy"
         np.save(inputs, batch)
-        command = [binary, "-cpu", QEMU_CPU, sys.executable, "-m", "ptq_cli.services.emulate", str(Path(model_path).resolve()), str(inputs), str(outputs)]
-        environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+        command = [binary, "-cpu", QEMU_CPU, sys.executable, "-m", "ptq_cli.services.emulate", str(Path(model_path).resolve()), str(inputs), str(outputs),
+                   str(threads)]
+        environment = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_SECONDS, env=environment, check=False)
         except subprocess.TimeoutExpired as error:
@@ -65,13 +66,13 @@ def scores_under_emulation(model_path: Path, batch: np.ndarray) -> np.ndarray:
         return np.load(outputs, allow_pickle=False)
 
 
-def _child(model: str, inputs: str, outputs: str) -> None:
+def _child(model: str, inputs: str, outputs: str, threads: str) -> None:
     from ptq_cli.services.models import load_model
 
-    loaded = load_model(Path(model), 1)
+    loaded = load_model(Path(model), int(threads))  # qemu runs each guest thread on a host thread
     batch = np.load(inputs, allow_pickle=False)
     np.save(outputs, np.concatenate([loaded.predict(part) for part in np.array_split(batch, max(1, -(-len(batch) // 256)))]))
 
 
 if __name__ == "__main__":
-    _child(*sys.argv[1:4])
+    _child(*sys.argv[1:5])

@@ -164,7 +164,7 @@ def evaluate_model(
         chosen = emulate.subset_indices(labels, subset)
         images, labels = images[chosen], labels[chosen]
         exact_predictions, inference_seconds = _predict(model, images, batch_size, model_path, where)
-        scores = emulate.scores_under_emulation(Path(model_path), model.prepare(images))
+        scores = emulate.scores_under_emulation(Path(model_path), model.prepare(images), resolve_threads(threads))
         predictions = scores.argmax(axis=1)
         if progress:
             progress(len(labels), len(labels))

@@ -52,6 +52,8 @@ class ReportRow:
     saturating_accuracy: float | None = None
     saturating_delta: float | None = None  # its loss against the FP32 source, as the row's delta is
     saturating_basis: str = ""
+    saturating_images: int | None = None  # how many images its saturating figure is on (a subset when emulated)
+    saturating_exact_same_images: float | None = None  # emulated: the exact path's top-1 on those same images
     cpus: str | None = None  # the CPUs the model is for (`--cpus`), if ptq made it
     measured_on: str = ""  # the CPU of the row's figures
     other_cpu: bool = False  # measured on a CPU whose int8 path differs from this one's
@@ -220,7 +222,8 @@ def _int8_fields(record: EvaluationRecord, saturating: EvaluationRecord | None, 
     fields: dict = {"int8_path": record.int8_path, "cpus": (record.quantization or {}).get("cpus"), "measured_on": _describe_cpu(record.cpu),
                     "other_cpu": bool(record.cpu) and record.cpu.get("int8_path") != cpu_info.current().int8_path}
     if saturating is not None:
-        fields.update(saturating_accuracy=saturating.accuracy, saturating_basis=saturating.int8_basis)
+        fields.update(saturating_accuracy=saturating.accuracy, saturating_basis=saturating.int8_basis, saturating_images=saturating.images,
+                      saturating_exact_same_images=saturating.exact_accuracy_same_images)
         if saturating.exact_accuracy_same_images is not None and saturating is not record:  # a subset: its loss against the exact path there
             fields["saturating_delta"] = None if reference is None else round(
                 record.accuracy - reference.accuracy + saturating.accuracy - saturating.exact_accuracy_same_images, 4)
