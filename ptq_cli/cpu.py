@@ -45,11 +45,17 @@ class Cpu:
 
     def describe(self) -> str:
         """e.g. "AMD EPYC (avx2; saturating int8 path)"."""
-        flags = ", ".join(self.flags) if self.flags else "no avx2"
-        return f"{self.model} ({flags}; {self.int8_path} int8 path)"
+        return f"{describe_record(self.as_record())[:-1]}; {self.int8_path} int8 path)"
 
     def as_record(self) -> dict:
         return {"model": self.model, "arch": self.arch, "flags": list(self.flags), "int8_path": self.int8_path}
+
+
+def describe_record(cpu: dict | None) -> str:
+    """A CPU as records hold it (Cpu.as_record), e.g. "AMD EPYC (avx2)"; "" when a record names none."""
+    if not cpu:
+        return ""
+    return f"{cpu.get('model', '?')} ({', '.join(cpu.get('flags') or []) or 'no avx2'})"
 
 
 def parse_cpuinfo(text: str, arch: str) -> Cpu:

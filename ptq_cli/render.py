@@ -13,6 +13,7 @@ from rich.text import Text
 
 from ptq_cli import settings
 from ptq_cli.atomic import atomic_output
+from ptq_cli.cpu import describe_record
 from ptq_cli.services.benchmark import BenchmarkRecord, run_key
 from ptq_cli.services.calibration import CalibrationSet
 from ptq_cli.services.convert import ConversionResult
@@ -177,8 +178,7 @@ def evaluation(record: EvaluationRecord, reference: EvaluationRecord | None, per
 
 def int8_path_text(record: EvaluationRecord) -> str:
     """"; saturating int8 path (native) on AMD EPYC (avx2)" — which path the figure holds for, and where."""
-    cpu = record.cpu or {}
-    where = f" on {cpu.get('model', '?')} ({', '.join(cpu.get('flags') or []) or 'no avx2'})" if cpu else ""
+    where = f" on {describe_record(record.cpu)}" if record.cpu else ""
     if not record.int8_path:
         return f"; measured{where}" if where else ""
     return f"; {record.int8_path} int8 path ({record.int8_basis}){where}"

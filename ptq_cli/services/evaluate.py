@@ -168,9 +168,9 @@ def evaluate_model(
         predictions = scores.argmax(axis=1)
         if progress:
             progress(len(labels), len(labels))
-        basis = (f"emulated ({emulate.describe()}) on {len(labels):,} of {len(test.labels):,} images (first of each class); "
-                 f"exact path on the same images: {100.0 * float(np.mean(exact_predictions == labels)):.2f}%")
         exact_same = round(100.0 * float(np.mean(exact_predictions == labels)), 4)
+        basis = (f"emulated ({emulate.describe()}) on {len(labels):,} of {len(test.labels):,} images (first of each class); "
+                 f"exact path on the same images: {exact_same:.2f}%")
     else:
         predictions, inference_seconds = _predict(model, images, batch_size, model_path, where, progress)
         exact_same = None

@@ -170,12 +170,6 @@ def _fold_int8_paths(records: list[EvaluationRecord]) -> tuple[list[EvaluationRe
     return rows, saturating
 
 
-def _describe_cpu(cpu: dict | None) -> str:
-    if not cpu:
-        return ""
-    return f"{cpu.get('model', '?')} ({', '.join(cpu.get('flags') or []) or 'no avx2'})"
-
-
 def _row(record: EvaluationRecord, records: list[EvaluationRecord], benchmarks: dict[str, BenchmarkRecord], status: str,
          saturating: EvaluationRecord | None = None) -> ReportRow:
     reference = fp32_reference(records, record) if (record.dtype != "fp32" or record.source_sha256) else None
@@ -219,7 +213,7 @@ def _row(record: EvaluationRecord, records: list[EvaluationRecord], benchmarks: 
 def _int8_fields(record: EvaluationRecord, saturating: EvaluationRecord | None, reference: EvaluationRecord | None) -> dict:
     if record.int8_path == SATURATING:  # no exact-path figure: the row's own is the saturating one
         saturating = record
-    fields: dict = {"int8_path": record.int8_path, "cpus": (record.quantization or {}).get("cpus"), "measured_on": _describe_cpu(record.cpu),
+    fields: dict = {"int8_path": record.int8_path, "cpus": (record.quantization or {}).get("cpus"), "measured_on": cpu_info.describe_record(record.cpu),
                     "other_cpu": bool(record.cpu) and record.cpu.get("int8_path") != cpu_info.current().int8_path}
     if saturating is not None:
         fields.update(saturating_accuracy=saturating.accuracy, saturating_basis=saturating.int8_basis, saturating_images=saturating.images,
