@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +32,7 @@ def atomic_output(path: Path) -> Iterator[Path]:
     except OSError as error:
         raise PtqError(f"{path}: cannot write ({error.strerror or error})") from error
     tmp_path = Path(tmp_name)
+    _in_progress.add(tmp_name)
     try:
         yield tmp_path
         os.chmod(tmp_path, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual permissions
@@ -37,25 +40,60 @@ def atomic_output(path: Path) -> Iterator[Path]:
             os.replace(tmp_path, path)
         except OSError as error:
             raise PtqError(f"{path}: cannot write ({error.strerror or error})") from error
+    except OSError as error:  # a full disk while writing: named by the output, not the temporary file
+        tmp_path.unlink(missing_ok=True)
+        if error.filename not in (None, tmp_name, str(tmp_path)):
+            raise
+        raise PtqError(f"{path}: cannot write ({error.strerror or error})") from error
+    except PtqError as error:  # a message naming the temporary file names the output instead
+        tmp_path.unlink(missing_ok=True)
+        if tmp_name in str(error):
+            raise type(error)(str(error).replace(tmp_name, str(path))) from error
+        raise
     except BaseException:
         tmp_path.unlink(missing_ok=True)
         raise
+    finally:
+        _in_progress.discard(tmp_name)
+
+
+# The temporary files of this process's unfinished writes: removed by a hard stop (hardstop.py).
+_in_progress: set[str] = set()
+
+
+def remove_own_temporaries() -> None:
+    for name in list(_in_progress):
+        with contextlib.suppress(OSError):
+            os.unlink(name)
 
 
 PARTIAL = ".partial"
 
 
+# Exactly what atomic_output names its files (mkstemp adds 8 characters of [a-z0-9_]).
+TEMPORARY_NAME = re.compile(r"\.(?P<name>.+)\.(?P<pid>[0-9]{1,10})-[a-z0-9_]{8}\.partial(?P<suffix>\.[^.]*)?")
+
+
 def is_temporary(path: Path) -> bool:
-    """A temporary file of an unfinished write (finished or abandoned): never a model or a record."""
+    """Looks like a temporary file of an unfinished write: never listed as a model or a record (deleted
+    only if remove_stale_temporaries can tell ptq made it)."""
     name = Path(path).name
     return name.startswith(".") and PARTIAL in name
 
 
 def remove_stale_temporaries(path: Path) -> None:
-    """Delete the temporary files in `path`'s folder whose writing process is gone; a live writer's stay."""
+    """Delete the temporary files in `path`'s folder whose writing process is gone; a live writer's stay.
+    Only what ptq can tell it made: a regular file of this user, named exactly as atomic_output names them
+    for an output of this folder (`.<name>.<pid>-<8 random>.partial<the name's suffix>`)."""
     for candidate in Path(path).parent.glob(f".*{PARTIAL}*"):
-        owner = candidate.name.rsplit(PARTIAL, 1)[0].rsplit(".", 1)[-1].split("-", 1)[0]
-        if candidate.is_file() and not (owner.isdigit() and _running(int(owner))):
+        match = TEMPORARY_NAME.fullmatch(candidate.name)
+        if match is None or (match["suffix"] or "") != Path(match["name"]).suffix or _running(int(match["pid"])):
+            continue
+        try:
+            info = candidate.lstat()
+        except OSError:
+            continue
+        if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid():
             candidate.unlink(missing_ok=True)
 
 
@@ -95,6 +133,47 @@ def check_writable(path: Path) -> None:
         os.unlink(probe)
     except OSError as error:
         raise PtqError(f"{path}: cannot write ({existing}: {error.strerror or error})") from error
+
+
+def companions(path: Path) -> list[Path]:
+    """The files one model name stands for: an OpenVINO IR's .xml and its .bin."""
+    path = Path(path)
+    return [path, path.with_suffix(".bin")] if path.suffix.lower() == ".xml" else [path]
+
+
+def _identity(path: Path) -> tuple:
+    """What makes two names one file: device and inode when it exists (hard links too), else its resolved path."""
+    try:
+        info = path.stat()
+        return ("inode", info.st_dev, info.st_ino)
+    except OSError:
+        return ("path", str(path.resolve()))
+
+
+def check_outputs(outputs: list[tuple[str, Path | None, tuple[str, ...]]], inputs: list[Path | None]) -> None:
+    """Before any work, for each output (option, path, the suffixes of its kind): it has one of those
+    suffixes, it is none of the inputs (an IR counts with its .bin), no two outputs are one file, and its
+    directory can be written. Nothing the user gave is ever written over."""
+    read = {}
+    for given in inputs:
+        for path in companions(given) if given is not None else []:
+            if path.exists() and not path.is_dir():
+                read[_identity(path)] = given
+    written: dict[tuple, tuple[str, Path]] = {}
+    for option, given, suffixes in outputs:
+        if given is None:
+            continue
+        given = Path(given)
+        if suffixes and given.suffix.lower() not in suffixes:
+            raise PtqError(f"{option}: {given} does not end in {' or '.join(suffixes)}; ptq writes only that kind of file there")
+        check_writable(given)
+        for path in companions(given):
+            key = _identity(path)
+            if key in read:
+                raise PtqError(f"{option}: {given} would overwrite {read[key]}, which this command reads")
+            if key in written:
+                raise PtqError(f"{option}: {given} is also the output of {written[key][0]} ({written[key][1]})")
+            written[key] = (option, given)
 
 
 def _umask() -> int:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import os
 import signal
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,8 +22,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TransferSpeedColumn
 
 from ptq_cli import cpu as cpu_info
-from ptq_cli import render, settings
-from ptq_cli.atomic import check_writable, is_temporary, write_text
+from ptq_cli import hardstop, render, settings, trust
+from ptq_cli.atomic import check_outputs, check_writable, write_text
 from ptq_cli.datasets import Dataset, open_dataset
 from ptq_cli.errors import Interrupted, PtqError
 from ptq_cli.services import benchmark as benchmark_service
@@ -62,8 +64,12 @@ class PtqGroup(typer.core.TyperGroup):
 
     def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None, standalone_mode: bool = True, **extra: Any) -> Any:
         args = _fill_optional_values(list(sys.argv[1:] if args is None else args))
+        _tolerant_streams()
         try:
-            with _terminate_as_interrupt():
+            with _terminate_as_interrupt(), trust.scope(), warnings.catch_warnings():
+                # Library warnings (numpy overflow on odd inputs, deprecations) are not ptq's messages:
+                # what matters to the user is turned into ptq's own line or record field.
+                warnings.simplefilter("ignore")
                 code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except PtqError as error:
             code = _fail(str(error), error.exit_code)
@@ -92,6 +98,15 @@ class PtqGroup(typer.core.TyperGroup):
             raise Interrupted("interrupted; no partial output was written") from interrupt
 
 
+def _tolerant_streams() -> None:
+    """A terminal or pipe that cannot show a character (PYTHONIOENCODING=ascii, a C locale) gets an
+    escape for it, not a UnicodeEncodeError in the middle of a table."""
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            with contextlib.suppress(ValueError, OSError):
+                stream.reconfigure(errors="backslashreplace")
+
+
 @contextmanager
 def _terminate_as_interrupt() -> Iterator[None]:
     """SIGTERM (kill, a CI timeout, systemd) ends ptq the way Ctrl-C does: temporary files removed."""
@@ -105,7 +120,8 @@ def _terminate_as_interrupt() -> Iterator[None]:
         yield
         return
     try:
-        yield
+        with hardstop.signals_watched():
+            yield
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -190,6 +206,14 @@ def _finite(value: float | None) -> float | None:
 
 # Counts and seeds shared by the commands, range-checked while parsing: before any work starts.
 MAX_THREADS = 4 * (os.cpu_count() or 1)  # more threads than that only slows inference down
+def _trust(value: bool) -> bool:
+    trust.trust_remote_code(value)
+    return value
+
+
+TrustOption = Annotated[bool, typer.Option(
+    "--trust-remote-code", callback=_trust,
+    help="Load TorchScript (.pt) files ptq did not write. Loading one runs the code inside it: pass this only for files from a source you trust.")]
 ThreadsOption = Annotated[
     Optional[int],
     typer.Option(min=1, max=MAX_THREADS, help=f"Inference threads, 1 to {MAX_THREADS}. (default: all cores)", show_default=False),
@@ -345,6 +369,8 @@ def convert(
         raise PtqError("--keras and --onnx: give one source model, not both")
     if onnx_source is not None and torch_output is None:
         raise PtqError("--onnx: converts an existing ONNX model to PyTorch and needs --torch PATH")
+    check_outputs([("--output", None if onnx_source is not None else output, (".onnx",)), ("--torch", torch_output, (".pt",))],
+                  [keras or (settings.keras_model_path() if onnx_source is None else None), onnx_source])
     choice = _data(data, None, preprocess, scale, mean, std, bgr)
     dataset = choice.dataset()
     results = []
@@ -372,7 +398,7 @@ def calibrate(
     The set holds the images as uint8 pixels; each model's own preprocessing is applied when quantizing.
     """
     calibration_service.check_seed(seed)
-    check_writable(output)
+    check_outputs([("--output", output, (".npz",))], [model, data, calibration_data])
     choice = _data(data, calibration_data, None, None, None, None, None)
     size = models_service.load_model(model, 1).input.size if model is not None else None
     with _working("Sampling the training images…"):
@@ -634,7 +660,10 @@ MODEL_SUFFIXES = (".onnx", ".pt", ".xml", ".tflite")  # ONNX, TorchScript, OpenV
 
 
 def _default_models() -> list[Path]:
-    found = sorted(path for path in settings.MODELS_DIR.glob("*") if path.suffix in MODEL_SUFFIXES and not is_temporary(path))
+    found, skipped = models_service.models_in(settings.MODELS_DIR, MODEL_SUFFIXES)
+    for path in skipped:
+        err.print(f"skipped {escape(str(path))}: TorchScript ptq did not write (loading it runs its code; pass --model {escape(str(path))} {trust.OPTION} to load it)",
+                  soft_wrap=True, highlight=False)
     if not found:
         raise PtqError(f"{settings.MODELS_DIR}: no .onnx, .pt, .xml or .tflite models to evaluate (run `ptq convert` or pass --model)")
     return found
@@ -658,6 +687,7 @@ def evaluate(
     label: Annotated[Optional[str], typer.Option(help="What the report calls the model, beside its file name (one --model only).", show_default=False)] = None,
     int8_path: Annotated[Int8Path, typer.Option(help="Which x86 int8 path to score 8-bit onnxruntime and PyTorch models on: native (this CPU's), exact (VNNI/AMX, ARM), saturating (AVX2 without VNNI) or both. The path this CPU does not take comes from onnxruntime's exact kernels, a proof that the model cannot saturate, or emulation of an AVX2 CPU (qemu-x86_64 -cpu Haswell) on --emulated-images images.", rich_help_panel="Runtime")] = Int8Path("native"),
     emulated_images: Annotated[int, typer.Option(min=10, help="Images (the first of each class) scored under emulation, which runs about 100 images/s on ResNet8.", rich_help_panel="Runtime")] = emulate_service.DEFAULT_SUBSET,
+    trust_remote_code: TrustOption = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Top-1 accuracy on the dataset's test split (val if it has no test), against the model's FP32 source.
@@ -709,6 +739,7 @@ def benchmark(
     bgr: BgrOption = None,
     runtime: RuntimeOption = None,
     precision: PrecisionOption = None,
+    trust_remote_code: TrustOption = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Latency at batch 1 (p50/p95/p99) and throughput at --batch-size, after warm-up, for ONNX, TorchScript, OpenVINO IR and TFLite models.
@@ -761,6 +792,7 @@ def report(
     plot: Annotated[bool, typer.Option("--plot", help="Also draw PNG charts (per-class accuracy; accuracy vs compressed size of `ptq sweep`) beside the Markdown report, linked from it; implies --markdown.")] = False,
     refresh: Annotated[bool, typer.Option("--refresh", help="First evaluate again every model whose file changed since its record (rows otherwise marked stale).")] = False,
     threads: ThreadsOption = None,
+    trust_remote_code: TrustOption = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Compare every evaluated model: accuracy, delta, size, size reduction, speed.
@@ -771,12 +803,15 @@ def report(
             evaluate_service.refresh_stale(results_dir, threads)
     result = report_service.report_from_results(results_dir)
     if not result.rows:
-        raise PtqError(f"{results_dir}: no evaluation records (run `ptq evaluate` first)")
+        reason = f" ({result.skipped[0]})" if result.skipped else " (run `ptq evaluate` first)"
+        raise PtqError(f"{results_dir}: no readable evaluation records{reason}")
     if plot and markdown is None:
         markdown = settings.MARKDOWN_REPORT
     if markdown is not None:
-        check_writable(markdown)
-        charts = render.write_charts(result, markdown.parent) if plot else []
+        chart_paths = report_service.chart_paths(markdown) if plot else {}
+        check_outputs([("--markdown", markdown, (".md",)), *(("--plot", path, (".png",)) for path in chart_paths.values())],
+                      [*report_service.input_files(results_dir)])
+        charts = render.write_charts(result, chart_paths)
         write_text(markdown, render.report_markdown(result, charts))
     _emit(as_json, result, render.report(result))
     if markdown is not None and not as_json:

@@ -453,11 +453,9 @@ def pruning(result: PruneResult) -> Group:
     return Group(table, Text(summary))
 
 
-CHART_PER_CLASS = "per_class_accuracy.png"
-CHART_SWEEP = "sweep_accuracy_vs_compressed_size.png"
 
 
-def write_charts(report: Report, directory: Path) -> list[Path]:
+def write_charts(report: Report, paths: dict[str, Path]) -> list[Path]:
     """PNG charts beside the Markdown report: per-class accuracy of every model, and (when a sweep was run)
     accuracy against compressed size. matplotlib with its non-interactive Agg backend."""
     import matplotlib
@@ -469,7 +467,7 @@ def write_charts(report: Report, directory: Path) -> list[Path]:
     written = []
     main = report.groups[0] if report.groups else None
     rows = [row for row in (main.rows if main else []) if row.per_class_accuracy and None not in row.per_class_accuracy]
-    if rows:
+    if rows and "per_class" in paths:
         figure, axes = plt.subplots(figsize=(12, 5))
         width = 0.8 / len(rows)
         positions = np.arange(len(main.class_names))
@@ -481,8 +479,8 @@ def write_charts(report: Report, directory: Path) -> list[Path]:
         axes.set_title(f"Per-class accuracy on {main.label}")
         axes.legend(fontsize="small", ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.08), frameon=False)
         axes.grid(axis="y", alpha=0.3)
-        written.append(_save(figure, Path(directory) / CHART_PER_CLASS))
-    if report.sweeps:
+        written.append(_save(figure, paths["per_class"]))
+    if report.sweeps and "sweep" in paths:
         figure, axes = plt.subplots(figsize=(8, 5))
         for result in report.sweeps:
             for label, sizes, accuracies in (
@@ -500,7 +498,7 @@ def write_charts(report: Report, directory: Path) -> list[Path]:
         axes.set_title("Prune then quantize: accuracy against compressed size (labels: sparsity)")
         axes.legend(fontsize="small")
         axes.grid(alpha=0.3)
-        written.append(_save(figure, Path(directory) / CHART_SWEEP))
+        written.append(_save(figure, paths["sweep"]))
     return written
 
 

@@ -2,7 +2,7 @@
 
 The contract, for every case: exit 0 with a sound result, or exit 2 with one line on stderr and nothing
 written; never a traceback. In-process (CliRunner) on tests/synthetic.py's tiny classifier and images, so
-it runs on every change: all 2,300 cases in `make test` (CI), a quarter of them in `make test-fast`.
+it runs on every change: all 5,000 cases in `make test` (CI), a quarter of them in `make test-fast`.
 Cases are derandomized: a failure reproduces.
 """
 
@@ -21,6 +21,7 @@ import onnx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from PIL import Image
 from synthetic import CLASSES, channel_mean_classifier, colour_images, image_folder, invoke
 
 from ptq_cli import settings as ptq_settings
@@ -29,7 +30,7 @@ FUZZ = settings(derandomize=True, database=None, deadline=None, suppress_health_
 
 
 def fuzz(examples: int):
-    """`examples` cases (2,300 over the harness), scaled by PTQ_FUZZ_SCALE: `make test-fast` runs a quarter."""
+    """`examples` cases (5,000 over the harness), scaled by PTQ_FUZZ_SCALE: `make test-fast` runs a quarter."""
     return settings(FUZZ, max_examples=max(10, round(examples * float(os.environ.get("PTQ_FUZZ_SCALE", "1")))))
 OUTPUTS = ("models", "results", "res", "reports", "out", "calibration", "q.onnx", "report.md", "calib_out.npz")
 
@@ -56,6 +57,19 @@ def cifar_dir(root: Path) -> Path:
     return root
 
 
+def torch_payload(path: Path) -> None:
+    """A TorchScript file whose forward overwrites ./victim.txt (torch.from_file(shared=True)), as the issue found."""
+    import torch
+
+    class WritesAFile(torch.nn.Module):
+        def forward(self, x):
+            mapped = torch.from_file("victim.txt", shared=True, size=4, dtype=torch.uint8)  # the case's copy (cwd)
+            mapped.fill_(88)
+            return x.mean(dim=(2, 3))
+
+    torch.jit.save(torch.jit.script(WritesAFile()), str(path))
+
+
 @pytest.fixture(scope="module")
 def template(tmp_path_factory) -> Path:
     """Every kind of file ptq reads, made by ptq itself where ptq writes it."""
@@ -64,6 +78,8 @@ def template(tmp_path_factory) -> Path:
     channel_mean_classifier(root / "models" / "m.onnx")
     channel_mean_classifier(root / "big.onnx", size=32, classes=10)
     colours_npz(root / "colours.npz")
+    (root / "victim.txt").write_bytes(b"mine")
+    torch_payload(root / "evil.pt")
     image_folder(root / "folder", per_class=3)
     cifar_dir(root / "cifar")
     cache = root / "cache"
@@ -398,3 +414,214 @@ def test_the_harness_catches_a_traceback(template, tmp_path_factory, monkeypatch
     with pytest.raises(AssertionError):
         run_case(work, "report")
 
+
+
+# The trust boundaries (issue "Trust boundaries"): security payloads, special files, resource bombs and
+# output collisions, each drawn at random over every file ptq reads or writes.
+
+def evil_reduce(marker: Path, draw):
+    """A callable and its arguments that create `marker` if anything calls them while unpickling."""
+    choice = draw(st.sampled_from(["touch", "os.system", "eval", "exec", "subprocess", "open"]))
+    if choice == "touch":
+        return Path.touch, (marker,)
+    if choice == "os.system":
+        return os.system, (f"touch {marker}",)
+    if choice == "eval":
+        return eval, (f"__import__('pathlib').Path({str(marker)!r}).touch()",)
+    if choice == "exec":
+        return exec, (f"open({str(marker)!r}, 'w').close()",)
+    if choice == "subprocess":
+        import subprocess
+
+        return subprocess.call, (["touch", str(marker)],)
+    return open, (str(marker), "w")
+
+
+class Reduce:
+    def __init__(self, function, arguments) -> None:
+        self.function, self.arguments = function, arguments
+
+    def __reduce__(self):
+        return self.function, self.arguments
+
+
+@fuzz(500)
+@given(data=st.data())
+def test_fuzz_security_payloads(template, tmp_path_factory, data):
+    """A pickle payload anywhere in a CIFAR batch, or a TorchScript file ptq did not write: nothing runs."""
+    work = project(template, tmp_path_factory)
+    marker = work / "cache" / "pwned"  # outside the snapshot: the contract's check is that it never appears
+    if data.draw(st.booleans(), label="pickle"):
+        victim = work / "cifar" / data.draw(st.sampled_from(["test_batch", "batches.meta", "data_batch_1", "data_batch_5"]), label="file")
+        with open(victim, "rb") as handle:
+            content = pickle.load(handle, encoding="bytes")
+        payload = Reduce(*evil_reduce(marker, data.draw))
+        where = data.draw(st.sampled_from(["new key", "replace", "nested", "whole"]), label="where")
+        if where == "whole":
+            content = payload
+        elif where == "nested":
+            content[b"filenames"] = [b"a.png", {b"x": payload}]
+        else:
+            content[b"payload" if where == "new key" else data.draw(st.sampled_from(sorted(content)))] = payload
+        victim.write_bytes(pickle.dumps(content, protocol=data.draw(st.integers(0, pickle.HIGHEST_PROTOCOL), label="protocol")))
+        command = data.draw(st.sampled_from([
+            ("evaluate", "--model", "big.onnx", "--data", "cifar", "--results-dir", "res"),
+            ("calibrate", "--data", "cifar", "--samples-per-class", "1", "--output", "calib_out.npz"),
+            ("fetch", "--mirror", ".", "--dest", "out", "--asset", "cifar"),
+        ]), label="command")
+        if command[0] == "fetch":
+            (work / "cifar").rename(work / "cifar-10-batches-py")
+        result = run_case(work, *command)
+        assert not marker.exists(), command
+        read = {"evaluate": {"batches.meta", "test_batch"}, "calibrate": {"batches.meta", "data_batch_1", "data_batch_5"}}.get(command[0])
+        assert result.exit_code == 2 or (read is not None and victim.name not in read), command
+        return
+    shutil.copy(template / "evil.pt", work / data.draw(st.sampled_from(["models/evil.pt", "evil.pt", "models/evil.onnx", "x.xml"]), label="as"))
+    named = next(path for path in (work / "models" / "evil.pt", work / "evil.pt", work / "models" / "evil.onnx", work / "x.xml") if path.exists())
+    command = data.draw(st.sampled_from([
+        ("evaluate", "--data", "colours.npz", "--results-dir", "res"),
+        ("evaluate", "--model", str(named.relative_to(work)), "--data", "colours.npz", "--results-dir", "res"),
+        ("benchmark", "--model", str(named.relative_to(work)), "--data", "colours.npz", "--runs", "1", "--results-dir", "res"),
+        ("quantize", "--model", str(named.relative_to(work)), "--data", "colours.npz", "--calibration", "calib.npz", "--output", "q.onnx"),
+    ]), label="command")
+    result = run_case(work, *command)
+    assert (work / "victim.txt").read_bytes() == b"mine", command
+    if "--model" in command:
+        assert result.exit_code == 2, command
+
+
+SPECIAL_TARGETS = {
+    "model": ("models/m.onnx", ("evaluate", "--model", "models/m.onnx", "--data", "colours.npz", "--results-dir", "res")),
+    "npz": ("colours.npz", ("evaluate", "--model", "models/m.onnx", "--data", "colours.npz", "--results-dir", "res")),
+    "calibration": ("calib.npz", ("quantize", "--model", "models/m.onnx", "--data", "colours.npz", "--calibration", "calib.npz", "--output", "q.onnx")),
+    "image": ("folder/test/red/0000.png", ("evaluate", "--model", "models/m.onnx", "--data", "folder", "--results-dir", "res")),
+    "classes.txt": ("folder/classes.txt", ("evaluate", "--model", "models/m.onnx", "--data", "folder", "--results-dir", "res")),
+    "cifar batch": ("cifar/test_batch", ("evaluate", "--model", "big.onnx", "--data", "cifar", "--results-dir", "res")),
+    "cifar meta": ("cifar/batches.meta", ("calibrate", "--data", "cifar", "--samples-per-class", "1", "--output", "calib_out.npz")),
+    "record": ("results/*.json", ("report", "--json")),
+    "manifest": ("results/manifest.json", ("run", "--model", "models/m.onnx", "--data", "colours.npz", "--no-pytorch", "--no-openvino", "--no-benchmark")),
+}
+
+
+@fuzz(700)
+@given(data=st.data())
+def test_fuzz_special_files(template, tmp_path_factory, data):
+    """Any input replaced by a FIFO, a device, a directory or a dangling link: refused in one line, never read."""
+    work = project(template, tmp_path_factory)
+    role = data.draw(st.sampled_from(sorted(SPECIAL_TARGETS)), label="role")
+    pattern, command = SPECIAL_TARGETS[role]
+    target = sorted(work.glob(pattern))[0] if "*" in pattern else work / pattern
+    target.unlink()
+    kind = data.draw(st.sampled_from(["fifo", "/dev/zero", "/dev/null", "/dev/urandom", "directory", "dangling link", "link to a directory"]), label="kind")
+    if kind == "fifo":
+        os.mkfifo(target)
+    elif kind == "directory":
+        target.mkdir()
+    elif kind == "dangling link":
+        target.symlink_to(work / "nothing-here")
+    elif kind == "link to a directory":
+        target.symlink_to(work / "folder" / "test")
+    else:
+        target.symlink_to(kind)
+    run_case(work, *command)
+
+
+def png_declaring(width: int, height: int) -> bytes:
+    """A 1x1 PNG whose header says width x height (the CRC fixed): a decompression bomb's first bytes."""
+    import io
+    import struct
+    import zlib
+
+    buffer = io.BytesIO()
+    Image.new("L", (1, 1)).save(buffer, format="PNG")
+    data = bytearray(buffer.getvalue())
+    data[16:24] = struct.pack(">II", width, height)
+    data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])) & 0xFFFFFFFF)
+    return bytes(data)
+
+
+def npy_header_claiming(shape: tuple[int, ...], dtype: str = "|u1") -> bytes:
+    header = f"{{'descr': '{dtype}', 'fortran_order': False, 'shape': {shape!r}, }}"
+    padded = header + " " * (63 - (len(header) + 10) % 64) + "\n"
+    return b"\x93NUMPY\x01\x00" + len(padded).to_bytes(2, "little") + padded.encode()
+
+
+@fuzz(700)
+@given(data=st.data())
+def test_fuzz_resource_bombs(template, tmp_path_factory, data):
+    """Huge labels, declared arrays, pixels, dimensions, class counts, batches: refused before the memory is asked for."""
+    work = project(template, tmp_path_factory)
+    kind = data.draw(st.sampled_from(["label", "npz shape", "png pixels", "model dims", "fixed batch", "class names", "output classes"]), label="kind")
+    big = data.draw(st.integers(2**16, 2**62), label="big")
+    command = ("evaluate", "--model", "models/m.onnx", "--data", "colours.npz", "--results-dir", "res")
+    if kind == "label":
+        images, labels = colour_images(2)
+        labels[data.draw(st.integers(0, len(labels) - 1))] = big
+        np.savez(work / "colours.npz", images=images, labels=labels)
+    elif kind == "npz shape":
+        member = data.draw(st.sampled_from(["images", "labels"]), label="member")
+        images, labels = colour_images(2)
+        with zipfile.ZipFile(work / "colours.npz", "w") as archive:
+            for name, array in (("images", images), ("labels", labels)):
+                if name == member:
+                    shape = (big, 8, 8, 3) if name == "images" else (big,)
+                    archive.writestr(f"{name}.npy", npy_header_claiming(shape, "|u1" if name == "images" else "<i8") + b"\0" * 64)
+                else:
+                    with archive.open(f"{name}.npy", "w") as handle:
+                        np.lib.format.write_array(handle, array)
+    elif kind == "png pixels":
+        width = data.draw(st.integers(1, 2**31 - 1), label="width")
+        (work / "folder" / "test" / "red" / "0000.png").write_bytes(png_declaring(width, max(1, big % (2**31 - 1))))
+        command = ("evaluate", "--model", "models/m.onnx", "--data", "folder", "--results-dir", "res")
+    elif kind in ("model dims", "fixed batch", "output classes"):
+        proto = onnx.load(str(work / "models" / "m.onnx"))
+        dims = (proto.graph.output[0] if kind == "output classes" else proto.graph.input[0]).type.tensor_type.shape.dim
+        index = 1 if kind == "output classes" else 0 if kind == "fixed batch" else data.draw(st.integers(1, 3))
+        dims[index].Clear()
+        dims[index].dim_value = big
+        (work / "models" / "m.onnx").write_bytes(proto.SerializeToString())
+    else:
+        images, labels = colour_images(2)
+        count = data.draw(st.integers(100_001, 300_000), label="names")
+        np.savez(work / "colours.npz", images=images, labels=labels, class_names=np.array([f"c{index}" for index in range(count)]))
+    run_case(work, *command)
+
+
+COLLISION_COMMANDS = [
+    (("calibrate", "--data", "colours.npz", "--output", "{out}"), ("colours.npz",)),
+    (("calibrate", "--data", "colours.npz", "--model", "models/m.onnx", "--output", "{out}"), ("colours.npz", "models/m.onnx")),
+    (("quantize", "--model", "models/m.onnx", "--data", "colours.npz", "--calibration", "calib.npz", "--output", "{out}"),
+     ("models/m.onnx", "colours.npz", "calib.npz")),
+    (("quantize", "--backend", "openvino", "--model", "models/m.onnx", "--data", "colours.npz", "--calibration", "calib.npz", "--output", "{out}"),
+     ("models/m.onnx", "colours.npz", "calib.npz")),
+    (("convert", "--onnx", "models/m.onnx", "--torch", "{out}", "--data", "colours.npz", "--check-images", "3"), ("models/m.onnx", "colours.npz")),
+    (("prune", "--model", "models/m.onnx", "--output", "{out}", "--no-reconstruct"), ("models/m.onnx",)),
+    (("report", "--markdown", "{out}"), ()),
+    (("report", "--plot", "--markdown", "{out}"), ()),
+]
+COLLISION_PATHS = st.sampled_from(["models/m.onnx", "colours.npz", "calib.npz", "big.onnx", "models/m_uint8.onnx", "folder/test/red/0000.png",
+                                   "results/*.json", "cifar/test_batch", "models/m.bin", "models/m.xml", "alias", "link"])
+
+
+@fuzz(800)
+@given(data=st.data())
+def test_fuzz_output_collisions(template, tmp_path_factory, data):
+    """An output named as an input, another output, a hard link or a symbolic link to one: no input changes."""
+    work = project(template, tmp_path_factory)
+    command, inputs = data.draw(st.sampled_from(COLLISION_COMMANDS), label="command")
+    chosen = data.draw(COLLISION_PATHS, label="output")
+    if chosen == "models/m.bin":
+        (work / "models" / "m.bin").write_bytes((work / "models" / "m.onnx").read_bytes())
+    if chosen in ("alias", "link"):
+        victim = data.draw(st.sampled_from([*inputs, "models/m_uint8.onnx"] or ["models/m.onnx"]), label="victim")
+        suffix = data.draw(st.sampled_from([".onnx", ".npz", ".pt", ".md", ".xml"]), label="suffix")
+        chosen = f"{chosen}{suffix}"
+        (os.link if chosen.startswith("alias") else os.symlink)(work / victim, work / chosen)
+    if "*" in chosen:
+        chosen = str(sorted(work.glob(chosen))[0].relative_to(work))
+    protected = {name: (work / name).read_bytes() for name in (*inputs, *((str(path.relative_to(work)) for path in (work / "results").rglob("*.json"))))}
+    if command[0] == "report":
+        protected.update({str(path.relative_to(work)): path.read_bytes() for path in (work / "models").glob("*")})
+    run_case(work, *(part.replace("{out}", chosen) for part in command))
+    changed = [name for name, content in protected.items() if (work / name).read_bytes() != content]
+    assert not changed, (command, chosen, changed)

@@ -31,6 +31,18 @@ def backend(name: str) -> ModuleType:
     return BACKENDS[name]
 
 
+def loads_code(path: Path) -> bool:
+    """Whether loading the file runs code stored in it: a TorchScript archive (by name or by content)."""
+    path = Path(path)
+    if path.suffix == pytorch.SUFFIX:
+        return True
+    try:
+        with path.open("rb") as handle:
+            return pytorch.sniff(handle.read(8))
+    except OSError:
+        return False
+
+
 def for_file(path: Path, runtime: str | None = None) -> ModuleType:
     """The backend of a model file, by its content (a TorchScript file is a zip archive), not its name;
     `runtime` "openvino" takes an ONNX file to OpenVINO."""

@@ -95,10 +95,10 @@ def _session(path: Path, data: bytes, quiet: bool = False, exact_int8: bool = Fa
         options.add_session_config_entry(EXACT_PATH_CONFIG, "1")
     options.intra_op_num_threads = 1
     options.inter_op_num_threads = 1
-    options.log_severity_level = 4 if quiet else 3  # a probe's expected failure is not the user's error
+    options.log_severity_level = 4  # a failure is reported as a one-line PtqError, never as a log line
     # Idle onnxruntime threads spin, and would slow whatever runs next (another model being timed).
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    ort.set_default_logger_severity(3)  # a failed run is reported as a PtqError, not as a log line
+    ort.set_default_logger_severity(4)
     try:
         return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
     except Exception as error:  # onnxruntime raises its own exception types for unloadable graphs
@@ -112,7 +112,8 @@ def free_batch(path: Path, model, described: inputs.ModelInput):
         return model
     candidate = symbolic_batch(model)
     rng = np.random.default_rng(0)
-    probe = rng.standard_normal((max(2, described.batch + 1), *described.shape(1)[1:]), dtype=np.float32)
+    # A batch other than the fixed one (2 images, or 3 for a fixed 2): the fixed model runs once per image.
+    probe = rng.standard_normal((3 if described.batch == 2 else 2, *described.shape(1)[1:]), dtype=np.float32)
     try:
         fixed = _session(path, model.SerializeToString(), quiet=True)
         freed = _session(path, candidate.SerializeToString(), quiet=True)
@@ -135,6 +136,7 @@ def load(path: Path, threads: int | None, flags: inputs.PreprocessingFlags, exac
     data = read_bytes(path)
     model = read_onnx(path, data)
     dtype, quantization = _dtype(model)
+    whole = data if model.ByteSize() == len(data) else model.SerializeToString()  # external weights read in
     threads = resolve_threads(threads)
     described, classes = describe_input(path, model)
     stored = metadata(model)
@@ -146,17 +148,20 @@ def load(path: Path, threads: int | None, flags: inputs.PreprocessingFlags, exac
             session = _session(path, freed.SerializeToString(), exact_int8=exact_int8)
             note = f"fixed batch {described.batch} made symbolic (same outputs)"
         else:
-            session, chunk = _session(path, data, exact_int8=exact_int8), described.batch
+            session, chunk = _session(path, whole, exact_int8=exact_int8), described.batch
             note = f"fixed batch {described.batch}: run {described.batch} image{'s' if described.batch > 1 else ''} at a time"
     else:
-        session = _session(path, data, exact_int8=exact_int8)
+        session = _session(path, whole, exact_int8=exact_int8)
     pool = ThreadPoolExecutor(threads, thread_name_prefix="ptq-ort") if threads > 1 else None
 
     def run(batch: np.ndarray) -> np.ndarray:
         try:
-            return session.run(None, {described.name: batch})[0]
+            scores = session.run(None, {described.name: batch})[0]
         except Exception as error:  # onnxruntime's own exception types
             raise PtqError(f"{path}: onnxruntime failed to run it ({str(error).splitlines()[0]})") from error
+        if scores.ndim > 2 and all(dim == 1 for dim in scores.shape[2:]):  # N x K x 1 x 1, a conv head's
+            scores = scores.reshape(scores.shape[:2])
+        return scores
 
     def run_fixed(batch: np.ndarray) -> np.ndarray:
         return in_fixed_batches(run, batch, chunk)
@@ -171,8 +176,10 @@ def load(path: Path, threads: int | None, flags: inputs.PreprocessingFlags, exac
             return run(batch)
         return np.concatenate(list(pool.map(run, np.array_split(batch, threads))))
 
-    if classes is None:
-        classes = int(predict(np.zeros(described.shape(1), np.float32)).shape[-1])
+    probe = predict(np.zeros(described.shape(1), np.float32))
+    if probe.ndim != 2 or probe.shape[0] != 1 or (classes is not None and probe.shape[1] != classes):
+        raise PtqError(f"{path}: outputs {list(probe.shape)} for one image, not 1 x {classes or 'classes'} class scores (as its output declares)")
+    classes = int(probe.shape[1])
     pruning = metadata_object(path, stored, PRUNING_METADATA_KEY)
     info = ModelInfo(path, NAME, dtype, quantization, len(data), hashlib.sha256(data).hexdigest(), pruning, stored.get(SOURCE_METADATA_KEY))
     return LoadedModel(info, predict, described, preprocessing, classes, note)
@@ -191,7 +198,7 @@ def preprocess(model, output: Path) -> None:
     try:
         quant_pre_process(model, str(output))
     except Exception as error:  # shape inference and the optimizer raise many types
-        raise PtqError(f"{model.graph.name or 'model'}: onnxruntime's quant_pre_process failed ({str(error).splitlines()[0]}); try --no-preprocess") from error
+        raise PtqError(f"{model.graph.name or 'model'}: onnxruntime's quant_pre_process failed ({str(error).splitlines()[0]})") from error
 
 
 def _reader(input_name: str, images: np.ndarray, batch: int | None):

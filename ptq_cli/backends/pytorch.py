@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ptq_cli import trust
 from ptq_cli.atomic import atomic_output
 from ptq_cli.backends import onnxruntime as ort_backend
 from ptq_cli.backends.base import QuantizedFile
@@ -97,6 +98,7 @@ def save_torchscript(module, path: Path, example: np.ndarray, stored: dict[str, 
     contents = {**stored, MODEL_INPUT_KEY: json.dumps(asdict(described))}
     torch.jit.save(scripted, buffer, _extra_files={TORCHSCRIPT_METADATA_FILE: json.dumps(contents, sort_keys=True)})
     Path(path).write_bytes(buffer.getvalue())
+    trust.remember(buffer.getvalue())
 
 
 def _pair_safe_observer(per_channel: bool):
@@ -217,6 +219,7 @@ def load(path: Path, threads: int | None, flags: inputs.PreprocessingFlags) -> L
     path = Path(path)
     threads = resolve_threads(threads)
     data = read_bytes(path)
+    trust.require(path, data, "TorchScript")
     extra_files = {TORCHSCRIPT_METADATA_FILE: ""}
     try:
         module = torch.jit.load(io.BytesIO(data), map_location="cpu", _extra_files=extra_files)

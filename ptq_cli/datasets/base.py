@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import re
-import zipfile
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ptq_cli import settings
+from ptq_cli import bounded, cache
 from ptq_cli.atomic import atomic_output
 from ptq_cli.errors import PtqError
 
@@ -99,11 +98,15 @@ class Dataset(ABC):
         key = self.content_key(split)
         decode_size = tuple(size) if size is not None and self.resizes_on_decode else None
         shape = f"{decode_size[0]}x{decode_size[1]}" if decode_size else "native"
-        cache = settings.cache_dir() / f"{self.format}-{key[:40]}-{split}-{shape}.npz"
-        cached = read_cache(cache)
+        cache_dir = cache.directory()
+        entry = cache_dir / f"{self.format}-{key[:40]}-{split}-{shape}.npz" if cache_dir is not None else None
+        cached = read_cache(entry, f"{self.format}:{key}:{split}:{shape}") if entry is not None else None
         if cached is None:
             images, labels = self._decode(split, decode_size)
-            write_cache(cache, images, labels)
+            if 0 in images.shape[1:3]:
+                raise PtqError(f"{self.root}: the {split} split's images are {images.shape[1]}x{images.shape[2]} pixels")
+            if entry is not None:
+                write_cache(entry, f"{self.format}:{key}:{split}:{shape}", images, labels)
         else:
             images, labels = cached
         if size is not None and images.shape[1:3] != tuple(size):
@@ -120,13 +123,7 @@ def file_digest(paths: list[Path]) -> str:
     """sha256 over names and bytes of the files, in the given order."""
     digest = hashlib.sha256()
     for path in paths:
-        if not path.is_file():
-            raise PtqError(f"{path}: file not found")
-        try:
-            data = path.read_bytes()
-        except OSError as error:
-            raise PtqError(f"{path}: cannot read ({error.strerror or error})") from error
-        digest.update(path.name.encode() + b"\0" + hashlib.sha256(data).digest())
+        digest.update(path.name.encode() + b"\0" + bounded.sha256(path, bounded.ARRAY_BYTES, "data file"))
     return digest.hexdigest()
 
 
@@ -137,23 +134,23 @@ def _arrays_digest(images: np.ndarray, labels: np.ndarray) -> str:
     return digest.hexdigest()
 
 
-def read_cache(path: Path) -> tuple[np.ndarray, np.ndarray] | None:
-    """The cached arrays if the file is readable and its arrays match the digest stored beside them."""
+def read_cache(path: Path, source_key: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """The cached arrays if the file is readable and sealed (cache.seal) for these arrays and this source."""
     try:
-        arrays = np.load(path, allow_pickle=False)
-        with arrays:  # a .npy or a pickle at the cache path is no cache: TypeError/AttributeError here
-            images, labels, stored = arrays["images"], arrays["labels"], str(arrays["digest"])
-    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile, AttributeError, TypeError):
+        arrays = bounded.npz_arrays(path, ("images", "labels", "digest"))
+        images, labels, stored = arrays["images"], arrays["labels"], str(arrays["digest"])
+    except (PtqError, KeyError):
         return None  # not cached yet, or unreadable: decode again
-    if images.dtype != np.uint8 or images.ndim != 4 or labels.ndim != 1 or len(labels) != len(images):
+    if images.dtype != np.uint8 or images.ndim != 4 or labels.ndim != 1 or len(labels) != len(images) or labels.dtype.kind not in "iu":
         return None
-    return (images, labels.astype(np.int64)) if _arrays_digest(images, labels) == stored else None
+    return (images, labels.astype(np.int64)) if cache.sealed(stored, source_key, _arrays_digest(images, labels)) else None
 
 
-def write_cache(path: Path, images: np.ndarray, labels: np.ndarray) -> None:
+def write_cache(path: Path, source_key: str, images: np.ndarray, labels: np.ndarray) -> None:
     try:
+        seal = cache.seal(source_key, _arrays_digest(images, labels))
         with atomic_output(path) as tmp, tmp.open("wb") as handle:
-            np.savez(handle, images=images, labels=labels, digest=np.array(_arrays_digest(images, labels)))
+            np.savez(handle, images=images, labels=labels, digest=np.array(seal))
     except (PtqError, OSError):
         pass  # a read-only or full cache only costs speed
 

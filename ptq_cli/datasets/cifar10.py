@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import codecs
+import io
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from ptq_cli import bounded
+
+try:  # numpy 2 pickles name numpy._core; the official batches, numpy 1's numpy.core
+    from numpy._core.multiarray import _reconstruct
+except ImportError:  # pragma: no cover
+    from numpy.core.multiarray import _reconstruct
 from ptq_cli.datasets.base import TEST, TRAIN, Dataset, file_digest
 from ptq_cli.errors import PtqError
 
@@ -51,14 +59,29 @@ class Cifar10(Dataset):
         return np.concatenate([images for images, _ in parts]), np.concatenate([labels for _, labels in parts])
 
 
+class _CifarUnpickler(pickle.Unpickler):
+    """Only what a CIFAR-10 batch is made of (dicts, lists, bytes, numbers, a uint8 numpy array): a pickle
+    naming any other class or function is refused before anything of it runs."""
+
+    ALLOWED = {
+        ("numpy", "ndarray"), ("numpy", "dtype"),
+        ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+        ("_codecs", "encode"),  # how protocol 2 writes bytes from Python 3: codecs.encode(str, "latin1")
+    }
+
+    def find_class(self, module: str, name: str) -> object:
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"it names {module}.{name}, which a CIFAR-10 batch never holds; refused without running it")
+        return {"ndarray": np.ndarray, "dtype": np.dtype, "_reconstruct": _reconstruct, "encode": codecs.encode}[name]
+
+
 def _unpickle(path: Path) -> object:
-    if not path.is_file():
-        raise PtqError(f"{path}: missing CIFAR-10 file")
+    data = bounded.read_bytes(path, bounded.ARRAY_BYTES, "CIFAR-10 file")
     try:
-        with path.open("rb") as handle:
-            return pickle.load(handle, encoding="bytes")
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError, ImportError, MemoryError) as error:
-        raise PtqError(f"{path}: not a readable CIFAR-10 pickle (truncated or corrupt: {error or type(error).__name__})") from error
+        return _CifarUnpickler(io.BytesIO(data), encoding="bytes").load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError, ImportError, MemoryError,
+            RecursionError, OverflowError, UnicodeDecodeError) as error:
+        raise PtqError(f"{path}: not a readable CIFAR-10 pickle ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from error
 
 
 def load_class_names(data_dir: Path) -> tuple[str, ...]:

@@ -4,10 +4,12 @@ as a single set. Class names: ROOT/classes.txt (one per line, in label order) or
 from __future__ import annotations
 
 import hashlib
+import warnings
 from pathlib import Path
 
 import numpy as np
 
+from ptq_cli import bounded
 from ptq_cli.datasets.base import SPLITS, TEST, Dataset
 from ptq_cli.errors import PtqError
 
@@ -57,10 +59,7 @@ class ImageFolder(Dataset):
         listed = self.root / CLASSES_FILE
         if not listed.is_file():
             return tuple(first)
-        try:
-            names = tuple(line.strip() for line in listed.read_text(encoding="utf-8").splitlines() if line.strip())
-        except (OSError, UnicodeDecodeError) as error:
-            raise PtqError(f"{listed}: cannot read the class names ({error})") from error
+        names = tuple(line.strip() for line in bounded.read_text(listed, "class list").splitlines() if line.strip())
         if sorted(names) != sorted(first) or len(set(names)) != len(names):
             raise PtqError(f"{listed}: lists {len(names)} classes that are not the {len(first)} class folders")
         return names
@@ -90,11 +89,7 @@ class ImageFolder(Dataset):
     def content_key(self, split: str) -> str:
         digest = hashlib.sha256("\n".join(self._classes).encode())
         for path, label in self.files(split):
-            try:
-                data = path.read_bytes()
-            except OSError as error:
-                raise PtqError(f"{path}: cannot read ({error.strerror or error})") from error
-            digest.update(f"{path.relative_to(self.root)}\0{label}\0".encode() + hashlib.sha256(data).digest())
+            digest.update(f"{path.relative_to(self.root)}\0{label}\0".encode() + bounded.sha256(path, bounded.ARRAY_BYTES, "image file"))
         return digest.hexdigest()
 
     def _decode(self, split: str, size: tuple[int, int] | None) -> tuple[np.ndarray, np.ndarray]:
@@ -102,12 +97,23 @@ class ImageFolder(Dataset):
 
         files = self.files(split)
         images: list[np.ndarray] = []
+        most = bounded.IMAGE_PIXELS.value()
         for path, _ in files:
             try:
-                with Image.open(path) as image:
-                    image.load()
-                    converted = image.convert("L" if image.mode in ("1", "L", "I", "I;16", "F") else "RGB")
-            except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as error:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error", Image.DecompressionBombWarning)
+                    Image.MAX_IMAGE_PIXELS = most  # Pillow's own check, before it reads the pixels
+                    with Image.open(path) as image:
+                        width, height = image.size
+                        if not width or not height:
+                            raise PtqError(f"{path}: an image of {width}x{height} pixels")
+                        if width * height > most:
+                            raise bounded.IMAGE_PIXELS.refuse(path, f"{width}x{height} pixels")
+                        image.load()
+                        converted = image.convert("L" if image.mode in ("1", "L", "I", "I;16", "F") else "RGB")
+            except (Image.DecompressionBombWarning, Image.DecompressionBombError) as error:
+                raise bounded.IMAGE_PIXELS.refuse(path, "declares over twice as many pixels") from error
+            except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError, MemoryError) as error:
                 raise PtqError(f"{path}: not a readable image ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from error
             if size is not None and converted.size != (size[1], size[0]):
                 converted = converted.resize((size[1], size[0]), Image.BILINEAR)

@@ -4,11 +4,11 @@ it holds several splits."""
 
 from __future__ import annotations
 
-import zipfile
 from pathlib import Path
 
 import numpy as np
 
+from ptq_cli import bounded
 from ptq_cli.datasets.base import SPLITS, TEST, Dataset, file_digest
 from ptq_cli.errors import PtqError
 
@@ -20,13 +20,10 @@ class NpzDataset(Dataset):
         super().__init__(root)
         if not self.root.is_file():
             raise PtqError(f"{self.root}: .npz file not found")
-        try:
-            with np.load(self.root, allow_pickle=False) as arrays:
-                self._keys = set(arrays.files)
-                names = arrays["class_names"] if "class_names" in arrays.files else None
-                label_arrays = [arrays[key] for key in self._keys if key == "labels" or key.endswith("_labels")]
-        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:
-            raise PtqError(f"{self.root}: not a readable .npz ({error})") from error
+        arrays = bounded.npz_arrays(self.root)  # every member checked once, labels and names kept
+        self._keys = set(arrays)
+        names = arrays.get("class_names")
+        label_arrays = [arrays[key] for key in self._keys if key == "labels" or key.endswith("_labels")]
         if "images" in self._keys:
             self._prefixes = {TEST: ""}
             self.single_set = True
@@ -40,9 +37,11 @@ class NpzDataset(Dataset):
         if names is not None:
             if names.ndim != 1 or names.dtype.kind not in "US":
                 raise PtqError(f"{self.root}: 'class_names' is not a list of strings")
+            bounded.check_count(self.root, len(names), bounded.CLASSES, f"{len(names):,} class names")
             self._classes = tuple(str(name) for name in names)
         else:
             highest = max((int(labels.max()) for labels in label_arrays if labels.size and labels.dtype.kind in "iu"), default=0)
+            bounded.check_count(self.root, highest + 1, bounded.CLASSES, f"label {highest:,} means {highest + 1:,} classes")
             self._classes = tuple(str(index) for index in range(highest + 1))
 
     def splits(self) -> tuple[str, ...]:
@@ -59,12 +58,13 @@ class NpzDataset(Dataset):
 
     def _decode(self, split: str, size: tuple[int, int] | None) -> tuple[np.ndarray, np.ndarray]:
         prefix = self._prefixes[split]
-        with np.load(self.root, allow_pickle=False) as arrays:
-            images, labels = arrays[f"{prefix}images"], arrays[f"{prefix}labels"]
+        arrays = bounded.npz_arrays(self.root, (f"{prefix}images", f"{prefix}labels"))
+        images, labels = arrays[f"{prefix}images"], arrays[f"{prefix}labels"]
         if images.ndim == 3:
             images = images[..., None]
-        if images.dtype != np.uint8 or images.ndim != 4 or images.shape[3] not in (1, 3, 4) or not len(images):
-            raise PtqError(f"{self.root}: '{prefix}images' is {images.dtype} {images.shape}, expected uint8 N x H x W x C (C 1, 3 or 4, N > 0)")
+        if images.dtype != np.uint8 or images.ndim != 4 or images.shape[3] not in (1, 3, 4) or 0 in images.shape[:3]:
+            raise PtqError(f"{self.root}: '{prefix}images' is {images.dtype} {images.shape}, expected uint8 N x H x W x C (C 1, 3 or 4, N, H, W > 0)")
+        bounded.check_count(self.root, images.shape[1] * images.shape[2], bounded.IMAGE_PIXELS, f"images of {images.shape[1]}x{images.shape[2]}")
         if labels.dtype.kind not in "iu" or labels.shape != (len(images),):
             raise PtqError(f"{self.root}: '{prefix}labels' is {labels.dtype} {labels.shape}, expected {len(images)} integer labels")
         return np.ascontiguousarray(images), labels.astype(np.int64)

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 import ptq_cli
+from ptq_cli import bounded
 from ptq_cli import cpu as cpu_info
 from ptq_cli.datasets import Dataset
 from ptq_cli.errors import PtqError
@@ -169,9 +170,9 @@ def load_benchmarks(results_dir: Path) -> dict[str, BenchmarkRecord]:
     found: dict[str, BenchmarkRecord] = {}
     for path in record_files(Path(results_dir) / BENCHMARK_DIR):
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(bounded.read_text(path, "record"))
             record = from_dict(BenchmarkRecord, data)
-        except (OSError, ValueError, TypeError, AttributeError):
+        except (PtqError, OSError, ValueError, TypeError, AttributeError):
             continue
         found[benchmark_key(record.model_sha256, record.framework, record.precision)] = record
     return found

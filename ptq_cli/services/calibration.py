@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import zipfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
-from ptq_cli import settings
+from ptq_cli import bounded, settings
 from ptq_cli.atomic import atomic_output
 from ptq_cli.datasets import Dataset
 from ptq_cli.errors import PtqError
@@ -117,31 +116,33 @@ def load_calibration_set(path: Path) -> CalibrationSet:
     path = Path(path)
     if not path.is_file():
         raise PtqError(f"{path}: calibration file not found (make one with `ptq calibrate`)")
+    data = bounded.npz_arrays(path, what="calibration file")
     try:
-        with np.load(path, allow_pickle=False) as data:
-            images, labels = data["images"], data["labels"]
-            calibration = CalibrationSet(
-                images=images,
-                labels=labels,
-                indices=data["indices"],
-                seed=int(data["seed"]),
-                samples_per_class=int(data["samples_per_class"]),
-                dataset=str(data["dataset"]) if "dataset" in data.files else "",
-                split=str(data["split"]) if "split" in data.files else "train",
-                dataset_sha256=str(data["dataset_sha256"]) if "dataset_sha256" in data.files else "",
-                class_names=tuple(str(name) for name in data["class_names"]),
-                source=str(path),
-            )
-    except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile, EOFError) as error:
-        raise PtqError(f"{path}: not a ptq calibration file ({error})") from error
-    if images.ndim != 4 or images.shape[3] not in (1, 3, 4) or not len(images):
+        images, labels = data["images"], data["labels"]
+        calibration = CalibrationSet(
+            images=images,
+            labels=labels,
+            indices=data["indices"],
+            seed=int(data["seed"]),
+            samples_per_class=int(data["samples_per_class"]),
+            dataset=str(data["dataset"]) if "dataset" in data else "",
+            split=str(data["split"]) if "split" in data else "train",
+            dataset_sha256=str(data["dataset_sha256"]) if "dataset_sha256" in data else "",
+            class_names=tuple(str(name) for name in np.atleast_1d(data["class_names"])),
+            source=str(path),
+        )
+    except (ValueError, KeyError, TypeError, OverflowError) as error:
+        raise PtqError(f"{path}: not a ptq calibration file ({'no ' + str(error) if isinstance(error, KeyError) else error})") from error
+    bounded.check_count(path, len(calibration.class_names), bounded.CLASSES, f"{len(calibration.class_names):,} class names")
+    if images.ndim != 4 or images.shape[3] not in (1, 3, 4) or 0 in images.shape[:3]:
         raise PtqError(f"{path}: images are {images.dtype} {images.shape}, expected N x H x W x C pixels (N > 0)")
     if images.dtype != np.uint8:
         # ptq 0.2 stored float32 0-255 pixels: accepted when that is exactly what they are.
         if images.dtype != np.float32 or not np.all(np.isfinite(images)) or images.min() < 0 or images.max() > 255 or np.any(images != np.round(images)):
             raise PtqError(f"{path}: images are {images.dtype}, expected uint8 pixels 0-255 (or ptq 0.2's float32 0-255)")
         calibration = replace(calibration, images=images.astype(np.uint8))
-    if labels.ndim != 1 or len(labels) != len(images) or labels.dtype.kind not in "iu" or labels.min() < 0 or labels.max() >= len(calibration.class_names):
+    if (labels.ndim != 1 or len(labels) != len(images) or np.shape(calibration.indices) != (len(images),) or labels.dtype.kind not in "iu"
+            or labels.min() < 0 or labels.max() >= len(calibration.class_names)):
         raise PtqError(f"{path}: labels do not match the {len(images)} images and {len(calibration.class_names)} classes")
     return calibration
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ptq_cli.atomic import atomic_output, check_writable
+from ptq_cli.atomic import atomic_output, check_outputs
 from ptq_cli.datasets import Dataset
 from ptq_cli.errors import CheckFailed, PtqError
 from ptq_cli.services import inputs
@@ -134,7 +134,7 @@ def keras_to_onnx(keras_path: Path, output: Path, dataset: Dataset, opset: int =
     keras_path = Path(keras_path)
     if not keras_path.is_file():
         raise PtqError(f"{keras_path}: Keras model file not found")
-    check_writable(output)
+    check_outputs([("--output", output, (".onnx",))], [keras_path])
     if check_count < 1:
         raise PtqError(f"--check-images: must be at least 1, got {check_count}")
     try:
@@ -182,7 +182,7 @@ def onnx_to_torchscript(onnx_path: Path, output: Path, dataset: Dataset, check_c
     against onnxruntime. NCHW and NHWC models alike; a fixed batch is made symbolic where that computes the same."""
     from ptq_cli.backends import pytorch
 
-    check_writable(output)
+    check_outputs([("--torch", output, (".pt",))], [onnx_path])
     onnx_path = Path(onnx_path)
     source = load_model(onnx_path, None, flags)
     pixels = check_images(dataset, check_count, source.input.size)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -13,8 +14,8 @@ from typing import Protocol
 import numpy as np
 
 import ptq_cli
+from ptq_cli import bounded, hardstop, settings
 from ptq_cli import cpu as cpu_info
-from ptq_cli import settings
 from ptq_cli.datasets import Dataset, open_dataset
 from ptq_cli.errors import PtqError
 from ptq_cli.services import emulate, overflow
@@ -83,13 +84,19 @@ def _predict(model: LoadedModel, images: np.ndarray, batch_size: int, model_path
              progress: ProgressCallback | None = None) -> tuple[np.ndarray, float]:
     """(top-1 predictions, inference seconds)."""
     total = len(images)
+    bound = bounded.CALL_SECONDS.value()
+    batch_size = bounded.images_per_call(math.prod(model.input.shape(1)), batch_size)  # a large input: fewer images a call
     predictions = np.empty(total, dtype=np.int64)
     inference_seconds = 0.0
     for start in range(0, total, batch_size):
         batch = model.prepare(images[start : start + batch_size])
         began = time.perf_counter()
-        scores = model.predict(batch)
+        with hardstop.deadline(bound, f"{model_path}: one inference call of {len(batch)} images did not return within {bound:,} s "
+                                      f"(a graph that never ends? raise {bounded.CALL_SECONDS.env} if it is only slow)"):
+            scores = model.predict(batch)
         inference_seconds += time.perf_counter() - began
+        if scores.shape != (len(batch), model.num_classes):
+            raise PtqError(f"{model_path}: outputs {list(scores.shape)} for {len(batch)} images; expected {len(batch)} x {model.num_classes} class scores")
         if not np.all(np.isfinite(scores)):
             raise PtqError(f"{model_path}: the model outputs NaN or infinite scores on {where}")
         predictions[start : start + len(batch)] = scores.argmax(axis=1)
@@ -256,20 +263,39 @@ def runtime_of(record: EvaluationRecord | BenchmarkLike) -> tuple[str | None, st
 
 def read_record(path: Path) -> EvaluationRecord:
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"), parse_constant=_refuse_constant)
+        data = json.loads(bounded.read_text(Path(path), "record"), parse_constant=_refuse_constant)
         if not isinstance(data, dict):
             raise ValueError("not a JSON object")
         record = from_dict(EvaluationRecord, data)
-        if not (0 <= record.accuracy <= 100 and 0 <= record.correct <= record.images and record.model_size_bytes >= 0):
+        if not (0 <= record.accuracy <= 100 and 0 < record.images and 0 <= record.correct <= record.images and record.model_size_bytes >= 0):
             raise ValueError("accuracy, correct/images or size out of range")
         classes = len(record.class_names)
+        bounded.check_count(path, classes, bounded.CLASSES, f"{classes:,} class names")
         if len(record.per_class_accuracy) != classes or len(record.confusion_matrix) != classes \
                 or any(len(row) != classes for row in record.confusion_matrix):
             raise ValueError(f"per-class figures do not match its {classes} classes")
+        _check_figures_agree(record)
         describe_model(record.quantization, record.pruning)  # its settings must read as ptq wrote them
         return record
     except (OSError, ValueError, TypeError, AttributeError, KeyError) as error:
         raise PtqError(f"{path}: not a ptq evaluation record ({error})") from error
+
+
+# Figures are stored rounded to 4 decimals.
+ROUNDING = 1e-3
+
+
+def _check_figures_agree(record: EvaluationRecord) -> None:
+    """A record's figures are all derived from its confusion matrix: one edited by hand disagrees."""
+    confusion = np.array(record.confusion_matrix, dtype=np.int64)
+    if (confusion < 0).any() or int(confusion.sum()) != record.images or int(np.trace(confusion)) != record.correct:
+        raise ValueError(f"its confusion matrix does not add up to its {record.images} images and {record.correct} correct")
+    if abs(record.accuracy - 100.0 * record.correct / record.images) > ROUNDING:
+        raise ValueError(f"accuracy {record.accuracy}% is not its {record.correct}/{record.images} correct")
+    for index, stored in enumerate(record.per_class_accuracy):
+        row = int(confusion[index].sum())
+        if (stored is None) != (row == 0) or (row and abs(stored - 100.0 * confusion[index, index] / row) > ROUNDING):
+            raise ValueError(f"per-class accuracy of '{record.class_names[index]}' is not its confusion matrix row")
 
 
 def _refuse_constant(name: str) -> float:

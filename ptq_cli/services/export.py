@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ptq_cli.atomic import check_writable, write_text
+from ptq_cli.atomic import check_outputs, write_text
 from ptq_cli.backends import litert
 from ptq_cli.errors import PtqError
 from ptq_cli.services.models import read_bytes
@@ -25,9 +25,15 @@ class CArrayExport:
     size_bytes: int
 
 
+# C11's keywords, and names its headers define as macros: a symbol named so does not compile.
+C_KEYWORDS = frozenset("""auto break case char const continue default do double else enum extern float for goto if inline int long
+register restrict return short signed sizeof static struct switch typedef union unsigned void volatile while _Alignas _Alignof
+_Atomic _Bool _Complex _Generic _Imaginary _Noreturn _Static_assert _Thread_local bool true false NULL asm""".split())
+
+
 def c_symbol(name: str) -> str:
     """A C identifier from a file name: resnet8-int8.tflite -> resnet8_int8_tflite."""
-    symbol = re.sub(r"\W", "_", name)
+    symbol = re.sub(r"[^A-Za-z0-9_]", "_", name)
     return f"model_{symbol}" if symbol[:1].isdigit() else symbol
 
 
@@ -39,12 +45,11 @@ def export_c_array(model: Path, output_dir: Path | None = None, symbol: str | No
     if not litert.sniff(data[:8]):
         raise PtqError(f"{model}: not a TFLite flatbuffer; --c-array exports .tflite models (what TFLite Micro runs)")
     symbol = symbol or c_symbol(model.name)
-    if not re.fullmatch(r"[A-Za-z_]\w*", symbol):
-        raise PtqError(f"--symbol: '{symbol}' is not a C identifier")
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", symbol) or symbol in C_KEYWORDS or symbol.startswith("__"):
+        raise PtqError(f"--symbol: '{symbol}' is not a C identifier a program can declare (a keyword, or reserved)")
     directory = Path(output_dir) if output_dir is not None else model.parent
     source, header = directory / f"{model.stem}.c", directory / f"{model.stem}.h"
-    for path in (source, header):
-        check_writable(path)
+    check_outputs([("--output-dir", source, (".c",)), ("--output-dir", header, (".h",))], [model])
     guard = f"{symbol.upper()}_H_"
     write_text(header, "\n".join([
         f"/* {model.name}: {len(data):,} bytes, written by ptq export --c-array. */",

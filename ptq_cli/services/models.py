@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ptq_cli import bounded
+from ptq_cli.atomic import is_temporary
 from ptq_cli.datasets.base import convert_channels, resize
 from ptq_cli.errors import PtqError
 from ptq_cli.services import inputs
@@ -88,9 +90,9 @@ def metadata_object(path: Path, stored: dict[str, str], key: str) -> dict | None
 def file_sha256(path: Path) -> str:
     """The sha256 of a model's bytes: an OpenVINO IR's .xml and then its .bin, any other model's one file."""
     path = Path(path)
-    digest = hashlib.sha256(path.read_bytes())
+    digest = hashlib.sha256(bounded.read_bytes(path, bounded.MODEL_BYTES, "model file"))
     if path.suffix == ".xml" and path.with_suffix(".bin").is_file():
-        digest.update(path.with_suffix(".bin").read_bytes())
+        digest.update(bounded.read_bytes(path.with_suffix(".bin"), bounded.MODEL_BYTES, "model weights file"))
     return digest.hexdigest()
 
 
@@ -102,6 +104,27 @@ def in_fixed_batches(run: Callable[[np.ndarray], np.ndarray], batch: np.ndarray,
     return np.concatenate([run(part) for part in np.split(filled, padded // size)])[: len(batch)]
 
 
+def models_in(directory: Path, suffixes: tuple[str, ...]) -> tuple[list[Path], list[Path]]:
+    """(model files in `directory` that can be loaded, those left out): a TorchScript file ptq did not write
+    runs code when loaded, so a folder scan never loads it (the user names it with the trust option)."""
+    from ptq_cli import backends, trust
+
+    found, skipped = [], []
+    for path in sorted(Path(directory).glob("*")):
+        if path.suffix not in suffixes or is_temporary(path) or not path.is_file():
+            continue
+        if backends.loads_code(path) and not trust.trusting():
+            try:
+                written = trust.written_by_ptq(read_bytes(path))
+            except PtqError:
+                written = False
+            if not written:
+                skipped.append(path)
+                continue
+        found.append(path)
+    return found, skipped
+
+
 def require_file(path: Path) -> None:
     if not path.exists():
         raise PtqError(f"{path}: model file not found")
@@ -111,10 +134,7 @@ def require_file(path: Path) -> None:
 
 def read_bytes(path: Path) -> bytes:
     require_file(path)
-    try:
-        data = Path(path).read_bytes()
-    except OSError as error:
-        raise PtqError(f"{path}: cannot read ({error.strerror or error})") from error
+    data = bounded.read_bytes(path, bounded.MODEL_BYTES, "model file")
     if not data:
         raise PtqError(f"{path}: empty file")
     return data
@@ -130,12 +150,32 @@ def read_onnx(path: Path, data: bytes | None = None):
         data = read_bytes(path)
     try:
         model = onnx.load_from_string(data)
+        _read_external_data(path, model)
         onnx.checker.check_model(model)
     except (DecodeError, onnx.checker.ValidationError, ValueError, RuntimeError, OSError) as error:
         raise PtqError(f"{path}: not a valid ONNX model ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from error
     if not model.graph.input or not model.graph.node:
         raise PtqError(f"{path}: not a valid ONNX model (empty graph)")
     return model
+
+
+def _read_external_data(path: Path, model) -> None:
+    """Weights kept beside the model (onnx's external data) read into it, from files inside its folder only."""
+    from onnx.external_data_helper import ExternalDataInfo, _get_all_tensors, load_external_data_for_model, uses_external_data
+
+    tensors = [tensor for tensor in _get_all_tensors(model) if uses_external_data(tensor)]
+    if not tensors:
+        return
+    folder = Path(path).resolve().parent
+    total = 0
+    for location in sorted({ExternalDataInfo(tensor).location for tensor in tensors}):
+        target = (folder / location).resolve()
+        if not target.is_relative_to(folder):
+            raise PtqError(f"{path}: its external data '{location}' lies outside the model's folder; refused")
+        total += bounded.regular_size(target, "external data file")
+        if total > bounded.MODEL_BYTES.value():
+            raise bounded.MODEL_BYTES.refuse(path, f"external data of {total:,} bytes")
+    load_external_data_for_model(model, str(folder))
 
 
 def onnx_dims(value) -> list:
@@ -159,6 +199,7 @@ def model_input(path: Path, name: str, shape: list, elem_float: bool = True) -> 
     if len(known) != 4:
         raise PtqError(f"{path}: input shape {shape} is not an image batch (N x C x H x W or N x H x W x C)")
     batch = known[0]
+    bounded.check_input(path, [dim or 1 for dim in known])
     if known[1] in (1, 3) and known[3] not in (1, 3) and known[2] and known[3]:
         return ModelInput(name, inputs.NCHW, known[1], known[2], known[3], batch)
     if known[3] in (1, 3) and known[1] and known[2]:
@@ -174,7 +215,10 @@ def num_classes(path: Path, output_shape: list) -> int | None:
     if len(output_shape) < 2 or len(dims) > 1:
         raise PtqError(f"{path}: output shape {output_shape} is not N x classes")
     last = dims[0] if dims else 1
-    return last if isinstance(last, int) and last > 0 else None
+    if isinstance(last, int) and last > 0:
+        bounded.check_count(path, last, bounded.CLASSES, f"output declares {last:,} classes")
+        return last
+    return None
 
 
 def check_classes(path: Path, model_classes: int, class_names: tuple[str, ...], where: Path | str) -> None:
@@ -198,13 +242,17 @@ def load_model(path: Path, threads: int | None = None, flags: inputs.Preprocessi
     """The runner for a model file, the backend chosen by the file's content, not its name; `runtime`
     "openvino" runs an ONNX file on OpenVINO instead of onnxruntime, with the `precision` hint;
     `exact_int8` runs an ONNX file on onnxruntime's exact u8 x s8 kernels on a CPU without VNNI."""
-    from ptq_cli import backends
+    from ptq_cli import backends, hardstop
 
     backend = backends.for_file(path, runtime)
-    if backend.NAME == OPENVINO:
-        return backend.load(Path(path), threads, flags or inputs.PreprocessingFlags(), precision)
-    if precision is not None:
+    if precision is not None and backend.NAME != OPENVINO:
         raise PtqError(f"--precision: applies to the OpenVINO runtime; {path} runs on {backend.NAME}")
-    if backend.NAME == ONNXRUNTIME:
-        return backend.load(Path(path), threads, flags or inputs.PreprocessingFlags(), exact_int8)
-    return backend.load(Path(path), threads, flags or inputs.PreprocessingFlags())
+    bound = bounded.CALL_SECONDS.value()
+    # Loading runs the model once on a probe image: a graph that never ends is reported, not waited on.
+    stuck = f"{path}: loading it and running one image did not finish within {bound:,} s (raise {bounded.CALL_SECONDS.env} if it is only slow)"
+    with hardstop.deadline(bound, stuck):
+        if backend.NAME == OPENVINO:
+            return backend.load(Path(path), threads, flags or inputs.PreprocessingFlags(), precision)
+        if backend.NAME == ONNXRUNTIME:
+            return backend.load(Path(path), threads, flags or inputs.PreprocessingFlags(), exact_int8)
+        return backend.load(Path(path), threads, flags or inputs.PreprocessingFlags())

@@ -20,8 +20,8 @@ from importlib import metadata as package_metadata
 from pathlib import Path
 
 import ptq_cli
+from ptq_cli import bounded, settings
 from ptq_cli import cpu as cpu_info
-from ptq_cli import settings
 from ptq_cli.atomic import check_writable, write_text
 from ptq_cli.backends import litert as litert_backend
 from ptq_cli.backends import openvino as openvino_backend
@@ -287,8 +287,8 @@ def manifest_path(results_dir: Path) -> Path:
 def read_manifest(path: Path) -> dict:
     """The previous manifest, or an empty one; a damaged manifest only means every stage runs again."""
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        data = json.loads(bounded.read_text(Path(path), "record"))
+    except (PtqError, OSError, ValueError):
         return {}
     if not isinstance(data, dict) or data.get("schema") != MANIFEST_SCHEMA:
         return {}

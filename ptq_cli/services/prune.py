@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ptq_cli.atomic import atomic_output, check_writable
+from ptq_cli.atomic import atomic_output, check_outputs
 from ptq_cli.errors import PtqError
 from ptq_cli.services.models import PRUNING_METADATA_KEY, read_onnx
 
@@ -230,11 +230,9 @@ def prune(model_path: Path, output: Path, settings: PruningSettings, calibration
     import onnx
 
     model_path, output = Path(model_path), Path(output)
-    if model_path.resolve() == output.resolve():
-        raise PtqError(f"--output: {output} would overwrite the model being pruned")
     if settings.reconstruct and calibration_images is None:
         raise PtqError("--reconstruct: needs calibration images")
-    check_writable(output)
+    check_outputs([("--output", output, (".onnx",))], [model_path])
     original = read_onnx(model_path)
     model = onnx.ModelProto()
     model.CopyFrom(original)

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from ptq_cli import backends
-from ptq_cli.atomic import check_writable
+from ptq_cli.atomic import check_outputs
 from ptq_cli.backends.base import QuantizedFile
 from ptq_cli.errors import PtqError
 from ptq_cli.services import inputs
@@ -118,9 +118,9 @@ def quantize(model_path: Path, output: Path, settings: QuantizationSettings, cal
              flags: inputs.PreprocessingFlags | None = None) -> QuantizeResult:
     """Quantize the FP32 ONNX model with the settings' framework; the output is written atomically."""
     model_path, output = Path(model_path), Path(output)
-    if model_path.exists() and output.exists() and model_path.resolve() == output.resolve():
-        raise PtqError(f"--output: {output} would overwrite the model being quantized")
-    check_writable(output)
+    calibration_file = Path(calibration.source.split(" (")[0]) if calibration.source else None
+    ranges_from = Path(settings.ranges_from) if settings.ranges_from else None
+    check_outputs([("--output", output, (backends.backend(settings.framework).SUFFIX,))], [model_path, ranges_from, calibration_file])
     source = load_source(model_path, flags or inputs.PreprocessingFlags(), settings.per_channel)
     settings = with_calibration(settings, calibration)
     written = quantize_source(source, output, settings, calibration)

@@ -298,6 +298,20 @@ def build_report(
     return Report(groups, list(skipped or []), tuple(sweeps or ()))
 
 
+# The charts of `report --plot`, named after the Markdown report: two reports in one folder keep their own.
+CHARTS = {"per_class": "per_class_accuracy", "sweep": "sweep_accuracy_vs_compressed_size"}
+
+
+def chart_paths(markdown: Path) -> dict[str, Path]:
+    markdown = Path(markdown)
+    return {key: markdown.with_name(f"{markdown.stem}_{name}.png") for key, name in CHARTS.items()}
+
+
+def input_files(results_dir: Path) -> list[Path]:
+    """What a report reads: the files under the results folder."""
+    return [path for path in Path(results_dir).rglob("*") if path.is_file()] if Path(results_dir).is_dir() else []
+
+
 def report_from_results(results_dir: Path) -> Report:
     """The report of the records under `results_dir`, each row checked against the file now on disk."""
     record_set = load_records(results_dir)

@@ -12,6 +12,7 @@ import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from ptq_cli import bounded
 from ptq_cli.atomic import check_writable
 from ptq_cli.datasets import Dataset
 from ptq_cli.errors import PtqError
@@ -142,7 +143,7 @@ def sweep(
 
 def read_sweep(path: Path) -> SweepResult:
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        data = json.loads(bounded.read_text(Path(path), "record"))
         points = [from_dict(SweepPoint, point) for point in data["points"]]
         return replace(from_dict(SweepResult, {**data, "points": []}), points=points)
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:

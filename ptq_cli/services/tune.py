@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from ptq_cli import backends
-from ptq_cli.atomic import check_writable
+from ptq_cli.atomic import check_outputs
 from ptq_cli.errors import PtqError
 from ptq_cli.services.calibration import CalibrationSet, stratified_subset
 from ptq_cli.services.inputs import PreprocessingFlags
@@ -166,11 +166,8 @@ def tune(
         raise PtqError(f"--max-drop: must be at least 0 points, got {max_drop}")
     if max_float_layers < 0:
         raise PtqError(f"--max-float-layers: must be at least 0, got {max_float_layers}")
-    if model_path.resolve() == output.resolve():
-        raise PtqError(f"--output: {output} would overwrite the model being tuned")
     record = Path(results_dir) / TUNING_DIR / f"{model_key(output)}.json"
-    for path in (output, record):
-        check_writable(path)
+    check_outputs([("--output", output, (backends.backend(backend).SUFFIX,)), ("--results-dir", record, (".json",))], [model_path])
     source = load_source(model_path, flags or PreprocessingFlags())
     model = source.model
     prepared = {len(calibration.labels): calibration_inputs(source, calibration)}

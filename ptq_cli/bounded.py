@@ -1,0 +1,191 @@
+"""Reading the files people pass, within bounds: regular files only (no FIFO, device or /dev/zero behind a
+symbolic link), and never more bytes, pixels, dimensions or classes than a limit.
+
+Each limit is raised by an environment variable (README, "Limits") for the rare real input that needs more.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import stat
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ptq_cli.errors import PtqError
+
+
+@dataclass(frozen=True)
+class Limit:
+    env: str
+    default: int
+    what: str  # "bytes of one model file": worded for the message that names the limit
+
+    def value(self) -> int:
+        raw = os.environ.get(self.env, "")
+        try:
+            return int(raw) if raw.strip() else self.default
+        except ValueError:
+            raise PtqError(f"{self.env}: '{raw}' is not a whole number") from None
+
+    def refuse(self, where: Path | str, found: str) -> PtqError:
+        return PtqError(f"{where}: {found}, over the limit of {self.value():,} {self.what} (raise it with {self.env})")
+
+
+# protobuf cannot hold more than 2 GiB: a larger .onnx keeps its weights in external data files.
+MODEL_BYTES = Limit("PTQ_MAX_MODEL_BYTES", 2**31, "bytes for one model file")
+# One array of a dataset .npz, a calibration set or a cache entry (CIFAR-10's training set is 150 MB).
+ARRAY_BYTES = Limit("PTQ_MAX_ARRAY_BYTES", 2**31, "bytes for one array")
+# Pillow's own decompression-bomb threshold; an 8K photo has 33 million.
+IMAGE_PIXELS = Limit("PTQ_MAX_IMAGE_PIXELS", 89_478_485, "pixels in one image")
+# ImageNet-21k has 21,841 classes.
+CLASSES = Limit("PTQ_MAX_CLASSES", 100_000, "classes")
+# One model input of one image (3x2048x2048 is 12.6 million) and one inference call of a fixed batch
+# (batch x image; 64 x 3x224x224 is 9.6 million).
+INPUT_ELEMENTS = Limit("PTQ_MAX_INPUT_ELEMENTS", 2**24, "values in one image's input")
+CALL_ELEMENTS = Limit("PTQ_MAX_CALL_ELEMENTS", 2**26, "input values in one inference call")
+# Records, manifests, class lists: text ptq reads whole.
+TEXT_BYTES = Limit("PTQ_MAX_TEXT_BYTES", 64 * 2**20, "bytes for a text file")
+# One inference call that does not return in this many seconds is reported, not waited on.
+CALL_SECONDS = Limit("PTQ_CALL_TIMEOUT", 900, "seconds for one inference call")
+LIMITS = (MODEL_BYTES, ARRAY_BYTES, IMAGE_PIXELS, CLASSES, INPUT_ELEMENTS, CALL_ELEMENTS, TEXT_BYTES, CALL_SECONDS)
+
+NPZ_MEMBERS = 1000
+NPY_HEADER_BYTES = 10_000  # numpy's own default bound on a .npy header
+
+
+def regular_size(path: Path, what: str = "file") -> int:
+    """The size of `path` if it is a regular file (after symbolic links); one line naming it otherwise."""
+    path = Path(path)
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        raise PtqError(f"{path}: {what} not found") from None
+    except OSError as error:
+        raise PtqError(f"{path}: cannot read ({error.strerror or error})") from error
+    if stat.S_ISDIR(info.st_mode):
+        raise PtqError(f"{path}: is a directory, not a {what}")
+    if not stat.S_ISREG(info.st_mode):
+        device = stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode)
+        kind = "a FIFO" if stat.S_ISFIFO(info.st_mode) else "a device" if device else "a socket or special file"
+        raise PtqError(f"{path}: is {kind}, not a regular {what}")
+    return info.st_size
+
+
+def read_bytes(path: Path, limit: Limit = MODEL_BYTES, what: str = "file") -> bytes:
+    """The bytes of a regular file no larger than `limit`, read with a bound even if it grows meanwhile."""
+    path = Path(path)
+    size = regular_size(path, what)
+    if size > limit.value():
+        raise limit.refuse(path, f"{size:,} bytes")
+    try:
+        with path.open("rb") as handle:
+            data = handle.read(limit.value() + 1)
+    except OSError as error:
+        raise PtqError(f"{path}: cannot read ({error.strerror or error})") from error
+    if len(data) > limit.value():
+        raise limit.refuse(path, "grew while read")
+    return data
+
+
+def sha256(path: Path, limit: Limit = ARRAY_BYTES, what: str = "file") -> bytes:
+    """The sha256 digest of a regular file no larger than `limit`, read in pieces."""
+    path = Path(path)
+    size = regular_size(path, what)
+    if size > limit.value():
+        raise limit.refuse(path, f"{size:,} bytes")
+    digest, left = hashlib.sha256(), limit.value() + 1
+    try:
+        with path.open("rb") as handle:
+            while left > 0 and (piece := handle.read(min(left, 2**20))):
+                digest.update(piece)
+                left -= len(piece)
+    except OSError as error:
+        raise PtqError(f"{path}: cannot read ({error.strerror or error})") from error
+    if left <= 0:
+        raise limit.refuse(path, "grew while read")
+    return digest.digest()
+
+
+def read_text(path: Path, what: str = "file") -> str:
+    try:
+        return read_bytes(path, TEXT_BYTES, what).decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise PtqError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from error
+
+
+def check_count(where: Path | str, count: int, limit: Limit, found: str) -> None:
+    if count > limit.value():
+        raise limit.refuse(where, found)
+
+
+def images_per_call(per_image: int, wanted: int) -> int:
+    """At most `wanted` images, and no more than CALL_ELEMENTS input values, in one inference call."""
+    return max(1, min(wanted, CALL_ELEMENTS.value() // max(1, per_image)))
+
+
+def check_input(where: Path | str, shape: tuple[int, ...] | list[int]) -> None:
+    """A model input (one image, without the batch) and, for a fixed batch, one call, within the limits."""
+    dims = [int(dim) for dim in shape]
+    if any(dim <= 0 for dim in dims[1:]):
+        raise PtqError(f"{where}: declared input {list(dims)} has an empty dimension")
+    per_image = math.prod(dims[1:])
+    check_count(where, per_image, INPUT_ELEMENTS, f"declared input {'x'.join(map(str, dims[1:]))} has {per_image:,} values an image")
+    if dims and dims[0] > 0:
+        check_count(where, dims[0] * per_image, CALL_ELEMENTS, f"a fixed batch of {dims[0]:,} is {dims[0] * per_image:,} input values a call")
+
+
+def npz_arrays(path: Path, names: tuple[str, ...] | None = None, what: str = ".npz") -> dict[str, np.ndarray]:
+    """The arrays of an .npz (all, or those of `names` that are present), read without pickles and within
+    ARRAY_BYTES each: every member must be a .npy, and its header is checked before anything is allocated."""
+    path = Path(path)
+    regular_size(path, what)
+    try:
+        with zipfile.ZipFile(path) as archive:
+            members = archive.infolist()
+            if len(members) > NPZ_MEMBERS:
+                raise PtqError(f"{path}: {len(members):,} members, more than an {what} of arrays holds ({NPZ_MEMBERS})")
+            found = {}
+            for member in members:
+                if not member.filename.endswith(".npy") or member.is_dir():
+                    raise PtqError(f"{path}: member '{member.filename}' is not a .npy array")
+                found[member.filename[: -len(".npy")]] = member
+            return {name: _read_member(path, archive, member, name) for name, member in found.items() if names is None or name in names}
+    except PtqError:
+        raise
+    except zipfile.BadZipFile as error:
+        hint = " (a .npy renamed .npz?)" if _is_npy(path) else ""
+        raise PtqError(f"{path}: not a readable {what} ({error}){hint}") from error
+    except (OSError, EOFError, ValueError, RuntimeError, NotImplementedError) as error:
+        raise PtqError(f"{path}: not a readable {what} ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from error
+
+
+def _is_npy(path: Path) -> bool:
+    try:
+        with Path(path).open("rb") as handle:
+            return handle.read(6) == b"\x93NUMPY"
+    except OSError:
+        return False
+
+
+def _read_member(path: Path, archive: zipfile.ZipFile, member: zipfile.ZipInfo, name: str) -> np.ndarray:
+    where = f"{path}: '{name}'"
+    with archive.open(member) as handle:
+        version = np.lib.format.read_magic(handle)
+        reader = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, _, dtype = reader(handle, max_header_size=NPY_HEADER_BYTES)
+    if dtype.hasobject:
+        raise PtqError(f"{where} holds Python objects; ptq reads numeric and string arrays only")
+    if any(dim < 0 for dim in shape):
+        raise PtqError(f"{where} declares a negative dimension")
+    size = math.prod(shape) * dtype.itemsize
+    if size > ARRAY_BYTES.value():
+        raise ARRAY_BYTES.refuse(path, f"'{name}' is {size:,} bytes")
+    if size > member.file_size:
+        raise PtqError(f"{where} declares {size:,} bytes of data but holds {member.file_size:,}")
+    with archive.open(member) as handle:
+        return np.lib.format.read_array(handle, allow_pickle=False, max_header_size=NPY_HEADER_BYTES)

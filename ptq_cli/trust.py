@@ -1,0 +1,58 @@
+"""Model files whose loading runs code (TorchScript: its `forward` and `__setstate__` are programs) are
+loaded only when ptq wrote them (their sha256 is remembered in the user's cache) or when the user says they
+trust the file's source: `--trust-remote-code`, as Hugging Face names it, or PTQ_TRUST_REMOTE_CODE=1."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from collections.abc import Iterator
+from contextvars import ContextVar
+from pathlib import Path
+
+from ptq_cli import cache
+from ptq_cli.errors import PtqError
+
+ENV = "PTQ_TRUST_REMOTE_CODE"
+OPTION = "--trust-remote-code"
+_trusted: ContextVar[bool] = ContextVar("trust_remote_code", default=False)
+
+
+@contextlib.contextmanager
+def scope() -> Iterator[None]:
+    """One command's extent: trust given by its option ends with it."""
+    token = _trusted.set(False)
+    try:
+        yield
+    finally:
+        _trusted.reset(token)
+
+
+def trust_remote_code(enabled: bool = True) -> None:
+    _trusted.set(bool(enabled))
+
+
+def trusting() -> bool:
+    return _trusted.get() or os.environ.get(ENV, "") == "1"
+
+
+def remember(data: bytes) -> None:
+    """ptq wrote these bytes: loading them later needs no opt-in. A cache that cannot be written costs
+    only that opt-in."""
+    try:
+        cache.remember_written(hashlib.sha256(data).hexdigest())
+    except (PtqError, OSError):
+        pass
+
+
+def written_by_ptq(data: bytes) -> bool:
+    return cache.was_written(hashlib.sha256(data).hexdigest())
+
+
+def require(path: Path, data: bytes, kind: str) -> None:
+    """Refuse to load `data` (a `kind` file, whose loading runs code) unless trusted."""
+    if trusting() or written_by_ptq(data):
+        return
+    raise PtqError(f"{path}: a {kind} file runs code when loaded and ptq did not write this one; "
+                   f"if you trust where it came from, pass {OPTION} (or set {ENV}=1)")
