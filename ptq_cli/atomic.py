@@ -164,9 +164,9 @@ def check_outputs(outputs: list[tuple[str, Path | None, tuple[str, ...]]], input
         if given is None:
             continue
         given = Path(given)
+        check_writable(given)
         if suffixes and given.suffix.lower() not in suffixes:
             raise PtqError(f"{option}: {given} does not end in {' or '.join(suffixes)}; ptq writes only that kind of file there")
-        check_writable(given)
         for path in companions(given):
             key = _identity(path)
             if key in read:

@@ -81,7 +81,9 @@ def _unpickle(path: Path) -> object:
         return _CifarUnpickler(io.BytesIO(data), encoding="bytes").load()
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError, ImportError, MemoryError,
             RecursionError, OverflowError, UnicodeDecodeError) as error:
-        raise PtqError(f"{path}: not a readable CIFAR-10 pickle ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from error
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise PtqError(f"{path}: not a readable CIFAR-10 pickle ({reason})" if "refused" in reason
+                       else f"{path}: not a readable CIFAR-10 pickle (truncated or corrupt: {reason})") from error
 
 
 def load_class_names(data_dir: Path) -> tuple[str, ...]:

@@ -52,6 +52,7 @@ class ImageFolder(Dataset):
             if not names:
                 raise PtqError(f"{self._split_dirs[split]}: no class folders in it")
         first_split, first = next(iter(per_split.items()))
+        bounded.check_count(self._split_dirs[first_split], len(first), bounded.CLASSES, f"{len(first):,} class folders")
         for split, names in per_split.items():
             if names != first:
                 only_here = sorted(set(names) - set(first)) or sorted(set(first) - set(names))
