@@ -206,6 +206,12 @@ def _finite(value: float | None) -> float | None:
 
 # Counts and seeds shared by the commands, range-checked while parsing: before any work starts.
 MAX_THREADS = 4 * (os.cpu_count() or 1)  # more threads than that only slows inference down
+ThreadsOption = Annotated[
+    Optional[int],
+    typer.Option(min=1, max=MAX_THREADS, help=f"Inference threads, 1 to {MAX_THREADS}. (default: all cores)", show_default=False),
+]
+
+
 def _trust(value: bool) -> bool:
     trust.trust_remote_code(value)
     return value
@@ -214,10 +220,6 @@ def _trust(value: bool) -> bool:
 TrustOption = Annotated[bool, typer.Option(
     "--trust-remote-code", callback=_trust,
     help="Load TorchScript (.pt) files ptq did not write. Loading one runs the code inside it: pass this only for files from a source you trust.")]
-ThreadsOption = Annotated[
-    Optional[int],
-    typer.Option(min=1, max=MAX_THREADS, help=f"Inference threads, 1 to {MAX_THREADS}. (default: all cores)", show_default=False),
-]
 SeedOption = Annotated[int, typer.Option(min=0, max=2**32 - 1, help="Random seed for drawing the calibration images: the same seed gives the same images.")]
 SamplesPerClassOption = Annotated[
     Optional[int],

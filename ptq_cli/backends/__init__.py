@@ -33,13 +33,9 @@ def backend(name: str) -> ModuleType:
 
 def loads_code(path: Path) -> bool:
     """Whether loading the file runs code stored in it: a TorchScript archive (by name or by content)."""
-    path = Path(path)
-    if path.suffix == pytorch.SUFFIX:
-        return True
     try:
-        with path.open("rb") as handle:
-            return pytorch.sniff(handle.read(8))
-    except OSError:
+        return for_file(path) is pytorch
+    except PtqError:
         return False
 
 

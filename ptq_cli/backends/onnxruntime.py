@@ -87,7 +87,7 @@ def describe_input(path: Path, model):
 EXACT_PATH_CONFIG = "session.x64quantprecision"
 
 
-def _session(path: Path, data: bytes, quiet: bool = False, exact_int8: bool = False):
+def _session(path: Path, data: bytes, exact_int8: bool = False):
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -115,8 +115,8 @@ def free_batch(path: Path, model, described: inputs.ModelInput):
     # A batch other than the fixed one (2 images, or 3 for a fixed 2): the fixed model runs once per image.
     probe = rng.standard_normal((3 if described.batch == 2 else 2, *described.shape(1)[1:]), dtype=np.float32)
     try:
-        fixed = _session(path, model.SerializeToString(), quiet=True)
-        freed = _session(path, candidate.SerializeToString(), quiet=True)
+        fixed = _session(path, model.SerializeToString())
+        freed = _session(path, candidate.SerializeToString())
         expected = [fixed.run(None, {described.name: np.repeat(probe[i : i + 1], described.batch, axis=0)})[0][:1] for i in range(len(probe))]
         got = freed.run(None, {described.name: probe})[0]
     except Exception:  # noqa: BLE001  any failure means the batch cannot be freed

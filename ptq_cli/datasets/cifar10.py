@@ -59,6 +59,10 @@ class Cifar10(Dataset):
         return np.concatenate([images for images, _ in parts]), np.concatenate([labels for _, labels in parts])
 
 
+class _Refused(pickle.UnpicklingError):
+    """A pickle naming a class or function a CIFAR-10 batch never holds."""
+
+
 class _CifarUnpickler(pickle.Unpickler):
     """Only what a CIFAR-10 batch is made of (dicts, lists, bytes, numbers, a uint8 numpy array): a pickle
     naming any other class or function is refused before anything of it runs."""
@@ -71,7 +75,7 @@ class _CifarUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> object:
         if (module, name) not in self.ALLOWED:
-            raise pickle.UnpicklingError(f"it names {module}.{name}, which a CIFAR-10 batch never holds; refused without running it")
+            raise _Refused(f"it names {module}.{name}, which a CIFAR-10 batch never holds; refused without running it")
         return {"ndarray": np.ndarray, "dtype": np.dtype, "_reconstruct": _reconstruct, "encode": codecs.encode}[name]
 
 
@@ -82,7 +86,7 @@ def _unpickle(path: Path) -> object:
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError, ImportError, MemoryError,
             RecursionError, OverflowError, UnicodeDecodeError) as error:
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise PtqError(f"{path}: not a readable CIFAR-10 pickle ({reason})" if "refused" in reason
+        raise PtqError(f"{path}: not a readable CIFAR-10 pickle ({reason})" if isinstance(error, _Refused)
                        else f"{path}: not a readable CIFAR-10 pickle (truncated or corrupt: {reason})") from error
 
 

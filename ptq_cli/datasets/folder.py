@@ -99,11 +99,11 @@ class ImageFolder(Dataset):
         files = self.files(split)
         images: list[np.ndarray] = []
         most = bounded.IMAGE_PIXELS.value()
+        Image.MAX_IMAGE_PIXELS = most  # Pillow's own check, before it reads the pixels
         for path, _ in files:
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("error", Image.DecompressionBombWarning)
-                    Image.MAX_IMAGE_PIXELS = most  # Pillow's own check, before it reads the pixels
                     with Image.open(path) as image:
                         width, height = image.size
                         if not width or not height:
