@@ -39,7 +39,7 @@ def main() -> None:
     ptq(["benchmark", *[arg for model in MODELS for arg in ("--model", f"models/{model}")], "--runs", str(options.runs), *threads], workdir, env)
     _, output = ptq(["report", "--json"], workdir, env)
     rows = {row["model"]: row for row in json.loads(output)["groups"][0]["rows"]
-            if row["model"] in MODELS and (row["model"].endswith(".xml") or row["framework"] != "openvino") and not row["label"]}
+            if row["model"] in MODELS and (row["model"].endswith(".xml") or row["runtime"] != "openvino") and not row["label"]}
     baseline = rows[FP32]
     cpu = cpu_info.current()
 
@@ -62,7 +62,7 @@ def main() -> None:
         saturating = "-" if row["saturating_accuracy"] is None else f"{row['saturating_accuracy']:.2f}%" + (
             " (proof)" if row["saturating_basis"].startswith("proof") else " (emulated subset)" if row["saturating_basis"].startswith("emulated") else "")
         exact = "-" if row["int8_path"] == cpu_info.SATURATING else f"{row['accuracy']:.2f}%"  # a row of the saturating path alone
-        table.add_row(name, row["framework"], exact, saturating if row["dtype"] != "fp32" else "=",
+        table.add_row(name, row["runtime"], exact, saturating if row["dtype"] != "fp32" else "=",
                       f"{row['images_per_second']:,.0f}", f"{ratio(name):.2f}x")
     console.print(table)
 

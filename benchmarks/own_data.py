@@ -36,8 +36,8 @@ from rich.table import Table  # noqa: E402
 from ptq_cli import settings  # noqa: E402
 from ptq_cli.datasets import open_dataset  # noqa: E402
 from ptq_cli.datasets.cifar10 import Cifar10  # noqa: E402
-from ptq_cli.services.evaluate import evaluate_model  # noqa: E402
-from ptq_cli.services.inputs import make_flags  # noqa: E402
+from ptq_cli.inputs import make_flags  # noqa: E402
+from ptq_cli.services.measure.evaluate import evaluate_model  # noqa: E402
 
 
 def write_png_folder(root: Path) -> None:

@@ -7,7 +7,7 @@ directory, with the decoded-CIFAR cache warm (a first `calibrate` fills it), and
 - the wall time of every stage, the total, and the total of the warm pipeline (calibrate, all
   quantizations, all evaluations, report: the part that runs again when models change);
 - `ptq benchmark` of every model at batch 1 and batch 256: p50/p99 latency, throughput, speed-up
-  against the FP32 model of the same framework;
+  against the FP32 model of the same runtime;
 - `ptq run` twice in a row in a new directory: both wall times, and whether the second changed any file;
   then, with every output after the conversion deleted, `ptq run --no-benchmark` again: the warm pipeline
   (calibrate, all quantizations, all evaluations, report) in one process.
@@ -86,13 +86,13 @@ def main() -> None:
     records = json.loads(output)
     accuracy = {model: json.loads(next((workdir / "results").glob(f"{model}@*.json")).read_text())["accuracy"] for model in MODELS}
     table = Table(title=f"Benchmark: latency at batch 1, throughput at batch {records[0]['batch_size']}, {records[0]['threads']} threads, {options.runs} runs after warm-up", title_justify="left")
-    for column in ("model", "framework", "type", "top-1", "p50 ms", "p99 ms", "images/s", "speed-up vs FP32"):
-        table.add_column(column, justify="left" if column in ("model", "framework", "type") else "right")
+    for column in ("model", "runtime", "type", "top-1", "p50 ms", "p99 ms", "images/s", "speed-up vs FP32"):
+        table.add_column(column, justify="left" if column in ("model", "runtime", "type") else "right")
     for record in records:
         name = Path(record["model_path"]).name
         ratio = record["speedup_vs_fp32"]
         table.add_row(
-            name, record["framework"], record["dtype"], f"{accuracy[name]:.2f}%", f"{record['latency_ms_p50']:.3f}", f"{record['latency_ms_p99']:.3f}",
+            name, record["runtime"], record["dtype"], f"{accuracy[name]:.2f}%", f"{record['latency_ms_p50']:.3f}", f"{record['latency_ms_p99']:.3f}",
             f"{record['images_per_second']:,.0f}", "-" if ratio is None else f"{ratio:.2f}x",
         )
     console.print(table)

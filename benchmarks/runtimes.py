@@ -39,7 +39,7 @@ def main() -> None:
     _, output = ptq(["report", "--json"], workdir, env)
     # Each file on the runtime it is deployed on (the report also holds resnet8.onnx run on OpenVINO).
     rows = {row["model"]: row for row in json.loads(output)["groups"][0]["rows"]
-            if row["model"] in MODELS and (row["model"].endswith(".xml") or row["framework"] != "openvino")}
+            if row["model"] in MODELS and (row["model"].endswith(".xml") or row["runtime"] != "openvino")}
     missing = [name for name in MODELS if name not in rows]
     if missing:
         sys.exit(f"no figures for {', '.join(missing)} in {workdir}: are the openvino and litert extras installed (make install)?")
@@ -53,7 +53,7 @@ def main() -> None:
         table.add_column(column, justify="left" if column in ("model", "runtime") else "right")
     for name in MODELS:
         row = rows[name]
-        runtime = row["framework"] + (f" {row['precision']}" if row["precision"] else "")
+        runtime = row["runtime"] + (f" {row['precision']}" if row["precision"] else "")
         table.add_row(name, runtime, f"{row['accuracy']:.2f}%", f"{row['images_per_second']:,.0f}", f"{ratio(name):.2f}x", f"{row['latency_ms_p50']:.3f}")
     console.print(table)
 

@@ -21,30 +21,31 @@ from rich.console import Console, Group
 from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TransferSpeedColumn
 
+from ptq_cli import backends, hardstop, render, settings, trust
 from ptq_cli import cpu as cpu_info
-from ptq_cli import hardstop, render, settings, trust
+from ptq_cli import inputs as inputs_service
 from ptq_cli.atomic import check_outputs, check_writable, write_text
+from ptq_cli.backends.model_file import read_onnx as check_model
 from ptq_cli.datasets import Dataset, open_dataset
 from ptq_cli.errors import Interrupted, PtqError
-from ptq_cli.services import benchmark as benchmark_service
 from ptq_cli.services import calibration as calibration_service
 from ptq_cli.services import convert as convert_service
-from ptq_cli.services import emulate as emulate_service
-from ptq_cli.services import evaluate as evaluate_service
 from ptq_cli.services import export as export_service
 from ptq_cli.services import fetch as fetch_service
-from ptq_cli.services import inputs as inputs_service
 from ptq_cli.services import models as models_service
-from ptq_cli.services import overflow, quant_settings
-from ptq_cli.services import pipeline as pipeline_service
 from ptq_cli.services import prune as prune_service
+from ptq_cli.services import quant_settings
 from ptq_cli.services import quantize as quantize_service
-from ptq_cli.services import report as report_service
-from ptq_cli.services import sensitivity as sensitivity_service
-from ptq_cli.services import sweep as sweep_service
-from ptq_cli.services import tune as tune_service
-from ptq_cli.services import validation as validation_service
-from ptq_cli.services.models import read_onnx as check_model
+from ptq_cli.services.measure import benchmark as benchmark_service
+from ptq_cli.services.measure import emulate as emulate_service
+from ptq_cli.services.measure import evaluate as evaluate_service
+from ptq_cli.services.measure import report as report_service
+from ptq_cli.services.measure import sensitivity as sensitivity_service
+from ptq_cli.services.measure import validation as validation_service
+from ptq_cli.services.study import pipeline as pipeline_service
+from ptq_cli.services.study import sweep as sweep_service
+from ptq_cli.services.study import tune as tune_service
+from ptq_cli.transforms import overflow
 
 try:  # typer >= 0.22 vendors click; older typer uses the click package
     from typer._click.exceptions import ClickException, UsageError
@@ -149,7 +150,7 @@ def _fail(message: str, exit_code: int) -> int:
 
 app = typer.Typer(
     cls=PtqGroup,
-    help="Post-training quantization of image classifiers (ONNX in; ONNX Runtime and PyTorch int8 out), measured on your images. Defaults: the MLPerf Tiny ResNet8 study on CIFAR-10.",
+    help="Post-training quantization of image classifiers (ONNX in; 8-bit models out for onnxruntime, PyTorch, OpenVINO and LiteRT), measured on your images. Defaults: the MLPerf Tiny ResNet8 study on CIFAR-10.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
@@ -163,17 +164,17 @@ def _choices(name: str, values) -> type[Enum]:
 
 
 DType = _choices("DType", quant_settings.DTYPES)
-Backend = _choices("Backend", quant_settings.BACKENDS)
+Backend = _choices("Backend", backends.quantizers())
 Target = _choices("Target", quant_settings.TARGETS)
-Method = _choices("Method", [method for methods in quant_settings.METHODS.values() for method in methods])
+Method = _choices("Method", backends.methods())
 Preset = _choices("Preset", inputs_service.PRESETS)
 Asset = _choices("Asset", fetch_service.ASSETS)
 Scope = _choices("Scope", prune_service.SCOPES)
-NncfPreset = _choices("NncfPreset", quant_settings.NNCF_PRESETS)
-BiasCorrection = _choices("BiasCorrection", quant_settings.BIAS_CORRECTIONS)
-IoType = _choices("IoType", quant_settings.IO_TYPES)
-Runtime = _choices("Runtime", ("onnxruntime", "openvino"))
-Precision = _choices("Precision", ("f32", "bf16"))
+NncfPreset = _choices("NncfPreset", backends.choices("nncf_preset"))
+BiasCorrection = _choices("BiasCorrection", backends.choices("bias_correction"))
+IoType = _choices("IoType", backends.choices("io"))
+Runtime = _choices("Runtime", backends.runtimes())
+Precision = _choices("Precision", backends.precisions())
 Cpus = _choices("Cpus", cpu_info.CPU_TARGETS)
 OverflowFix = _choices("OverflowFix", overflow.OVERFLOW_FIXES)
 Int8Path = _choices("Int8Path", ("native", *cpu_info.INT8_PATHS, "both"))
@@ -414,7 +415,7 @@ def calibrate(
 @app.command()
 def quantize(
     model: Annotated[Path, typer.Option(help="FP32 ONNX model to quantize (the PyTorch backend converts it with onnx2torch first; LiteRT starts from the Keras model `ptq convert --keras` made it from).")] = settings.FP32_ONNX,
-    backend: Annotated[Backend, typer.Option(help="onnxruntime: quantize_static, QDQ. pytorch: torch.ao FX graph mode, x86 engine, saved as TorchScript. openvino: openvino.convert_model, then nncf.quantize, saved as OpenVINO IR (.xml + .bin). litert: the TFLite converter, full-integer int8 .tflite for TFLite Micro.")] = Backend("onnxruntime"),
+    backend: Annotated[Backend, typer.Option(help="onnxruntime: quantize_static, QDQ. pytorch: torch.ao FX graph mode, x86 engine, saved as TorchScript. openvino: openvino.convert_model, then nncf.quantize, saved as OpenVINO IR (.xml + .bin). litert: the TFLite converter, full-integer int8 .tflite for TFLite Micro.")] = Backend(backends.DEFAULT),
     dtype: Annotated[Optional[DType], typer.Option(help="Activation type (and weight type unless --weight-dtype is given). PyTorch, OpenVINO and LiteRT take int8 only. (default: int8)", show_default=False)] = None,
     target: Annotated[Optional[Target], typer.Option(help="speed: the fast x86 configuration (onnxruntime: uint8 activations, int8 per-channel weights, percentile); other options still override it.", show_default=False)] = None,
     weight_dtype: Annotated[Optional[DType], typer.Option(help="Weight type. (default: same as --dtype)", show_default=False)] = None,
@@ -615,7 +616,7 @@ def sensitivity(
 def tune(
     model: Annotated[Path, typer.Option(help="FP32 ONNX model.")] = settings.FP32_ONNX,
     dtype: Annotated[DType, typer.Option(help="Activation type to tune for (uint8 also tries int8 weights).")] = DType("int8"),
-    backend: Annotated[Backend, typer.Option(help="onnxruntime (QDQ), pytorch (FX, int8 only: granularity x observer x calibration size, no float layers) or openvino (NNCF, int8: preset x bias correction x calibration size x ignored scope); not litert.")] = Backend("onnxruntime"),
+    backend: Annotated[Backend, typer.Option(help="onnxruntime (QDQ), pytorch (FX, int8 only: granularity x observer x calibration size, no float layers) or openvino (NNCF, int8: preset x bias correction x calibration size x ignored scope); not litert.")] = Backend(backends.DEFAULT),
     max_drop: Annotated[float, typer.Option(callback=_finite, min=0, help="Accuracy budget: points below FP32 allowed on the validation split.")] = 0.05,
     method: Annotated[Optional[list[Method]], typer.Option(help="Calibration methods to search; repeat for several. (default: onnxruntime minmax and percentile at 99.9, 99.95, 99.99, 99.999; pytorch histogram and minmax)", show_default=False)] = None,
     per_channel: Annotated[Optional[bool], typer.Option("--per-channel/--per-tensor", help="Search only this weight granularity. (default: both)", show_default=False)] = None,
@@ -658,7 +659,7 @@ def tune(
     _emit(as_json, result, render.tuning(result))
 
 
-MODEL_SUFFIXES = (".onnx", ".pt", ".xml", ".tflite")  # ONNX, TorchScript, OpenVINO IR, TFLite
+MODEL_SUFFIXES = backends.suffixes()  # every backend's model files
 
 
 def _default_models() -> list[Path]:

@@ -14,21 +14,21 @@ from rich.text import Text
 from ptq_cli import settings
 from ptq_cli.atomic import atomic_output
 from ptq_cli.cpu import describe_record
-from ptq_cli.services.benchmark import BenchmarkRecord, run_key
 from ptq_cli.services.calibration import CalibrationSet
 from ptq_cli.services.convert import ConversionResult
-from ptq_cli.services.evaluate import EvaluationRecord
 from ptq_cli.services.export import CArrayExport
 from ptq_cli.services.fetch import FetchResult
-from ptq_cli.services.pipeline import RunResult
+from ptq_cli.services.measure.benchmark import BenchmarkRecord, run_key
+from ptq_cli.services.measure.evaluate import EvaluationRecord
+from ptq_cli.services.measure.records import to_json
+from ptq_cli.services.measure.report import BASE_RUNTIME, DatasetGroup, Report, ReportRow
+from ptq_cli.services.measure.sensitivity import SensitivityResult
 from ptq_cli.services.prune import PruneResult
 from ptq_cli.services.quant_settings import describe_cpus, short_node
 from ptq_cli.services.quantize import QuantizeResult
-from ptq_cli.services.records import to_json
-from ptq_cli.services.report import DatasetGroup, Report, ReportRow
-from ptq_cli.services.sensitivity import SensitivityResult
-from ptq_cli.services.sweep import SweepResult
-from ptq_cli.services.tune import TuneResult, describe
+from ptq_cli.services.study.pipeline import RunResult
+from ptq_cli.services.study.sweep import SweepResult
+from ptq_cli.services.study.tune import TuneResult, describe
 
 
 def plain(value: Any) -> Any:
@@ -120,7 +120,7 @@ def quantization(result: QuantizeResult) -> Table:
             ("model", str(result.source)),
             ("input", f"{result.model_input}; preprocessing {result.preprocessing}"),
             *(("note", note) for note in result.notes),
-            ("framework", f"{settings.framework} ({settings.format})"),
+            ("backend", f"{settings.backend} ({settings.format})"),
             ("activations / weights", f"{settings.dtype} / {settings.weight_dtype}"),
             ("granularity", "per-channel" if settings.per_channel else "per-tensor"),
             ("CPUs", describe_cpus(dataclasses.asdict(settings)) or "-"),
@@ -151,7 +151,7 @@ def evaluation(record: EvaluationRecord, reference: EvaluationRecord | None, per
     )
     headline = Text.assemble(
         (f"{record.name}", "bold"),
-        f"  {record.framework}{f' ({record.precision})' if record.precision else ''} {record.dtype} on {record.dataset_label}  top-1 ",
+        f"  {record.runtime}{f' ({record.precision})' if record.precision else ''} {record.dtype} on {record.dataset_label}  top-1 ",
         (f"{record.accuracy:.2f}%", "bold"),
         f" ({record.correct}/{record.images})",
         *comparison,
@@ -193,7 +193,7 @@ def delta(points: float | None) -> str:
 
 
 REPORT_COLUMNS = (
-    "Model", "Framework", "Data type", "Configuration", "Accuracy", "Delta vs FP32 source", "Accuracy without VNNI", "Model size", "Size reduction",
+    "Model", "Runtime", "Data type", "Configuration", "Accuracy", "Delta vs FP32 source", "Accuracy without VNNI", "Model size", "Size reduction",
     "Images/s", "Speed-up", "Speed-up vs onnxruntime FP32", "Latency p50 (ms)", "Measured on",
 )
 
@@ -201,7 +201,7 @@ REPORT_COLUMNS = (
 def no_vnni(row: ReportRow, short: bool = False) -> str:
     """The top-1 on x86 CPUs without VNNI (the saturating int8 path): "=" where it is the same by proof
     or for a float model, a figure (* on an emulated subset), "-" where not measured."""
-    if row.dtype == "fp32" and row.framework in ("onnxruntime", "pytorch"):
+    if row.dtype == "fp32" and row.int8_kernels_vary:
         return "="
     if row.saturating_accuracy is None:
         return "-"
@@ -265,7 +265,7 @@ def _recommendation_lines(group: DatasetGroup) -> list[str]:
 
 def _runtime(measured: ReportRow | BenchmarkRecord) -> str:
     """The runtime and, for OpenVINO, its precision hint: "openvino f32"."""
-    return measured.framework + (f" {measured.precision}" if measured.precision else "")
+    return measured.runtime + (f" {measured.precision}" if measured.precision else "")
 
 
 def _group_title(group: DatasetGroup) -> str:
@@ -277,7 +277,7 @@ def _group_title(group: DatasetGroup) -> str:
 
 
 # Narrower than REPORT_COLUMNS so the table fits an 80-column terminal; the Markdown keeps the long names.
-TERMINAL_COLUMNS = ("Model", "Framework", "Type", "Top-1", "Delta", "noVNNI", "KB", "img/s", "Speed")
+TERMINAL_COLUMNS = ("Model", "Runtime", "Type", "Top-1", "Delta", "noVNNI", "KB", "img/s", "Speed")
 
 
 def report(report: Report) -> Group:
@@ -335,7 +335,7 @@ def _main_table(group: DatasetGroup) -> Table:
     )
     # Numbers never wrap nor get cut; on a narrow terminal the model name folds instead. "xORT" (the
     # speed-up against onnxruntime's FP32 run) only when another runtime is in the table.
-    other_runtimes = any(row.framework != "onnxruntime" for row in group.rows)
+    other_runtimes = any(row.runtime != BASE_RUNTIME for row in group.rows)
     for column in TERMINAL_COLUMNS + (("xORT",) if other_runtimes else ()):
         if column == "Model":
             table.add_column(column, overflow="fold", min_width=12)
@@ -517,7 +517,7 @@ def report_markdown(report: Report, charts: list[Path] | None = None) -> str:
         "# Quantization analysis",
         "",
         "Delta: percentage points against the FP32 model each model was made from, measured on the same images. "
-        "Size reduction and speed-up are against the FP32 model of the same framework. "
+        "Size reduction and speed-up are against the FP32 model of the same runtime. "
         "Images/s and latency come from `ptq benchmark` (throughput at its batch size, latency at batch 1); "
         f"'(eval)' marks throughput measured during evaluation instead (batch {settings.EVALUATION_BATCH}). "
         "Accuracy without VNNI: top-1 on x86 CPUs without VNNI (the saturating int8 path); '=' the same by proof or for a float model, "
@@ -567,8 +567,8 @@ def benchmarks(records: list[BenchmarkRecord], speedups: dict[tuple, float | Non
     settings = sorted({(record.batch_size, record.threads) for record in records})
     where = "; ".join(f"throughput at batch {batch}, {threads} thread{'s' if threads > 1 else ''}" for batch, threads in settings)
     table = Table(title=f"Benchmark: latency at batch 1, {where}", title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False)
-    for column in ("Model", "Framework", "Type", "p50 ms", "p95 ms", "p99 ms", "img/s", "Speed"):
-        table.add_column(column, justify="left" if column in ("Model", "Framework", "Type") else "right", no_wrap=True)
+    for column in ("Model", "Runtime", "Type", "p50 ms", "p95 ms", "p99 ms", "img/s", "Speed"):
+        table.add_column(column, justify="left" if column in ("Model", "Runtime", "Type") else "right", no_wrap=True)
     for record in records:
         table.add_row(
             record.name, _runtime(record), record.dtype,
@@ -634,7 +634,7 @@ def _short_configuration(settings) -> str:
 
 def tuning(result: TuneResult) -> Group:
     table = Table(
-        title=f"ptq tune {result.dtype} ({result.chosen.settings.framework}): validation split, FP32 {result.fp32_validation_accuracy:.2f}%, budget {result.max_drop:g} points",
+        title=f"ptq tune {result.dtype} ({result.chosen.settings.backend}): validation split, FP32 {result.fp32_validation_accuracy:.2f}%, budget {result.max_drop:g} points",
         title_justify="left",
         box=box.SIMPLE_HEAD,
         padding=(0, 1, 0, 0),

@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ptq_cli.services.inputs import PRESETS
+from ptq_cli.inputs import PRESETS
 
 
 def contract_variant(source: Path, target: Path, preset: str = "cifar10-normalized", batch: int | None = 1, opset: int | None = 9,

@@ -410,7 +410,7 @@ def test_the_harness_catches_a_traceback(template, tmp_path_factory, monkeypatch
     def crash(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr("ptq_cli.services.report.report_from_results", crash)
+    monkeypatch.setattr("ptq_cli.services.measure.report.report_from_results", crash)
     with pytest.raises(AssertionError):
         run_case(work, "report")
 

@@ -13,8 +13,9 @@ from conftest import CIFAR, cifar_split
 from synthetic import conv_classifier, image_folder, invoke, one_line_error
 
 from ptq_cli import cpu as cpu_info
-from ptq_cli.services import emulate, overflow
+from ptq_cli.services.measure import emulate
 from ptq_cli.services.models import load_model
+from ptq_cli.transforms import overflow
 
 AVX2_ONLY = cpu_info.Cpu("Test AVX2 CPU", "x86_64", ("avx2",))
 WITH_VNNI = cpu_info.Cpu("Test VNNI CPU", "x86_64", ("avx2", "avx512_vnni"))

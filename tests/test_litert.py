@@ -48,7 +48,7 @@ def test_mlperf_tiny_tflite_models_score_what_mlcommons_published(tmp_path, name
                     cwd=tmp_path)
     assert result.exit_code == 0, result.output
     record = json.loads(result.stdout)
-    assert (record["framework"], record["dtype"], record["correct"], record["label"]) == ("litert", dtype, correct, "ref")
+    assert (record["runtime"], record["dtype"], record["correct"], record["label"]) == ("litert", dtype, correct, "ref")
     if dtype == "int8":
         assert record["quantization"]["input"] == "int8 (scale 1, zero point -128)"
 
@@ -119,7 +119,7 @@ def test_ptq_run_makes_an_int8_tflite_above_the_mlperf_reference_and_within_100k
 
     record = record_of(pipeline / "results", "resnet8_int8.tflite")
     reference = record_of(pipeline / "results", "pretrainedResnet_quant.tflite")
-    assert record["framework"] == "litert" and record["model_size_bytes"] <= 100_000
+    assert record["runtime"] == "litert" and record["model_size_bytes"] <= 100_000
     assert record["quantization"]["input"].startswith("int8 (") and record["quantization"]["output"].startswith("int8 (")
     assert record["accuracy"] >= 87.10 and record["accuracy"] > reference["accuracy"] == 86.97
 

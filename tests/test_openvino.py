@@ -41,21 +41,21 @@ def test_nncf_quantizes_to_ir_that_evaluates_on_openvino_with_its_precision_reco
     result = ok("quantize", "--model", "m.onnx", "--data", "colours.npz", "--backend", "openvino", "--bias-correction", "full", "--json",
                 cwd=project)
     summary = json.loads(result.stdout)  # NNCF's progress bars stay off stdout
-    assert summary["settings"]["framework"] == "openvino" and summary["settings"]["bias_correction"] == "full"
+    assert summary["settings"]["backend"] == "openvino" and summary["settings"]["bias_correction"] == "full"
     assert (project / "m_openvino_int8.xml").is_file() and (project / "m_openvino_int8.bin").is_file()
     assert not [path.name for path in project.iterdir() if path.name.startswith(".")]
     ok("evaluate", "--model", "m_openvino_int8.xml", "--data", "colours.npz", "--results-dir", "res", cwd=project)
     (record,) = [record for record in records(project / "res").values() if record["model_path"].endswith(".xml")]
-    assert record["framework"] == "openvino" and record["precision"] == "f32" and record["dtype"] == "int8"
+    assert record["runtime"] == "openvino" and record["precision"] == "f32" and record["dtype"] == "int8"
     assert record["accuracy"] == 100.0 and record["quantization"]["nncf_preset"] == "performance"
     # The source was evaluated for the delta (on onnxruntime, its own runtime).
-    assert any(r["framework"] == "onnxruntime" and r["dtype"] == "fp32" for r in records(project / "res").values())
+    assert any(r["runtime"] == "onnxruntime" and r["dtype"] == "fp32" for r in records(project / "res").values())
 
 
 def test_an_onnx_file_runs_on_either_runtime_and_keeps_one_record_per_runtime_and_precision(project):
     for extra in ((), ("--runtime", "openvino"), ("--runtime", "openvino", "--precision", "bf16")):
         ok("evaluate", "--model", "m.onnx", "--data", "colours.npz", "--results-dir", "res", *extra, cwd=project)
-    found = sorted((record["framework"], record["precision"]) for record in records(project / "res").values())
+    found = sorted((record["runtime"], record["precision"]) for record in records(project / "res").values())
     assert found == [("onnxruntime", None), ("openvino", "bf16"), ("openvino", "f32")]
     report = ok("report", "--results-dir", "res", cwd=project).stdout
     assert "openvino bf16" in report and "openvino f32" in report  # a bf16 row is never shown as plain FP32
@@ -81,7 +81,7 @@ def test_an_ir_is_one_of_the_models_evaluate_finds_and_runs_only_on_openvino(pro
     result = ok("evaluate", "--data", "colours.npz", "--json", cwd=project)  # no --model: every model in models/
     assert json.loads(result.stdout)["model_path"] == "models/m_ov.xml"
     one_line_error(invoke("evaluate", "--model", "models/m_ov.xml", "--data", "colours.npz", "--runtime", "onnxruntime", cwd=project),
-                   "only ONNX files run on another runtime")
+                   "is a model of openvino; onnxruntime runs .onnx files only")
 
 
 def test_an_ir_without_its_weights_is_refused(project):
@@ -154,7 +154,7 @@ def test_tune_openvino_searches_nncf_settings_then_float_layers_and_writes_the_c
     assert tuned["met_budget"] and chosen["float_nodes"] == [] and chosen["nncf_preset"] == "performance"
     assert (project / "two_openvino_int8_tuned.xml").is_file() and (project / "two_openvino_int8_tuned.bin").is_file()
     evaluated = json.loads(ok("evaluate", "--model", "two_openvino_int8_tuned.xml", "--data", "colours.npz", "--json", cwd=project).stdout)
-    assert evaluated["framework"] == "openvino" and evaluated["quantization"]["validation"]["accuracy"] == tuned["chosen"]["validation_accuracy"]
+    assert evaluated["runtime"] == "openvino" and evaluated["quantization"]["validation"]["accuracy"] == tuned["chosen"]["validation_accuracy"]
 
 
 def test_openvino_and_nncf_telemetry_is_declined_before_they_load():
@@ -171,7 +171,8 @@ def test_each_new_batch_size_runs_on_its_own_static_compile_up_to_the_limit_with
     import openvino as ov
 
     from ptq_cli.backends import openvino as backend
-    from ptq_cli.services.inputs import PreprocessingFlags
+    from ptq_cli.backends.base import RunOptions
+    from ptq_cli.inputs import PreprocessingFlags
 
     compiled_shapes = []
     compile_model = ov.Core.compile_model
@@ -181,7 +182,7 @@ def test_each_new_batch_size_runs_on_its_own_static_compile_up_to_the_limit_with
         return compile_model(core, model, *args, **kwargs)
 
     monkeypatch.setattr(ov.Core, "compile_model", recording)
-    loaded = backend.load(project / "m.onnx", 1, PreprocessingFlags())
+    loaded = backend.load(project / "m.onnx", RunOptions(1, PreprocessingFlags()))
     images = np.random.default_rng(0).standard_normal((9, 3, 8, 8)).astype(np.float32)
     one_by_one = np.concatenate([loaded.predict(image[None]) for image in images])
     sizes = list(range(2, 3 + backend.STATIC_SHAPES))  # one size more than are compiled statically

@@ -13,7 +13,7 @@ FP32_PER_CLASS = [87.7, 95.4, 83.9, 73.4, 87.2, 74.2, 94.6, 90.5, 92.4, 92.6]
 
 def test_converted_fp32_onnx_scores_exactly_the_baseline(pipeline):
     record = record_of(pipeline / "results", "resnet8.onnx")
-    assert record["framework"] == "onnxruntime" and record["dtype"] == "fp32"
+    assert record["runtime"] == "onnxruntime" and record["dtype"] == "fp32"
     assert record["images"] == 10000 and record["correct"] == 8719
     assert record["accuracy"] == 87.19 and record["dataset_format"] == "cifar10" and record["split"] == "test"
     assert record["per_class_accuracy"] == FP32_PER_CLASS
@@ -80,18 +80,18 @@ def test_report_markdown_has_one_row_per_record_with_its_numbers(pipeline):
     rows = _markdown_rows(text)
     every = list(map(read_json, (pipeline / "results").glob("*@*.json")))
     # One row per model and runtime: an 8-bit model's figures are its exact path's, its saturating path's beside them.
-    by_path = {(Path(record["model_path"]).name, record["framework"], record.get("int8_path")): record for record in every if not record.get("label")}
-    records = {(name, framework): by_path.get((name, framework, "exact"), record) for (name, framework, _), record in by_path.items()}
+    by_path = {(Path(record["model_path"]).name, record["runtime"], record.get("int8_path")): record for record in every if not record.get("label")}
+    records = {(name, runtime): by_path.get((name, runtime, "exact"), record) for (name, runtime, _), record in by_path.items()}
     # The MLPerf Tiny reference, run with LiteRT from the assets, reproduces MLCommons' 86.97% and is named as such.
     (reference,) = [record for record in every if record.get("label")]
-    assert (reference["label"], reference["framework"], reference["dtype"], reference["correct"]) == ("MLPerf Tiny reference int8", "litert", "int8", 8697)
+    assert (reference["label"], reference["runtime"], reference["dtype"], reference["correct"]) == ("MLPerf Tiny reference int8", "litert", "int8", 8697)
     assert "| MLPerf Tiny reference int8 (pretrainedResnet_quant.tflite) | litert | int8 |" in text
     assert set(rows) == set(records) and {name for name, _ in records} == set(PIPELINE_MODELS)
-    fp32_size = {framework: record["model_size_bytes"] for (name, framework), record in records.items() if record["dtype"] == "fp32"}
+    fp32_size = {runtime: record["model_size_bytes"] for (name, runtime), record in records.items() if record["dtype"] == "fp32"}
     for key, record in records.items():
-        model, framework, dtype, _config, accuracy, delta, no_vnni, size, reduction, speed, _speedup, _vs_onnxruntime, _latency, measured_on = rows[key]
+        model, runtime, dtype, _config, accuracy, delta, no_vnni, size, reduction, speed, _speedup, _vs_onnxruntime, _latency, measured_on = rows[key]
         saturating = by_path.get((key[0], key[1], "saturating"))
-        if record["dtype"] == "fp32" and record["framework"] in ("onnxruntime", "pytorch"):
+        if record["dtype"] == "fp32" and record["runtime"] in ("onnxruntime", "pytorch"):
             assert no_vnni == "="
         elif saturating is not None:
             assert no_vnni.startswith(f"{saturating['accuracy']:.2f}%") or no_vnni.startswith("= (proof"), no_vnni
@@ -99,16 +99,16 @@ def test_report_markdown_has_one_row_per_record_with_its_numbers(pipeline):
             assert no_vnni == "-"
         assert measured_on.startswith(record["cpu"]["model"])
         # OpenVINO rows name their precision hint beside the runtime: a bf16 figure is never plain FP32.
-        assert (framework, dtype) == (record["framework"] + (f" {record['precision']}" if record.get("precision") else ""), record["dtype"])
+        assert (runtime, dtype) == (record["runtime"] + (f" {record['precision']}" if record.get("precision") else ""), record["dtype"])
         assert accuracy == f"{record['accuracy']:.2f}%"
         # Every model made from another is compared with its measured source (87.19%); the Keras export is the reference.
         assert delta == ("-" if record["source_sha256"] is None else f"{record['accuracy'] - 87.19:+.2f}")
         assert size == f"{record['model_size_bytes'] / 1024:,.1f} KB"
         assert speed == f"{record['images_per_second']:,.0f} (eval)"  # no benchmark in this directory
-        if record["dtype"] != "fp32" and record["framework"] in fp32_size:
-            assert reduction == f"{round(1 - record['model_size_bytes'] / fp32_size[record['framework']], 4):.1%}"  # as stored in the report
+        if record["dtype"] != "fp32" and record["runtime"] in fp32_size:
+            assert reduction == f"{round(1 - record['model_size_bytes'] / fp32_size[record['runtime']], 4):.1%}"  # as stored in the report
         elif record["dtype"] != "fp32":
-            assert reduction == "-"  # TFLite: no FP32 .tflite of the same framework to compare with
+            assert reduction == "-"  # TFLite: no FP32 .tflite of the same runtime to compare with
 
 
 def test_report_bare_markdown_flag_writes_the_default_file(pipeline):

@@ -10,7 +10,7 @@ from conftest import assert_clean_failure, ptq, ptq_ok, record_of
 def test_pytorch_fp32_scores_exactly_the_onnx_accuracy(pipeline):
     onnx_record = record_of(pipeline / "results", "resnet8.onnx")
     torch_record = record_of(pipeline / "results", "resnet8.pt")
-    assert (torch_record["framework"], torch_record["dtype"]) == ("pytorch", "fp32")
+    assert (torch_record["runtime"], torch_record["dtype"]) == ("pytorch", "fp32")
     assert torch_record["accuracy"] == onnx_record["accuracy"] == 87.19
     assert torch_record["confusion_matrix"] == onnx_record["confusion_matrix"]
 
@@ -27,7 +27,7 @@ def test_onnx_to_torch_conversion_is_checked(pipeline):
 def test_pytorch_int8_is_close_to_fp32_and_half_the_size(pipeline):
     fp32 = record_of(pipeline / "results", "resnet8.pt")
     int8 = record_of(pipeline / "results", "resnet8_pytorch_int8.pt")
-    assert (int8["framework"], int8["dtype"]) == ("pytorch", "int8")
+    assert (int8["runtime"], int8["dtype"]) == ("pytorch", "int8")
     assert fp32["accuracy"] - int8["accuracy"] <= 0.3, int8["accuracy"]
     assert int8["model_size_bytes"] <= 0.5 * fp32["model_size_bytes"]
     settings = int8["quantization"]
@@ -76,7 +76,7 @@ def test_corrupt_torchscript_file(pipeline, tmp_path):
 def test_report_shows_both_frameworks_side_by_side(pipeline):
     report = json.loads(ptq_ok("report", "--json", cwd=pipeline).stdout)
     (study,) = report["groups"]
-    rows = [(row["framework"], row["dtype"], row["model"]) for row in study["rows"]]
+    rows = [(row["runtime"], row["dtype"], row["model"]) for row in study["rows"]]
     assert rows == [
         ("onnxruntime", "fp32", "resnet8.onnx"),
         ("onnxruntime", "int8", "resnet8_int8.onnx"),
@@ -90,7 +90,7 @@ def test_report_shows_both_frameworks_side_by_side(pipeline):
         ("litert", "int8", "resnet8_int8.tflite"),
         ("litert", "int8", "resnet8_int8_ranges.tflite"),
     ]
-    by_model = {row["model"]: row for row in study["rows"] if row["framework"] != "openvino"}
+    by_model = {row["model"]: row for row in study["rows"] if row["runtime"] != "openvino"}
     torch_int8 = record_of(pipeline / "results", "resnet8_pytorch_int8.pt")
     torch_fp32 = record_of(pipeline / "results", "resnet8.pt")
     assert by_model["resnet8_pytorch_int8.pt"]["size_bytes"] == torch_int8["model_size_bytes"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from conftest import KERAS_MODEL, PIPELINE_MODELS, benchmark_of, ptq_ok, read_json, record_of
 
-from ptq_cli.services.models import file_sha256
+from ptq_cli.backends.model_file import file_sha256
 
 
 def _hashes(directory: Path) -> dict[str, str]:
@@ -82,13 +82,13 @@ def test_benchmark_stage_measures_every_model_once_and_the_report_uses_it(pipeli
         model = pipeline_snapshot / "models" / name
         assert record["model_sha256"] == file_sha256(model) and record["runs"] == 2, name  # an IR: its .xml and .bin
     report = json.loads(ptq_ok("report", "--json", cwd=pipeline_snapshot).stdout)
-    rows = {(row["model"], row["framework"]): row for row in report["groups"][0]["rows"]}
+    rows = {(row["model"], row["runtime"]): row for row in report["groups"][0]["rows"]}
     # The benchmark stage measures each file on its own runtime, and the ONNX FP32 model on OpenVINO too, in the same process.
-    assert sorted(rows) == sorted([(name, record["framework"]) for name, record in records.items()]
+    assert sorted(rows) == sorted([(name, record["runtime"]) for name, record in records.items()]
                                   + [("resnet8.onnx", "openvino"), ("pretrainedResnet_quant.tflite", "litert")])
     assert {row["speed_source"] for row in rows.values()} == {"benchmark"}
     ov_fp32 = benchmark_of(pipeline_snapshot / "results", "resnet8.onnx", "~openvino-f32")
-    assert ov_fp32["framework"] == "openvino" and ov_fp32["precision"] == "f32" and ov_fp32["runs"] == 2
+    assert ov_fp32["runtime"] == "openvino" and ov_fp32["precision"] == "f32" and ov_fp32["runs"] == 2
     nncf = rows["resnet8_openvino_int8.xml", "openvino"]
     # Against the FP32 model on OpenVINO f32, and against onnxruntime's FP32 run, both from that one benchmark.
     assert nncf["speedup"] == round(nncf["images_per_second"] / ov_fp32["images_per_second"], 3)

@@ -14,7 +14,7 @@ from conftest import assert_clean_failure, cifar_split, ptq, ptq_ok
 from onnx import TensorProto, helper, numpy_helper
 
 from ptq_cli.services.models import load_model as load_onnx
-from ptq_cli.services.space_to_depth import space_to_depth_convs
+from ptq_cli.transforms.space_to_depth import space_to_depth_convs
 
 
 def conv_model(in_channels=3, kernel=(3, 3), pads=(1, 1, 1, 1), strides=(1, 1), group=1, width=16, relu=True, nhwc_input=False, bias=True,

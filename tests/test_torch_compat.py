@@ -9,7 +9,7 @@ SCRIPT = r"""
 import importlib.util, sys
 import numpy as np, onnx, onnxruntime as ort, torch
 from onnx import helper, numpy_helper, TensorProto
-from ptq_cli.services.torch_compat import import_onnx2torch
+from ptq_cli.transforms.torch_compat import import_onnx2torch
 
 weight = np.random.default_rng(0).standard_normal((4, 3, 3, 3)).astype(np.float32)
 graph = helper.make_graph(

@@ -13,9 +13,9 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from ptq_cli.backends.pytorch import onnx_to_graph_module, save_torchscript
-from ptq_cli.services.graph import static_reshape_targets
-from ptq_cli.services.inputs import NHWC, ModelInput
+from ptq_cli.inputs import NHWC, ModelInput
 from ptq_cli.services.models import load_model as load_torchscript
+from ptq_cli.transforms.graph import static_reshape_targets
 
 
 def dynamic_flatten_classifier():

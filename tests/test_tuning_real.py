@@ -12,7 +12,7 @@ from conftest import CIFAR, cifar_split, ptq, ptq_ok, read_json
 
 from ptq_cli.datasets import cifar10 as cifar
 from ptq_cli.services.calibration import build_calibration_set
-from ptq_cli.services.validation import build_validation_set
+from ptq_cli.services.measure.validation import build_validation_set
 
 # ResNet8 (MLPerf Tiny): 9 convolutions (7 on the main path, 2 shortcut projections), 3 residual adds,
 # the average pool, the dense layer (a Gemm once batch norm is folded) and the softmax.
@@ -100,12 +100,12 @@ def test_tune_pytorch_path_writes_torchscript_with_its_validation_score(pipeline
         "--data-dir", train_only_data, "--output", output, "--results-dir", tmp_path / "results", "--json", cwd=pipeline,
     )
     result = json.loads(run.stdout)
-    assert {c["settings"]["framework"] for c in result["candidates"]} == {"pytorch"}
+    assert {c["settings"]["backend"] for c in result["candidates"]} == {"pytorch"}
     assert [c["stage"] for c in result["candidates"]] == ["method", "size", "size"]  # no float-layer stage in FX
     assert result["met_budget"] is True
     # within the budget, the candidate closest to FP32 is kept
     eligible = [c for c in result["candidates"] if c["within_budget"]]
     assert result["chosen"]["output_sqnr_db"] == max(c["output_sqnr_db"] for c in eligible)
     evaluated = json.loads(ptq_ok("evaluate", "--model", output, "--results-dir", tmp_path / "results", "--json", cwd=pipeline).stdout)
-    assert evaluated["framework"] == "pytorch" and evaluated["dtype"] == "int8"
+    assert evaluated["runtime"] == "pytorch" and evaluated["dtype"] == "int8"
     assert evaluated["quantization"]["validation"]["accuracy"] == result["chosen"]["validation_accuracy"]

@@ -17,8 +17,8 @@ from ptq_cli.datasets import open_dataset
 from ptq_cli.errors import CheckFailed, PtqError
 from ptq_cli.services.calibration import stratified_indices
 from ptq_cli.services.convert import _checked_write, compare_outputs
-from ptq_cli.services.evaluate import EvaluationRecord, newest_per_measurement
-from ptq_cli.services.report import build_report
+from ptq_cli.services.measure.evaluate import EvaluationRecord, newest_per_measurement
+from ptq_cli.services.measure.report import build_report
 
 
 def test_stratified_indices_are_balanced_unique_and_seeded():
@@ -99,14 +99,15 @@ def test_load_batch_rejects_wrong_structure(tmp_path, data, labels, problem):
         cifar.load_batch(_batch_file(tmp_path, data, labels))
 
 
-def _record(name, framework, dtype, accuracy, size, speed, per_class, source="f.onnx"):
+def _record(name, runtime, dtype, accuracy, size, speed, per_class, source="f.onnx", converted_from=None):
+    """A quantized model is made from `source`; a float one from nothing, or converted from `converted_from`."""
     return EvaluationRecord(
-        model_path=f"models/{name}", model_sha256=f"sha-{name}", model_size_bytes=size, framework=framework, dtype=dtype,
+        model_path=f"models/{name}", model_sha256=f"sha-{name}", model_size_bytes=size, runtime=runtime, dtype=dtype,
         quantization=None if dtype == "fp32" else {"dtype": dtype, "method": "minmax", "calibration_samples": 10},
         dataset="test_batch", images=100, correct=int(accuracy), accuracy=accuracy,
         class_names=["a", "b"], per_class_accuracy=per_class, confusion_matrix=[[1, 0], [0, 1]], images_per_second=speed,
         batch_size=10, threads=1, timestamp="t", tool_version="0", dataset_sha256="d",
-        source_sha256=None if dtype == "fp32" else f"sha-{source}",
+        source_sha256=f"sha-{converted_from}" if converted_from else None if dtype == "fp32" else f"sha-{source}",
     )
 
 
@@ -114,13 +115,13 @@ def test_report_compares_each_model_with_its_framework_fp32():
     report = build_report([
         _record("q.onnx", "onnxruntime", "int8", 86.0, 100, 2000.0, [80.0, 92.0]),
         _record("f.onnx", "onnxruntime", "fp32", 87.0, 400, 1000.0, [85.0, 89.0]),
-        _record("f.pt", "pytorch", "fp32", 87.0, 800, 500.0, [85.0, 89.0]),
+        _record("f.pt", "pytorch", "fp32", 87.0, 800, 500.0, [85.0, 89.0], converted_from="f.onnx"),
         _record("q.pt", "pytorch", "int8", 86.5, 200, 1000.0, [84.0, 89.0]),
     ])
     rows = {row.model: row for row in report.rows}
     assert [row.model for row in report.rows] == ["f.onnx", "q.onnx", "f.pt", "q.pt"]
     # Accuracy deltas against the FP32 source (f.onnx for both quantized models); size and speed against
-    # the same framework's FP32 model.
+    # the same runtime's FP32 model.
     assert (rows["q.onnx"].delta, rows["q.onnx"].reference) == (-1.0, "f.onnx")
     assert (rows["q.pt"].delta, rows["q.pt"].reference) == (-0.5, "f.onnx")
     assert rows["f.onnx"].delta is None and len(report.groups) == 1 and report.groups[0].baseline.model == "f.onnx"
@@ -133,13 +134,45 @@ def test_report_compares_each_model_with_its_framework_fp32():
     assert report.groups[0].recommendation.fastest is None  # both lose more than 0.10 points
 
 
+def _study(prefix, fp32_accuracy, int8_accuracy, fp32_size, fp32_speed):
+    """One user's classifier and its 8-bit model, evaluated into a shared results folder."""
+    fp32 = _record(f"{prefix}.onnx", "onnxruntime", "fp32", fp32_accuracy, fp32_size, fp32_speed, [fp32_accuracy] * 2)
+    int8 = _record(f"{prefix}_int8.onnx", "onnxruntime", "int8", int8_accuracy, fp32_size // 4, fp32_speed * 3, [int8_accuracy] * 2,
+                   source=f"{prefix}.onnx")
+    return [fp32, int8]
+
+
+def test_two_studies_in_one_results_folder_are_each_compared_with_their_own_source():
+    import random
+
+    from ptq_cli.render import report_markdown
+
+    records = _study("alpha", 70.0, 69.0, 4000, 100.0) + _study("beta", 90.0, 88.5, 800, 1000.0)
+    report = build_report(records)
+    assert len(report.groups) == 2  # one study each, on the same images
+    rows = {row.model: row for row in report.rows}
+    assert (rows["alpha_int8.onnx"].reference, rows["alpha_int8.onnx"].delta) == ("alpha.onnx", -1.0)
+    assert (rows["beta_int8.onnx"].reference, rows["beta_int8.onnx"].delta) == ("beta.onnx", -1.5)
+    assert rows["alpha_int8.onnx"].speedup == 3.0 and rows["beta_int8.onnx"].speedup == 3.0
+    assert rows["alpha_int8.onnx"].size_reduction == 0.75 and rows["beta_int8.onnx"].size_reduction == 0.75
+    for group in report.groups:
+        names = {row.model for row in group.rows}
+        assert group.baseline.model in names and group.recommendation.best_accuracy.model in names
+    # The same records in any order (as a folder listing or a set may give them): the same report, byte for byte.
+    first = report_markdown(report)
+    for seed in range(10):
+        shuffled = records[:]
+        random.Random(seed).shuffle(shuffled)
+        assert report_markdown(build_report(shuffled)) == first
+
+
 def test_report_compares_openvino_rows_with_fp32_at_their_precision_and_with_onnxruntime_fp32():
     ort_fp32 = _record("f.onnx", "onnxruntime", "fp32", 87.0, 400, 1000.0, [85.0, 89.0])
-    ov_f32 = replace(ort_fp32, framework="openvino", precision="f32", images_per_second=800.0)
-    ov_bf16 = replace(ort_fp32, framework="openvino", precision="bf16", images_per_second=2000.0, accuracy=86.8)
+    ov_f32 = replace(ort_fp32, runtime="openvino", precision="f32", images_per_second=800.0)
+    ov_bf16 = replace(ort_fp32, runtime="openvino", precision="bf16", images_per_second=2000.0, accuracy=86.8)
     nncf = replace(_record("q.xml", "openvino", "int8", 86.95, 150, 4000.0, [85.0, 89.0]), precision="f32")
     qdq = _record("q.onnx", "onnxruntime", "uint8", 86.5, 100, 3000.0, [80.0, 92.0])
-    rows = {(row.model, row.framework, row.precision): row for row in build_report([ort_fp32, ov_f32, ov_bf16, nncf, qdq]).rows}
+    rows = {(row.model, row.runtime, row.precision): row for row in build_report([ort_fp32, ov_f32, ov_bf16, nncf, qdq]).rows}
     # Against the FP32 model on OpenVINO at the same precision hint (f32: 800 images/s), not the bf16 run.
     assert rows["q.xml", "openvino", "f32"].speedup == 5.0
     # And against onnxruntime's run of its FP32 source, for every runtime.
@@ -154,7 +187,7 @@ def test_report_compares_openvino_rows_with_fp32_at_their_precision_and_with_onn
 
 
 def test_a_model_tied_to_a_batch_runs_any_batch_in_parts_of_it():
-    from ptq_cli.services.models import in_fixed_batches
+    from ptq_cli.backends.model_file import in_fixed_batches
 
     parts = []
 
@@ -170,9 +203,9 @@ def test_a_model_tied_to_a_batch_runs_any_batch_in_parts_of_it():
 def test_only_the_newest_record_of_one_measurement_is_kept():
     old = replace(_record("q.onnx", "onnxruntime", "int8", 80.0, 100, 1.0, [80.0, 80.0]), timestamp="2026-01-01T00:00:00+00:00")
     new = replace(old, accuracy=86.0, timestamp="2026-02-01T00:00:00+00:00")
-    other_runtime = replace(old, framework="openvino", precision="f32")
+    other_runtime = replace(old, runtime="openvino", precision="f32")
     kept = newest_per_measurement([new, old, other_runtime])
-    assert sorted((record.framework, record.accuracy) for record in kept) == [("onnxruntime", 86.0), ("openvino", 80.0)]
+    assert sorted((record.runtime, record.accuracy) for record in kept) == [("onnxruntime", 86.0), ("openvino", 80.0)]
 
 
 def test_stratified_subset_keeps_classes_balanced_and_within_the_set():
@@ -194,14 +227,14 @@ def test_stratified_subset_keeps_classes_balanced_and_within_the_set():
 
 def _candidate(accuracy_drop, sqnr, float_nodes=(), dtype="int8", weight_dtype="int8", rejected=None):
     from ptq_cli.services.quant_settings import make_settings
-    from ptq_cli.services.tune import Candidate
+    from ptq_cli.services.study.tune import Candidate
 
     settings = replace(make_settings(dtype, weight_dtype=weight_dtype), float_nodes=tuple(float_nodes))
     return Candidate("method", settings, 92.0 - accuracy_drop, accuracy_drop, sqnr, 1000, 0.3, accuracy_drop <= 0.05, rejected)
 
 
 def test_tune_keeps_the_candidate_closest_to_fp32_within_the_budget():
-    from ptq_cli.services.tune import choose
+    from ptq_cli.services.study.tune import choose
 
     more_accurate = _candidate(-0.30, 24.0)  # +0.30 points on validation, but further from FP32
     closer = _candidate(0.02, 26.0)
@@ -218,15 +251,15 @@ def test_tune_keeps_the_candidate_closest_to_fp32_within_the_budget():
 
 def test_benchmark_measures_models_in_turns(monkeypatch, tmp_path):
     """Each timed run goes round every model before the next run: a slow spell of the machine reaches all alike."""
-    from ptq_cli.services import benchmark
-    from ptq_cli.services.inputs import NHWC, ModelInput, Preprocessing
-    from ptq_cli.services.models import LoadedModel, ModelInfo
+    from ptq_cli.backends.base import LoadedModel, ModelInfo
+    from ptq_cli.inputs import NHWC, ModelInput, Preprocessing
+    from ptq_cli.services.measure import benchmark
 
     calls: list[tuple[str, int]] = []
 
     def fake_model(path, threads, flags=None, runtime=None, precision=None):
-        framework = {".pt": "pytorch", ".xml": "openvino", ".tflite": "litert"}.get(path.suffix, "onnxruntime")
-        info = ModelInfo(path, framework, "fp32" if "fp32" in str(path) else "uint8", None, 1, str(path))
+        runtime = {".pt": "pytorch", ".xml": "openvino", ".tflite": "litert"}.get(path.suffix, "onnxruntime")
+        info = ModelInfo(path, runtime, "fp32" if "fp32" in str(path) else "uint8", None, 1, str(path))
         return LoadedModel(info, lambda images: calls.append((str(path), len(images))) or np.zeros((len(images), 10), np.float32),
                            ModelInput("x", NHWC, 3, 32, 32, None), Preprocessing(), 10)
 
@@ -235,7 +268,7 @@ def test_benchmark_measures_models_in_turns(monkeypatch, tmp_path):
     np.savez(images, images=np.zeros((8, 32, 32, 3), np.uint8), labels=np.zeros(8, np.int64), class_names=np.array(list("abcdefghij")))
     names = ("fp32.onnx", "fp32.pt", "q.xml", "q.onnx", "q.pt", "q.tflite")
     records = benchmark.benchmark_models([tmp_path / name for name in names], open_dataset(images), batch_size=8, threads=1, runs=3, warmup=1)
-    # Batch 1 in turns within each framework (threads stay as warm as serving alone); the batch in turns
+    # Batch 1 in turns within each runtime (threads stay as warm as serving alone); the batch in turns
     # across onnxruntime, OpenVINO and LiteRT; PyTorch's models last (its spinning threads would slow the
     # next model), in turns among themselves.
     turns = [(1, ("fp32.onnx", "q.onnx")), (1, ("q.xml",)), (1, ("q.tflite",)), (8, ("fp32.onnx", "q.xml", "q.onnx", "q.tflite")),
@@ -249,7 +282,7 @@ def test_benchmark_measures_models_in_turns(monkeypatch, tmp_path):
 
 def test_pipeline_stage_made_by_another_ptq_version_is_not_up_to_date(tmp_path):
     import ptq_cli
-    from ptq_cli.services.pipeline import Stage, _Hashes, _up_to_date
+    from ptq_cli.services.study.pipeline import Stage, _Hashes, _up_to_date
 
     output = tmp_path / "model.onnx"
     output.write_bytes(b"made")
@@ -263,7 +296,7 @@ def test_pipeline_stage_made_by_another_ptq_version_is_not_up_to_date(tmp_path):
 
 def test_report_sets_each_tflite_model_against_the_mlperf_reference():
     from ptq_cli.render import report_markdown
-    from ptq_cli.services.benchmark import BenchmarkRecord, benchmark_key
+    from ptq_cli.services.measure.benchmark import BenchmarkRecord, benchmark_key
 
     reference = replace(_record("ref.tflite", "litert", "int8", 86.97, 98_496, 900.0, [85.0, 89.0]), label=settings.MLPERF_REFERENCE_LABEL,
                         source_sha256=None)
@@ -272,10 +305,10 @@ def test_report_sets_each_tflite_model_against_the_mlperf_reference():
     other = _record("q.onnx", "onnxruntime", "int8", 87.0, 100_000, 800.0, [86.0, 89.0])
 
     def timed(record, p50):
-        return BenchmarkRecord(record.model_path, record.model_sha256, record.model_size_bytes, record.framework, record.dtype, 1, 1, 1,
+        return BenchmarkRecord(record.model_path, record.model_sha256, record.model_size_bytes, record.runtime, record.dtype, 1, 1, 1,
                                p50, p50, p50, 10, record.images_per_second, "t", "0")
 
-    benchmarks = {benchmark_key(r.model_sha256, r.framework, r.precision): timed(r, p50) for r, p50 in ((reference, 0.05), (ours, 0.06))}
+    benchmarks = {benchmark_key(r.model_sha256, r.runtime, r.precision): timed(r, p50) for r, p50 in ((reference, 0.05), (ours, 0.06))}
     group = build_report([fp32, other, ours, reference], benchmarks=benchmarks).groups[0]
     assert group.reference.model == "ref.tflite"
     (versus,) = group.versus_reference  # the TFLite model only: not the reference, not the ONNX model

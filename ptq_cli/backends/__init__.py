@@ -1,62 +1,114 @@
-"""The backend table: one module per framework, each with the same functions.
+"""The backend table: one module per backend, each exporting one `BACKEND` row (backends/base.Backend).
 
-- `load(path, threads, flags) -> LoadedModel`: run a model file of this framework;
-- `quantize(onnx_model, output, settings, calibration_inputs, stored_metadata) -> QuantizedFile` (LiteRT
-  quantizes the Keras model the ONNX model records as its source);
-- `sniff(first_bytes) -> bool`: whether a file is this framework's;
-- `NAME`, `SUFFIX`.
-How a model was quantized is described in one place for all: services.quant_settings.describe_quantization.
-A new runtime is a new module here and a row in BACKENDS.
+A new backend or runtime is a new module here and its row in `register` below; services loop over the
+table and never test a backend's name. A test (or a plugin) adds a row with `register`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from types import ModuleType
 
 from ptq_cli.backends import litert, onnxruntime, openvino, pytorch
+from ptq_cli.backends.base import Backend
+from ptq_cli.backends.model_file import require_file
 from ptq_cli.errors import PtqError
-from ptq_cli.services.models import require_file
 
-BACKENDS: dict[str, ModuleType] = {onnxruntime.NAME: onnxruntime, pytorch.NAME: pytorch, openvino.NAME: openvino, litert.NAME: litert}
-# Told apart by content, most specific first; ONNX takes what no other backend claims.
-SNIFF_ORDER = (pytorch, openvino, litert, onnxruntime)
-# Runtimes that run another backend's files: OpenVINO runs ONNX files too.
-RUNTIMES = (onnxruntime.NAME, openvino.NAME)
+# In the order the report lists them; the first is the default backend and the runtime every speed-up
+# is also given against.
+TABLE: dict[str, Backend] = {}
 
 
-def backend(name: str) -> ModuleType:
-    if name not in BACKENDS:
-        raise PtqError(f"--backend: '{name}' is not one of {', '.join(BACKENDS)}")
-    return BACKENDS[name]
+def register(row: Backend) -> Backend:
+    TABLE[row.name] = row
+    return row
+
+
+for _module in (onnxruntime, pytorch, openvino, litert):
+    register(_module.BACKEND)
+
+
+DEFAULT = onnxruntime.NAME
+
+
+def names() -> tuple[str, ...]:
+    return tuple(TABLE)
+
+
+def quantizers() -> tuple[str, ...]:
+    return tuple(name for name, row in TABLE.items() if row.quantize is not None)
+
+
+def runtimes_for(suffix: str) -> tuple[str, ...]:
+    """The runtimes that run files of this suffix: their own backend's, then those that take them too."""
+    return tuple(name for name, row in TABLE.items() if suffix in row.suffixes or suffix in row.runs_suffixes)
+
+
+def runtimes() -> tuple[str, ...]:
+    """Runtimes that run another backend's files when asked (`--runtime`), with the backends whose files they run."""
+    taken = {suffix for row in TABLE.values() for suffix in row.runs_suffixes}
+    return tuple(name for name, row in TABLE.items() if row.runs_suffixes or set(row.suffixes) & taken)
+
+
+def precisions() -> tuple[str, ...]:
+    return tuple(dict.fromkeys(precision for row in TABLE.values() for precision in row.precisions))
+
+
+def methods() -> tuple[str, ...]:
+    return tuple(dict.fromkeys(method for row in TABLE.values() for method in row.methods))
+
+
+def choices(setting: str) -> tuple[str, ...]:
+    """The accepted values of a backend's own setting (NNCF's preset, LiteRT's I/O type), from its row."""
+    return tuple(dict.fromkeys(value for row in TABLE.values() for value in row.choices.get(setting, ())))
+
+
+def suffixes() -> tuple[str, ...]:
+    return tuple(dict.fromkeys(suffix for row in TABLE.values() for suffix in row.suffixes))
+
+
+def order(name: str) -> int:
+    return list(TABLE).index(name) if name in TABLE else len(TABLE)
+
+
+def backend(name: str) -> Backend:
+    if name not in TABLE:
+        raise PtqError(f"--backend: '{name}' is not one of {', '.join(TABLE)}")
+    return TABLE[name]
 
 
 def loads_code(path: Path) -> bool:
-    """Whether loading the file runs code stored in it: a TorchScript archive (by name or by content)."""
+    """Whether loading the file runs code stored in it (a TorchScript archive, by name or by content)."""
     try:
-        return for_file(path) is pytorch
+        return for_file(path).name == pytorch.BACKEND.name
     except PtqError:
         return False
 
 
-def for_file(path: Path, runtime: str | None = None) -> ModuleType:
-    """The backend of a model file, by its content (a TorchScript file is a zip archive), not its name;
-    `runtime` "openvino" takes an ONNX file to OpenVINO."""
+def _sniffed(path: Path, head: bytes) -> Backend:
+    """A row whose suffix decides (a .pt file is TorchScript, so a damaged one says so), else the first row
+    whose sniffing claims the bytes, the catch-all rows (ONNX: it then says if the file is not) last."""
+    rows = list(TABLE.values())
+    decided = [row for row in rows if row.suffix_decides and path.suffix in row.suffixes]
+    claimed = [row for row in rows if not row.catch_all and row.sniff(head)]
+    return (decided or claimed or [row for row in rows if row.catch_all])[0]
+
+
+def for_file(path: Path, runtime: str | None = None) -> Backend:
+    """The backend of a model file, by its content, not its name; `runtime` runs it on another runtime
+    that takes files of its kind (an ONNX file on OpenVINO)."""
     path = Path(path)
     require_file(path)
-    if runtime is not None and runtime not in RUNTIMES:
-        raise PtqError(f"--runtime: '{runtime}' is not one of {', '.join(RUNTIMES)}")
     try:
         with path.open("rb") as handle:
             head = handle.read(8)
     except OSError as error:
         raise PtqError(f"{path}: cannot read ({error.strerror or error})") from error
-    if path.suffix == pytorch.SUFFIX:
-        found = pytorch
-    else:
-        found = next(module for module in SNIFF_ORDER if module.sniff(head))
-    if runtime is None or runtime == found.NAME:
+    found = _sniffed(path, head)
+    if runtime is None or runtime == found.name:
         return found
-    if found is onnxruntime and runtime == openvino.NAME:
-        return openvino
-    raise PtqError(f"--runtime {runtime}: {path} is a {found.NAME} model; only ONNX files run on another runtime")
+    if runtime not in runtimes():
+        raise PtqError(f"--runtime: '{runtime}' is not one of {', '.join(runtimes())}")
+    chosen = TABLE[runtime]
+    if found.suffix in chosen.runs_suffixes:
+        return chosen
+    raise PtqError(f"--runtime {runtime}: {path} is a model of {found.name}; {runtime} runs {', '.join(chosen.suffixes + chosen.runs_suffixes)} files only")

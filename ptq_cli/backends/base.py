@@ -1,12 +1,243 @@
-"""What every backend's quantize returns."""
+"""What every backend shares, and the row each one fills in: the backend table's vocabulary.
+
+A backend quantizes (its `quantize`) and a runtime executes (its `load`); most backends are both. Each
+module in ptq_cli/backends exports one `BACKEND`, a `Backend`; services loop over the table and never
+test a backend's name. This module imports nothing of the backends or the services.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ptq_cli import inputs
+from ptq_cli.backends.model_file import metadata_object
+from ptq_cli.cpu import ALL
+from ptq_cli.datasets.base import convert_channels, resize
+from ptq_cli.errors import PtqError
+from ptq_cli.inputs import ModelInput, Preprocessing
+from ptq_cli.transforms.overflow import FIRST_LAYER, NO_FIX, OVERFLOW_FIXES
+
+# Quantize records how a model was made inside the model file itself, under this metadata key.
+QUANTIZATION_METADATA_KEY = "ptq.quantization"
+# ... and `ptq prune` how it pruned a model (kept through quantization), under this one.
+PRUNING_METADATA_KEY = "ptq.pruning"
+# ... and the sha256 of the float model a model was made from (the reference of its accuracy delta).
+SOURCE_METADATA_KEY = "ptq.source_sha256"
+# ... and `ptq convert --keras` the Keras file an ONNX model was converted from ({"path", "sha256"}): LiteRT
+# quantization starts from that file.
+KERAS_SOURCE_METADATA_KEY = "ptq.keras_source"
+EMULATE = "emulate"  # an int8 path reached by emulating a CPU of the other kind (Backend.int8_basis)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    path: Path
+    runtime: str  # the name of the backend that runs it
+    dtype: str  # "fp32", "int8" or "uint8"
+    quantization: dict | None  # the settings quantize used; None for a float model
+    size_bytes: int
+    sha256: str
+    pruning: dict | None = None  # the settings prune used; None for an unpruned model
+    source_sha256: str | None = None  # the float model this one was made from, if ptq made it
+    precision: str | None = None  # the inference precision hint it ran with (OpenVINO: f32 or bf16)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    info: ModelInfo
+    predict: Callable[[np.ndarray], np.ndarray]  # a batch in the model's input format -> (N, classes) scores
+    input: ModelInput
+    preprocessing: Preprocessing
+    num_classes: int
+    batch_note: str | None = None  # how a fixed batch dimension is handled, if the model has one
+
+    def fit(self, images: np.ndarray) -> np.ndarray:
+        """uint8 images of any size and channel count, at the model's."""
+        if images.shape[1:3] != self.input.size:
+            images = resize(images, self.input.size)
+        return convert_channels(images, self.input.channels, self.info.path)
+
+    def prepare(self, images: np.ndarray) -> np.ndarray:
+        """uint8 N x H x W x C images -> the model's input (size, channels, scale, normalisation, layout)."""
+        return inputs.prepare(self.fit(images), self.input, self.preprocessing)
+
+    def describe_input(self) -> str:
+        """e.g. "NCHW 3x32x32, batch 1 (fixed batch 1 made symbolic (same outputs))"."""
+        shape = self.input.shape(1)[1:]
+        batch = "batch N" if self.input.batch is None else f"batch {self.input.batch}"
+        return f"{self.input.layout} {'x'.join(map(str, shape))}, {batch}" + (f" ({self.batch_note})" if self.batch_note else "")
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How a runtime runs a model: threads, the preprocessing the user told, and its own settings."""
+
+    threads: int | None = None
+    flags: inputs.PreprocessingFlags = field(default_factory=inputs.PreprocessingFlags)
+    precision: str | None = None  # the inference precision hint, for a runtime that has them
+    exact_int8: bool = False  # the exact u8 x s8 kernels on a CPU without VNNI, for a runtime that has a switch
 
 
 @dataclass(frozen=True)
 class QuantizedFile:
+    """What every backend's quantize returns."""
+
     size_bytes: int
     space_to_depth: tuple = ()  # the convolutions regrouped before quantizing (onnxruntime only)
     notes: tuple[str, ...] = ()  # what the backend changed on the way (a fixed batch made symbolic, ...)
+
+
+@dataclass(frozen=True)
+class QuantizationSettings:
+    """Everything that decides the quantized model; stored inside it and in its evaluation record."""
+
+    backend: str  # the backend that quantizes (and runs) it
+    format: str  # the backend's format: "QDQ", "FX", "IR", "TFLite"...
+    dtype: str  # activations: "int8" or "uint8"; names the model's data type
+    weight_dtype: str
+    per_channel: bool
+    method: str
+    percentile: float | None  # only for method "percentile"
+    preprocess: bool  # onnxruntime's quant_pre_process (shape inference, BN folding) before quantizing
+    # Filled in by quantize() from the calibration set it was given.
+    calibration_samples: int = 0
+    calibration_seed: int | None = None
+    calibration_source: str | None = None
+    target: str | None = None  # the preset the settings came from, if any
+    float_nodes: tuple[str, ...] = ()  # nodes left in float (names in the preprocessed graph)
+    # Regroup the convolutions onnxruntime's fast x86 int8 kernel handles poorly (the RGB stem, 16-channel
+    # layers) over blocks of pixels (transforms/space_to_depth.py); same products.
+    space_to_depth: bool = False
+    # NNCF (OpenVINO) only: its preset, its bias correction, and how many calibration samples it uses.
+    nncf_preset: str | None = None
+    bias_correction: str | None = None
+    subset_size: int | None = None
+    # LiteRT only: the input/output tensors' type, and the onnxruntime model whose activation ranges it copies.
+    io: str | None = None
+    ranges_from: str | None = None
+    # Which CPUs the model is for (cpu.CPU_TARGETS) and how it is kept exact on those without VNNI.
+    cpus: str = ALL
+    overflow_fix: str = NO_FIX
+
+
+def _no_check(settings: dict[str, Any]) -> dict[str, Any]:
+    return settings
+
+
+def _fast_when_u8s8(settings: QuantizationSettings) -> bool:
+    return settings.dtype == "uint8" and settings.weight_dtype == "int8"
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One row of the backend table. A runtime-only row leaves `quantize` None; a quantizer whose models run
+    elsewhere does not exist (each backend runs what it writes)."""
+
+    name: str
+    suffixes: tuple[str, ...]  # model files it writes (the first) and reads
+    sniff: Callable[[bytes], bool]  # whether a file's first bytes are this backend's
+    load: Callable[[Path, RunOptions], LoadedModel]
+    quantize: Callable[..., QuantizedFile] | None = None  # (onnx model, output, settings, calibration inputs, stored metadata)
+    format: str = ""  # what its quantized models are, in a word (QDQ, FX, IR, TFLite)
+    methods: tuple[str, ...] = ("minmax",)  # its calibration methods; the first is the default
+    per_channel: bool = True  # its default weight granularity
+    overflow_fixes: tuple[str, ...] = (FIRST_LAYER, *[fix for fix in OVERFLOW_FIXES if fix != FIRST_LAYER])  # the first is the default
+    speed_preset: dict[str, Any] = field(default_factory=dict)  # what `--target speed` sets for it
+    options: dict[str, str] = field(default_factory=dict)  # settings only it takes -> the option that sets them
+    options_word: str = ""  # what its options are called in a message ("an NNCF option")
+    choices: dict[str, tuple[str, ...]] = field(default_factory=dict)  # those settings' accepted values, where they are a list
+    check_settings: Callable[[dict[str, Any]], dict[str, Any]] = _no_check  # its own rules and defaults, on make_settings' fields
+    describe: Callable[[dict[str, Any]], str] | None = None  # its settings in a few words (else the common description)
+    describe_overflow_fix: dict[str, str] = field(default_factory=dict)  # how it keeps each fix, if not the common words
+    output_name: Callable[[str, QuantizationSettings], str] | None = None  # default output file name for a model's stem
+    # Tuning: `tune_refused` says why tune does not search it (and what to use instead); `tune_grid` gives
+    # its own first-stage candidates (make_settings' options), else the common grid of `tune_methods` x
+    # `granularities` x weight types; float layers come from `float_layers` (each tried alone) if it has
+    # its own way, else from the ONNX sensitivity ranking, or not at all without `leaves_layers_float`.
+    tune_refused: str = ""
+    tune_grid: Callable[[str, tuple[str, ...]], list[dict[str, Any]]] | None = None
+    tune_methods: tuple[str, ...] | None = None  # searched by default (else all its methods)
+    granularities: tuple[bool, ...] = (True, False)  # per-channel, per-tensor: what it can do
+    leaves_layers_float: bool = True
+    float_layers: Callable[[Any], list[str]] | None = None
+    fast_on_x86: Callable[[QuantizationSettings], bool] = _fast_when_u8s8  # its x86 fast configuration
+    # Runtime side.
+    runs_suffixes: tuple[str, ...] = ()  # other backends' files it also runs when asked (`--runtime`)
+    precisions: tuple[str, ...] = ()  # its inference precision hints; the first is the default
+    int8_kernels_vary: bool = False  # whether its x86 int8 kernels differ between CPUs with and without VNNI
+    # Where int8 kernels vary: whether the path this CPU does not take can be scored here, for a model
+    # made with an overflow fix (`reaches_int8_path(overflow_fix, path)`), and how (`int8_basis(model
+    # file, its settings, path)`: words for the record, or "emulate"; a PtqError where it cannot).
+    reaches_int8_path: Callable[[str | None, str], bool] = lambda overflow_fix, path: False
+    int8_basis: Callable[[Path, dict | None, str], str] | None = None
+    spins_when_idle: bool = False  # its idle threads spin after a run: benchmarked apart from the others
+    runtime_settings: str = ""  # how ptq runs it, for benchmark records
+    available: Callable[[], bool] = lambda: True
+    catch_all: bool = False  # takes any file no other backend claims (and then says if it is not its kind)
+    suffix_decides: bool = False  # a file with its suffix is its kind whatever its bytes
+
+    @property
+    def suffix(self) -> str:
+        return self.suffixes[0]
+
+    def default_output(self, model: Path, settings: QuantizationSettings, directory: Path) -> Path:
+        stem = Path(model).stem
+        name = self.output_name(stem, settings) if self.output_name else f"{stem}_{self.name}_{settings.dtype}{self.suffix}"
+        return Path(directory) / name
+
+    def tuned_output(self, model: Path, dtype: str) -> Path:
+        name = self.default_output(model, _bare(self, dtype), Path(model).parent).name
+        return Path(model).with_name(f"{Path(name).stem}_tuned{self.suffix}")
+
+
+def _bare(backend: Backend, dtype: str) -> QuantizationSettings:
+    return QuantizationSettings(backend.name, backend.format, dtype, dtype, backend.per_channel, backend.methods[0], None, True)
+
+
+READ_FROM_METADATA: Any = object()  # finish_load's quantization: the settings stored in the model
+
+
+def finish_load(path: Path, backend: Backend, options: RunOptions, *, described: ModelInput, predict: Callable[[np.ndarray], np.ndarray],
+                dtype: str, size_bytes: int, sha256: str, stored: dict[str, str], declared_classes: int | None,
+                quantization: dict | None = READ_FROM_METADATA, note: str | None = None) -> LoadedModel:
+    """Every backend's load ends here: the model run once on a probe image (its output checked against the
+    class count it declares), the preprocessing resolved, and its ModelInfo."""
+    probe = predict(np.zeros(described.shape(described.batch or 1), np.float32))[:1]
+    if probe.ndim != 2 or probe.shape[0] != 1 or (declared_classes is not None and probe.shape[1] != declared_classes):
+        raise PtqError(f"{path}: outputs {list(probe.shape)} for one image, not 1 x {declared_classes or 'classes'} class scores (as its output declares)")
+    preprocessing = inputs.resolve(options.flags, inputs.from_metadata(stored.get(inputs.INPUT_METADATA_KEY), path))
+    if quantization is READ_FROM_METADATA:
+        quantization = metadata_object(path, stored, QUANTIZATION_METADATA_KEY)
+    info = ModelInfo(path, backend.name, dtype, quantization, size_bytes, sha256, metadata_object(path, stored, PRUNING_METADATA_KEY),
+                     stored.get(SOURCE_METADATA_KEY), options.precision)
+    return LoadedModel(info, predict, described, preprocessing, int(probe.shape[1]), note)
+
+
+def short_node(name: str) -> str:
+    """tf2onnx names a layer's nodes model_1/conv2d_1/BiasAdd: the layer is the middle part. OpenVINO
+    names a convolution split from its bias <node>/WithoutBiases."""
+    name = name.removesuffix("/WithoutBiases")
+    return name.split("/")[-2] if "/" in name else name
+
+
+def describe_settings(settings: dict, types: str | None = None) -> str:
+    """The common description of stored settings (a dict: records hold JSON), e.g. "QDQ a:uint8 w:int8,
+    per-channel, percentile 99.999, 1000 samples, float: conv2d_1"; `types` for a backend that names them
+    otherwise."""
+    types = types or f"a:{settings['dtype']} w:{settings.get('weight_dtype', settings['dtype'])}"
+    parts = [
+        f"{settings.get('format', 'QDQ')} {types}",
+        "per-channel" if settings.get("per_channel") else "per-tensor",
+        settings.get("method", "?") + (f" {settings['percentile']:g}" if settings.get("percentile") else ""),
+        f"{settings.get('calibration_samples', '?')} samples",
+    ]
+    if settings.get("float_nodes"):
+        parts.append("float: " + ", ".join(short_node(name) for name in settings["float_nodes"]))
+    if settings.get("space_to_depth_convs"):
+        parts.append("space-to-depth: " + ", ".join(short_node(rewrite["node"]) for rewrite in settings["space_to_depth_convs"]))
+    return ", ".join(parts)

@@ -24,28 +24,23 @@ from pathlib import Path
 import numpy as np
 
 from ptq_cli.atomic import atomic_output
-from ptq_cli.backends.base import QuantizedFile
-from ptq_cli.errors import PtqError
-from ptq_cli.services import inputs
-from ptq_cli.services.models import (
+from ptq_cli.backends.base import (
     KERAS_SOURCE_METADATA_KEY,
-    LITERT,
     QUANTIZATION_METADATA_KEY,
     SOURCE_METADATA_KEY,
+    Backend,
     LoadedModel,
-    ModelInfo,
-    file_sha256,
-    in_fixed_batches,
-    metadata_object,
-    model_input,
-    num_classes,
-    read_bytes,
-    read_onnx,
-    resolve_threads,
+    QuantizationSettings,
+    QuantizedFile,
+    RunOptions,
+    finish_load,
 )
-from ptq_cli.services.quant_settings import QuantizationSettings
+from ptq_cli.backends.model_file import file_sha256, in_fixed_batches, metadata_object, model_input, num_classes, read_bytes, read_onnx, resolve_threads
+from ptq_cli.errors import PtqError
+from ptq_cli.library_noise import native_stderr_silenced
+from ptq_cli.transforms.overflow import NO_FIX
 
-NAME = LITERT
+NAME = "litert"
 SUFFIX = ".tflite"
 FORMAT = "TFLite"
 INTEGER_TYPES = {np.dtype(np.int8): "int8", np.dtype(np.uint8): "uint8"}
@@ -92,12 +87,12 @@ def describe_io(detail: dict) -> str:
     return kind if quantization is None else f"{kind} (scale {quantization[0]:g}, zero point {quantization[1]})"
 
 
-def load(path: Path, threads: int | None, flags: inputs.PreprocessingFlags) -> LoadedModel:
+def load(path: Path, options: RunOptions) -> LoadedModel:
     """The model in the LiteRT interpreter with `threads` threads; a batch dimension declared dynamic is
     resized to each batch, a fixed one runs that many images at a time."""
     path = Path(path)
     data = read_bytes(path)
-    threads = resolve_threads(threads)
+    threads = resolve_threads(options.threads)
     Interpreter = _interpreter_class()
     try:
         interpreter = Interpreter(model_content=data, num_threads=threads)
@@ -152,10 +147,9 @@ def load(path: Path, threads: int | None, flags: inputs.PreprocessingFlags) -> L
     quantization = {
         **made, "format": FORMAT, "dtype": dtype, "weight_dtype": "int8", "input": describe_io(image), "output": describe_io(scores),
     } if integer else None
-    preprocessing = inputs.resolve(flags, inputs.from_metadata(stored.get(inputs.INPUT_METADATA_KEY), path))
     note = None if dynamic else f"fixed batch {chunk}: run {chunk} at a time"
-    info = ModelInfo(path, NAME, dtype, quantization, len(data), hashlib.sha256(data).hexdigest(), source_sha256=stored.get(SOURCE_METADATA_KEY))
-    return LoadedModel(info, predict, described, preprocessing, classes or int(scores["shape"][-1]), note)
+    return finish_load(path, BACKEND, options, described=described, predict=predict, dtype=dtype, size_bytes=len(data),
+                       sha256=hashlib.sha256(data).hexdigest(), stored=stored, declared_classes=classes, quantization=quantization, note=note)
 
 
 def metadata(data: bytes) -> dict[str, str]:
@@ -201,8 +195,6 @@ def keras_source(onnx_model) -> Path:
 def _quiet():
     """TensorFlow prints the exported signature on stdout, which is for ptq's results (--json), and logs
     from C++ on stderr; its failures come as exceptions."""
-    from ptq_cli.services.convert import native_stderr_silenced
-
     with native_stderr_silenced(), open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
         yield
 
@@ -461,3 +453,59 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     with atomic_output(output) as tmp:
         tmp.write_bytes(data)
     return QuantizedFile(len(data), notes=tuple(notes))
+
+
+IO_TYPES = ("int8", "uint8", "float")  # the first is TFLite Micro's; float keeps float I/O around the int8 body
+
+
+def _check_settings(settings: dict) -> dict:
+    if "uint8" in (settings["dtype"], settings["weight_dtype"]):
+        raise PtqError("--dtype uint8: a full-integer TFLite model computes in int8; --io uint8 gives it uint8 input and output")
+    settings["io"] = settings["io"] or IO_TYPES[0]
+    if settings["io"] not in IO_TYPES:
+        raise PtqError(f"--io: '{settings['io']}' is not one of {', '.join(IO_TYPES)}")
+    if settings["ranges_from"] is not None:
+        if settings["method_given"] not in (None, BACKEND.methods[0]):
+            raise PtqError(f"--method {settings['method_given']}: --ranges-from takes the activation ranges from {settings['ranges_from']} instead")
+        settings["ranges_from"] = str(settings["ranges_from"])
+    return settings
+
+
+def _describe(settings: dict) -> str:
+    """A full-integer .tflite: its tensors' types, how ptq calibrated it (if it did), its I/O quantization."""
+    parts = [f"TFLite a:{settings['dtype']} w:{settings.get('weight_dtype', settings['dtype'])}"]
+    if "per_channel" in settings:  # ptq made it: how it was calibrated
+        parts.append("per-channel" if settings["per_channel"] else "per-tensor")
+        ranges = settings.get("ranges_from")
+        parts.append(f"ranges of {ranges.replace(chr(92), '/').rsplit('/', 1)[-1]}" if ranges else
+                     settings.get("method", "?") + (f" {settings['percentile']:g}" if settings.get("percentile") else ""))
+        parts.append(f"{settings.get('calibration_samples', '?')} samples")
+    return ", ".join([*parts, f"input {settings.get('input', '?')}", f"output {settings.get('output', '?')}"])
+
+
+def _output_name(stem: str, settings: QuantizationSettings) -> str:
+    return f"{stem}_{settings.dtype}{'_ranges' if settings.ranges_from else ''}{SUFFIX}"
+
+
+BACKEND = Backend(
+    name=NAME,
+    suffixes=(SUFFIX,),
+    sniff=sniff,
+    load=load,
+    quantize=quantize,
+    format=FORMAT,
+    # The TFLite converter's min/max, or ptq's percentile rule (onnxruntime's histogram collector) on the same tensors.
+    methods=("minmax", "percentile"),
+    per_channel=True,
+    overflow_fixes=(NO_FIX,),  # XNNPACK widens to int16 before adding: nothing to fix
+    options={"io": "--io", "ranges_from": "--ranges-from"},
+    options_word="a LiteRT option",
+    choices={"io": IO_TYPES},
+    check_settings=_check_settings,
+    describe=_describe,
+    output_name=_output_name,
+    tune_refused="--backend litert: tune searches onnxruntime, pytorch and openvino; for TFLite use ptq quantize --backend litert "
+                 "(--method, --per-tensor, --ranges-from a tuned onnxruntime model)",
+    runtime_settings="ai-edge-litert Interpreter with its default XNNPACK delegate, num_threads threads, a fixed batch run that many images per invoke",
+    available=available,
+)

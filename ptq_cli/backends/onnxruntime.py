@@ -13,32 +13,27 @@ from pathlib import Path
 
 import numpy as np
 
+from ptq_cli import inputs
 from ptq_cli.atomic import atomic_output
-from ptq_cli.backends.base import QuantizedFile
-from ptq_cli.errors import PtqError
-from ptq_cli.services import inputs, overflow
-from ptq_cli.services.graph import symbolic_batch
-from ptq_cli.services.models import (
-    ONNXRUNTIME,
+from ptq_cli.backends.base import (
+    EMULATE,
     PRUNING_METADATA_KEY,
     QUANTIZATION_METADATA_KEY,
-    SOURCE_METADATA_KEY,
+    Backend,
     LoadedModel,
-    ModelInfo,
-    graph_inputs,
-    in_fixed_batches,
-    metadata_object,
-    model_input,
-    num_classes,
-    onnx_dims,
-    read_bytes,
-    read_onnx,
-    resolve_threads,
+    QuantizationSettings,
+    QuantizedFile,
+    RunOptions,
+    finish_load,
 )
-from ptq_cli.services.quant_settings import QuantizationSettings
-from ptq_cli.services.space_to_depth import Rewrite, quantized_pads, space_to_depth_convs
+from ptq_cli.backends.model_file import graph_inputs, in_fixed_batches, model_input, num_classes, onnx_dims, read_bytes, read_onnx, resolve_threads
+from ptq_cli.cpu import EXACT
+from ptq_cli.errors import PtqError
+from ptq_cli.transforms import overflow
+from ptq_cli.transforms.graph import symbolic_batch
+from ptq_cli.transforms.space_to_depth import Rewrite, quantized_pads, space_to_depth_convs
 
-NAME = ONNXRUNTIME
+NAME = "onnxruntime"
 SUFFIX = ".onnx"
 CALIBRATION_BATCH = 100
 # Batches smaller than this per thread are run whole: splitting them costs more than it saves.
@@ -124,7 +119,7 @@ def free_batch(path: Path, model, described: inputs.ModelInput):
     return candidate if got.shape == (len(probe), *expected[0].shape[1:]) and np.allclose(np.concatenate(expected), got, rtol=1e-4, atol=1e-5) else None
 
 
-def load(path: Path, threads: int | None, flags: inputs.PreprocessingFlags, exact_int8: bool = False) -> LoadedModel:
+def load(path: Path, options: RunOptions) -> LoadedModel:
     """One onnxruntime session for the model's whole life, run data-parallel over `threads` threads.
 
     Each run uses one intra-op thread and a large batch is split into one shard per thread, run
@@ -137,10 +132,8 @@ def load(path: Path, threads: int | None, flags: inputs.PreprocessingFlags, exac
     model = read_onnx(path, data)
     dtype, quantization = _dtype(model)
     whole = data if model.ByteSize() == len(data) else model.SerializeToString()  # external weights read in
-    threads = resolve_threads(threads)
+    threads, exact_int8 = resolve_threads(options.threads), options.exact_int8
     described, classes = describe_input(path, model)
-    stored = metadata(model)
-    preprocessing = inputs.resolve(flags, inputs.from_metadata(stored.get(inputs.INPUT_METADATA_KEY), path))
     note, chunk = None, None
     if described.batch is not None:
         freed = free_batch(path, model, described)
@@ -176,13 +169,8 @@ def load(path: Path, threads: int | None, flags: inputs.PreprocessingFlags, exac
             return run(batch)
         return np.concatenate(list(pool.map(run, np.array_split(batch, threads))))
 
-    probe = predict(np.zeros(described.shape(1), np.float32))
-    if probe.ndim != 2 or probe.shape[0] != 1 or (classes is not None and probe.shape[1] != classes):
-        raise PtqError(f"{path}: outputs {list(probe.shape)} for one image, not 1 x {classes or 'classes'} class scores (as its output declares)")
-    classes = int(probe.shape[1])
-    pruning = metadata_object(path, stored, PRUNING_METADATA_KEY)
-    info = ModelInfo(path, NAME, dtype, quantization, len(data), hashlib.sha256(data).hexdigest(), pruning, stored.get(SOURCE_METADATA_KEY))
-    return LoadedModel(info, predict, described, preprocessing, classes, note)
+    return finish_load(path, BACKEND, options, described=described, predict=predict, dtype=dtype, size_bytes=len(data),
+                       sha256=hashlib.sha256(data).hexdigest(), stored=metadata(model), declared_classes=classes, quantization=quantization, note=note)
 
 
 def sniff(head: bytes) -> bool:
@@ -283,3 +271,50 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
             onnx.helper.set_model_props(quantized, props)
             onnx.save(quantized, str(tmp))
             return QuantizedFile(tmp.stat().st_size, tuple(rewrites), tuple(notes))
+
+
+def _check_settings(settings: dict) -> dict:
+    if settings["space_to_depth"] is None:  # on where it speeds the model up: uint8 activations x int8 weights
+        settings["space_to_depth"] = (settings["dtype"], settings["weight_dtype"]) == ("uint8", "int8")
+    if settings["weight_dtype"] == "uint8":
+        settings["overflow_fix"] = overflow.NO_FIX  # u8 x u8 runs on a kernel that widens to 16 bits first: nothing to fix
+    return settings
+
+
+def _output_name(stem: str, settings: QuantizationSettings) -> str:
+    return f"{stem}_{settings.dtype}{'_' + settings.target if settings.target else ''}{SUFFIX}"
+
+
+def _int8_basis(path: Path, settings: dict | None, int8_path: str) -> str:
+    """The exact path through the session option; the saturating one proven equal, or emulated."""
+    if int8_path == EXACT:
+        return f"onnxruntime {EXACT_PATH_CONFIG}=1"
+    proven, why = overflow.saturation_proof(read_onnx(path))
+    return f"proof ({why}): same as the exact path" if proven else EMULATE
+
+
+BACKEND = Backend(
+    name=NAME,
+    suffixes=(SUFFIX,),
+    sniff=sniff,
+    load=load,
+    quantize=quantize,
+    format="QDQ",
+    methods=("minmax", "entropy", "percentile"),
+    per_channel=False,  # the seed study's per-tensor default
+    overflow_fixes=(overflow.FIRST_LAYER, overflow.ALL_LAYERS),
+    # onnxruntime's x86 int8 kernels (VNNI) multiply unsigned activations by signed weights; int8 x int8
+    # and uint8 x uint8 fall back to slower paths. Per-channel weights with percentile calibration keep the accuracy.
+    speed_preset={"dtype": "uint8", "weight_dtype": "int8", "per_channel": True, "method": "percentile"},
+    options={"space_to_depth": "--space-to-depth"},
+    check_settings=_check_settings,
+    output_name=_output_name,
+    # Entropy is left out: quantize_static does not pass a histogram size to it, and with its default 128
+    # bins equal to its 128 quantized bins the KL search has a single candidate, the full range (the MinMax model).
+    tune_methods=("minmax", "percentile"),
+    int8_kernels_vary=True,
+    reaches_int8_path=lambda overflow_fix, int8_path: True,
+    int8_basis=_int8_basis,
+    runtime_settings="CPUExecutionProvider, 1 intra-op thread per run, allow_spinning 0, one shard per thread",
+    catch_all=True,
+)

@@ -15,29 +15,27 @@ import os
 import re
 import sys
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
 
-from ptq_cli.backends.base import QuantizedFile
-from ptq_cli.errors import PtqError
-from ptq_cli.services import inputs
-from ptq_cli.services.models import (
+from ptq_cli import inputs
+from ptq_cli.backends.base import (
     PRUNING_METADATA_KEY,
     QUANTIZATION_METADATA_KEY,
     SOURCE_METADATA_KEY,
+    Backend,
     LoadedModel,
-    ModelInfo,
-    in_fixed_batches,
-    metadata_object,
-    model_input,
-    num_classes,
-    read_bytes,
-    resolve_threads,
+    QuantizationSettings,
+    QuantizedFile,
+    RunOptions,
+    finish_load,
+    short_node,
 )
-from ptq_cli.services.overflow import ALL_LAYERS, FIRST_LAYER
-from ptq_cli.services.quant_settings import QuantizationSettings
+from ptq_cli.backends.model_file import in_fixed_batches, metadata_object, model_input, num_classes, read_bytes, read_onnx, resolve_threads
+from ptq_cli.errors import PtqError
+from ptq_cli.transforms.overflow import ALL_LAYERS, FIRST_LAYER
 
 NAME = "openvino"
 SUFFIX = ".xml"
@@ -99,7 +97,6 @@ def _stored(path: Path, model) -> dict[str, str]:
     """ptq's metadata: from the IR's rt_info, or from an ONNX file's metadata_props."""
     if path.suffix != SUFFIX:
         from ptq_cli.backends.onnxruntime import metadata
-        from ptq_cli.services.models import read_onnx
 
         return metadata(read_onnx(path))
     return {key: str(model.get_rt_info([RT_INFO_SECTION, key]).astype(str)) for key in STORED_KEYS if model.has_rt_info([RT_INFO_SECTION, key])}
@@ -109,15 +106,16 @@ def _dims(partial_shape) -> list:
     return [dim.get_length() if dim.is_static else None for dim in partial_shape]
 
 
-def load(path: Path, threads: int | None, flags: inputs.PreprocessingFlags, precision: str | None = None) -> LoadedModel:
+def load(path: Path, options: RunOptions) -> LoadedModel:
     """The model compiled for the CPU with the precision hint set (f32 unless told) and `threads` threads;
     a fixed batch is reshaped to a dynamic one (OpenVINO re-infers the shapes), and each of the first
     STATIC_SHAPES batch sizes it is given runs on a copy compiled for that size."""
     ov = _openvino()
     path = Path(path)
-    precision = precision or DEFAULT_PRECISION
+    precision = options.precision or DEFAULT_PRECISION
     if precision not in PRECISIONS:
         raise PtqError(f"--precision: '{precision}' is not one of {', '.join(PRECISIONS)}")
+    options = replace(options, precision=precision)
     files = _files(path)
     digest, size = hashlib.sha256(), 0
     for file in files:
@@ -144,7 +142,7 @@ def load(path: Path, threads: int | None, flags: inputs.PreprocessingFlags, prec
             note = f"fixed batch {described.batch} made dynamic (OpenVINO reshape)"
         except Exception:  # noqa: BLE001  a graph tied to its batch: run it in chunks of that batch
             note, chunk = f"fixed batch {described.batch}: run {described.batch} at a time", described.batch
-    threads = resolve_threads(threads)
+    threads = resolve_threads(options.threads)
     config = {"INFERENCE_PRECISION_HINT": precision, "INFERENCE_NUM_THREADS": threads}
     try:
         compiled = core.compile_model(model, "CPU", config)
@@ -180,14 +178,10 @@ def load(path: Path, threads: int | None, flags: inputs.PreprocessingFlags, prec
     def predict(batch: np.ndarray) -> np.ndarray:
         return run(batch) if chunk is None else in_fixed_batches(run, batch, chunk)
 
-    if classes is None:
-        classes = int(predict(np.zeros(described.shape(described.batch or 1), np.float32)).shape[-1])
     quantization = metadata_object(path, stored, QUANTIZATION_METADATA_KEY)
     dtype = str((quantization or {}).get("dtype") or ("int8" if any(op.get_type_name() == "FakeQuantize" for op in model.get_ops()) else "fp32"))
-    preprocessing = inputs.resolve(flags, inputs.from_metadata(stored.get(inputs.INPUT_METADATA_KEY), path))
-    info = ModelInfo(path, NAME, dtype, quantization, size, digest.hexdigest(), metadata_object(path, stored, PRUNING_METADATA_KEY),
-                     stored.get(SOURCE_METADATA_KEY), precision)
-    return LoadedModel(info, predict, described, preprocessing, classes, note)
+    return finish_load(path, BACKEND, options, described=described, predict=predict, dtype=dtype, size_bytes=size, sha256=digest.hexdigest(),
+                       stored=stored, declared_classes=classes, quantization=quantization, note=note)
 
 
 def _convert(model):
@@ -275,3 +269,68 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
             leftover.unlink(missing_ok=True)
         staging.rmdir()
     return QuantizedFile(output.stat().st_size + output.with_suffix(".bin").stat().st_size)
+
+
+NNCF_PRESETS = ("performance", "mixed")  # NNCF's: symmetric activations, or asymmetric ones
+BIAS_CORRECTIONS = ("fast", "full", "none")
+
+
+def _check_settings(settings: dict) -> dict:
+    if "uint8" in (settings["dtype"], settings["weight_dtype"]):
+        raise PtqError("--dtype uint8: NNCF quantizes to int8 (its presets choose symmetric or asymmetric activations: --preset)")
+    if settings["per_channel"] is False:
+        raise PtqError("--per-tensor: NNCF quantizes weights per channel on the CPU")
+    settings["nncf_preset"] = settings["nncf_preset"] or NNCF_PRESETS[0]
+    settings["bias_correction"] = settings["bias_correction"] or BIAS_CORRECTIONS[0]
+    if settings["nncf_preset"] not in NNCF_PRESETS:
+        raise PtqError(f"--preset: '{settings['nncf_preset']}' is not one of {', '.join(NNCF_PRESETS)}")
+    if settings["bias_correction"] not in BIAS_CORRECTIONS:
+        raise PtqError(f"--bias-correction: '{settings['bias_correction']}' is not one of {', '.join(BIAS_CORRECTIONS)}")
+    if settings["subset_size"] is not None and settings["subset_size"] < 1:
+        raise PtqError(f"--subset-size: must be at least 1, got {settings['subset_size']}")
+    return settings
+
+
+def _describe(settings: dict) -> str:
+    parts = [f"NNCF IR a:{settings['dtype']} w:{settings.get('weight_dtype', settings['dtype'])}", f"{settings.get('nncf_preset')} preset",
+             f"{settings.get('bias_correction')} bias correction", f"{settings.get('subset_size') or settings.get('calibration_samples', '?')} samples"]
+    if settings.get("float_nodes"):
+        parts.append("float: " + ", ".join(short_node(name) for name in settings["float_nodes"]))
+    return ", ".join(parts)
+
+
+def _tune_grid(dtype: str, methods: tuple[str, ...]) -> list[dict]:
+    """NNCF's own calibration choices: its preset x its bias correction."""
+    return [{"method": method, "nncf_preset": preset, "bias_correction": correction}
+            for method in methods for preset in NNCF_PRESETS for correction in BIAS_CORRECTIONS]
+
+
+def _fast_on_x86(settings: QuantizationSettings) -> bool:
+    return settings.nncf_preset == "performance"  # symmetric activations: NNCF's fast preset
+
+
+BACKEND = Backend(
+    name=NAME,
+    suffixes=(SUFFIX,),
+    sniff=sniff,
+    load=load,
+    quantize=quantize,
+    format="IR",
+    methods=("nncf",),  # NNCF's min/max statistics of its preset, then bias correction
+    per_channel=True,
+    overflow_fixes=(FIRST_LAYER, ALL_LAYERS),
+    options={"nncf_preset": "--preset", "bias_correction": "--bias-correction", "subset_size": "--subset-size", "float_nodes": "--ignored-scope"},
+    options_word="an NNCF option",
+    choices={"nncf_preset": NNCF_PRESETS, "bias_correction": BIAS_CORRECTIONS},
+    check_settings=_check_settings,
+    describe=_describe,
+    describe_overflow_fix={FIRST_LAYER: "NNCF overflow fix, first layer", ALL_LAYERS: "NNCF overflow fix, all layers"},
+    tune_grid=_tune_grid,
+    granularities=(True,),  # NNCF quantizes weights per channel
+    float_layers=layers,
+    fast_on_x86=_fast_on_x86,
+    runs_suffixes=(".onnx",),
+    precisions=PRECISIONS,
+    runtime_settings="CPU plugin, INFERENCE_NUM_THREADS threads, one synchronous infer request, compiled for each batch size",
+    available=available,
+)

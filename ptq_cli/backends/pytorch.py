@@ -12,28 +12,28 @@ from pathlib import Path
 
 import numpy as np
 
-from ptq_cli import trust
+from ptq_cli import inputs, trust
 from ptq_cli.atomic import atomic_output
 from ptq_cli.backends import onnxruntime as ort_backend
-from ptq_cli.backends.base import QuantizedFile
-from ptq_cli.errors import PtqError
-from ptq_cli.services import inputs, overflow
-from ptq_cli.services.graph import static_reshape_targets
-from ptq_cli.services.models import (
-    PYTORCH,
+from ptq_cli.backends.base import (
+    EMULATE,
     QUANTIZATION_METADATA_KEY,
-    SOURCE_METADATA_KEY,
+    Backend,
     LoadedModel,
-    ModelInfo,
-    in_fixed_batches,
-    metadata_object,
-    read_bytes,
-    resolve_threads,
+    QuantizationSettings,
+    QuantizedFile,
+    RunOptions,
+    describe_settings,
+    finish_load,
 )
-from ptq_cli.services.quant_settings import QuantizationSettings
-from ptq_cli.services.torch_compat import import_onnx2torch, quiet_torch_quantization_warnings
+from ptq_cli.backends.model_file import in_fixed_batches, metadata_object, read_bytes, resolve_threads
+from ptq_cli.cpu import SATURATING
+from ptq_cli.errors import PtqError
+from ptq_cli.transforms import overflow
+from ptq_cli.transforms.graph import static_reshape_targets
+from ptq_cli.transforms.torch_compat import import_onnx2torch, quiet_torch_quantization_warnings
 
-NAME = PYTORCH
+NAME = "pytorch"
 SUFFIX = ".pt"
 ENGINE = "x86"  # fbgemm-based kernels for x86 CPUs
 ZIP_MAGIC = b"PK\x03\x04"  # TorchScript files are zip archives
@@ -212,12 +212,12 @@ def _read_metadata(raw: str) -> dict:
     return data
 
 
-def load(path: Path, threads: int | None, flags: inputs.PreprocessingFlags) -> LoadedModel:
+def load(path: Path, options: RunOptions) -> LoadedModel:
     import torch
 
     quiet_torch_quantization_warnings()
     path = Path(path)
-    threads = resolve_threads(threads)
+    threads = resolve_threads(options.threads)
     data = read_bytes(path)
     trust.require(path, data, "TorchScript")
     extra_files = {TORCHSCRIPT_METADATA_FILE: ""}
@@ -265,7 +265,6 @@ def load(path: Path, threads: int | None, flags: inputs.PreprocessingFlags) -> L
         raise PtqError(f"{path}: does not take a float32 batch of {shapes} ({cause})")
     if probe.ndim != 2:
         raise PtqError(f"{path}: output shape {list(probe.shape)} is not N x classes")
-    preprocessing = inputs.resolve(flags, inputs.from_metadata(stored.get(inputs.INPUT_METADATA_KEY), path))
     fixed = described.batch
     if fixed is not None:
         whole = predict
@@ -273,5 +272,58 @@ def load(path: Path, threads: int | None, flags: inputs.PreprocessingFlags) -> L
         def predict(batch: np.ndarray) -> np.ndarray:  # noqa: F811  a traced fixed batch: chunks of it
             return in_fixed_batches(whole, batch, fixed)
 
-    info = ModelInfo(path, NAME, dtype, quantization, len(data), hashlib.sha256(data).hexdigest(), None, stored.get(SOURCE_METADATA_KEY))
-    return LoadedModel(info, predict, described, preprocessing, int(probe.shape[1]))
+    return finish_load(path, BACKEND, options, described=described, predict=predict, dtype=dtype, size_bytes=len(data),
+                       sha256=hashlib.sha256(data).hexdigest(), stored=stored, declared_classes=int(probe.shape[1]), quantization=quantization)
+
+
+def _check_settings(settings: dict) -> dict:
+    if "uint8" in (settings["dtype"], settings["weight_dtype"]):
+        option = "--dtype" if settings["dtype"] == "uint8" else "--weight-dtype"
+        raise PtqError(
+            f"{option} uint8: PyTorch's x86/fbgemm quantized convolutions need signed int8 weights "
+            "(their activations are uint8 already); use --dtype int8, or --backend onnxruntime for uint8"
+        )
+    return settings
+
+
+def _describe(settings: dict) -> str:
+    # PyTorch's x86 kernels pair unsigned activations with signed weights whatever the model is called.
+    return describe_settings(settings, types="a:quint8 w:qint8")
+
+
+def _reaches_int8_path(overflow_fix: str | None, int8_path: str) -> bool:
+    return int8_path == SATURATING or overflow_fix == overflow.ALL_LAYERS
+
+
+def _int8_basis(path: Path, settings: dict | None, int8_path: str) -> str:
+    """fbgemm has no switch for its exact path: 7-bit activations prove both paths equal; the saturating
+    path can be emulated; the exact one needs a CPU with VNNI or AMX."""
+    if (settings or {}).get("overflow_fix") == overflow.ALL_LAYERS:
+        return "proof (7-bit activations: 2 x 127 x 128 <= 32,767): same as the exact path"
+    if int8_path == SATURATING:
+        return EMULATE
+    raise PtqError(f"--int8-path exact: {path} is a PyTorch model with 8-bit activations; fbgemm's exact path "
+                   "needs a CPU with VNNI or AMX (no emulator here has them)")
+
+
+BACKEND = Backend(
+    name=NAME,
+    suffixes=(SUFFIX,),
+    sniff=sniff,
+    load=load,
+    quantize=quantize,
+    format="FX",
+    methods=("histogram", "minmax"),
+    per_channel=True,  # PyTorch's x86 default
+    overflow_fixes=(overflow.FIRST_LAYER, overflow.ALL_LAYERS),
+    check_settings=_check_settings,
+    describe=_describe,
+    describe_overflow_fix={overflow.ALL_LAYERS: "7-bit activations"},
+    leaves_layers_float=False,  # FX quantizes every layer it can
+    int8_kernels_vary=True,
+    reaches_int8_path=_reaches_int8_path,
+    int8_basis=_int8_basis,
+    spins_when_idle=True,
+    runtime_settings="torch.set_num_threads(threads), chunks of 64 images",
+    suffix_decides=True,
+)

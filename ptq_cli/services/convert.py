@@ -5,20 +5,21 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from ptq_cli import inputs
 from ptq_cli.atomic import atomic_output, check_outputs
+from ptq_cli.backends.base import KERAS_SOURCE_METADATA_KEY, SOURCE_METADATA_KEY
+from ptq_cli.backends.model_file import file_sha256, read_onnx
 from ptq_cli.datasets import Dataset
 from ptq_cli.errors import CheckFailed, PtqError
-from ptq_cli.services import inputs
-from ptq_cli.services.graph import canonical
-from ptq_cli.services.models import KERAS_SOURCE_METADATA_KEY, SOURCE_METADATA_KEY, file_sha256, load_model, read_onnx
+from ptq_cli.library_noise import native_stderr_silenced
+from ptq_cli.services.models import load_model
+from ptq_cli.transforms.graph import canonical
 
 TOLERANCE = 1e-4
 
@@ -111,21 +112,6 @@ def _collected_warnings(logger_name: str) -> Iterator[list[str]]:
         logger.removeHandler(collector)
         logger.setLevel(saved[0])
         logger.propagate = saved[1]
-
-
-@contextlib.contextmanager
-def native_stderr_silenced() -> Iterator[None]:
-    """TensorFlow's C++ start-up logs (absl, oneDNN) ignore TF_CPP_MIN_LOG_LEVEL; hide them during import only."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 def keras_to_onnx(keras_path: Path, output: Path, dataset: Dataset, opset: int = 13, check_count: int = 1000,

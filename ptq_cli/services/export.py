@@ -8,8 +8,8 @@ from pathlib import Path
 
 from ptq_cli.atomic import check_outputs, write_text
 from ptq_cli.backends import litert
+from ptq_cli.backends.model_file import read_bytes
 from ptq_cli.errors import PtqError
-from ptq_cli.services.models import read_bytes
 
 # TFLite Micro reads the flatbuffer in place: 16-byte alignment keeps its tensors' data aligned.
 ALIGNMENT = 16

@@ -1,114 +1,20 @@
-"""A loaded model, whatever its framework: what it is (ModelInfo), what it takes (ModelInput and its
-preprocessing), and one predict function. The frameworks themselves live in ptq_cli/backends."""
+"""Model files as the services see them: loaded through the backend table (the backend chosen by a file's
+content, not its name), found in a folder, and checked against a dataset's classes."""
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
-from ptq_cli import bounded
+from ptq_cli import backends, bounded, hardstop, inputs, trust
 from ptq_cli.atomic import is_temporary
-from ptq_cli.datasets.base import convert_channels, resize
+from ptq_cli.backends.base import LoadedModel, RunOptions
+from ptq_cli.backends.model_file import read_bytes
 from ptq_cli.errors import PtqError
-from ptq_cli.services import inputs
-from ptq_cli.services.inputs import ModelInput, Preprocessing
-
-# Quantize records how a model was made inside the model file itself, under this metadata key.
-QUANTIZATION_METADATA_KEY = "ptq.quantization"
-# ... and `ptq prune` how it pruned a model (kept through quantization), under this one.
-PRUNING_METADATA_KEY = "ptq.pruning"
-# ... and the sha256 of the float model a model was made from (the reference of its accuracy delta).
-SOURCE_METADATA_KEY = "ptq.source_sha256"
-# ... and `ptq convert --keras` the Keras file an ONNX model was converted from ({"path", "sha256"}): LiteRT
-# quantization starts from that file.
-KERAS_SOURCE_METADATA_KEY = "ptq.keras_source"
-ONNXRUNTIME = "onnxruntime"
-PYTORCH = "pytorch"
-OPENVINO = "openvino"
-LITERT = "litert"
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    path: Path
-    framework: str  # a backend name: ONNXRUNTIME or PYTORCH
-    dtype: str  # "fp32", "int8" or "uint8"
-    quantization: dict | None  # the settings quantize used; None for a float model
-    size_bytes: int
-    sha256: str
-    pruning: dict | None = None  # the settings prune used; None for an unpruned model
-    source_sha256: str | None = None  # the float model this one was made from, if ptq made it
-    precision: str | None = None  # the inference precision hint it ran with (OpenVINO: f32 or bf16)
-
-
-@dataclass(frozen=True)
-class LoadedModel:
-    info: ModelInfo
-    predict: Callable[[np.ndarray], np.ndarray]  # a batch in the model's input format -> (N, classes) scores
-    input: ModelInput
-    preprocessing: Preprocessing
-    num_classes: int
-    batch_note: str | None = None  # how a fixed batch dimension is handled, if the model has one
-
-    def fit(self, images: np.ndarray) -> np.ndarray:
-        """uint8 images of any size and channel count, at the model's."""
-        if images.shape[1:3] != self.input.size:
-            images = resize(images, self.input.size)
-        return convert_channels(images, self.input.channels, self.info.path)
-
-    def prepare(self, images: np.ndarray) -> np.ndarray:
-        """uint8 N x H x W x C images -> the model's input (size, channels, scale, normalisation, layout)."""
-        return inputs.prepare(self.fit(images), self.input, self.preprocessing)
-
-    def describe_input(self) -> str:
-        """e.g. "NCHW 3x32x32, batch 1 (fixed batch 1 made symbolic (same outputs))"."""
-        shape = self.input.shape(1)[1:]
-        batch = "batch N" if self.input.batch is None else f"batch {self.input.batch}"
-        return f"{self.input.layout} {'x'.join(map(str, shape))}, {batch}" + (f" ({self.batch_note})" if self.batch_note else "")
-
-
-def metadata_object(path: Path, stored: dict[str, str], key: str) -> dict | None:
-    """A JSON object ptq stored in a model's metadata under `key`, or None when absent; a one-line error
-    naming the file when the entry is damaged."""
-    if key not in stored:
-        return None
-    try:
-        value = json.loads(stored[key])
-    except ValueError as error:
-        raise PtqError(f"{path}: model metadata '{key}' is not JSON ({error})") from error
-    if not isinstance(value, dict):
-        raise PtqError(f"{path}: model metadata '{key}' is not a JSON object")
-    return value
-
-
-def file_sha256(path: Path) -> str:
-    """The sha256 of a model's bytes: an OpenVINO IR's .xml and then its .bin, any other model's one file."""
-    path = Path(path)
-    digest = hashlib.sha256(bounded.read_bytes(path, bounded.MODEL_BYTES, "model file"))
-    if path.suffix == ".xml" and path.with_suffix(".bin").is_file():
-        digest.update(bounded.read_bytes(path.with_suffix(".bin"), bounded.MODEL_BYTES, "model weights file"))
-    return digest.hexdigest()
-
-
-def in_fixed_batches(run: Callable[[np.ndarray], np.ndarray], batch: np.ndarray, size: int) -> np.ndarray:
-    """`run` (a model tied to a batch of `size`) over any batch: in parts of `size`, the last filled up
-    with copies of the last image, whose scores are then dropped."""
-    padded = -(-len(batch) // size) * size
-    filled = np.concatenate([batch, np.repeat(batch[-1:], padded - len(batch), axis=0)]) if padded != len(batch) else batch
-    return np.concatenate([run(part) for part in np.split(filled, padded // size)])[: len(batch)]
 
 
 def models_in(directory: Path, suffixes: tuple[str, ...]) -> tuple[list[Path], list[Path]]:
     """(model files in `directory` that can be loaded, those left out): a TorchScript file ptq did not write
     runs code when loaded, so a folder scan never loads it (the user names it with the trust option)."""
-    from ptq_cli import backends, trust
-
     found, skipped = [], []
     for path in sorted(Path(directory).glob("*")):
         if path.suffix not in suffixes or is_temporary(path) or not path.is_file():
@@ -125,134 +31,22 @@ def models_in(directory: Path, suffixes: tuple[str, ...]) -> tuple[list[Path], l
     return found, skipped
 
 
-def require_file(path: Path) -> None:
-    if not path.exists():
-        raise PtqError(f"{path}: model file not found")
-    if not path.is_file():
-        raise PtqError(f"{path}: not a file")
-
-
-def read_bytes(path: Path) -> bytes:
-    require_file(path)
-    data = bounded.read_bytes(path, bounded.MODEL_BYTES, "model file")
-    if not data:
-        raise PtqError(f"{path}: empty file")
-    return data
-
-
-def read_onnx(path: Path, data: bytes | None = None):
-    """Parse and check an ONNX file (or its bytes, already read), or raise a one-line PtqError naming it."""
-    import onnx
-    from google.protobuf.message import DecodeError
-
-    path = Path(path)
-    if data is None:
-        data = read_bytes(path)
-    try:
-        model = onnx.load_from_string(data)
-        _read_external_data(path, model)
-        onnx.checker.check_model(model)
-    except (DecodeError, onnx.checker.ValidationError, ValueError, RuntimeError, OSError) as error:
-        raise PtqError(f"{path}: not a valid ONNX model ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from error
-    if not model.graph.input or not model.graph.node:
-        raise PtqError(f"{path}: not a valid ONNX model (empty graph)")
-    return model
-
-
-def _read_external_data(path: Path, model) -> None:
-    """Weights kept beside the model (onnx's external data) read into it, from files inside its folder only."""
-    from onnx.external_data_helper import ExternalDataInfo, _get_all_tensors, load_external_data_for_model, uses_external_data
-
-    tensors = [tensor for tensor in _get_all_tensors(model) if uses_external_data(tensor)]
-    if not tensors:
-        return
-    folder = Path(path).resolve().parent
-    total = 0
-    for location in sorted({ExternalDataInfo(tensor).location for tensor in tensors}):
-        target = (folder / location).resolve()
-        if not target.is_relative_to(folder):
-            raise PtqError(f"{path}: its external data '{location}' lies outside the model's folder; refused")
-        total += bounded.regular_size(target, "external data file")
-        if total > bounded.MODEL_BYTES.value():
-            raise bounded.MODEL_BYTES.refuse(path, f"external data of {total:,} bytes")
-    load_external_data_for_model(model, str(folder))
-
-
-def onnx_dims(value) -> list:
-    return [dim.dim_value if dim.HasField("dim_value") else (dim.dim_param or None) for dim in value.type.tensor_type.shape.dim]
-
-
-def graph_inputs(model) -> list:
-    initializers = {init.name for init in model.graph.initializer}
-    return [value for value in model.graph.input if value.name not in initializers]
-
-
-def model_input(path: Path, name: str, shape: list, elem_float: bool = True) -> ModelInput:
-    """The layout, channels and size of an image classifier's input from its declared shape.
-
-    A 4-D input whose second dimension is 1 or 3 (and last is not) is NCHW, PyTorch's layout; one whose
-    last dimension is 1 or 3 is NHWC, TensorFlow's. A fully symbolic N x ? x ? x ? input is taken as
-    NHWC 32 x 32 x 3, the Keras ResNet8's contract."""
-    if not elem_float:
-        raise PtqError(f"{path}: input '{name}' is not float32; ptq feeds float images (scaled and normalised as told)")
-    known = [dim if isinstance(dim, int) and dim > 0 else None for dim in shape]
-    if len(known) != 4:
-        raise PtqError(f"{path}: input shape {shape} is not an image batch (N x C x H x W or N x H x W x C)")
-    batch = known[0]
-    bounded.check_input(path, [dim or 1 for dim in known])
-    if known[1] in (1, 3) and known[3] not in (1, 3) and known[2] and known[3]:
-        return ModelInput(name, inputs.NCHW, known[1], known[2], known[3], batch)
-    if known[3] in (1, 3) and known[1] and known[2]:
-        return ModelInput(name, inputs.NHWC, known[3], known[1], known[2], batch)
-    if known[1:] == [None, None, None]:
-        return ModelInput(name, inputs.NHWC, 3, 32, 32, batch)
-    raise PtqError(f"{path}: input shape {shape} is neither N x C x H x W nor N x H x W x C with 1 or 3 channels and a fixed size")
-
-
-def num_classes(path: Path, output_shape: list) -> int | None:
-    """The class count an output shape declares ([N, K] or [N, K, 1, 1]), None if symbolic."""
-    dims = [dim for dim in output_shape[1:] if dim != 1] if len(output_shape) > 2 else output_shape[1:]
-    if len(output_shape) < 2 or len(dims) > 1:
-        raise PtqError(f"{path}: output shape {output_shape} is not N x classes")
-    last = dims[0] if dims else 1
-    if isinstance(last, int) and last > 0:
-        bounded.check_count(path, last, bounded.CLASSES, f"output declares {last:,} classes")
-        return last
-    return None
-
-
 def check_classes(path: Path, model_classes: int, class_names: tuple[str, ...], where: Path | str) -> None:
     if model_classes != len(class_names):
         raise PtqError(f"{path}: the model gives {model_classes} class scores, but {where} has {len(class_names)} classes")
 
 
-def default_threads() -> int:
-    return os.cpu_count() or 1
-
-
-def resolve_threads(threads: int | None) -> int:
-    """The inference thread count: all cores unless told, and never below one."""
-    if threads is not None and threads < 1:
-        raise PtqError(f"--threads: must be at least 1, got {threads}")
-    return threads or default_threads()
-
-
 def load_model(path: Path, threads: int | None = None, flags: inputs.PreprocessingFlags | None = None, runtime: str | None = None,
                precision: str | None = None, exact_int8: bool = False) -> LoadedModel:
-    """The runner for a model file, the backend chosen by the file's content, not its name; `runtime`
-    "openvino" runs an ONNX file on OpenVINO instead of onnxruntime, with the `precision` hint;
-    `exact_int8` runs an ONNX file on onnxruntime's exact u8 x s8 kernels on a CPU without VNNI."""
-    from ptq_cli import backends, hardstop
-
+    """The runner for a model file, the backend chosen by the file's content, not its name; `runtime` runs
+    a file on another runtime that takes it (an ONNX file on OpenVINO), with the `precision` hint;
+    `exact_int8` asks a runtime with a switch for its exact u8 x s8 kernels on a CPU without VNNI."""
     backend = backends.for_file(path, runtime)
-    if precision is not None and backend.NAME != OPENVINO:
-        raise PtqError(f"--precision: applies to the OpenVINO runtime; {path} runs on {backend.NAME}")
+    if precision is not None and precision not in backend.precisions:
+        takes = f"one of {', '.join(backend.precisions)}" if backend.precisions else f"none: {path} runs on {backend.name}"
+        raise PtqError(f"--precision: '{precision}' is not a precision hint of {backend.name} (it takes {takes})")
     bound = bounded.CALL_SECONDS.value()
     # Loading runs the model once on a probe image: a graph that never ends is reported, not waited on.
     stuck = f"{path}: loading it and running one image did not finish within {bound:,} s (raise {bounded.CALL_SECONDS.env} if it is only slow)"
     with hardstop.deadline(bound, stuck):
-        if backend.NAME == OPENVINO:
-            return backend.load(Path(path), threads, flags or inputs.PreprocessingFlags(), precision)
-        if backend.NAME == ONNXRUNTIME:
-            return backend.load(Path(path), threads, flags or inputs.PreprocessingFlags(), exact_int8)
-        return backend.load(Path(path), threads, flags or inputs.PreprocessingFlags())
+        return backend.load(Path(path), RunOptions(threads, flags or inputs.PreprocessingFlags(), precision, exact_int8))

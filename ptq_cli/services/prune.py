@@ -23,8 +23,9 @@ from pathlib import Path
 import numpy as np
 
 from ptq_cli.atomic import atomic_output, check_outputs
+from ptq_cli.backends.base import PRUNING_METADATA_KEY
+from ptq_cli.backends.model_file import read_onnx
 from ptq_cli.errors import PtqError
-from ptq_cli.services.models import PRUNING_METADATA_KEY, read_onnx
 
 SCOPES = ("global", "layer")
 PRUNABLE_OPS = ("Conv", "Gemm", "MatMul")
@@ -273,8 +274,9 @@ def prune_calibrated(model_path: Path, output: Path, settings: PruningSettings, 
     """`prune` with the calibration images (uint8 pixels) put in the model's input format, and the model's
     input contract and sha256 kept in the pruned model, so that it evaluates as its source does and its
     delta is taken against it."""
-    from ptq_cli.services.inputs import INPUT_METADATA_KEY
-    from ptq_cli.services.models import SOURCE_METADATA_KEY, load_model
+    from ptq_cli.backends.base import SOURCE_METADATA_KEY
+    from ptq_cli.inputs import INPUT_METADATA_KEY
+    from ptq_cli.services.models import load_model
 
     loaded = load_model(model_path, None, flags)
     if loaded.info.dtype != "fp32":

@@ -8,25 +8,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ptq_cli import backends
+from ptq_cli import backends, inputs
 from ptq_cli.atomic import check_outputs
-from ptq_cli.backends.base import QuantizedFile
+from ptq_cli.backends.base import QUANTIZATION_METADATA_KEY, SOURCE_METADATA_KEY, LoadedModel, QuantizationSettings, QuantizedFile
+from ptq_cli.backends.model_file import read_onnx
 from ptq_cli.errors import PtqError
-from ptq_cli.services import inputs
 from ptq_cli.services.calibration import CalibrationSet
-from ptq_cli.services.graph import upgrade_opset
-from ptq_cli.services.models import (
-    LITERT,
-    ONNXRUNTIME,
-    OPENVINO,
-    PYTORCH,
-    QUANTIZATION_METADATA_KEY,
-    SOURCE_METADATA_KEY,
-    LoadedModel,
-    check_classes,
-    read_onnx,
-)
-from ptq_cli.services.quant_settings import QuantizationSettings
+from ptq_cli.services.models import check_classes, load_model
+from ptq_cli.transforms.graph import upgrade_opset
 
 # QDQ needs opset 10; per-channel QDQ needs 13. Older models are converted to this opset first.
 MIN_OPSET, MIN_OPSET_PER_CHANNEL, UPGRADE_OPSET = 10, 13, 13
@@ -60,8 +49,6 @@ class SourceModel:
 
 
 def load_source(model_path: Path, flags: inputs.PreprocessingFlags, per_channel: bool = True) -> SourceModel:
-    from ptq_cli.services.models import load_model
-
     model_path = Path(model_path)
     model = read_onnx(model_path)
     loaded = load_model(model_path, 1, flags)
@@ -92,7 +79,7 @@ def quantize_source(source: SourceModel, output: Path, settings: QuantizationSet
         inputs.INPUT_METADATA_KEY: source.loaded.preprocessing.to_json(),
         SOURCE_METADATA_KEY: source.loaded.info.sha256,
     }
-    return backends.backend(settings.framework).quantize(source.model, Path(output), settings, prepared, stored)
+    return backends.backend(settings.backend).quantize(source.model, Path(output), settings, prepared, stored)
 
 
 def with_calibration(settings: QuantizationSettings, calibration: CalibrationSet) -> QuantizationSettings:
@@ -101,26 +88,18 @@ def with_calibration(settings: QuantizationSettings, calibration: CalibrationSet
 
 def default_output(model: Path, settings: QuantizationSettings, models_dir: Path | None = None) -> Path:
     """models/resnet8.onnx -> models/resnet8_int8.onnx, resnet8_uint8_speed.onnx, resnet8_pytorch_int8.pt,
-    resnet8_openvino_int8.xml or resnet8_int8.tflite (beside the model, or in `models_dir`)."""
+    resnet8_openvino_int8.xml or resnet8_int8.tflite (beside the model, or in `models_dir`): the backend's name."""
     model = Path(model)
-    directory = Path(models_dir) if models_dir is not None else model.parent
-    if settings.framework == PYTORCH:
-        return directory / f"{model.stem}_pytorch_{settings.dtype}.pt"
-    if settings.framework == OPENVINO:
-        return directory / f"{model.stem}_openvino_{settings.dtype}.xml"
-    if settings.framework == LITERT:
-        return directory / f"{model.stem}_{settings.dtype}{'_ranges' if settings.ranges_from else ''}.tflite"
-    suffix = f"_{settings.target}" if settings.target and settings.framework == ONNXRUNTIME else ""
-    return directory / f"{model.stem}_{settings.dtype}{suffix}.onnx"
+    return backends.backend(settings.backend).default_output(model, settings, Path(models_dir) if models_dir is not None else model.parent)
 
 
 def quantize(model_path: Path, output: Path, settings: QuantizationSettings, calibration: CalibrationSet,
              flags: inputs.PreprocessingFlags | None = None) -> QuantizeResult:
-    """Quantize the FP32 ONNX model with the settings' framework; the output is written atomically."""
+    """Quantize the FP32 ONNX model with the settings' backend; the output is written atomically."""
     model_path, output = Path(model_path), Path(output)
     calibration_file = Path(calibration.source.split(" (")[0]) if calibration.source else None
     ranges_from = Path(settings.ranges_from) if settings.ranges_from else None
-    check_outputs([("--output", output, (backends.backend(settings.framework).SUFFIX,))], [model_path, ranges_from, calibration_file])
+    check_outputs([("--output", output, (backends.backend(settings.backend).suffix,))], [model_path, ranges_from, calibration_file])
     source = load_source(model_path, flags or inputs.PreprocessingFlags(), settings.per_channel)
     settings = with_calibration(settings, calibration)
     written = quantize_source(source, output, settings, calibration)

@@ -10,14 +10,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ptq_cli.backends.onnxruntime import preprocess
+from ptq_cli.inputs import PreprocessingFlags
 from ptq_cli.services.calibration import CalibrationSet
-from ptq_cli.services.inputs import PreprocessingFlags
+from ptq_cli.services.measure.records import write_record
+from ptq_cli.services.measure.validation import ValidationSet, score, sqnr_db
 from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressCallback
 from ptq_cli.services.quant_settings import QuantizationSettings
 from ptq_cli.services.quantize import SourceModel, calibration_inputs, load_source, quantize_source, with_calibration
-from ptq_cli.services.records import write_record
-from ptq_cli.services.validation import ValidationSet, score, sqnr_db
 
 # The layers that compute: onnxruntime quantizes these (Relu folds into the preceding layer's output
 # range; Transpose and Reshape only move quantized data).

@@ -3,7 +3,7 @@ user-mode emulation of an AVX2 CPU (`qemu-x86_64 -cpu Haswell`, Debian's qemu-us
 
 Emulation runs about 50-100 images/s on ResNet8 (PyTorch: about 25 s to start), so it scores a
 stratified subset (`subset_indices`).
-Run as `python -m ptq_cli.services.emulate MODEL INPUTS.npy OUTPUT.npy`, it is that child.
+Run as `python -m ptq_cli.services.measure.emulate MODEL INPUTS.npy OUTPUT.npy`, it is that child.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def scores_under_emulation(model_path: Path, batch: np.ndarray, threads: int = 1
     with tempfile.TemporaryDirectory(prefix="ptq-emulate-") as workdir:
         inputs, outputs = Path(workdir) / "inputs.npy", Path(workdir) / "scores.npy"
         np.save(inputs, batch)
-        command = [binary, "-cpu", QEMU_CPU, sys.executable, "-m", "ptq_cli.services.emulate", str(Path(model_path).resolve()), str(inputs), str(outputs),
+        command = [binary, "-cpu", QEMU_CPU, sys.executable, "-m", "ptq_cli.services.measure.emulate", str(Path(model_path).resolve()), str(inputs), str(outputs),
                    str(threads)]
         environment = {**os.environ, "OMP_NUM_THREADS": str(threads), **({trust.ENV: "1"} if trust.trusting() else {})}
         try:

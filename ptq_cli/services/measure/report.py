@@ -5,32 +5,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ptq_cli import backends, settings
 from ptq_cli import cpu as cpu_info
-from ptq_cli import settings
 from ptq_cli.cpu import ALL, EXACT, SATURATING
-from ptq_cli.services.benchmark import BenchmarkRecord, benchmark_key, load_benchmarks
-from ptq_cli.services.evaluate import OK, EvaluationRecord, fp32_reference, load_records, record_status
+from ptq_cli.services.measure.benchmark import BenchmarkRecord, benchmark_key, load_benchmarks
+from ptq_cli.services.measure.evaluate import OK, EvaluationRecord, fp32_reference, load_records, record_status, reference_for
 from ptq_cli.services.quant_settings import describe_model
-from ptq_cli.services.sweep import SweepResult, load_sweeps
+from ptq_cli.services.study.sweep import SweepResult, load_sweeps
 
-FRAMEWORK_ORDER = {"onnxruntime": 0, "pytorch": 1, "openvino": 2, "litert": 3}
 DTYPE_ORDER = {"fp32": 0, "int8": 1, "uint8": 2}
 # The recommendation's "fastest" is the fastest model at most this many points below its FP32 source.
 ACCURACY_BUDGET = 0.10
-BASE_RUNTIME = "onnxruntime"  # every speed-up is also given against this runtime's run of the FP32 source
+BASE_RUNTIME = backends.DEFAULT  # every speed-up is also given against this runtime's run of the FP32 source
 
 
 @dataclass(frozen=True)
 class ReportRow:
     model: str  # file name
-    framework: str
+    runtime: str
     dtype: str
     configuration: str  # how it was quantized, in a few words
     accuracy: float
     delta: float | None  # points vs the FP32 model it was made from (its record on the same dataset)
     reference: str | None  # that FP32 model's file name
     size_bytes: int
-    size_reduction: float | None  # fraction saved against the same framework's FP32 file
+    size_reduction: float | None  # fraction saved against the same runtime's FP32 file
     images_per_second: float  # from `ptq benchmark` when it measured this exact file, else from evaluate
     speed_source: str  # "benchmark" or "evaluate"
     speedup: float | None  # against the FP32 model on the same runtime (and precision hint), measured the same way
@@ -57,6 +56,7 @@ class ReportRow:
     cpus: str | None = None  # the CPUs the model is for (`--cpus`), if ptq made it
     measured_on: str = ""  # the CPU of the row's figures
     other_cpu: bool = False  # measured on a CPU whose int8 path differs from this one's
+    int8_kernels_vary: bool = False  # its runtime's x86 int8 kernels differ by CPU (a float model's figure holds on both)
 
     @property
     def loses_on_its_cpus(self) -> bool:
@@ -125,21 +125,29 @@ class Report:
 
 
 def _speed(record: EvaluationRecord, benchmarks: dict[str, BenchmarkRecord]) -> tuple[float, str]:
-    benchmark = benchmarks.get(benchmark_key(record.model_sha256, record.framework, record.precision))
+    benchmark = benchmarks.get(benchmark_key(record.model_sha256, record.runtime, record.precision))
     if benchmark is not None:
         return benchmark.images_per_second, "benchmark"
     return record.images_per_second, "evaluate"
 
 
-def _same_framework_fp32(record: EvaluationRecord, records: list[EvaluationRecord]) -> EvaluationRecord | None:
-    return next((other for other in records if other.dtype == "fp32" and not other.pruning and other.framework == record.framework
-                 and other.precision == record.precision and other.dataset_sha256 == record.dataset_sha256), None)
+def _source_on_its_runtime(record: EvaluationRecord, records: list[EvaluationRecord]) -> EvaluationRecord | None:
+    """The FP32 model this one was made from, run on the same runtime at the same precision, or converted to
+    that runtime's format from it (what speed and size are compared with); for a model ptq did not make,
+    the one float model of its runtime, if one."""
+    reference = fp32_reference(records, record)
+    if reference is None:
+        return None
+    same = [other for other in records if reference.model_sha256 in (other.model_sha256, other.source_sha256) and other.dtype == "fp32"
+            and other.dataset_sha256 == record.dataset_sha256 and other.runtime == record.runtime and other.precision == record.precision
+            and not other.pruning]
+    return min(same, key=lambda other: (other.int8_path or "", other.model_path), default=None)
 
 
 def _onnxruntime_fp32(record: EvaluationRecord, records: list[EvaluationRecord]) -> EvaluationRecord | None:
     """The onnxruntime run of the FP32 model this one was made from (or of this very file, for FP32 run elsewhere)."""
     source = record.source_sha256 or record.model_sha256
-    return next((other for other in records if other.dtype == "fp32" and other.framework == BASE_RUNTIME
+    return next((other for other in records if other.dtype == "fp32" and other.runtime == BASE_RUNTIME
                  and other.model_sha256 == source and other.dataset_sha256 == record.dataset_sha256), None)
 
 
@@ -156,7 +164,7 @@ def _fold_int8_paths(records: list[EvaluationRecord]) -> tuple[list[EvaluationRe
     """(the records that make rows, the saturating-path record beside each exact-path one by id)."""
     by_model: dict[tuple, list[EvaluationRecord]] = {}
     for record in records:
-        by_model.setdefault((record.model_path, record.model_sha256, record.framework, record.precision), []).append(record)
+        by_model.setdefault((record.model_path, record.model_sha256, record.runtime, record.precision), []).append(record)
     rows, saturating = [], {}
     for group in by_model.values():
         paths = {record.int8_path: record for record in group}
@@ -174,18 +182,18 @@ def _row(record: EvaluationRecord, records: list[EvaluationRecord], benchmarks: 
          saturating: EvaluationRecord | None = None) -> ReportRow:
     reference = fp32_reference(records, record) if (record.dtype != "fp32" or record.source_sha256) else None
     reference = None if reference is not None and reference.model_sha256 == record.model_sha256 else reference
-    framework_fp32 = _same_framework_fp32(record, records)
-    comparable = framework_fp32 is not None and framework_fp32.model_sha256 != record.model_sha256 and record.dtype != "fp32"
+    runtime_fp32 = _source_on_its_runtime(record, records)
+    comparable = runtime_fp32 is not None and runtime_fp32.model_sha256 != record.model_sha256 and record.dtype != "fp32"
     speed, source = _speed(record, benchmarks)
     speedup = size_reduction = None
     if comparable:
-        speedup = _ratio(record, framework_fp32, benchmarks)
-        size_reduction = round(1.0 - record.model_size_bytes / framework_fp32.model_size_bytes, 4)
-    benchmark = benchmarks.get(benchmark_key(record.model_sha256, record.framework, record.precision))
+        speedup = _ratio(record, runtime_fp32, benchmarks)
+        size_reduction = round(1.0 - record.model_size_bytes / runtime_fp32.model_size_bytes, 4)
+    benchmark = benchmarks.get(benchmark_key(record.model_sha256, record.runtime, record.precision))
     validation = (record.quantization or {}).get("validation") or {}
     return ReportRow(
         model=record.name,
-        framework=record.framework,
+        runtime=record.runtime,
         dtype=record.dtype,
         configuration=describe_model(record.quantization, record.pruning),
         accuracy=record.accuracy,
@@ -213,7 +221,7 @@ def _row(record: EvaluationRecord, records: list[EvaluationRecord], benchmarks: 
 def _int8_fields(record: EvaluationRecord, saturating: EvaluationRecord | None, reference: EvaluationRecord | None) -> dict:
     if record.int8_path == SATURATING:  # no exact-path figure: the row's own is the saturating one
         saturating = record
-    fields: dict = {"int8_path": record.int8_path, "cpus": (record.quantization or {}).get("cpus"), "measured_on": cpu_info.describe_record(record.cpu),
+    fields: dict = {"int8_path": record.int8_path, "int8_kernels_vary": backends.backend(record.runtime).int8_kernels_vary if record.runtime in backends.TABLE else False, "cpus": (record.quantization or {}).get("cpus"), "measured_on": cpu_info.describe_record(record.cpu),
                     "other_cpu": bool(record.cpu) and record.cpu.get("int8_path") != cpu_info.current().int8_path}
     if saturating is not None:
         fields.update(saturating_accuracy=saturating.accuracy, saturating_basis=saturating.int8_basis, saturating_images=saturating.images,
@@ -235,8 +243,9 @@ def _class_losses(record: EvaluationRecord, reference: EvaluationRecord) -> list
 
 
 def _group(records: list[EvaluationRecord], benchmarks: dict[str, BenchmarkRecord], worst_classes: int,
-           statuses: dict[str, str]) -> DatasetGroup:
-    records = sorted(records, key=lambda r: (FRAMEWORK_ORDER.get(r.framework, 9), DTYPE_ORDER.get(r.dtype, 9), r.name))
+           statuses: dict[str, str], root: str | None = None, several: bool = False) -> DatasetGroup:
+    records = sorted(records, key=lambda r: (backends.order(r.runtime), DTYPE_ORDER.get(r.dtype, 9), r.name, r.model_path, r.precision or "",
+                                             r.int8_path or ""))
     records, saturating = _fold_int8_paths(records)
     rows = [_row(record, records, benchmarks, statuses.get(record.model_path, OK), saturating.get(id(record))) for record in records]
     losses: list[ClassLoss] = []
@@ -253,12 +262,13 @@ def _group(records: list[EvaluationRecord], benchmarks: dict[str, BenchmarkRecor
         smallest=min(candidates, key=lambda row: row.size_bytes),
         fastest=_fastest_within_budget(quantized),
     ) if candidates else None
-    references = [row.reference for row in rows if row.reference]
-    most_common = max(set(references), key=references.count) if references else None
-    baseline = next((row for row in rows if row.model == most_common), None) or next((row for row in rows if row.dtype == "fp32"), None)
+    roots = [row for record, row in zip(records, rows, strict=True) if record.model_sha256 == root]
+    baseline = min(roots, key=lambda row: (row.runtime != BASE_RUNTIME, row.precision or ""), default=None) \
+        or next((row for row in rows if row.dtype == "fp32"), None)
     first = records[0]
     reference = next((row for row in rows if row.label == settings.MLPERF_REFERENCE_LABEL), None)
-    return DatasetGroup(first.dataset_label, first.dataset, first.images, rows, tuple(first.class_names), losses[:worst_classes],
+    label = first.dataset_label + (f", models made from {baseline.model}" if several and baseline is not None else "")
+    return DatasetGroup(label, first.dataset, first.images, rows, tuple(first.class_names), losses[:worst_classes],
                         recommendation, baseline, reference, _versus_reference(rows, reference))
 
 
@@ -270,7 +280,7 @@ def _versus_reference(rows: list[ReportRow], reference: ReportRow | None) -> tup
         ReferenceComparison(row.model, row.accuracy, round(row.accuracy - reference.accuracy, 4), row.size_bytes,
                             row.size_bytes - reference.size_bytes, row.latency_ms_p50,
                             round(row.latency_ms_p50 / timed, 3) if row.latency_ms_p50 and timed else None)
-        for row in rows if row.framework == reference.framework and row.dtype != "fp32" and row is not reference
+        for row in rows if row.runtime == reference.runtime and row.dtype != "fp32" and row is not reference
     )
 
 
@@ -279,6 +289,40 @@ def _fastest_within_budget(rows: list[ReportRow]) -> ReportRow | None:
     within = [row for row in rows if row.delta is not None and row.delta >= -ACCURACY_BUDGET and not row.loses_on_its_cpus]
     benchmarked = [row for row in within if row.speed_source == "benchmark"]
     return max(benchmarked or within, key=lambda row: row.images_per_second, default=None)
+
+
+def _root(record: EvaluationRecord, records: list[EvaluationRecord]) -> str | None:
+    """The float model at the start of the chain a model was made through (FP32 -> pruned -> int8), or None
+    for a quantized model ptq did not make."""
+    seen = set()
+    while record.model_sha256 not in seen:
+        seen.add(record.model_sha256)
+        source = reference_for(record, records)
+        if source is None:
+            return record.model_sha256 if record.dtype == "fp32" else record.source_sha256
+        record = source
+    return record.model_sha256
+
+
+def _studies(records: list[EvaluationRecord]) -> dict[str | None, list[EvaluationRecord]]:
+    """A dataset's records by the float model they were made from: several studies in one results folder
+    each compared with their own source. A quantized model ptq did not make (the MLPerf Tiny reference)
+    joins the study its one float model leads, or the largest."""
+    studies: dict[str | None, list[EvaluationRecord]] = {}
+    loose = []
+    for record in records:
+        root = _root(record, records)
+        if root is None:
+            loose.append(record)
+        else:
+            studies.setdefault(root, []).append(record)
+    if loose:
+        ordered = sorted(studies, key=lambda root: (-len(studies[root]), min(r.model_path for r in studies[root])))
+        for record in loose:
+            reference = fp32_reference(records, record)
+            home = _root(reference, records) if reference is not None else (ordered[0] if ordered else None)
+            studies.setdefault(home, []).append(record)
+    return studies
 
 
 def build_report(
@@ -293,7 +337,10 @@ def build_report(
     by_dataset: dict[str, list[EvaluationRecord]] = {}
     for record in records:
         by_dataset.setdefault(record.dataset_sha256 or record.dataset, []).append(record)
-    groups = [_group(group, benchmarks or {}, worst_classes, statuses or {}) for group in by_dataset.values()]
+    groups = []
+    for dataset_records in by_dataset.values():
+        studies = _studies(dataset_records)
+        groups += [_group(members, benchmarks or {}, worst_classes, statuses or {}, root, len(studies) > 1) for root, members in studies.items()]
     groups.sort(key=lambda group: (-len(group.rows), group.label))  # the main study first
     return Report(groups, list(skipped or []), tuple(sweeps or ()))
 

@@ -111,7 +111,7 @@ def space_to_depth_convs(model, skip: frozenset[str] | set[str] = frozenset()):
     import onnx
     from onnx import numpy_helper
 
-    from ptq_cli.services.graph import drop_dead_nodes, drop_unused_initializers
+    from ptq_cli.transforms.graph import drop_dead_nodes, drop_unused_initializers
 
     graph = model.graph
     initializers = {init.name: init for init in graph.initializer}
@@ -201,7 +201,7 @@ def quantized_pads(model) -> int:
     against 0.11 ms in uint8). Padding the 8-bit tensor with its zero point (the code of 0.0) is the same."""
     from onnx import numpy_helper
 
-    from ptq_cli.services.graph import drop_dead_nodes, drop_unused_initializers
+    from ptq_cli.transforms.graph import drop_dead_nodes, drop_unused_initializers
 
     graph = model.graph
     initializers = {init.name: init for init in graph.initializer}

@@ -12,18 +12,18 @@ import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from ptq_cli import bounded
+from ptq_cli import backends, bounded
 from ptq_cli.atomic import check_writable
 from ptq_cli.datasets import Dataset
 from ptq_cli.errors import PtqError
-from ptq_cli.services import evaluate as evaluate_service
+from ptq_cli.inputs import PreprocessingFlags
 from ptq_cli.services import prune as prune_service
 from ptq_cli.services import quantize as quantize_service
 from ptq_cli.services.calibration import CalibrationSet
-from ptq_cli.services.inputs import PreprocessingFlags
+from ptq_cli.services.measure import evaluate as evaluate_service
+from ptq_cli.services.measure.records import from_dict, record_files, write_record
 from ptq_cli.services.progress import ProgressCallback, Steps
 from ptq_cli.services.quant_settings import describe_quantization
-from ptq_cli.services.records import from_dict, record_files, write_record
 
 SWEEP_DIR = "sweep"  # under the results directory
 
@@ -90,8 +90,8 @@ def sweep(
     """`pruning` gives the scope, exclusions and re-fit; its sparsity is replaced by each of `sparsities`."""
     pruning = pruning or prune_service.make_settings(0.0)
     model_path = Path(model_path)
-    if quantization.framework != quantize_service.ONNXRUNTIME:
-        raise PtqError("--backend: the sweep quantizes with onnxruntime (pruned ONNX models in, ONNX out)")
+    if quantization.backend != backends.DEFAULT:
+        raise PtqError(f"--backend: the sweep quantizes with {backends.DEFAULT} (pruned ONNX models in, ONNX out)")
     record = Path(results_dir) / SWEEP_DIR / f"{model_path.stem}_{quantization.dtype}_{pruning.scope}.json"
     check_writable(record)
     evaluations: dict[Path, evaluate_service.EvaluationRecord] = {}

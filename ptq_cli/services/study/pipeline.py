@@ -27,14 +27,14 @@ from ptq_cli.backends import litert as litert_backend
 from ptq_cli.backends import openvino as openvino_backend
 from ptq_cli.datasets import Dataset, open_dataset
 from ptq_cli.errors import PtqError
-from ptq_cli.services import benchmark as benchmark_service
+from ptq_cli.inputs import PreprocessingFlags
 from ptq_cli.services import calibration as calibration_service
 from ptq_cli.services import convert as convert_service
-from ptq_cli.services import evaluate as evaluate_service
 from ptq_cli.services import quant_settings
 from ptq_cli.services import quantize as quantize_service
-from ptq_cli.services import report as report_service
-from ptq_cli.services.inputs import PreprocessingFlags
+from ptq_cli.services.measure import benchmark as benchmark_service
+from ptq_cli.services.measure import evaluate as evaluate_service
+from ptq_cli.services.measure import report as report_service
 from ptq_cli.services.models import load_model
 
 MANIFEST_SCHEMA = 1
@@ -210,7 +210,7 @@ def plan(options: RunOptions, render_markdown: Callable[[report_service.Report],
     other_records = []
     for output, quantize_options in quantized:
         made = quant_settings.make_settings(**quantize_options)
-        if made.framework not in evaluate_service.INT8_RUNTIMES or not evaluate_service.other_path_measurable(made.framework, made.overflow_fix, other_path):
+        if not evaluate_service.other_path_measurable(made.backend, made.overflow_fix, other_path):
             continue
         record = evaluate_service.record_path(results, output, dataset, evaluate_service.requested_tag(other_path))
         other_records.append(record)
@@ -347,7 +347,7 @@ def run(
     for option, value in (("--samples-per-class", options.samples_per_class or 1), ("--runs", options.benchmark_runs)):
         if value < 1:
             raise PtqError(f"{option}: must be at least 1, got {value}")
-    from ptq_cli.services.models import resolve_threads
+    from ptq_cli.backends.model_file import resolve_threads
 
     resolve_threads(options.threads)
     stages = plan(options, render_markdown)

@@ -24,21 +24,16 @@ from pathlib import Path
 from ptq_cli import backends
 from ptq_cli.atomic import check_outputs
 from ptq_cli.errors import PtqError
+from ptq_cli.inputs import PreprocessingFlags
 from ptq_cli.services.calibration import CalibrationSet, stratified_subset
-from ptq_cli.services.inputs import PreprocessingFlags
-from ptq_cli.services.models import LITERT, ONNXRUNTIME, OPENVINO, PYTORCH, load_model
+from ptq_cli.services.measure.records import model_key, write_record
+from ptq_cli.services.measure.sensitivity import layer_sensitivity, preprocessed, quantizable_layers
+from ptq_cli.services.measure.validation import ValidationSet, score, sqnr_db
+from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressCallback, Steps
-from ptq_cli.services.quant_settings import BIAS_CORRECTIONS, NNCF_PRESETS, QuantizationSettings, describe_quantization, make_settings
-from ptq_cli.services.quant_settings import METHODS as BACKEND_METHODS
+from ptq_cli.services.quant_settings import QuantizationSettings, describe_quantization, make_settings
 from ptq_cli.services.quantize import SourceModel, calibration_inputs, load_source, quantize_source, with_calibration
-from ptq_cli.services.records import model_key, write_record
-from ptq_cli.services.sensitivity import layer_sensitivity, preprocessed, quantizable_layers
-from ptq_cli.services.validation import ValidationSet, score, sqnr_db
 
-# Searched by default. Entropy is left out: quantize_static does not pass a histogram size to it, and
-# with its default 128 bins equal to its 128 quantized bins the KL search has a single candidate, the
-# full range, so it gives exactly the MinMax model (measured: identical accuracy in every configuration).
-METHODS = ("minmax", "percentile")
 PERCENTILES = (99.9, 99.95, 99.99, 99.999)
 CALIBRATION_SUBSETS = (25, 50)  # per class, besides the full set
 MAX_FLOAT_LAYERS = 2
@@ -91,18 +86,15 @@ def weight_dtypes(dtype: str) -> tuple[str, ...]:
 
 
 def fast_on_x86(settings: QuantizationSettings) -> bool:
-    """onnxruntime's VNNI kernels take uint8 activations x int8 weights; NNCF's performance preset
-    (symmetric activations) is its fast one."""
-    if settings.framework == OPENVINO:
-        return settings.nncf_preset == "performance"
-    return settings.dtype == "uint8" and settings.weight_dtype == "int8"
+    """The backend's x86 fast configuration (onnxruntime's VNNI kernels: uint8 activations x int8 weights)."""
+    return backends.backend(settings.backend).fast_on_x86(settings)
 
 
 def calibration_grid(backend: str, dtype: str, methods: tuple[str, ...], granularities: tuple[bool, ...]) -> list[QuantizationSettings]:
     """The first stage's candidates: each library's own calibration choices."""
-    if backend == OPENVINO:
-        return [make_settings(dtype, backend, method=method, nncf_preset=preset, bias_correction=correction)
-                for method in methods for preset in NNCF_PRESETS for correction in BIAS_CORRECTIONS]
+    row = backends.backend(backend)
+    if row.tune_grid is not None:
+        return [make_settings(dtype, backend, **options) for options in row.tune_grid(dtype, methods)]
     return [
         make_settings(dtype, backend, weight_dtype=weights, per_channel=per_channel, method=method, percentile=percentile)
         for weights in weight_dtypes(dtype)
@@ -131,10 +123,9 @@ def choose(candidates: list[Candidate], max_drop: float) -> tuple[Candidate, boo
 
 
 def check_backend(backend: str) -> None:
-    backends.backend(backend)
-    if backend == LITERT:
-        raise PtqError("--backend litert: tune searches onnxruntime, pytorch and openvino; for TFLite use ptq quantize --backend litert "
-                       "(--method, --per-tensor, --ranges-from a tuned onnxruntime model)")
+    row = backends.backend(backend)
+    if row.tune_refused or row.quantize is None:
+        raise PtqError(row.tune_refused or f"--backend {backend}: runs models but does not quantize them")
 
 
 def tune(
@@ -149,7 +140,7 @@ def tune(
     granularities: tuple[bool, ...] = (True, False),
     max_float_layers: int = MAX_FLOAT_LAYERS,
     progress: ProgressCallback | None = None,
-    backend: str = ONNXRUNTIME,
+    backend: str = "onnxruntime",
     flags: PreprocessingFlags | None = None,
 ) -> TuneResult:
     """Search, choose, write the chosen model and the record. The PyTorch backend searches granularity x
@@ -157,17 +148,17 @@ def tune(
     NNCF (openvino) searches preset x bias correction, calibration size and its ignored scope."""
     model_path, output = Path(model_path), Path(output)
     check_backend(backend)
-    methods = methods or (METHODS if backend == ONNXRUNTIME else BACKEND_METHODS[backend])
-    if backend == PYTORCH:
+    row = backends.backend(backend)
+    methods = methods or row.tune_methods or row.methods
+    if not row.leaves_layers_float:
         max_float_layers = 0
-    if backend == OPENVINO and granularities == (True, False):
-        granularities = (True,)  # NNCF quantizes weights per channel
+    granularities = tuple(granularity for granularity in granularities if granularity in row.granularities) or row.granularities
     if max_drop < 0:
         raise PtqError(f"--max-drop: must be at least 0 points, got {max_drop}")
     if max_float_layers < 0:
         raise PtqError(f"--max-float-layers: must be at least 0, got {max_float_layers}")
     record = Path(results_dir) / TUNING_DIR / f"{model_key(output)}.json"
-    check_outputs([("--output", output, (backends.backend(backend).SUFFIX,)), ("--results-dir", record, (".json",))], [model_path])
+    check_outputs([("--output", output, (row.suffix,)), ("--results-dir", record, (".json",))], [model_path])
     source = load_source(model_path, flags or PreprocessingFlags())
     model = source.model
     prepared = {len(calibration.labels): calibration_inputs(source, calibration)}
@@ -179,8 +170,8 @@ def tune(
     candidates: list[Candidate] = []
 
     with tempfile.TemporaryDirectory(prefix="ptq-tune-") as workdir:
-        if backend == OPENVINO:
-            layers = backends.backend(OPENVINO).layers(model) if max_float_layers else []
+        if row.float_layers is not None:
+            layers = row.float_layers(model) if max_float_layers else []
             total += len(layers) - 1 if max_float_layers else 0
         else:
             layers = quantizable_layers(preprocessed(model, Path(workdir)))
@@ -228,9 +219,9 @@ def tune(
             calibration_sets[len(subset.labels)] = subset
             try_candidate("size", leader.settings, subset)
         leader, leader_calibration = best()
-        if max_float_layers and backend == OPENVINO:
-            # NNCF has no per-layer sensitivity of its own outside its accuracy-control loop: each layer
-            # is left in float in turn, and the best of those are then left in float together.
+        if max_float_layers and row.float_layers is not None:
+            # A backend with no per-layer sensitivity of its own (NNCF, outside its accuracy-control loop):
+            # each layer is left in float in turn, and the best of those are then left in float together.
             alone = [try_candidate("float", replace(leader.settings, float_nodes=(layer,)), leader_calibration, leader.size_bytes)
                      for layer in layers]
             worst = [candidate.settings.float_nodes[0] for candidate in sorted(alone, key=lambda c: -c.output_sqnr_db)]
@@ -256,14 +247,11 @@ def tune(
 def _quantize_and_score(source: SourceModel, workdir: Path, settings: QuantizationSettings, calibration: CalibrationSet,
                         validation: ValidationSet, prepared):
     """(file size, validation score) of one candidate, quantized with its own backend."""
-    path = workdir / f"candidate{backends.backend(settings.framework).SUFFIX}"
+    path = workdir / f"candidate{backends.backend(settings.backend).suffix}"
     written = quantize_source(source, path, settings, calibration, prepared=prepared)
     return written.size_bytes, score(load_model(path), validation)
 
 
-def default_output(model: Path, dtype: str, backend: str = ONNXRUNTIME) -> Path:
-    if backend == OPENVINO:
-        return Path(model).with_name(f"{Path(model).stem}_openvino_{dtype}_tuned.xml")
-    if backend == PYTORCH:
-        return Path(model).with_name(f"{Path(model).stem}_pytorch_{dtype}_tuned.pt")
-    return Path(model).with_name(f"{Path(model).stem}_{dtype}_tuned.onnx")
+def default_output(model: Path, dtype: str, backend: str = "onnxruntime") -> Path:
+    """models/resnet8.onnx -> models/resnet8_int8_tuned.onnx, resnet8_pytorch_int8_tuned.pt, ..."""
+    return backends.backend(backend).tuned_output(Path(model), dtype)

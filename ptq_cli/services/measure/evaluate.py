@@ -14,16 +14,18 @@ from typing import Protocol
 import numpy as np
 
 import ptq_cli
-from ptq_cli import bounded, hardstop, settings
+from ptq_cli import backends, bounded, hardstop, settings
 from ptq_cli import cpu as cpu_info
+from ptq_cli.backends.base import EMULATE, LoadedModel
+from ptq_cli.backends.model_file import file_sha256, resolve_threads
 from ptq_cli.datasets import Dataset, open_dataset
 from ptq_cli.errors import PtqError
-from ptq_cli.services import emulate, overflow
-from ptq_cli.services.inputs import Preprocessing, PreprocessingFlags
-from ptq_cli.services.models import ONNXRUNTIME, PYTORCH, LoadedModel, check_classes, file_sha256, load_model, read_onnx, resolve_threads
+from ptq_cli.inputs import Preprocessing, PreprocessingFlags
+from ptq_cli.services.measure import emulate
+from ptq_cli.services.measure.records import from_dict, model_key, record_files, write_record
+from ptq_cli.services.models import check_classes, load_model
 from ptq_cli.services.progress import ProgressCallback
 from ptq_cli.services.quant_settings import describe_model
-from ptq_cli.services.records import from_dict, model_key, record_files, write_record
 
 RECORD_SCHEMA = 2
 
@@ -35,7 +37,7 @@ class EvaluationRecord:
     model_path: str
     model_sha256: str
     model_size_bytes: int
-    framework: str
+    runtime: str
     dtype: str
     quantization: dict | None
     dataset: str  # the dataset's path
@@ -77,7 +79,6 @@ class EvaluationRecord:
 
 # How a figure for an int8 path was obtained.
 NATIVE = "native"
-INT8_RUNTIMES = (ONNXRUNTIME, PYTORCH)  # the runtimes whose x86 int8 kernels differ by CPU
 
 
 def _predict(model: LoadedModel, images: np.ndarray, batch_size: int, model_path: Path, where: str,
@@ -107,31 +108,23 @@ def _predict(model: LoadedModel, images: np.ndarray, batch_size: int, model_path
 
 def _int8_plan(model: LoadedModel, wanted: str | None, cpu: cpu_info.Cpu, model_path: Path) -> tuple[str | None, str]:
     """(int8 path the figure holds for, how it is reached) for a model on this CPU."""
-    quantized = model.info.dtype != "fp32" and model.info.framework in INT8_RUNTIMES
-    if not quantized:
+    row = backends.backend(model.info.runtime)
+    if model.info.dtype == "fp32" or not row.int8_kernels_vary or row.int8_basis is None:
         if wanted not in (None, cpu.int8_path):
-            raise PtqError(f"--int8-path {wanted}: {model_path} is not an 8-bit onnxruntime or PyTorch model (its kernels are the same on every x86 CPU)")
+            raise PtqError(f"--int8-path {wanted}: {model_path} is not an 8-bit model of a runtime whose kernels differ by x86 CPU "
+                           "(its figures hold on every x86 CPU)")
         return None, ""
     wanted = wanted or cpu.int8_path
     if wanted == cpu.int8_path:
         return wanted, NATIVE
-    if model.info.framework == ONNXRUNTIME:
-        if wanted == cpu_info.EXACT:
-            return wanted, "onnxruntime session.x64quantprecision=1"
-        proven, why = overflow.saturation_proof(read_onnx(model_path))
-        return wanted, (f"proof ({why}): same as the exact path" if proven else "emulate")
-    if (model.info.quantization or {}).get("overflow_fix") == overflow.ALL_LAYERS:
-        return wanted, "proof (7-bit activations: 2 x 127 x 128 <= 32,767): same as the exact path"
-    if wanted == cpu_info.SATURATING:
-        return wanted, "emulate"
-    raise PtqError(f"--int8-path exact: {model_path} is a PyTorch model with 8-bit activations; fbgemm's exact path "
-                   "needs a CPU with VNNI or AMX (no emulator here has them)")
+    return wanted, row.int8_basis(model_path, model.info.quantization, wanted)
 
 
-def other_path_measurable(framework: str, overflow_fix: str | None, int8_path: str) -> bool:
-    """Whether a model of `framework` made with `overflow_fix` can be scored on `int8_path` on this CPU
-    (PyTorch's exact path away from a VNNI CPU only by proof)."""
-    return framework != PYTORCH or int8_path == cpu_info.SATURATING or overflow_fix == overflow.ALL_LAYERS
+def other_path_measurable(runtime: str, overflow_fix: str | None, int8_path: str) -> bool:
+    """Whether an 8-bit model of `runtime` made with `overflow_fix` can be scored on `int8_path` on this
+    CPU (PyTorch's exact path away from a VNNI CPU only by proof)."""
+    row = backends.backend(runtime)
+    return row.int8_kernels_vary and row.reaches_int8_path(overflow_fix, int8_path)
 
 
 def evaluate_model(
@@ -167,7 +160,7 @@ def evaluate_model(
         raise PtqError(f"{dataset.root}: the {split} split has no images")
     where = f"{dataset.root} ({split})"
     images, labels = test.images, test.labels
-    if basis == "emulate":
+    if basis == EMULATE:
         chosen = emulate.subset_indices(labels, subset)
         images, labels = images[chosen], labels[chosen]
         exact_predictions, inference_seconds = _predict(model, images, batch_size, model_path, where)
@@ -194,7 +187,7 @@ def evaluate_model(
         model_path=str(model.info.path),
         model_sha256=model.info.sha256,
         model_size_bytes=model.info.size_bytes,
-        framework=model.info.framework,
+        runtime=model.info.runtime,
         dtype=model.info.dtype,
         quantization=model.info.quantization,
         dataset=str(dataset.root),
@@ -238,12 +231,23 @@ def requested_tag(int8_path: str | None) -> str:
 
 
 def runtime_tag(model_path: Path | str, runtime: str | None, precision: str | None) -> str:
-    """"" for a model on its own runtime; "~openvino-f32" for an ONNX file run on OpenVINO (or an IR at
-    another precision than f32), so the two runs of one file keep two records."""
-    native = Path(model_path).suffix == ".xml"
-    if runtime == "openvino" and not native:
-        return f"~openvino-{precision or 'f32'}"
-    return f"~{precision}" if native and precision not in (None, "f32") else ""
+    """"" for a model on its own runtime at its default precision; "~openvino-f32" for a file run on another
+    runtime (an ONNX file on OpenVINO), "~bf16" for another precision hint, so each run keeps its record."""
+    if runtime is None:
+        return ""
+    row = backends.backend(runtime)
+    default = row.precisions[0] if row.precisions else None
+    if _own_backend(Path(model_path)) != runtime:
+        return f"~{runtime}" + (f"-{precision or default}" if default else "")
+    return f"~{precision}" if precision not in (None, default) else ""
+
+
+def _own_backend(path: Path) -> str | None:
+    """The backend a file is, by content (by suffix where it cannot be read)."""
+    try:
+        return backends.for_file(path).name
+    except PtqError:
+        return next((row.name for row in backends.TABLE.values() if path.suffix in row.suffixes), None)
 
 
 def record_path(results_dir: Path, model_path: Path | str, dataset: Dataset, tag: str = "") -> Path:
@@ -258,7 +262,7 @@ def save_record(record: EvaluationRecord, results_dir: Path, dataset: Dataset) -
 
 def runtime_of(record: EvaluationRecord | BenchmarkLike) -> tuple[str | None, str | None]:
     """(runtime, precision) a record (evaluation or benchmark) was measured with, as load_model takes them."""
-    return ("openvino", record.precision) if record.framework == "openvino" else (None, None)
+    return record.runtime, record.precision
 
 
 def read_record(path: Path) -> EvaluationRecord:
@@ -327,7 +331,7 @@ def newest_per_measurement(records: list[EvaluationRecord]) -> list[EvaluationRe
     older naming scheme, or copied in, would otherwise show one model twice."""
     newest: dict[tuple, EvaluationRecord] = {}
     for record in records:
-        key = (str(Path(record.model_path).resolve()), record.framework, record.precision, record.dataset_sha256 or record.dataset, record.int8_path)
+        key = (str(Path(record.model_path).resolve()), record.runtime, record.precision, record.dataset_sha256 or record.dataset, record.int8_path)
         if key not in newest or record.timestamp > newest[key].timestamp:
             newest[key] = record
     return list(newest.values())
@@ -337,7 +341,7 @@ OK, STALE, MISSING = "ok", "stale", "missing"
 
 
 class BenchmarkLike(Protocol):
-    framework: str
+    runtime: str
     precision: str | None
 
 
@@ -368,12 +372,23 @@ def refresh_stale(results_dir: Path, threads: int | None = None, progress_for: C
     return rewritten
 
 
+def _closeness(record: EvaluationRecord):
+    """How near another run of the same file is to `record`'s: same runtime and precision first, then the
+    table's order; the sort key makes the choice the same on every run."""
+    def key(other: EvaluationRecord) -> tuple:
+        return (other.runtime != record.runtime, other.precision != record.precision, backends.order(other.runtime),
+                other.precision or "", other.int8_path or "", other.model_path)
+    return key
+
+
 def reference_for(record: EvaluationRecord, records: list[EvaluationRecord]) -> EvaluationRecord | None:
-    """The record of the float model `record`'s model was made from, measured on the same images."""
+    """The record of the float model `record`'s model was made from, measured on the same images (its run
+    on the same runtime where there is one)."""
     if not record.source_sha256:
         return None
-    return next((other for other in records if other.model_sha256 == record.source_sha256 and other.dataset_sha256 == record.dataset_sha256
-                 and other is not record), None)
+    found = [other for other in records if other.model_sha256 == record.source_sha256 and other.dataset_sha256 == record.dataset_sha256
+             and other is not record]
+    return min(found, key=_closeness(record), default=None)
 
 
 def source_to_evaluate(record: EvaluationRecord, records: list[EvaluationRecord]) -> Path | None:
@@ -388,13 +403,19 @@ def source_to_evaluate(record: EvaluationRecord, records: list[EvaluationRecord]
 
 
 def fp32_reference(records: list[EvaluationRecord], record: EvaluationRecord) -> EvaluationRecord | None:
-    """The float model to compare a model with: its source, else a float model of its framework on its dataset."""
+    """The float model to compare a model with: its source; for a model ptq did not make, the one float
+    model on its dataset (of its runtime, else of any), and none where that is ambiguous."""
     source = reference_for(record, records)
-    if source is not None:
+    if source is not None or record.source_sha256:
         return source
-    floats = [other for other in records if other.dtype == "fp32" and not other.pruning and other.dataset_sha256 == record.dataset_sha256]
-    same = [other for other in floats if other.framework == record.framework]
-    return (same or floats or [None])[0]
+    floats = [other for other in records if other.dtype == "fp32" and not other.pruning and other.dataset_sha256 == record.dataset_sha256
+              and other is not record]
+    roots = [other for other in floats if reference_for(other, records) is None]  # not made from another float model here
+    for candidates in ([other for other in floats if other.runtime == record.runtime], roots):
+        files = {other.model_sha256 for other in candidates}
+        if len(files) == 1:
+            return min(candidates, key=_closeness(record))
+    return None
 
 
 def flags_of(record: EvaluationRecord) -> PreprocessingFlags:
@@ -458,7 +479,7 @@ def int8_paths_for(model_path: Path, paths: tuple[str | None, ...]) -> tuple[str
     if len(paths) < 2:
         return paths
     model = load_model(model_path, 1)
-    if model.info.dtype == "fp32" or model.info.framework not in INT8_RUNTIMES:
+    if model.info.dtype == "fp32" or not backends.backend(model.info.runtime).int8_kernels_vary:
         return (None,)
     fix = (model.info.quantization or {}).get("overflow_fix")
-    return tuple(path for path in paths if path == cpu_info.current().int8_path or other_path_measurable(model.info.framework, fix, path))
+    return tuple(path for path in paths if path == cpu_info.current().int8_path or other_path_measurable(model.info.runtime, fix, path))

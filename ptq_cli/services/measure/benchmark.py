@@ -12,24 +12,18 @@ from pathlib import Path
 import numpy as np
 
 import ptq_cli
-from ptq_cli import bounded
+from ptq_cli import backends, bounded
 from ptq_cli import cpu as cpu_info
+from ptq_cli.backends.model_file import resolve_threads
 from ptq_cli.datasets import Dataset
 from ptq_cli.errors import PtqError
-from ptq_cli.services.evaluate import runtime_of, runtime_tag
-from ptq_cli.services.inputs import PreprocessingFlags
-from ptq_cli.services.models import check_classes, load_model, resolve_threads
+from ptq_cli.inputs import PreprocessingFlags
+from ptq_cli.services.measure.evaluate import runtime_of, runtime_tag
+from ptq_cli.services.measure.records import from_dict, model_key, record_files, write_record
+from ptq_cli.services.models import check_classes, load_model
 from ptq_cli.services.progress import ProgressCallback, Steps
-from ptq_cli.services.records import from_dict, model_key, record_files, write_record
 
 BENCHMARK_DIR = "benchmarks"  # under the results directory, beside the evaluation records
-RUNTIME_SETTINGS = {
-    "onnxruntime": "CPUExecutionProvider, 1 intra-op thread per run, allow_spinning 0, one shard per thread",
-    "pytorch": "torch.set_num_threads(threads), chunks of 64 images",
-    "openvino": "CPU plugin, INFERENCE_NUM_THREADS threads, one synchronous infer request, compiled for each batch size",
-    "litert": "ai-edge-litert Interpreter with its default XNNPACK delegate, num_threads threads, a fixed batch run that many images per invoke",
-}
-SPINNING_FRAMEWORKS = ("pytorch",)  # their idle threads spin after a run: timed apart from the others
 
 
 @dataclass(frozen=True)
@@ -37,7 +31,7 @@ class BenchmarkRecord:
     model_path: str
     model_sha256: str  # ties the figures to one exact file; the report ignores figures of an older file
     model_size_bytes: int
-    framework: str
+    runtime: str
     dtype: str
     threads: int
     warmup: int
@@ -110,19 +104,20 @@ def benchmark_models(
                     timings[index].append(time.perf_counter() - began)
                 step()
 
-    frameworks = [model.info.framework for model in models]
-    quiet = [index for index, framework in enumerate(frameworks) if framework not in SPINNING_FRAMEWORKS]
-    # Batch 1: each framework's models in turns among themselves. Between another runtime's runs a
+    runtimes = [model.info.runtime for model in models]
+    spinning = {runtime for runtime in runtimes if backends.backend(runtime).spins_when_idle}
+    quiet = [index for index, runtime in enumerate(runtimes) if runtime not in spinning]
+    # Batch 1: each runtime's models in turns among themselves. Between another runtime's runs a
     # runtime's worker threads fall asleep, and each call would pay their wake-up, which a model serving
     # alone does not.
-    for framework in dict.fromkeys(frameworks[index] for index in quiet):
-        in_turns([index for index in quiet if frameworks[index] == framework], True, latencies)
+    for runtime in dict.fromkeys(runtimes[index] for index in quiet):
+        in_turns([index for index in quiet if runtimes[index] == runtime], True, latencies)
     # Throughput: onnxruntime (spinning off), OpenVINO and LiteRT in turns together, so their ratios to
     # onnxruntime FP32 are measured in turns too; waking threads costs little against a batch.
     in_turns(quiet, False, batch_seconds)
     # PyTorch's OpenMP threads keep spinning after a run and would slow whatever ran next: its models last.
-    for framework in dict.fromkeys(framework for framework in frameworks if framework in SPINNING_FRAMEWORKS):
-        group = [index for index, other in enumerate(frameworks) if other == framework]
+    for runtime in dict.fromkeys(runtime for runtime in runtimes if runtime in spinning):
+        group = [index for index, other in enumerate(runtimes) if other == runtime]
         in_turns(group, True, latencies)
         in_turns(group, False, batch_seconds)
     timestamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -134,7 +129,7 @@ def benchmark_models(
                 model_path=str(model.info.path),
                 model_sha256=model.info.sha256,
                 model_size_bytes=model.info.size_bytes,
-                framework=model.info.framework,
+                runtime=model.info.runtime,
                 dtype=model.info.dtype,
                 threads=threads,
                 warmup=warmup,
@@ -146,8 +141,8 @@ def benchmark_models(
                 images_per_second=round(batch_size / float(np.median(seconds)), 1),
                 timestamp=timestamp,
                 tool_version=ptq_cli.__version__,
-                runtime_settings=RUNTIME_SETTINGS.get(model.info.framework, "")
-                + (f", INFERENCE_PRECISION_HINT {model.info.precision}" if model.info.precision else ""),
+                runtime_settings=backends.backend(model.info.runtime).runtime_settings
+                + (f", precision hint {model.info.precision}" if model.info.precision else ""),
                 precision=model.info.precision,
                 cpu=cpu_info.current().as_record(),
                 target_cpus=(model.info.quantization or {}).get("cpus"),
@@ -174,18 +169,18 @@ def load_benchmarks(results_dir: Path) -> dict[str, BenchmarkRecord]:
             record = from_dict(BenchmarkRecord, data)
         except (PtqError, OSError, ValueError, TypeError, AttributeError):
             continue
-        found[benchmark_key(record.model_sha256, record.framework, record.precision)] = record
+        found[benchmark_key(record.model_sha256, record.runtime, record.precision)] = record
     return found
 
 
-def benchmark_key(sha256: str, framework: str, precision: str | None) -> str:
+def benchmark_key(sha256: str, runtime: str, precision: str | None) -> str:
     """One file's figures on one runtime at one precision hint (bf16 and f32 runs are different figures)."""
-    return f"{sha256}:{framework}:{precision}"
+    return f"{sha256}:{runtime}:{precision}"
 
 
 def run_key(record: BenchmarkRecord) -> tuple[str, str, str | None]:
     """One file can be measured on two runtimes (an ONNX file on onnxruntime and on OpenVINO)."""
-    return record.model_path, record.framework, record.precision
+    return record.model_path, record.runtime, record.precision
 
 
 def speedups(records: list[BenchmarkRecord], saved: dict[str, BenchmarkRecord] | None = None) -> dict[tuple, float | None]:
@@ -198,7 +193,7 @@ def speedups(records: list[BenchmarkRecord], saved: dict[str, BenchmarkRecord] |
             (
                 other
                 for other in candidates
-                if other.dtype == "fp32" and (other.framework, other.precision) == (record.framework, record.precision)
+                if other.dtype == "fp32" and (other.runtime, other.precision) == (record.runtime, record.precision)
                 and (other.batch_size, other.threads) == (record.batch_size, record.threads)
             ),
             None,

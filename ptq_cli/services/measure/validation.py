@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ptq_cli import settings
+from ptq_cli.backends.base import LoadedModel
 from ptq_cli.datasets import Dataset
 from ptq_cli.errors import PtqError
 from ptq_cli.services.calibration import CalibrationSet, draw_stratified
-from ptq_cli.services.models import LoadedModel
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,8 @@ from ptq_cli.atomic import is_temporary, write_text
 from ptq_cli.settings import MANIFEST_NAME
 
 Record = TypeVar("Record")
+# Fields renamed since records were first written: an older record still loads.
+RENAMED_FIELDS = {"framework": "runtime"}
 
 
 def finite(value: Any) -> Any:
@@ -48,6 +50,7 @@ def from_dict(cls: type[Record], data: dict) -> Record:
     numbers, strings, lists of them...): a TypeError names the first field that does not fit."""
     if not isinstance(data, dict):
         raise TypeError(f"a JSON object was expected, found {type(data).__name__}")
+    data = {RENAMED_FIELDS.get(key, key) if RENAMED_FIELDS.get(key, key) not in data else key: value for key, value in data.items()}
     hints = typing.get_type_hints(cls)
     known = {field.name for field in fields(cls)}
     for key in known & data.keys():

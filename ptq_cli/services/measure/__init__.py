@@ -1,0 +1,1 @@
+"""Measurement: evaluation, benchmarks, their records and the report read from them."""

@@ -1,0 +1,1 @@
+"""Orchestration: the study pipeline (`ptq run`), sweeps and tuning, made of the other services."""
