@@ -8,7 +8,7 @@ PTQ_ASSETS ?= ../shared/assets
 export PTQ_ASSETS
 ONNX2TORCH := onnx2torch==1.5.15
 
-.PHONY: install qemu run tune sweep test test-fast bench bench-runtimes bench-int8 clean
+.PHONY: install qemu run tune sweep test test-fast lint bench bench-runtimes bench-int8 clean
 
 install: $(VENV)/.installed qemu
 
@@ -53,6 +53,11 @@ test: install
 
 # Everything but the real-asset tests (no study run, no CIFAR): in-process, synthetic models and data;
 # the fuzz harness runs a quarter of its cases.
+# ruff (pyproject's rules: pycodestyle, pyflakes, isort, bugbear, simplify, pyupgrade, complexity <= 15) and mypy on ptq_cli.
+lint: install
+	$(BIN)/ruff check ptq_cli tests benchmarks
+	$(BIN)/mypy
+
 test-fast: install
 	PTQ_FUZZ_SCALE=0.25 $(BIN)/python -m pytest -m "not real_assets"
 

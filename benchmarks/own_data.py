@@ -44,7 +44,7 @@ def write_png_folder(root: Path) -> None:
     test = Cifar10(settings.cifar_dir()).load("test")
     for name in test.class_names:
         (root / "test" / name).mkdir(parents=True)
-    for index, (image, label) in enumerate(zip(test.images, test.labels)):
+    for index, (image, label) in enumerate(zip(test.images, test.labels, strict=True)):
         Image.fromarray(image).save(root / "test" / test.class_names[label] / f"{index:05d}.png")
     (root / "classes.txt").write_text("\n".join(test.class_names) + "\n")
 

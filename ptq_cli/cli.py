@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 import os
 import signal
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console, Group
@@ -50,7 +51,7 @@ from ptq_cli.transforms import overflow
 try:  # typer >= 0.22 vendors click; older typer uses the click package
     from typer._click.exceptions import ClickException, UsageError
 except ImportError:  # pragma: no cover
-    from click.exceptions import ClickException, UsageError
+    from click.exceptions import ClickException, UsageError  # type: ignore[no-redef]
 
 # torch's C++ side prints deprecation warnings for quantized tensors straight to stderr; ptq's stderr is
 # for its own messages. Set before torch is first imported (services import it lazily).
@@ -63,7 +64,8 @@ err = Console(stderr=True)
 class PtqGroup(typer.core.TyperGroup):
     """The one error handler: bad input and usage errors become one line on stderr and exit code 2."""
 
-    def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None, standalone_mode: bool = True, **extra: Any) -> Any:
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, complete_var: str | None = None, standalone_mode: bool = True,
+             windows_expand_args: bool = True, **extra: Any) -> Any:
         args = _fill_optional_values(list(sys.argv[1:] if args is None else args))
         _tolerant_streams()
         try:
@@ -71,7 +73,7 @@ class PtqGroup(typer.core.TyperGroup):
                 # Library warnings (numpy overflow on odd inputs, deprecations) are not ptq's messages:
                 # what matters to the user is turned into ptq's own line or record field.
                 warnings.simplefilter("ignore")
-                code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+                code = super().main(args, prog_name, complete_var, standalone_mode=False, windows_expand_args=windows_expand_args, **extra)
         except PtqError as error:
             code = _fail(str(error), error.exit_code)
         except UsageError as error:
@@ -158,7 +160,7 @@ app = typer.Typer(
 )
 
 
-def _choices(name: str, values) -> type[Enum]:
+def _choices(name: str, values) -> Any:
     """A str Enum for typer from a service's tuple of accepted values (the one list of them)."""
     return Enum(name, [(value, value) for value in dict.fromkeys(values)], type=str)
 
@@ -184,16 +186,16 @@ CpusOption = Annotated[
     typer.Option(help="Which CPUs the model is for: all (every x86 CPU, with or without VNNI/AMX, and ARM: weights or activations bounded so that x86 kernels without VNNI cannot overflow) or vnni (x86 with VNNI/AMX, and ARM: the full 8-bit range, loses accuracy on AVX2-only CPUs). Stored in the model; evaluate and benchmark warn on a CPU outside it.", rich_help_panel="Deployment"),
 ]
 OverflowFixOption = Annotated[
-    Optional[OverflowFix],
+    OverflowFix | None,
     typer.Option(help="With --cpus all: the layers whose int8 weights are bounded so that no pair of u8 x s8 products overflows int16 (the pair rule): first-layer (where the input's full range meets them; measured) or all-layers (proven: the model cannot saturate). PyTorch keeps 7-bit activations instead; LiteRT needs nothing. (default: first-layer; PyTorch all-layers)", show_default=False, rich_help_panel="Deployment"),
 ]
 # Where a model runs: ONNX files on onnxruntime unless told; OpenVINO IR always on OpenVINO.
 RuntimeOption = Annotated[
-    Optional[Runtime],
+    Runtime | None,
     typer.Option(help="Run ONNX models on onnxruntime or on OpenVINO (IR models always run on OpenVINO). (default: onnxruntime)", show_default=False, rich_help_panel="Runtime"),
 ]
 PrecisionOption = Annotated[
-    Optional[Precision],
+    Precision | None,
     typer.Option(help="OpenVINO's inference precision hint, recorded with every figure (its own default on AMX CPUs is bf16). (default: f32)", show_default=False, rich_help_panel="Runtime"),
 ]
 
@@ -208,7 +210,7 @@ def _finite(value: float | None) -> float | None:
 # Counts and seeds shared by the commands, range-checked while parsing: before any work starts.
 MAX_THREADS = 4 * (os.cpu_count() or 1)  # more threads than that only slows inference down
 ThreadsOption = Annotated[
-    Optional[int],
+    int | None,
     typer.Option(min=1, max=MAX_THREADS, help=f"Inference threads, 1 to {MAX_THREADS}. (default: all cores)", show_default=False),
 ]
 
@@ -223,7 +225,7 @@ TrustOption = Annotated[bool, typer.Option(
     help="Load TorchScript (.pt) files ptq did not write. Loading one runs the code inside it: pass this only for files from a source you trust.")]
 SeedOption = Annotated[int, typer.Option(min=0, max=2**32 - 1, help="Random seed for drawing the calibration images: the same seed gives the same images.")]
 SamplesPerClassOption = Annotated[
-    Optional[int],
+    int | None,
     typer.Option(min=1, help=f"Calibration images drawn from each class. (default: {settings.SAMPLES_PER_CLASS}, or all of the smallest class if it has fewer)", show_default=False),
 ]
 RunsOption = Annotated[int, typer.Option(min=1, help="Timed runs of each model for each measurement, after 10 warm-up runs.")]
@@ -231,21 +233,21 @@ RunsOption = Annotated[int, typer.Option(min=1, help="Timed runs of each model f
 
 # One option block for the data and its preprocessing, shared by every command that reads images.
 DataOption = Annotated[
-    Optional[Path],
+    Path | None,
     typer.Option("--data", "--data-dir", help=f"Labelled images, told apart by layout: CIFAR-10 python batches, an image folder (ROOT/train|test|val/<class>/*.png|jpg|…, or ROOT/<class>/*), or an .npz (images uint8 NHWC, labels[, class_names]). (default: ${settings.ASSETS_ENV}/cifar-10-batches-py, {settings.ASSETS_ENV}={settings.DEFAULT_ASSETS})", show_default=False, rich_help_panel="Data and preprocessing"),
 ]
 CalibrationDataOption = Annotated[
-    Optional[Path],
+    Path | None,
     typer.Option(help="Draw calibration (and tuning's validation) images from this dataset instead of --data's train split, e.g. when --data has only a test set. (default: --data)", show_default=False, rich_help_panel="Data and preprocessing"),
 ]
 PresetOption = Annotated[
-    Optional[Preset],
+    Preset | None,
     typer.Option("--preprocess", help="The model's input normalisation: raw255 (pixels 0-255), unit (0-1), imagenet or cifar10-normalized (0-1, then mean/std). (default: what a model ptq made says, else raw255)", show_default=False, rich_help_panel="Data and preprocessing"),
 ]
-ScaleOption = Annotated[Optional[float], typer.Option(callback=_finite, help="Pixels (0-255) are multiplied by this, e.g. 0.00392157 for 0-1. (default: the preset's)", show_default=False, rich_help_panel="Data and preprocessing")]
-MeanOption = Annotated[Optional[str], typer.Option(help="Per-channel mean subtracted after scaling: R,G,B or one value. (default: the preset's)", show_default=False, rich_help_panel="Data and preprocessing")]
-StdOption = Annotated[Optional[str], typer.Option(help="Per-channel standard deviation divided by after the mean: R,G,B or one value. (default: the preset's)", show_default=False, rich_help_panel="Data and preprocessing")]
-BgrOption = Annotated[Optional[bool], typer.Option("--bgr/--rgb", help="Channel order the model takes. (default: RGB)", show_default=False, rich_help_panel="Data and preprocessing")]
+ScaleOption = Annotated[float | None, typer.Option(callback=_finite, help="Pixels (0-255) are multiplied by this, e.g. 0.00392157 for 0-1. (default: the preset's)", show_default=False, rich_help_panel="Data and preprocessing")]
+MeanOption = Annotated[str | None, typer.Option(help="Per-channel mean subtracted after scaling: R,G,B or one value. (default: the preset's)", show_default=False, rich_help_panel="Data and preprocessing")]
+StdOption = Annotated[str | None, typer.Option(help="Per-channel standard deviation divided by after the mean: R,G,B or one value. (default: the preset's)", show_default=False, rich_help_panel="Data and preprocessing")]
+BgrOption = Annotated[bool | None, typer.Option("--bgr/--rgb", help="Channel order the model takes. (default: RGB)", show_default=False, rich_help_panel="Data and preprocessing")]
 
 
 @dataclass(frozen=True)
@@ -274,8 +276,43 @@ def _data(data: Path | None, calibration_data: Path | None, preset, scale: float
     return DataChoice(data or settings.cifar_dir(), calibration_data, flags)
 
 
+def _option(name: str, annotation: Any) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None, annotation=annotation)
+
+
+# The data block's options, as parameters a command takes through `_with_data`.
+DATA_PARAMETERS = (_option("data", DataOption), _option("calibration_data", CalibrationDataOption))
+PREPROCESSING_PARAMETERS = (_option("preprocess", PresetOption), _option("scale", ScaleOption), _option("mean", MeanOption),
+                            _option("std", StdOption), _option("bgr", BgrOption))
+NO_CHOICE: Any = None  # a command's `choice` before `_with_data` fills it in
+
+
+def _with_data(calibration: bool = True, preprocessing: bool = True) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """The data and preprocessing options defined once: the command's `choice` parameter becomes --data
+    (and --calibration-data) and the preprocessing options, parsed into one validated DataChoice."""
+    block = DATA_PARAMETERS[: 2 if calibration else 1] + (PREPROCESSING_PARAMETERS if preprocessing else ())
+
+    def decorate(command: Callable[..., None]) -> Callable[..., None]:
+        signature = inspect.signature(command, eval_str=True)
+        parameters: list[inspect.Parameter] = []
+        for parameter in signature.parameters.values():
+            parameters += block if parameter.name == "choice" else (parameter,)
+
+        @functools.wraps(command)
+        def with_choice(**given: Any) -> None:
+            values = {parameter.name: given.pop(parameter.name) for parameter in block}
+            flags = (values.get("preprocess"), values.get("scale"), values.get("mean"), values.get("std"), values.get("bgr"))
+            return command(**given, choice=_data(values["data"], values.get("calibration_data"), *flags))
+
+        setattr(with_choice, "__signature__", signature.replace(parameters=parameters))  # noqa: B010  typer reads the new signature
+        with_choice.__annotations__ = {parameter.name: parameter.annotation for parameter in parameters}
+        return with_choice
+
+    return decorate
+
+
 CalibrationFile = Annotated[
-    Optional[Path],
+    Path | None,
     typer.Option(help=f"Calibration set from `ptq calibrate`, the same for every model made. (default: {settings.CALIBRATION_FILE} if it was drawn from the same dataset, else built with the calibrate defaults)", show_default=False),
 ]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout (for scripts) instead of tables.")]
@@ -303,13 +340,13 @@ def _progress_bar(description: str) -> Iterator[Callable[[int, int], None]]:
 
 @app.command()
 def fetch(
-    destination: Annotated[Optional[Path], typer.Option("--dest", help=f"Where the assets go. (default: ${settings.ASSETS_ENV}, {settings.ASSETS_ENV}={settings.DEFAULT_ASSETS})", show_default=False)] = None,
-    mirror: Annotated[Optional[Path], typer.Option(help="Copy from this local copy (e.g. ../shared/assets) instead of downloading; checked by structure, not file hash.", show_default=False)] = None,
-    asset: Annotated[Optional[list[Asset]], typer.Option(help="Only this asset; repeat for several. (default: both)", show_default=False)] = None,
-    cifar_url: Annotated[Optional[str], typer.Option(help=f"CIFAR-10 python tarball URL (e.g. an internal mirror). (default: {fetch_service.CIFAR_URL})", show_default=False)] = None,
-    cifar_md5: Annotated[Optional[str], typer.Option(help=f"Expected md5 of the tarball. (default: the published {fetch_service.CIFAR_MD5})", show_default=False)] = None,
-    model_url: Annotated[Optional[str], typer.Option(help="MLPerf Tiny ResNet8 .h5 URL. (default: MLCommons Tiny on GitHub)", show_default=False)] = None,
-    model_sha256: Annotated[Optional[str], typer.Option(help="Expected sha256 of the .h5. (default: the pinned one)", show_default=False)] = None,
+    destination: Annotated[Path | None, typer.Option("--dest", help=f"Where the assets go. (default: ${settings.ASSETS_ENV}, {settings.ASSETS_ENV}={settings.DEFAULT_ASSETS})", show_default=False)] = None,
+    mirror: Annotated[Path | None, typer.Option(help="Copy from this local copy (e.g. ../shared/assets) instead of downloading; checked by structure, not file hash.", show_default=False)] = None,
+    asset: Annotated[list[Asset] | None, typer.Option(help="Only this asset; repeat for several. (default: both)", show_default=False)] = None,
+    cifar_url: Annotated[str | None, typer.Option(help=f"CIFAR-10 python tarball URL (e.g. an internal mirror). (default: {fetch_service.CIFAR_URL})", show_default=False)] = None,
+    cifar_md5: Annotated[str | None, typer.Option(help=f"Expected md5 of the tarball. (default: the published {fetch_service.CIFAR_MD5})", show_default=False)] = None,
+    model_url: Annotated[str | None, typer.Option(help="MLPerf Tiny ResNet8 .h5 URL. (default: MLCommons Tiny on GitHub)", show_default=False)] = None,
+    model_sha256: Annotated[str | None, typer.Option(help="Expected sha256 of the .h5. (default: the pinned one)", show_default=False)] = None,
     force: Annotated[bool, typer.Option("--force", help="Fetch again even if a valid copy is already in place.")] = False,
     as_json: JsonFlag = False,
 ) -> None:
@@ -348,19 +385,15 @@ def _byte_progress() -> Iterator[Callable[[str, int, int], None]]:
 
 
 @app.command()
+@_with_data(calibration=False)
 def convert(
-    keras: Annotated[Optional[Path], typer.Option(help=f"Keras .h5 model to convert. (default: ${settings.ASSETS_ENV}/mlperf-tiny-resnet8/pretrainedResnet.h5)", show_default=False)] = None,
+    keras: Annotated[Path | None, typer.Option(help=f"Keras .h5 model to convert. (default: ${settings.ASSETS_ENV}/mlperf-tiny-resnet8/pretrainedResnet.h5)", show_default=False)] = None,
     output: Annotated[Path, typer.Option(help="Where to write the ONNX model converted from Keras.")] = settings.FP32_ONNX,
-    onnx_source: Annotated[Optional[Path], typer.Option("--onnx", help="Start from this ONNX model instead of Keras (use with --torch).", show_default=False)] = None,
-    torch_output: Annotated[Optional[Path], typer.Option("--torch", help="Also convert the ONNX model to PyTorch (onnx2torch), saved as TorchScript here, e.g. models/resnet8.pt.", show_default=False)] = None,
+    onnx_source: Annotated[Path | None, typer.Option("--onnx", help="Start from this ONNX model instead of Keras (use with --torch).", show_default=False)] = None,
+    torch_output: Annotated[Path | None, typer.Option("--torch", help="Also convert the ONNX model to PyTorch (onnx2torch), saved as TorchScript here, e.g. models/resnet8.pt.", show_default=False)] = None,
     opset: Annotated[int, typer.Option(min=10, max=21, help="ONNX opset for tf2onnx.")] = 13,
     check_images: Annotated[int, typer.Option(min=0, help="Test images on which source and converted outputs must agree within 1e-4.")] = 1000,
-    data: DataOption = None,
-    preprocess: PresetOption = None,
-    scale: ScaleOption = None,
-    mean: MeanOption = None,
-    std: StdOption = None,
-    bgr: BgrOption = None,
+    choice: DataChoice = NO_CHOICE,
     as_json: JsonFlag = False,
 ) -> None:
     """Convert Keras -> ONNX (tf2onnx) and/or ONNX -> PyTorch TorchScript (onnx2torch), checking each on real test images.
@@ -374,7 +407,6 @@ def convert(
         raise PtqError("--onnx: converts an existing ONNX model to PyTorch and needs --torch PATH")
     check_outputs([("--output", None if onnx_source is not None else output, (".onnx",)), ("--torch", torch_output, (".pt",))],
                   [keras or (settings.keras_model_path() if onnx_source is None else None), onnx_source])
-    choice = _data(data, None, preprocess, scale, mean, std, bgr)
     dataset = choice.dataset()
     results = []
     if onnx_source is None:
@@ -387,13 +419,13 @@ def convert(
 
 
 @app.command()
+@_with_data(preprocessing=False)
 def calibrate(
     samples_per_class: SamplesPerClassOption = None,
     seed: SeedOption = settings.SEED,
-    model: Annotated[Optional[Path], typer.Option(help="Resize the images to this model's input size (needed when a folder's images differ in size). (default: the images' own size)", show_default=False)] = None,
+    model: Annotated[Path | None, typer.Option(help="Resize the images to this model's input size (needed when a folder's images differ in size). (default: the images' own size)", show_default=False)] = None,
     output: Annotated[Path, typer.Option(help="Where to write the calibration set (.npz).")] = settings.CALIBRATION_FILE,
-    data: DataOption = None,
-    calibration_data: CalibrationDataOption = None,
+    choice: DataChoice = NO_CHOICE,
     as_json: JsonFlag = False,
 ) -> None:
     """Draw a seeded, class-stratified calibration set from the dataset's train split (never its test split).
@@ -401,8 +433,7 @@ def calibrate(
     The set holds the images as uint8 pixels; each model's own preprocessing is applied when quantizing.
     """
     calibration_service.check_seed(seed)
-    check_outputs([("--output", output, (".npz",))], [model, data, calibration_data])
-    choice = _data(data, calibration_data, None, None, None, None, None)
+    check_outputs([("--output", output, (".npz",))], [model, choice.data, choice.calibration_data])
     size = models_service.load_model(model, 1).input.size if model is not None else None
     with _working("Sampling the training images…"):
         calibration_set = calibration_service.build_calibration_set(choice.calibration_dataset(), samples_per_class, seed, size)
@@ -413,34 +444,29 @@ def calibrate(
 
 
 @app.command()
+@_with_data()
 def quantize(
     model: Annotated[Path, typer.Option(help="FP32 ONNX model to quantize (the PyTorch backend converts it with onnx2torch first; LiteRT starts from the Keras model `ptq convert --keras` made it from).")] = settings.FP32_ONNX,
     backend: Annotated[Backend, typer.Option(help="onnxruntime: quantize_static, QDQ. pytorch: torch.ao FX graph mode, x86 engine, saved as TorchScript. openvino: openvino.convert_model, then nncf.quantize, saved as OpenVINO IR (.xml + .bin). litert: the TFLite converter, full-integer int8 .tflite for TFLite Micro.")] = Backend(backends.DEFAULT),
-    dtype: Annotated[Optional[DType], typer.Option(help="Activation type (and weight type unless --weight-dtype is given). PyTorch, OpenVINO and LiteRT take int8 only. (default: int8)", show_default=False)] = None,
-    target: Annotated[Optional[Target], typer.Option(help="speed: the fast x86 configuration (onnxruntime: uint8 activations, int8 per-channel weights, percentile); other options still override it.", show_default=False)] = None,
-    weight_dtype: Annotated[Optional[DType], typer.Option(help="Weight type. (default: same as --dtype)", show_default=False)] = None,
-    per_channel: Annotated[Optional[bool], typer.Option("--per-channel/--per-tensor", help="One weight scale per output channel, or one per tensor. (default: per-tensor for onnxruntime, per-channel for the others)", show_default=False)] = None,
-    method: Annotated[Optional[Method], typer.Option(help="Activation calibration: onnxruntime minmax|entropy|percentile (default minmax); pytorch histogram|minmax (default histogram); litert minmax (the converter's) or percentile (ptq's rule on the TFLite tensors).", show_default=False)] = None,
-    percentile: Annotated[Optional[float], typer.Option(callback=_finite, min=50, max=100, help="Percentile kept by --method percentile. (default: 99.999)", show_default=False)] = None,
+    dtype: Annotated[DType | None, typer.Option(help="Activation type (and weight type unless --weight-dtype is given). PyTorch, OpenVINO and LiteRT take int8 only. (default: int8)", show_default=False)] = None,
+    target: Annotated[Target | None, typer.Option(help="speed: the fast x86 configuration (onnxruntime: uint8 activations, int8 per-channel weights, percentile); other options still override it.", show_default=False)] = None,
+    weight_dtype: Annotated[DType | None, typer.Option(help="Weight type. (default: same as --dtype)", show_default=False)] = None,
+    per_channel: Annotated[bool | None, typer.Option("--per-channel/--per-tensor", help="One weight scale per output channel, or one per tensor. (default: per-tensor for onnxruntime, per-channel for the others)", show_default=False)] = None,
+    method: Annotated[Method | None, typer.Option(help="Activation calibration: onnxruntime minmax|entropy|percentile (default minmax); pytorch histogram|minmax (default histogram); litert minmax (the converter's) or percentile (ptq's rule on the TFLite tensors).", show_default=False)] = None,
+    percentile: Annotated[float | None, typer.Option(callback=_finite, min=50, max=100, help="Percentile kept by --method percentile. (default: 99.999)", show_default=False)] = None,
     calibration: CalibrationFile = None,
     graph_preprocess: Annotated[bool, typer.Option("--graph-preprocess/--no-graph-preprocess", help="Run onnxruntime's quant_pre_process first (shape inference, folds batch-norm Mul/Add into Conv).")] = True,
-    space_to_depth: Annotated[Optional[bool], typer.Option("--space-to-depth/--no-space-to-depth", help="Regroup convolutions the fast x86 int8 kernel handles poorly (input channels not a multiple of 4, like the RGB stem; fewer than 32 output channels) over blocks of pixels along the width; same products, more zeros in the file. (default: on for uint8 activations with int8 weights, where that kernel runs)", show_default=False)] = None,
-    output: Annotated[Optional[Path], typer.Option(help="Where to write the quantized model. (default: beside the model, <model>_<dtype>.onnx, <model>_pytorch_<dtype>.pt, <model>_openvino_<dtype>.xml or <model>_<dtype>.tflite)", show_default=False)] = None,
-    nncf_preset: Annotated[Optional[NncfPreset], typer.Option("--preset", help="NNCF preset (--backend openvino): performance (symmetric activations) or mixed (asymmetric). (default: performance)", show_default=False, rich_help_panel="NNCF (--backend openvino)")] = None,
-    bias_correction: Annotated[Optional[BiasCorrection], typer.Option(help="NNCF bias correction: fast, full (slower, often more accurate) or none. (default: fast)", show_default=False, rich_help_panel="NNCF (--backend openvino)")] = None,
-    subset_size: Annotated[Optional[int], typer.Option(min=1, help="Calibration samples NNCF uses. (default: the whole calibration set)", show_default=False, rich_help_panel="NNCF (--backend openvino)")] = None,
-    ignored_scope: Annotated[Optional[list[str]], typer.Option(help="A layer (node name) NNCF leaves in float; repeat for several.", show_default=False, rich_help_panel="NNCF (--backend openvino)")] = None,
-    io: Annotated[Optional[IoType], typer.Option(help="Type of the .tflite's input and output tensors: int8 (what TFLite Micro wants), uint8, or float around the int8 body. (default: int8)", show_default=False, rich_help_panel="LiteRT (--backend litert)")] = None,
-    ranges_from: Annotated[Optional[Path], typer.Option(help="An onnxruntime QDQ model ptq quantized from the same FP32 model: its activation ranges (scale, zero point) replace the converter's calibration, tensor by tensor, so both models compute on the same grid.", show_default=False, rich_help_panel="LiteRT (--backend litert)")] = None,
+    space_to_depth: Annotated[bool | None, typer.Option("--space-to-depth/--no-space-to-depth", help="Regroup convolutions the fast x86 int8 kernel handles poorly (input channels not a multiple of 4, like the RGB stem; fewer than 32 output channels) over blocks of pixels along the width; same products, more zeros in the file. (default: on for uint8 activations with int8 weights, where that kernel runs)", show_default=False)] = None,
+    output: Annotated[Path | None, typer.Option(help="Where to write the quantized model. (default: beside the model, <model>_<dtype>.onnx, <model>_pytorch_<dtype>.pt, <model>_openvino_<dtype>.xml or <model>_<dtype>.tflite)", show_default=False)] = None,
+    nncf_preset: Annotated[NncfPreset | None, typer.Option("--preset", help="NNCF preset (--backend openvino): performance (symmetric activations) or mixed (asymmetric). (default: performance)", show_default=False, rich_help_panel="NNCF (--backend openvino)")] = None,
+    bias_correction: Annotated[BiasCorrection | None, typer.Option(help="NNCF bias correction: fast, full (slower, often more accurate) or none. (default: fast)", show_default=False, rich_help_panel="NNCF (--backend openvino)")] = None,
+    subset_size: Annotated[int | None, typer.Option(min=1, help="Calibration samples NNCF uses. (default: the whole calibration set)", show_default=False, rich_help_panel="NNCF (--backend openvino)")] = None,
+    ignored_scope: Annotated[list[str] | None, typer.Option(help="A layer (node name) NNCF leaves in float; repeat for several.", show_default=False, rich_help_panel="NNCF (--backend openvino)")] = None,
+    io: Annotated[IoType | None, typer.Option(help="Type of the .tflite's input and output tensors: int8 (what TFLite Micro wants), uint8, or float around the int8 body. (default: int8)", show_default=False, rich_help_panel="LiteRT (--backend litert)")] = None,
+    ranges_from: Annotated[Path | None, typer.Option(help="An onnxruntime QDQ model ptq quantized from the same FP32 model: its activation ranges (scale, zero point) replace the converter's calibration, tensor by tensor, so both models compute on the same grid.", show_default=False, rich_help_panel="LiteRT (--backend litert)")] = None,
     cpus: CpusOption = Cpus("all"),
     overflow_fix: OverflowFixOption = None,
-    data: DataOption = None,
-    calibration_data: CalibrationDataOption = None,
-    preprocess: PresetOption = None,
-    scale: ScaleOption = None,
-    mean: MeanOption = None,
-    std: StdOption = None,
-    bgr: BgrOption = None,
+    choice: DataChoice = NO_CHOICE,
     as_json: JsonFlag = False,
 ) -> None:
     """Static post-training quantization, calibrated on the calibration set: ONNX Runtime (QDQ), PyTorch (FX), OpenVINO (NNCF) or LiteRT (full-integer TFLite).
@@ -452,9 +478,8 @@ def quantize(
     quantization_settings = quant_settings.make_settings(
         dtype and dtype.value, backend.value, weight_dtype and weight_dtype.value, per_channel, method and method.value, percentile, graph_preprocess,
         target and target.value, space_to_depth, nncf_preset and nncf_preset.value, bias_correction and bias_correction.value, subset_size,
-        tuple(ignored_scope or ()), io and io.value, ranges_from, cpus=cpus.value, overflow_fix=overflow_fix and overflow_fix.value,
+        tuple(ignored_scope or ()), io and io.value, str(ranges_from) if ranges_from else None, cpus=cpus.value, overflow_fix=overflow_fix and overflow_fix.value,
     )
-    choice = _data(data, calibration_data, preprocess, scale, mean, std, bgr)
     check_model(model)  # a bad model fails before any calibration work
     if ranges_from is not None:
         check_model(ranges_from)
@@ -473,6 +498,7 @@ ScopeOption = Annotated[Scope, typer.Option(help="global: one magnitude threshol
 
 
 @app.command()
+@_with_data()
 def prune(
     model: Annotated[Path, typer.Option(help="FP32 ONNX model.")] = settings.FP32_ONNX,
     sparsity: Annotated[float, typer.Option(callback=_finite, help="Fraction of the weights to set to zero, in [0, 1).")] = 0.5,
@@ -481,14 +507,8 @@ def prune(
     exclude_classifier: ExcludeClassifier = False,
     reconstruct: Reconstruct = True,
     calibration: CalibrationFile = None,
-    output: Annotated[Optional[Path], typer.Option(help="Where to write the pruned model. (default: beside the model, <model>_pruned<NN>.onnx)", show_default=False)] = None,
-    data: DataOption = None,
-    calibration_data: CalibrationDataOption = None,
-    preprocess: PresetOption = None,
-    scale: ScaleOption = None,
-    mean: MeanOption = None,
-    std: StdOption = None,
-    bgr: BgrOption = None,
+    output: Annotated[Path | None, typer.Option(help="Where to write the pruned model. (default: beside the model, <model>_pruned<NN>.onnx)", show_default=False)] = None,
+    choice: DataChoice = NO_CHOICE,
     as_json: JsonFlag = False,
 ) -> None:
     """Magnitude pruning: zero the smallest Conv and Gemm/MatMul weights; biases and batch-norm stay untouched.
@@ -499,7 +519,6 @@ def prune(
     `ptq sweep` shows what pruning costs in accuracy, with and without the re-fit.
     """
     pruning_settings = prune_service.make_settings(sparsity, scope.value, exclude_first, exclude_classifier, reconstruct)
-    choice = _data(data, calibration_data, preprocess, scale, mean, std, bgr)
     destination = output or prune_service.default_output(model, sparsity, scope.value)
     check_model(model)
     images = None
@@ -511,14 +530,15 @@ def prune(
 
 
 @app.command()
+@_with_data()
 def sweep(
     sparsity: Annotated[str, typer.Option(help="Comma-separated sparsities to try, each in [0, 1).")] = "0,0.3,0.5,0.7",
     model: Annotated[Path, typer.Option(help="FP32 ONNX model.")] = settings.FP32_ONNX,
     dtype: Annotated[DType, typer.Option(help="Activation type (and weight type unless --weight-dtype is given).")] = DType("int8"),
-    weight_dtype: Annotated[Optional[DType], typer.Option(help="Weight type. (default: same as --dtype)", show_default=False)] = None,
+    weight_dtype: Annotated[DType | None, typer.Option(help="Weight type. (default: same as --dtype)", show_default=False)] = None,
     per_channel: Annotated[bool, typer.Option("--per-channel/--per-tensor", help="One weight scale per output channel, or one per tensor.")] = True,
     method: Annotated[Method, typer.Option(help="Activation calibration: minmax|entropy|percentile.")] = Method("percentile"),
-    percentile: Annotated[Optional[float], typer.Option(callback=_finite, min=50, max=100, help="Percentile kept by --method percentile. (default: 99.999)", show_default=False)] = None,
+    percentile: Annotated[float | None, typer.Option(callback=_finite, min=50, max=100, help="Percentile kept by --method percentile. (default: 99.999)", show_default=False)] = None,
     scope: ScopeOption = Scope("global"),
     exclude_first: ExcludeFirst = False,
     exclude_classifier: ExcludeClassifier = False,
@@ -526,13 +546,7 @@ def sweep(
     calibration: CalibrationFile = None,
     models_dir: Annotated[Path, typer.Option(help="Where the pruned and quantized models go.")] = settings.MODELS_DIR / "sweep",
     results_dir: Annotated[Path, typer.Option(help="The sweep record goes to RESULTS_DIR/sweep/<model>_<dtype>_<scope>.json, which `ptq report` shows.")] = settings.RESULTS_DIR,
-    data: DataOption = None,
-    calibration_data: CalibrationDataOption = None,
-    preprocess: PresetOption = None,
-    scale: ScaleOption = None,
-    mean: MeanOption = None,
-    std: StdOption = None,
-    bgr: BgrOption = None,
+    choice: DataChoice = NO_CHOICE,
     as_json: JsonFlag = False,
 ) -> None:
     """For each sparsity: prune, quantize (onnxruntime), evaluate both on the test set; accuracy, size and gzipped size.
@@ -545,7 +559,6 @@ def sweep(
     quantization_settings = quant_settings.make_settings(
         dtype.value, weight_dtype=weight_dtype and weight_dtype.value, per_channel=per_channel, method=method.value, percentile=percentile
     )
-    choice = _data(data, calibration_data, preprocess, scale, mean, std, bgr)
     check_model(model)
     calibration_set = _calibration_set(calibration, choice, model)
     with _progress_bar("Prune, quantize, evaluate") as progress:
@@ -576,23 +589,18 @@ def _calibration_and_validation(calibration: Path | None, choice: DataChoice, mo
 
 
 @app.command()
+@_with_data()
 def sensitivity(
     model: Annotated[Path, typer.Option(help="FP32 ONNX model.")] = settings.FP32_ONNX,
     dtype: Annotated[DType, typer.Option(help="Activation type (and weight type unless --weight-dtype is given).")] = DType("int8"),
-    weight_dtype: Annotated[Optional[DType], typer.Option(help="Weight type. (default: same as --dtype)", show_default=False)] = None,
+    weight_dtype: Annotated[DType | None, typer.Option(help="Weight type. (default: same as --dtype)", show_default=False)] = None,
     per_channel: Annotated[bool, typer.Option("--per-channel/--per-tensor", help="One weight scale per output channel, or one per tensor.")] = False,
     method: Annotated[Method, typer.Option(help="Activation calibration: minmax|entropy|percentile.")] = Method("minmax"),
-    percentile: Annotated[Optional[float], typer.Option(callback=_finite, min=50, max=100, help="Percentile kept by --method percentile. (default: 99.999)", show_default=False)] = None,
+    percentile: Annotated[float | None, typer.Option(callback=_finite, min=50, max=100, help="Percentile kept by --method percentile. (default: 99.999)", show_default=False)] = None,
     calibration: CalibrationFile = None,
     validation_per_class: ValidationPerClass = settings.VALIDATION_PER_CLASS,
     results_dir: Annotated[Path, typer.Option(help="The record goes to RESULTS_DIR/sensitivity/<model>_<dtype>.json.")] = settings.RESULTS_DIR,
-    data: DataOption = None,
-    calibration_data: CalibrationDataOption = None,
-    preprocess: PresetOption = None,
-    scale: ScaleOption = None,
-    mean: MeanOption = None,
-    std: StdOption = None,
-    bgr: BgrOption = None,
+    choice: DataChoice = NO_CHOICE,
     as_json: JsonFlag = False,
 ) -> None:
     """Per layer: quantize that layer alone and measure the model's output SQNR and validation accuracy against FP32.
@@ -603,7 +611,6 @@ def sensitivity(
     quantization_settings = quant_settings.make_settings(
         dtype.value, weight_dtype=weight_dtype and weight_dtype.value, per_channel=per_channel, method=method.value, percentile=percentile
     )
-    choice = _data(data, calibration_data, preprocess, scale, mean, std, bgr)
     check_model(model)
     calibration_set, validation_set = _calibration_and_validation(calibration, choice, model, validation_per_class)
     with _progress_bar("Quantizing one layer at a time") as progress:
@@ -613,25 +620,20 @@ def sensitivity(
 
 
 @app.command()
+@_with_data()
 def tune(
     model: Annotated[Path, typer.Option(help="FP32 ONNX model.")] = settings.FP32_ONNX,
     dtype: Annotated[DType, typer.Option(help="Activation type to tune for (uint8 also tries int8 weights).")] = DType("int8"),
     backend: Annotated[Backend, typer.Option(help="onnxruntime (QDQ), pytorch (FX, int8 only: granularity x observer x calibration size, no float layers) or openvino (NNCF, int8: preset x bias correction x calibration size x ignored scope); not litert.")] = Backend(backends.DEFAULT),
     max_drop: Annotated[float, typer.Option(callback=_finite, min=0, help="Accuracy budget: points below FP32 allowed on the validation split.")] = 0.05,
-    method: Annotated[Optional[list[Method]], typer.Option(help="Calibration methods to search; repeat for several. (default: onnxruntime minmax and percentile at 99.9, 99.95, 99.99, 99.999; pytorch histogram and minmax)", show_default=False)] = None,
-    per_channel: Annotated[Optional[bool], typer.Option("--per-channel/--per-tensor", help="Search only this weight granularity. (default: both)", show_default=False)] = None,
+    method: Annotated[list[Method] | None, typer.Option(help="Calibration methods to search; repeat for several. (default: onnxruntime minmax and percentile at 99.9, 99.95, 99.99, 99.999; pytorch histogram and minmax)", show_default=False)] = None,
+    per_channel: Annotated[bool | None, typer.Option("--per-channel/--per-tensor", help="Search only this weight granularity. (default: both)", show_default=False)] = None,
     max_float_layers: Annotated[int, typer.Option(min=0, help="Most sensitive layers to try leaving in float, one more at a time (0: none).")] = tune_service.MAX_FLOAT_LAYERS,
     calibration: CalibrationFile = None,
     validation_per_class: ValidationPerClass = settings.VALIDATION_PER_CLASS,
-    output: Annotated[Optional[Path], typer.Option(help="Where to write the chosen model. (default: beside the model, <model>_<dtype>_tuned.onnx, <model>_pytorch_int8_tuned.pt or <model>_openvino_int8_tuned.xml)", show_default=False)] = None,
+    output: Annotated[Path | None, typer.Option(help="Where to write the chosen model. (default: beside the model, <model>_<dtype>_tuned.onnx, <model>_pytorch_int8_tuned.pt or <model>_openvino_int8_tuned.xml)", show_default=False)] = None,
     results_dir: Annotated[Path, typer.Option(help="The record of the search goes to RESULTS_DIR/tuning/<output>.json.")] = settings.RESULTS_DIR,
-    data: DataOption = None,
-    calibration_data: CalibrationDataOption = None,
-    preprocess: PresetOption = None,
-    scale: ScaleOption = None,
-    mean: MeanOption = None,
-    std: StdOption = None,
-    bgr: BgrOption = None,
+    choice: DataChoice = NO_CHOICE,
     as_json: JsonFlag = False,
 ) -> None:
     """Search quantization settings for the smallest, fastest model within --max-drop of FP32.
@@ -641,7 +643,6 @@ def tune(
     correction), calibration size, then the most sensitive layers left in float (NNCF: its ignored scope). Without any candidate in budget, the most accurate
     is kept and the command says so (exit 0).
     """
-    choice = _data(data, calibration_data, preprocess, scale, mean, std, bgr)
     check_model(model)
     tune_service.check_backend(backend.value)  # before any data is read
     calibration_set, validation_set = _calibration_and_validation(calibration, choice, model, validation_per_class)
@@ -659,35 +660,28 @@ def tune(
     _emit(as_json, result, render.tuning(result))
 
 
-MODEL_SUFFIXES = backends.suffixes()  # every backend's model files
-
-
 def _default_models() -> list[Path]:
-    found, skipped = models_service.models_in(settings.MODELS_DIR, MODEL_SUFFIXES)
+    found, skipped = models_service.models_in(settings.MODELS_DIR, backends.suffixes())
     for path in skipped:
         err.print(f"skipped {escape(str(path))}: TorchScript ptq did not write (loading it runs its code; pass --model {escape(str(path))} {trust.OPTION} to load it)",
                   soft_wrap=True, highlight=False)
     if not found:
-        raise PtqError(f"{settings.MODELS_DIR}: no .onnx, .pt, .xml or .tflite models to evaluate (run `ptq convert` or pass --model)")
+        raise PtqError(f"{settings.MODELS_DIR}: no {', '.join(backends.suffixes())} models to evaluate (run `ptq convert` or pass --model)")
     return found
 
 
 @app.command()
+@_with_data(calibration=False)
 def evaluate(
-    model: Annotated[Optional[list[Path]], typer.Option(help="Model file (.onnx, TorchScript .pt, OpenVINO IR .xml or TFLite .tflite); repeat for several. (default: every model in models/)", show_default=False)] = None,
+    model: Annotated[list[Path] | None, typer.Option(help="Model file (.onnx, TorchScript .pt, OpenVINO IR .xml or TFLite .tflite); repeat for several. (default: every model in models/)", show_default=False)] = None,
     per_class: Annotated[bool, typer.Option("--per-class", help="Also show per-class accuracy, with the delta against the FP32 source model's record.")] = False,
     results_dir: Annotated[Path, typer.Option(help="Where to write one JSON record per model and dataset.")] = settings.RESULTS_DIR,
     batch_size: Annotated[int, typer.Option(min=1, help="Images per inference call (split over the threads).")] = settings.EVALUATION_BATCH,
     threads: ThreadsOption = None,
-    data: DataOption = None,
-    preprocess: PresetOption = None,
-    scale: ScaleOption = None,
-    mean: MeanOption = None,
-    std: StdOption = None,
-    bgr: BgrOption = None,
+    choice: DataChoice = NO_CHOICE,
     runtime: RuntimeOption = None,
     precision: PrecisionOption = None,
-    label: Annotated[Optional[str], typer.Option(help="What the report calls the model, beside its file name (one --model only).", show_default=False)] = None,
+    label: Annotated[str | None, typer.Option(help="What the report calls the model, beside its file name (one --model only).", show_default=False)] = None,
     int8_path: Annotated[Int8Path, typer.Option(help="Which x86 int8 path to score 8-bit onnxruntime and PyTorch models on: native (this CPU's), exact (VNNI/AMX, ARM), saturating (AVX2 without VNNI) or both. The path this CPU does not take comes from onnxruntime's exact kernels, a proof that the model cannot saturate, or emulation of an AVX2 CPU (qemu-x86_64 -cpu Haswell) on --emulated-images images.", rich_help_panel="Runtime")] = Int8Path("native"),
     emulated_images: Annotated[int, typer.Option(min=10, help="Images (the first of each class) scored under emulation, which runs about 100 images/s on ResNet8.", rich_help_panel="Runtime")] = emulate_service.DEFAULT_SUBSET,
     trust_remote_code: TrustOption = False,
@@ -699,7 +693,6 @@ def evaluate(
     (named in the model) is evaluated too if its record is missing. Records go to
     RESULTS_DIR/<model file>-<folder>@<dataset>.json, one per model file, runtime and dataset.
     """
-    choice = _data(data, None, preprocess, scale, mean, std, bgr)
     dataset = choice.dataset()
     models = model or _default_models()
     if label is not None and len(models) != 1:
@@ -713,8 +706,9 @@ def evaluate(
     for model_path in models:
         for path in evaluate_service.int8_paths_for(model_path, paths):
             with _progress_bar(f"Evaluating {model_path.name}" + (f" ({path} int8 path)" if path else "")) as progress:
-                evaluated = evaluate_service.evaluate_and_save(model_path, dataset, results_dir, batch_size, threads, progress, choice.flags,
-                                                               runtime and runtime.value, precision and precision.value, label, path, emulated_images)
+                evaluated = evaluate_service.evaluate_and_save(
+                    model_path, dataset, results_dir, progress, batch_size=batch_size, threads=threads, flags=choice.flags,
+                    runtime=runtime and runtime.value, precision=precision and precision.value, label=label, int8_path=path, subset=emulated_images)
             records.append(evaluated.record)
             warning = evaluate_service.outside_target(model_path, (evaluated.record.quantization or {}).get("cpus"))
             if warning:
@@ -728,18 +722,14 @@ def evaluate(
 
 
 @app.command()
+@_with_data(calibration=False)
 def benchmark(
-    model: Annotated[Optional[list[Path]], typer.Option(help="Model file (.onnx, TorchScript .pt, OpenVINO IR .xml or TFLite .tflite); repeat for several. (default: every model in models/)", show_default=False)] = None,
+    model: Annotated[list[Path] | None, typer.Option(help="Model file (.onnx, TorchScript .pt, OpenVINO IR .xml or TFLite .tflite); repeat for several. (default: every model in models/)", show_default=False)] = None,
     batch_size: Annotated[int, typer.Option(min=1, help="Batch size for the throughput measurement (latency is always at batch 1).")] = 256,
     threads: ThreadsOption = None,
     runs: RunsOption = 100,
     results_dir: Annotated[Path, typer.Option(help="Records go to RESULTS_DIR/benchmarks/<model file>.json, read by `ptq report`.")] = settings.RESULTS_DIR,
-    data: DataOption = None,
-    preprocess: PresetOption = None,
-    scale: ScaleOption = None,
-    mean: MeanOption = None,
-    std: StdOption = None,
-    bgr: BgrOption = None,
+    choice: DataChoice = NO_CHOICE,
     runtime: RuntimeOption = None,
     precision: PrecisionOption = None,
     trust_remote_code: TrustOption = False,
@@ -753,7 +743,6 @@ def benchmark(
     as warm as when serving alone); PyTorch models come last (their spinning threads would slow the next
     model). Throughput is the batch size over the median batch time. A model with a fixed batch runs chunks of it.
     """
-    choice = _data(data, None, preprocess, scale, mean, std, bgr)
     models = model or _default_models()
     for model_path in models:
         check_writable(benchmark_service.benchmark_path(results_dir, model_path, evaluate_service.runtime_tag(
@@ -774,8 +763,8 @@ def benchmark(
 def export(
     model: Annotated[Path, typer.Option(help="The .tflite model to export.")],
     c_array: Annotated[bool, typer.Option("--c-array", help="Write it as C source and header: a 16-byte-aligned const unsigned char array and its length, as TensorFlow Lite Micro projects compile in.")] = False,
-    output_dir: Annotated[Optional[Path], typer.Option(help="Where to write <model>.c and <model>.h. (default: beside the model)", show_default=False)] = None,
-    symbol: Annotated[Optional[str], typer.Option(help="The array's C name; its length is <symbol>_len. (default: from the file name, e.g. resnet8_int8_tflite)", show_default=False)] = None,
+    output_dir: Annotated[Path | None, typer.Option(help="Where to write <model>.c and <model>.h. (default: beside the model)", show_default=False)] = None,
+    symbol: Annotated[str | None, typer.Option(help="The array's C name; its length is <symbol>_len. (default: from the file name, e.g. resnet8_int8_tflite)", show_default=False)] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Export a model in the form a deployment compiles in (today: --c-array, for TFLite Micro)."""
@@ -789,7 +778,7 @@ def export(
 def report(
     results_dir: Annotated[Path, typer.Option(help="Directory of JSON records written by `ptq evaluate`.")] = settings.RESULTS_DIR,
     markdown: Annotated[
-        Optional[Path],
+        Path | None,
         typer.Option(help=f"Also write the report as Markdown, to PATH if given. (PATH defaults to {settings.MARKDOWN_REPORT})", metavar="[PATH]"),
     ] = None,
     plot: Annotated[bool, typer.Option("--plot", help="Also draw PNG charts (per-class accuracy; accuracy vs compressed size of `ptq sweep`) beside the Markdown report, linked from it; implies --markdown.")] = False,
@@ -822,9 +811,10 @@ def report(
 
 
 @app.command(name="run")
+@_with_data()
 def run_pipeline(
-    model: Annotated[Optional[Path], typer.Option(help="Your FP32 ONNX classifier: the study runs on it (no Keras step), outputs named after it, e.g. models/<model>_int8.onnx. (default: the MLPerf Tiny ResNet8, converted from --keras)", show_default=False)] = None,
-    keras: Annotated[Optional[Path], typer.Option(help=f"Keras .h5 model. (default: ${settings.ASSETS_ENV}/mlperf-tiny-resnet8/pretrainedResnet.h5)", show_default=False)] = None,
+    model: Annotated[Path | None, typer.Option(help="Your FP32 ONNX classifier: the study runs on it (no Keras step), outputs named after it, e.g. models/<model>_int8.onnx. (default: the MLPerf Tiny ResNet8, converted from --keras)", show_default=False)] = None,
+    keras: Annotated[Path | None, typer.Option(help=f"Keras .h5 model. (default: ${settings.ASSETS_ENV}/mlperf-tiny-resnet8/pretrainedResnet.h5)", show_default=False)] = None,
     samples_per_class: SamplesPerClassOption = None,
     seed: SeedOption = settings.SEED,
     pytorch: Annotated[bool, typer.Option("--pytorch/--no-pytorch", help="Also convert to TorchScript and quantize with PyTorch.")] = True,
@@ -834,13 +824,7 @@ def run_pipeline(
     runs: RunsOption = 100,
     threads: ThreadsOption = None,
     force: Annotated[bool, typer.Option("--force", help="Run every stage, even those whose outputs are up to date.")] = False,
-    data: DataOption = None,
-    calibration_data: CalibrationDataOption = None,
-    preprocess: PresetOption = None,
-    scale: ScaleOption = None,
-    mean: MeanOption = None,
-    std: StdOption = None,
-    bgr: BgrOption = None,
+    choice: DataChoice = NO_CHOICE,
     as_json: JsonFlag = False,
 ) -> None:
     """The whole study: convert, calibrate, quantize (int8, uint8, speed, PyTorch), evaluate, benchmark, report.
@@ -853,12 +837,13 @@ def run_pipeline(
     """
     if model is not None and keras is not None:
         raise PtqError("--model and --keras: give one source model, not both")
-    choice = _data(data, calibration_data, preprocess, scale, mean, std, bgr)
     if model is not None:
         check_model(model)
-    options = pipeline_service.RunOptions(
+    options = pipeline_service.StudyOptions(
         keras_model=None if model is not None else (keras or settings.keras_model_path()), data_dir=choice.data, model=model,
-        calibration_data=calibration_data, flags=choice.flags, pytorch=pytorch, openvino=openvino, litert=litert, samples_per_class=samples_per_class,
+        calibration_data=choice.calibration_data, flags=choice.flags, samples_per_class=samples_per_class,
+        without=frozenset(name for name, wanted in ((pipeline_service.PYTORCH, pytorch), (pipeline_service.OPENVINO, openvino),
+                                                    (pipeline_service.LITERT, litert)) if not wanted),
         seed=seed, benchmark=benchmark, benchmark_runs=runs, threads=threads, force=force,
     )
     columns = (SpinnerColumn(finished_text="[green]✓[/green]"), TextColumn("{task.description}"), TimeElapsedColumn())

@@ -60,7 +60,7 @@ def describe_record(cpu: dict | None) -> str:
 
 def parse_cpuinfo(text: str, arch: str) -> Cpu:
     """The first processor's model name and int8 flags from /proc/cpuinfo's text."""
-    model, flags = "", set()
+    model, flags = "", set[str]()
     for line in text.splitlines():
         key, _, value = line.partition(":")
         key = key.strip().lower()

@@ -166,10 +166,8 @@ def prepare(images: np.ndarray, model_input: ModelInput, preprocessing: Preproce
     scale = np.float32(preprocessing.scale)
     mean = np.asarray(preprocessing.mean[:channels], dtype=np.float32)
     std = np.asarray(preprocessing.std[:channels], dtype=np.float32)
-    if preprocessing.preset == DEFAULT_PRESET and not preprocessing.bgr:
-        batch = batch.astype(np.float32)  # the common case, exactly the pixels
-    else:
-        batch = (batch.astype(np.float32) * scale - mean) / std
+    exact_pixels = preprocessing.preset == DEFAULT_PRESET and not preprocessing.bgr  # the common case
+    batch = batch.astype(np.float32) if exact_pixels else (batch.astype(np.float32) * scale - mean) / std
     if model_input.layout == NCHW:
         return np.ascontiguousarray(batch.transpose(0, 3, 1, 2))
     return np.ascontiguousarray(batch)

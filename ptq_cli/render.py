@@ -142,13 +142,15 @@ REFERENCE_STATUS = {"stale": "its file changed since; evaluate it again", "missi
 
 def evaluation(record: EvaluationRecord, reference: EvaluationRecord | None, per_class: bool, record_file: Path,
                reference_status: str = "ok") -> Group:
-    delta = None if reference is None else record.accuracy - reference.accuracy
-    comparison = (("  (no FP32 source record to compare with)", "dim"),) if reference is None else (
-        f"  delta vs FP32 {reference.name} ({reference.accuracy:.2f}%): ",
-        (signed(delta), "green" if delta >= 0 else "red"),
-        " pts",
-        *(() if reference_status == "ok" else ((f" [FP32 record {reference_status}: {REFERENCE_STATUS[reference_status]}]", "yellow"),)),
-    )
+    comparison: tuple = (("  (no FP32 source record to compare with)", "dim"),)
+    if reference is not None:
+        delta = record.accuracy - reference.accuracy
+        comparison = (
+            f"  delta vs FP32 {reference.name} ({reference.accuracy:.2f}%): ",
+            (signed(delta), "green" if delta >= 0 else "red"),
+            " pts",
+            *(() if reference_status == "ok" else ((f" [FP32 record {reference_status}: {REFERENCE_STATUS[reference_status]}]", "yellow"),)),
+        )
     headline = Text.assemble(
         (f"{record.name}", "bold"),
         f"  {record.runtime}{f' ({record.precision})' if record.precision else ''} {record.dtype} on {record.dataset_label}  top-1 ",
@@ -365,7 +367,7 @@ def _group_tables(group: DatasetGroup) -> list[Any]:
         for loss in group.class_losses:
             losses.add_row(loss.model, loss.class_name, f"{loss.accuracy:.1f}%", f"{loss.reference_accuracy:.1f}%", signed(loss.delta))
         parts.append(losses)
-    if group.versus_reference:
+    if group.versus_reference and group.reference is not None:
         versus = Table(title=f"TFLite models vs the {group.reference.label} ({group.reference.model})", title_justify="left",
                        box=box.SIMPLE_HEAD, pad_edge=False)
         for column in VERSUS_REFERENCE_COLUMNS:
@@ -382,6 +384,8 @@ VERSUS_REFERENCE_COLUMNS = ("Model", "Top-1", "vs reference", "Bytes", "vs refer
 
 def _versus_reference_cells(group: DatasetGroup) -> list[list[str]]:
     reference = group.reference
+    if reference is None:
+        return []
     rows = [[f"{reference.label} (reference)", f"{reference.accuracy:.2f}%", "-", f"{reference.size_bytes:,}", "-",
              milliseconds(reference.latency_ms_p50), "-"]]
     rows += [[comparison.model, f"{comparison.accuracy:.2f}%", signed(comparison.accuracy_delta), f"{comparison.size_bytes:,}",
@@ -466,16 +470,17 @@ def write_charts(report: Report, paths: dict[str, Path]) -> list[Path]:
 
     written = []
     main = report.groups[0] if report.groups else None
-    rows = [row for row in (main.rows if main else []) if row.per_class_accuracy and None not in row.per_class_accuracy]
-    if rows and "per_class" in paths:
+    per_class = {row.model: [value for value in row.per_class_accuracy if value is not None] for row in (main.rows if main else [])}
+    rows = [row for row in (main.rows if main else []) if row.per_class_accuracy and len(per_class[row.model]) == len(row.per_class_accuracy)]
+    if main is not None and rows and "per_class" in paths:
         figure, axes = plt.subplots(figsize=(12, 5))
         width = 0.8 / len(rows)
         positions = np.arange(len(main.class_names))
         for index, row in enumerate(rows):
-            axes.bar(positions + (index - (len(rows) - 1) / 2) * width, row.per_class_accuracy, width, label=f"{row.model} ({row.accuracy:.2f}%)")
+            axes.bar(positions + (index - (len(rows) - 1) / 2) * width, per_class[row.model], width, label=f"{row.model} ({row.accuracy:.2f}%)")
         axes.set_xticks(positions, main.class_names)
         axes.set_ylabel("top-1 accuracy (%)")
-        axes.set_ylim(max(0.0, min(min(row.per_class_accuracy) for row in rows) - 5), 100)
+        axes.set_ylim(max(0.0, min(min(per_class[row.model]) for row in rows) - 5), 100)
         axes.set_title(f"Per-class accuracy on {main.label}")
         axes.legend(fontsize="small", ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.08), frameon=False)
         axes.grid(axis="y", alpha=0.3)
@@ -488,7 +493,7 @@ def write_charts(report: Report, paths: dict[str, Path]) -> list[Path]:
                 (f"fp32 pruned ({result.scope})", [p.fp32_compressed_bytes for p in result.points], [p.fp32_accuracy for p in result.points]),
             ):
                 axes.plot([s / 1024 for s in sizes], accuracies, marker="o", label=label)
-                for point, x, y in zip(result.points, sizes, accuracies):
+                for point, x, y in zip(result.points, sizes, accuracies, strict=True):
                     axes.annotate(f"{point.sparsity:.0%}", (x / 1024, y), textcoords="offset points", xytext=(4, 4), fontsize="small")
         baseline = report.sweeps[0].fp32_accuracy
         if baseline is not None:
@@ -543,7 +548,7 @@ def report_markdown(report: Report, charts: list[Path] | None = None) -> str:
                 ("Model", "Class", "Accuracy", "FP32", "Delta"),
                 [[loss.model, loss.class_name, f"{loss.accuracy:.1f}%", f"{loss.reference_accuracy:.1f}%", signed(loss.delta)] for loss in group.class_losses],
             )
-        if group.versus_reference:
+        if group.versus_reference and group.reference is not None:
             lines += ["", f"### TFLite models vs the {group.reference.label}", "",
                       "Points and bytes against the reference; latency at batch 1 from `ptq benchmark`, as a ratio to the reference's "
                       "(below 1: faster).", ""]

@@ -40,10 +40,8 @@ def trusting() -> bool:
 def remember(data: bytes) -> None:
     """ptq wrote these bytes: loading them later needs no opt-in. A cache that cannot be written costs
     only that opt-in."""
-    try:
+    with contextlib.suppress(PtqError, OSError):
         cache.remember_written(hashlib.sha256(data).hexdigest())
-    except (PtqError, OSError):
-        pass
 
 
 def written_by_ptq(data: bytes) -> bool:

@@ -78,7 +78,7 @@ def channel_mean_classifier(path: Path, layout: str = "NCHW", batch: int | str =
 def image_folder(root: Path, splits=("train", "test"), per_class: int = 6, suffix: str = ".png", size: int = 8) -> Path:
     for offset, split in enumerate(splits):
         images, labels = colour_images(per_class, size, seed=offset)
-        for index, (image, label) in enumerate(zip(images, labels)):
+        for index, (image, label) in enumerate(zip(images, labels, strict=True)):
             folder = root / split / CLASSES[label]
             folder.mkdir(parents=True, exist_ok=True)
             Image.fromarray(image).save(folder / f"{index:04d}{suffix}")

@@ -23,7 +23,7 @@ def test_folders(tmp_path_factory, assets):
         for split, images, labels in (("test", test.images, test.labels), ("train", train.images[:2000], train.labels[:2000])):
             for name in test.class_names:
                 (root / kind / split / name).mkdir(parents=True)
-            for index, (image, label) in enumerate(zip(images, labels)):
+            for index, (image, label) in enumerate(zip(images, labels, strict=True)):
                 Image.fromarray(image).save(root / kind / split / test.class_names[label] / f"{index:05d}{suffix}", **options)
         (root / kind / "classes.txt").write_text("\n".join(test.class_names) + "\n")
     return root

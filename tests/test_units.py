@@ -33,10 +33,9 @@ def test_stratified_indices_are_balanced_unique_and_seeded():
 
 def test_atomic_output_leaves_nothing_on_failure(tmp_path):
     target = tmp_path / "sub" / "model.onnx"
-    with pytest.raises(RuntimeError):
-        with atomic_output(target) as tmp:
-            tmp.write_bytes(b"half")
-            raise RuntimeError("interrupted")
+    with pytest.raises(RuntimeError), atomic_output(target) as tmp:
+        tmp.write_bytes(b"half")
+        raise RuntimeError("interrupted")
     assert not target.exists()
     assert list((tmp_path / "sub").iterdir()) == []
 
@@ -287,11 +286,19 @@ def test_pipeline_stage_made_by_another_ptq_version_is_not_up_to_date(tmp_path):
     output = tmp_path / "model.onnx"
     output.write_bytes(b"made")
     hashes = _Hashes()
-    stage = Stage("quantize", "ptq quantize", (), (output,), {"target": "speed"}, lambda: None)
+    stage = Stage("quantize", "quantize", ("--target", "speed"), (), (output,), {"target": "speed"}, lambda: None)
     entry = {"options": {"target": "speed"}, "inputs": {}, "outputs": {str(output): hashes(output)}, "tool_version": ptq_cli.__version__}
     assert _up_to_date(entry, stage, {}, hashes)
     assert not _up_to_date({**entry, "tool_version": "0.0.1"}, stage, {}, hashes)
     assert not _up_to_date({key: value for key, value in entry.items() if key != "tool_version"}, stage, {}, hashes)
+
+
+def test_a_pipeline_stage_renders_the_command_it_stands_for():
+    from ptq_cli.services.study.pipeline import Stage
+
+    stage = Stage("evaluate ref", "evaluate", ("--model", "models/ref.tflite", "--label", "MLPerf Tiny reference int8"), (), (), {}, lambda: None,
+                  note="and one more model in the same process")
+    assert stage.command_line == "ptq evaluate --model models/ref.tflite --label 'MLPerf Tiny reference int8' (and one more model in the same process)"
 
 
 def test_report_sets_each_tflite_model_against_the_mlperf_reference():

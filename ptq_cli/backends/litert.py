@@ -24,17 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from ptq_cli.atomic import atomic_output
-from ptq_cli.backends.base import (
-    KERAS_SOURCE_METADATA_KEY,
-    QUANTIZATION_METADATA_KEY,
-    SOURCE_METADATA_KEY,
-    Backend,
-    LoadedModel,
-    QuantizationSettings,
-    QuantizedFile,
-    RunOptions,
-    finish_load,
-)
+from ptq_cli.backends import base
+from ptq_cli.backends.base import Backend, LoadedModel, QuantizationSettings, QuantizedFile, RunOptions, finish_load
 from ptq_cli.backends.model_file import file_sha256, in_fixed_batches, metadata_object, model_input, num_classes, read_bytes, read_onnx, resolve_threads
 from ptq_cli.errors import PtqError
 from ptq_cli.library_noise import native_stderr_silenced
@@ -138,18 +129,22 @@ def load(path: Path, options: RunOptions) -> LoadedModel:
     def predict(batch: np.ndarray) -> np.ndarray:
         return run(batch) if chunk is None else in_fixed_batches(run, batch, chunk)
 
-    tensor_types = {np.dtype(detail["dtype"]) for detail in interpreter.get_tensor_details()}
-    integer = bool(tensor_types & set(INTEGER_TYPES))
     stored = metadata(data)
-    made = metadata_object(path, stored, QUANTIZATION_METADATA_KEY) or {}  # how ptq quantized it, if it did
-    # ptq's settings name the activations' type; a model ptq did not make is named by its input's (legacy uint8 models).
-    dtype = (made.get("dtype") or INTEGER_TYPES.get(input_type, "int8")) if integer else "fp32"
-    quantization = {
-        **made, "format": FORMAT, "dtype": dtype, "weight_dtype": "int8", "input": describe_io(image), "output": describe_io(scores),
-    } if integer else None
+    dtype, quantization = _made(path, interpreter, stored, image, scores)
     note = None if dynamic else f"fixed batch {chunk}: run {chunk} at a time"
     return finish_load(path, BACKEND, options, described=described, predict=predict, dtype=dtype, size_bytes=len(data),
                        sha256=hashlib.sha256(data).hexdigest(), stored=stored, declared_classes=classes, quantization=quantization, note=note)
+
+
+def _made(path: Path, interpreter, stored: dict[str, str], image: dict, scores: dict) -> tuple[str, dict | None]:
+    """(data type, quantization) of a loaded .tflite: how ptq quantized it, if it did, and its tensors' types."""
+    tensor_types = {np.dtype(detail["dtype"]) for detail in interpreter.get_tensor_details()}
+    if not tensor_types & set(INTEGER_TYPES):
+        return "fp32", None
+    made = metadata_object(path, stored, base.QUANTIZATION_METADATA_KEY) or {}
+    # ptq's settings name the activations' type; a model ptq did not make is named by its input's (legacy uint8 models).
+    dtype = made.get("dtype") or INTEGER_TYPES.get(np.dtype(image["dtype"]), "int8")
+    return dtype, {**made, "format": FORMAT, "dtype": dtype, "weight_dtype": "int8", "input": describe_io(image), "output": describe_io(scores)}
 
 
 def metadata(data: bytes) -> dict[str, str]:
@@ -179,7 +174,7 @@ def keras_source(onnx_model) -> Path:
     """The Keras file `ptq convert --keras` recorded in the ONNX model, checked to be unchanged."""
     name = onnx_model.graph.name or "model"
     stored = {prop.key: prop.value for prop in onnx_model.metadata_props}
-    entry = metadata_object(Path(name), stored, KERAS_SOURCE_METADATA_KEY)
+    entry = metadata_object(Path(name), stored, base.KERAS_SOURCE_METADATA_KEY)
     if entry is None:
         raise PtqError(f"{name}: --backend litert quantizes the Keras model an ONNX model was converted from, and this one names "
                        "none (ptq convert --keras records it); ptq does not convert ONNX graphs to TFLite")
@@ -306,7 +301,7 @@ def _signature(values: np.ndarray) -> np.ndarray:
 def _ranges_model(ranges_from: Path, source_sha256: str | None):
     """The onnxruntime QDQ model --ranges-from names, checked to be made by ptq from the same FP32 model."""
     qdq = read_onnx(ranges_from)
-    made_from = {prop.key: prop.value for prop in qdq.metadata_props}.get(SOURCE_METADATA_KEY)
+    made_from = {prop.key: prop.value for prop in qdq.metadata_props}.get(base.SOURCE_METADATA_KEY)
     if source_sha256 is None or made_from != source_sha256:
         raise PtqError(f"--ranges-from: {ranges_from} was not quantized by ptq from this FP32 model")
     if not _grid_ranges(qdq):
@@ -357,7 +352,7 @@ def _transferred_ranges(ranges_from: Path, qdq, calibrated: bytes, tensors: list
         candidates = [(np.linalg.norm(signatures[name] - wanted) / (np.linalg.norm(wanted) + 1e-12), name)
                       for name in names if onnx_values[name].shape[1] == width]
         distance, name = min(candidates, default=(np.inf, None))
-        if distance <= MATCH_TOLERANCE:
+        if name is not None and distance <= MATCH_TOLERANCE:
             matched[index] = grids[name]
         else:
             unmatched.append(index)
@@ -420,7 +415,7 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     if output.suffix != SUFFIX:
         raise PtqError(f"--output: {output} must end in {SUFFIX}")
     keras_path = keras_source(model)
-    qdq = _ranges_model(Path(settings.ranges_from), stored.get(SOURCE_METADATA_KEY)) if settings.ranges_from else None
+    qdq = _ranges_model(Path(settings.ranges_from), stored.get(base.SOURCE_METADATA_KEY)) if settings.ranges_from else None
     calibrated = _calibrated(keras_path, calibration.astype(np.float32, copy=False))
     tf = _tensorflow()
     from tensorflow.lite.python.convert import mlir_quantize
@@ -433,8 +428,8 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
         notes.append(f"activation ranges of {len(ranges)} of {len(tensors)} tensors from {Path(settings.ranges_from).name}"
                      + (f"; {len(unmatched)} kept the converter's min/max" if unmatched else ""))
         calibrated = _with_ranges(calibrated, ranges)
-    elif settings.method == "percentile":
-        calibrated = _with_ranges(calibrated, _percentile_ranges(calibrated, tensors, calibration, float(settings.percentile)))
+    elif settings.method == "percentile" and settings.percentile is not None:
+        calibrated = _with_ranges(calibrated, _percentile_ranges(calibrated, tensors, calibration, settings.percentile))
     io_type = getattr(tf, IO_DTYPES[settings.io or "int8"])
     try:
         with _quiet():
@@ -447,8 +442,8 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
                        "TFLite Micro needs every op in int8")
     # Only what was set: the file is what a microcontroller stores.
     described = {key: value for key, value in asdict(settings).items() if value is not None and value != ()}
-    extra = json.loads(stored.get(QUANTIZATION_METADATA_KEY, "{}"))
-    entries = {**stored, QUANTIZATION_METADATA_KEY: json.dumps({**described, **extra, "keras_source": keras_path.name}, separators=(",", ":"))}
+    extra = json.loads(stored.get(base.QUANTIZATION_METADATA_KEY, "{}"))
+    entries = {**stored, base.QUANTIZATION_METADATA_KEY: json.dumps({**described, **extra, "keras_source": keras_path.name}, separators=(",", ":"))}
     data = _with_metadata(quantized, entries)
     with atomic_output(output) as tmp:
         tmp.write_bytes(data)
@@ -488,24 +483,13 @@ def _output_name(stem: str, settings: QuantizationSettings) -> str:
 
 
 BACKEND = Backend(
-    name=NAME,
-    suffixes=(SUFFIX,),
-    sniff=sniff,
-    load=load,
-    quantize=quantize,
-    format=FORMAT,
-    # The TFLite converter's min/max, or ptq's percentile rule (onnxruntime's histogram collector) on the same tensors.
-    methods=("minmax", "percentile"),
-    per_channel=True,
-    overflow_fixes=(NO_FIX,),  # XNNPACK widens to int16 before adding: nothing to fix
-    options={"io": "--io", "ranges_from": "--ranges-from"},
-    options_word="a LiteRT option",
-    choices={"io": IO_TYPES},
-    check_settings=_check_settings,
-    describe=_describe,
-    output_name=_output_name,
+    NAME, (SUFFIX,), sniff, load, quantize, format=FORMAT, available=available,
+    # Quantizing: the TFLite converter's min/max, or ptq's percentile rule (onnxruntime's histogram
+    # collector) on the same tensors; XNNPACK widens to int16 before adding, so no overflow fix.
+    methods=("minmax", "percentile"), per_channel=True, overflow_fixes=(NO_FIX,),
+    options={"io": "--io", "ranges_from": "--ranges-from"}, options_word="a LiteRT option", choices={"io": IO_TYPES},
+    check_settings=_check_settings, describe=_describe, output_name=_output_name,
     tune_refused="--backend litert: tune searches onnxruntime, pytorch and openvino; for TFLite use ptq quantize --backend litert "
                  "(--method, --per-tensor, --ranges-from a tuned onnxruntime model)",
     runtime_settings="ai-edge-litert Interpreter with its default XNNPACK delegate, num_threads threads, a fixed batch run that many images per invoke",
-    available=available,
 )

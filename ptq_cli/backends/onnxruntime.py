@@ -10,22 +10,14 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ptq_cli import inputs
 from ptq_cli.atomic import atomic_output
-from ptq_cli.backends.base import (
-    EMULATE,
-    PRUNING_METADATA_KEY,
-    QUANTIZATION_METADATA_KEY,
-    Backend,
-    LoadedModel,
-    QuantizationSettings,
-    QuantizedFile,
-    RunOptions,
-    finish_load,
-)
+from ptq_cli.backends import base
+from ptq_cli.backends.base import EMULATE, Backend, LoadedModel, QuantizationSettings, QuantizedFile, RunOptions, finish_load
 from ptq_cli.backends.model_file import graph_inputs, in_fixed_batches, model_input, num_classes, onnx_dims, read_bytes, read_onnx, resolve_threads
 from ptq_cli.cpu import EXACT
 from ptq_cli.errors import PtqError
@@ -48,9 +40,9 @@ def _dtype(model) -> tuple[str, dict | None]:
     import onnx
 
     stored = metadata(model)
-    if QUANTIZATION_METADATA_KEY in stored:
+    if base.QUANTIZATION_METADATA_KEY in stored:
         try:
-            settings = json.loads(stored[QUANTIZATION_METADATA_KEY])
+            settings = json.loads(stored[base.QUANTIZATION_METADATA_KEY])
             return str(settings["dtype"]), settings
         except (ValueError, KeyError, TypeError):
             pass  # unreadable settings: tell the type from the graph
@@ -134,7 +126,7 @@ def load(path: Path, options: RunOptions) -> LoadedModel:
     whole = data if model.ByteSize() == len(data) else model.SerializeToString()  # external weights read in
     threads, exact_int8 = resolve_threads(options.threads), options.exact_int8
     described, classes = describe_input(path, model)
-    note, chunk = None, None
+    note, chunk = None, 0  # chunk: a fixed batch the graph is tied to, or 0
     if described.batch is not None:
         freed = free_batch(path, model, described)
         if freed is not None:
@@ -160,7 +152,7 @@ def load(path: Path, options: RunOptions) -> LoadedModel:
         return in_fixed_batches(run, batch, chunk)
 
     def predict(batch: np.ndarray) -> np.ndarray:
-        if chunk is not None:
+        if chunk:
             if pool is None or len(batch) < 2 * chunk:
                 return run_fixed(batch)[: len(batch)]
             count = len(batch)
@@ -178,7 +170,7 @@ def sniff(head: bytes) -> bool:
     return True
 
 
-def preprocess(model, output: Path) -> None:
+def preprocess(model, output: Path | str) -> None:
     """onnxruntime's recommended pre-quantization step: shape inference plus its basic graph optimizer,
     which folds the batch-norm Mul/Add after each Conv into the Conv."""
     from onnxruntime.quantization import quant_pre_process
@@ -208,6 +200,29 @@ def _reader(input_name: str, images: np.ndarray, batch: int | None):
     return BatchReader()
 
 
+def _graph_to_quantize(model, settings: QuantizationSettings, workdir: Path) -> tuple[Any, list[Rewrite], dict | None]:
+    """(what quantize_static takes: the ModelProto or a rewritten graph's path, the space-to-depth rewrites,
+    the weight scale overrides of the overflow fix): onnxruntime's pre-processing, then ptq's rewrites."""
+    import onnx
+
+    source = model
+    if settings.preprocess:
+        source = str(workdir / "preprocessed.onnx")
+        preprocess(model, source)
+    rewrites: list[Rewrite] = []
+    if settings.space_to_depth:
+        graph = onnx.load(source) if isinstance(source, str) else onnx.ModelProto.FromString(model.SerializeToString())
+        graph, rewrites = space_to_depth_convs(graph, skip=set(settings.float_nodes))  # a float conv gains nothing
+        if rewrites:
+            source = str(workdir / "space_to_depth.onnx")
+            onnx.save(graph, source)
+    overrides = None
+    if settings.overflow_fix in overflow.OVERFLOW_FIXES and settings.weight_dtype == "int8":
+        graph = onnx.load(source) if isinstance(source, str) else model
+        overrides = overflow.weight_overrides(graph, settings.overflow_fix, settings.per_channel)
+    return source, rewrites, overrides
+
+
 def quantize(model, output: Path, settings: QuantizationSettings, calibration: np.ndarray, stored: dict[str, str]) -> QuantizedFile:
     """onnxruntime.quantization.quantize_static in QDQ format, written atomically.
 
@@ -218,7 +233,7 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
 
     quant_types = {"int8": QuantType.QInt8, "uint8": QuantType.QUInt8}
     methods = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy, "percentile": CalibrationMethod.Percentile}
-    extra_options = {"CalibPercentile": settings.percentile} if settings.percentile is not None else {}
+    extra_options: dict[str, object] = {"CalibPercentile": settings.percentile} if settings.percentile is not None else {}
     described, _ = describe_input(Path(model.graph.name or "model"), model)
     notes: list[str] = []
     fixed_batch = described.batch
@@ -229,20 +244,9 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
             notes.append(f"fixed batch {described.batch} made symbolic in the quantized model (same outputs)")
 
     with tempfile.TemporaryDirectory(prefix="ptq-quantize-") as workdir:
-        source = model  # quantize_static takes the ModelProto, or the preprocessed file's path
-        if settings.preprocess:
-            source = str(Path(workdir) / "preprocessed.onnx")
-            preprocess(model, source)
-        rewrites: list[Rewrite] = []
-        if settings.space_to_depth:
-            graph = onnx.load(source) if isinstance(source, str) else onnx.ModelProto.FromString(model.SerializeToString())
-            graph, rewrites = space_to_depth_convs(graph, skip=set(settings.float_nodes))  # a float conv gains nothing
-            if rewrites:
-                source = str(Path(workdir) / "space_to_depth.onnx")
-                onnx.save(graph, source)
-        if settings.overflow_fix in overflow.OVERFLOW_FIXES and settings.weight_dtype == "int8":
-            graph = onnx.load(source) if isinstance(source, str) else model
-            extra_options["TensorQuantOverrides"] = overflow.weight_overrides(graph, settings.overflow_fix, settings.per_channel)
+        source, rewrites, overrides = _graph_to_quantize(model, settings, Path(workdir))
+        if overrides is not None:
+            extra_options["TensorQuantOverrides"] = overrides
         # quantize_static print()s its histogram progress; stdout belongs to ptq's own output (--json).
         with atomic_output(output) as tmp, contextlib.redirect_stdout(io.StringIO()):
             try:
@@ -265,9 +269,9 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
             if rewrites:
                 quantized_pads(quantized)
             described_settings = {**asdict(settings), "space_to_depth_convs": [asdict(rewrite) for rewrite in rewrites]}
-            extra = json.loads(stored.pop(QUANTIZATION_METADATA_KEY, "{}"))
-            props = {QUANTIZATION_METADATA_KEY: json.dumps({**described_settings, **extra}), **stored}
-            props.update({key: value for key, value in metadata(model).items() if key == PRUNING_METADATA_KEY})  # a pruned source stays described
+            extra = json.loads(stored.pop(base.QUANTIZATION_METADATA_KEY, "{}"))
+            props = {base.QUANTIZATION_METADATA_KEY: json.dumps({**described_settings, **extra}), **stored}
+            props.update({key: value for key, value in metadata(model).items() if key == base.PRUNING_METADATA_KEY})  # a pruned source stays described
             onnx.helper.set_model_props(quantized, props)
             onnx.save(quantized, str(tmp))
             return QuantizedFile(tmp.stat().st_size, tuple(rewrites), tuple(notes))
@@ -294,27 +298,17 @@ def _int8_basis(path: Path, settings: dict | None, int8_path: str) -> str:
 
 
 BACKEND = Backend(
-    name=NAME,
-    suffixes=(SUFFIX,),
-    sniff=sniff,
-    load=load,
-    quantize=quantize,
-    format="QDQ",
-    methods=("minmax", "entropy", "percentile"),
-    per_channel=False,  # the seed study's per-tensor default
-    overflow_fixes=(overflow.FIRST_LAYER, overflow.ALL_LAYERS),
+    NAME, (SUFFIX,), sniff, load, quantize, format="QDQ", catch_all=True,
+    # Quantizing: the seed study's per-tensor default. Entropy is not tuned: quantize_static does not pass a
+    # histogram size to it, and with its default 128 bins equal to its 128 quantized bins the KL search has
+    # a single candidate, the full range (the MinMax model).
+    methods=("minmax", "entropy", "percentile"), tune_methods=("minmax", "percentile"), per_channel=False,
+    overflow_fixes=(overflow.FIRST_LAYER, overflow.ALL_LAYERS), options={"space_to_depth": "--space-to-depth"},
+    check_settings=_check_settings, output_name=_output_name,
     # onnxruntime's x86 int8 kernels (VNNI) multiply unsigned activations by signed weights; int8 x int8
     # and uint8 x uint8 fall back to slower paths. Per-channel weights with percentile calibration keep the accuracy.
     speed_preset={"dtype": "uint8", "weight_dtype": "int8", "per_channel": True, "method": "percentile"},
-    options={"space_to_depth": "--space-to-depth"},
-    check_settings=_check_settings,
-    output_name=_output_name,
-    # Entropy is left out: quantize_static does not pass a histogram size to it, and with its default 128
-    # bins equal to its 128 quantized bins the KL search has a single candidate, the full range (the MinMax model).
-    tune_methods=("minmax", "percentile"),
-    int8_kernels_vary=True,
-    reaches_int8_path=lambda overflow_fix, int8_path: True,
-    int8_basis=_int8_basis,
+    # Running: its exact u8 x s8 kernels have a session switch.
+    int8_kernels_vary=True, reaches_int8_path=lambda overflow_fix, int8_path: True, int8_basis=_int8_basis,
     runtime_settings="CPUExecutionProvider, 1 intra-op thread per run, allow_spinning 0, one shard per thread",
-    catch_all=True,
 )

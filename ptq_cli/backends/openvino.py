@@ -17,22 +17,13 @@ import sys
 import tempfile
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ptq_cli import inputs
-from ptq_cli.backends.base import (
-    PRUNING_METADATA_KEY,
-    QUANTIZATION_METADATA_KEY,
-    SOURCE_METADATA_KEY,
-    Backend,
-    LoadedModel,
-    QuantizationSettings,
-    QuantizedFile,
-    RunOptions,
-    finish_load,
-    short_node,
-)
+from ptq_cli.backends import base
+from ptq_cli.backends.base import Backend, LoadedModel, QuantizationSettings, QuantizedFile, RunOptions, finish_load, short_node
 from ptq_cli.backends.model_file import in_fixed_batches, metadata_object, model_input, num_classes, read_bytes, read_onnx, resolve_threads
 from ptq_cli.errors import PtqError
 from ptq_cli.transforms.overflow import ALL_LAYERS, FIRST_LAYER
@@ -43,7 +34,7 @@ PRECISIONS = ("f32", "bf16")
 DEFAULT_PRECISION = "f32"
 STATIC_SHAPES = 4  # batch sizes compiled for a static shape per model (each compile takes tens of milliseconds)
 RT_INFO_SECTION = "ptq"  # ptq's metadata in the IR's rt_info: ptq/<key>
-STORED_KEYS = (QUANTIZATION_METADATA_KEY, inputs.INPUT_METADATA_KEY, SOURCE_METADATA_KEY, PRUNING_METADATA_KEY)
+STORED_KEYS = (base.QUANTIZATION_METADATA_KEY, inputs.INPUT_METADATA_KEY, base.SOURCE_METADATA_KEY, base.PRUNING_METADATA_KEY)
 # The layers with weights: what NNCF quantizes and what --ignored-scope leaves in float.
 WEIGHTED_OPS = ("Convolution", "GroupConvolution", "ConvolutionBackpropData", "GroupConvolutionBackpropData", "MatMul")
 # A name OpenVINO made up while converting (Multiply_2903, from a process-wide counter): it changes from
@@ -106,31 +97,78 @@ def _dims(partial_shape) -> list:
     return [dim.get_length() if dim.is_static else None for dim in partial_shape]
 
 
+def _first_line(error: Exception) -> str:
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def _read(core, path: Path) -> tuple[Any, int, str]:
+    """(the model read by OpenVINO, its files' size and sha256), or a one-line error."""
+    digest, size = hashlib.sha256(), 0
+    for file in _files(path):
+        data = read_bytes(file)
+        digest.update(data)
+        size += len(data)
+    try:
+        model = core.read_model(str(path))
+    except Exception as error:  # OpenVINO raises RuntimeError subclasses for unreadable models
+        raise PtqError(f"{path}: OpenVINO cannot read it ({_first_line(error)})") from error
+    if len(model.inputs) != 1:
+        raise PtqError(f"{path}: {len(model.inputs)} inputs; ptq takes image classifiers with one image input")
+    if not model.outputs:
+        raise PtqError(f"{path}: the model has no outputs")
+    return model, size, digest.hexdigest()
+
+
+class _Compiled:
+    """The model compiled for the CPU, dynamic in its batch, and for each of the first STATIC_SHAPES batch
+    sizes it is given, a copy compiled for that static shape (its kernels skip the per-call shape inference)."""
+
+    def __init__(self, ov, core, model, path: Path, described: inputs.ModelInput, config: dict, chunk: int | None) -> None:
+        self.ov, self.core, self.model, self.path, self.described, self.config, self.chunk = ov, core, model, path, described, config, chunk
+        try:
+            compiled = self.core.compile_model(model, "CPU", config)
+        except Exception as error:  # noqa: BLE001
+            raise PtqError(f"{path}: OpenVINO cannot compile it ({_first_line(error)})") from error
+        self.dynamic = (compiled, compiled.create_infer_request())
+        self.static: dict[int, tuple | None] = {}
+
+    def _for(self, size: int) -> tuple:
+        if self.chunk is not None:  # a graph tied to its batch is already static
+            return self.dynamic
+        if size not in self.static and len(self.static) < STATIC_SHAPES:
+            try:
+                fixed = self.model.clone()
+                fixed.reshape({self.described.name: self.ov.PartialShape([size, *self.described.shape(1)[1:]])})
+                exact = self.core.compile_model(fixed, "CPU", self.config)
+                self.static[size] = (exact, exact.create_infer_request())
+            except Exception:  # noqa: BLE001  a graph that will not take this batch statically runs dynamic
+                self.static[size] = None
+        return self.static.get(size) or self.dynamic
+
+    def run(self, batch: np.ndarray) -> np.ndarray:
+        chosen, request = self._for(len(batch))
+        try:
+            # Shared buffers save a copy each way; the output is copied out before the next call reuses it.
+            outputs = request.infer({0: np.ascontiguousarray(batch)}, share_inputs=True, share_outputs=True)
+            return np.array(outputs[chosen.output(0)]).reshape(len(batch), -1)
+        except Exception as error:  # noqa: BLE001  OpenVINO's own exception types
+            raise PtqError(f"{self.path}: OpenVINO failed to run it ({_first_line(error)})") from error
+
+    def predict(self, batch: np.ndarray) -> np.ndarray:
+        return self.run(batch) if self.chunk is None else in_fixed_batches(self.run, batch, self.chunk)
+
+
 def load(path: Path, options: RunOptions) -> LoadedModel:
     """The model compiled for the CPU with the precision hint set (f32 unless told) and `threads` threads;
-    a fixed batch is reshaped to a dynamic one (OpenVINO re-infers the shapes), and each of the first
-    STATIC_SHAPES batch sizes it is given runs on a copy compiled for that size."""
+    a fixed batch is reshaped to a dynamic one (OpenVINO re-infers the shapes)."""
     ov = _openvino()
     path = Path(path)
     precision = options.precision or DEFAULT_PRECISION
     if precision not in PRECISIONS:
         raise PtqError(f"--precision: '{precision}' is not one of {', '.join(PRECISIONS)}")
     options = replace(options, precision=precision)
-    files = _files(path)
-    digest, size = hashlib.sha256(), 0
-    for file in files:
-        data = read_bytes(file)
-        digest.update(data)
-        size += len(data)
     core = ov.Core()
-    try:
-        model = core.read_model(str(path))
-    except Exception as error:  # OpenVINO raises RuntimeError subclasses for unreadable models
-        raise PtqError(f"{path}: OpenVINO cannot read it ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from error
-    if len(model.inputs) != 1:
-        raise PtqError(f"{path}: {len(model.inputs)} inputs; ptq takes image classifiers with one image input")
-    if not model.outputs:
-        raise PtqError(f"{path}: the model has no outputs")
+    model, size, sha256 = _read(core, path)
     stored = _stored(path, model)
     value = model.inputs[0]
     described = model_input(path, value.get_any_name(), _dims(value.get_partial_shape()), value.get_element_type() == ov.Type.f32)
@@ -142,45 +180,11 @@ def load(path: Path, options: RunOptions) -> LoadedModel:
             note = f"fixed batch {described.batch} made dynamic (OpenVINO reshape)"
         except Exception:  # noqa: BLE001  a graph tied to its batch: run it in chunks of that batch
             note, chunk = f"fixed batch {described.batch}: run {described.batch} at a time", described.batch
-    threads = resolve_threads(options.threads)
-    config = {"INFERENCE_PRECISION_HINT": precision, "INFERENCE_NUM_THREADS": threads}
-    try:
-        compiled = core.compile_model(model, "CPU", config)
-    except Exception as error:  # noqa: BLE001
-        raise PtqError(f"{path}: OpenVINO cannot compile it ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from error
-    dynamic = (compiled, compiled.create_infer_request())
-    # A batch size seen again runs on a model compiled for that static shape: OpenVINO's static-shape
-    # kernels skip the per-call shape inference of the dynamic model.
-    static: dict[int, tuple | None] = {}
-
-    def compiled_for(size: int) -> tuple:
-        if chunk is not None:  # a graph tied to its batch is already static
-            return dynamic
-        if size not in static and len(static) < STATIC_SHAPES:
-            try:
-                fixed = model.clone()
-                fixed.reshape({value.get_any_name(): ov.PartialShape([size, *described.shape(1)[1:]])})
-                exact = core.compile_model(fixed, "CPU", config)
-                static[size] = (exact, exact.create_infer_request())
-            except Exception:  # noqa: BLE001  a graph that will not take this batch statically runs dynamic
-                static[size] = None
-        return static.get(size) or dynamic
-
-    def run(batch: np.ndarray) -> np.ndarray:
-        chosen, request = compiled_for(len(batch))
-        try:
-            # Shared buffers save a copy each way; the output is copied out before the next call reuses it.
-            outputs = request.infer({0: np.ascontiguousarray(batch)}, share_inputs=True, share_outputs=True)
-            return np.array(outputs[chosen.output(0)]).reshape(len(batch), -1)
-        except Exception as error:  # noqa: BLE001  OpenVINO's own exception types
-            raise PtqError(f"{path}: OpenVINO failed to run it ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from error
-
-    def predict(batch: np.ndarray) -> np.ndarray:
-        return run(batch) if chunk is None else in_fixed_batches(run, batch, chunk)
-
-    quantization = metadata_object(path, stored, QUANTIZATION_METADATA_KEY)
+    config = {"INFERENCE_PRECISION_HINT": precision, "INFERENCE_NUM_THREADS": resolve_threads(options.threads)}
+    compiled = _Compiled(ov, core, model, path, described, config, chunk)
+    quantization = metadata_object(path, stored, base.QUANTIZATION_METADATA_KEY)
     dtype = str((quantization or {}).get("dtype") or ("int8" if any(op.get_type_name() == "FakeQuantize" for op in model.get_ops()) else "fp32"))
-    return finish_load(path, BACKEND, options, described=described, predict=predict, dtype=dtype, size_bytes=size, sha256=digest.hexdigest(),
+    return finish_load(path, BACKEND, options, described=described, predict=compiled.predict, dtype=dtype, size_bytes=size, sha256=sha256,
                        stored=stored, declared_classes=classes, quantization=quantization, note=note)
 
 
@@ -252,8 +256,8 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
             )
     except Exception as error:  # noqa: BLE001  NNCF raises its own types (e.g. for an unknown ignored layer)
         raise PtqError(f"nncf.quantize failed ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})") from error
-    extra = json.loads(stored.get(QUANTIZATION_METADATA_KEY, "{}"))
-    contents = {**stored, QUANTIZATION_METADATA_KEY: json.dumps({**asdict(settings), **extra})}
+    extra = json.loads(stored.get(base.QUANTIZATION_METADATA_KEY, "{}"))
+    contents = {**stored, base.QUANTIZATION_METADATA_KEY: json.dumps({**asdict(settings), **extra})}
     for key, value in contents.items():
         quantized.set_rt_info(value, [RT_INFO_SECTION, key])
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -310,27 +314,14 @@ def _fast_on_x86(settings: QuantizationSettings) -> bool:
 
 
 BACKEND = Backend(
-    name=NAME,
-    suffixes=(SUFFIX,),
-    sniff=sniff,
-    load=load,
-    quantize=quantize,
-    format="IR",
-    methods=("nncf",),  # NNCF's min/max statistics of its preset, then bias correction
-    per_channel=True,
-    overflow_fixes=(FIRST_LAYER, ALL_LAYERS),
+    NAME, (SUFFIX,), sniff, load, quantize, format="IR", available=available,
+    # Quantizing with NNCF: min/max statistics of its preset, then bias correction; weights per channel.
+    methods=("nncf",), per_channel=True, granularities=(True,), overflow_fixes=(FIRST_LAYER, ALL_LAYERS),
     options={"nncf_preset": "--preset", "bias_correction": "--bias-correction", "subset_size": "--subset-size", "float_nodes": "--ignored-scope"},
-    options_word="an NNCF option",
-    choices={"nncf_preset": NNCF_PRESETS, "bias_correction": BIAS_CORRECTIONS},
-    check_settings=_check_settings,
-    describe=_describe,
+    options_word="an NNCF option", choices={"nncf_preset": NNCF_PRESETS, "bias_correction": BIAS_CORRECTIONS},
+    check_settings=_check_settings, describe=_describe, tune_grid=_tune_grid, float_layers=layers, fast_on_x86=_fast_on_x86,
     describe_overflow_fix={FIRST_LAYER: "NNCF overflow fix, first layer", ALL_LAYERS: "NNCF overflow fix, all layers"},
-    tune_grid=_tune_grid,
-    granularities=(True,),  # NNCF quantizes weights per channel
-    float_layers=layers,
-    fast_on_x86=_fast_on_x86,
-    runs_suffixes=(".onnx",),
-    precisions=PRECISIONS,
+    # Running: ONNX files too (`--runtime openvino`), always with a precision hint.
+    runs_suffixes=(".onnx",), precisions=PRECISIONS,
     runtime_settings="CPU plugin, INFERENCE_NUM_THREADS threads, one synchronous infer request, compiled for each batch size",
-    available=available,
 )

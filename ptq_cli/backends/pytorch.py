@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -14,18 +15,9 @@ import numpy as np
 
 from ptq_cli import inputs, trust
 from ptq_cli.atomic import atomic_output
+from ptq_cli.backends import base
 from ptq_cli.backends import onnxruntime as ort_backend
-from ptq_cli.backends.base import (
-    EMULATE,
-    QUANTIZATION_METADATA_KEY,
-    Backend,
-    LoadedModel,
-    QuantizationSettings,
-    QuantizedFile,
-    RunOptions,
-    describe_settings,
-    finish_load,
-)
+from ptq_cli.backends.base import EMULATE, Backend, LoadedModel, QuantizationSettings, QuantizedFile, RunOptions, describe_settings, finish_load
 from ptq_cli.backends.model_file import in_fixed_batches, metadata_object, read_bytes, resolve_threads
 from ptq_cli.cpu import SATURATING
 from ptq_cli.errors import PtqError
@@ -191,8 +183,8 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
         for batch in batches:
             prepared(torch.from_numpy(batch))
     quantized = convert_fx(prepared)
-    extra = json.loads(stored.pop(QUANTIZATION_METADATA_KEY, "{}"))
-    contents = {**stored, QUANTIZATION_METADATA_KEY: json.dumps({**asdict(settings), **extra})}
+    extra = json.loads(stored.pop(base.QUANTIZATION_METADATA_KEY, "{}"))
+    contents = {**stored, base.QUANTIZATION_METADATA_KEY: json.dumps({**asdict(settings), **extra})}
     with atomic_output(output) as tmp:
         save_torchscript(quantized, tmp, batches[0][: 8 if fixed is None else fixed], contents, described)
         size = tmp.stat().st_size
@@ -207,8 +199,8 @@ def _read_metadata(raw: str) -> dict:
         return {}
     if not isinstance(data, dict):
         return {}
-    if "dtype" in data and QUANTIZATION_METADATA_KEY not in data:  # ptq 0.2's flat form: the settings themselves
-        return {QUANTIZATION_METADATA_KEY: json.dumps(data)} if data.get("dtype") != "fp32" else {}
+    if "dtype" in data and base.QUANTIZATION_METADATA_KEY not in data:  # ptq 0.2's flat form: the settings themselves
+        return {base.QUANTIZATION_METADATA_KEY: json.dumps(data)} if data.get("dtype") != "fp32" else {}
     return data
 
 
@@ -227,7 +219,7 @@ def load(path: Path, options: RunOptions) -> LoadedModel:
         raise PtqError(f"{path}: not a loadable TorchScript model ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from error
     module.eval()
     stored = _read_metadata(extra_files[TORCHSCRIPT_METADATA_FILE])
-    quantization = metadata_object(path, stored, QUANTIZATION_METADATA_KEY)
+    quantization = metadata_object(path, stored, base.QUANTIZATION_METADATA_KEY)
     dtype = (quantization or {}).get("dtype") or ("int8" if "quantize_per_tensor" in module.inlined_graph.str() else "fp32")
     torch.set_num_threads(threads)
 
@@ -245,24 +237,11 @@ def load(path: Path, options: RunOptions) -> LoadedModel:
                 return call(batch)
             return np.concatenate([call(chunk) for chunk in np.array_split(batch, -(-len(batch) // TORCH_CHUNK))])
 
-    candidates = PROBE_INPUTS
+    candidates: tuple[inputs.ModelInput, ...] = PROBE_INPUTS
     if MODEL_INPUT_KEY in stored:
-        try:
+        with contextlib.suppress(ValueError, TypeError):  # unreadable: probe the usual layouts
             candidates = (inputs.ModelInput(**json.loads(stored[MODEL_INPUT_KEY])),)
-        except (ValueError, TypeError):
-            pass
-    described, probe, cause = None, None, ""
-    for candidate in candidates:
-        try:
-            probe = predict(np.zeros(candidate.shape(candidate.batch or 1), dtype=np.float32))
-            described = candidate
-            break
-        except RuntimeError as error:
-            # A TorchScript error is a stack of frames; its last line says what went wrong.
-            cause = ([line for line in str(error).splitlines() if line.strip()][-1:] or [type(error).__name__])[0].strip()
-    if described is None:
-        shapes = " or ".join("x".join(map(str, c.shape(1))) for c in candidates)
-        raise PtqError(f"{path}: does not take a float32 batch of {shapes} ({cause})")
+    described, probe = _probe_input(path, predict, candidates)
     if probe.ndim != 2:
         raise PtqError(f"{path}: output shape {list(probe.shape)} is not N x classes")
     fixed = described.batch
@@ -274,6 +253,19 @@ def load(path: Path, options: RunOptions) -> LoadedModel:
 
     return finish_load(path, BACKEND, options, described=described, predict=predict, dtype=dtype, size_bytes=len(data),
                        sha256=hashlib.sha256(data).hexdigest(), stored=stored, declared_classes=int(probe.shape[1]), quantization=quantization)
+
+
+def _probe_input(path: Path, predict, candidates: tuple[inputs.ModelInput, ...]) -> tuple[inputs.ModelInput, np.ndarray]:
+    """The first input contract the TorchScript module runs (TorchScript declares no shapes), and its scores."""
+    cause = ""
+    for candidate in candidates:
+        try:
+            return candidate, predict(np.zeros(candidate.shape(candidate.batch or 1), dtype=np.float32))
+        except RuntimeError as error:
+            # A TorchScript error is a stack of frames; its last line says what went wrong.
+            cause = ([line for line in str(error).splitlines() if line.strip()][-1:] or [type(error).__name__])[0].strip()
+    shapes = " or ".join("x".join(map(str, c.shape(1))) for c in candidates)
+    raise PtqError(f"{path}: does not take a float32 batch of {shapes} ({cause})")
 
 
 def _check_settings(settings: dict) -> dict:
@@ -307,23 +299,12 @@ def _int8_basis(path: Path, settings: dict | None, int8_path: str) -> str:
 
 
 BACKEND = Backend(
-    name=NAME,
-    suffixes=(SUFFIX,),
-    sniff=sniff,
-    load=load,
-    quantize=quantize,
-    format="FX",
-    methods=("histogram", "minmax"),
-    per_channel=True,  # PyTorch's x86 default
-    overflow_fixes=(overflow.FIRST_LAYER, overflow.ALL_LAYERS),
-    check_settings=_check_settings,
-    describe=_describe,
-    describe_overflow_fix={overflow.ALL_LAYERS: "7-bit activations"},
-    leaves_layers_float=False,  # FX quantizes every layer it can
-    int8_kernels_vary=True,
-    reaches_int8_path=_reaches_int8_path,
-    int8_basis=_int8_basis,
-    spins_when_idle=True,
+    NAME, (SUFFIX,), sniff, load, quantize, format="FX", suffix_decides=True,
+    # Quantizing: PyTorch's x86 default is per-channel; FX quantizes every layer it can.
+    methods=("histogram", "minmax"), per_channel=True, leaves_layers_float=False,
+    overflow_fixes=(overflow.FIRST_LAYER, overflow.ALL_LAYERS), describe_overflow_fix={overflow.ALL_LAYERS: "7-bit activations"},
+    check_settings=_check_settings, describe=_describe,
+    # Running: fbgemm's kernels differ by CPU, with no switch; its OpenMP threads spin after a run.
+    int8_kernels_vary=True, reaches_int8_path=_reaches_int8_path, int8_basis=_int8_basis, spins_when_idle=True,
     runtime_settings="torch.set_num_threads(threads), chunks of 64 images",
-    suffix_decides=True,
 )

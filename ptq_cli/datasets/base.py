@@ -96,7 +96,7 @@ class Dataset(ABC):
         if split not in self.splits():
             raise PtqError(f"{self.root}: no '{split}' split (it has: {', '.join(self.splits())})")
         key = self.content_key(split)
-        decode_size = tuple(size) if size is not None and self.resizes_on_decode else None
+        decode_size = (int(size[0]), int(size[1])) if size is not None and self.resizes_on_decode else None
         shape = f"{decode_size[0]}x{decode_size[1]}" if decode_size else "native"
         cache_dir = cache.directory()
         entry = cache_dir / f"{self.format}-{key[:40]}-{split}-{shape}.npz" if cache_dir is not None else None
@@ -163,7 +163,7 @@ def resize(images: np.ndarray, size: tuple[int, int]) -> np.ndarray:
     out = np.empty((len(images), height, width, images.shape[3]), dtype=np.uint8)
     for index, image in enumerate(images):
         pixels = image[:, :, 0] if image.shape[2] == 1 else image
-        resized = np.asarray(Image.fromarray(pixels).resize((width, height), Image.BILINEAR))
+        resized = np.asarray(Image.fromarray(pixels).resize((width, height), Image.Resampling.BILINEAR))
         out[index] = resized.reshape(height, width, -1)
     return out
 

@@ -15,7 +15,7 @@ from ptq_cli import bounded
 try:  # numpy 2 pickles name numpy._core; the official batches, numpy 1's numpy.core
     from numpy._core.multiarray import _reconstruct
 except ImportError:  # pragma: no cover
-    from numpy.core.multiarray import _reconstruct
+    from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
 from ptq_cli.datasets.base import TEST, TRAIN, Dataset, file_digest
 from ptq_cli.errors import PtqError
 

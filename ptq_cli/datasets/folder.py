@@ -60,10 +60,10 @@ class ImageFolder(Dataset):
         listed = self.root / CLASSES_FILE
         if not listed.is_file():
             return tuple(first)
-        names = tuple(line.strip() for line in bounded.read_text(listed, "class list").splitlines() if line.strip())
-        if sorted(names) != sorted(first) or len(set(names)) != len(names):
-            raise PtqError(f"{listed}: lists {len(names)} classes that are not the {len(first)} class folders")
-        return names
+        listed_names = tuple(line.strip() for line in bounded.read_text(listed, "class list").splitlines() if line.strip())
+        if sorted(listed_names) != sorted(first) or len(set(listed_names)) != len(listed_names):
+            raise PtqError(f"{listed}: lists {len(listed_names)} classes that are not the {len(first)} class folders")
+        return listed_names
 
     def files(self, split: str) -> list[tuple[Path, int]]:
         """(image path, label) of the split, classes in label order, files sorted by name."""
@@ -117,7 +117,7 @@ class ImageFolder(Dataset):
             except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError, MemoryError) as error:
                 raise PtqError(f"{path}: not a readable image ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from error
             if size is not None and converted.size != (size[1], size[0]):
-                converted = converted.resize((size[1], size[0]), Image.BILINEAR)
+                converted = converted.resize((size[1], size[0]), Image.Resampling.BILINEAR)
             pixels = np.asarray(converted, dtype=np.uint8)
             images.append(pixels[..., None] if pixels.ndim == 2 else pixels)
         shapes = {image.shape for image in images}

@@ -29,7 +29,7 @@ class CalibrationSet:
     @property
     def per_class_counts(self) -> dict[str, int]:
         counts = np.bincount(self.labels, minlength=len(self.class_names))
-        return {name: int(count) for name, count in zip(self.class_names, counts)}
+        return {name: int(count) for name, count in zip(self.class_names, counts, strict=False)}
 
     @property
     def pixel_range(self) -> tuple[int, int]:

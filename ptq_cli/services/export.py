@@ -26,9 +26,12 @@ class CArrayExport:
 
 
 # C11's keywords, and names its headers define as macros: a symbol named so does not compile.
-C_KEYWORDS = frozenset("""auto break case char const continue default do double else enum extern float for goto if inline int long
-register restrict return short signed sizeof static struct switch typedef union unsigned void volatile while _Alignas _Alignof
-_Atomic _Bool _Complex _Generic _Imaginary _Noreturn _Static_assert _Thread_local bool true false NULL asm""".split())
+C_KEYWORDS = frozenset([
+    "auto", "break", "case", "char", "const", "continue", "default", "do", "double", "else", "enum", "extern", "float", "for",
+    "goto", "if", "inline", "int", "long", "register", "restrict", "return", "short", "signed", "sizeof", "static", "struct",
+    "switch", "typedef", "union", "unsigned", "void", "volatile", "while", "_Alignas", "_Alignof", "_Atomic", "_Bool",
+    "_Complex", "_Generic", "_Imaginary", "_Noreturn", "_Static_assert", "_Thread_local", "bool", "true", "false", "NULL", "asm",
+])
 
 
 def c_symbol(name: str) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -75,7 +76,7 @@ def make_settings(
     return PruningSettings(sparsity, scope, exclude_first, exclude_classifier, reconstruct)
 
 
-def weight_layers(model) -> list[tuple[object, str]]:
+def weight_layers(model) -> list[tuple[Any, str]]:
     """(node, weight initializer name) of every Conv, Gemm and MatMul with a constant weight, in graph order."""
     initializers = {init.name for init in model.graph.initializer}
     layers = []
@@ -172,7 +173,7 @@ def _activations(model, names: list[str], images: np.ndarray) -> dict[str, np.nd
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # keep every named tensor
     try:
         session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        return dict(zip(names, session.run(names, {session.get_inputs()[0].name: images})))
+        return dict(zip(names, session.run(names, {session.get_inputs()[0].name: images}), strict=True))
     except Exception as error:  # onnxruntime's own exception types
         raise PtqError(f"onnxruntime cannot run the layers for the re-fit ({str(error).splitlines()[0]}); try --no-reconstruct") from error
 
@@ -239,7 +240,7 @@ def prune(model_path: Path, output: Path, settings: PruningSettings, calibration
     model.CopyFrom(original)
     try:
         model, layers = prune_model(model, settings)
-        if settings.reconstruct and settings.sparsity > 0:
+        if settings.reconstruct and settings.sparsity > 0 and calibration_images is not None:
             refit(original, model, calibration_images, {layer.weight for layer in layers if layer.pruned})
     except PtqError as error:
         raise PtqError(f"{model_path}: {error}") from error

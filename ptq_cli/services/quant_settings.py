@@ -61,14 +61,9 @@ def make_settings(
     _backend_options(backend, {"nncf_preset": nncf_preset, "bias_correction": bias_correction, "subset_size": subset_size,
                                "float_nodes": tuple(float_nodes) or None, "io": io, "ranges_from": ranges_from, "space_to_depth": space_to_depth})
     preset = row.speed_preset if target else {}
-    dtype = dtype or preset.get("dtype") or DEFAULT_DTYPE
+    dtype, weight_dtype = _types(dtype or preset.get("dtype") or DEFAULT_DTYPE, weight_dtype or preset.get("weight_dtype"))
     per_channel = preset.get("per_channel") if per_channel is None else per_channel
     method_given = method or preset.get("method")
-    if dtype not in DTYPES:
-        raise PtqError(f"--dtype: '{dtype}' is not one of {', '.join(DTYPES)}")
-    weight_dtype = weight_dtype or preset.get("weight_dtype") or dtype
-    if weight_dtype not in DTYPES:
-        raise PtqError(f"--weight-dtype: '{weight_dtype}' is not one of {', '.join(DTYPES)}")
     fields = row.check_settings({
         "dtype": dtype, "weight_dtype": weight_dtype, "per_channel": per_channel, "method_given": method_given, "nncf_preset": nncf_preset,
         "bias_correction": bias_correction, "subset_size": subset_size, "io": io, "ranges_from": ranges_from,
@@ -77,30 +72,24 @@ def make_settings(
     method = method_given or row.methods[0]
     if method not in row.methods:
         raise PtqError(f"--method: '{method}' is not a {backend} calibration method ({', '.join(row.methods)})")
-    percentile = _percentile(method, percentile)
     cpus, overflow_fix = _cpus(row, cpus, overflow_fix)
-    if fields["overflow_fix"] is not None:  # the backend's own say (onnxruntime's u8 x u8 kernel needs no fix)
-        overflow_fix = fields["overflow_fix"]
     return QuantizationSettings(
-        backend=backend,
-        format=row.format,
-        dtype=dtype,
-        weight_dtype=weight_dtype,
-        per_channel=row.per_channel if per_channel is None else per_channel,
-        method=method,
-        percentile=percentile,
-        preprocess=preprocess,
-        target=target,
-        space_to_depth=bool(fields["space_to_depth"]),
-        nncf_preset=fields["nncf_preset"],
-        bias_correction=fields["bias_correction"],
-        subset_size=fields["subset_size"],
-        float_nodes=tuple(float_nodes),
-        io=fields["io"],
-        ranges_from=fields["ranges_from"],
-        cpus=cpus,
-        overflow_fix=overflow_fix,
+        backend=backend, format=row.format, dtype=dtype, weight_dtype=weight_dtype, per_channel=row.per_channel if per_channel is None else per_channel,
+        method=method, percentile=_percentile(method, percentile), preprocess=preprocess, target=target, float_nodes=tuple(float_nodes),
+        space_to_depth=bool(fields["space_to_depth"]), cpus=cpus,
+        overflow_fix=fields["overflow_fix"] or overflow_fix,  # the backend's own say first (onnxruntime's u8 x u8 kernel needs no fix)
+        **{name: fields[name] for name in ("nncf_preset", "bias_correction", "subset_size", "io", "ranges_from")},
     )
+
+
+def _types(dtype: str, weight_dtype: str | None) -> tuple[str, str]:
+    """(activation type, weight type): the weights follow the activations unless told."""
+    if dtype not in DTYPES:
+        raise PtqError(f"--dtype: '{dtype}' is not one of {', '.join(DTYPES)}")
+    weight_dtype = weight_dtype or dtype
+    if weight_dtype not in DTYPES:
+        raise PtqError(f"--weight-dtype: '{weight_dtype}' is not one of {', '.join(DTYPES)}")
+    return dtype, weight_dtype
 
 
 def _percentile(method: str, percentile: float | None) -> float | None:

@@ -79,7 +79,10 @@ def quantize_source(source: SourceModel, output: Path, settings: QuantizationSet
         inputs.INPUT_METADATA_KEY: source.loaded.preprocessing.to_json(),
         SOURCE_METADATA_KEY: source.loaded.info.sha256,
     }
-    return backends.backend(settings.backend).quantize(source.model, Path(output), settings, prepared, stored)
+    row = backends.backend(settings.backend)
+    if row.quantize is None:
+        raise PtqError(f"--backend {row.name}: runs models but does not quantize them")
+    return row.quantize(source.model, Path(output), settings, prepared, stored)
 
 
 def with_calibration(settings: QuantizationSettings, calibration: CalibrationSet) -> QuantizationSettings:

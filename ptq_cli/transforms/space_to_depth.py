@@ -121,7 +121,9 @@ def space_to_depth_convs(model, skip: frozenset[str] | set[str] = frozenset()):
     # By output name: the graph's node list changes under the loop.
     for key in [node.output[0] for node in graph.node if node.op_type == "Conv" and node.name not in skip]:
         conv = next(node for node in graph.node if node.op_type == "Conv" and node.output[0] == key)
-        weights = numpy_helper.to_array(initializers[conv.input[1]]) if conv.input[1] in initializers else None
+        if conv.input[1] not in initializers:
+            continue  # weights computed in the graph: not regrouped
+        weights = numpy_helper.to_array(initializers[conv.input[1]])
         has_bias = len(conv.input) > 2 and bool(conv.input[2])
         if has_bias and conv.input[2] not in initializers:
             continue

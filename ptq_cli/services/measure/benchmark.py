@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +14,7 @@ import numpy as np
 import ptq_cli
 from ptq_cli import backends, bounded
 from ptq_cli import cpu as cpu_info
+from ptq_cli.backends.base import LoadedModel
 from ptq_cli.backends.model_file import resolve_threads
 from ptq_cli.datasets import Dataset
 from ptq_cli.errors import PtqError
@@ -81,16 +82,25 @@ def benchmark_models(
     threads = resolve_threads(threads)
     models = [load_model(path, threads, flags, runtime, precision) for path in model_paths]
     models += [load_model(path, threads, flags, other_runtime, other_precision) for path, other_runtime, other_precision in also]
-    split = dataset.evaluation_split()
-    loaded = dataset.load(split, models[0].input.size) if models else None
+    if not models:
+        return []
+    loaded = dataset.load(dataset.evaluation_split(), models[0].input.size)
     for model in models:
         check_classes(model.info.path, model.num_classes, loaded.class_names, dataset.root)
-    pixels = loaded.images[:batch_size] if loaded is not None else None
-    if pixels is not None and len(pixels) < batch_size:  # a small dataset: its images again, to fill the batch
+    pixels = loaded.images[:batch_size]
+    if len(pixels) < batch_size:  # a small dataset: its images again, to fill the batch
         pixels = np.resize(pixels, (batch_size, *pixels.shape[1:]))
     # Each model's own input (size, layout, preprocessing), prepared before any timing.
     batches = [model.prepare(pixels) for model in models]
-    step = Steps(2 * (warmup + runs) * len(models), progress)
+    latencies, batch_seconds = _timed_in_turns(models, batches, warmup, runs, Steps(2 * (warmup + runs) * len(models), progress))
+    timestamp = datetime.now(UTC).isoformat(timespec="seconds")
+    return [_record(model, latency, seconds, threads, warmup, runs, batch_size, timestamp)
+            for model, latency, seconds in zip(models, latencies, batch_seconds, strict=True)]
+
+
+def _timed_in_turns(models: list[LoadedModel], batches: list[np.ndarray], warmup: int, runs: int,
+                    step: Callable[[], None]) -> tuple[list[list[float]], list[list[float]]]:
+    """(batch-1 latencies, batch times) of each model, timed in turns (see benchmark_models)."""
     latencies: list[list[float]] = [[] for _ in models]
     batch_seconds: list[list[float]] = [[] for _ in models]
 
@@ -112,43 +122,43 @@ def benchmark_models(
     # alone does not.
     for runtime in dict.fromkeys(runtimes[index] for index in quiet):
         in_turns([index for index in quiet if runtimes[index] == runtime], True, latencies)
-    # Throughput: onnxruntime (spinning off), OpenVINO and LiteRT in turns together, so their ratios to
-    # onnxruntime FP32 are measured in turns too; waking threads costs little against a batch.
+    # Throughput: the runtimes whose idle threads do not spin (onnxruntime with spinning off, OpenVINO,
+    # LiteRT) in turns together, so their ratios are measured in turns too; waking threads costs little
+    # against a batch.
     in_turns(quiet, False, batch_seconds)
-    # PyTorch's OpenMP threads keep spinning after a run and would slow whatever ran next: its models last.
+    # Those whose threads keep spinning after a run (PyTorch's OpenMP) would slow whatever ran next: last.
     for runtime in dict.fromkeys(runtime for runtime in runtimes if runtime in spinning):
         group = [index for index, other in enumerate(runtimes) if other == runtime]
         in_turns(group, True, latencies)
         in_turns(group, False, batch_seconds)
-    timestamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    records = []
-    for model, latency, seconds in zip(models, latencies, batch_seconds, strict=True):
-        p50, p95, p99 = (float(value) * 1000 for value in np.percentile(latency, [50, 95, 99]))
-        records.append(
-            BenchmarkRecord(
-                model_path=str(model.info.path),
-                model_sha256=model.info.sha256,
-                model_size_bytes=model.info.size_bytes,
-                runtime=model.info.runtime,
-                dtype=model.info.dtype,
-                threads=threads,
-                warmup=warmup,
-                runs=runs,
-                latency_ms_p50=round(p50, 4),
-                latency_ms_p95=round(p95, 4),
-                latency_ms_p99=round(p99, 4),
-                batch_size=batch_size,
-                images_per_second=round(batch_size / float(np.median(seconds)), 1),
-                timestamp=timestamp,
-                tool_version=ptq_cli.__version__,
-                runtime_settings=backends.backend(model.info.runtime).runtime_settings
-                + (f", precision hint {model.info.precision}" if model.info.precision else ""),
-                precision=model.info.precision,
-                cpu=cpu_info.current().as_record(),
-                target_cpus=(model.info.quantization or {}).get("cpus"),
-            )
-        )
-    return records
+    return latencies, batch_seconds
+
+
+def _record(model: LoadedModel, latency: list[float], seconds: list[float], threads: int, warmup: int, runs: int, batch_size: int,
+            timestamp: str) -> BenchmarkRecord:
+    p50, p95, p99 = (float(value) * 1000 for value in np.percentile(latency, [50, 95, 99]))
+    return BenchmarkRecord(
+        model_path=str(model.info.path),
+        model_sha256=model.info.sha256,
+        model_size_bytes=model.info.size_bytes,
+        runtime=model.info.runtime,
+        dtype=model.info.dtype,
+        threads=threads,
+        warmup=warmup,
+        runs=runs,
+        latency_ms_p50=round(p50, 4),
+        latency_ms_p95=round(p95, 4),
+        latency_ms_p99=round(p99, 4),
+        batch_size=batch_size,
+        images_per_second=round(batch_size / float(np.median(seconds)), 1),
+        timestamp=timestamp,
+        tool_version=ptq_cli.__version__,
+        runtime_settings=backends.backend(model.info.runtime).runtime_settings
+        + (f", precision hint {model.info.precision}" if model.info.precision else ""),
+        precision=model.info.precision,
+        cpu=cpu_info.current().as_record(),
+        target_cpus=(model.info.quantization or {}).get("cpus"),
+    )
 
 
 def benchmark_path(results_dir: Path, model_path: Path | str, tag: str = "") -> Path:

@@ -54,8 +54,7 @@ def scores_under_emulation(model_path: Path, batch: np.ndarray, threads: int = 1
     with tempfile.TemporaryDirectory(prefix="ptq-emulate-") as workdir:
         inputs, outputs = Path(workdir) / "inputs.npy", Path(workdir) / "scores.npy"
         np.save(inputs, batch)
-        command = [binary, "-cpu", QEMU_CPU, sys.executable, "-m", "ptq_cli.services.measure.emulate", str(Path(model_path).resolve()), str(inputs), str(outputs),
-                   str(threads)]
+        command = [binary, "-cpu", QEMU_CPU, sys.executable, "-m", __name__, str(Path(model_path).resolve()), str(inputs), str(outputs), str(threads)]
         environment = {**os.environ, "OMP_NUM_THREADS": str(threads), **({trust.ENV: "1"} if trust.trusting() else {})}
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_SECONDS, env=environment, check=False)

@@ -7,9 +7,9 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -18,7 +18,7 @@ from ptq_cli import backends, bounded, hardstop, settings
 from ptq_cli import cpu as cpu_info
 from ptq_cli.backends.base import EMULATE, LoadedModel
 from ptq_cli.backends.model_file import file_sha256, resolve_threads
-from ptq_cli.datasets import Dataset, open_dataset
+from ptq_cli.datasets import Dataset, LabelledImages, open_dataset
 from ptq_cli.errors import PtqError
 from ptq_cli.inputs import Preprocessing, PreprocessingFlags
 from ptq_cli.services.measure import emulate
@@ -158,65 +158,68 @@ def evaluate_model(
     check_classes(model.info.path, model.num_classes, test.class_names, dataset.root)
     if len(test.labels) == 0:
         raise PtqError(f"{dataset.root}: the {split} split has no images")
-    where = f"{dataset.root} ({split})"
-    images, labels = test.images, test.labels
-    if basis == EMULATE:
-        chosen = emulate.subset_indices(labels, subset)
-        images, labels = images[chosen], labels[chosen]
-        exact_predictions, inference_seconds = _predict(model, images, batch_size, model_path, where)
-        scores = emulate.scores_under_emulation(Path(model_path), model.prepare(images), resolve_threads(threads))
-        predictions = scores.argmax(axis=1)
-        if progress:
-            progress(len(labels), len(labels))
-        exact_same = round(100.0 * float(np.mean(exact_predictions == labels)), 4)
-        basis = (f"emulated ({emulate.describe()}) on {len(labels):,} of {len(test.labels):,} images (first of each class); "
-                 f"exact path on the same images: {exact_same:.2f}%")
-    else:
-        predictions, inference_seconds = _predict(model, images, batch_size, model_path, where, progress)
-        exact_same = None
-    total = len(labels)
-
-    num_classes = len(test.class_names)
-    confusion = np.zeros((num_classes, num_classes), dtype=np.int64)
+    labels, predictions, inference_seconds, exact_same, basis = _measure(model, test, basis, batch_size, Path(model_path),
+                                                                         f"{dataset.root} ({split})", threads, subset, progress)
+    confusion = np.zeros((len(test.class_names), len(test.class_names)), dtype=np.int64)
     np.add.at(confusion, (labels, predictions), 1)
-    correct = int(np.trace(confusion))
-    accuracy = 100.0 * correct / total
-    per_class = [100.0 * float(confusion[index, index]) / row_total if (row_total := confusion[index].sum()) else None
-                 for index in range(num_classes)]
     return EvaluationRecord(
-        model_path=str(model.info.path),
-        model_sha256=model.info.sha256,
-        model_size_bytes=model.info.size_bytes,
-        runtime=model.info.runtime,
-        dtype=model.info.dtype,
-        quantization=model.info.quantization,
+        **_model_fields(model),
         dataset=str(dataset.root),
-        images=total,
-        correct=correct,
-        accuracy=round(accuracy, 4),
+        images=len(labels),
+        correct=int(np.trace(confusion)),
+        accuracy=round(100.0 * int(np.trace(confusion)) / len(labels), 4),
         class_names=list(test.class_names),
-        per_class_accuracy=[None if value is None else round(value, 4) for value in per_class],
+        per_class_accuracy=_per_class(confusion),
         confusion_matrix=confusion.tolist(),
-        images_per_second=round(total / max(inference_seconds, 1e-9), 1),
+        images_per_second=round(len(labels) / max(inference_seconds, 1e-9), 1),
         batch_size=batch_size,
         threads=resolve_threads(threads),
-        timestamp=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        timestamp=datetime.now(UTC).isoformat(timespec="seconds"),
         tool_version=ptq_cli.__version__,
-        pruning=model.info.pruning,
         dataset_format=dataset.format,
         split=split,
         dataset_sha256=test.content_sha256,
-        source_sha256=model.info.source_sha256,
-        model_input=model.describe_input(),
-        preprocessing=model.preprocessing.describe(),
-        preprocessing_settings=asdict(model.preprocessing),
-        precision=model.info.precision,
         label=label,
         cpu=cpu.as_record(),
         int8_path=path_measured,
         int8_basis=basis,
         exact_accuracy_same_images=exact_same,
     )
+
+
+def _model_fields(model: LoadedModel) -> dict:
+    """What an evaluation record says of the model: its file, how it was made, and how it was fed."""
+    return {
+        "model_path": str(model.info.path), "model_sha256": model.info.sha256, "model_size_bytes": model.info.size_bytes,
+        "runtime": model.info.runtime, "dtype": model.info.dtype, "quantization": model.info.quantization, "pruning": model.info.pruning,
+        "source_sha256": model.info.source_sha256, "precision": model.info.precision, "model_input": model.describe_input(),
+        "preprocessing": model.preprocessing.describe(), "preprocessing_settings": asdict(model.preprocessing),
+    }
+
+
+def _measure(model: LoadedModel, test: LabelledImages, basis: str, batch_size: int, model_path: Path, where: str, threads: int | None,
+             subset: int, progress: ProgressCallback | None) -> tuple[np.ndarray, np.ndarray, float, float | None, str]:
+    """(labels, predictions, inference seconds, the exact path's top-1 on an emulated subset, basis): the
+    whole split, or under emulation its `subset` (the first images of each class)."""
+    if basis != EMULATE:
+        predictions, seconds = _predict(model, test.images, batch_size, model_path, where, progress)
+        return test.labels, predictions, seconds, None, basis
+    chosen = emulate.subset_indices(test.labels, subset)
+    images, labels = test.images[chosen], test.labels[chosen]
+    exact_predictions, seconds = _predict(model, images, batch_size, model_path, where)
+    predictions = emulate.scores_under_emulation(model_path, model.prepare(images), resolve_threads(threads)).argmax(axis=1)
+    if progress:
+        progress(len(labels), len(labels))
+    exact_same = round(100.0 * float(np.mean(exact_predictions == labels)), 4)
+    basis = (f"emulated ({emulate.describe()}) on {len(labels):,} of {len(test.labels):,} images (first of each class); "
+             f"exact path on the same images: {exact_same:.2f}%")
+    return labels, predictions, seconds, exact_same, basis
+
+
+def _per_class(confusion: np.ndarray) -> list[float | None]:
+    """Top-1 of each class in percent (its row of the confusion matrix); None for a class with no images."""
+    rows = confusion.sum(axis=1)
+    return [round(100.0 * float(confusion[index, index]) / rows[index], 4) if rows[index] else None for index in range(len(confusion))]
 
 
 def path_tag(int8_path: str | None, int8_basis: str = "") -> str:
@@ -271,7 +274,7 @@ def read_record(path: Path) -> EvaluationRecord:
         if not isinstance(data, dict):
             raise ValueError("not a JSON object")
         record = from_dict(EvaluationRecord, data)
-        if not (0 <= record.accuracy <= 100 and 0 < record.images and 0 <= record.correct <= record.images and record.model_size_bytes >= 0):
+        if not (0 <= record.accuracy <= 100 and record.images > 0 and 0 <= record.correct <= record.images and record.model_size_bytes >= 0):
             raise ValueError("accuracy, correct/images or size out of range")
         classes = len(record.class_names)
         bounded.check_count(path, classes, bounded.CLASSES, f"{classes:,} class names")
@@ -341,8 +344,11 @@ OK, STALE, MISSING = "ok", "stale", "missing"
 
 
 class BenchmarkLike(Protocol):
-    runtime: str
-    precision: str | None
+    @property
+    def runtime(self) -> str: ...
+
+    @property
+    def precision(self) -> str | None: ...
 
 
 def record_status(record: EvaluationRecord) -> str:
@@ -433,28 +439,16 @@ class Evaluated:
     reference_status: str = OK  # whether the reference's file is still the one its record measured
 
 
-def evaluate_and_save(
-    model_path: Path,
-    dataset: Dataset,
-    results_dir: Path,
-    batch_size: int = settings.EVALUATION_BATCH,
-    threads: int | None = None,
-    progress: ProgressCallback | None = None,
-    flags: PreprocessingFlags | None = None,
-    runtime: str | None = None,
-    precision: str | None = None,
-    label: str | None = None,
-    int8_path: str | None = None,
-    subset: int = emulate.DEFAULT_SUBSET,
-) -> Evaluated:
-    """Evaluate, write the record, and evaluate the model's FP32 source too when its record on this
-    dataset is missing (fed exactly as the model was), so the delta is always against a measurement."""
-    record = evaluate_model(model_path, dataset, batch_size, threads, progress, flags, runtime, precision, label, int8_path, subset)
+def evaluate_and_save(model_path: Path, dataset: Dataset, results_dir: Path, progress: ProgressCallback | None = None, **how: Any) -> Evaluated:
+    """Evaluate (`how`: evaluate_model's options), write the record, and evaluate the model's FP32 source
+    too when its record on this dataset is missing (fed exactly as the model was), so the delta is always
+    against a measurement."""
+    record = evaluate_model(model_path, dataset, progress=progress, **how)
     path = save_record(record, results_dir, dataset)
     records = load_records(results_dir).records
     source = source_to_evaluate(record, records)
     if source is not None:
-        source_record = evaluate_model(source, dataset, batch_size, threads, None, flags_of(record))
+        source_record = evaluate_model(source, dataset, how.get("batch_size", settings.EVALUATION_BATCH), how.get("threads"), None, flags_of(record))
         save_record(source_record, results_dir, dataset)
         records.append(source_record)
     reference = fp32_reference(records, record) if record.dtype != "fp32" or record.source_sha256 else None
@@ -482,4 +476,4 @@ def int8_paths_for(model_path: Path, paths: tuple[str | None, ...]) -> tuple[str
     if model.info.dtype == "fp32" or not backends.backend(model.info.runtime).int8_kernels_vary:
         return (None,)
     fix = (model.info.quantization or {}).get("overflow_fix")
-    return tuple(path for path in paths if path == cpu_info.current().int8_path or other_path_measurable(model.info.runtime, fix, path))
+    return tuple(path for path in paths if path == cpu_info.current().int8_path or (path is not None and other_path_measurable(model.info.runtime, fix, path)))

@@ -11,12 +11,15 @@ import types
 import typing
 from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 from ptq_cli.atomic import is_temporary, write_text
 from ptq_cli.settings import MANIFEST_NAME
 
-Record = TypeVar("Record")
+Record = TypeVar("Record", bound="DataclassInstance")
 # Fields renamed since records were first written: an older record still loads.
 RENAMED_FIELDS = {"framework": "runtime"}
 

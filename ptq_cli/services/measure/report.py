@@ -183,10 +183,9 @@ def _row(record: EvaluationRecord, records: list[EvaluationRecord], benchmarks: 
     reference = fp32_reference(records, record) if (record.dtype != "fp32" or record.source_sha256) else None
     reference = None if reference is not None and reference.model_sha256 == record.model_sha256 else reference
     runtime_fp32 = _source_on_its_runtime(record, records)
-    comparable = runtime_fp32 is not None and runtime_fp32.model_sha256 != record.model_sha256 and record.dtype != "fp32"
     speed, source = _speed(record, benchmarks)
     speedup = size_reduction = None
-    if comparable:
+    if runtime_fp32 is not None and runtime_fp32.model_sha256 != record.model_sha256 and record.dtype != "fp32":
         speedup = _ratio(record, runtime_fp32, benchmarks)
         size_reduction = round(1.0 - record.model_size_bytes / runtime_fp32.model_size_bytes, 4)
     benchmark = benchmarks.get(benchmark_key(record.model_sha256, record.runtime, record.precision))
@@ -221,8 +220,10 @@ def _row(record: EvaluationRecord, records: list[EvaluationRecord], benchmarks: 
 def _int8_fields(record: EvaluationRecord, saturating: EvaluationRecord | None, reference: EvaluationRecord | None) -> dict:
     if record.int8_path == SATURATING:  # no exact-path figure: the row's own is the saturating one
         saturating = record
-    fields: dict = {"int8_path": record.int8_path, "int8_kernels_vary": backends.backend(record.runtime).int8_kernels_vary if record.runtime in backends.TABLE else False, "cpus": (record.quantization or {}).get("cpus"), "measured_on": cpu_info.describe_record(record.cpu),
-                    "other_cpu": bool(record.cpu) and record.cpu.get("int8_path") != cpu_info.current().int8_path}
+    row = backends.TABLE.get(record.runtime)
+    fields: dict = {"int8_path": record.int8_path, "int8_kernels_vary": bool(row and row.int8_kernels_vary), "cpus": (record.quantization or {}).get("cpus"),
+                    "measured_on": cpu_info.describe_record(record.cpu),
+                    "other_cpu": bool(record.cpu) and (record.cpu or {}).get("int8_path") != cpu_info.current().int8_path}
     if saturating is not None:
         fields.update(saturating_accuracy=saturating.accuracy, saturating_basis=saturating.int8_basis, saturating_images=saturating.images,
                       saturating_exact_same_images=saturating.exact_accuracy_same_images)
@@ -237,7 +238,7 @@ def _int8_fields(record: EvaluationRecord, saturating: EvaluationRecord | None, 
 def _class_losses(record: EvaluationRecord, reference: EvaluationRecord) -> list[ClassLoss]:
     return [
         ClassLoss(record.name, name, accuracy, reference_accuracy)
-        for name, accuracy, reference_accuracy in zip(record.class_names, record.per_class_accuracy, reference.per_class_accuracy)
+        for name, accuracy, reference_accuracy in zip(record.class_names, record.per_class_accuracy, reference.per_class_accuracy, strict=False)
         if accuracy is not None and reference_accuracy is not None
     ]
 
@@ -266,10 +267,10 @@ def _group(records: list[EvaluationRecord], benchmarks: dict[str, BenchmarkRecor
     baseline = min(roots, key=lambda row: (row.runtime != BASE_RUNTIME, row.precision or ""), default=None) \
         or next((row for row in rows if row.dtype == "fp32"), None)
     first = records[0]
-    reference = next((row for row in rows if row.label == settings.MLPERF_REFERENCE_LABEL), None)
+    mlperf = next((row for row in rows if row.label == settings.MLPERF_REFERENCE_LABEL), None)
     label = first.dataset_label + (f", models made from {baseline.model}" if several and baseline is not None else "")
     return DatasetGroup(label, first.dataset, first.images, rows, tuple(first.class_names), losses[:worst_classes],
-                        recommendation, baseline, reference, _versus_reference(rows, reference))
+                        recommendation, baseline, mlperf, _versus_reference(rows, mlperf))
 
 
 def _versus_reference(rows: list[ReportRow], reference: ReportRow | None) -> tuple[ReferenceComparison, ...]:

@@ -11,20 +11,22 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
+import shlex
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
+from functools import partial
 from importlib import metadata as package_metadata
 from pathlib import Path
+from typing import Any
 
 import ptq_cli
-from ptq_cli import bounded, settings
+from ptq_cli import backends, bounded, settings
 from ptq_cli import cpu as cpu_info
-from ptq_cli.atomic import check_writable, write_text
-from ptq_cli.backends import litert as litert_backend
-from ptq_cli.backends import openvino as openvino_backend
+from ptq_cli.atomic import check_writable, companions, write_text
+from ptq_cli.backends.model_file import resolve_threads
 from ptq_cli.datasets import Dataset, open_dataset
 from ptq_cli.errors import PtqError
 from ptq_cli.inputs import PreprocessingFlags
@@ -33,6 +35,7 @@ from ptq_cli.services import convert as convert_service
 from ptq_cli.services import quant_settings
 from ptq_cli.services import quantize as quantize_service
 from ptq_cli.services.measure import benchmark as benchmark_service
+from ptq_cli.services.measure import emulate
 from ptq_cli.services.measure import evaluate as evaluate_service
 from ptq_cli.services.measure import report as report_service
 from ptq_cli.services.models import load_model
@@ -41,28 +44,29 @@ MANIFEST_SCHEMA = 1
 LIBRARIES = ("numpy", "onnx", "onnxruntime", "torch", "onnx2torch", "tensorflow-cpu", "tf2onnx", "typer", "rich", "pillow")
 # ptq quantize options of the quantized models, in the order `make run` always made them; each is named
 # by quantize's default_output (resnet8_int8.onnx, resnet8_uint8.onnx, resnet8_uint8_speed.onnx, resnet8_pytorch_int8.pt).
-QUANTIZED = ({"dtype": "int8"}, {"dtype": "uint8"}, {"target": "speed"}, {"backend": "pytorch", "dtype": "int8"})
+QUANTIZED: tuple[dict[str, Any], ...] = ({"dtype": "int8"}, {"dtype": "uint8"}, {"target": "speed"}, {"backend": "pytorch", "dtype": "int8"})
 # With the openvino extra: NNCF int8 with full bias correction (the more accurate of NNCF's two on ResNet8,
 # README), and the FP32 model run on OpenVINO at f32 to compare it with on its own runtime.
-OPENVINO_QUANTIZED = {"backend": "openvino", "bias_correction": "full"}
+OPENVINO_QUANTIZED: dict[str, Any] = {"backend": "openvino", "bias_correction": "full"}
 # With the litert extra (the study only: LiteRT quantizes the Keras source): the converter's own calibration,
 # and the same with the activation ranges of the `--target speed` onnxruntime model (both models on one grid).
-LITERT_QUANTIZED = ({"backend": "litert"}, {"backend": "litert", "ranges_from": "speed"})
+LITERT_QUANTIZED: tuple[dict[str, Any], ...] = ({"backend": "litert"}, {"backend": "litert", "ranges_from": "speed"})
+# The backends the study names (its recipe above is data; which of them run is the user's and the extras' say).
+PYTORCH, OPENVINO, LITERT = "pytorch", "openvino", "litert"
 # On a VNNI CPU the saturating path of a model that cannot be proven exact is emulated (about 35 to 70 s
 # for 1,000 images on 2 cores): the study emulates this many, so that `ptq run` stays within minutes.
 RUN_EMULATED_IMAGES = 500
 
 
 @dataclass(frozen=True)
-class RunOptions:
+class StudyOptions:
     keras_model: Path | None  # the study's source; None when `model` is given
     data_dir: Path
     model: Path | None = None  # a user's FP32 ONNX model: no Keras step, outputs named after it
     calibration_data: Path | None = None
     flags: PreprocessingFlags = PreprocessingFlags()
-    pytorch: bool = True  # also convert to TorchScript and quantize with PyTorch
-    openvino: bool = True  # also quantize with NNCF and run on OpenVINO, when the extra is installed
-    litert: bool = True  # also quantize to TFLite and evaluate the MLPerf Tiny int8 reference (the study only), when the extra is installed
+    # Backends the user left out of the study (`--no-pytorch`...); one whose extra is not installed is left out too.
+    without: frozenset[str] = frozenset()
     samples_per_class: int | None = None  # None: the default, or all of the smallest class when it has fewer
     seed: int = settings.SEED
     benchmark: bool = True
@@ -72,17 +76,31 @@ class RunOptions:
     markdown: Path = settings.MARKDOWN_REPORT
     force: bool = False
 
+    def uses(self, backend: str) -> bool:
+        return backend not in self.without and backends.backend(backend).available()
+
 
 @dataclass(frozen=True)
 class Stage:
+    """One step of the study: the ptq command it is (its name and arguments, which render its command line)
+    and the service call that does the same, with what it reads and writes."""
+
     name: str
-    command: str  # the equivalent single ptq command, for people reading the manifest
+    command: str  # the ptq command, e.g. "quantize"
+    arguments: tuple[str, ...]  # its options as a user would type them
     inputs: tuple[Path, ...]
     outputs: tuple[Path, ...]
-    options: dict
+    options: dict  # what decides its outputs besides its inputs (the manifest compares them)
     action: Callable[[], object]
     # Dataset splits read, hashed by content as one input each (a folder of 10,000 images is one entry).
     data_inputs: tuple[tuple[Dataset, str], ...] = ()
+    note: str = ""  # what the command line does not say
+
+    @property
+    def command_line(self) -> str:
+        """The equivalent single ptq command, for people reading the manifest."""
+        line = " ".join(["ptq", self.command, *(shlex.quote(argument) for argument in self.arguments)])
+        return f"{line} ({self.note})" if self.note else line
 
 
 @dataclass(frozen=True)
@@ -130,146 +148,209 @@ class _Hashes:
         return self.known[key]
 
 
-def _flag_text(flags: PreprocessingFlags) -> str:
-    parts = []
+def _flag_arguments(flags: PreprocessingFlags) -> tuple[str, ...]:
+    """The preprocessing options that give these flags."""
+    arguments: list[str] = []
     if flags.preset:
-        parts.append(f"--preprocess {flags.preset}")
+        arguments += ["--preprocess", flags.preset]
     if flags.scale is not None:
-        parts.append(f"--scale {flags.scale:g}")
+        arguments += ["--scale", f"{flags.scale:g}"]
     for name in ("mean", "std"):
-        if getattr(flags, name) is not None:
-            parts.append(f"--{name} {','.join(f'{value:g}' for value in getattr(flags, name))}")
+        values = getattr(flags, name)
+        if values is not None:
+            arguments += [f"--{name}", ",".join(f"{value:g}" for value in values)]
     if flags.bgr is not None:
-        parts.append("--bgr" if flags.bgr else "--rgb")
-    return (" " + " ".join(parts)) if parts else ""
+        arguments.append("--bgr" if flags.bgr else "--rgb")
+    return tuple(arguments)
 
 
-def plan(options: RunOptions, render_markdown: Callable[[report_service.Report], str]) -> list[Stage]:
-    """The stages of `make run`, in order; each reads only files earlier stages (or the user) provide."""
-    data, results, flags = options.data_dir, options.results_dir, options.flags
-    dataset = open_dataset(data)
+def _option_arguments(chosen: dict) -> tuple[str, ...]:
+    return tuple(token for key, value in chosen.items() for token in (f"--{key.replace('_', '-')}", str(value)))
+
+
+@dataclass(frozen=True)
+class _Study:
+    """What the stages of one plan share."""
+
+    options: StudyOptions
+    dataset: Dataset
+    calibration_dataset: Dataset
+    fp32: Path
+    calibration: Path
+    quantized: list[tuple[Path, dict[str, Any]]]  # each quantized model and its quantize options
+
+    @property
+    def results(self) -> Path:
+        return self.options.results_dir
+
+    @property
+    def test(self) -> tuple[tuple[Dataset, str], ...]:
+        return ((self.dataset, self.dataset.evaluation_split()),)
+
+    @property
+    def data_arguments(self) -> tuple[str, ...]:
+        calibration = ("--calibration-data", str(self.options.calibration_data)) if self.options.calibration_data else ()
+        return ("--data", str(self.options.data_dir), *calibration, *_flag_arguments(self.options.flags))
+
+    @property
+    def flag_options(self) -> dict:
+        return {key: value for key, value in asdict(self.options.flags).items() if value is not None}
+
+    @property
+    def run_options(self) -> dict:
+        """What decides an evaluation besides its inputs: the threads, and the int8 path this CPU takes (a
+        machine of the other kind evaluates again)."""
+        return {**({"threads": self.options.threads} if self.options.threads else {}), "cpu_int8_path": cpu_info.current().int8_path}
+
+    @property
+    def openvino_fp32(self) -> tuple[tuple[Path, str, str], ...]:
+        """The FP32 model on OpenVINO at f32, to compare NNCF's model with on its own runtime."""
+        return ((self.fp32, OPENVINO, "f32"),) if self.options.uses(OPENVINO) else ()
+
+    def evaluate(self, model: Path, label: str | None = None, runtime: str | None = None, precision: str | None = None,
+                 int8_path: str | None = None, subset: int = emulate.DEFAULT_SUBSET) -> Path:
+        record = evaluate_service.evaluate_model(model, self.dataset, threads=self.options.threads, flags=self.options.flags, runtime=runtime,
+                                                 precision=precision, label=label, int8_path=int8_path, subset=subset)
+        return evaluate_service.save_record(record, self.results, self.dataset)
+
+
+def _study(options: StudyOptions) -> tuple[_Study, StudyOptions]:
+    dataset = open_dataset(options.data_dir)
     calibration_dataset = open_dataset(options.calibration_data) if options.calibration_data else dataset
     if options.calibration_data is None and dataset.single_set:
-        raise PtqError(f"{data}: one set of images with no train split: give --calibration-data to calibrate on other images")
-    test = ((dataset, dataset.evaluation_split()),)
-    train = ((calibration_dataset, calibration_dataset.calibration_split()),)
-    data_flags = f" --data {data}" + (f" --calibration-data {options.calibration_data}" if options.calibration_data else "") + _flag_text(flags)
-    flag_options = {key: value for key, value in asdict(flags).items() if value is not None}
+        raise PtqError(f"{options.data_dir}: one set of images with no train split: give --calibration-data to calibrate on other images")
     if options.samples_per_class is None:
         options = replace(options, samples_per_class=calibration_service.default_samples_per_class(calibration_dataset))
     fp32 = options.model if options.model is not None else settings.FP32_ONNX
-    stem = Path(fp32).stem
-    fp32_torch = settings.MODELS_DIR / f"{stem}.pt"
-    calibration = settings.CALIBRATION_FILE if options.model is None else settings.CALIBRATION_FILE.with_name(f"{stem}_calib.npz")
-    quantized = [(quantize_service.default_output(fp32, quant_settings.make_settings(**quantize_options), settings.MODELS_DIR), quantize_options)
-                 for quantize_options in QUANTIZED if options.pytorch or quantize_options.get("backend") != "pytorch"]
-    with_openvino = options.openvino and openvino_backend.available()
-    if with_openvino:
-        quantized.append((quantize_service.default_output(fp32, quant_settings.make_settings(**OPENVINO_QUANTIZED), settings.MODELS_DIR),
-                          OPENVINO_QUANTIZED))
-    with_litert = options.litert and options.model is None and litert_backend.available()
-    if with_litert:
+    calibration = settings.CALIBRATION_FILE if options.model is None else settings.CALIBRATION_FILE.with_name(f"{Path(fp32).stem}_calib.npz")
+    chosen: list[dict[str, Any]] = [choice for choice in QUANTIZED if options.uses(choice.get("backend", backends.DEFAULT))]
+    if options.uses(OPENVINO):
+        chosen.append(OPENVINO_QUANTIZED)
+    if options.uses(LITERT) and options.model is None:  # LiteRT quantizes the study's Keras source
         speed = quantize_service.default_output(fp32, quant_settings.make_settings(target="speed"), settings.MODELS_DIR)
-        for litert_options in LITERT_QUANTIZED:
-            litert_options = {**litert_options, "ranges_from": str(speed)} if "ranges_from" in litert_options else litert_options
-            quantized.append((quantize_service.default_output(fp32, quant_settings.make_settings(**litert_options), settings.MODELS_DIR),
-                              litert_options))
-    models = [fp32, *([fp32_torch] if options.pytorch else []), *(path for path, _ in quantized)]
+        chosen += [{**choice, "ranges_from": str(speed)} if "ranges_from" in choice else choice for choice in LITERT_QUANTIZED]
+    quantized = [(quantize_service.default_output(fp32, quant_settings.make_settings(**choice), settings.MODELS_DIR), choice) for choice in chosen]
+    return _Study(options, dataset, calibration_dataset, fp32, calibration, quantized), options
+
+
+def _torch_fp32(study: _Study) -> Path:
+    return settings.MODELS_DIR / f"{Path(study.fp32).stem}.pt"
+
+
+def _source_stages(study: _Study) -> list[Stage]:
+    options, fp32 = study.options, study.fp32
     stages = []
-    if options.model is None:
-        stages.append(Stage("convert keras -> onnx", f"ptq convert --keras {options.keras_model}{data_flags}", (options.keras_model,), (fp32,),
-                            {"opset": 13, **flag_options},
-                            lambda: convert_service.keras_to_onnx(options.keras_model, fp32, dataset, flags=flags), test))
-    if options.pytorch:
-        stages.append(Stage("convert onnx -> pytorch", f"ptq convert --onnx {fp32} --torch {fp32_torch}{data_flags}", (fp32,), (fp32_torch,), flag_options,
-                            lambda: convert_service.onnx_to_torchscript(fp32, fp32_torch, dataset, flags=flags), test))
-    stages.append(Stage("calibrate", f"ptq calibrate --model {fp32} --samples-per-class {options.samples_per_class} --seed {options.seed}{data_flags}",
-                        (fp32,), (calibration,), {"samples_per_class": options.samples_per_class, "seed": options.seed},
-                        lambda: _calibrate(options, calibration_dataset, fp32, calibration), train))
-    for output, quantize_options in quantized:
-        command_flags = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in quantize_options.items())
-        files = (output, output.with_suffix(".bin")) if output.suffix == ".xml" else (output,)  # an IR is two files
+    if options.model is None and options.keras_model is not None:
+        keras = options.keras_model
+        stages.append(Stage("convert keras -> onnx", "convert", ("--keras", str(keras), *study.data_arguments), (keras,), (fp32,),
+                            {"opset": 13, **study.flag_options},
+                            lambda: convert_service.keras_to_onnx(keras, fp32, study.dataset, flags=options.flags), study.test))
+    if options.uses(PYTORCH):
+        torch_fp32 = _torch_fp32(study)
+        stages.append(Stage("convert onnx -> pytorch", "convert", ("--onnx", str(fp32), "--torch", str(torch_fp32), *study.data_arguments),
+                            (fp32,), (torch_fp32,), study.flag_options,
+                            lambda: convert_service.onnx_to_torchscript(fp32, torch_fp32, study.dataset, flags=options.flags), study.test))
+    train = ((study.calibration_dataset, study.calibration_dataset.calibration_split()),)
+    stages.append(Stage("calibrate", "calibrate", ("--model", str(fp32), "--samples-per-class", str(options.samples_per_class),
+                                                   "--seed", str(options.seed), *study.data_arguments),
+                        (fp32,), (study.calibration,), {"samples_per_class": options.samples_per_class, "seed": options.seed},
+                        lambda: _calibrate(options, study.calibration_dataset, fp32, study.calibration), train))
+    return stages
+
+
+def _quantize_stages(study: _Study) -> list[Stage]:
+    stages = []
+    for output, choice in study.quantized:
+        made = quant_settings.make_settings(**choice)
         # LiteRT also reads the Keras source and, for its ranges, the onnxruntime model they come from.
-        extra_inputs = ((options.keras_model,) if quantize_options.get("backend") == "litert" else ()) \
-            + ((Path(quantize_options["ranges_from"]),) if "ranges_from" in quantize_options else ())
-        stages.append(Stage(f"quantize {output.name}", f"ptq quantize --model {fp32} {command_flags}{_flag_text(flags)}",
-                            (fp32, calibration, *extra_inputs), files,
-                            {**quantize_options, **flag_options, **_portability(quantize_options)},
-                            lambda output=output, quantize_options=quantize_options: _quantize(fp32, output, calibration, quantize_options, flags)))
-    threads = {"threads": options.threads} if options.threads else {}
-    # A figure belongs to the int8 path it was measured on: a machine of the other kind evaluates again.
-    threads["cpu_int8_path"] = cpu_info.current().int8_path
-    for model in models:
-        record = evaluate_service.record_path(results, model, dataset)
-        stages.append(Stage(f"evaluate {model.name}", f"ptq evaluate --model {model}{data_flags}", (model,), (record,), {**threads, **flag_options},
-                            lambda model=model: evaluate_service.save_record(
-                                evaluate_service.evaluate_model(model, dataset, threads=options.threads, flags=flags), results, dataset), test))
-    # Both x86 int8 paths of the 8-bit onnxruntime and PyTorch models: the one this CPU does not take, from
-    # onnxruntime's exact kernels, a proof, or emulation (records "~exact" / "~saturating").
+        reads_keras = made.format == backends.backend(LITERT).format
+        extra_inputs = tuple(Path(path) for path in (study.options.keras_model if reads_keras else None, choice.get("ranges_from")) if path)
+        stages.append(Stage(f"quantize {output.name}", "quantize", ("--model", str(study.fp32), *_option_arguments(choice),
+                                                                     *_flag_arguments(study.options.flags)),
+                            (study.fp32, study.calibration, *extra_inputs), tuple(companions(output)),
+                            {**choice, **study.flag_options, "cpus": made.cpus, "overflow_fix": made.overflow_fix},
+                            partial(_quantize, study.fp32, output, study.calibration, choice, study.options.flags)))
+    return stages
+
+
+def _models(study: _Study) -> list[Path]:
+    return [study.fp32, *([_torch_fp32(study)] if study.options.uses(PYTORCH) else []), *(path for path, _ in study.quantized)]
+
+
+def _references(study: _Study) -> list[Path]:
+    reference = settings.mlperf_reference_path()
+    return [reference] if study.options.uses(LITERT) and study.options.model is None and reference.is_file() else []
+
+
+def _evaluate_stages(study: _Study) -> list[Stage]:
+    run_options, flag_options, arguments = study.run_options, study.flag_options, study.data_arguments
+    stages = [Stage(f"evaluate {model.name}", "evaluate", ("--model", str(model), *arguments), (model,),
+                    (evaluate_service.record_path(study.results, model, study.dataset),), {**run_options, **flag_options},
+                    partial(study.evaluate, model), study.test) for model in _models(study)]
+    # Both x86 int8 paths of the 8-bit models whose runtime's kernels differ by CPU: the one this CPU does
+    # not take, from the exact kernels' switch, a proof, or emulation (records "~exact" / "~saturating").
     other_path = next(path for path in cpu_info.INT8_PATHS if path != cpu_info.current().int8_path)
-    other_records = []
-    for output, quantize_options in quantized:
-        made = quant_settings.make_settings(**quantize_options)
+    for output, choice in study.quantized:
+        made = quant_settings.make_settings(**choice)
         if not evaluate_service.other_path_measurable(made.backend, made.overflow_fix, other_path):
             continue
-        record = evaluate_service.record_path(results, output, dataset, evaluate_service.requested_tag(other_path))
-        other_records.append(record)
-        stages.append(Stage(f"evaluate {output.name} on the {other_path} int8 path",
-                            f"ptq evaluate --model {output} --int8-path {other_path} --emulated-images {RUN_EMULATED_IMAGES}{data_flags}",
-                            (output,), (record,), {**threads, **flag_options, "int8_path": other_path, "emulated_images": RUN_EMULATED_IMAGES},
-                            lambda model=output: evaluate_service.save_record(evaluate_service.evaluate_model(
-                                model, dataset, threads=options.threads, flags=flags, int8_path=other_path, subset=RUN_EMULATED_IMAGES),
-                                results, dataset), test))
-    openvino_fp32 = ()
-    openvino_tag = evaluate_service.runtime_tag(fp32, "openvino", "f32")
-    also = ((fp32, "openvino", "f32"),) if with_openvino else ()
-    if with_openvino:
-        openvino_fp32 = (evaluate_service.record_path(results, fp32, dataset, openvino_tag),)
-        stages.append(Stage(f"evaluate {fp32.name} on openvino", f"ptq evaluate --model {fp32} --runtime openvino --precision f32{data_flags}", (fp32,),
-                            openvino_fp32, {**threads, **flag_options, "runtime": "openvino", "precision": "f32"},
-                            lambda: evaluate_service.save_record(evaluate_service.evaluate_model(
-                                fp32, dataset, threads=options.threads, flags=flags, runtime="openvino", precision="f32"), results, dataset), test))
-    reference = settings.mlperf_reference_path()
-    references = [reference] if with_litert and reference.is_file() else []
-    for model in references:
-        record = evaluate_service.record_path(results, model, dataset)
-        stages.append(Stage(f"evaluate {settings.MLPERF_REFERENCE_LABEL}",
-                            f"ptq evaluate --model {model} --label '{settings.MLPERF_REFERENCE_LABEL}'{data_flags}", (model,), (record,),
-                            {**threads, "label": settings.MLPERF_REFERENCE_LABEL},
-                            lambda model=model: evaluate_service.save_record(evaluate_service.evaluate_model(
-                                model, dataset, threads=options.threads, label=settings.MLPERF_REFERENCE_LABEL), results, dataset), test))
-    models_and_references = [*models, *references]
+        record = evaluate_service.record_path(study.results, output, study.dataset, evaluate_service.requested_tag(other_path))
+        stages.append(Stage(f"evaluate {output.name} on the {other_path} int8 path", "evaluate",
+                            ("--model", str(output), "--int8-path", other_path, "--emulated-images", str(RUN_EMULATED_IMAGES), *arguments),
+                            (output,), (record,), {**run_options, **flag_options, "int8_path": other_path, "emulated_images": RUN_EMULATED_IMAGES},
+                            partial(study.evaluate, output, int8_path=other_path, subset=RUN_EMULATED_IMAGES), study.test))
+    for model, runtime, precision in study.openvino_fp32:
+        record = evaluate_service.record_path(study.results, model, study.dataset, evaluate_service.runtime_tag(model, runtime, precision))
+        stages.append(Stage(f"evaluate {model.name} on {runtime}", "evaluate",
+                            ("--model", str(model), "--runtime", runtime, "--precision", precision, *arguments),
+                            (model,), (record,), {**run_options, **flag_options, "runtime": runtime, "precision": precision},
+                            partial(study.evaluate, model, runtime=runtime, precision=precision),
+                            study.test))
+    label = settings.MLPERF_REFERENCE_LABEL
+    for model in _references(study):
+        stages.append(Stage(f"evaluate {label}", "evaluate", ("--model", str(model), "--label", label, *arguments), (model,),
+                            (evaluate_service.record_path(study.results, model, study.dataset),), {**run_options, "label": label},
+                            partial(study.evaluate, model, label=label), study.test))
+    return stages
+
+
+def _report_stages(study: _Study, evaluations: list[Stage], render_markdown: Callable[[report_service.Report], str]) -> list[Stage]:
+    options, stages = study.options, []
+    records = tuple(path for stage in evaluations for path in stage.outputs)
     if options.benchmark:
         # One stage for all models: they are measured in turns, so their speed-ups come from one measurement.
         # With OpenVINO, the FP32 model also runs on it, in the same process (`ptq benchmark --runtime openvino` alone).
-        benchmarks = tuple(benchmark_service.benchmark_path(results, model) for model in models_and_references) \
-            + tuple(benchmark_service.benchmark_path(results, model, openvino_tag) for model, _, _ in also)
-        command = f"ptq benchmark {' '.join(f'--model {model}' for model in models_and_references)} --runs {options.benchmark_runs}{data_flags}"
-        if also:
-            command += f" (and --model {fp32} --runtime openvino --precision f32 in the same process)"
-        stages.append(Stage("benchmark", command, tuple(models_and_references), benchmarks,
-                            {"runs": options.benchmark_runs, "openvino_fp32": bool(also), **threads},
-                            lambda: _benchmark(models_and_references, also, dataset, options), test))
-    records = tuple(evaluate_service.record_path(results, model, dataset) for model in models_and_references) + openvino_fp32 + tuple(other_records)
-    if options.benchmark:
+        models = [*_models(study), *_references(study)]
+        also = study.openvino_fp32
+        benchmarks = tuple(benchmark_service.benchmark_path(study.results, model) for model in models) \
+            + tuple(benchmark_service.benchmark_path(study.results, model, evaluate_service.runtime_tag(model, runtime, precision))
+                    for model, runtime, precision in also)
+        note = "; ".join(f"and --model {model} --runtime {runtime} --precision {precision} in the same process" for model, runtime, precision in also)
+        stages.append(Stage("benchmark", "benchmark", (*(token for model in models for token in ("--model", str(model))),
+                                                       "--runs", str(options.benchmark_runs), *study.data_arguments),
+                            tuple(models), benchmarks, {"runs": options.benchmark_runs, "openvino_fp32": bool(also), **study.run_options},
+                            lambda: _benchmark(models, also, study.dataset, options), study.test, note))
         records += benchmarks
-    stages.append(Stage("report", f"ptq report --markdown {options.markdown}", records, (options.markdown,), {},
+    results = study.results
+    stages.append(Stage("report", "report", ("--markdown", str(options.markdown)), records, (options.markdown,), {},
                         lambda: write_text(options.markdown, render_markdown(report_service.report_from_results(results)))))
     return stages
 
 
-def _benchmark(models: list[Path], also, dataset: Dataset, options: RunOptions) -> None:
+def plan(options: StudyOptions, render_markdown: Callable[[report_service.Report], str]) -> list[Stage]:
+    """The stages of `make run`, in order; each reads only files earlier stages (or the user) provide."""
+    study, options = _study(options)
+    evaluations = _evaluate_stages(study)
+    return _source_stages(study) + _quantize_stages(study) + evaluations + _report_stages(study, evaluations, render_markdown)
+
+
+def _benchmark(models: list[Path], also, dataset: Dataset, options: StudyOptions) -> None:
     for record in benchmark_service.benchmark_models(models, dataset, threads=options.threads, runs=options.benchmark_runs, flags=options.flags,
                                                      also=also):
         benchmark_service.save_benchmark(record, options.results_dir)
 
 
-def _portability(quantize_options: dict) -> dict:
-    made = quant_settings.make_settings(**quantize_options)
-    return {"cpus": made.cpus, "overflow_fix": made.overflow_fix}
-
-
-def _calibrate(options: RunOptions, dataset: Dataset, model: Path, output: Path) -> None:
+def _calibrate(options: StudyOptions, dataset: Dataset, model: Path, output: Path) -> None:
     size = load_model(model, 1, options.flags).input.size
     calibration = calibration_service.build_calibration_set(dataset, options.samples_per_class, options.seed, size)
     calibration_service.save_calibration_set(calibration, output)
@@ -330,26 +411,42 @@ def library_versions() -> dict[str, str | None]:
     return versions
 
 
+def _manifest(options: StudyOptions, last_run: dict, stages: list[dict]) -> dict:
+    return {
+        "schema": MANIFEST_SCHEMA,
+        "tool": "ptq",
+        "tool_version": ptq_cli.__version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "libraries": library_versions(),
+        "seed": options.seed,
+        "last_run": last_run,
+        "stages": stages,
+    }
+
+
+def _check_options(options: StudyOptions) -> None:
+    calibration_service.check_seed(options.seed)
+    for option, value in (("--samples-per-class", options.samples_per_class or 1), ("--runs", options.benchmark_runs)):
+        if value < 1:
+            raise PtqError(f"{option}: must be at least 1, got {value}")
+    resolve_threads(options.threads)
+
+
 def run(
-    options: RunOptions,
+    options: StudyOptions,
     render_markdown: Callable[[report_service.Report], str],
     command_line: list[str],
     on_stage: StageCallback | None = None,
 ) -> RunResult:
     """Run every stage that is not up to date (all of them with `force`); write the manifest if any ran."""
-    began, started_at = time.perf_counter(), datetime.now(timezone.utc).isoformat(timespec="seconds")
+    began, started_at = time.perf_counter(), datetime.now(UTC).isoformat(timespec="seconds")
     manifest_file = manifest_path(options.results_dir)
     previous = read_manifest(manifest_file)
     entries: dict[str, dict] = {entry["name"]: entry for entry in previous.get("stages", [])}
     hashes = _Hashes()
     outcomes: list[StageOutcome] = []
-    calibration_service.check_seed(options.seed)
-    for option, value in (("--samples-per-class", options.samples_per_class or 1), ("--runs", options.benchmark_runs)):
-        if value < 1:
-            raise PtqError(f"{option}: must be at least 1, got {value}")
-    from ptq_cli.backends.model_file import resolve_threads
-
-    resolve_threads(options.threads)
+    _check_options(options)
     stages = plan(options, render_markdown)
     content_keys: dict[tuple[str, str], str] = {}
 
@@ -372,12 +469,12 @@ def run(
         if ran:
             stage.action()
         outputs = {str(path): hashes(path) for path in stage.outputs}
-        outcome = StageOutcome(stage.name, stage.command, ran, round(time.perf_counter() - started, 3), inputs, outputs)
+        outcome = StageOutcome(stage.name, stage.command_line, ran, round(time.perf_counter() - started, 3), inputs, outputs)
         if ran:
             entries[stage.name] = {
-                "name": stage.name, "command": stage.command, "options": stage.options, "inputs": inputs, "outputs": outputs,
+                "name": stage.name, "command": stage.command_line, "options": stage.options, "inputs": inputs, "outputs": outputs,
                 "tool_version": ptq_cli.__version__,
-                "seconds": outcome.seconds, "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "seconds": outcome.seconds, "finished_at": datetime.now(UTC).isoformat(timespec="seconds"),
             }
         outcomes.append(outcome)
         if on_stage:
@@ -385,23 +482,8 @@ def run(
     wall = round(time.perf_counter() - began, 3)
     written = any(outcome.ran for outcome in outcomes)
     if written:
-        manifest = {
-            "schema": MANIFEST_SCHEMA,
-            "tool": "ptq",
-            "tool_version": ptq_cli.__version__,
-            "python": sys.version.split()[0],
-            "platform": platform.platform(),
-            "libraries": library_versions(),
-            "seed": options.seed,
-            "last_run": {
-                "command": command_line,
-                "started_at": started_at,
-                "wall_seconds": wall,
-                "ran": [outcome.name for outcome in outcomes if outcome.ran],
-                "up_to_date": [outcome.name for outcome in outcomes if not outcome.ran],
-            },
-            # Stages in plan order; a stage that was up to date keeps the entry of the run that made its outputs.
-            "stages": [entries[stage.name] for stage in stages],
-        }
-        write_text(manifest_file, json.dumps(manifest, indent=2) + "\n")
+        last_run = {"command": command_line, "started_at": started_at, "wall_seconds": wall,
+                    "ran": [outcome.name for outcome in outcomes if outcome.ran], "up_to_date": [outcome.name for outcome in outcomes if not outcome.ran]}
+        # Stages in plan order; a stage that was up to date keeps the entry of the run that made its outputs.
+        write_text(manifest_file, json.dumps(_manifest(options, last_run, [entries[stage.name] for stage in stages]), indent=2) + "\n")
     return RunResult(outcomes, wall, manifest_file, written, report_service.report_from_results(options.results_dir))

@@ -115,22 +115,8 @@ def sweep(
         quantized = Path(models_dir) / f"{fp32.stem}_{quantization.dtype}{fp32.suffix}"
         quantize_service.quantize(fp32, quantized, quantization, calibration, flags)
         step()
-        fp32_accuracy = accuracy(fp32)
-        quantized_accuracy = accuracy(quantized)
+        points.append(_point(sparsity, achieved, fp32, accuracy(fp32), quantized, accuracy(quantized), reference))
         step()
-        points.append(SweepPoint(
-            sparsity=sparsity,
-            achieved_sparsity=round(achieved, 4),
-            fp32_model=str(fp32),
-            fp32_accuracy=fp32_accuracy,
-            fp32_size_bytes=fp32.stat().st_size,
-            fp32_compressed_bytes=gzip_size(fp32),
-            model=str(quantized),
-            accuracy=quantized_accuracy,
-            delta=round(quantized_accuracy - reference, 4),
-            size_bytes=quantized.stat().st_size,
-            compressed_bytes=gzip_size(quantized),
-        ))
     result = SweepResult(
         source=str(model_path), dtype=quantization.dtype, scope=pruning.scope, exclude_first=pruning.exclude_first,
         exclude_classifier=pruning.exclude_classifier, reconstruct=pruning.reconstruct,
@@ -139,6 +125,22 @@ def sweep(
     )
     write_record(record, result)
     return result
+
+
+def _point(sparsity: float, achieved: float, fp32: Path, fp32_accuracy: float, quantized: Path, accuracy: float, reference: float) -> SweepPoint:
+    return SweepPoint(
+        sparsity=sparsity,
+        achieved_sparsity=round(achieved, 4),
+        fp32_model=str(fp32),
+        fp32_accuracy=fp32_accuracy,
+        fp32_size_bytes=fp32.stat().st_size,
+        fp32_compressed_bytes=gzip_size(fp32),
+        model=str(quantized),
+        accuracy=accuracy,
+        delta=round(accuracy - reference, 4),
+        size_bytes=quantized.stat().st_size,
+        compressed_bytes=gzip_size(quantized),
+    )
 
 
 def read_sweep(path: Path) -> SweepResult:

@@ -18,8 +18,10 @@ from the candidate with the best SQNR. The test set is never read here (see serv
 from __future__ import annotations
 
 import tempfile
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from ptq_cli import backends
 from ptq_cli.atomic import check_outputs
@@ -128,6 +130,94 @@ def check_backend(backend: str) -> None:
         raise PtqError(row.tune_refused or f"--backend {backend}: runs models but does not quantize them")
 
 
+@dataclass
+class _Search:
+    """One tuning search's state: the source, FP32's validation score, the candidates tried so far, and the
+    calibration sets and prepared inputs each was calibrated on."""
+
+    source: SourceModel
+    validation: ValidationSet
+    fp32: Any  # FP32's validation score (validation.Score)
+    fp32_size: int
+    max_drop: float
+    workdir: Path
+    step: Callable[[], None]
+    calibration_sets: dict[int, CalibrationSet]
+    prepared: dict[int, Any] = field(default_factory=dict)
+    candidates: list[Candidate] = field(default_factory=list)
+
+    def try_candidate(self, stage: str, settings: QuantizationSettings, calibration_set: CalibrationSet,
+                      quantized_size: int | None = None) -> Candidate:
+        """`quantized_size`: for a candidate with float layers, the size of its settings with none."""
+        settings = with_calibration(settings, calibration_set)
+        samples = len(calibration_set.labels)
+        self.calibration_sets.setdefault(samples, calibration_set)
+        if samples not in self.prepared:
+            self.prepared[samples] = calibration_inputs(self.source, calibration_set)
+        size, quantized = _quantize_and_score(self.source, self.workdir, settings, calibration_set, self.validation, self.prepared[samples])
+        drop = round(self.fp32.accuracy - quantized.accuracy, 4)
+        too_large = quantized_size is not None and size > quantized_size * (1 + FLOAT_GROWTH_LIMIT)
+        candidate = Candidate(
+            stage=stage,
+            settings=settings,
+            validation_accuracy=quantized.accuracy,
+            accuracy_drop=drop,
+            output_sqnr_db=round(sqnr_db(self.fp32.outputs, quantized.outputs), 2),
+            size_bytes=size,
+            size_ratio=round(size / self.fp32_size, 4),
+            within_budget=drop <= self.max_drop,
+            rejected=f"{size / quantized_size - 1:+.0%} over the fully quantized model, limit +{FLOAT_GROWTH_LIMIT:.0%}"
+            if too_large and quantized_size else None,
+        )
+        self.candidates.append(candidate)
+        self.step()
+        return candidate
+
+    def best(self) -> tuple[Candidate, CalibrationSet]:
+        """The candidate closest to FP32 so far (output SQNR): the next stage starts from it."""
+        keep = [candidate for candidate in self.candidates if candidate.rejected is None]
+        top = max(keep, key=lambda candidate: (candidate.output_sqnr_db, candidate.validation_accuracy))
+        return top, self.calibration_sets[top.settings.calibration_samples]
+
+    def float_stage(self, row: backends.Backend, layers: list[Any], max_float_layers: int, flags: PreprocessingFlags | None) -> None:
+        """Layers left in float, one more at a time, from the best candidate so far."""
+        leader, calibration = self.best()
+        worst: list[str]
+        first = 1
+        if row.float_layers is not None:
+            # A backend with no per-layer sensitivity of its own (NNCF, outside its accuracy-control loop):
+            # each layer is left in float in turn, and the best of those are then left in float together.
+            alone = [self.try_candidate("float", replace(leader.settings, float_nodes=(str(layer),)), calibration, leader.size_bytes)
+                     for layer in layers]
+            worst, first = [candidate.settings.float_nodes[0] for candidate in sorted(alone, key=lambda c: -c.output_sqnr_db)], 2
+        else:
+            ranking = layer_sensitivity(self.source, leader.settings, calibration, self.validation, progress=lambda *_: self.step(), flags=flags)
+            worst = [str(layer.node) for layer in ranking.layers]
+        for count in range(first, min(max_float_layers, len(worst)) + 1):
+            self.try_candidate("float", replace(leader.settings, float_nodes=tuple(worst[:count])), calibration, leader.size_bytes)
+
+
+def _float_layers(row: backends.Backend, model: Any, workdir: Path, max_float_layers: int) -> tuple[list[Any], int]:
+    """(the layers the float stage may leave in float, the steps it takes)."""
+    if not max_float_layers:
+        return [], 0
+    if row.float_layers is not None:
+        named: list[Any] = row.float_layers(model)
+        return named, len(named) - 1
+    ranked: list[Any] = quantizable_layers(preprocessed(model, workdir))
+    return ranked, len(ranked)
+
+
+def _checked_search_space(row: backends.Backend, methods: tuple[str, ...] | None, granularities: tuple[bool, ...], max_drop: float,
+                          max_float_layers: int) -> tuple[tuple[str, ...], tuple[bool, ...], int]:
+    if max_drop < 0:
+        raise PtqError(f"--max-drop: must be at least 0 points, got {max_drop}")
+    if max_float_layers < 0:
+        raise PtqError(f"--max-float-layers: must be at least 0, got {max_float_layers}")
+    granularities = tuple(granularity for granularity in granularities if granularity in row.granularities) or row.granularities
+    return methods or row.tune_methods or row.methods, granularities, max_float_layers if row.leaves_layers_float else 0
+
+
 def tune(
     model_path: Path,
     dtype: str,
@@ -140,7 +230,7 @@ def tune(
     granularities: tuple[bool, ...] = (True, False),
     max_float_layers: int = MAX_FLOAT_LAYERS,
     progress: ProgressCallback | None = None,
-    backend: str = "onnxruntime",
+    backend: str = backends.DEFAULT,
     flags: PreprocessingFlags | None = None,
 ) -> TuneResult:
     """Search, choose, write the chosen model and the record. The PyTorch backend searches granularity x
@@ -149,96 +239,31 @@ def tune(
     model_path, output = Path(model_path), Path(output)
     check_backend(backend)
     row = backends.backend(backend)
-    methods = methods or row.tune_methods or row.methods
-    if not row.leaves_layers_float:
-        max_float_layers = 0
-    granularities = tuple(granularity for granularity in granularities if granularity in row.granularities) or row.granularities
-    if max_drop < 0:
-        raise PtqError(f"--max-drop: must be at least 0 points, got {max_drop}")
-    if max_float_layers < 0:
-        raise PtqError(f"--max-float-layers: must be at least 0, got {max_float_layers}")
+    methods, granularities, max_float_layers = _checked_search_space(row, methods, granularities, max_drop, max_float_layers)
     record = Path(results_dir) / TUNING_DIR / f"{model_key(output)}.json"
     check_outputs([("--output", output, (row.suffix,)), ("--results-dir", record, (".json",))], [model_path])
     source = load_source(model_path, flags or PreprocessingFlags())
-    model = source.model
-    prepared = {len(calibration.labels): calibration_inputs(source, calibration)}
-    fp32_size = model_path.stat().st_size
     fp32 = score(load_model(model_path, None, flags), validation)
     grid = calibration_grid(backend, dtype, methods, granularities)
     subsets = [size for size in CALIBRATION_SUBSETS if size < calibration.samples_per_class]
-    total = len(grid) + len(subsets) + max_float_layers
-    candidates: list[Candidate] = []
 
     with tempfile.TemporaryDirectory(prefix="ptq-tune-") as workdir:
-        if row.float_layers is not None:
-            layers = row.float_layers(model) if max_float_layers else []
-            total += len(layers) - 1 if max_float_layers else 0
-        else:
-            layers = quantizable_layers(preprocessed(model, Path(workdir)))
-            total += len(layers) if max_float_layers else 0
-
-        step = Steps(total, progress)
-
-        def try_candidate(stage: str, settings: QuantizationSettings, calibration_set: CalibrationSet,
-                          quantized_size: int | None = None) -> Candidate:
-            """`quantized_size`: for a candidate with float layers, the size of its settings with none."""
-            settings = with_calibration(settings, calibration_set)
-            if len(calibration_set.labels) not in prepared:
-                prepared[len(calibration_set.labels)] = calibration_inputs(source, calibration_set)
-            size, quantized = _quantize_and_score(source, Path(workdir), settings, calibration_set, validation, prepared[len(calibration_set.labels)])
-            drop = round(fp32.accuracy - quantized.accuracy, 4)
-            limit = None if quantized_size is None else quantized_size * (1 + FLOAT_GROWTH_LIMIT)
-            too_large = limit is not None and size > limit
-            candidate = Candidate(
-                stage=stage,
-                settings=settings,
-                validation_accuracy=quantized.accuracy,
-                accuracy_drop=drop,
-                output_sqnr_db=round(sqnr_db(fp32.outputs, quantized.outputs), 2),
-                size_bytes=size,
-                size_ratio=round(size / fp32_size, 4),
-                within_budget=drop <= max_drop,
-                rejected=f"{size / quantized_size - 1:+.0%} over the fully quantized model, limit +{FLOAT_GROWTH_LIMIT:.0%}" if too_large else None,
-            )
-            candidates.append(candidate)
-            step()
-            return candidate
-
-        def best() -> tuple[Candidate, CalibrationSet]:
-            """The candidate closest to FP32 so far (output SQNR): the next stage starts from it."""
-            keep = [candidate for candidate in candidates if candidate.rejected is None]
-            top = max(keep, key=lambda candidate: (candidate.output_sqnr_db, candidate.validation_accuracy))
-            return top, calibration_sets[top.settings.calibration_samples]
-
-        calibration_sets = {len(calibration.labels): calibration}
+        layers, float_steps = _float_layers(row, source.model, Path(workdir), max_float_layers)
+        search = _Search(source, validation, fp32, model_path.stat().st_size, max_drop, Path(workdir),
+                         Steps(len(grid) + len(subsets) + max_float_layers + float_steps, progress), {len(calibration.labels): calibration})
         for settings in grid:
-            try_candidate("method", settings, calibration)
-        leader, _ = best()
+            search.try_candidate("method", settings, calibration)
+        leader, _ = search.best()
         for per_class in subsets:
-            subset = stratified_subset(calibration, per_class)
-            calibration_sets[len(subset.labels)] = subset
-            try_candidate("size", leader.settings, subset)
-        leader, leader_calibration = best()
-        if max_float_layers and row.float_layers is not None:
-            # A backend with no per-layer sensitivity of its own (NNCF, outside its accuracy-control loop):
-            # each layer is left in float in turn, and the best of those are then left in float together.
-            alone = [try_candidate("float", replace(leader.settings, float_nodes=(layer,)), leader_calibration, leader.size_bytes)
-                     for layer in layers]
-            worst = [candidate.settings.float_nodes[0] for candidate in sorted(alone, key=lambda c: -c.output_sqnr_db)]
-            for count in range(2, min(max_float_layers, len(worst)) + 1):
-                try_candidate("float", replace(leader.settings, float_nodes=tuple(worst[:count])), leader_calibration, leader.size_bytes)
-        elif max_float_layers:
-            ranking = layer_sensitivity(source, leader.settings, leader_calibration, validation, progress=lambda *_: step(), flags=flags)
-            worst = [layer.node for layer in ranking.layers]
-            for count in range(1, min(max_float_layers, len(worst)) + 1):
-                try_candidate("float", replace(leader.settings, float_nodes=tuple(worst[:count])), leader_calibration, leader.size_bytes)
-
-        chosen, met_budget, reason = choose(candidates, max_drop)
+            search.try_candidate("size", leader.settings, stratified_subset(calibration, per_class))
+        if max_float_layers:
+            search.float_stage(row, layers, max_float_layers, flags)
+        chosen, met_budget, reason = choose(search.candidates, max_drop)
         validation_summary = {**validation.describe(), "accuracy": chosen.validation_accuracy, "fp32_accuracy": fp32.accuracy}
-        quantize_source(source, output, chosen.settings, calibration_sets[chosen.settings.calibration_samples],
+        quantize_source(source, output, chosen.settings, search.calibration_sets[chosen.settings.calibration_samples],
                         metadata={"validation": validation_summary, "tuned_max_drop": max_drop})
 
-    result = TuneResult(model_path, dtype, max_drop, fp32.accuracy, validation.describe(), candidates, chosen, met_budget,
+    result = TuneResult(model_path, dtype, max_drop, fp32.accuracy, validation.describe(), search.candidates, chosen, met_budget,
                         reason, output, record)
     write_record(record, result)
     return result
@@ -252,6 +277,6 @@ def _quantize_and_score(source: SourceModel, workdir: Path, settings: Quantizati
     return written.size_bytes, score(load_model(path), validation)
 
 
-def default_output(model: Path, dtype: str, backend: str = "onnxruntime") -> Path:
+def default_output(model: Path, dtype: str, backend: str = backends.DEFAULT) -> Path:
     """models/resnet8.onnx -> models/resnet8_int8_tuned.onnx, resnet8_pytorch_int8_tuned.pt, ..."""
     return backends.backend(backend).tuned_output(Path(model), dtype)

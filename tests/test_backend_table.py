@@ -1,0 +1,154 @@
+"""The backend table is the one place a backend is named: a backend defined here, in a test module, and
+registered in the table goes through quantize, evaluate, benchmark and report with services/ untouched."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from ptq_cli import backends, settings
+from ptq_cli.backends.base import (
+    QUANTIZATION_METADATA_KEY,
+    Backend,
+    QuantizationSettings,
+    QuantizedFile,
+    RunOptions,
+    finish_load,
+)
+from ptq_cli.backends.model_file import read_bytes
+from ptq_cli.errors import PtqError
+from ptq_cli.services import calibration as calibration_service
+from ptq_cli.services import quant_settings
+from ptq_cli.services import quantize as quantize_service
+from ptq_cli.services.measure import evaluate as evaluate_service
+from tests.synthetic import CLASSES, channel_mean_classifier, colour_images, invoke, one_line_error
+
+MAGIC = b"TOYQ"
+
+
+def _toy_file(model: onnx.ModelProto, stored: dict[str, str]) -> bytes:
+    """MAGIC, the JSON metadata's length (4 bytes), the metadata, then the ONNX graph."""
+    header = json.dumps(stored).encode()
+    return MAGIC + len(header).to_bytes(4, "little") + header + model.SerializeToString()
+
+
+def _quantize(model: onnx.ModelProto, output: Path, settings: QuantizationSettings, calibration: np.ndarray,
+              stored: dict[str, str]) -> QuantizedFile:
+    """Weights on a symmetric 8-bit grid, one scale per tensor (simulated: the graph stays float)."""
+    quantized = onnx.ModelProto.FromString(model.SerializeToString())
+    for initializer in quantized.graph.initializer:
+        weights = numpy_helper.to_array(initializer).astype(np.float32)
+        scale = float(np.abs(weights).max()) / 127 or 1.0
+        initializer.CopyFrom(numpy_helper.from_array((np.round(weights / scale) * scale).astype(np.float32), initializer.name))
+    made = {**json.loads(stored.get(QUANTIZATION_METADATA_KEY, "{}")), "backend": settings.backend, "format": settings.format,
+            "dtype": settings.dtype, "weight_dtype": settings.weight_dtype, "calibration_samples": settings.calibration_samples,
+            "per_channel": settings.per_channel, "method": settings.method}
+    data = _toy_file(quantized, {**stored, QUANTIZATION_METADATA_KEY: json.dumps(made)})
+    output.write_bytes(data)
+    return QuantizedFile(len(data))
+
+
+def _load(path: Path, options: RunOptions):
+    import hashlib
+
+    import onnxruntime as ort
+
+    from ptq_cli.backends.onnxruntime import describe_input
+
+    data = read_bytes(path)
+    length = int.from_bytes(data[4:8], "little")
+    stored = json.loads(data[8 : 8 + length])
+    model = onnx.load_from_string(data[8 + length :])
+    described, classes = describe_input(path, model)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+    def predict(batch: np.ndarray) -> np.ndarray:
+        return session.run(None, {described.name: batch})[0]
+
+    return finish_load(path, TOY, options, described=described, predict=predict, dtype="int8", size_bytes=len(data),
+                       sha256=hashlib.sha256(data).hexdigest(), stored=stored, declared_classes=classes)
+
+
+TOY = Backend(name="toy", suffixes=(".toy",), sniff=lambda head: head.startswith(MAGIC), load=_load, quantize=_quantize, format="TOY",
+              methods=("minmax",), per_channel=False, runtime_settings="onnxruntime session, simulated int8 weights")
+
+
+@pytest.fixture
+def toy_table(monkeypatch):
+    """The table with the toy backend as one more row, for this test only."""
+    monkeypatch.setattr(backends, "TABLE", {**backends.TABLE})
+    backends.register(TOY)
+    return TOY
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv(settings.CACHE_ENV, str(tmp_path / "cache"))
+    (tmp_path / "models").mkdir()
+    channel_mean_classifier(tmp_path / "models" / "m.onnx")
+    train_images, train_labels = colour_images(6, seed=1)
+    test_images, test_labels = colour_images(6, seed=2)
+    np.savez(tmp_path / "colours.npz", train_images=train_images, train_labels=train_labels, test_images=test_images,
+             test_labels=test_labels, class_names=np.array(CLASSES))
+    return tmp_path
+
+
+def _quantized_toy(project: Path) -> Path:
+    from ptq_cli.datasets import open_dataset
+
+    dataset = open_dataset(project / "colours.npz")
+    calibration = calibration_service.build_calibration_set(dataset, 2, 0, None)
+    made = quant_settings.make_settings(backend="toy")
+    output = quantize_service.default_output(project / "models" / "m.onnx", made)
+    result = quantize_service.quantize(project / "models" / "m.onnx", output, made, calibration)
+    assert output.name == "m_toy_int8.toy" and result.output_size_bytes == output.stat().st_size
+    return output
+
+
+def test_a_backend_registered_in_a_test_goes_through_quantize_evaluate_benchmark_and_report(toy_table, project):
+    toy = _quantized_toy(project)
+    assert backends.for_file(toy) is TOY  # told by its content
+    evaluated = invoke("evaluate", "--data", "colours.npz", "--json", cwd=project)  # models/ scanned with the table's suffixes
+    assert evaluated.exit_code == 0, evaluated.output
+    records = {Path(record["model_path"]).name: record for record in json.loads(evaluated.stdout)}
+    assert set(records) == {"m.onnx", "m_toy_int8.toy"}
+    assert records["m_toy_int8.toy"]["runtime"] == "toy" and records["m_toy_int8.toy"]["accuracy"] == 100.0
+    assert records["m_toy_int8.toy"]["source_sha256"] == records["m.onnx"]["model_sha256"]
+    benchmarked = invoke("benchmark", "--model", "models/m.onnx", "--model", toy, "--data", "colours.npz", "--runs", 2,
+                         "--json", cwd=project)
+    assert benchmarked.exit_code == 0, benchmarked.output
+    runs = {record["runtime"]: record for record in json.loads(benchmarked.stdout)}
+    assert runs["toy"]["runtime_settings"] == TOY.runtime_settings and runs["toy"]["speedup_vs_fp32"] is None  # no FP32 on its runtime
+    reported = invoke("report", "--json", cwd=project)
+    assert reported.exit_code == 0, reported.output
+    rows = {row["model"]: row for row in json.loads(reported.stdout)["groups"][0]["rows"]}
+    assert rows["m_toy_int8.toy"]["runtime"] == "toy" and rows["m_toy_int8.toy"]["reference"] == "m.onnx"
+    assert rows["m_toy_int8.toy"]["delta"] == 0.0 and rows["m_toy_int8.toy"]["configuration"].startswith("TOY a:int8 w:int8")
+
+
+def test_the_table_decides_options_outputs_and_runtimes(toy_table, project):
+    with pytest.raises(PtqError, match="--io: a LiteRT option; applies to --backend litert"):
+        quant_settings.make_settings(backend="toy", io="float")
+    with pytest.raises(PtqError, match="'entropy' is not a toy calibration method"):
+        quant_settings.make_settings(backend="toy", method="entropy")
+    toy = _quantized_toy(project)
+    one_line_error(invoke("evaluate", "--model", toy, "--data", "colours.npz", "--runtime", "openvino", cwd=project),
+                   "is a model of toy; openvino runs .xml, .onnx files only")
+    assert evaluate_service.runtime_tag(project / "models" / "m.onnx", "openvino", None) == "~openvino-f32"
+    assert evaluate_service.runtime_tag(toy, "toy", None) == ""
+
+
+def test_a_file_is_told_by_its_content_and_a_pt_file_by_its_name(tmp_path):
+    onnx_file = channel_mean_classifier(tmp_path / "m.onnx")
+    renamed = tmp_path / "m.tflite"
+    renamed.write_bytes(onnx_file.read_bytes())
+    assert backends.for_file(renamed).name == "onnxruntime"  # an ONNX graph named .tflite is still ONNX
+    broken = tmp_path / "m.pt"
+    broken.write_bytes(b"not a zip")
+    assert backends.loads_code(broken) and backends.for_file(broken).name == "pytorch"  # so its error says TorchScript
+    assert backends.runtimes_for(".onnx") == ("onnxruntime", "openvino")
