@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import inspect
 import math
@@ -61,12 +62,18 @@ out = Console()
 err = Console(stderr=True)
 
 
+# The command line as ptq was given it (recorded in `ptq run`'s manifest).
+COMMAND_LINE: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("command_line", default=("ptq",))
+
+
 class PtqGroup(typer.core.TyperGroup):
     """The one error handler: bad input and usage errors become one line on stderr and exit code 2."""
 
     def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, complete_var: str | None = None, standalone_mode: bool = True,
              windows_expand_args: bool = True, **extra: Any) -> Any:
-        args = _fill_optional_values(list(sys.argv[1:] if args is None else args))
+        given = list(sys.argv[1:] if args is None else args)
+        COMMAND_LINE.set(("ptq", *given))
+        args = _fill_optional_values(given)
         _tolerant_streams()
         try:
             with _terminate_as_interrupt(), trust.scope(), warnings.catch_warnings():
@@ -856,7 +863,7 @@ def run_pipeline(
             else:
                 display.update(tasks[index], completed=1, description=stage.name if outcome.ran else f"[dim]{stage.name} (up to date)[/dim]")
 
-        result = pipeline_service.run(options, render.report_markdown, ["ptq", *sys.argv[1:]], on_stage)
+        result = pipeline_service.run(options, render.report_markdown, list(COMMAND_LINE.get()), on_stage)
     _emit(as_json, result, render.pipeline_run(result))
 
 

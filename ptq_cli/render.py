@@ -23,11 +23,11 @@ from ptq_cli.services.measure.evaluate import EvaluationRecord
 from ptq_cli.services.measure.records import to_json
 from ptq_cli.services.measure.report import BASE_RUNTIME, DatasetGroup, Report, ReportRow
 from ptq_cli.services.measure.sensitivity import SensitivityResult
+from ptq_cli.services.measure.sweep_records import SweepResult
 from ptq_cli.services.prune import PruneResult
 from ptq_cli.services.quant_settings import describe_cpus, short_node
 from ptq_cli.services.quantize import QuantizeResult
 from ptq_cli.services.study.pipeline import RunResult
-from ptq_cli.services.study.sweep import SweepResult
 from ptq_cli.services.study.tune import TuneResult, describe
 
 

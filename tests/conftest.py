@@ -32,11 +32,33 @@ class Run:
     stderr: str
 
 
-def ptq(*args: str, cwd: Path) -> Run:
-    """Run the CLI as a user would: a fresh interpreter, real stdout/stderr and exit code."""
+def ptq_process(*args: str, cwd: Path) -> Run:
+    """Run the CLI as a user would: a fresh interpreter, real stdout/stderr and exit code (for tests where
+    the process itself is the point: its entry point, its streams)."""
     env = {**os.environ, "PTQ_ASSETS": str(ASSETS), "COLUMNS": "160"}
     done = subprocess.run([sys.executable, "-m", "ptq_cli", *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True)
     return Run(done.returncode, done.stdout, done.stderr)
+
+
+def ptq(*args: str, cwd: Path) -> Run:
+    """Run the CLI in this process (typer's CliRunner) in `cwd`, on a 160-column terminal: its stdout,
+    stderr and exit code; an exception that escapes it is reported as the traceback a user would see."""
+    import traceback
+
+    from typer.testing import CliRunner
+
+    from ptq_cli.cli import app
+
+    before = Path.cwd()
+    os.chdir(cwd)
+    try:
+        result = CliRunner().invoke(app, [str(arg) for arg in args], env={"PTQ_ASSETS": str(ASSETS), "COLUMNS": "160"}, prog_name="ptq")
+    finally:
+        os.chdir(before)
+    stderr = result.stderr
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        stderr += "Traceback (most recent call last):\n" + "".join(traceback.format_exception(result.exception))
+    return Run(result.exit_code, result.stdout, stderr)
 
 
 def ptq_ok(*args: str, cwd: Path) -> Run:

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from conftest import CIFAR, assert_clean_failure, ptq, ptq_ok, record_of
+from conftest import CIFAR, assert_clean_failure, ptq, ptq_ok, ptq_process, record_of
 
 from ptq_cli.datasets import cifar10 as cifar
 
@@ -42,8 +42,9 @@ def _truncate(data, name):
 
 
 def test_missing_model_file(tmp_path, assets):
+    # The installed entry point, as a shell sees it: its exit code and its stderr.
     for command in (["quantize", "--model", "nope.onnx"], ["evaluate", "--model", "nope.onnx"]):
-        run = ptq(*command, cwd=tmp_path)
+        run = ptq_process(*command, cwd=tmp_path)
         assert_clean_failure(run, 2, "nope.onnx")
         assert "not found" in run.stderr
     assert _files(tmp_path) == []

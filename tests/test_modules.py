@@ -187,3 +187,15 @@ def test_layer_sensitivity_ranks_each_quantizable_layer_of_the_graph(tmp_path, c
     assert [layer.output_sqnr_db for layer in result.layers] == sorted(layer.output_sqnr_db for layer in result.layers)  # worst first
     saved = sensitivity.save_result(result, tmp_path / "results")
     assert json.loads(saved.read_text())["layers"][0]["node"] == result.layers[0].node
+
+
+def test_sweep_records_read_back_and_a_damaged_one_is_named(tmp_path):
+    from ptq_cli.services.measure import sweep_records
+
+    point = sweep_records.SweepPoint(0.5, 0.49, "m_pruned.onnx", 86.0, 400, 300, "m_pruned_int8.onnx", 85.5, -1.7, 100, 60)
+    result = sweep_records.SweepResult("m.onnx", "int8", "global", False, False, True, "QDQ a:int8 w:int8", [point], "r.json", 87.2)
+    folder = tmp_path / sweep_records.SWEEP_DIR
+    records.write_record(folder / "m_int8_global.json", result)
+    (folder / "broken.json").write_text('{"points": "none"}')
+    sweeps, skipped = sweep_records.load_sweeps(tmp_path)
+    assert sweeps == [result] and len(skipped) == 1 and "broken.json: not a ptq sweep record" in skipped[0]

@@ -303,7 +303,8 @@ def test_a_pipeline_stage_renders_the_command_it_stands_for():
 
 def test_report_sets_each_tflite_model_against_the_mlperf_reference():
     from ptq_cli.render import report_markdown
-    from ptq_cli.services.measure.benchmark import BenchmarkRecord, benchmark_key
+    from ptq_cli.services.measure.benchmark import BenchmarkRecord
+    from ptq_cli.services.measure.records import MeasurementKey
 
     reference = replace(_record("ref.tflite", "litert", "int8", 86.97, 98_496, 900.0, [85.0, 89.0]), label=settings.MLPERF_REFERENCE_LABEL,
                         source_sha256=None)
@@ -315,7 +316,7 @@ def test_report_sets_each_tflite_model_against_the_mlperf_reference():
         return BenchmarkRecord(record.model_path, record.model_sha256, record.model_size_bytes, record.runtime, record.dtype, 1, 1, 1,
                                p50, p50, p50, 10, record.images_per_second, "t", "0")
 
-    benchmarks = {benchmark_key(r.model_sha256, r.runtime, r.precision): timed(r, p50) for r, p50 in ((reference, 0.05), (ours, 0.06))}
+    benchmarks = {MeasurementKey.of(r, with_dataset=False): timed(r, p50) for r, p50 in ((reference, 0.05), (ours, 0.06))}
     group = build_report([fp32, other, ours, reference], benchmarks=benchmarks).groups[0]
     assert group.reference.model == "ref.tflite"
     (versus,) = group.versus_reference  # the TFLite model only: not the reference, not the ONNX model
@@ -323,3 +324,20 @@ def test_report_sets_each_tflite_model_against_the_mlperf_reference():
     markdown = report_markdown(build_report([fp32, other, ours, reference], benchmarks=benchmarks))
     assert f"### TFLite models vs the {settings.MLPERF_REFERENCE_LABEL}" in markdown and "| q.tflite | 87.11% | +0.14 | 99,136 | +640 | 0.060 | 1.20x |" in markdown
     assert build_report([fp32, other, ours]).groups[0].versus_reference == ()  # no reference evaluated: no comparison
+
+
+def test_benchmark_speedups_are_against_each_model_s_own_source():
+    from ptq_cli.services.measure.benchmark import BenchmarkRecord, speedups
+
+    def timed(name, dtype, per_second, source=None):
+        return BenchmarkRecord(f"models/{name}", f"sha-{name}", 1000, "onnxruntime", dtype, 2, 1, 1, 1.0, 1.0, 1.0, 64, per_second, "t", "0",
+                               source_sha256=source)
+
+    alpha, beta = timed("alpha.onnx", "fp32", 100.0), timed("beta.onnx", "fp32", 1000.0)
+    alpha_int8 = timed("alpha_int8.onnx", "int8", 300.0, "sha-alpha.onnx")
+    beta_int8 = timed("beta_int8.onnx", "int8", 2500.0, "sha-beta.onnx")
+    foreign = timed("found.onnx", "int8", 500.0)  # not made by ptq: two FP32 models, no way to tell which
+    ratios = speedups([beta_int8, alpha, foreign, alpha_int8, beta])
+    assert ratios[("models/alpha_int8.onnx", "onnxruntime", None)] == 3.0 and ratios[("models/beta_int8.onnx", "onnxruntime", None)] == 2.5
+    assert ratios[("models/found.onnx", "onnxruntime", None)] is None
+    assert speedups([alpha, foreign])[("models/found.onnx", "onnxruntime", None)] == 5.0  # one FP32 model: that one

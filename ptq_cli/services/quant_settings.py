@@ -33,7 +33,7 @@ def _backend_options(backend: str, given: dict) -> None:
 
 def make_settings(
     dtype: str | None = None,
-    backend: str = "onnxruntime",
+    backend: str = backends.DEFAULT,
     weight_dtype: str | None = None,
     per_channel: bool | None = None,
     method: str | None = None,

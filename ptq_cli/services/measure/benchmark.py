@@ -20,7 +20,7 @@ from ptq_cli.datasets import Dataset
 from ptq_cli.errors import PtqError
 from ptq_cli.inputs import PreprocessingFlags
 from ptq_cli.services.measure.evaluate import runtime_of, runtime_tag
-from ptq_cli.services.measure.records import from_dict, model_key, record_files, write_record
+from ptq_cli.services.measure.records import MeasurementKey, from_dict, model_key, record_files, write_record
 from ptq_cli.services.models import check_classes, load_model
 from ptq_cli.services.progress import ProgressCallback, Steps
 
@@ -50,6 +50,7 @@ class BenchmarkRecord:
     precision: str | None = None  # OpenVINO's inference precision hint; None for the other runtimes
     cpu: dict | None = None  # the CPU it ran on (cpu.Cpu.as_record): speed is a property of the machine too
     target_cpus: str | None = None  # the CPUs the model was quantized for (`--cpus`), if ptq says
+    source_sha256: str | None = None  # the FP32 model it was made from, if ptq made it: its speed-up is against that model
 
     @property
     def name(self) -> str:
@@ -158,6 +159,7 @@ def _record(model: LoadedModel, latency: list[float], seconds: list[float], thre
         precision=model.info.precision,
         cpu=cpu_info.current().as_record(),
         target_cpus=(model.info.quantization or {}).get("cpus"),
+        source_sha256=model.info.source_sha256,
     )
 
 
@@ -170,22 +172,18 @@ def save_benchmark(record: BenchmarkRecord, results_dir: Path) -> Path:
     return write_record(benchmark_path(results_dir, record.model_path, runtime_tag(record.model_path, *runtime_of(record))), record)
 
 
-def load_benchmarks(results_dir: Path) -> dict[str, BenchmarkRecord]:
-    """Benchmark records by benchmark_key (model sha256, runtime, precision); unreadable ones are ignored (benchmarks are optional)."""
-    found: dict[str, BenchmarkRecord] = {}
+def load_benchmarks(results_dir: Path) -> dict[MeasurementKey, BenchmarkRecord]:
+    """Benchmark records by what they measured (MeasurementKey without a dataset: model sha256, runtime,
+    precision); unreadable ones are ignored (benchmarks are optional)."""
+    found: dict[MeasurementKey, BenchmarkRecord] = {}
     for path in record_files(Path(results_dir) / BENCHMARK_DIR):
         try:
             data = json.loads(bounded.read_text(path, "record"))
             record = from_dict(BenchmarkRecord, data)
         except (PtqError, OSError, ValueError, TypeError, AttributeError):
             continue
-        found[benchmark_key(record.model_sha256, record.runtime, record.precision)] = record
+        found[MeasurementKey.of(record, with_dataset=False)] = record
     return found
-
-
-def benchmark_key(sha256: str, runtime: str, precision: str | None) -> str:
-    """One file's figures on one runtime at one precision hint (bf16 and f32 runs are different figures)."""
-    return f"{sha256}:{runtime}:{precision}"
 
 
 def run_key(record: BenchmarkRecord) -> tuple[str, str, str | None]:
@@ -193,21 +191,19 @@ def run_key(record: BenchmarkRecord) -> tuple[str, str, str | None]:
     return record.model_path, record.runtime, record.precision
 
 
-def speedups(records: list[BenchmarkRecord], saved: dict[str, BenchmarkRecord] | None = None) -> dict[tuple, float | None]:
-    """Throughput against the FP32 model on the same runtime and precision hint, measured at the same batch
-    size and threads; by run_key."""
+def speedups(records: list[BenchmarkRecord], saved: dict[MeasurementKey, BenchmarkRecord] | None = None) -> dict[tuple, float | None]:
+    """Throughput against the model's own FP32 source on the same runtime and precision hint (or converted
+    to that runtime from it), measured at the same batch size and threads; for a model ptq did not make,
+    the one FP32 model so measured, if there is one. By run_key."""
     candidates = list(records) + [record for record in (saved or {}).values() if record not in records]
     result: dict[tuple, float | None] = {}
     for record in records:
-        reference = next(
-            (
-                other
-                for other in candidates
-                if other.dtype == "fp32" and (other.runtime, other.precision) == (record.runtime, record.precision)
-                and (other.batch_size, other.threads) == (record.batch_size, record.threads)
-            ),
-            None,
-        )
+        floats = [other for other in candidates if other.dtype == "fp32" and (other.runtime, other.precision) == (record.runtime, record.precision)
+                  and (other.batch_size, other.threads) == (record.batch_size, record.threads)]
+        sources = [other for other in floats if record.source_sha256 and record.source_sha256 in (other.model_sha256, other.source_sha256)]
+        if not record.source_sha256 and len({other.model_sha256 for other in floats}) == 1:
+            sources = floats
+        reference = min(sources, key=lambda other: other.model_path, default=None)
         ratio = record.images_per_second / reference.images_per_second if reference and record.dtype != "fp32" else None
         result[run_key(record)] = None if ratio is None else round(ratio, 3)
     return result

@@ -22,7 +22,7 @@ from ptq_cli.datasets import Dataset, LabelledImages, open_dataset
 from ptq_cli.errors import PtqError
 from ptq_cli.inputs import Preprocessing, PreprocessingFlags
 from ptq_cli.services.measure import emulate
-from ptq_cli.services.measure.records import from_dict, model_key, record_files, write_record
+from ptq_cli.services.measure.records import MeasurementKey, from_dict, model_key, record_files, write_record
 from ptq_cli.services.models import check_classes, load_model
 from ptq_cli.services.progress import ProgressCallback
 from ptq_cli.services.quant_settings import describe_model
@@ -330,11 +330,12 @@ def load_records(results_dir: Path) -> RecordSet:
 
 
 def newest_per_measurement(records: list[EvaluationRecord]) -> list[EvaluationRecord]:
-    """One record per (model file, runtime, precision, dataset split): the newest. Records written under an
-    older naming scheme, or copied in, would otherwise show one model twice."""
+    """One record per model file and measurement (MeasurementKey: its bytes, runtime, precision, int8 path and
+    images): the newest. Records written under an older naming scheme, or copied in, would otherwise show one
+    model twice."""
     newest: dict[tuple, EvaluationRecord] = {}
     for record in records:
-        key = (str(Path(record.model_path).resolve()), record.runtime, record.precision, record.dataset_sha256 or record.dataset, record.int8_path)
+        key = (str(Path(record.model_path).resolve()), MeasurementKey.of(record))
         if key not in newest or record.timestamp > newest[key].timestamp:
             newest[key] = record
     return list(newest.values())

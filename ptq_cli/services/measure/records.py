@@ -9,7 +9,7 @@ import math
 import os
 import types
 import typing
-from dataclasses import asdict, fields, is_dataclass
+from dataclasses import asdict, dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -102,3 +102,23 @@ def model_key(model_path: Path | str) -> str:
         folder = str(path.resolve().parent)
     folder = hashlib.sha256(folder.encode()).hexdigest()[:6]
     return f"{path.name}-{folder}"
+
+
+@dataclass(frozen=True, order=True)
+class MeasurementKey:
+    """What a figure was measured on: the model's bytes, the runtime, its precision hint, the x86 int8 path
+    and the images (a benchmark's speed is not tied to a dataset: "" there). Records are joined on this,
+    never on file names."""
+
+    model_sha256: str
+    runtime: str
+    precision: str = ""
+    int8_path: str = ""
+    dataset_sha256: str = ""
+
+    @classmethod
+    def of(cls, record: Any, with_dataset: bool = True) -> MeasurementKey:
+        """The key of an evaluation or benchmark record (without its dataset: to find its speed)."""
+        dataset = (getattr(record, "dataset_sha256", "") or getattr(record, "dataset", "")) if with_dataset else ""
+        int8_path = (getattr(record, "int8_path", None) or "") if with_dataset else ""
+        return cls(record.model_sha256, record.runtime, record.precision or "", int8_path, dataset)

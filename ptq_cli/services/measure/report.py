@@ -8,10 +8,11 @@ from pathlib import Path
 from ptq_cli import backends, settings
 from ptq_cli import cpu as cpu_info
 from ptq_cli.cpu import ALL, EXACT, SATURATING
-from ptq_cli.services.measure.benchmark import BenchmarkRecord, benchmark_key, load_benchmarks
+from ptq_cli.services.measure.benchmark import BenchmarkRecord, load_benchmarks
 from ptq_cli.services.measure.evaluate import OK, EvaluationRecord, fp32_reference, load_records, record_status, reference_for
+from ptq_cli.services.measure.records import MeasurementKey
+from ptq_cli.services.measure.sweep_records import SweepResult, load_sweeps
 from ptq_cli.services.quant_settings import describe_model
-from ptq_cli.services.study.sweep import SweepResult, load_sweeps
 
 DTYPE_ORDER = {"fp32": 0, "int8": 1, "uint8": 2}
 # The recommendation's "fastest" is the fastest model at most this many points below its FP32 source.
@@ -124,8 +125,8 @@ class Report:
         return [row for group in self.groups for row in group.rows]
 
 
-def _speed(record: EvaluationRecord, benchmarks: dict[str, BenchmarkRecord]) -> tuple[float, str]:
-    benchmark = benchmarks.get(benchmark_key(record.model_sha256, record.runtime, record.precision))
+def _speed(record: EvaluationRecord, benchmarks: dict[MeasurementKey, BenchmarkRecord]) -> tuple[float, str]:
+    benchmark = benchmarks.get(MeasurementKey.of(record, with_dataset=False))
     if benchmark is not None:
         return benchmark.images_per_second, "benchmark"
     return record.images_per_second, "evaluate"
@@ -151,7 +152,7 @@ def _onnxruntime_fp32(record: EvaluationRecord, records: list[EvaluationRecord])
                  and other.model_sha256 == source and other.dataset_sha256 == record.dataset_sha256), None)
 
 
-def _ratio(record: EvaluationRecord, reference: EvaluationRecord | None, benchmarks: dict[str, BenchmarkRecord]) -> float | None:
+def _ratio(record: EvaluationRecord, reference: EvaluationRecord | None, benchmarks: dict[MeasurementKey, BenchmarkRecord]) -> float | None:
     """Throughput against the reference's, only when both come from the same kind of measurement."""
     if reference is None or reference is record:
         return None
@@ -178,7 +179,7 @@ def _fold_int8_paths(records: list[EvaluationRecord]) -> tuple[list[EvaluationRe
     return rows, saturating
 
 
-def _row(record: EvaluationRecord, records: list[EvaluationRecord], benchmarks: dict[str, BenchmarkRecord], status: str,
+def _row(record: EvaluationRecord, records: list[EvaluationRecord], benchmarks: dict[MeasurementKey, BenchmarkRecord], status: str,
          saturating: EvaluationRecord | None = None) -> ReportRow:
     reference = fp32_reference(records, record) if (record.dtype != "fp32" or record.source_sha256) else None
     reference = None if reference is not None and reference.model_sha256 == record.model_sha256 else reference
@@ -188,7 +189,7 @@ def _row(record: EvaluationRecord, records: list[EvaluationRecord], benchmarks: 
     if runtime_fp32 is not None and runtime_fp32.model_sha256 != record.model_sha256 and record.dtype != "fp32":
         speedup = _ratio(record, runtime_fp32, benchmarks)
         size_reduction = round(1.0 - record.model_size_bytes / runtime_fp32.model_size_bytes, 4)
-    benchmark = benchmarks.get(benchmark_key(record.model_sha256, record.runtime, record.precision))
+    benchmark = benchmarks.get(MeasurementKey.of(record, with_dataset=False))
     validation = (record.quantization or {}).get("validation") or {}
     return ReportRow(
         model=record.name,
@@ -243,7 +244,7 @@ def _class_losses(record: EvaluationRecord, reference: EvaluationRecord) -> list
     ]
 
 
-def _group(records: list[EvaluationRecord], benchmarks: dict[str, BenchmarkRecord], worst_classes: int,
+def _group(records: list[EvaluationRecord], benchmarks: dict[MeasurementKey, BenchmarkRecord], worst_classes: int,
            statuses: dict[str, str], root: str | None = None, several: bool = False) -> DatasetGroup:
     records = sorted(records, key=lambda r: (backends.order(r.runtime), DTYPE_ORDER.get(r.dtype, 9), r.name, r.model_path, r.precision or "",
                                              r.int8_path or ""))
@@ -329,7 +330,7 @@ def _studies(records: list[EvaluationRecord]) -> dict[str | None, list[Evaluatio
 def build_report(
     records: list[EvaluationRecord],
     skipped: list[str] | None = None,
-    benchmarks: dict[str, BenchmarkRecord] | None = None,
+    benchmarks: dict[MeasurementKey, BenchmarkRecord] | None = None,
     worst_classes: int = 5,
     sweeps: list[SweepResult] | None = None,
     statuses: dict[str, str] | None = None,

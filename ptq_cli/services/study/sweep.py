@@ -8,11 +8,10 @@ compressed size (gzip -9 of the file) is the point of pruning before int8: zeros
 from __future__ import annotations
 
 import gzip
-import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
-from ptq_cli import backends, bounded
+from ptq_cli import backends
 from ptq_cli.atomic import check_writable
 from ptq_cli.datasets import Dataset
 from ptq_cli.errors import PtqError
@@ -21,41 +20,10 @@ from ptq_cli.services import prune as prune_service
 from ptq_cli.services import quantize as quantize_service
 from ptq_cli.services.calibration import CalibrationSet
 from ptq_cli.services.measure import evaluate as evaluate_service
-from ptq_cli.services.measure.records import from_dict, record_files, write_record
+from ptq_cli.services.measure.records import write_record
+from ptq_cli.services.measure.sweep_records import SWEEP_DIR, SweepPoint, SweepResult
 from ptq_cli.services.progress import ProgressCallback, Steps
 from ptq_cli.services.quant_settings import describe_quantization
-
-SWEEP_DIR = "sweep"  # under the results directory
-
-
-@dataclass(frozen=True)
-class SweepPoint:
-    sparsity: float  # requested
-    achieved_sparsity: float  # zeros among the pruned layers' weights
-    fp32_model: str  # the pruned FP32 model (the source itself at sparsity 0)
-    fp32_accuracy: float  # what pruning alone leaves
-    fp32_size_bytes: int
-    fp32_compressed_bytes: int
-    model: str  # the pruned, then quantized model
-    accuracy: float
-    delta: float  # points against the unpruned FP32 model, measured in the same sweep
-    size_bytes: int
-    compressed_bytes: int  # gzip -9
-
-
-@dataclass(frozen=True)
-class SweepResult:
-    source: str
-    dtype: str
-    scope: str
-    exclude_first: bool
-    exclude_classifier: bool
-    reconstruct: bool  # kept weights re-fitted on the calibration images
-    quantization: str  # the quantization settings, in a few words
-    points: list[SweepPoint]
-    record: str  # where this result is stored
-    fp32_accuracy: float | None = None  # the unpruned FP32 model's, the reference of every delta
-    dataset: str = ""
 
 
 def parse_sparsities(text: str) -> tuple[float, ...]:
@@ -141,23 +109,3 @@ def _point(sparsity: float, achieved: float, fp32: Path, fp32_accuracy: float, q
         size_bytes=quantized.stat().st_size,
         compressed_bytes=gzip_size(quantized),
     )
-
-
-def read_sweep(path: Path) -> SweepResult:
-    try:
-        data = json.loads(bounded.read_text(Path(path), "record"))
-        points = [from_dict(SweepPoint, point) for point in data["points"]]
-        return replace(from_dict(SweepResult, {**data, "points": []}), points=points)
-    except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:
-        raise PtqError(f"{path}: not a ptq sweep record ({error})") from error
-
-
-def load_sweeps(results_dir: Path) -> tuple[list[SweepResult], list[str]]:
-    """Every sweep record under results_dir/sweep; unreadable ones are skipped and named."""
-    sweeps, skipped = [], []
-    for path in record_files(Path(results_dir) / SWEEP_DIR):
-        try:
-            sweeps.append(read_sweep(path))
-        except PtqError as error:
-            skipped.append(str(error))
-    return sweeps, skipped
