@@ -157,6 +157,7 @@ def test_two_studies_in_one_results_folder_are_each_compared_with_their_own_sour
     for group in report.groups:
         names = {row.model for row in group.rows}
         assert group.baseline.model in names and group.recommendation.best_accuracy.model in names
+        assert group.label.endswith(f"models made from models/{group.baseline.model}")
     # The same records in any order (as a folder listing or a set may give them): the same report, byte for byte.
     first = report_markdown(report)
     for seed in range(10):

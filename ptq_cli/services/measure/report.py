@@ -269,7 +269,9 @@ def _group(records: list[EvaluationRecord], benchmarks: dict[MeasurementKey, Ben
         or next((row for row in rows if row.dtype == "fp32"), None)
     first = records[0]
     mlperf = next((row for row in rows if row.label == settings.MLPERF_REFERENCE_LABEL), None)
-    label = first.dataset_label + (f", models made from {baseline.model}" if several and baseline is not None else "")
+    # Several studies on one dataset: each table says which source it holds, by the path it was evaluated at.
+    source_path = next((record.model_path for record in records if record.model_sha256 == root), None)
+    label = first.dataset_label + (f", models made from {source_path}" if several and source_path else "")
     return DatasetGroup(label, first.dataset, first.images, rows, tuple(first.class_names), losses[:worst_classes],
                         recommendation, baseline, mlperf, _versus_reference(rows, mlperf))
 
