@@ -135,10 +135,19 @@ def check_writable(path: Path) -> None:
         raise PtqError(f"{path}: cannot write ({existing}: {error.strerror or error})") from error
 
 
+# The files that stand with a model file of a suffix (an OpenVINO IR's .xml and its .bin), as the backend
+# table declares them (Backend.companion_suffixes).
+_COMPANIONS: dict[str, tuple[str, ...]] = {}
+
+
+def declare_companions(suffix: str, companion_suffixes: tuple[str, ...]) -> None:
+    _COMPANIONS[suffix.lower()] = tuple(companion_suffixes)
+
+
 def companions(path: Path) -> list[Path]:
-    """The files one model name stands for: an OpenVINO IR's .xml and its .bin."""
+    """The files one model name stands for: the file, and those its kind keeps beside it."""
     path = Path(path)
-    return [path, path.with_suffix(".bin")] if path.suffix.lower() == ".xml" else [path]
+    return [path, *(path.with_suffix(suffix) for suffix in _COMPANIONS.get(path.suffix.lower(), ()))]
 
 
 def _identity(path: Path) -> tuple:

@@ -186,6 +186,9 @@ Runtime = _choices("Runtime", backends.runtimes())
 Precision = _choices("Precision", backends.precisions())
 Cpus = _choices("Cpus", cpu_info.CPU_TARGETS)
 OverflowFix = _choices("OverflowFix", overflow.OVERFLOW_FIXES)
+# Each backend's own words, from the table.
+BACKENDS_HELP = ". ".join(f"{row.name}: {row.summary}" for row in backends.TABLE.values() if row.quantize is not None) + "."
+MODELS_HELP = f"Model file ({', '.join(backends.suffixes())}); repeat for several. (default: every model in models/)"
 Int8Path = _choices("Int8Path", ("native", *cpu_info.INT8_PATHS, "both"))
 # Which CPUs a quantized model is for, and how it stays exact on those without VNNI (one block, shared).
 CpusOption = Annotated[
@@ -267,13 +270,7 @@ class DataChoice:
         return open_dataset(self.data)
 
     def calibration_dataset(self) -> Dataset:
-        if self.calibration_data is not None:
-            return open_dataset(self.calibration_data)
-        dataset = self.dataset()
-        if dataset.single_set:
-            raise PtqError(f"{self.data}: one set of images with no train split: calibrating on it would use the images models are judged on; "
-                           "give --calibration-data")
-        return dataset
+        return calibration_service.calibration_dataset(self.data, self.calibration_data)
 
 
 def _data(data: Path | None, calibration_data: Path | None, preset, scale: float | None, mean: str | None, std: str | None,
@@ -441,9 +438,8 @@ def calibrate(
     """
     calibration_service.check_seed(seed)
     check_outputs([("--output", output, (".npz",))], [model, choice.data, choice.calibration_data])
-    size = models_service.load_model(model, 1).input.size if model is not None else None
     with _working("Sampling the training images…"):
-        calibration_set = calibration_service.build_calibration_set(choice.calibration_dataset(), samples_per_class, seed, size)
+        calibration_set = calibration_service.for_model(model, choice.data, choice.calibration_data, samples_per_class, seed)
         calibration_service.save_calibration_set(calibration_set, output)
     summary = {"output": output, "samples": len(calibration_set.labels), "seed": seed, "per_class": calibration_set.per_class_counts,
                "dataset": calibration_set.dataset, "split": calibration_set.split, "pixel_range": calibration_set.pixel_range}
@@ -454,7 +450,7 @@ def calibrate(
 @_with_data()
 def quantize(
     model: Annotated[Path, typer.Option(help="FP32 ONNX model to quantize (the PyTorch backend converts it with onnx2torch first; LiteRT starts from the Keras model `ptq convert --keras` made it from).")] = settings.FP32_ONNX,
-    backend: Annotated[Backend, typer.Option(help="onnxruntime: quantize_static, QDQ. pytorch: torch.ao FX graph mode, x86 engine, saved as TorchScript. openvino: openvino.convert_model, then nncf.quantize, saved as OpenVINO IR (.xml + .bin). litert: the TFLite converter, full-integer int8 .tflite for TFLite Micro.")] = Backend(backends.DEFAULT),
+    backend: Annotated[Backend, typer.Option(help=BACKENDS_HELP)] = Backend(backends.DEFAULT),
     dtype: Annotated[DType | None, typer.Option(help="Activation type (and weight type unless --weight-dtype is given). PyTorch, OpenVINO and LiteRT take int8 only. (default: int8)", show_default=False)] = None,
     target: Annotated[Target | None, typer.Option(help="speed: the fast x86 configuration (onnxruntime: uint8 activations, int8 per-channel weights, percentile); other options still override it.", show_default=False)] = None,
     weight_dtype: Annotated[DType | None, typer.Option(help="Weight type. (default: same as --dtype)", show_default=False)] = None,
@@ -583,10 +579,7 @@ ValidationPerClass = Annotated[
 
 def _calibration_set(calibration: Path | None, choice: DataChoice, model: Path):
     with _working("Loading the calibration set…"):
-        if calibration is not None:
-            return calibration_service.load_calibration_set(calibration)
-        size = models_service.load_model(model, 1, choice.flags).input.size
-        return calibration_service.load_or_build(None, choice.calibration_dataset(), size)
+        return calibration_service.for_model(model, choice.data, choice.calibration_data, saved=calibration, reuse_default=True, flags=choice.flags)
 
 
 def _calibration_and_validation(calibration: Path | None, choice: DataChoice, model: Path, validation_per_class: int):
@@ -680,7 +673,7 @@ def _default_models() -> list[Path]:
 @app.command()
 @_with_data(calibration=False)
 def evaluate(
-    model: Annotated[list[Path] | None, typer.Option(help="Model file (.onnx, TorchScript .pt, OpenVINO IR .xml or TFLite .tflite); repeat for several. (default: every model in models/)", show_default=False)] = None,
+    model: Annotated[list[Path] | None, typer.Option(help=MODELS_HELP, show_default=False)] = None,
     per_class: Annotated[bool, typer.Option("--per-class", help="Also show per-class accuracy, with the delta against the FP32 source model's record.")] = False,
     results_dir: Annotated[Path, typer.Option(help="Where to write one JSON record per model and dataset.")] = settings.RESULTS_DIR,
     batch_size: Annotated[int, typer.Option(min=1, help="Images per inference call (split over the threads).")] = settings.EVALUATION_BATCH,
@@ -731,7 +724,7 @@ def evaluate(
 @app.command()
 @_with_data(calibration=False)
 def benchmark(
-    model: Annotated[list[Path] | None, typer.Option(help="Model file (.onnx, TorchScript .pt, OpenVINO IR .xml or TFLite .tflite); repeat for several. (default: every model in models/)", show_default=False)] = None,
+    model: Annotated[list[Path] | None, typer.Option(help=MODELS_HELP, show_default=False)] = None,
     batch_size: Annotated[int, typer.Option(min=1, help="Batch size for the throughput measurement (latency is always at batch 1).")] = 256,
     threads: ThreadsOption = None,
     runs: RunsOption = 100,

@@ -67,7 +67,7 @@ def ptq_ok(*args: str, cwd: Path) -> Run:
     return run
 
 
-REAL_ASSET_FIXTURES = {"assets", "pipeline", "pipeline_snapshot"}
+REAL_ASSET_FIXTURES = {"assets", "resnet8_onnx", "pipeline", "pipeline_snapshot"}
 
 
 def pytest_collection_modifyitems(items) -> None:
@@ -83,6 +83,15 @@ def assets() -> Path:
     if not CIFAR.is_dir() or not KERAS_MODEL.is_file():
         pytest.fail(f"real assets not found under {ASSETS} (set PTQ_ASSETS)")
     return ASSETS
+
+
+@pytest.fixture(scope="session")
+def resnet8_onnx(tmp_path_factory, assets) -> Path:
+    """The MLPerf Tiny ResNet8 converted to ONNX (`ptq convert`), for the tests that need only the FP32
+    model and not the whole study."""
+    work = tmp_path_factory.mktemp("converted")
+    ptq_ok("convert", "--output", "resnet8.onnx", cwd=work)
+    return work / "resnet8.onnx"
 
 
 @pytest.fixture(scope="session")

@@ -73,9 +73,9 @@ def test_truncated_training_batch(tmp_path, data_copy):
     assert not (tmp_path / "out").exists()
 
 
-def test_truncated_test_batch(tmp_path, data_copy, pipeline):
+def test_truncated_test_batch(tmp_path, data_copy, resnet8_onnx):
     _truncate(data_copy, "test_batch")
-    run = ptq("evaluate", "--model", pipeline / "models" / "resnet8.onnx", "--data-dir", data_copy, "--results-dir", "res", cwd=tmp_path)
+    run = ptq("evaluate", "--model", resnet8_onnx, "--data-dir", data_copy, "--results-dir", "res", cwd=tmp_path)
     assert_clean_failure(run, 2, "test_batch")
     assert not (tmp_path / "res").exists()
 
@@ -94,14 +94,14 @@ def test_unknown_dtype(tmp_path):
     assert _files(tmp_path) == []
 
 
-def test_unknown_dtype_before_any_work(tmp_path, pipeline):
-    run = ptq("quantize", "--model", pipeline / "models" / "resnet8.onnx", "--dtype", "int16", "--output", "q.onnx", cwd=tmp_path)
+def test_unknown_dtype_before_any_work(tmp_path, resnet8_onnx):
+    run = ptq("quantize", "--model", resnet8_onnx, "--dtype", "int16", "--output", "q.onnx", cwd=tmp_path)
     assert_clean_failure(run, 2, "--dtype")
     assert _files(tmp_path) == []
 
 
-def test_missing_calibration_file(tmp_path, pipeline):
-    run = ptq("quantize", "--model", pipeline / "models" / "resnet8.onnx", "--calibration", "none.npz", "--output", "q.onnx", cwd=tmp_path)
+def test_missing_calibration_file(tmp_path, resnet8_onnx):
+    run = ptq("quantize", "--model", resnet8_onnx, "--calibration", "none.npz", "--output", "q.onnx", cwd=tmp_path)
     assert_clean_failure(run, 2, "none.npz")
     assert _files(tmp_path) == []
 
@@ -165,8 +165,8 @@ def test_nchw_model_is_detected_and_fed_transposed_images(tmp_path, pipeline):
     assert record_of(tmp_path / "res", "nchw.pt")["accuracy"] >= 87.19 - 0.5
 
 
-def test_model_without_ten_class_scores_is_refused(tmp_path, pipeline):
-    _five_class_copy(pipeline / "models" / "resnet8.onnx", tmp_path / "five.onnx")
+def test_model_without_ten_class_scores_is_refused(tmp_path, resnet8_onnx):
+    _five_class_copy(resnet8_onnx, tmp_path / "five.onnx")
     for command in (["evaluate", "--model", "five.onnx", "--results-dir", "res"], ["quantize", "--model", "five.onnx", "--output", "q.onnx"],
                     ["benchmark", "--model", "five.onnx", "--results-dir", "res"]):
         run = ptq(*command, cwd=tmp_path)

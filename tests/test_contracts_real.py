@@ -29,8 +29,8 @@ def test_folders(tmp_path_factory, assets):
     return root
 
 
-def test_third_party_contract_scores_the_known_answer_and_quantizes(tmp_path, pipeline):
-    contract_variant(pipeline / "models" / "resnet8.onnx", tmp_path / "third.onnx")  # NCHW, 0-1 CIFAR mean/std, batch 1, opset 9
+def test_third_party_contract_scores_the_known_answer_and_quantizes(tmp_path, resnet8_onnx):
+    contract_variant(resnet8_onnx, tmp_path / "third.onnx")  # NCHW, 0-1 CIFAR mean/std, batch 1, opset 9
     ptq_ok("evaluate", "--model", "third.onnx", *NORMALIZED, "--results-dir", "res", cwd=tmp_path)
     fp32 = record_of(tmp_path / "res", "third.onnx")
     assert abs(fp32["accuracy"] - 87.19) <= 0.02
@@ -51,15 +51,15 @@ def test_third_party_contract_scores_the_known_answer_and_quantizes(tmp_path, pi
     assert record_of(tmp_path / "res", "third_pt.pt")["accuracy"] >= fp32["accuracy"] - 0.5
 
 
-def test_fixed_batch_that_cannot_be_freed_runs_image_by_image(tmp_path, pipeline):
-    contract_variant(pipeline / "models" / "resnet8.onnx", tmp_path / "tied.onnx", opset=None, fixed_reshape=True)
+def test_fixed_batch_that_cannot_be_freed_runs_image_by_image(tmp_path, resnet8_onnx):
+    contract_variant(resnet8_onnx, tmp_path / "tied.onnx", opset=None, fixed_reshape=True)
     ptq_ok("evaluate", "--model", "tied.onnx", *NORMALIZED, "--results-dir", "res", cwd=tmp_path)
     tied = record_of(tmp_path / "res", "tied.onnx")
     assert tied["correct"] == 8719 and "run 1 image at a time" in tied["model_input"]
 
 
-def test_a_64x64_model_is_fed_by_the_loaders_resize(tmp_path, pipeline):
-    contract_variant(pipeline / "models" / "resnet8.onnx", tmp_path / "big.onnx", size=64, batch=None, opset=None)
+def test_a_64x64_model_is_fed_by_the_loaders_resize(tmp_path, resnet8_onnx):
+    contract_variant(resnet8_onnx, tmp_path / "big.onnx", size=64, batch=None, opset=None)
     ptq_ok("evaluate", "--model", "big.onnx", *NORMALIZED, "--results-dir", "res", cwd=tmp_path)
     # Bilinear 32 -> 64 in the loader, 2x2 average pooling back to 32 in the graph: measured once, 88.17%.
     assert abs(record_of(tmp_path / "res", "big.onnx")["accuracy"] - 88.17) <= 0.02
@@ -81,8 +81,8 @@ def read_json_report(cwd):
     return json.loads(ptq_ok("report", "--results-dir", "res", "--json", cwd=cwd).stdout)
 
 
-def test_run_on_a_users_model_and_image_folder(tmp_path, pipeline, test_folders):
-    contract_variant(pipeline / "models" / "resnet8.onnx", tmp_path / "third.onnx")
+def test_run_on_a_users_model_and_image_folder(tmp_path, resnet8_onnx, test_folders):
+    contract_variant(resnet8_onnx, tmp_path / "third.onnx")
     ptq_ok("run", "--model", "third.onnx", "--data", test_folders / "png", *NORMALIZED, "--no-benchmark", "--no-pytorch", cwd=tmp_path)
     fp32, speed = record_of(tmp_path / "results", "third.onnx"), record_of(tmp_path / "results", "third_uint8_speed.onnx")
     assert abs(fp32["accuracy"] - 87.19) <= 0.02 and speed["accuracy"] >= fp32["accuracy"] - 0.3

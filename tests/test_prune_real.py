@@ -62,8 +62,8 @@ def test_prune_reaches_the_sparsity_and_touches_only_weights(tmp_path, pipeline,
     onnx.checker.check_model(onnx.load(str(tmp_path / "p.onnx")))
 
 
-def test_prune_text_output_names_every_layer_and_the_sparsity_reached(tmp_path, pipeline):
-    run = ptq_ok("prune", "--model", pipeline / "models" / "resnet8.onnx", "--sparsity", "0.3", "--scope", "layer", "--no-reconstruct",
+def test_prune_text_output_names_every_layer_and_the_sparsity_reached(tmp_path, resnet8_onnx):
+    run = ptq_ok("prune", "--model", resnet8_onnx, "--sparsity", "0.3", "--scope", "layer", "--no-reconstruct",
                  "--exclude-classifier", "--output", "p.onnx", cwd=tmp_path)
     assert "Requested 30% (layer); achieved 30.00% over the pruned layers" in run.stdout
     rows = [line.split() for line in run.stdout.splitlines() if " Conv " in line or " MatMul " in line]
@@ -73,10 +73,10 @@ def test_prune_text_output_names_every_layer_and_the_sparsity_reached(tmp_path, 
 
 
 @pytest.mark.parametrize("value", ["1", "1.5", "-0.1"])
-def test_sparsity_outside_zero_one_is_refused(tmp_path, pipeline, value):
-    run = ptq("prune", "--model", pipeline / "models" / "resnet8.onnx", "--sparsity", value, "--output", "p.onnx", cwd=tmp_path)
+def test_sparsity_outside_zero_one_is_refused(tmp_path, resnet8_onnx, value):
+    run = ptq("prune", "--model", resnet8_onnx, "--sparsity", value, "--output", "p.onnx", cwd=tmp_path)
     assert_clean_failure(run, 2, "--sparsity")
-    run = ptq("sweep", "--model", pipeline / "models" / "resnet8.onnx", "--sparsity", f"0,{value}", cwd=tmp_path)
+    run = ptq("sweep", "--model", resnet8_onnx, "--sparsity", f"0,{value}", cwd=tmp_path)
     assert_clean_failure(run, 2, "--sparsity")
     assert list(tmp_path.iterdir()) == []
 

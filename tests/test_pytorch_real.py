@@ -50,16 +50,16 @@ def test_torchscript_models_load_without_the_project(pipeline):
         assert done.stdout.split() == ["(3,", "10)", "False"], done.stderr
 
 
-def test_pytorch_uint8_is_refused_before_any_work(pipeline, tmp_path):
+def test_pytorch_uint8_is_refused_before_any_work(resnet8_onnx, tmp_path):
     for args in (["--dtype", "uint8"], ["--dtype", "int8", "--weight-dtype", "uint8"]):
-        run = ptq("quantize", "--model", pipeline / "models" / "resnet8.onnx", "--backend", "pytorch", *args, "--output", "q.pt", cwd=tmp_path)
+        run = ptq("quantize", "--model", resnet8_onnx, "--backend", "pytorch", *args, "--output", "q.pt", cwd=tmp_path)
         assert_clean_failure(run, 2, "uint8")
         assert "signed int8 weights" in run.stderr
     assert list(tmp_path.iterdir()) == []
 
 
-def test_onnxruntime_method_is_refused_for_pytorch(pipeline, tmp_path):
-    run = ptq("quantize", "--model", pipeline / "models" / "resnet8.onnx", "--backend", "pytorch", "--method", "entropy", cwd=tmp_path)
+def test_onnxruntime_method_is_refused_for_pytorch(resnet8_onnx, tmp_path):
+    run = ptq("quantize", "--model", resnet8_onnx, "--backend", "pytorch", "--method", "entropy", cwd=tmp_path)
     assert_clean_failure(run, 2, "--method")
     assert list(tmp_path.iterdir()) == []
 
@@ -97,8 +97,8 @@ def test_report_shows_both_frameworks_side_by_side(pipeline):
     assert by_model["resnet8_pytorch_int8.pt"]["size_reduction"] == round(1 - torch_int8["model_size_bytes"] / torch_fp32["model_size_bytes"], 4)
 
 
-def test_convert_source_options_are_checked_before_any_work(pipeline, tmp_path):
-    onnx_model = pipeline / "models" / "resnet8.onnx"
+def test_convert_source_options_are_checked_before_any_work(resnet8_onnx, tmp_path):
+    onnx_model = resnet8_onnx
     run = ptq("convert", "--onnx", onnx_model, cwd=tmp_path)
     assert_clean_failure(run, 2, "--torch")
     run = ptq("convert", "--onnx", onnx_model, "--keras", "model.h5", "--torch", "m.pt", cwd=tmp_path)

@@ -96,8 +96,8 @@ def test_benchmark_records_latency_and_throughput_and_report_uses_them(pipeline,
     assert rows["resnet8_int8.onnx"]["speedup"] == round(int8["images_per_second"] / fp32["images_per_second"], 3)
 
 
-def test_benchmark_rejects_bad_options(pipeline, tmp_path):
-    run = ptq("benchmark", "--model", pipeline / "models" / "resnet8.onnx", "--runs", "0", "--results-dir", "r", cwd=tmp_path)
+def test_benchmark_rejects_bad_options(resnet8_onnx, tmp_path):
+    run = ptq("benchmark", "--model", resnet8_onnx, "--runs", "0", "--results-dir", "r", cwd=tmp_path)
     assert_clean_failure(run, 2, "--runs")
     assert list(tmp_path.iterdir()) == []
 

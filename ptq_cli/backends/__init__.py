@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ptq_cli.atomic import declare_companions
 from ptq_cli.backends import litert, onnxruntime, openvino, pytorch
 from ptq_cli.backends.base import Backend
 from ptq_cli.backends.model_file import require_file
@@ -20,6 +21,8 @@ TABLE: dict[str, Backend] = {}
 
 def register(row: Backend) -> Backend:
     TABLE[row.name] = row
+    if row.companion_suffixes:
+        declare_companions(row.suffix, row.companion_suffixes)
     return row
 
 

@@ -143,7 +143,9 @@ class Backend:
     sniff: Callable[[bytes], bool]  # whether a file's first bytes are this backend's
     load: Callable[[Path, RunOptions], LoadedModel]
     quantize: Callable[..., QuantizedFile] | None = None  # (onnx model, output, settings, calibration inputs, stored metadata)
+    read_input: Callable[[Path], ModelInput] | None = None  # the declared input without running the model, where that is cheap
     format: str = ""  # what its quantized models are, in a word (QDQ, FX, IR, TFLite)
+    summary: str = ""  # how it quantizes and what it writes, for --backend's help
     methods: tuple[str, ...] = ("minmax",)  # its calibration methods; the first is the default
     per_channel: bool = True  # its default weight granularity
     overflow_fixes: tuple[str, ...] = (FIRST_LAYER, *[fix for fix in OVERFLOW_FIXES if fix != FIRST_LAYER])  # the first is the default
@@ -178,6 +180,7 @@ class Backend:
     spins_when_idle: bool = False  # its idle threads spin after a run: benchmarked apart from the others
     runtime_settings: str = ""  # how ptq runs it, for benchmark records
     available: Callable[[], bool] = lambda: True
+    companion_suffixes: tuple[str, ...] = ()  # files kept beside its model file, part of the model (an IR's .bin)
     catch_all: bool = False  # takes any file no other backend claims (and then says if it is not its kind)
     suffix_decides: bool = False  # a file with its suffix is its kind whatever its bytes
 

@@ -484,6 +484,7 @@ def _output_name(stem: str, settings: QuantizationSettings) -> str:
 
 BACKEND = Backend(
     NAME, (SUFFIX,), sniff, load, quantize, format=FORMAT, available=available,
+    summary="the TFLite converter, full-integer int8 .tflite for TFLite Micro",
     # Quantizing: the TFLite converter's min/max, or ptq's percentile rule (onnxruntime's histogram
     # collector) on the same tensors; XNNPACK widens to int16 before adding, so no overflow fix.
     methods=("minmax", "percentile"), per_channel=True, overflow_fixes=(NO_FIX,),

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from ptq_cli import bounded, inputs
+from ptq_cli.atomic import companions
 from ptq_cli.errors import PtqError
 from ptq_cli.inputs import ModelInput
 
@@ -32,11 +33,13 @@ def read_bytes(path: Path) -> bytes:
 
 
 def file_sha256(path: Path) -> str:
-    """The sha256 of a model's bytes: an OpenVINO IR's .xml and then its .bin, any other model's one file."""
+    """The sha256 of a model's bytes: its file, then the files its kind keeps beside it (an OpenVINO IR's .xml,
+    then its .bin)."""
     path = Path(path)
     digest = hashlib.sha256(bounded.read_bytes(path, bounded.MODEL_BYTES, "model file"))
-    if path.suffix == ".xml" and path.with_suffix(".bin").is_file():
-        digest.update(bounded.read_bytes(path.with_suffix(".bin"), bounded.MODEL_BYTES, "model weights file"))
+    for companion in companions(path)[1:]:
+        if companion.is_file():
+            digest.update(bounded.read_bytes(companion, bounded.MODEL_BYTES, "model weights file"))
     return digest.hexdigest()
 
 

@@ -297,8 +297,13 @@ def _int8_basis(path: Path, settings: dict | None, int8_path: str) -> str:
     return f"proof ({why}): same as the exact path" if proven else EMULATE
 
 
+def read_input(path: Path) -> inputs.ModelInput:
+    return describe_input(path, read_onnx(path))[0]
+
+
 BACKEND = Backend(
-    NAME, (SUFFIX,), sniff, load, quantize, format="QDQ", catch_all=True,
+    NAME, (SUFFIX,), sniff, load, quantize, format="QDQ", catch_all=True, read_input=read_input,
+    summary="quantize_static, QDQ",
     # Quantizing: the seed study's per-tensor default. Entropy is not tuned: quantize_static does not pass a
     # histogram size to it, and with its default 128 bins equal to its 128 quantized bins the KL search has
     # a single candidate, the full range (the MinMax model).

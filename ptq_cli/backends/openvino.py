@@ -314,7 +314,8 @@ def _fast_on_x86(settings: QuantizationSettings) -> bool:
 
 
 BACKEND = Backend(
-    NAME, (SUFFIX,), sniff, load, quantize, format="IR", available=available,
+    NAME, (SUFFIX,), sniff, load, quantize, format="IR", available=available, companion_suffixes=(".bin",),
+    summary="openvino.convert_model, then nncf.quantize, saved as OpenVINO IR (.xml + .bin)",
     # Quantizing with NNCF: min/max statistics of its preset, then bias correction; weights per channel.
     methods=("nncf",), per_channel=True, granularities=(True,), overflow_fixes=(FIRST_LAYER, ALL_LAYERS),
     options={"nncf_preset": "--preset", "bias_correction": "--bias-correction", "subset_size": "--subset-size", "float_nodes": "--ignored-scope"},

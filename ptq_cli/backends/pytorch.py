@@ -300,6 +300,7 @@ def _int8_basis(path: Path, settings: dict | None, int8_path: str) -> str:
 
 BACKEND = Backend(
     NAME, (SUFFIX,), sniff, load, quantize, format="FX", suffix_decides=True,
+    summary="torch.ao FX graph mode, x86 engine, saved as TorchScript",
     # Quantizing: PyTorch's x86 default is per-channel; FX quantizes every layer it can.
     methods=("histogram", "minmax"), per_channel=True, leaves_layers_float=False,
     overflow_fixes=(overflow.FIRST_LAYER, overflow.ALL_LAYERS), describe_overflow_fix={overflow.ALL_LAYERS: "7-bit activations"},

@@ -9,8 +9,10 @@ import numpy as np
 
 from ptq_cli import bounded, settings
 from ptq_cli.atomic import atomic_output
-from ptq_cli.datasets import Dataset
+from ptq_cli.datasets import Dataset, open_dataset
 from ptq_cli.errors import PtqError
+from ptq_cli.inputs import PreprocessingFlags
+from ptq_cli.services import models as models_service
 
 
 @dataclass(frozen=True)
@@ -147,16 +149,33 @@ def load_calibration_set(path: Path) -> CalibrationSet:
     return calibration
 
 
-def load_or_build(path: Path | None, dataset: Dataset, size: tuple[int, int] | None = None) -> CalibrationSet:
-    """The given file; else the default file if `ptq calibrate` wrote it from this dataset; else the
-    default set, built in memory."""
-    if path is not None:
-        return load_calibration_set(path)
-    if settings.CALIBRATION_FILE.is_file():
+def calibration_dataset(data: Path, calibration_data: Path | None = None) -> Dataset:
+    """Where calibration (and tuning's validation) images come from: `calibration_data`, else `data`'s train
+    split; a set with no train split is refused, since calibrating on it would use the images models are judged on."""
+    if calibration_data is not None:
+        return open_dataset(calibration_data)
+    dataset = open_dataset(data)
+    if dataset.single_set:
+        raise PtqError(f"{data}: one set of images with no train split: calibrating on it would use the images models are judged on; "
+                       "give --calibration-data")
+    return dataset
+
+
+def for_model(model: Path | None, data: Path, calibration_data: Path | None = None, samples_per_class: int | None = None,
+              seed: int = settings.SEED, saved: Path | None = None, reuse_default: bool = False,
+              flags: PreprocessingFlags | None = None) -> CalibrationSet:
+    """The calibration set for a model: the `saved` file; else, with `reuse_default`, the default file if
+    `ptq calibrate` wrote it from the same dataset; else drawn now at the model's input size (the
+    images' own without a model). The one way every command and `ptq run` get their calibration set."""
+    if saved is not None:
+        return load_calibration_set(saved)
+    dataset = calibration_dataset(data, calibration_data)
+    if reuse_default and settings.CALIBRATION_FILE.is_file():
         found = load_calibration_set(settings.CALIBRATION_FILE)
         if Path(found.dataset).resolve() == dataset.root.resolve():
             return found
-    return build_calibration_set(dataset, None, settings.SEED, size)
+    size = models_service.input_of(model, flags).size if model is not None else None
+    return build_calibration_set(dataset, samples_per_class, seed, size)
 
 
 def stratified_subset(calibration: CalibrationSet, samples_per_class: int) -> CalibrationSet:

@@ -36,6 +36,12 @@ def check_classes(path: Path, model_classes: int, class_names: tuple[str, ...], 
         raise PtqError(f"{path}: the model gives {model_classes} class scores, but {where} has {len(class_names)} classes")
 
 
+def input_of(path: Path, flags: inputs.PreprocessingFlags | None = None) -> inputs.ModelInput:
+    """What a model takes (layout, channels, size, batch), read from its file where the backend can, else by loading it."""
+    row = backends.for_file(path)
+    return row.read_input(Path(path)) if row.read_input is not None else load_model(path, 1, flags).input
+
+
 def load_model(path: Path, threads: int | None = None, flags: inputs.PreprocessingFlags | None = None, runtime: str | None = None,
                precision: str | None = None, exact_int8: bool = False) -> LoadedModel:
     """The runner for a model file, the backend chosen by the file's content, not its name; `runtime` runs

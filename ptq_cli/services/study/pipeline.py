@@ -38,7 +38,6 @@ from ptq_cli.services.measure import benchmark as benchmark_service
 from ptq_cli.services.measure import emulate
 from ptq_cli.services.measure import evaluate as evaluate_service
 from ptq_cli.services.measure import report as report_service
-from ptq_cli.services.models import load_model
 
 MANIFEST_SCHEMA = 1
 LIBRARIES = ("numpy", "onnx", "onnxruntime", "torch", "onnx2torch", "tensorflow-cpu", "tf2onnx", "typer", "rich", "pillow")
@@ -254,7 +253,7 @@ def _source_stages(study: _Study) -> list[Stage]:
     stages.append(Stage("calibrate", "calibrate", ("--model", str(fp32), "--samples-per-class", str(options.samples_per_class),
                                                    "--seed", str(options.seed), *study.data_arguments),
                         (fp32,), (study.calibration,), {"samples_per_class": options.samples_per_class, "seed": options.seed},
-                        lambda: _calibrate(options, study.calibration_dataset, fp32, study.calibration), train))
+                        partial(_calibrate, options, fp32, study.calibration), train))
     return stages
 
 
@@ -350,9 +349,9 @@ def _benchmark(models: list[Path], also, dataset: Dataset, options: StudyOptions
         benchmark_service.save_benchmark(record, options.results_dir)
 
 
-def _calibrate(options: StudyOptions, dataset: Dataset, model: Path, output: Path) -> None:
-    size = load_model(model, 1, options.flags).input.size
-    calibration = calibration_service.build_calibration_set(dataset, options.samples_per_class, options.seed, size)
+def _calibrate(options: StudyOptions, model: Path, output: Path) -> None:
+    calibration = calibration_service.for_model(model, options.data_dir, options.calibration_data, options.samples_per_class, options.seed,
+                                                flags=options.flags)
     calibration_service.save_calibration_set(calibration, output)
 
 
