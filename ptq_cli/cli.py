@@ -241,6 +241,15 @@ SamplesPerClassOption = Annotated[
 RunsOption = Annotated[int, typer.Option(min=1, help="Timed runs of each model for each measurement, after 10 warm-up runs.")]
 
 
+# One option block for the quantization settings, shared by quantize, sweep and sensitivity; each command
+# gives its own defaults (quantize leaves them to the backend).
+DTypeOption = Annotated[DType | None, typer.Option(help="Activation type (and weight type unless --weight-dtype is given). PyTorch, OpenVINO and LiteRT take int8 only. (default: int8)", show_default=False, rich_help_panel="Quantization")]
+WeightDTypeOption = Annotated[DType | None, typer.Option(help="Weight type. (default: same as --dtype)", show_default=False, rich_help_panel="Quantization")]
+PerChannelOption = Annotated[bool | None, typer.Option("--per-channel/--per-tensor", help="One weight scale per output channel, or one per tensor. Where no default is shown, the backend's: per-tensor for onnxruntime, per-channel for the others.", rich_help_panel="Quantization")]
+MethodOption = Annotated[Method | None, typer.Option(help="Activation calibration, the backend's own: onnxruntime minmax|entropy|percentile; pytorch histogram|minmax; litert minmax (the converter's) or percentile (ptq's rule on the TFLite tensors). Where no default is shown, the backend's first.", rich_help_panel="Quantization")]
+PercentileOption = Annotated[float | None, typer.Option(callback=_finite, min=50, max=100, help="Percentile kept by --method percentile. (default: 99.999)", show_default=False, rich_help_panel="Quantization")]
+
+
 # One option block for the data and its preprocessing, shared by every command that reads images.
 DataOption = Annotated[
     Path | None,
@@ -451,17 +460,17 @@ def calibrate(
 def quantize(
     model: Annotated[Path, typer.Option(help="FP32 ONNX model to quantize (the PyTorch backend converts it with onnx2torch first; LiteRT starts from the Keras model `ptq convert --keras` made it from).")] = settings.FP32_ONNX,
     backend: Annotated[Backend, typer.Option(help=BACKENDS_HELP)] = Backend(backends.DEFAULT),
-    dtype: Annotated[DType | None, typer.Option(help="Activation type (and weight type unless --weight-dtype is given). PyTorch, OpenVINO and LiteRT take int8 only. (default: int8)", show_default=False)] = None,
+    dtype: DTypeOption = None,
     target: Annotated[Target | None, typer.Option(help="speed: the fast x86 configuration (onnxruntime: uint8 activations, int8 per-channel weights, percentile); other options still override it.", show_default=False)] = None,
-    weight_dtype: Annotated[DType | None, typer.Option(help="Weight type. (default: same as --dtype)", show_default=False)] = None,
-    per_channel: Annotated[bool | None, typer.Option("--per-channel/--per-tensor", help="One weight scale per output channel, or one per tensor. (default: per-tensor for onnxruntime, per-channel for the others)", show_default=False)] = None,
-    method: Annotated[Method | None, typer.Option(help="Activation calibration: onnxruntime minmax|entropy|percentile (default minmax); pytorch histogram|minmax (default histogram); litert minmax (the converter's) or percentile (ptq's rule on the TFLite tensors).", show_default=False)] = None,
-    percentile: Annotated[float | None, typer.Option(callback=_finite, min=50, max=100, help="Percentile kept by --method percentile. (default: 99.999)", show_default=False)] = None,
+    weight_dtype: WeightDTypeOption = None,
+    per_channel: PerChannelOption = None,
+    method: MethodOption = None,
+    percentile: PercentileOption = None,
     calibration: CalibrationFile = None,
     graph_preprocess: Annotated[bool, typer.Option("--graph-preprocess/--no-graph-preprocess", help="Run onnxruntime's quant_pre_process first (shape inference, folds batch-norm Mul/Add into Conv).")] = True,
     space_to_depth: Annotated[bool | None, typer.Option("--space-to-depth/--no-space-to-depth", help="Regroup convolutions the fast x86 int8 kernel handles poorly (input channels not a multiple of 4, like the RGB stem; fewer than 32 output channels) over blocks of pixels along the width; same products, more zeros in the file. (default: on for uint8 activations with int8 weights, where that kernel runs)", show_default=False)] = None,
     output: Annotated[Path | None, typer.Option(help="Where to write the quantized model. (default: beside the model, <model>_<dtype>.onnx, <model>_pytorch_<dtype>.pt, <model>_openvino_<dtype>.xml or <model>_<dtype>.tflite)", show_default=False)] = None,
-    nncf_preset: Annotated[NncfPreset | None, typer.Option("--preset", help="NNCF preset (--backend openvino): performance (symmetric activations) or mixed (asymmetric). (default: performance)", show_default=False, rich_help_panel="NNCF (--backend openvino)")] = None,
+    nncf_preset: Annotated[NncfPreset | None, typer.Option("--nncf-preset", "--preset", help="NNCF's preset (--backend openvino; --preset is its older name): performance (symmetric activations) or mixed (asymmetric). (default: performance)", show_default=False, rich_help_panel="NNCF (--backend openvino)")] = None,
     bias_correction: Annotated[BiasCorrection | None, typer.Option(help="NNCF bias correction: fast, full (slower, often more accurate) or none. (default: fast)", show_default=False, rich_help_panel="NNCF (--backend openvino)")] = None,
     subset_size: Annotated[int | None, typer.Option(min=1, help="Calibration samples NNCF uses. (default: the whole calibration set)", show_default=False, rich_help_panel="NNCF (--backend openvino)")] = None,
     ignored_scope: Annotated[list[str] | None, typer.Option(help="A layer (node name) NNCF leaves in float; repeat for several.", show_default=False, rich_help_panel="NNCF (--backend openvino)")] = None,
@@ -483,7 +492,7 @@ def quantize(
         target and target.value, space_to_depth, nncf_preset and nncf_preset.value, bias_correction and bias_correction.value, subset_size,
         tuple(ignored_scope or ()), io and io.value, str(ranges_from) if ranges_from else None, cpus=cpus.value, overflow_fix=overflow_fix and overflow_fix.value,
     )
-    check_model(model)  # a bad model fails before any calibration work
+    models_service.load_model(model, 1, choice.flags)  # a bad model (its input, its output on one image) fails before any calibration work
     if ranges_from is not None:
         check_model(ranges_from)
     destination = output or quantize_service.default_output(model, quantization_settings)
@@ -537,11 +546,11 @@ def prune(
 def sweep(
     sparsity: Annotated[str, typer.Option(help="Comma-separated sparsities to try, each in [0, 1).")] = "0,0.3,0.5,0.7",
     model: Annotated[Path, typer.Option(help="FP32 ONNX model.")] = settings.FP32_ONNX,
-    dtype: Annotated[DType, typer.Option(help="Activation type (and weight type unless --weight-dtype is given).")] = DType("int8"),
-    weight_dtype: Annotated[DType | None, typer.Option(help="Weight type. (default: same as --dtype)", show_default=False)] = None,
-    per_channel: Annotated[bool, typer.Option("--per-channel/--per-tensor", help="One weight scale per output channel, or one per tensor.")] = True,
-    method: Annotated[Method, typer.Option(help="Activation calibration: minmax|entropy|percentile.")] = Method("percentile"),
-    percentile: Annotated[float | None, typer.Option(callback=_finite, min=50, max=100, help="Percentile kept by --method percentile. (default: 99.999)", show_default=False)] = None,
+    dtype: DTypeOption = DType("int8"),
+    weight_dtype: WeightDTypeOption = None,
+    per_channel: PerChannelOption = True,
+    method: MethodOption = Method("percentile"),
+    percentile: PercentileOption = None,
     scope: ScopeOption = Scope("global"),
     exclude_first: ExcludeFirst = False,
     exclude_classifier: ExcludeClassifier = False,
@@ -560,7 +569,7 @@ def sweep(
     sparsities = sweep_service.parse_sparsities(sparsity)
     pruning_check = prune_service.make_settings(0.0, scope.value, exclude_first, exclude_classifier, reconstruct)  # checked before any work
     quantization_settings = quant_settings.make_settings(
-        dtype.value, weight_dtype=weight_dtype and weight_dtype.value, per_channel=per_channel, method=method.value, percentile=percentile
+        dtype and dtype.value, weight_dtype=weight_dtype and weight_dtype.value, per_channel=per_channel, method=method and method.value, percentile=percentile
     )
     check_model(model)
     calibration_set = _calibration_set(calibration, choice, model)
@@ -592,11 +601,11 @@ def _calibration_and_validation(calibration: Path | None, choice: DataChoice, mo
 @_with_data()
 def sensitivity(
     model: Annotated[Path, typer.Option(help="FP32 ONNX model.")] = settings.FP32_ONNX,
-    dtype: Annotated[DType, typer.Option(help="Activation type (and weight type unless --weight-dtype is given).")] = DType("int8"),
-    weight_dtype: Annotated[DType | None, typer.Option(help="Weight type. (default: same as --dtype)", show_default=False)] = None,
-    per_channel: Annotated[bool, typer.Option("--per-channel/--per-tensor", help="One weight scale per output channel, or one per tensor.")] = False,
-    method: Annotated[Method, typer.Option(help="Activation calibration: minmax|entropy|percentile.")] = Method("minmax"),
-    percentile: Annotated[float | None, typer.Option(callback=_finite, min=50, max=100, help="Percentile kept by --method percentile. (default: 99.999)", show_default=False)] = None,
+    dtype: DTypeOption = DType("int8"),
+    weight_dtype: WeightDTypeOption = None,
+    per_channel: PerChannelOption = False,
+    method: MethodOption = Method("minmax"),
+    percentile: PercentileOption = None,
     calibration: CalibrationFile = None,
     validation_per_class: ValidationPerClass = settings.VALIDATION_PER_CLASS,
     results_dir: Annotated[Path, typer.Option(help="The record goes to RESULTS_DIR/sensitivity/<model>_<dtype>.json.")] = settings.RESULTS_DIR,
@@ -609,7 +618,7 @@ def sensitivity(
     sorted worst first. The layer names are what `ptq tune` leaves in float.
     """
     quantization_settings = quant_settings.make_settings(
-        dtype.value, weight_dtype=weight_dtype and weight_dtype.value, per_channel=per_channel, method=method.value, percentile=percentile
+        dtype and dtype.value, weight_dtype=weight_dtype and weight_dtype.value, per_channel=per_channel, method=method and method.value, percentile=percentile
     )
     check_model(model)
     calibration_set, validation_set = _calibration_and_validation(calibration, choice, model, validation_per_class)

@@ -62,7 +62,7 @@ def test_an_onnx_file_runs_on_either_runtime_and_keeps_one_record_per_runtime_an
 
 
 @pytest.mark.parametrize("args, mentions", [
-    (("quantize", "--model", "m.onnx", "--data", "colours.npz", "--preset", "mixed"), "--preset"),
+    (("quantize", "--model", "m.onnx", "--data", "colours.npz", "--preset", "mixed"), "--nncf-preset"),
     (("quantize", "--model", "m.onnx", "--data", "colours.npz", "--backend", "openvino", "--dtype", "uint8"), "--dtype"),
     (("quantize", "--model", "m.onnx", "--data", "colours.npz", "--backend", "openvino", "--output", "q.onnx"), ".xml"),
     (("quantize", "--model", "m.onnx", "--data", "colours.npz", "--backend", "openvino", "--ignored-scope", "no_such_layer",

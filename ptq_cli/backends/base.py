@@ -149,7 +149,7 @@ class Backend:
     methods: tuple[str, ...] = ("minmax",)  # its calibration methods; the first is the default
     per_channel: bool = True  # its default weight granularity
     overflow_fixes: tuple[str, ...] = (FIRST_LAYER, *[fix for fix in OVERFLOW_FIXES if fix != FIRST_LAYER])  # the first is the default
-    speed_preset: dict[str, Any] = field(default_factory=dict)  # what `--target speed` sets for it
+    speed_target: dict[str, Any] = field(default_factory=dict)  # what `--target speed` sets for it
     options: dict[str, str] = field(default_factory=dict)  # settings only it takes -> the option that sets them
     options_word: str = ""  # what its options are called in a message ("an NNCF option")
     choices: dict[str, tuple[str, ...]] = field(default_factory=dict)  # those settings' accepted values, where they are a list

@@ -312,7 +312,7 @@ BACKEND = Backend(
     check_settings=_check_settings, output_name=_output_name,
     # onnxruntime's x86 int8 kernels (VNNI) multiply unsigned activations by signed weights; int8 x int8
     # and uint8 x uint8 fall back to slower paths. Per-channel weights with percentile calibration keep the accuracy.
-    speed_preset={"dtype": "uint8", "weight_dtype": "int8", "per_channel": True, "method": "percentile"},
+    speed_target={"dtype": "uint8", "weight_dtype": "int8", "per_channel": True, "method": "percentile"},
     # Running: its exact u8 x s8 kernels have a session switch.
     int8_kernels_vary=True, reaches_int8_path=lambda overflow_fix, int8_path: True, int8_basis=_int8_basis,
     runtime_settings="CPUExecutionProvider, 1 intra-op thread per run, allow_spinning 0, one shard per thread",

@@ -281,13 +281,13 @@ BIAS_CORRECTIONS = ("fast", "full", "none")
 
 def _check_settings(settings: dict) -> dict:
     if "uint8" in (settings["dtype"], settings["weight_dtype"]):
-        raise PtqError("--dtype uint8: NNCF quantizes to int8 (its presets choose symmetric or asymmetric activations: --preset)")
+        raise PtqError("--dtype uint8: NNCF quantizes to int8 (its presets choose symmetric or asymmetric activations: --nncf-preset)")
     if settings["per_channel"] is False:
         raise PtqError("--per-tensor: NNCF quantizes weights per channel on the CPU")
     settings["nncf_preset"] = settings["nncf_preset"] or NNCF_PRESETS[0]
     settings["bias_correction"] = settings["bias_correction"] or BIAS_CORRECTIONS[0]
     if settings["nncf_preset"] not in NNCF_PRESETS:
-        raise PtqError(f"--preset: '{settings['nncf_preset']}' is not one of {', '.join(NNCF_PRESETS)}")
+        raise PtqError(f"--nncf-preset: '{settings['nncf_preset']}' is not one of {', '.join(NNCF_PRESETS)}")
     if settings["bias_correction"] not in BIAS_CORRECTIONS:
         raise PtqError(f"--bias-correction: '{settings['bias_correction']}' is not one of {', '.join(BIAS_CORRECTIONS)}")
     if settings["subset_size"] is not None and settings["subset_size"] < 1:
@@ -318,7 +318,7 @@ BACKEND = Backend(
     summary="openvino.convert_model, then nncf.quantize, saved as OpenVINO IR (.xml + .bin)",
     # Quantizing with NNCF: min/max statistics of its preset, then bias correction; weights per channel.
     methods=("nncf",), per_channel=True, granularities=(True,), overflow_fixes=(FIRST_LAYER, ALL_LAYERS),
-    options={"nncf_preset": "--preset", "bias_correction": "--bias-correction", "subset_size": "--subset-size", "float_nodes": "--ignored-scope"},
+    options={"nncf_preset": "--nncf-preset", "bias_correction": "--bias-correction", "subset_size": "--subset-size", "float_nodes": "--ignored-scope"},
     options_word="an NNCF option", choices={"nncf_preset": NNCF_PRESETS, "bias_correction": BIAS_CORRECTIONS},
     check_settings=_check_settings, describe=_describe, tune_grid=_tune_grid, float_layers=layers, fast_on_x86=_fast_on_x86,
     describe_overflow_fix={FIRST_LAYER: "NNCF overflow fix, first layer", ALL_LAYERS: "NNCF overflow fix, all layers"},

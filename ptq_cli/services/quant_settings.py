@@ -14,7 +14,7 @@ __all__ = ["QuantizationSettings", "describe_cpus", "describe_model", "describe_
 DTYPES = ("int8", "uint8")
 DEFAULT_PERCENTILE = 99.999
 DEFAULT_DTYPE = "int8"
-# `--target speed`: the fast configuration on x86, each backend's own (Backend.speed_preset). See README.
+# `--target speed`: the fast configuration on x86, each backend's own (Backend.speed_target). See README.
 TARGETS = ("speed",)
 COMMON_OVERFLOW_WORDS = {FIRST_LAYER: "first-layer pair rule", ALL_LAYERS: "all-layer pair rule"}
 
@@ -60,14 +60,14 @@ def make_settings(
         raise PtqError(f"--target: '{target}' is not one of {', '.join(TARGETS)}")
     _backend_options(backend, {"nncf_preset": nncf_preset, "bias_correction": bias_correction, "subset_size": subset_size,
                                "float_nodes": tuple(float_nodes) or None, "io": io, "ranges_from": ranges_from, "space_to_depth": space_to_depth})
-    preset = row.speed_preset if target else {}
-    dtype, weight_dtype = _types(dtype or preset.get("dtype") or DEFAULT_DTYPE, weight_dtype or preset.get("weight_dtype"))
-    per_channel = preset.get("per_channel") if per_channel is None else per_channel
-    method_given = method or preset.get("method")
+    targeted = row.speed_target if target else {}
+    dtype, weight_dtype = _types(dtype or targeted.get("dtype") or DEFAULT_DTYPE, weight_dtype or targeted.get("weight_dtype"))
+    per_channel = targeted.get("per_channel") if per_channel is None else per_channel
+    method_given = method or targeted.get("method")
     fields = row.check_settings({
         "dtype": dtype, "weight_dtype": weight_dtype, "per_channel": per_channel, "method_given": method_given, "nncf_preset": nncf_preset,
         "bias_correction": bias_correction, "subset_size": subset_size, "io": io, "ranges_from": ranges_from,
-        "space_to_depth": space_to_depth if space_to_depth is not None else preset.get("space_to_depth"), "overflow_fix": None,
+        "space_to_depth": space_to_depth if space_to_depth is not None else targeted.get("space_to_depth"), "overflow_fix": None,
     })
     method = method_given or row.methods[0]
     if method not in row.methods:
