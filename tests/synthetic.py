@@ -57,6 +57,17 @@ def colour_images(count_per_class: int, size: int = 8, seed: int = 0) -> tuple[n
     return np.stack(images), np.array(labels, np.int64)
 
 
+def colours_npz(path: Path, per_class: int = 6, **overrides) -> Path:
+    """An .npz of colour images: train (seed 1) and test (seed 2) splits, `per_class` each, class names; `overrides` replace arrays."""
+    train_images, train_labels = colour_images(per_class, seed=1)
+    test_images, test_labels = colour_images(per_class, seed=2)
+    arrays = {"train_images": train_images, "train_labels": train_labels, "test_images": test_images, "test_labels": test_labels,
+              "class_names": np.array(CLASSES)}
+    arrays.update(overrides)
+    np.savez(path, **arrays)
+    return path
+
+
 def channel_mean_classifier(path: Path, layout: str = "NCHW", batch: int | str = "N", size: int = 8, classes: int = 3,
                             opset: int = 13, two_inputs: bool = False) -> Path:
     """Scores = per-channel mean (x W, an identity for 3 classes); NCHW or NHWC, float input."""
@@ -110,3 +121,11 @@ def conv_classifier(path: Path, size: int = 8) -> Path:
                               [numpy_helper.from_array(conv, "conv_w"), numpy_helper.from_array(gemm, "gemm_w")])
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=7), str(path))
     return path
+
+
+def colours_project(root: Path) -> Path:
+    """A working directory with models/m.onnx (the channel-mean classifier) and colours.npz."""
+    (root / "models").mkdir()
+    channel_mean_classifier(root / "models" / "m.onnx")
+    colours_npz(root / "colours.npz")
+    return root

@@ -10,6 +10,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import numpy_helper
+from synthetic import channel_mean_classifier, colours_project, invoke, one_line_error
 
 from ptq_cli import backends, settings
 from ptq_cli.backends.base import (
@@ -26,7 +27,6 @@ from ptq_cli.services import calibration as calibration_service
 from ptq_cli.services import quant_settings
 from ptq_cli.services import quantize as quantize_service
 from ptq_cli.services.measure import evaluate as evaluate_service
-from tests.synthetic import CLASSES, channel_mean_classifier, colour_images, invoke, one_line_error
 
 MAGIC = b"TOYQ"
 
@@ -88,14 +88,9 @@ def toy_table(monkeypatch):
 
 @pytest.fixture
 def project(tmp_path, monkeypatch) -> Path:
+    """models/m.onnx and colours.npz, with a private decoded-data cache."""
     monkeypatch.setenv(settings.CACHE_ENV, str(tmp_path / "cache"))
-    (tmp_path / "models").mkdir()
-    channel_mean_classifier(tmp_path / "models" / "m.onnx")
-    train_images, train_labels = colour_images(6, seed=1)
-    test_images, test_labels = colour_images(6, seed=2)
-    np.savez(tmp_path / "colours.npz", train_images=train_images, train_labels=train_labels, test_images=test_images,
-             test_labels=test_labels, class_names=np.array(CLASSES))
-    return tmp_path
+    return colours_project(tmp_path)
 
 
 def _quantized_toy(project: Path) -> Path:

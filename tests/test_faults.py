@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from synthetic import CLASSES, channel_mean_classifier, colour_images, invoke, one_line_error
+from synthetic import CLASSES, channel_mean_classifier, colour_images, colours_npz, colours_project, invoke, one_line_error
 
 from ptq_cli import settings
 
@@ -23,24 +23,11 @@ def files_under(directory: Path) -> list[str]:
     return sorted(str(path.relative_to(directory)) for path in directory.rglob("*") if path.is_file()) if directory.exists() else []
 
 
-def colours_npz(path: Path, per_class: int = 6, **overrides) -> Path:
-    train_images, train_labels = colour_images(per_class, seed=1)
-    test_images, test_labels = colour_images(per_class, seed=2)
-    arrays = {"train_images": train_images, "train_labels": train_labels, "test_images": test_images, "test_labels": test_labels,
-              "class_names": np.array(CLASSES)}
-    arrays.update(overrides)
-    np.savez(path, **arrays)
-    return path
-
-
 @pytest.fixture
 def project(tmp_path, monkeypatch) -> Path:
-    """A working directory with models/m.onnx and colours.npz, and a private decoded-data cache."""
+    """models/m.onnx and colours.npz, with a private decoded-data cache."""
     monkeypatch.setenv(settings.CACHE_ENV, str(tmp_path / "cache"))
-    (tmp_path / "models").mkdir()
-    channel_mean_classifier(tmp_path / "models" / "m.onnx")
-    colours_npz(tmp_path / "colours.npz")
-    return tmp_path
+    return colours_project(tmp_path)
 
 
 def ok(*args, cwd: Path):

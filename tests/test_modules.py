@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from synthetic import CLASSES, colours_npz, conv_classifier, image_folder
 
 from ptq_cli import bounded, cache, hardstop, library_noise, settings, trust
 from ptq_cli.datasets.base import convert_channels, resize
@@ -26,7 +27,6 @@ from ptq_cli.services.export import c_symbol, export_c_array
 from ptq_cli.services.measure import records, sensitivity, validation
 from ptq_cli.services.progress import Steps
 from ptq_cli.services.study import sweep
-from tests.synthetic import CLASSES, colour_images, conv_classifier, image_folder
 
 
 @pytest.fixture
@@ -37,11 +37,7 @@ def private_cache(tmp_path, monkeypatch) -> Path:
 
 @pytest.fixture
 def colours(tmp_path) -> Path:
-    train_images, train_labels = colour_images(8, seed=1)
-    test_images, test_labels = colour_images(4, seed=2)
-    np.savez(tmp_path / "colours.npz", train_images=train_images, train_labels=train_labels, test_images=test_images,
-             test_labels=test_labels, class_names=np.array(CLASSES))
-    return tmp_path / "colours.npz"
+    return colours_npz(tmp_path / "colours.npz", per_class=8)
 
 
 def test_a_limit_is_read_from_its_variable_and_refuses_in_its_own_words(tmp_path, monkeypatch):
@@ -114,7 +110,7 @@ def test_an_npz_and_an_image_folder_give_the_same_labelled_images(tmp_path, colo
     npz = NpzDataset(colours)
     assert set(npz.splits()) == {"train", "test"} and npz.evaluation_split() == "test"
     test = npz.load("test")
-    assert test.images.shape == (12, 8, 8, 3) and tuple(test.class_names) == CLASSES
+    assert test.images.shape == (24, 8, 8, 3) and tuple(test.class_names) == CLASSES  # 8 per class
     folder = ImageFolder(image_folder(tmp_path / "folder", per_class=4))
     from_folder = folder.load("test")
     assert tuple(from_folder.class_names) == CLASSES  # classes.txt's order, not the folders' sorted one

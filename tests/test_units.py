@@ -342,3 +342,22 @@ def test_benchmark_speedups_are_against_each_model_s_own_source():
     assert ratios[("models/alpha_int8.onnx", "onnxruntime", None)] == 3.0 and ratios[("models/beta_int8.onnx", "onnxruntime", None)] == 2.5
     assert ratios[("models/found.onnx", "onnxruntime", None)] is None
     assert speedups([alpha, foreign])[("models/found.onnx", "onnxruntime", None)] == 5.0  # one FP32 model: that one
+
+
+def test_tf2onnx_counters_in_node_and_tensor_names_are_renumbered_in_graph_order():
+    import onnx
+    from onnx import helper
+
+    from ptq_cli.transforms.graph import canonical_names
+
+    def converted(counter: int):
+        """What tf2onnx writes for one layer, its process-wide counter at `counter`."""
+        node = helper.make_node("Relu", ["input"], [f"model_1/conv2d_1/BiasAdd__{counter}:0"], name=f"model_1/conv2d_1/BiasAdd__{counter + 3}")
+        out = helper.make_node("Identity", [f"model_1/conv2d_1/BiasAdd__{counter}:0"], ["scores"], name="Identity")
+        graph = helper.make_graph([node, out], "g", [helper.make_tensor_value_info("input", onnx.TensorProto.FLOAT, [1, 3])],
+                                  [helper.make_tensor_value_info("scores", onnx.TensorProto.FLOAT, [1, 3])])
+        return canonical_names(helper.make_model(graph))
+
+    first, later = converted(6), converted(153)
+    assert first.SerializeToString() == later.SerializeToString()
+    assert first.graph.node[0].output[0].endswith(":0") and first.graph.node[1].input[0] == first.graph.node[0].output[0]

@@ -53,7 +53,7 @@ def drop_dead_nodes(model) -> None:
             model.graph.node.remove(node)
 
 
-GENERATED_NAME = re.compile(r"^(.*__)(\d+)$")  # tf2onnx's numbered names, e.g. const_fold_opt__140
+GENERATED_NAME = re.compile(r"^(.*__)(\d+)(:\d+)?$")  # tf2onnx's numbered names, e.g. const_fold_opt__140, conv2d_1/BiasAdd__6:0
 
 
 def canonical_names(model):
@@ -71,12 +71,14 @@ def canonical_names(model):
     for name in order:
         match = GENERATED_NAME.match(name)
         if match and name not in renamed:
-            renamed[name] = f"{match.group(1)}{len(renamed) + 1}"
+            renamed[name] = f"{match.group(1)}{len(renamed) + 1}{match.group(3) or ''}"
     for node in graph.node:
         node.input[:] = [renamed.get(name, name) for name in node.input]
         node.output[:] = [renamed.get(name, name) for name in node.output]
-        if GENERATED_NAME.match(node.name):
-            node.name = renamed.get(node.name, node.name)
+        match = GENERATED_NAME.match(node.name)
+        if match:  # a node's own name can carry a counter of tf2onnx's that no tensor shares (it grows within one process)
+            renamed.setdefault(node.name, f"{match.group(1)}{len(renamed) + 1}{match.group(3) or ''}")
+            node.name = renamed[node.name]
     for value in (*graph.initializer, *values):
         value.name = renamed.get(value.name, value.name)
     for dim in dims:
