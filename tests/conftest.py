@@ -61,8 +61,8 @@ def ptq(*args: str, cwd: Path) -> Run:
     return Run(result.exit_code, result.stdout, stderr)
 
 
-def ptq_ok(*args: str, cwd: Path) -> Run:
-    run = ptq(*args, cwd=cwd)
+def ptq_ok(*args: str, cwd: Path, fresh_process: bool = False) -> Run:
+    run = (ptq_process if fresh_process else ptq)(*args, cwd=cwd)
     assert run.returncode == 0, f"ptq {' '.join(map(str, args))} failed:\n{run.stdout}\n{run.stderr}"
     return run
 
@@ -101,7 +101,9 @@ def pipeline(tmp_path_factory, assets) -> Path:
     base = tmp_path_factory.mktemp("study")
     work = base / "work"
     work.mkdir()
-    ptq_ok("run", "--no-benchmark", cwd=work)
+    # As `make run` does it, in a fresh interpreter: what a study writes is defined run by run (TorchScript
+    # names its classes with a counter that lasts as long as the process).
+    ptq_ok("run", "--no-benchmark", cwd=work, fresh_process=True)
     shutil.copytree(work, base / "snapshot", symlinks=True)
     return work
 

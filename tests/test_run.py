@@ -66,7 +66,8 @@ def test_a_missing_output_reruns_only_its_stage_and_those_after_it_that_read_it(
 
 def test_forced_run_with_the_same_seed_makes_byte_identical_models(pipeline_snapshot):
     before = _hashes(pipeline_snapshot)
-    result = json.loads(ptq_ok("run", "--no-benchmark", "--force", "--json", cwd=pipeline_snapshot).stdout)
+    # Runs of the program, each in its own process, as a user makes them.
+    result = json.loads(ptq_ok("run", "--no-benchmark", "--force", "--json", cwd=pipeline_snapshot, fresh_process=True).stdout)
     assert all(stage["ran"] for stage in result["stages"])
     after = _hashes(pipeline_snapshot)
     for name in PIPELINE_MODELS:
