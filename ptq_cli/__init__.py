@@ -1,3 +1,3 @@
 """ptq: post-training quantization of image classifiers, measured on real data."""
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
