@@ -140,8 +140,9 @@ def quantization(result: QuantizeResult) -> Table:
 REFERENCE_STATUS = {"stale": "its file changed since; evaluate it again", "missing": "its file is gone"}
 
 
-def evaluation(record: EvaluationRecord, reference: EvaluationRecord | None, per_class: bool, record_file: Path,
+def evaluation(record: EvaluationRecord, reference: EvaluationRecord | None, classes: list[int] | None, record_file: Path,
                reference_status: str = "ok") -> Group:
+    """`classes`: the classes `--per-class` lists (evaluate.classes_to_show), None without it."""
     comparison: tuple = (("  (no FP32 source record to compare with)", "dim"),)
     if reference is not None:
         delta = record.accuracy - reference.accuracy
@@ -160,16 +161,17 @@ def evaluation(record: EvaluationRecord, reference: EvaluationRecord | None, per
         f"  {record.images_per_second:,.0f} images/s  -> {record_file}",
     )
     details = Text(f"  input {record.model_input}; preprocessing {record.preprocessing}" + int8_path_text(record), style="dim")
-    if not per_class:
+    if classes is None:
         return Group(headline, details)
-    table = Table(title=f"Per-class accuracy: {record.name}", title_justify="left")
+    shown = "" if len(classes) == len(record.class_names) else f" ({len(classes)} of {len(record.class_names):,} classes: those that lose the most)"
+    table = Table(title=f"Per-class accuracy: {record.name}{shown}", title_justify="left")
     table.add_column("class")
     table.add_column("accuracy", justify="right")
     if reference is not None:
         table.add_column(f"FP32 ({reference.name})", justify="right")
         table.add_column("delta", justify="right")
-    for index, name in enumerate(record.class_names):
-        accuracy = record.per_class_accuracy[index]
+    for index in classes:
+        name, accuracy = record.class_names[index], record.per_class_accuracy[index]
         cells = [name, class_percent(accuracy)]
         if reference is not None:
             other = reference.per_class_accuracy[index]

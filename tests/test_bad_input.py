@@ -167,8 +167,8 @@ def test_nchw_model_is_detected_and_fed_transposed_images(tmp_path, pipeline):
 
 def test_model_without_ten_class_scores_is_refused(tmp_path, resnet8_onnx):
     _five_class_copy(resnet8_onnx, tmp_path / "five.onnx")
-    for command in (["evaluate", "--model", "five.onnx", "--results-dir", "res"], ["quantize", "--model", "five.onnx", "--output", "q.onnx"],
-                    ["benchmark", "--model", "five.onnx", "--results-dir", "res"]):
+    # Top-1 needs labels of the model's classes; calibrating and timing it do not (tests/test_datasets.py).
+    for command in (["evaluate", "--model", "five.onnx", "--results-dir", "res"],):
         run = ptq(*command, cwd=tmp_path)
         assert_clean_failure(run, 2, "five.onnx")
         assert "class scores" in run.stderr

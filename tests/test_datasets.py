@@ -125,10 +125,23 @@ def test_models_that_do_not_fit_the_data_are_refused(tmp_path):
     image_folder(tmp_path / "colours")
     channel_mean_classifier(tmp_path / "four.onnx", classes=4)
     channel_mean_classifier(tmp_path / "two.onnx", two_inputs=True)
-    for model, mentions in (("four.onnx", "4 class scores"), ("two.onnx", "2 inputs")):
-        for command in (["evaluate", "--results-dir", "res"], ["quantize", "--output", "q.onnx"]):
-            one_line_error(invoke(*command, "--model", model, "--data", "colours", cwd=tmp_path), mentions)
+    one_line_error(invoke("evaluate", "--results-dir", "res", "--model", "four.onnx", "--data", "colours", cwd=tmp_path), "4 class scores")
+    for command in (["evaluate", "--results-dir", "res"], ["quantize", "--output", "q.onnx"]):
+        one_line_error(invoke(*command, "--model", "two.onnx", "--data", "colours", cwd=tmp_path), "2 inputs")
     assert not (tmp_path / "res").exists() and not (tmp_path / "q.onnx").exists()
+
+
+def test_calibrating_and_timing_need_no_labels_of_the_model_s_classes(tmp_path):
+    """Images of 3 classes calibrate and time a model of 4 (as a folder of photos does an ImageNet classifier)."""
+    image_folder(tmp_path / "colours")
+    channel_mean_classifier(tmp_path / "four.onnx", classes=4)
+    quantized = invoke("quantize", "--model", "four.onnx", "--data", "colours", "--output", "q.onnx", "--json", cwd=tmp_path)
+    assert quantized.exit_code == 0, quantized.output
+    assert json.loads(quantized.stdout)["settings"]["calibration_samples"] > 0 and (tmp_path / "q.onnx").is_file()
+    timed = invoke("benchmark", "--model", "four.onnx", "--model", "q.onnx", "--data", "colours", "--runs", 2, "--results-dir", "res", "--json",
+                   cwd=tmp_path)
+    assert timed.exit_code == 0, timed.output
+    assert [record["model_path"] for record in json.loads(timed.stdout)] == ["four.onnx", "q.onnx"]
 
 
 def test_a_single_set_needs_calibration_data_from_elsewhere(tmp_path):

@@ -14,7 +14,7 @@ from ptq_cli.backends.base import QUANTIZATION_METADATA_KEY, SOURCE_METADATA_KEY
 from ptq_cli.backends.model_file import read_onnx
 from ptq_cli.errors import PtqError
 from ptq_cli.services.calibration import CalibrationSet
-from ptq_cli.services.models import check_classes, load_model
+from ptq_cli.services.models import load_model
 from ptq_cli.transforms.graph import upgrade_opset
 
 # QDQ needs opset 10; per-channel QDQ needs 13. Older models are converted to this opset first.
@@ -60,8 +60,8 @@ def load_source(model_path: Path, flags: inputs.PreprocessingFlags, per_channel:
 
 
 def calibration_inputs(source: SourceModel, calibration: CalibrationSet) -> np.ndarray:
-    """The calibration images in the model's input format, checked against the model."""
-    check_classes(source.path, source.loaded.num_classes, calibration.class_names, calibration.source)
+    """The calibration images in the model's input format. Calibration reads no labels: its images need
+    not be of the model's classes (a folder of photos calibrates an ImageNet classifier)."""
     prepared = source.loaded.prepare(calibration.images)
     if not np.all(np.isfinite(prepared)):
         raise PtqError(f"{calibration.source}: calibration images are not finite after preprocessing")

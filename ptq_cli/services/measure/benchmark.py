@@ -21,7 +21,7 @@ from ptq_cli.errors import PtqError
 from ptq_cli.inputs import PreprocessingFlags
 from ptq_cli.services.measure.evaluate import runtime_of, runtime_tag
 from ptq_cli.services.measure.records import MeasurementKey, from_dict, model_key, record_files, write_record
-from ptq_cli.services.models import check_classes, load_model
+from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressCallback, Steps
 
 BENCHMARK_DIR = "benchmarks"  # under the results directory, beside the evaluation records
@@ -86,8 +86,6 @@ def benchmark_models(
     if not models:
         return []
     loaded = dataset.load(dataset.evaluation_split(), models[0].input.size)
-    for model in models:
-        check_classes(model.info.path, model.num_classes, loaded.class_names, dataset.root)
     pixels = loaded.images[:batch_size]
     if len(pixels) < batch_size:  # a small dataset: its images again, to fill the batch
         pixels = np.resize(pixels, (batch_size, *pixels.shape[1:]))

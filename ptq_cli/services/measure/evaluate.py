@@ -46,7 +46,7 @@ class EvaluationRecord:
     accuracy: float  # top-1, percent
     class_names: list[str]
     per_class_accuracy: list[float | None]  # percent, in class_names order; None for a class with no images
-    confusion_matrix: list[list[int]]  # rows: true class, columns: predicted class
+    confusion_matrix: list[list[int]]  # rows: true class, columns: predicted class; [] when confusion_counts holds it
     images_per_second: float  # inference only, at batch_size
     batch_size: int
     threads: int
@@ -67,6 +67,21 @@ class EvaluationRecord:
     int8_path: str | None = None  # "exact" or "saturating": the x86 int8 path the figure holds for; None for a float model
     int8_basis: str = ""  # how that path was reached: native, a session option, a proof, or emulation (and on how many images)
     exact_accuracy_same_images: float | None = None  # emulated on a subset: the exact path's top-1 on those images, to compare with
+    # Over DENSE_CLASSES classes the matrix is kept as its nonzero cells, [true, predicted, count] each: a
+    # 1000-class matrix is a million numbers, its nonzero cells at most one per image.
+    confusion_counts: list[list[int]] | None = None
+
+    def confusion(self) -> np.ndarray:
+        """The confusion matrix (true class x predicted class), from whichever form the record keeps."""
+        classes = len(self.class_names)
+        if self.confusion_counts is None:
+            return np.array(self.confusion_matrix, dtype=np.int64).reshape(len(self.confusion_matrix), -1)
+        cells = np.array(self.confusion_counts, dtype=np.int64).reshape(-1, 3)
+        if ((cells[:, :2] < 0) | (cells[:, :2] >= classes)).any():
+            raise ValueError(f"a confusion cell names a class outside its {classes} classes")
+        matrix = np.zeros((classes, classes), dtype=np.int64)
+        np.add.at(matrix, (cells[:, 0], cells[:, 1]), cells[:, 2])
+        return matrix
 
     @property
     def name(self) -> str:
@@ -170,7 +185,7 @@ def evaluate_model(
         accuracy=round(100.0 * int(np.trace(confusion)) / len(labels), 4),
         class_names=list(test.class_names),
         per_class_accuracy=_per_class(confusion),
-        confusion_matrix=confusion.tolist(),
+        **_confusion_fields(confusion),
         images_per_second=round(len(labels) / max(inference_seconds, 1e-9), 1),
         batch_size=batch_size,
         threads=resolve_threads(threads),
@@ -214,6 +229,43 @@ def _measure(model: LoadedModel, test: LabelledImages, basis: str, batch_size: i
     basis = (f"emulated ({emulate.describe()}) on {len(labels):,} of {len(test.labels):,} images (first of each class); "
              f"exact path on the same images: {exact_same:.2f}%")
     return labels, predictions, seconds, exact_same, basis
+
+
+# Class counts up to which a record keeps the whole confusion matrix (CIFAR-10's, and any with few classes).
+DENSE_CLASSES = 100
+
+
+def _confusion_fields(confusion: np.ndarray) -> dict:
+    if len(confusion) <= DENSE_CLASSES:
+        return {"confusion_matrix": confusion.tolist()}
+    true, predicted = np.nonzero(confusion)
+    return {"confusion_matrix": [], "confusion_counts": [[int(t), int(p), int(confusion[t, p])] for t, p in zip(true, predicted, strict=True)]}
+
+
+# A class's figure counts when it has this many images (or as many as the best-covered class has, if fewer):
+# a one-image class at -100 points says nothing about the model.
+MIN_CLASS_IMAGES = 10
+# `--per-class` shows every class up to this many; past it, the classes that lose the most.
+PER_CLASS_ROWS = 20
+
+
+def measured_classes(record: EvaluationRecord) -> list[int]:
+    """The classes whose figures count: those with enough images (MIN_CLASS_IMAGES)."""
+    images = record.confusion().sum(axis=1)
+    enough = min(MIN_CLASS_IMAGES, int(images.max(initial=0)))
+    return [index for index, count in enumerate(images) if count >= max(enough, 1)]
+
+
+def classes_to_show(record: EvaluationRecord, reference: EvaluationRecord | None, rows: int = PER_CLASS_ROWS) -> list[int]:
+    """What `--per-class` lists: every class of a small set; of a large one, the measured classes that lose
+    the most against the reference (or score lowest without one), worst first."""
+    if len(record.class_names) <= rows:
+        return list(range(len(record.class_names)))
+    def loss(index: int) -> tuple[float, int]:
+        accuracy = record.per_class_accuracy[index] or 0.0
+        other = reference.per_class_accuracy[index] if reference is not None and index < len(reference.per_class_accuracy) else None
+        return (accuracy - other if other is not None else accuracy), index
+    return sorted(measured_classes(record), key=loss)[:rows]
 
 
 def _per_class(confusion: np.ndarray) -> list[float | None]:
@@ -278,8 +330,10 @@ def read_record(path: Path) -> EvaluationRecord:
             raise ValueError("accuracy, correct/images or size out of range")
         classes = len(record.class_names)
         bounded.check_count(path, classes, bounded.CLASSES, f"{classes:,} class names")
-        if len(record.per_class_accuracy) != classes or len(record.confusion_matrix) != classes \
-                or any(len(row) != classes for row in record.confusion_matrix):
+        dense_ok = len(record.confusion_matrix) == classes and all(len(row) == classes for row in record.confusion_matrix)
+        counts_ok = record.confusion_counts is not None and not record.confusion_matrix \
+            and len(record.confusion_counts) <= record.images and all(len(cell) == 3 for cell in record.confusion_counts)
+        if len(record.per_class_accuracy) != classes or not (dense_ok or counts_ok):
             raise ValueError(f"per-class figures do not match its {classes} classes")
         _check_figures_agree(record)
         describe_model(record.quantization, record.pruning)  # its settings must read as ptq wrote them
@@ -294,7 +348,7 @@ ROUNDING = 1e-3
 
 def _check_figures_agree(record: EvaluationRecord) -> None:
     """A record's figures are all derived from its confusion matrix: one edited by hand disagrees."""
-    confusion = np.array(record.confusion_matrix, dtype=np.int64)
+    confusion = record.confusion()
     if (confusion < 0).any() or int(confusion.sum()) != record.images or int(np.trace(confusion)) != record.correct:
         raise ValueError(f"its confusion matrix does not add up to its {record.images} images and {record.correct} correct")
     if abs(record.accuracy - 100.0 * record.correct / record.images) > ROUNDING:

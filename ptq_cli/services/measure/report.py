@@ -9,7 +9,7 @@ from ptq_cli import backends, settings
 from ptq_cli import cpu as cpu_info
 from ptq_cli.cpu import ALL, EXACT, SATURATING
 from ptq_cli.services.measure.benchmark import BenchmarkRecord, load_benchmarks
-from ptq_cli.services.measure.evaluate import OK, EvaluationRecord, fp32_reference, load_records, record_status, reference_for
+from ptq_cli.services.measure.evaluate import OK, EvaluationRecord, fp32_reference, load_records, measured_classes, record_status, reference_for
 from ptq_cli.services.measure.records import MeasurementKey
 from ptq_cli.services.measure.sweep_records import SweepResult, load_sweeps
 from ptq_cli.services.quant_settings import describe_model
@@ -237,10 +237,13 @@ def _int8_fields(record: EvaluationRecord, saturating: EvaluationRecord | None, 
 
 
 def _class_losses(record: EvaluationRecord, reference: EvaluationRecord) -> list[ClassLoss]:
+    """Per class, against the reference; only classes with enough images to say something (measured_classes)."""
+    counted = set(measured_classes(record))
     return [
         ClassLoss(record.name, name, accuracy, reference_accuracy)
-        for name, accuracy, reference_accuracy in zip(record.class_names, record.per_class_accuracy, reference.per_class_accuracy, strict=False)
-        if accuracy is not None and reference_accuracy is not None
+        for index, (name, accuracy, reference_accuracy) in enumerate(zip(record.class_names, record.per_class_accuracy,
+                                                                         reference.per_class_accuracy, strict=False))
+        if accuracy is not None and reference_accuracy is not None and index in counted
     ]
 
 

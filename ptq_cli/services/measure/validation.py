@@ -16,6 +16,7 @@ from ptq_cli.backends.base import LoadedModel
 from ptq_cli.datasets import Dataset
 from ptq_cli.errors import PtqError
 from ptq_cli.services.calibration import CalibrationSet, draw_stratified
+from ptq_cli.services.models import check_classes
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class ValidationSet:
     samples_per_class: int
     dataset: str
     split: str
+    class_names: tuple[str, ...] = ()  # what its labels name: scoring checks the model gives as many scores
 
     def describe(self) -> dict:
         return {
@@ -57,7 +59,8 @@ def build_validation_set(
                               f"left in the {split} split after the calibration set", len(source.class_names))
     if np.intersect1d(indices, calibration.indices).size:  # by construction impossible; kept as a guard
         raise PtqError("validation split overlaps the calibration set")
-    return ValidationSet(source.images[indices], source.labels[indices], indices, seed, samples_per_class, str(dataset.root), split)
+    return ValidationSet(source.images[indices], source.labels[indices], indices, seed, samples_per_class, str(dataset.root), split,
+                         tuple(source.class_names))
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,9 @@ class ValidationScore:
 
 
 def score(model: LoadedModel, validation: ValidationSet) -> ValidationScore:
+    """Top-1 on the validation images (whose labels must be the model's classes) and the raw scores."""
+    if validation.class_names:
+        check_classes(model.info.path, model.num_classes, validation.class_names, validation.dataset)
     prepared = model.prepare(validation.images)
     began = time.perf_counter()
     step = settings.EVALUATION_BATCH
