@@ -2,7 +2,7 @@
 
 A backend quantizes (its `quantize`) and a runtime executes (its `load`); most backends are both. Each
 module in ptq_cli/backends exports one `BACKEND`, a `Backend`; services loop over the table and never
-test a backend's name. This module imports nothing of the backends or the services.
+test a backend's name. This module imports no backend module and no service (model_file.py and lower only).
 """
 
 from __future__ import annotations
