@@ -33,17 +33,8 @@ for _module in (onnxruntime, pytorch, openvino, litert):
 DEFAULT = onnxruntime.NAME
 
 
-def names() -> tuple[str, ...]:
-    return tuple(TABLE)
-
-
 def quantizers() -> tuple[str, ...]:
     return tuple(name for name, row in TABLE.items() if row.quantize is not None)
-
-
-def runtimes_for(suffix: str) -> tuple[str, ...]:
-    """The runtimes that run files of this suffix: their own backend's, then those that take them too."""
-    return tuple(name for name, row in TABLE.items() if suffix in row.suffixes or suffix in row.runs_suffixes)
 
 
 def runtimes() -> tuple[str, ...]:

@@ -19,7 +19,7 @@ from ptq_cli.backends.model_file import resolve_threads
 from ptq_cli.datasets import Dataset
 from ptq_cli.errors import PtqError
 from ptq_cli.inputs import PreprocessingFlags
-from ptq_cli.services.measure.evaluate import runtime_of, runtime_tag
+from ptq_cli.services.measure.evaluate import runtime_tag
 from ptq_cli.services.measure.records import MeasurementKey, from_dict, model_key, record_files, write_record
 from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressCallback, Steps
@@ -167,7 +167,7 @@ def benchmark_path(results_dir: Path, model_path: Path | str, tag: str = "") -> 
 
 
 def save_benchmark(record: BenchmarkRecord, results_dir: Path) -> Path:
-    return write_record(benchmark_path(results_dir, record.model_path, runtime_tag(record.model_path, *runtime_of(record))), record)
+    return write_record(benchmark_path(results_dir, record.model_path, runtime_tag(record.model_path, record.runtime, record.precision)), record)
 
 
 def load_benchmarks(results_dir: Path) -> dict[MeasurementKey, BenchmarkRecord]:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -311,13 +311,8 @@ def record_path(results_dir: Path, model_path: Path | str, dataset: Dataset, tag
 
 
 def save_record(record: EvaluationRecord, results_dir: Path, dataset: Dataset) -> Path:
-    tag = runtime_tag(record.model_path, *runtime_of(record)) + path_tag(record.int8_path, record.int8_basis)
+    tag = runtime_tag(record.model_path, record.runtime, record.precision) + path_tag(record.int8_path, record.int8_basis)
     return write_record(record_path(results_dir, record.model_path, dataset, tag), record)
-
-
-def runtime_of(record: EvaluationRecord | BenchmarkLike) -> tuple[str | None, str | None]:
-    """(runtime, precision) a record (evaluation or benchmark) was measured with, as load_model takes them."""
-    return record.runtime, record.precision
 
 
 def read_record(path: Path) -> EvaluationRecord:
@@ -398,14 +393,6 @@ def newest_per_measurement(records: list[EvaluationRecord]) -> list[EvaluationRe
 OK, STALE, MISSING = "ok", "stale", "missing"
 
 
-class BenchmarkLike(Protocol):
-    @property
-    def runtime(self) -> str: ...
-
-    @property
-    def precision(self) -> str | None: ...
-
-
 def record_status(record: EvaluationRecord) -> str:
     """Whether the record still describes the file at its path: "ok", "stale" (the file changed since it
     was measured) or "missing". A figure is only as good as the bytes it was measured on."""
@@ -428,7 +415,7 @@ def refresh_stale(results_dir: Path, threads: int | None = None, progress_for: C
         dataset = open_dataset(Path(record.dataset))
         progress = progress_for(record.name) if progress_for else None
         fresh = evaluate_model(Path(record.model_path), dataset, record.batch_size or settings.EVALUATION_BATCH, threads, progress, flags_of(record),
-                               *runtime_of(record), int8_path=record.int8_path if path_tag(record.int8_path, record.int8_basis) else None)
+                               record.runtime, record.precision, int8_path=record.int8_path if path_tag(record.int8_path, record.int8_basis) else None)
         rewritten.append(save_record(fresh, results_dir, dataset))
     return rewritten
 

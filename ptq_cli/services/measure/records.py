@@ -53,7 +53,9 @@ def from_dict(cls: type[Record], data: dict) -> Record:
     numbers, strings, lists of them...): a TypeError names the first field that does not fit."""
     if not isinstance(data, dict):
         raise TypeError(f"a JSON object was expected, found {type(data).__name__}")
-    data = {RENAMED_FIELDS.get(key, key) if RENAMED_FIELDS.get(key, key) not in data else key: value for key, value in data.items()}
+    for old, new in RENAMED_FIELDS.items():
+        if old in data and new not in data:
+            data = {**data, new: data[old]}
     hints = typing.get_type_hints(cls)
     known = {field.name for field in fields(cls)}
     for key in known & data.keys():
