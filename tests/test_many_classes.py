@@ -70,3 +70,16 @@ def test_a_class_with_too_few_images_says_nothing_about_the_model(thousand_class
                        per_class_accuracy=[*record.per_class_accuracy[:5], 0.0, *record.per_class_accuracy[6:]])
     assert evaluate.measured_classes(one_more) == [0, 1, 2]
     assert evaluate.classes_to_show(one_more, None) == [0, 1, 2]
+
+
+def test_a_record_declaring_many_classes_is_checked_without_a_classes_squared_array(thousand_classes, monkeypatch):
+    assert invoke("evaluate", "--model", "wide.onnx", "--data", "wide.npz", "--results-dir", "res", cwd=thousand_classes).exit_code == 0
+    (path,) = (thousand_classes / "res").glob("wide.onnx-*.json")
+    stored = json.loads(path.read_text())
+    names = [f"class {index}" for index in range(100_000)]  # 10^10 cells if it were made whole
+    path.write_text(json.dumps({**stored, "class_names": names, "per_class_accuracy": stored["per_class_accuracy"] + [None] * (100_000 - CLASSES)}))
+    monkeypatch.setattr(evaluate.EvaluationRecord, "confusion", lambda self: pytest.fail("made the whole matrix"))
+    assert len(evaluate.read_record(path).class_names) == 100_000
+    path.write_text(json.dumps({**stored, "confusion_counts": [[0, 0, 10**30]]}))
+    with pytest.raises(PtqError, match="not a ptq evaluation record"):
+        evaluate.read_record(path)

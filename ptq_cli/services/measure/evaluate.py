@@ -71,15 +71,30 @@ class EvaluationRecord:
     # 1000-class matrix is a million numbers, its nonzero cells at most one per image.
     confusion_counts: list[list[int]] | None = None
 
-    def confusion(self) -> np.ndarray:
-        """The confusion matrix (true class x predicted class), from whichever form the record keeps."""
+    def confusion_cells(self) -> np.ndarray:
+        """The confusion matrix's cells as (true class, predicted class, count) rows, from whichever form the
+        record keeps: never a classes x classes array for a record that keeps its nonzero cells."""
         classes = len(self.class_names)
         if self.confusion_counts is None:
-            return np.array(self.confusion_matrix, dtype=np.int64).reshape(len(self.confusion_matrix), -1)
+            dense = np.array(self.confusion_matrix, dtype=np.int64).reshape(len(self.confusion_matrix), -1)
+            true, predicted = np.nonzero(dense)
+            return np.stack([true, predicted, dense[true, predicted]], axis=1)
         cells = np.array(self.confusion_counts, dtype=np.int64).reshape(-1, 3)
         if ((cells[:, :2] < 0) | (cells[:, :2] >= classes)).any():
             raise ValueError(f"a confusion cell names a class outside its {classes} classes")
-        matrix = np.zeros((classes, classes), dtype=np.int64)
+        return cells
+
+    def class_images(self) -> tuple[np.ndarray, np.ndarray]:
+        """(images of each true class, of those the correct ones): the confusion matrix's row sums and diagonal."""
+        cells, classes = self.confusion_cells(), len(self.class_names)
+        correct = cells[cells[:, 0] == cells[:, 1]]
+        return (np.bincount(cells[:, 0], weights=cells[:, 2], minlength=classes).astype(np.int64),
+                np.bincount(correct[:, 0], weights=correct[:, 2], minlength=classes).astype(np.int64))
+
+    def confusion(self) -> np.ndarray:
+        """The whole confusion matrix (true class x predicted class): classes x classes numbers."""
+        matrix = np.zeros((len(self.class_names),) * 2, dtype=np.int64)
+        cells = self.confusion_cells()
         np.add.at(matrix, (cells[:, 0], cells[:, 1]), cells[:, 2])
         return matrix
 
@@ -251,7 +266,7 @@ PER_CLASS_ROWS = 20
 
 def measured_classes(record: EvaluationRecord) -> list[int]:
     """The classes whose figures count: those with enough images (MIN_CLASS_IMAGES)."""
-    images = record.confusion().sum(axis=1)
+    images, _ = record.class_images()
     enough = min(MIN_CLASS_IMAGES, int(images.max(initial=0)))
     return [index for index, count in enumerate(images) if count >= max(enough, 1)]
 
@@ -333,7 +348,7 @@ def read_record(path: Path) -> EvaluationRecord:
         _check_figures_agree(record)
         describe_model(record.quantization, record.pruning)  # its settings must read as ptq wrote them
         return record
-    except (OSError, ValueError, TypeError, AttributeError, KeyError) as error:
+    except (OSError, ValueError, TypeError, AttributeError, KeyError, OverflowError) as error:  # Overflow: a count past 64 bits
         raise PtqError(f"{path}: not a ptq evaluation record ({error})") from error
 
 
@@ -343,14 +358,17 @@ ROUNDING = 1e-3
 
 def _check_figures_agree(record: EvaluationRecord) -> None:
     """A record's figures are all derived from its confusion matrix: one edited by hand disagrees."""
-    confusion = record.confusion()
-    if (confusion < 0).any() or int(confusion.sum()) != record.images or int(np.trace(confusion)) != record.correct:
+    cells = record.confusion_cells()
+    if (cells[:, 2] < 0).any():
+        raise ValueError("its confusion matrix holds a negative count")
+    rows, diagonal = record.class_images()
+    if int(rows.sum()) != record.images or int(diagonal.sum()) != record.correct:
         raise ValueError(f"its confusion matrix does not add up to its {record.images} images and {record.correct} correct")
     if abs(record.accuracy - 100.0 * record.correct / record.images) > ROUNDING:
         raise ValueError(f"accuracy {record.accuracy}% is not its {record.correct}/{record.images} correct")
     for index, stored in enumerate(record.per_class_accuracy):
-        row = int(confusion[index].sum())
-        if (stored is None) != (row == 0) or (row and abs(stored - 100.0 * confusion[index, index] / row) > ROUNDING):
+        row = int(rows[index])
+        if (stored is None) != (row == 0) or (row and abs(stored - 100.0 * diagonal[index] / row) > ROUNDING):
             raise ValueError(f"per-class accuracy of '{record.class_names[index]}' is not its confusion matrix row")
 
 
