@@ -245,7 +245,7 @@ RunsOption = Annotated[int, typer.Option(min=1, help="Timed runs of each model f
 # gives its own defaults (quantize leaves them to the backend).
 DTypeOption = Annotated[DType | None, typer.Option(help="Activation type (and weight type unless --weight-dtype is given). PyTorch, OpenVINO and LiteRT take int8 only. (default: int8)", show_default=False, rich_help_panel="Quantization")]
 WeightDTypeOption = Annotated[DType | None, typer.Option(help="Weight type. (default: same as --dtype)", show_default=False, rich_help_panel="Quantization")]
-PerChannelOption = Annotated[bool | None, typer.Option("--per-channel/--per-tensor", help="One weight scale per output channel, or one per tensor. Where no default is shown, the backend's: per-tensor for onnxruntime, per-channel for the others.", rich_help_panel="Quantization")]
+PerChannelOption = Annotated[bool | None, typer.Option("--per-channel/--per-tensor", help="One weight scale per output channel, or one per tensor. Where no default is shown, the backend's: per-tensor for onnxruntime (per-channel for a model with depthwise convolutions, where one scale per tensor leaves most channels a few codes), per-channel for the others.", rich_help_panel="Quantization")]
 MethodOption = Annotated[Method | None, typer.Option(help="Activation calibration, the backend's own: onnxruntime minmax|entropy|percentile; pytorch histogram|minmax; litert minmax (the converter's) or percentile (ptq's rule on the TFLite tensors). Where no default is shown, the backend's first.", rich_help_panel="Quantization")]
 PercentileOption = Annotated[float | None, typer.Option(callback=_finite, min=50, max=100, help="Percentile kept by --method percentile. (default: 99.999)", show_default=False, rich_help_panel="Quantization")]
 
@@ -258,6 +258,10 @@ DataOption = Annotated[
 CalibrationDataOption = Annotated[
     Path | None,
     typer.Option(help="Draw calibration (and tuning's validation) images from this dataset instead of --data's train split, e.g. when --data has only a test set. (default: --data)", show_default=False, rich_help_panel="Data and preprocessing"),
+]
+CalibrationSizeOption = Annotated[
+    int | None,
+    typer.Option(min=1, help=f"Calibration images in all, for every backend: drawn evenly over the classes of labelled images, at random from unlabelled ones. (default: {settings.SAMPLES_PER_CLASS} per class; {settings.CALIBRATION_IMAGES:,} images of an unlabelled set, or all it has)", show_default=False, rich_help_panel="Data and preprocessing"),
 ]
 PresetOption = Annotated[
     Preset | None,
@@ -274,6 +278,7 @@ class DataChoice:
     data: Path
     calibration_data: Path | None
     flags: inputs_service.PreprocessingFlags
+    calibration_size: int | None = None  # --calibration-size: calibration images in all
 
     def dataset(self) -> Dataset:
         return open_dataset(self.data)
@@ -283,10 +288,10 @@ class DataChoice:
 
 
 def _data(data: Path | None, calibration_data: Path | None, preset, scale: float | None, mean: str | None, std: str | None,
-          bgr: bool | None) -> DataChoice:
+          bgr: bool | None, calibration_size: int | None = None) -> DataChoice:
     """The data and preprocessing options, validated before any work."""
     flags = inputs_service.make_flags(preset and preset.value, scale, mean, std, bgr)
-    return DataChoice(data or settings.cifar_dir(), calibration_data, flags)
+    return DataChoice(data or settings.cifar_dir(), calibration_data, flags, calibration_size)
 
 
 def _option(name: str, annotation: Any) -> inspect.Parameter:
@@ -294,7 +299,7 @@ def _option(name: str, annotation: Any) -> inspect.Parameter:
 
 
 # The data block's options, as parameters a command takes through `_with_data`.
-DATA_PARAMETERS = (_option("data", DataOption), _option("calibration_data", CalibrationDataOption))
+DATA_PARAMETERS = (_option("data", DataOption), _option("calibration_data", CalibrationDataOption), _option("calibration_size", CalibrationSizeOption))
 PREPROCESSING_PARAMETERS = (_option("preprocess", PresetOption), _option("scale", ScaleOption), _option("mean", MeanOption),
                             _option("std", StdOption), _option("bgr", BgrOption))
 NO_CHOICE: Any = None  # a command's `choice` before `_with_data` fills it in
@@ -303,7 +308,7 @@ NO_CHOICE: Any = None  # a command's `choice` before `_with_data` fills it in
 def _with_data(calibration: bool = True, preprocessing: bool = True) -> Callable[[Callable[..., None]], Callable[..., None]]:
     """The data and preprocessing options defined once: the command's `choice` parameter becomes --data
     (and --calibration-data) and the preprocessing options, parsed into one validated DataChoice."""
-    block = DATA_PARAMETERS[: 2 if calibration else 1] + (PREPROCESSING_PARAMETERS if preprocessing else ())
+    block = DATA_PARAMETERS[: 3 if calibration else 1] + (PREPROCESSING_PARAMETERS if preprocessing else ())
 
     def decorate(command: Callable[..., None]) -> Callable[..., None]:
         signature = inspect.signature(command, eval_str=True)
@@ -315,7 +320,7 @@ def _with_data(calibration: bool = True, preprocessing: bool = True) -> Callable
         def with_choice(**given: Any) -> None:
             values = {parameter.name: given.pop(parameter.name) for parameter in block}
             flags = (values.get("preprocess"), values.get("scale"), values.get("mean"), values.get("std"), values.get("bgr"))
-            return command(**given, choice=_data(values["data"], values.get("calibration_data"), *flags))
+            return command(**given, choice=_data(values["data"], values.get("calibration_data"), *flags, values.get("calibration_size")))
 
         setattr(with_choice, "__signature__", signature.replace(parameters=parameters))  # noqa: B010  typer reads the new signature
         with_choice.__annotations__ = {parameter.name: parameter.annotation for parameter in parameters}
@@ -448,7 +453,8 @@ def calibrate(
     calibration_service.check_seed(seed)
     check_outputs([("--output", output, (".npz",))], [model, choice.data, choice.calibration_data])
     with _working("Sampling the training images…"):
-        calibration_set = calibration_service.for_model(model, choice.data, choice.calibration_data, samples_per_class, seed)
+        calibration_set = calibration_service.for_model(model, choice.data, choice.calibration_data, samples_per_class, seed,
+                                                        count=choice.calibration_size)
         calibration_service.save_calibration_set(calibration_set, output)
     summary = {"output": output, "samples": len(calibration_set.labels), "seed": seed, "per_class": calibration_set.per_class_counts,
                "dataset": calibration_set.dataset, "split": calibration_set.split, "pixel_range": calibration_set.pixel_range}
@@ -498,8 +504,8 @@ def quantize(
     destination = output or quantize_service.default_output(model, quantization_settings)
     check_writable(destination)
     calibration_set = _calibration_set(calibration, choice, model)
-    with _working(f"Calibrating ({quantization_settings.method}, {len(calibration_set.labels)} samples) and quantizing with {backend.value}…"):
-        result = quantize_service.quantize(model, destination, quantization_settings, calibration_set, choice.flags)
+    with _progress_bar(f"Calibrating ({quantization_settings.method}) and quantizing with {backend.value}") as progress:
+        result = quantize_service.quantize(model, destination, quantization_settings, calibration_set, choice.flags, progress)
     _emit(as_json, result, render.quantization(result))
 
 
@@ -588,7 +594,8 @@ ValidationPerClass = Annotated[
 
 def _calibration_set(calibration: Path | None, choice: DataChoice, model: Path):
     with _working("Loading the calibration set…"):
-        return calibration_service.for_model(model, choice.data, choice.calibration_data, saved=calibration, reuse_default=True, flags=choice.flags)
+        return calibration_service.for_model(model, choice.data, choice.calibration_data, saved=calibration, reuse_default=True, flags=choice.flags,
+                                             count=choice.calibration_size)
 
 
 def _calibration_and_validation(calibration: Path | None, choice: DataChoice, model: Path, validation_per_class: int):
@@ -693,14 +700,18 @@ def evaluate(
     label: Annotated[str | None, typer.Option(help="What the report calls the model, beside its file name (one --model only).", show_default=False)] = None,
     int8_path: Annotated[Int8Path, typer.Option(help="Which x86 int8 path to score 8-bit onnxruntime and PyTorch models on: native (this CPU's), exact (VNNI/AMX, ARM), saturating (AVX2 without VNNI) or both. The path this CPU does not take comes from onnxruntime's exact kernels, a proof that the model cannot saturate, or emulation of an AVX2 CPU (qemu-x86_64 -cpu Haswell) on --emulated-images images.", rich_help_panel="Runtime")] = Int8Path("native"),
     emulated_images: Annotated[int, typer.Option(min=10, help="Images (the first of each class) scored under emulation, which runs about 100 images/s on ResNet8.", rich_help_panel="Runtime")] = emulate_service.DEFAULT_SUBSET,
+    against_fp32: Annotated[Path | None, typer.Option("--against-fp32", help="The FP32 model to measure fidelity against (top-1 agreement, top-5 containment, SQNR and KL of the scores, on the same images; no labels needed). (default: the FP32 source a ptq-made model names, while that file is unchanged)", show_default=False)] = None,
     trust_remote_code: TrustOption = False,
     as_json: JsonFlag = False,
 ) -> None:
-    """Top-1 accuracy on the dataset's test split (val if it has no test), against the model's FP32 source.
+    """Top-1 accuracy on the dataset's test split (val if it has no test), and fidelity to the FP32 model.
 
     A quantized model's delta is against its FP32 source model measured on the same images: the source
-    (named in the model) is evaluated too if its record is missing. Records go to
-    RESULTS_DIR/<model file>-<folder>@<dataset>.json, one per model file, runtime and dataset.
+    (named in the model) is evaluated too if its record is missing. Its fidelity (top-1 agreement, top-5
+    containment, SQNR, KL) is measured against that source, or --against-fp32, and needs no labels: on
+    images whose labels are not the model's classes (or an unlabelled folder, ROOT/*.jpg), it is the
+    measure. Records go to RESULTS_DIR/<model file>-<folder>@<dataset>.json, one per model file,
+    runtime and dataset.
     """
     dataset = choice.dataset()
     models = model or _default_models()
@@ -717,7 +728,8 @@ def evaluate(
             with _progress_bar(f"Evaluating {model_path.name}" + (f" ({path} int8 path)" if path else "")) as progress:
                 evaluated = evaluate_service.evaluate_and_save(
                     model_path, dataset, results_dir, progress, batch_size=batch_size, threads=threads, flags=choice.flags,
-                    runtime=runtime and runtime.value, precision=precision and precision.value, label=label, int8_path=path, subset=emulated_images)
+                    runtime=runtime and runtime.value, precision=precision and precision.value, label=label, int8_path=path, subset=emulated_images,
+                    against=against_fp32)
             records.append(evaluated.record)
             warning = evaluate_service.outside_target(model_path, (evaluated.record.quantization or {}).get("cpus"))
             if warning:
@@ -851,7 +863,7 @@ def run_pipeline(
         check_model(model)
     options = pipeline_service.StudyOptions(
         keras_model=None if model is not None else (keras or settings.keras_model_path()), data_dir=choice.data, model=model,
-        calibration_data=choice.calibration_data, flags=choice.flags, samples_per_class=samples_per_class,
+        calibration_data=choice.calibration_data, flags=choice.flags, samples_per_class=samples_per_class, calibration_size=choice.calibration_size,
         without=frozenset(name for name, wanted in ((pipeline_service.PYTORCH, pytorch), (pipeline_service.OPENVINO, openvino),
                                                     (pipeline_service.LITERT, litert)) if not wanted),
         seed=seed, benchmark=benchmark, benchmark_runs=runs, threads=threads, force=force,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from ptq_cli.services.fetch import FetchResult
 from ptq_cli.services.measure.benchmark import BenchmarkRecord, run_key
 from ptq_cli.services.measure.evaluate import EvaluationRecord
 from ptq_cli.services.measure.records import to_json
-from ptq_cli.services.measure.report import BASE_RUNTIME, DatasetGroup, Report, ReportRow
+from ptq_cli.services.measure.report import AGREEMENT_BUDGET, BASE_RUNTIME, TOP5_BUDGET, DatasetGroup, Report, ReportRow
 from ptq_cli.services.measure.sensitivity import SensitivityResult
 from ptq_cli.services.measure.sweep_records import SweepResult
 from ptq_cli.services.prune import PruneResult
@@ -143,8 +144,8 @@ REFERENCE_STATUS = {"stale": "its file changed since; evaluate it again", "missi
 def evaluation(record: EvaluationRecord, reference: EvaluationRecord | None, classes: list[int] | None, record_file: Path,
                reference_status: str = "ok") -> Group:
     """`classes`: the classes `--per-class` lists (evaluate.classes_to_show), None without it."""
-    comparison: tuple = (("  (no FP32 source record to compare with)", "dim"),)
-    if reference is not None:
+    comparison: tuple = (("  (no FP32 source record to compare with)", "dim"),) if record.fidelity is None else ()
+    if reference is not None and record.accuracy is not None and reference.accuracy is not None:
         delta = record.accuracy - reference.accuracy
         comparison = (
             f"  delta vs FP32 {reference.name} ({reference.accuracy:.2f}%): ",
@@ -152,12 +153,13 @@ def evaluation(record: EvaluationRecord, reference: EvaluationRecord | None, cla
             " pts",
             *(() if reference_status == "ok" else ((f" [FP32 record {reference_status}: {REFERENCE_STATUS[reference_status]}]", "yellow"),)),
         )
+    top1: tuple = ("  top-1 ", (f"{record.accuracy:.2f}%", "bold"), f" ({record.correct}/{record.images})") if record.accuracy is not None else ()
     headline = Text.assemble(
         (f"{record.name}", "bold"),
-        f"  {record.runtime}{f' ({record.precision})' if record.precision else ''} {record.dtype} on {record.dataset_label}  top-1 ",
-        (f"{record.accuracy:.2f}%", "bold"),
-        f" ({record.correct}/{record.images})",
+        f"  {record.runtime}{f' ({record.precision})' if record.precision else ''} {record.dtype} on {record.dataset_label}",
+        *top1,
         *comparison,
+        *fidelity_text(record),
         f"  {record.images_per_second:,.0f} images/s  -> {record_file}",
     )
     details = Text(f"  input {record.model_input}; preprocessing {record.preprocessing}" + int8_path_text(record), style="dim")
@@ -180,6 +182,17 @@ def evaluation(record: EvaluationRecord, reference: EvaluationRecord | None, cla
     return Group(headline, details, table)
 
 
+def fidelity_text(record: EvaluationRecord) -> tuple:
+    """"  vs FP32 model.onnx: top-1 agreement 91.3%, top-5 99.0%, SQNR 18.2 dB, KL 0.031" (no labels: the measure)."""
+    fidelity = record.fidelity
+    if fidelity is None:
+        return ()
+    sqnr = "identical" if fidelity["sqnr_db"] is None else f"SQNR {fidelity['sqnr_db']:.1f} dB"
+    return (f"  vs FP32 {Path(fidelity['reference_path']).name} on {fidelity['images']:,} images{'' if record.accuracy is not None else ' (no labels of its classes)'}: "
+            "top-1 agreement ", (f"{fidelity['top1_agreement']:.2f}%", "bold"), f", top-5 {fidelity['top5_containment']:.2f}%, {sqnr}, "
+            f"KL {fidelity['kl_divergence']:.4f}")
+
+
 def int8_path_text(record: EvaluationRecord) -> str:
     """"; saturating int8 path (native) on AMD EPYC (avx2)" — which path the figure holds for, and where."""
     where = f" on {describe_record(record.cpu)}" if record.cpu else ""
@@ -197,22 +210,32 @@ def delta(points: float | None) -> str:
 
 
 REPORT_COLUMNS = (
-    "Model", "Runtime", "Data type", "Configuration", "Accuracy", "Delta vs FP32 source", "Accuracy without VNNI", "Model size", "Size reduction",
-    "Images/s", "Speed-up", "Speed-up vs onnxruntime FP32", "Latency p50 (ms)", "Measured on",
+    "Model", "Runtime", "Data type", "Configuration", "Accuracy", "Delta vs FP32 source", "Agreement with FP32 (top-1 / top-5)",
+    "Accuracy without VNNI", "Model size", "Size reduction", "Images/s", "Speed-up", "Speed-up vs onnxruntime FP32", "Latency p50 (ms)", "Measured on",
 )
 
 
+def top1(accuracy: float | None, unit: str = "%") -> str:
+    return "-" if accuracy is None else f"{accuracy:.2f}{unit}"
+
+
+def agreement(row: ReportRow) -> str:
+    """"91.33% / 99.67%": top-1 agreement and top-5 containment with the FP32 source; "-" where not measured."""
+    return "-" if row.agreement is None else f"{row.agreement:.2f}% / {top1(row.top5)}"
+
+
 def no_vnni(row: ReportRow, short: bool = False) -> str:
-    """The top-1 on x86 CPUs without VNNI (the saturating int8 path): "=" where it is the same by proof
-    or for a float model, a figure (* on an emulated subset), "-" where not measured."""
+    """The top-1 on x86 CPUs without VNNI (the saturating int8 path; without labels, the agreement with FP32):
+    "=" where it is the same by proof or for a float model, a figure (* on an emulated subset), "-" where not measured."""
     if row.dtype == "fp32" and row.int8_kernels_vary:
         return "="
-    if row.saturating_accuracy is None:
+    figure_value = row.saturating_accuracy if row.accuracy is not None else row.saturating_agreement
+    if figure_value is None:
         return "-"
     if row.saturating_basis.startswith("proof"):
         return "=" if short else f"= ({row.saturating_basis})"
     mark = "*" if row.saturating_basis.startswith("emulated") else ""
-    figure = f"{row.saturating_accuracy:.2f}{mark}" if short else f"{row.saturating_accuracy:.2f}%{mark}"
+    figure = f"{figure_value:.2f}{mark}" if short else f"{figure_value:.2f}%{mark}"
     return figure if short else f"{figure} ({row.saturating_basis})"
 
 
@@ -238,8 +261,9 @@ def _report_cells(row: ReportRow) -> list[str]:
         _runtime(row),
         row.dtype,
         row.configuration,
-        f"{row.accuracy:.2f}%",
+        top1(row.accuracy),
         delta(row.delta),
+        agreement(row),
         no_vnni(row),
         size(row.size_bytes),
         percent(row.size_reduction),
@@ -251,18 +275,27 @@ def _report_cells(row: ReportRow) -> list[str]:
     ]
 
 
+def _score(row: ReportRow) -> str:
+    """"87.19%, -0.05 pts", or without labels "91.3% agreement with FP32"."""
+    if row.accuracy is None:
+        return f"{top1(row.agreement)} top-1 agreement with FP32, top-5 {top1(row.top5)}"
+    return f"{row.accuracy:.2f}%, {delta(row.delta)} pts"
+
+
 def _recommendation_lines(group: DatasetGroup) -> list[str]:
     advice = group.recommendation
     if advice is None:
         return []
     fastest = advice.fastest
-    budget = f"within {advice.budget:.2f} points of FP32"
+    budget = (f"agreeing with FP32 on {AGREEMENT_BUDGET:g}% top-1 and {TOP5_BUDGET:g}% top-5" if advice.by_agreement
+              else f"within {advice.budget:.2f} points of FP32")
+    smallest = advice.smallest
     return [
-        f"Best accuracy: {_name(advice.best_accuracy)} ({advice.best_accuracy.accuracy:.2f}%, {delta(advice.best_accuracy.delta)} pts)",
-        f"Smallest: {_name(advice.smallest)} ({size(advice.smallest.size_bytes)}, {advice.smallest.accuracy:.2f}%)",
+        f"{'Most faithful' if advice.by_agreement else 'Best accuracy'}: {_name(advice.best_accuracy)} ({_score(advice.best_accuracy)})",
+        f"Smallest: {_name(smallest)} ({size(smallest.size_bytes)}, {_score(smallest)})",
         f"Fastest {budget}: {_name(fastest)} on {_runtime(fastest)} ({fastest.images_per_second:,.0f} images/s"
         + (f", {fastest.speedup_vs_onnxruntime:.2f}x onnxruntime FP32" if fastest.speedup_vs_onnxruntime else "")
-        + f", {fastest.accuracy:.2f}%, {delta(fastest.delta)} pts; {fastest.configuration})"
+        + f", {_score(fastest)}; {fastest.configuration})"
         if fastest else f"Fastest {budget}: none",
     ]
 
@@ -275,13 +308,20 @@ def _runtime(measured: ReportRow | BenchmarkRecord) -> str:
 def _group_title(group: DatasetGroup) -> str:
     """e.g. "top-1 on 10,000 images of cifar-10-batches-py (test), delta in points vs the 87.19% FP32 baseline (resnet8.onnx)"."""
     baseline = group.baseline
+    if baseline is not None and baseline.accuracy is None:
+        return (f"agreement with the FP32 model ({baseline.model}) on {group.images:,} images of {group.label} "
+                "(no labels of the model's classes: top-1 agreement and top-5 containment, percent)")
     against = (f"delta in points vs the {baseline.accuracy:.2f}% FP32 baseline ({baseline.model}, measured)" if baseline is not None
                else "no FP32 model measured on it")
     return f"top-1 on {group.images:,} images of {group.label}, {against}"
 
 
 # Narrower than REPORT_COLUMNS so the table fits an 80-column terminal; the Markdown keeps the long names.
-TERMINAL_COLUMNS = ("Model", "Runtime", "Type", "Top-1", "Delta", "noVNNI", "KB", "img/s", "Speed")
+# Without labels of the model's classes, agreement with FP32 takes the place of top-1 and its delta.
+TERMINAL_COLUMNS = ("Model", "Runtime", "Type", "Top-1", "Delta", "Agree", "noVNNI", "KB", "img/s", "Speed")
+TERMINAL_COLUMNS_UNLABELLED = ("Model", "Runtime", "Type", "Agree", "Top-5", "noVNNI", "KB", "img/s", "Speed")
+# Runtimes as the 80-column table names them.
+SHORT_RUNTIMES = {"onnxruntime": "ORT", "pytorch": "torch", "openvino": "OV"}
 
 
 def report(report: Report) -> Group:
@@ -329,26 +369,44 @@ def _status_lines(report: Report) -> list[str]:
     return lines
 
 
+def shared_stem(names: list[str]) -> str:
+    """What every file name starts with, cut after its last '_' or before its '.' ("efficientnet_lite0"), or ""
+    when that would say little (under 6 characters or a single model)."""
+    if len(names) < 2:
+        return ""
+    prefix = os.path.commonprefix(names)
+    cut = max(prefix.rfind("_"), prefix.rfind("."), prefix.rfind("-"))
+    stem = prefix if all(name[len(prefix):len(prefix) + 1] in "._-" for name in names) else prefix[:cut]
+    return stem if len(stem) >= 6 else ""
+
+
 def _main_table(group: DatasetGroup) -> Table:
+    labelled = group.baseline is None or group.baseline.accuracy is not None or any(row.accuracy is not None for row in group.rows)
+    stem = shared_stem([row.model for row in group.rows if not row.label])
     table = Table(
-        title=f"Quantization report: {_group_title(group)}",
+        title=f"Quantization report: {_group_title(group)}" + (f". Models: {stem}*" if stem else ""),
         title_justify="left",
         box=box.SIMPLE_HEAD,
         padding=0,
         show_edge=False,
     )
-    # Numbers never wrap nor get cut; on a narrow terminal the model name folds instead. "xORT" (the
-    # speed-up against onnxruntime's FP32 run) only when another runtime is in the table.
+    # Numbers never wrap nor get cut; the file names lose the stem they share (said in the title), and on a
+    # narrow terminal fold. "xORT" (the speed-up against onnxruntime's FP32 run) only when another runtime is in the table.
     other_runtimes = any(row.runtime != BASE_RUNTIME for row in group.rows)
-    for column in TERMINAL_COLUMNS + (("xORT",) if other_runtimes else ()):
+    columns = TERMINAL_COLUMNS if labelled else TERMINAL_COLUMNS_UNLABELLED
+    for column in columns + (("xORT",) if other_runtimes else ()):
         if column == "Model":
-            table.add_column(column, overflow="fold", min_width=12)
+            table.add_column(f"{stem}*" if stem else column, overflow="fold", min_width=12)
         else:
-            table.add_column(column, justify="left" if column in TERMINAL_COLUMNS[:3] else "right", no_wrap=True)
+            table.add_column(column, justify="left" if column in columns[:3] else "right", no_wrap=True)
     for row in group.rows:
-        cells = _report_cells(row)
-        table.add_row(*cells[:3], *cells[4:6], no_vnni(row, short=True), f"{row.size_bytes / 1024:.1f}", f"{row.images_per_second:,.0f}",
-                      cells[10], *(cells[11:12] if other_runtimes else ()))
+        name = _model_cell(row)
+        shown = "*" + name[len(stem):] if stem and not row.label and name.startswith(stem) else name
+        runtime = SHORT_RUNTIMES.get(row.runtime, row.runtime) + (f" {row.precision}" if row.precision else "")
+        scores = ([top1(row.accuracy, ""), delta(row.delta), top1(row.agreement, "")] if labelled
+                  else [top1(row.agreement, ""), top1(row.top5, "")])
+        table.add_row(shown, runtime, row.dtype, *scores, no_vnni(row, short=True), f"{row.size_bytes / 1024:,.0f}", f"{row.images_per_second:,.0f}",
+                      speedup(row.speedup), *((speedup(row.speedup_vs_onnxruntime),) if other_runtimes else ()))
     return table
 
 
@@ -399,7 +457,7 @@ def _versus_reference_cells(group: DatasetGroup) -> list[list[str]]:
 def _validation_and_test(row: ReportRow) -> str:
     """Validation accuracy (tuned models only) next to test accuracy."""
     validation = "-" if row.validation_accuracy is None else f"{row.validation_accuracy:.2f}%"
-    return f"{validation} / {row.accuracy:.2f}%"
+    return f"{validation} / {top1(row.accuracy)}"
 
 
 def _markdown_table(header: list[str] | tuple[str, ...], rows: list[list[str]]) -> list[str]:
@@ -527,8 +585,10 @@ def report_markdown(report: Report, charts: list[Path] | None = None) -> str:
         "Size reduction and speed-up are against the FP32 model of the same runtime. "
         "Images/s and latency come from `ptq benchmark` (throughput at its batch size, latency at batch 1); "
         f"'(eval)' marks throughput measured during evaluation instead (batch {settings.EVALUATION_BATCH}). "
-        "Accuracy without VNNI: top-1 on x86 CPUs without VNNI (the saturating int8 path); '=' the same by proof or for a float model, "
-        "'*' emulated on a subset, '-' not measured.",
+        "Agreement with FP32: the share of images whose top-1 class is the FP32 source's, and whose FP32 top-1 class is in the model's top 5 "
+        "(no labels needed: where the images' labels are not the model's classes, it is the measure). "
+        "Accuracy without VNNI: top-1 on x86 CPUs without VNNI (the saturating int8 path; without labels, its agreement with FP32); "
+        "'=' the same by proof or for a float model, '*' emulated on a subset, '-' not measured.",
     ]
     status = _status_lines(report)
     if status:
@@ -542,7 +602,7 @@ def report_markdown(report: Report, charts: list[Path] | None = None) -> str:
             ("Model", "Input", "Preprocessing", "Configuration", "Validation top-1", "Test top-1"),
             [[row.model, row.model_input or "-", row.preprocessing or "-", row.configuration,
               "-" if row.validation_accuracy is None else f"{row.validation_accuracy:.2f}% (FP32 {row.validation_fp32_accuracy:.2f}%)",
-              f"{row.accuracy:.2f}%"] for row in group.rows],
+              top1(row.accuracy)] for row in group.rows],
         )
         if group.class_losses:
             lines += ["", "### Classes that lose the most", ""]

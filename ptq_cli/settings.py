@@ -53,6 +53,8 @@ MANIFEST_NAME = "manifest.json"
 EVALUATION_BATCH = 128
 
 SAMPLES_PER_CLASS = 100
+# Calibration images drawn from a set without labels (or all it has): as many as SAMPLES_PER_CLASS gives CIFAR-10.
+CALIBRATION_IMAGES = 1000
 SEED = 42
 
 # Validation split for tuning: drawn from the training batches, disjoint from the calibration samples.

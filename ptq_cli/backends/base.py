@@ -22,6 +22,8 @@ from ptq_cli.errors import PtqError
 from ptq_cli.inputs import ModelInput, Preprocessing
 from ptq_cli.transforms.overflow import FIRST_LAYER, NO_FIX, OVERFLOW_FIXES
 
+ProgressCallback = Callable[[int, int], None]  # (images done, images in all): a backend's calibration progress
+
 # Quantize records how a model was made inside the model file itself, under this metadata key.
 QUANTIZATION_METADATA_KEY = "ptq.quantization"
 # ... and `ptq prune` how it pruned a model (kept through quantization), under this one.
@@ -100,7 +102,7 @@ class QuantizationSettings:
     format: str  # the backend's format: "QDQ", "FX", "IR", "TFLite"...
     dtype: str  # activations: "int8" or "uint8"; names the model's data type
     weight_dtype: str
-    per_channel: bool
+    per_channel: bool | None  # None until the model decides: per-channel where it has depthwise convolutions (quantize.resolve_granularity)
     method: str
     percentile: float | None  # only for method "percentile"
     preprocess: bool  # onnxruntime's quant_pre_process (shape inference, BN folding) before quantizing
@@ -142,7 +144,7 @@ class Backend:
     suffixes: tuple[str, ...]  # model files it writes (the first) and reads
     sniff: Callable[[bytes], bool]  # whether a file's first bytes are this backend's
     load: Callable[[Path, RunOptions], LoadedModel]
-    quantize: Callable[..., QuantizedFile] | None = None  # (onnx model, output, settings, calibration inputs, stored metadata)
+    quantize: Callable[..., QuantizedFile] | None = None  # (onnx model, output, settings, calibration inputs, stored metadata, progress=)
     read_input: Callable[[Path], ModelInput] | None = None  # the declared input without running the model, where that is cheap
     format: str = ""  # what its quantized models are, in a word (QDQ, FX, IR, TFLite)
     summary: str = ""  # how it quantizes and what it writes, for --backend's help

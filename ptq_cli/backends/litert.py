@@ -25,7 +25,7 @@ import numpy as np
 
 from ptq_cli.atomic import atomic_output
 from ptq_cli.backends import base
-from ptq_cli.backends.base import Backend, LoadedModel, QuantizationSettings, QuantizedFile, RunOptions, finish_load
+from ptq_cli.backends.base import Backend, LoadedModel, ProgressCallback, QuantizationSettings, QuantizedFile, RunOptions, finish_load
 from ptq_cli.backends.model_file import file_sha256, in_fixed_batches, metadata_object, model_input, num_classes, read_bytes, read_onnx, resolve_threads
 from ptq_cli.errors import PtqError
 from ptq_cli.library_noise import native_stderr_silenced
@@ -203,7 +203,7 @@ def _tensorflow():
     return tf
 
 
-def _calibrated(keras_path: Path, calibration: np.ndarray) -> bytes:
+def _calibrated(keras_path: Path, calibration: np.ndarray, progress: ProgressCallback | None = None) -> bytes:
     """The float TFLite model with the converter's calibration statistics (min/max per tensor) over
     `calibration`, one image per step, not yet quantized."""
     tf = _tensorflow()
@@ -217,7 +217,13 @@ def _calibrated(keras_path: Path, calibration: np.ndarray) -> bytes:
         raise PtqError(f"{keras_path}: takes input {expected}, the ONNX model's calibration images are {tuple(calibration.shape[1:])}")
     converter = tf.lite.TFLiteConverter.from_keras_model(keras_model)
     converter.optimizations = [tf.lite.Optimize.DEFAULT]
-    converter.representative_dataset = lambda: ([calibration[index : index + 1]] for index in range(len(calibration)))
+    def one_at_a_time():
+        for index in range(len(calibration)):
+            if progress is not None:
+                progress(index, len(calibration))
+            yield [calibration[index : index + 1]]
+
+    converter.representative_dataset = one_at_a_time
     converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
     converter._experimental_calibrate_only = True  # noqa: SLF001  the statistics, to adjust before quantizing
     try:
@@ -407,7 +413,8 @@ def _with_metadata(quantized: bytes, entries: dict[str, str]) -> bytes:
     return bytes(flatbuffer_utils.convert_object_to_bytearray(model_object))
 
 
-def quantize(model, output: Path, settings: QuantizationSettings, calibration: np.ndarray, stored: dict[str, str]) -> QuantizedFile:
+def quantize(model, output: Path, settings: QuantizationSettings, calibration: np.ndarray, stored: dict[str, str],
+             progress: ProgressCallback | None = None) -> QuantizedFile:
     """A full-integer .tflite of the Keras model the ONNX `model` was converted from, calibrated on
     `calibration` (images in the model's input format, which is the Keras model's); ptq's settings and
     input contract go into the flatbuffer's metadata."""
@@ -416,7 +423,7 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
         raise PtqError(f"--output: {output} must end in {SUFFIX}")
     keras_path = keras_source(model)
     qdq = _ranges_model(Path(settings.ranges_from), stored.get(base.SOURCE_METADATA_KEY)) if settings.ranges_from else None
-    calibrated = _calibrated(keras_path, calibration.astype(np.float32, copy=False))
+    calibrated = _calibrated(keras_path, calibration.astype(np.float32, copy=False), progress)
     tf = _tensorflow()
     from tensorflow.lite.python.convert import mlir_quantize
     from tensorflow.lite.tools import flatbuffer_utils

@@ -17,7 +17,7 @@ import numpy as np
 from ptq_cli import inputs
 from ptq_cli.atomic import atomic_output
 from ptq_cli.backends import base
-from ptq_cli.backends.base import EMULATE, Backend, LoadedModel, QuantizationSettings, QuantizedFile, RunOptions, finish_load
+from ptq_cli.backends.base import EMULATE, Backend, LoadedModel, ProgressCallback, QuantizationSettings, QuantizedFile, RunOptions, finish_load
 from ptq_cli.backends.model_file import graph_inputs, in_fixed_batches, model_input, num_classes, onnx_dims, read_bytes, read_onnx, resolve_threads
 from ptq_cli.cpu import EXACT
 from ptq_cli.errors import PtqError
@@ -181,21 +181,92 @@ def preprocess(model, output: Path | str) -> None:
         raise PtqError(f"{model.graph.name or 'model'}: onnxruntime's quant_pre_process failed ({str(error).splitlines()[0]})") from error
 
 
-def _reader(input_name: str, images: np.ndarray, batch: int | None):
+# What one image's activations cost, as a multiple of their bytes, while onnxruntime calibrates: the
+# session's outputs, the list the calibrator merges them into and the array a histogram is built from.
+ACTIVATION_COPIES = 3
+
+
+def activation_bytes(source) -> int:
+    """Bytes of every float tensor of the graph for one image (what a calibrator asks the session to output),
+    from ONNX shape inference; a tensor of unknown shape counts as the largest known one."""
+    import onnx
+
+    model = onnx.load(source, load_external_data=False) if isinstance(source, str) else source
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # noqa: BLE001  a graph shape inference cannot follow: the values it declares
+        inferred = model
+    graph = inferred.graph
+    sizes: dict[str, int | None] = {}
+    for value in [*graph.input, *graph.value_info, *graph.output]:
+        tensor = value.type.tensor_type
+        if tensor.elem_type != onnx.TensorProto.FLOAT:
+            continue
+        dims = [dim.dim_value if dim.HasField("dim_value") else (1 if dim.dim_param else 0) for dim in tensor.shape.dim] if tensor.HasField("shape") else [0]
+        sizes[value.name] = int(np.prod(dims, dtype=np.int64)) * 4 if all(dims) else None
+    outputs = {name for node in graph.node for name in node.output}
+    largest = max((size for size in sizes.values() if size), default=0)
+    known = sum(size or largest for name, size in sizes.items())
+    unseen = len(outputs - sizes.keys())  # outputs shape inference said nothing of
+    return known + unseen * largest
+
+
+def calibration_chunk(source, images: np.ndarray, fixed_batch: int | None, where: str) -> int:
+    """How many images onnxruntime calibrates at a time within bounded.CALIBRATION_BYTES (the process's
+    memory now included), or a one-line error when not even one image fits."""
+    from ptq_cli import bounded
+
+    budget = bounded.CALIBRATION_BYTES.value()
+    per_image = ACTIVATION_COPIES * activation_bytes(source)
+    model_bytes = Path(source).stat().st_size if isinstance(source, str) else source.ByteSize()
+    left = budget - bounded.resident_bytes() - 3 * model_bytes  # the augmented model, and the session's copy of it
+    step = fixed_batch or 1
+    if per_image * step > left:
+        raise PtqError(f"{where}: calibrating needs about {per_image * step / 1e6:,.0f} MB of activations for {step} image{'s' if step > 1 else ''} at a time, "
+                       f"more than the {max(left, 0) / 1e6:,.0f} MB left of the {budget / 1e9:.1f} GB calibration budget; raise "
+                       f"{bounded.CALIBRATION_BYTES.env} (bytes) or give fewer --calibration-size images")
+    if fixed_batch:
+        return fixed_batch
+    return int(max(1, min(CALIBRATION_BATCH, left // max(per_image, 1), len(images))))
+
+
+def _reader(input_name: str, images: np.ndarray, batch: int, fixed: bool, progress: ProgressCallback | None = None):
+    """onnxruntime's CalibrationDataReader over `images` in batches of `batch`; quantize_static takes one batch
+    per collect_data call (`set_range`, its CalibStridedMinMax loop), so only one batch's activations are held."""
     from onnxruntime.quantization import CalibrationDataReader
 
-    if batch is None:
-        batches = np.array_split(images, max(1, len(images) // CALIBRATION_BATCH))
-    else:  # a fixed batch: full batches only
+    if fixed:  # a fixed batch: full batches only
         batches = [images[start : start + batch] for start in range(0, len(images) - batch + 1, batch)]
+    else:
+        batches = [images[start : start + batch] for start in range(0, len(images), batch)]
+    total = sum(len(item) for item in batches)
 
     class BatchReader(CalibrationDataReader):
         def __init__(self) -> None:
-            self._batches = iter(batches)
+            self._range = (0, len(batches))
+            self._next = 0
+            self._done = 0
+
+        def __len__(self) -> int:
+            return len(batches)
+
+        def set_range(self, start_index: int, end_index: int) -> None:
+            self._range = (start_index, min(end_index, len(batches)))
+            self._next = start_index
 
         def get_next(self) -> dict[str, np.ndarray] | None:
-            item = next(self._batches, None)
-            return None if item is None else {input_name: item}
+            if self._next >= self._range[1]:
+                return None
+            item = batches[self._next]
+            self._next += 1
+            if progress is not None:
+                progress(self._done, total)
+                self._done += len(item)
+            return {input_name: item}
+
+        def finished(self) -> None:
+            if progress is not None:
+                progress(total, total)
 
     return BatchReader()
 
@@ -219,11 +290,12 @@ def _graph_to_quantize(model, settings: QuantizationSettings, workdir: Path) -> 
     overrides = None
     if settings.overflow_fix in overflow.OVERFLOW_FIXES and settings.weight_dtype == "int8":
         graph = onnx.load(source) if isinstance(source, str) else model
-        overrides = overflow.weight_overrides(graph, settings.overflow_fix, settings.per_channel)
+        overrides = overflow.weight_overrides(graph, settings.overflow_fix, bool(settings.per_channel))
     return source, rewrites, overrides
 
 
-def quantize(model, output: Path, settings: QuantizationSettings, calibration: np.ndarray, stored: dict[str, str]) -> QuantizedFile:
+def quantize(model, output: Path, settings: QuantizationSettings, calibration: np.ndarray, stored: dict[str, str],
+             progress: ProgressCallback | None = None) -> QuantizedFile:
     """onnxruntime.quantization.quantize_static in QDQ format, written atomically.
 
     `calibration` is the calibration images in the model's input format; `stored` is metadata to keep
@@ -247,11 +319,14 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
         source, rewrites, overrides = _graph_to_quantize(model, settings, Path(workdir))
         if overrides is not None:
             extra_options["TensorQuantOverrides"] = overrides
+        batch = calibration_chunk(source, calibration, fixed_batch, model.graph.name or "model")
+        reader = _reader(described.name, calibration, batch, fixed_batch is not None, progress)
+        extra_options["CalibStridedMinMax"] = 1  # one batch per collect_data call: whatever the method, no more held at once
         # quantize_static print()s its histogram progress; stdout belongs to ptq's own output (--json).
         with atomic_output(output) as tmp, contextlib.redirect_stdout(io.StringIO()):
             try:
                 quantize_static(
-                    source, str(tmp), _reader(described.name, calibration, fixed_batch),
+                    source, str(tmp), reader,
                     quant_format=QuantFormat.QDQ,
                     per_channel=settings.per_channel,
                     activation_type=quant_types[settings.dtype],
@@ -265,6 +340,7 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
             except Exception as error:  # onnxruntime.quantization raises many types for graphs it cannot handle
                 first_line = str(error).splitlines()[0] if str(error) else ""
                 raise PtqError(f"{model.graph.name or 'model'}: onnxruntime.quantization failed ({type(error).__name__}: {first_line})") from error
+            reader.finished()
             quantized = onnx.load(str(tmp))
             if rewrites:
                 quantized_pads(quantized)

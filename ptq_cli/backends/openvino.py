@@ -23,7 +23,7 @@ import numpy as np
 
 from ptq_cli import inputs
 from ptq_cli.backends import base
-from ptq_cli.backends.base import Backend, LoadedModel, QuantizationSettings, QuantizedFile, RunOptions, finish_load, short_node
+from ptq_cli.backends.base import Backend, LoadedModel, ProgressCallback, QuantizationSettings, QuantizedFile, RunOptions, finish_load, short_node
 from ptq_cli.backends.model_file import in_fixed_batches, metadata_object, model_input, num_classes, read_bytes, read_onnx, resolve_threads
 from ptq_cli.errors import PtqError
 from ptq_cli.transforms.overflow import ALL_LAYERS, FIRST_LAYER
@@ -214,7 +214,8 @@ def layers(model) -> list[str]:
     return _weighted_layers(_convert(model))
 
 
-def quantize(model, output: Path, settings: QuantizationSettings, calibration: np.ndarray, stored: dict[str, str]) -> QuantizedFile:
+def quantize(model, output: Path, settings: QuantizationSettings, calibration: np.ndarray, stored: dict[str, str],
+             progress: ProgressCallback | None = None) -> QuantizedFile:
     """NNCF post-training quantization of the ONNX model, converted with openvino.convert_model, calibrated
     on `calibration` (images in the model's input format, one per NNCF sample); written as IR (.xml + .bin,
     weights not compressed to fp16), both files through temporary names."""

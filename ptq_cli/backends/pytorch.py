@@ -17,7 +17,17 @@ from ptq_cli import inputs, trust
 from ptq_cli.atomic import atomic_output
 from ptq_cli.backends import base
 from ptq_cli.backends import onnxruntime as ort_backend
-from ptq_cli.backends.base import EMULATE, Backend, LoadedModel, QuantizationSettings, QuantizedFile, RunOptions, describe_settings, finish_load
+from ptq_cli.backends.base import (
+    EMULATE,
+    Backend,
+    LoadedModel,
+    ProgressCallback,
+    QuantizationSettings,
+    QuantizedFile,
+    RunOptions,
+    describe_settings,
+    finish_load,
+)
 from ptq_cli.backends.model_file import in_fixed_batches, metadata_object, read_bytes, resolve_threads
 from ptq_cli.cpu import SATURATING
 from ptq_cli.errors import PtqError
@@ -166,7 +176,8 @@ def _batches(images: np.ndarray, fixed: int | None) -> list[np.ndarray]:
     return [images[start : start + fixed] for start in range(0, len(images) - fixed + 1, fixed)]
 
 
-def quantize(model, output: Path, settings: QuantizationSettings, calibration: np.ndarray, stored: dict[str, str]) -> QuantizedFile:
+def quantize(model, output: Path, settings: QuantizationSettings, calibration: np.ndarray, stored: dict[str, str],
+             progress: ProgressCallback | None = None) -> QuantizedFile:
     """prepare_fx -> calibrate -> convert_fx, saved as TorchScript (NCHW and NHWC models alike)."""
     import torch
     from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
@@ -177,11 +188,13 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     float_module = onnx_to_graph_module(model, fold=settings.preprocess)
     batches = _batches(calibration, fixed)
     example = torch.from_numpy(batches[0][:1] if fixed is None else batches[0])
-    mapping = qconfig_mapping(settings.per_channel, settings.method, settings.overflow_fix, tuple(first_layer_modules(float_module)))
+    mapping = qconfig_mapping(bool(settings.per_channel), settings.method, settings.overflow_fix, tuple(first_layer_modules(float_module)))
     prepared = prepare_fx(float_module, mapping, (example,))
     with torch.no_grad():
-        for batch in batches:
-            prepared(torch.from_numpy(batch))
+        for index, batch in enumerate(batches):
+            if progress is not None:
+                progress(index * len(batches[0]), sum(map(len, batches)))
+            prepared(torch.from_numpy(batch))  # observers keep running statistics: one batch held at a time
     quantized = convert_fx(prepared)
     extra = json.loads(stored.pop(base.QUANTIZATION_METADATA_KEY, "{}"))
     contents = {**stored, base.QUANTIZATION_METADATA_KEY: json.dumps({**asdict(settings), **extra})}

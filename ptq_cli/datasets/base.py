@@ -21,21 +21,27 @@ from ptq_cli.errors import PtqError
 
 TRAIN, VAL, TEST = "train", "val", "test"
 SPLITS = (TRAIN, VAL, TEST)
+UNLABELLED = -1  # the label of every image of a set without labels (no class names)
 
 
 @dataclass(frozen=True)
 class LabelledImages:
     images: np.ndarray  # (N, H, W, C) uint8
-    labels: np.ndarray  # (N,) int64 in 0..len(class_names)-1
-    class_names: tuple[str, ...]
+    labels: np.ndarray  # (N,) int64 in 0..len(class_names)-1; UNLABELLED (-1) each in a set without labels
+    class_names: tuple[str, ...]  # () for a set without labels
     split: str
     content_sha256: str  # of the source files of this split: any change gives another key
+
+    @property
+    def labelled(self) -> bool:
+        return bool(self.class_names)
 
 
 class Dataset(ABC):
     """Labelled images in one of the formats people keep them in."""
 
     format: str = "?"
+    labelled: bool = True  # False: images without labels (class_names() is empty, every label UNLABELLED)
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
@@ -112,7 +118,9 @@ class Dataset(ABC):
         if size is not None and images.shape[1:3] != tuple(size):
             images = resize(images, size)
         names = self.class_names()
-        if labels.size and (labels.min() < 0 or labels.max() >= len(names)):
+        if not names and labels.size and np.any(labels != UNLABELLED):
+            raise PtqError(f"{self.root}: labels without class names in the {split} split")
+        if names and labels.size and (labels.min() < 0 or labels.max() >= len(names)):
             raise PtqError(f"{self.root}: labels outside 0..{len(names) - 1} in the {split} split")
         if channels is not None:
             images = convert_channels(images, channels, self.root)

@@ -1,5 +1,7 @@
 """An image folder: ROOT/<split>/<class>/<image> (splits train, test, optional val), or ROOT/<class>/<image>
-as a single set. Class names: ROOT/classes.txt (one per line, in label order) or the sorted folder names."""
+as a single set, or ROOT/<image> as a single set of unlabelled images (photos whose classes nobody wrote
+down: they calibrate a model, and measure a quantized model against its FP32 source). Class names:
+ROOT/classes.txt (one per line, in label order) or the sorted folder names."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from ptq_cli import bounded
-from ptq_cli.datasets.base import SPLITS, TEST, Dataset
+from ptq_cli.datasets.base import SPLITS, TEST, UNLABELLED, Dataset
 from ptq_cli.errors import PtqError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
@@ -20,7 +22,19 @@ IGNORED = {"thumbs.db", "desktop.ini", CLASSES_FILE}
 
 
 def is_image_folder(path: Path) -> bool:
-    return path.is_dir() and any(child.is_dir() and not child.name.startswith(".") for child in path.iterdir())
+    return path.is_dir() and any((child.is_dir() or child.suffix.lower() in IMAGE_SUFFIXES) and not child.name.startswith(".") for child in path.iterdir())
+
+
+def _images_in(directory: Path) -> list[Path]:
+    """The image files of a folder, sorted by name; anything else but the files folders carry is an error."""
+    images = []
+    for path in sorted(directory.iterdir()):
+        if path.name.startswith(".") or path.name.lower() in IGNORED or path.is_dir():
+            continue
+        if path.suffix.lower() not in IMAGE_SUFFIXES:
+            raise PtqError(f"{path}: not an image file (expected {', '.join(IMAGE_SUFFIXES)})")
+        images.append(path)
+    return images
 
 
 class ImageFolder(Dataset):
@@ -35,9 +49,14 @@ class ImageFolder(Dataset):
         named = [name for name in folders if name in SPLITS]
         self._split_dirs = {name: self.root / name for name in named} if named else {TEST: self.root}
         self.single_set = not named
-        if not folders:
-            raise PtqError(f"{self.root}: no class folders (expected ROOT/<split>/<class>/<image> or ROOT/<class>/<image>)")
-        self._classes = self._read_classes()
+        loose = [path for path in self.root.iterdir() if path.is_file() and path.suffix.lower() in IMAGE_SUFFIXES]
+        self.labelled = bool(folders)
+        if folders and loose:
+            raise PtqError(f"{self.root}: holds both class folders and images ({loose[0].name}); "
+                           "expected ROOT/<class>/<image> (labelled) or ROOT/<image> (unlabelled), not both")
+        if not folders and not loose:
+            raise PtqError(f"{self.root}: no class folders or images (expected ROOT/<split>/<class>/<image>, ROOT/<class>/<image> or ROOT/<image>)")
+        self._classes = self._read_classes() if folders else ()
         self._files: dict[str, list[tuple[Path, int]]] = {}
 
     def splits(self) -> tuple[str, ...]:
@@ -68,19 +87,16 @@ class ImageFolder(Dataset):
     def files(self, split: str) -> list[tuple[Path, int]]:
         """(image path, label) of the split, classes in label order, files sorted by name."""
         if split not in self._files:
-            found = []
+            if not self.labelled:
+                self._files[split] = [(path, UNLABELLED) for path in _images_in(self.root)]
+                return self._files[split]
+            found: list[tuple[Path, int]] = []
             for label, name in enumerate(self._classes):
                 directory = self._split_dirs[split] / name
-                images = []
-                for path in sorted(directory.iterdir()):
-                    if path.name.startswith(".") or path.name.lower() in IGNORED or path.is_dir():
-                        continue
-                    if path.suffix.lower() not in IMAGE_SUFFIXES:
-                        raise PtqError(f"{path}: not an image file (expected {', '.join(IMAGE_SUFFIXES)})")
-                    images.append((path, label))
+                images = _images_in(directory)
                 if not images:
                     raise PtqError(f"{directory}: empty class folder")
-                found.extend(images)
+                found.extend((path, label) for path in images)
             self._files[split] = found
         return self._files[split]
 

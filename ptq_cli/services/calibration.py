@@ -1,4 +1,5 @@
-"""A seeded, class-stratified calibration set drawn from a dataset's training split (never its test split)."""
+"""A seeded calibration set drawn from a dataset's training split (never its test split): class-stratified
+where the images have labels, uniform where they have none. Calibration reads no label otherwise."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 from ptq_cli import bounded, settings
 from ptq_cli.atomic import atomic_output
 from ptq_cli.datasets import Dataset, open_dataset
+from ptq_cli.datasets.base import UNLABELLED
 from ptq_cli.errors import PtqError
 from ptq_cli.inputs import PreprocessingFlags
 from ptq_cli.services import models as models_service
@@ -18,10 +20,10 @@ from ptq_cli.services import models as models_service
 @dataclass(frozen=True)
 class CalibrationSet:
     images: np.ndarray  # (N, H, W, C) uint8 pixels, as the dataset holds them; the model's preprocessing comes later
-    labels: np.ndarray  # (N,) int64
+    labels: np.ndarray  # (N,) int64; UNLABELLED (-1) each for images without labels
     indices: np.ndarray  # (N,) int64 positions in the dataset split
     seed: int
-    samples_per_class: int
+    samples_per_class: int  # 0: drawn by count (--calibration-size, or a set without labels), not per class
     dataset: str  # the dataset's path
     split: str  # the split drawn from
     dataset_sha256: str  # content key of that split: a validation split is drawn from the same images
@@ -30,6 +32,8 @@ class CalibrationSet:
 
     @property
     def per_class_counts(self) -> dict[str, int]:
+        if not self.class_names:
+            return {}
         counts = np.bincount(self.labels, minlength=len(self.class_names))
         return {name: int(count) for name, count in zip(self.class_names, counts, strict=False)}
 
@@ -66,6 +70,27 @@ def check_seed(seed: int) -> int:
     return seed
 
 
+def sized_indices(labels: np.ndarray, count: int, seed: int, where: str) -> np.ndarray:
+    """`count` indices (--calibration-size): as even over the classes as `count` allows (the remainder to
+    classes drawn with `seed`), or uniform where the images have no labels."""
+    if not 1 <= count <= len(labels):
+        raise PtqError(f"--calibration-size: {count} is not in 1..{len(labels)}, the images {where}")
+    rng = np.random.default_rng(seed)
+    if len(labels) == 0 or labels.min() < 0:
+        return np.sort(rng.choice(len(labels), size=count, replace=False))
+    classes = np.unique(labels)
+    wanted = np.full(len(classes), count // len(classes))
+    wanted[rng.permutation(len(classes))[: count % len(classes)]] += 1
+    chosen = []
+    for label, take in zip(classes, wanted, strict=True):
+        members = np.flatnonzero(labels == label)
+        if take > len(members):
+            raise PtqError(f"--calibration-size: {count} images would take {take} of class {int(label)}, which has {len(members)} {where}; "
+                           "give fewer, or --samples-per-class")
+        chosen.append(rng.choice(members, size=take, replace=False))
+    return np.sort(np.concatenate(chosen))
+
+
 def default_samples_per_class(dataset: Dataset) -> int:
     """settings.SAMPLES_PER_CLASS, or every image of the smallest class when it has fewer."""
     labels = dataset.load(dataset.calibration_split()).labels
@@ -73,17 +98,28 @@ def default_samples_per_class(dataset: Dataset) -> int:
     return max(1, min(settings.SAMPLES_PER_CLASS, int(counts.min())))
 
 
-def build_calibration_set(dataset: Dataset, samples_per_class: int | None, seed: int, size: tuple[int, int] | None = None) -> CalibrationSet:
+def build_calibration_set(dataset: Dataset, samples_per_class: int | None, seed: int, size: tuple[int, int] | None = None,
+                          count: int | None = None) -> CalibrationSet:
     """`size` (H, W): resize to the model's input (needed when a folder's images differ in size).
-    `samples_per_class` None: the default number, or all images of the smallest class if it has fewer."""
+    `count` (--calibration-size): that many images in all; else `samples_per_class`, whose default is
+    settings.SAMPLES_PER_CLASS (or all images of the smallest class if it has fewer). A set without labels
+    is drawn by count: settings.CALIBRATION_IMAGES, or all its images if it has fewer."""
     check_seed(seed)
+    if count is not None and samples_per_class is not None:
+        raise PtqError("--calibration-size and --samples-per-class: give one of them")
     split = dataset.calibration_split()
     images = dataset.load(split, size)
-    everything = np.arange(len(images.labels))
-    if samples_per_class is None:
-        samples_per_class = default_samples_per_class(dataset)
-    indices = draw_stratified(images.labels, everything, samples_per_class, seed, "--samples-per-class",
-                              f"in {dataset.root} ({split})", len(images.class_names))
+    where = f"in {dataset.root} ({split})"
+    if not images.labelled:
+        if samples_per_class is not None:
+            raise PtqError(f"--samples-per-class: {dataset.root} has no labels (no class folders); give --calibration-size")
+        count = min(len(images.labels), settings.CALIBRATION_IMAGES) if count is None else count
+    if count is not None:
+        indices, samples_per_class = sized_indices(images.labels, count, seed, where), 0
+    else:
+        samples_per_class = default_samples_per_class(dataset) if samples_per_class is None else samples_per_class
+        indices = draw_stratified(images.labels, np.arange(len(images.labels)), samples_per_class, seed, "--samples-per-class", where,
+                                  len(images.class_names))
     return CalibrationSet(
         images=images.images[indices],
         labels=images.labels[indices],
@@ -143,8 +179,13 @@ def load_calibration_set(path: Path) -> CalibrationSet:
         if images.dtype != np.float32 or not np.all(np.isfinite(images)) or images.min() < 0 or images.max() > 255 or np.any(images != np.round(images)):
             raise PtqError(f"{path}: images are {images.dtype}, expected uint8 pixels 0-255 (or ptq 0.2's float32 0-255)")
         calibration = replace(calibration, images=images.astype(np.uint8))
-    if (labels.ndim != 1 or len(labels) != len(images) or np.shape(calibration.indices) != (len(images),) or labels.dtype.kind not in "iu"
-            or labels.min() < 0 or labels.max() >= len(calibration.class_names)):
+    if labels.ndim != 1 or len(labels) != len(images) or np.shape(calibration.indices) != (len(images),) or labels.dtype.kind not in "iu":
+        labels_fit = False
+    elif calibration.class_names:
+        labels_fit = bool(labels.min() >= 0 and labels.max() < len(calibration.class_names))
+    else:  # images without labels
+        labels_fit = bool(np.all(labels == UNLABELLED))
+    if not labels_fit:
         raise PtqError(f"{path}: labels do not match the {len(images)} images and {len(calibration.class_names)} classes")
     return calibration
 
@@ -163,19 +204,21 @@ def calibration_dataset(data: Path, calibration_data: Path | None = None) -> Dat
 
 def for_model(model: Path | None, data: Path, calibration_data: Path | None = None, samples_per_class: int | None = None,
               seed: int = settings.SEED, saved: Path | None = None, reuse_default: bool = False,
-              flags: PreprocessingFlags | None = None) -> CalibrationSet:
+              flags: PreprocessingFlags | None = None, count: int | None = None) -> CalibrationSet:
     """The calibration set for a model: the `saved` file; else, with `reuse_default`, the default file if
     `ptq calibrate` wrote it from the same dataset; else drawn now at the model's input size (the
     images' own without a model). The one way every command and `ptq run` get their calibration set."""
     if saved is not None:
+        if count is not None:
+            raise PtqError(f"--calibration-size: {saved} is a calibration set already drawn; give one or the other")
         return load_calibration_set(saved)
     dataset = calibration_dataset(data, calibration_data)
-    if reuse_default and settings.CALIBRATION_FILE.is_file():
+    if reuse_default and count is None and settings.CALIBRATION_FILE.is_file():
         found = load_calibration_set(settings.CALIBRATION_FILE)
         if Path(found.dataset).resolve() == dataset.root.resolve():
             return found
     size = models_service.input_of(model, flags).size if model is not None else None
-    return build_calibration_set(dataset, samples_per_class, seed, size)
+    return build_calibration_set(dataset, samples_per_class, seed, size, count)
 
 
 def stratified_subset(calibration: CalibrationSet, samples_per_class: int) -> CalibrationSet:

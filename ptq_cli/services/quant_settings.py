@@ -74,7 +74,9 @@ def make_settings(
         raise PtqError(f"--method: '{method}' is not a {backend} calibration method ({', '.join(row.methods)})")
     cpus, overflow_fix = _cpus(row, cpus, overflow_fix)
     return QuantizationSettings(
-        backend=backend, format=row.format, dtype=dtype, weight_dtype=weight_dtype, per_channel=row.per_channel if per_channel is None else per_channel,
+        # A backend whose default is per-tensor leaves it to the model (quantize.resolve_granularity).
+        backend=backend, format=row.format, dtype=dtype, weight_dtype=weight_dtype,
+        per_channel=(row.per_channel or None) if per_channel is None else per_channel,
         method=method, percentile=_percentile(method, percentile), preprocess=preprocess, target=target, float_nodes=tuple(float_nodes),
         space_to_depth=bool(fields["space_to_depth"]), cpus=cpus,
         overflow_fix=fields["overflow_fix"] or overflow_fix,  # the backend's own say first (onnxruntime's u8 x u8 kernel needs no fix)

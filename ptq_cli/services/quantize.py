@@ -15,7 +15,8 @@ from ptq_cli.backends.model_file import read_onnx
 from ptq_cli.errors import PtqError
 from ptq_cli.services.calibration import CalibrationSet
 from ptq_cli.services.models import load_model
-from ptq_cli.transforms.graph import upgrade_opset
+from ptq_cli.services.progress import ProgressCallback
+from ptq_cli.transforms.graph import depthwise_convs, upgrade_opset
 
 # QDQ needs opset 10; per-channel QDQ needs 13. Older models are converted to this opset first.
 MIN_OPSET, MIN_OPSET_PER_CHANNEL, UPGRADE_OPSET = 10, 13, 13
@@ -59,6 +60,14 @@ def load_source(model_path: Path, flags: inputs.PreprocessingFlags, per_channel:
     return SourceModel(model_path, model, loaded, (note,) if note else ())
 
 
+def resolve_granularity(settings: QuantizationSettings, model) -> QuantizationSettings:
+    """Settings whose granularity was left open: per-channel weights for a model with depthwise convolutions
+    (one scale over all their channels leaves most channels a few codes), the backend's per-tensor otherwise."""
+    if settings.per_channel is not None:
+        return settings
+    return replace(settings, per_channel=bool(depthwise_convs(model)))
+
+
 def calibration_inputs(source: SourceModel, calibration: CalibrationSet) -> np.ndarray:
     """The calibration images in the model's input format. Calibration reads no labels: its images need
     not be of the model's classes (a folder of photos calibrates an ImageNet classifier)."""
@@ -69,11 +78,12 @@ def calibration_inputs(source: SourceModel, calibration: CalibrationSet) -> np.n
 
 
 def quantize_source(source: SourceModel, output: Path, settings: QuantizationSettings, calibration: CalibrationSet,
-                    metadata: dict | None = None, prepared: np.ndarray | None = None) -> QuantizedFile:
+                    metadata: dict | None = None, prepared: np.ndarray | None = None, progress: ProgressCallback | None = None) -> QuantizedFile:
     """Quantize with the settings' backend; the model keeps its settings, input contract and source sha256.
     `metadata` (e.g. the validation scores `tune` measured) is stored next to the settings."""
     if prepared is None:
         prepared = calibration_inputs(source, calibration)
+    settings = resolve_granularity(settings, source.model)
     stored = {
         QUANTIZATION_METADATA_KEY: json.dumps({"source_model": str(source.path), **(metadata or {})}),
         inputs.INPUT_METADATA_KEY: source.loaded.preprocessing.to_json(),
@@ -82,7 +92,8 @@ def quantize_source(source: SourceModel, output: Path, settings: QuantizationSet
     row = backends.backend(settings.backend)
     if row.quantize is None:
         raise PtqError(f"--backend {row.name}: runs models but does not quantize them")
-    return row.quantize(source.model, Path(output), settings, prepared, stored)
+    # A backend reports its calibration's progress if it takes a `progress` callback (a plugin's may not).
+    return row.quantize(source.model, Path(output), settings, prepared, stored, **({"progress": progress} if progress else {}))
 
 
 def with_calibration(settings: QuantizationSettings, calibration: CalibrationSet) -> QuantizationSettings:
@@ -97,14 +108,14 @@ def default_output(model: Path, settings: QuantizationSettings, models_dir: Path
 
 
 def quantize(model_path: Path, output: Path, settings: QuantizationSettings, calibration: CalibrationSet,
-             flags: inputs.PreprocessingFlags | None = None) -> QuantizeResult:
+             flags: inputs.PreprocessingFlags | None = None, progress: ProgressCallback | None = None) -> QuantizeResult:
     """Quantize the FP32 ONNX model with the settings' backend; the output is written atomically."""
     model_path, output = Path(model_path), Path(output)
     calibration_file = Path(calibration.source.split(" (")[0]) if calibration.source else None
     ranges_from = Path(settings.ranges_from) if settings.ranges_from else None
     check_outputs([("--output", output, (backends.backend(settings.backend).suffix,))], [model_path, ranges_from, calibration_file])
-    source = load_source(model_path, flags or inputs.PreprocessingFlags(), settings.per_channel)
-    settings = with_calibration(settings, calibration)
-    written = quantize_source(source, output, settings, calibration)
+    source = load_source(model_path, flags or inputs.PreprocessingFlags(), settings.per_channel is not False)
+    settings = with_calibration(resolve_granularity(settings, source.model), calibration)
+    written = quantize_source(source, output, settings, calibration, progress=progress)
     return QuantizeResult(model_path, output, model_path.stat().st_size, written.size_bytes, settings, written.space_to_depth,
                           source.notes + written.notes, source.loaded.describe_input(), source.loaded.preprocessing.describe())

@@ -9,7 +9,8 @@ import numpy as np
 
 def static_reshape_targets(model):
     """Each Reshape whose target is computed at run time (Shape -> Slice -> Concat, as tf2onnx emits for
-    Flatten when its own reshape optimizer does not fold it) gets the constant target [-1, d1, ...].
+    Flatten when its own reshape optimizer does not fold it), or is a constant that copies a dimension (0,
+    as `x.view(x.size(0), -1)` folds to), gets the constant target [-1, d1, ...].
 
     onnx2torch's Reshape turns its target tensor into a Python list, so torch.jit.trace would bake in
     the example's batch size and the TorchScript file would reject every other batch size. The constant
@@ -21,7 +22,10 @@ def static_reshape_targets(model):
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
     model = SymbolicShapeInference.infer_shapes(model, auto_merge=True)
-    initializers = {tensor.name for tensor in model.graph.initializer}
+    # A constant target is left alone unless it copies a dimension (0): onnx2torch reads that dimension off
+    # the input at run time, which torch.fx cannot trace.
+    targets = {node.input[1] for node in model.graph.node if node.op_type == "Reshape" and len(node.input) > 1}
+    initializers = {tensor.name for tensor in model.graph.initializer if tensor.name in targets and not np.any(numpy_helper.to_array(tensor) == 0)}
     shapes = {info.name: info.type.tensor_type.shape for info in [*model.graph.value_info, *model.graph.output]}
     batch_symbols = {dim.dim_param for value in model.graph.input for dim in value.type.tensor_type.shape.dim[:1] if dim.dim_param}
     rewritten = False
@@ -153,3 +157,16 @@ def upgrade_opset(model, minimum: int, target: int):
     except Exception as error:  # the converter raises RuntimeError or its own adapter errors
         raise PtqError(f"{model.graph.name or 'model'}: opset {opset} could not be upgraded to {target} ({str(error).splitlines()[0]})") from error
     return upgraded, f"opset {opset} upgraded to {target} (onnx.version_converter): quantization needs opset {minimum} or later"
+
+
+def depthwise_convs(model) -> list[str]:
+    """The depthwise convolutions of a graph (one group per input channel, more than one channel): one weight
+    scale for all their channels leaves most of them a few codes (MobileNet, EfficientNet)."""
+    names = []
+    weights = {init.name: tuple(init.dims) for init in model.graph.initializer}
+    for node in model.graph.node:
+        group = next((attribute.i for attribute in node.attribute if attribute.name == "group"), 1)
+        shape = weights.get(node.input[1]) if node.op_type == "Conv" and len(node.input) > 1 else None
+        if group > 1 and shape is not None and len(shape) == 4 and shape[1] == 1 and shape[0] >= group:
+            names.append(node.name or node.output[0])
+    return names

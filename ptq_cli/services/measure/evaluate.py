@@ -22,8 +22,10 @@ from ptq_cli.datasets import Dataset, LabelledImages, open_dataset
 from ptq_cli.errors import PtqError
 from ptq_cli.inputs import Preprocessing, PreprocessingFlags
 from ptq_cli.services.measure import emulate
+from ptq_cli.services.measure.fidelity import check as check_fidelity
+from ptq_cli.services.measure.fidelity import compare
 from ptq_cli.services.measure.records import MeasurementKey, from_dict, model_key, record_files, write_record
-from ptq_cli.services.models import check_classes, load_model
+from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressCallback
 from ptq_cli.services.quant_settings import describe_model
 
@@ -42,8 +44,8 @@ class EvaluationRecord:
     quantization: dict | None
     dataset: str  # the dataset's path
     images: int
-    correct: int
-    accuracy: float  # top-1, percent
+    correct: int | None  # None: the images' labels are not the model's classes (or there are none); fidelity says how it did
+    accuracy: float | None  # top-1, percent; None as correct is
     class_names: list[str]
     per_class_accuracy: list[float | None]  # percent, in class_names order; None for a class with no images
     confusion_matrix: list[list[int]]  # rows: true class, columns: predicted class; [] when confusion_counts holds it
@@ -70,6 +72,14 @@ class EvaluationRecord:
     # Over DENSE_CLASSES classes the matrix is kept as its nonzero cells, [true, predicted, count] each: a
     # 1000-class matrix is a million numbers, its nonzero cells at most one per image.
     confusion_counts: list[list[int]] | None = None
+    # Against the FP32 model on the same images (fidelity.Fidelity): top-1 agreement, top-5 containment,
+    # SQNR and KL of the scores. Measured whenever the FP32 model is at hand; needs no labels.
+    fidelity: dict | None = None
+
+    @property
+    def agreement(self) -> float | None:
+        """Top-1 agreement with the FP32 model, percent, if measured."""
+        return None if self.fidelity is None else self.fidelity["top1_agreement"]
 
     def confusion_cells(self) -> np.ndarray:
         """The confusion matrix's cells as (true class, predicted class, count) rows, from whichever form the
@@ -113,11 +123,11 @@ NATIVE = "native"
 
 def _predict(model: LoadedModel, images: np.ndarray, batch_size: int, model_path: Path, where: str,
              progress: ProgressCallback | None = None) -> tuple[np.ndarray, float]:
-    """(top-1 predictions, inference seconds)."""
+    """(class scores, N x classes float32; inference seconds)."""
     total = len(images)
     bound = bounded.CALL_SECONDS.value()
     batch_size = bounded.images_per_call(math.prod(model.input.shape(1)), batch_size)  # a large input: fewer images a call
-    predictions = np.empty(total, dtype=np.int64)
+    predictions = np.empty((total, model.num_classes), dtype=np.float32)
     inference_seconds = 0.0
     for start in range(0, total, batch_size):
         batch = model.prepare(images[start : start + batch_size])
@@ -130,7 +140,7 @@ def _predict(model: LoadedModel, images: np.ndarray, batch_size: int, model_path
             raise PtqError(f"{model_path}: outputs {list(scores.shape)} for {len(batch)} images; expected {len(batch)} x {model.num_classes} class scores")
         if not np.all(np.isfinite(scores)):
             raise PtqError(f"{model_path}: the model outputs NaN or infinite scores on {where}")
-        predictions[start : start + len(batch)] = scores.argmax(axis=1)
+        predictions[start : start + len(batch)] = scores
         if progress:
             progress(start + len(batch), total)
     return predictions, inference_seconds
@@ -169,12 +179,16 @@ def evaluate_model(
     label: str | None = None,
     int8_path: str | None = None,
     subset: int = emulate.DEFAULT_SUBSET,
+    against: Path | None = None,
 ) -> EvaluationRecord:
-    """Top-1 of the model on the dataset's evaluation split; `runtime` "openvino" runs an ONNX file on
-    OpenVINO with the `precision` hint; `label` names the model in the report. `int8_path` ("exact" or
-    "saturating", default this CPU's) says which x86 int8 path the figure is for: the other path than
-    this CPU's own comes from onnxruntime's exact-kernel option, a proof that the model cannot saturate,
-    or emulation of an AVX2 CPU on `subset` images of the split (stratified)."""
+    """Top-1 of the model on the dataset's evaluation split, and its fidelity to the FP32 model on the same
+    images: `against`, else the FP32 source it was made from when that file is at hand. Where the labels
+    are not the model's classes (or there are none) fidelity is the only measure, and a model with no FP32
+    model to compare with is refused. `runtime` "openvino" runs an ONNX file on OpenVINO with the
+    `precision` hint; `label` names the model in the report. `int8_path` ("exact" or "saturating",
+    default this CPU's) says which x86 int8 path the figure is for: the other path than this CPU's own
+    comes from onnxruntime's exact-kernel option, a proof that the model cannot saturate, or emulation
+    of an AVX2 CPU on `subset` images of the split (stratified)."""
     if batch_size < 1:
         raise PtqError(f"--batch-size: must be at least 1, got {batch_size}")
     if int8_path not in (None, *cpu_info.INT8_PATHS):
@@ -185,23 +199,26 @@ def evaluate_model(
     path_measured, basis = _int8_plan(model, int8_path, cpu, Path(model_path))
     split = dataset.evaluation_split()
     test = dataset.load(split, model.input.size, model.input.channels)
-    check_classes(model.info.path, model.num_classes, test.class_names, dataset.root)
     if len(test.labels) == 0:
         raise PtqError(f"{dataset.root}: the {split} split has no images")
-    labels, predictions, inference_seconds, exact_same, basis = _measure(model, test, basis, batch_size, Path(model_path),
-                                                                         f"{dataset.root} ({split})", threads, subset, progress)
-    confusion = np.zeros((len(test.class_names), len(test.class_names)), dtype=np.int64)
-    np.add.at(confusion, (labels, predictions), 1)
+    reference_path = fp32_model_for(model, against)
+    labels_fit = test.labelled and model.num_classes == len(test.class_names)
+    if not labels_fit and reference_path is None:
+        found = f"{dataset.root} has {len(test.class_names)} classes" if test.labelled else f"{dataset.root} has no labels"
+        raise PtqError(f"{model.info.path}: the model gives {model.num_classes} class scores, but {found}; "
+                       "give --against-fp32 FP32_MODEL to measure it against its float model on these images")
+    chosen, scores, inference_seconds, exact_same, basis = _measure(model, test, basis, batch_size, Path(model_path), f"{dataset.root} ({split})",
+                                                                    threads, subset, progress, labels_fit)
+    fidelity = None
+    if reference_path is not None:
+        reference = _reference_scores(reference_path, test, model, batch_size, threads, f"{dataset.root} ({split})")
+        fidelity = compare(reference[chosen], scores, str(reference_path), file_sha256(reference_path))
     return EvaluationRecord(
         **_model_fields(model),
         dataset=str(dataset.root),
-        images=len(labels),
-        correct=int(np.trace(confusion)),
-        accuracy=round(100.0 * int(np.trace(confusion)) / len(labels), 4),
-        class_names=list(test.class_names),
-        per_class_accuracy=_per_class(confusion),
-        **_confusion_fields(confusion),
-        images_per_second=round(len(labels) / max(inference_seconds, 1e-9), 1),
+        images=len(chosen),
+        **_accuracy_fields(test.labels[chosen], scores.argmax(axis=1), test.class_names if labels_fit else None),
+        images_per_second=round(len(chosen) / max(inference_seconds, 1e-9), 1),
         batch_size=batch_size,
         threads=resolve_threads(threads),
         timestamp=datetime.now(UTC).isoformat(timespec="seconds"),
@@ -214,7 +231,50 @@ def evaluate_model(
         int8_path=path_measured,
         int8_basis=basis,
         exact_accuracy_same_images=exact_same,
+        fidelity=asdict(fidelity) if fidelity is not None else None,
     )
+
+
+def _accuracy_fields(labels: np.ndarray, predictions: np.ndarray, class_names: tuple[str, ...] | None) -> dict:
+    """Top-1, per class and the confusion matrix; none of them where the labels are not the model's classes."""
+    if class_names is None:
+        return {"correct": None, "accuracy": None, "class_names": [], "per_class_accuracy": [], "confusion_matrix": []}
+    confusion = np.zeros((len(class_names), len(class_names)), dtype=np.int64)
+    np.add.at(confusion, (labels, predictions), 1)
+    return {"correct": int(np.trace(confusion)), "accuracy": round(100.0 * int(np.trace(confusion)) / len(labels), 4), "class_names": list(class_names),
+            "per_class_accuracy": _per_class(confusion), **_confusion_fields(confusion)}
+
+
+def fp32_model_for(model: LoadedModel, against: Path | None) -> Path | None:
+    """The FP32 model to measure fidelity against: `against`, else the file the model was made from while it
+    is still those bytes (its stored sha256); None for a model with neither."""
+    if against is not None:
+        return Path(against)
+    path = (model.info.quantization or {}).get("source_model")
+    if not model.info.source_sha256 or not path or not Path(path).is_file() or file_sha256(Path(path)) != model.info.source_sha256:
+        return None
+    return Path(path)
+
+
+# FP32 scores by (model sha256, images, preprocessing): each model of a study is compared with the same
+# source on the same images, which runs once per process.
+_REFERENCE_SCORES: dict[tuple, np.ndarray] = {}
+
+
+def _reference_scores(path: Path, test: LabelledImages, model: LoadedModel, batch_size: int, threads: int | None, where: str) -> np.ndarray:
+    """The FP32 model's scores on every image of the split, fed as `model` is."""
+    key = (file_sha256(path), test.content_sha256, test.images.shape, model.preprocessing.to_json())
+    if key not in _REFERENCE_SCORES:
+        stored = asdict(model.preprocessing)
+        flags = PreprocessingFlags(None, stored["scale"], tuple(stored["mean"]), tuple(stored["std"]), stored["bgr"])
+        reference = load_model(path, threads, flags)
+        if reference.info.dtype != "fp32":
+            raise PtqError(f"--against-fp32: {path} is a {reference.info.dtype} model; fidelity is measured against a float model")
+        if reference.num_classes != model.num_classes:
+            raise PtqError(f"{path}: gives {reference.num_classes} class scores, {model.info.path} gives {model.num_classes}: not its FP32 model")
+        _REFERENCE_SCORES.clear()  # one source at a time: a 1000-class split's scores are tens of MB
+        _REFERENCE_SCORES[key] = _predict(reference, test.images, batch_size, path, where)[0]
+    return _REFERENCE_SCORES[key]
 
 
 def _model_fields(model: LoadedModel) -> dict:
@@ -228,22 +288,23 @@ def _model_fields(model: LoadedModel) -> dict:
 
 
 def _measure(model: LoadedModel, test: LabelledImages, basis: str, batch_size: int, model_path: Path, where: str, threads: int | None,
-             subset: int, progress: ProgressCallback | None) -> tuple[np.ndarray, np.ndarray, float, float | None, str]:
-    """(labels, predictions, inference seconds, the exact path's top-1 on an emulated subset, basis): the
-    whole split, or under emulation its `subset` (the first images of each class)."""
+             subset: int, progress: ProgressCallback | None, labels_fit: bool = True) -> tuple[np.ndarray, np.ndarray, float, float | None, str]:
+    """(the images measured, their scores, inference seconds, the exact path's top-1 on an emulated subset, basis):
+    the whole split, or under emulation its `subset` (the first images of each class; the first ones
+    where the labels are not the model's)."""
     if basis != EMULATE:
-        predictions, seconds = _predict(model, test.images, batch_size, model_path, where, progress)
-        return test.labels, predictions, seconds, None, basis
-    chosen = emulate.subset_indices(test.labels, subset)
+        scores, seconds = _predict(model, test.images, batch_size, model_path, where, progress)
+        return np.arange(len(test.labels)), scores, seconds, None, basis
+    chosen = emulate.subset_indices(test.labels, subset) if labels_fit else np.arange(min(subset, len(test.labels)))
     images, labels = test.images[chosen], test.labels[chosen]
-    exact_predictions, seconds = _predict(model, images, batch_size, model_path, where)
-    predictions = emulate.scores_under_emulation(model_path, model.prepare(images), resolve_threads(threads)).argmax(axis=1)
+    exact_scores, seconds = _predict(model, images, batch_size, model_path, where)
+    scores = emulate.scores_under_emulation(model_path, model.prepare(images), resolve_threads(threads))
     if progress:
-        progress(len(labels), len(labels))
-    exact_same = round(100.0 * float(np.mean(exact_predictions == labels)), 4)
-    basis = (f"emulated ({emulate.describe()}) on {len(labels):,} of {len(test.labels):,} images (first of each class); "
-             f"exact path on the same images: {exact_same:.2f}%")
-    return labels, predictions, seconds, exact_same, basis
+        progress(len(chosen), len(chosen))
+    exact_same = round(100.0 * float(np.mean(exact_scores.argmax(axis=1) == labels)), 4) if labels_fit else None
+    on_same = f"exact path on the same images: {exact_same:.2f}%" if exact_same is not None else "no labels"
+    basis = f"emulated ({emulate.describe()}) on {len(chosen):,} of {len(test.labels):,} images (first of each class); {on_same}"
+    return chosen, scores.astype(np.float32), seconds, exact_same, basis
 
 
 # Class counts up to which a record keeps the whole confusion matrix (CIFAR-10's, and any with few classes).
@@ -336,20 +397,32 @@ def read_record(path: Path) -> EvaluationRecord:
         if not isinstance(data, dict):
             raise ValueError("not a JSON object")
         record = from_dict(EvaluationRecord, data)
-        if not (0 <= record.accuracy <= 100 and record.images > 0 and 0 <= record.correct <= record.images and record.model_size_bytes >= 0):
-            raise ValueError("accuracy, correct/images or size out of range")
-        classes = len(record.class_names)
-        bounded.check_count(path, classes, bounded.CLASSES, f"{classes:,} class names")
-        dense_ok = len(record.confusion_matrix) == classes and all(len(row) == classes for row in record.confusion_matrix)
-        counts_ok = record.confusion_counts is not None and not record.confusion_matrix \
-            and len(record.confusion_counts) <= record.images and all(len(cell) == 3 for cell in record.confusion_counts)
-        if len(record.per_class_accuracy) != classes or not (dense_ok or counts_ok):
-            raise ValueError(f"per-class figures do not match its {classes} classes")
-        _check_figures_agree(record)
+        if record.images <= 0 or record.model_size_bytes < 0:
+            raise ValueError("images or size out of range")
+        if record.fidelity is not None:
+            check_fidelity(record.fidelity)
+        if record.accuracy is None:  # measured against its FP32 model alone
+            if record.correct is not None or record.fidelity is None or record.per_class_accuracy or record.confusion_matrix or record.confusion_counts:
+                raise ValueError("no accuracy, yet per-class figures or no fidelity either")
+        else:
+            _check_accuracy(path, record)
         describe_model(record.quantization, record.pruning)  # its settings must read as ptq wrote them
         return record
     except (OSError, ValueError, TypeError, AttributeError, KeyError, OverflowError) as error:  # Overflow: a count past 64 bits
         raise PtqError(f"{path}: not a ptq evaluation record ({error})") from error
+
+
+def _check_accuracy(path: Path, record: EvaluationRecord) -> None:
+    if record.correct is None or not (0 <= record.accuracy <= 100 and 0 <= record.correct <= record.images):  # type: ignore[operator]
+        raise ValueError("accuracy or correct/images out of range")
+    classes = len(record.class_names)
+    bounded.check_count(path, classes, bounded.CLASSES, f"{classes:,} class names")
+    dense_ok = len(record.confusion_matrix) == classes and all(len(row) == classes for row in record.confusion_matrix)
+    counts_ok = record.confusion_counts is not None and not record.confusion_matrix \
+        and len(record.confusion_counts) <= record.images and all(len(cell) == 3 for cell in record.confusion_counts)
+    if len(record.per_class_accuracy) != classes or not (dense_ok or counts_ok):
+        raise ValueError(f"per-class figures do not match its {classes} classes")
+    _check_figures_agree(record)
 
 
 # Figures are stored rounded to 4 decimals.
@@ -364,7 +437,7 @@ def _check_figures_agree(record: EvaluationRecord) -> None:
     rows, diagonal = record.class_images()
     if int(rows.sum()) != record.images or int(diagonal.sum()) != record.correct:
         raise ValueError(f"its confusion matrix does not add up to its {record.images} images and {record.correct} correct")
-    if abs(record.accuracy - 100.0 * record.correct / record.images) > ROUNDING:
+    if record.accuracy is None or record.correct is None or abs(record.accuracy - 100.0 * record.correct / record.images) > ROUNDING:
         raise ValueError(f"accuracy {record.accuracy}% is not its {record.correct}/{record.images} correct")
     for index, stored in enumerate(record.per_class_accuracy):
         row = int(rows[index])
@@ -507,8 +580,9 @@ def evaluate_and_save(model_path: Path, dataset: Dataset, results_dir: Path, pro
     path = save_record(record, results_dir, dataset)
     records = load_records(results_dir).records
     source = source_to_evaluate(record, records)
-    if source is not None:
-        source_record = evaluate_model(source, dataset, how.get("batch_size", settings.EVALUATION_BATCH), how.get("threads"), None, flags_of(record))
+    if source is not None:  # without labels of its classes, the source is measured against itself: the reference row
+        source_record = evaluate_model(source, dataset, how.get("batch_size", settings.EVALUATION_BATCH), how.get("threads"), None, flags_of(record),
+                                       against=source if record.accuracy is None else None)
         save_record(source_record, results_dir, dataset)
         records.append(source_record)
     reference = fp32_reference(records, record) if record.dtype != "fp32" or record.source_sha256 else None

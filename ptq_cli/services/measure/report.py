@@ -17,6 +17,9 @@ from ptq_cli.services.quant_settings import describe_model
 DTYPE_ORDER = {"fp32": 0, "int8": 1, "uint8": 2}
 # The recommendation's "fastest" is the fastest model at most this many points below its FP32 source.
 ACCURACY_BUDGET = 0.10
+# Without labels of the model's classes, "fastest" is the fastest that agrees this closely with its FP32 source:
+# top-1 agreement and top-5 containment, percent.
+AGREEMENT_BUDGET, TOP5_BUDGET = 90.0, 99.0
 BASE_RUNTIME = backends.DEFAULT  # every speed-up is also given against this runtime's run of the FP32 source
 
 
@@ -26,7 +29,7 @@ class ReportRow:
     runtime: str
     dtype: str
     configuration: str  # how it was quantized, in a few words
-    accuracy: float
+    accuracy: float | None  # None: the images' labels are not the model's classes; agreement is the measure
     delta: float | None  # points vs the FP32 model it was made from (its record on the same dataset)
     reference: str | None  # that FP32 model's file name
     size_bytes: int
@@ -58,11 +61,37 @@ class ReportRow:
     measured_on: str = ""  # the CPU of the row's figures
     other_cpu: bool = False  # measured on a CPU whose int8 path differs from this one's
     int8_kernels_vary: bool = False  # its runtime's x86 int8 kernels differ by CPU (a float model's figure holds on both)
+    # Fidelity to the FP32 model (fidelity.Fidelity), on the exact path's figures and the saturating one's.
+    agreement: float | None = None  # top-1 agreement, percent
+    top5: float | None = None  # top-5 containment, percent
+    sqnr_db: float | None = None
+    saturating_agreement: float | None = None
+    saturating_top5: float | None = None
 
     @property
     def loses_on_its_cpus(self) -> bool:
         """Whether, on a path its target CPUs take, it loses more than the budget."""
-        return self.cpus == ALL and self.saturating_delta is not None and self.saturating_delta < -ACCURACY_BUDGET
+        if self.cpus != ALL:
+            return False
+        if self.saturating_delta is not None:
+            return self.saturating_delta < -ACCURACY_BUDGET
+        return self.saturating_agreement is not None and not _faithful(self.saturating_agreement, self.saturating_top5)
+
+    @property
+    def within_budget(self) -> bool:
+        """Within the budget of its FP32 source: ACCURACY_BUDGET points of top-1, or without labels, agreement."""
+        if self.delta is not None:
+            return self.delta >= -ACCURACY_BUDGET
+        return self.agreement is not None and _faithful(self.agreement, self.top5)
+
+    @property
+    def score(self) -> float:
+        """What "best" ranks by: top-1, else top-1 agreement with FP32."""
+        return self.accuracy if self.accuracy is not None else (self.agreement or 0.0)
+
+
+def _faithful(agreement: float, top5: float | None) -> bool:
+    return agreement >= AGREEMENT_BUDGET and (top5 or 0.0) >= TOP5_BUDGET
 
 
 @dataclass(frozen=True)
@@ -79,10 +108,11 @@ class ClassLoss:
 
 @dataclass(frozen=True)
 class Recommendation:
-    best_accuracy: ReportRow
+    best_accuracy: ReportRow  # by top-1, or by agreement with FP32 where there are no labels of the model's classes
     smallest: ReportRow
-    fastest: ReportRow | None  # the fastest, on any runtime, within `budget` points of its FP32 source
+    fastest: ReportRow | None  # the fastest, on any runtime, within the budget of its FP32 source
     budget: float = ACCURACY_BUDGET
+    by_agreement: bool = False  # no labels: the budget is AGREEMENT_BUDGET / TOP5_BUDGET
 
 
 @dataclass(frozen=True)
@@ -197,7 +227,7 @@ def _row(record: EvaluationRecord, records: list[EvaluationRecord], benchmarks: 
         dtype=record.dtype,
         configuration=describe_model(record.quantization, record.pruning),
         accuracy=record.accuracy,
-        delta=None if reference is None else round(record.accuracy - reference.accuracy, 4),
+        delta=None if reference is None or record.accuracy is None or reference.accuracy is None else round(record.accuracy - reference.accuracy, 4),
         reference=None if reference is None else reference.name,
         size_bytes=record.model_size_bytes,
         size_reduction=size_reduction,
@@ -215,7 +245,18 @@ def _row(record: EvaluationRecord, records: list[EvaluationRecord], benchmarks: 
         speedup_vs_onnxruntime=_ratio(record, _onnxruntime_fp32(record, records), benchmarks),
         label=record.label,
         **_int8_fields(record, saturating, reference),
+        **_fidelity_fields(record, saturating),
     )
+
+
+def _fidelity_fields(record: EvaluationRecord, saturating: EvaluationRecord | None) -> dict:
+    """The row's fidelity figures, and the saturating path's beside them (the record's own where it is that path's)."""
+    own = record.fidelity or {}
+    fields = {"agreement": own.get("top1_agreement"), "top5": own.get("top5_containment"), "sqnr_db": own.get("sqnr_db")}
+    other = saturating if saturating is not None else (record if record.int8_path == SATURATING else None)
+    if other is not None and other.fidelity:
+        fields.update(saturating_agreement=other.fidelity["top1_agreement"], saturating_top5=other.fidelity["top5_containment"])
+    return fields
 
 
 def _int8_fields(record: EvaluationRecord, saturating: EvaluationRecord | None, reference: EvaluationRecord | None) -> dict:
@@ -228,11 +269,13 @@ def _int8_fields(record: EvaluationRecord, saturating: EvaluationRecord | None, 
     if saturating is not None:
         fields.update(saturating_accuracy=saturating.accuracy, saturating_basis=saturating.int8_basis, saturating_images=saturating.images,
                       saturating_exact_same_images=saturating.exact_accuracy_same_images)
+        accuracy, other, fp32 = record.accuracy, saturating.accuracy, reference.accuracy if reference is not None else None
+        if accuracy is None or other is None or fp32 is None:
+            return fields  # no labels (agreement says it: _fidelity_fields), or no FP32 figure to compare with
         if saturating.exact_accuracy_same_images is not None and saturating is not record:  # a subset: its loss against the exact path there
-            fields["saturating_delta"] = None if reference is None else round(
-                record.accuracy - reference.accuracy + saturating.accuracy - saturating.exact_accuracy_same_images, 4)
-        elif reference is not None:
-            fields["saturating_delta"] = round(saturating.accuracy - reference.accuracy, 4)
+            fields["saturating_delta"] = round(accuracy - fp32 + other - saturating.exact_accuracy_same_images, 4)
+        else:
+            fields["saturating_delta"] = round(other - fp32, 4)
     return fields
 
 
@@ -256,16 +299,17 @@ def _group(records: list[EvaluationRecord], benchmarks: dict[MeasurementKey, Ben
     losses: list[ClassLoss] = []
     for record in records:
         reference = fp32_reference(records, record)
-        if record.dtype != "fp32" and reference is not None:
+        if record.dtype != "fp32" and reference is not None and record.accuracy is not None and reference.accuracy is not None:
             losses.extend(_class_losses(record, reference))
     losses.sort(key=lambda loss: loss.delta)
     current = [row for row in rows if row.status == OK]  # never recommend a file whose figures are not its own
     quantized = [row for row in current if row.dtype != "fp32"]
     candidates = quantized or current
     recommendation = Recommendation(
-        best_accuracy=max(candidates, key=lambda row: row.accuracy),
+        best_accuracy=max(candidates, key=lambda row: row.score),
         smallest=min(candidates, key=lambda row: row.size_bytes),
         fastest=_fastest_within_budget(quantized),
+        by_agreement=all(row.accuracy is None for row in candidates),
     ) if candidates else None
     roots = [row for record, row in zip(records, rows, strict=True) if record.model_sha256 == root]
     baseline = min(roots, key=lambda row: (row.runtime != BASE_RUNTIME, row.precision or ""), default=None) \
@@ -288,12 +332,13 @@ def _versus_reference(rows: list[ReportRow], reference: ReportRow | None) -> tup
                             row.size_bytes - reference.size_bytes, row.latency_ms_p50,
                             round(row.latency_ms_p50 / timed, 3) if row.latency_ms_p50 and timed else None)
         for row in rows if row.runtime == reference.runtime and row.dtype != "fp32" and row is not reference
+        and row.accuracy is not None and reference.accuracy is not None
     )
 
 
 def _fastest_within_budget(rows: list[ReportRow]) -> ReportRow | None:
     """Across runtimes; speeds from `ptq benchmark` (one process, in turns) are preferred to evaluation's."""
-    within = [row for row in rows if row.delta is not None and row.delta >= -ACCURACY_BUDGET and not row.loses_on_its_cpus]
+    within = [row for row in rows if row.within_budget and not row.loses_on_its_cpus]
     benchmarked = [row for row in within if row.speed_source == "benchmark"]
     return max(benchmarked or within, key=lambda row: row.images_per_second, default=None)
 

@@ -65,7 +65,7 @@ def layer_sensitivity(
     progress: ProgressCallback | None = None,
     flags: PreprocessingFlags | None = None,
 ) -> SensitivityResult:
-    source = model_path if isinstance(model_path, SourceModel) else load_source(model_path, flags or PreprocessingFlags(), settings.per_channel)
+    source = model_path if isinstance(model_path, SourceModel) else load_source(model_path, flags or PreprocessingFlags(), settings.per_channel is not False)
     settings = with_calibration(settings, calibration)
     fp32 = score(load_model(source.path, None, flags), validation)
     prepared = calibration_inputs(source, calibration)

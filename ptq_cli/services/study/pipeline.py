@@ -67,6 +67,7 @@ class StudyOptions:
     # Backends the user left out of the study (`--no-pytorch`...); one whose extra is not installed is left out too.
     without: frozenset[str] = frozenset()
     samples_per_class: int | None = None  # None: the default, or all of the smallest class when it has fewer
+    calibration_size: int | None = None  # calibration images in all, instead of per class
     seed: int = settings.SEED
     benchmark: bool = True
     benchmark_runs: int = 100
@@ -218,7 +219,7 @@ def _study(options: StudyOptions) -> tuple[_Study, StudyOptions]:
     calibration_dataset = open_dataset(options.calibration_data) if options.calibration_data else dataset
     if options.calibration_data is None and dataset.single_set:
         raise PtqError(f"{options.data_dir}: one set of images with no train split: give --calibration-data to calibrate on other images")
-    if options.samples_per_class is None:
+    if options.samples_per_class is None and options.calibration_size is None and calibration_dataset.labelled:
         options = replace(options, samples_per_class=calibration_service.default_samples_per_class(calibration_dataset))
     fp32 = options.model if options.model is not None else settings.FP32_ONNX
     calibration = settings.CALIBRATION_FILE if options.model is None else settings.CALIBRATION_FILE.with_name(f"{Path(fp32).stem}_calib.npz")
@@ -250,9 +251,10 @@ def _source_stages(study: _Study) -> list[Stage]:
                             (fp32,), (torch_fp32,), study.flag_options,
                             lambda: convert_service.onnx_to_torchscript(fp32, torch_fp32, study.dataset, flags=options.flags), study.test))
     train = ((study.calibration_dataset, study.calibration_dataset.calibration_split()),)
-    stages.append(Stage("calibrate", "calibrate", ("--model", str(fp32), "--samples-per-class", str(options.samples_per_class),
-                                                   "--seed", str(options.seed), *study.data_arguments),
-                        (fp32,), (study.calibration,), {"samples_per_class": options.samples_per_class, "seed": options.seed},
+    sizing = {"samples_per_class": options.samples_per_class} if options.samples_per_class else {"calibration_size": options.calibration_size}
+    size_arguments = tuple(argument for name, value in sizing.items() if value for argument in (f"--{name.replace('_', '-')}", str(value)))
+    stages.append(Stage("calibrate", "calibrate", ("--model", str(fp32), *size_arguments, "--seed", str(options.seed), *study.data_arguments),
+                        (fp32,), (study.calibration,), {**sizing, "seed": options.seed},
                         partial(_calibrate, options, fp32, study.calibration), train))
     return stages
 
@@ -351,7 +353,7 @@ def _benchmark(models: list[Path], also, dataset: Dataset, options: StudyOptions
 
 def _calibrate(options: StudyOptions, model: Path, output: Path) -> None:
     calibration = calibration_service.for_model(model, options.data_dir, options.calibration_data, options.samples_per_class, options.seed,
-                                                flags=options.flags)
+                                                flags=options.flags, count=options.calibration_size)
     calibration_service.save_calibration_set(calibration, output)
 
 

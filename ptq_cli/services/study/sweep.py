@@ -67,7 +67,10 @@ def sweep(
     def accuracy(path: Path) -> float:
         if path not in evaluations:
             evaluations[path] = evaluate_service.evaluate_model(path, dataset, flags=flags)
-        return evaluations[path].accuracy
+        measured = evaluations[path].accuracy
+        if measured is None:
+            raise PtqError(f"{dataset.root}: its labels are not the classes of {path}; the sweep compares top-1, which needs them")
+        return measured
 
     points = []
     step = Steps(2 * len(sparsities) + sum(1 for value in sparsities if value > 0), progress)
