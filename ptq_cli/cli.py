@@ -737,7 +737,7 @@ def evaluate(
             if not as_json:
                 if evaluated.source_evaluated is not None:
                     out.print(f"[dim]Evaluated its FP32 source {evaluated.source_evaluated} too (no record of it on this dataset).[/dim]")
-                shown = evaluate_service.classes_to_show(evaluated.record, evaluated.reference) if per_class else None
+                shown = evaluate_service.classes_to_show(evaluated.record, evaluated.reference) if per_class and evaluated.record.accuracy is not None else None
                 out.print(render.evaluation(evaluated.record, evaluated.reference, shown, evaluated.path, evaluated.reference_status))
     if as_json:
         out.print(render.as_json(records if len(records) > 1 else records[0]), soft_wrap=True)

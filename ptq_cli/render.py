@@ -219,6 +219,11 @@ def top1(accuracy: float | None, unit: str = "%") -> str:
     return "-" if accuracy is None else f"{accuracy:.2f}{unit}"
 
 
+def share(value: float | None) -> str:
+    """A percentage to one decimal, as the 80-column table shows agreement ("-" where not measured)."""
+    return "-" if value is None else f"{value:.1f}"
+
+
 def agreement(row: ReportRow) -> str:
     """"91.33% / 99.67%": top-1 agreement and top-5 containment with the FP32 source; "-" where not measured."""
     return "-" if row.agreement is None else f"{row.agreement:.2f}% / {top1(row.top5)}"
@@ -235,7 +240,8 @@ def no_vnni(row: ReportRow, short: bool = False) -> str:
     if row.saturating_basis.startswith("proof"):
         return "=" if short else f"= ({row.saturating_basis})"
     mark = "*" if row.saturating_basis.startswith("emulated") else ""
-    figure = f"{figure_value:.2f}{mark}" if short else f"{figure_value:.2f}%{mark}"
+    decimals = 2 if row.accuracy is not None else 1  # top-1 to two decimals, agreement to one
+    figure = f"{figure_value:.{decimals}f}{mark}" if short else f"{figure_value:.{decimals}f}%{mark}"
     return figure if short else f"{figure} ({row.saturating_basis})"
 
 
@@ -318,8 +324,8 @@ def _group_title(group: DatasetGroup) -> str:
 
 # Narrower than REPORT_COLUMNS so the table fits an 80-column terminal; the Markdown keeps the long names.
 # Without labels of the model's classes, agreement with FP32 takes the place of top-1 and its delta.
-TERMINAL_COLUMNS = ("Model", "Runtime", "Type", "Top-1", "Delta", "Agree", "noVNNI", "KB", "img/s", "Speed")
-TERMINAL_COLUMNS_UNLABELLED = ("Model", "Runtime", "Type", "Agree", "Top-5", "noVNNI", "KB", "img/s", "Speed")
+TERMINAL_COLUMNS = ("Model", "Runs as", "Top-1", "Delta", "Agree", "noVNNI", "KB", "img/s", "Speed")
+TERMINAL_COLUMNS_UNLABELLED = ("Model", "Runs as", "Agree", "Top-5", "noVNNI", "KB", "img/s", "Speed")
 # Runtimes as the 80-column table names them.
 SHORT_RUNTIMES = {"onnxruntime": "ORT", "pytorch": "torch", "openvino": "OV"}
 
@@ -398,14 +404,13 @@ def _main_table(group: DatasetGroup) -> Table:
         if column == "Model":
             table.add_column(f"{stem}*" if stem else column, overflow="fold", min_width=12)
         else:
-            table.add_column(column, justify="left" if column in columns[:3] else "right", no_wrap=True)
+            table.add_column(column, justify="left" if column in columns[:2] else "right", no_wrap=True)
     for row in group.rows:
         name = _model_cell(row)
         shown = "*" + name[len(stem):] if stem and not row.label and name.startswith(stem) else name
-        runtime = SHORT_RUNTIMES.get(row.runtime, row.runtime) + (f" {row.precision}" if row.precision else "")
-        scores = ([top1(row.accuracy, ""), delta(row.delta), top1(row.agreement, "")] if labelled
-                  else [top1(row.agreement, ""), top1(row.top5, "")])
-        table.add_row(shown, runtime, row.dtype, *scores, no_vnni(row, short=True), f"{row.size_bytes / 1024:,.0f}", f"{row.images_per_second:,.0f}",
+        runs_as = " ".join(part for part in (SHORT_RUNTIMES.get(row.runtime, row.runtime), row.precision, row.dtype) if part)  # "OV f32 int8"
+        scores = ([top1(row.accuracy, ""), delta(row.delta), share(row.agreement)] if labelled else [share(row.agreement), share(row.top5)])
+        table.add_row(shown, runs_as, *scores, no_vnni(row, short=True), f"{row.size_bytes / 1024:,.0f}", f"{row.images_per_second:,.0f}",
                       speedup(row.speedup), *((speedup(row.speedup_vs_onnxruntime),) if other_runtimes else ()))
     return table
 
@@ -633,12 +638,16 @@ def report_markdown(report: Report, charts: list[Path] | None = None) -> str:
 def benchmarks(records: list[BenchmarkRecord], speedups: dict[tuple, float | None]) -> Table:
     settings = sorted({(record.batch_size, record.threads) for record in records})
     where = "; ".join(f"throughput at batch {batch}, {threads} thread{'s' if threads > 1 else ''}" for batch, threads in settings)
-    table = Table(title=f"Benchmark: latency at batch 1, {where}", title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False)
-    for column in ("Model", "Runtime", "Type", "p50 ms", "p95 ms", "p99 ms", "img/s", "Speed"):
-        table.add_column(column, justify="left" if column in ("Model", "Runtime", "Type") else "right", no_wrap=True)
+    table = Table(title=f"Benchmark: latency at batch 1, {where}", title_justify="left", box=box.SIMPLE_HEAD, padding=0, show_edge=False)
+    # As the report's table: numbers never cut, the file name folds on a narrow terminal.
+    table.add_column("Model", overflow="fold", min_width=12)
+    table.add_column("Runs as", no_wrap=True)
+    for column in ("p50 ms", "p95 ms", "p99 ms", "img/s", "Speed"):
+        table.add_column(column, justify="right", no_wrap=True)
     for record in records:
+        runs_as = " ".join(part for part in (SHORT_RUNTIMES.get(record.runtime, record.runtime), record.precision, record.dtype) if part)
         table.add_row(
-            record.name, _runtime(record), record.dtype,
+            record.name, runs_as,
             milliseconds(record.latency_ms_p50), milliseconds(record.latency_ms_p95),
             milliseconds(record.latency_ms_p99), f"{record.images_per_second:,.0f}", speedup(speedups.get(run_key(record))),
         )

@@ -40,8 +40,8 @@ def ptq_process(*args: str, cwd: Path) -> Run:
     return Run(done.returncode, done.stdout, done.stderr)
 
 
-def ptq(*args: str, cwd: Path) -> Run:
-    """Run the CLI in this process (typer's CliRunner) in `cwd`, on a 160-column terminal: its stdout,
+def ptq(*args: str, cwd: Path, columns: int = 160) -> Run:
+    """Run the CLI in this process (typer's CliRunner) in `cwd`, on a `columns`-wide terminal: its stdout,
     stderr and exit code; an exception that escapes it is reported as the traceback a user would see."""
     import traceback
 
@@ -52,7 +52,7 @@ def ptq(*args: str, cwd: Path) -> Run:
     before = Path.cwd()
     os.chdir(cwd)
     try:
-        result = CliRunner().invoke(app, [str(arg) for arg in args], env={"PTQ_ASSETS": str(ASSETS), "COLUMNS": "160"}, prog_name="ptq")
+        result = CliRunner().invoke(app, [str(arg) for arg in args], env={"PTQ_ASSETS": str(ASSETS), "COLUMNS": str(columns)}, prog_name="ptq")
     finally:
         os.chdir(before)
     stderr = result.stderr

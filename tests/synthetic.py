@@ -129,3 +129,39 @@ def colours_project(root: Path) -> Path:
     channel_mean_classifier(root / "models" / "m.onnx")
     colours_npz(root / "colours.npz")
     return root
+
+
+def depthwise_classifier(path: Path, size: int = 224, classes: int = 1000, seed: int = 0) -> Path:
+    """A 224x224 stand-in for a mobile ImageNet classifier: stem Conv 3->8 (stride 4) -> Clip(0, 6) ->
+    depthwise 3x3 Conv (one group per channel) -> Clip(0, 6) -> pointwise Conv 8->16 -> global mean ->
+    Gemm -> `classes` scores. The depthwise filters differ in scale by 1000x across channels, as batch-norm
+    folding leaves them: one scale for the whole tensor leaves the small ones a code or two."""
+    rng = np.random.default_rng(seed)
+    stem = rng.normal(0, 0.3, (8, 3, 4, 4)).astype(np.float32)
+    depthwise = rng.normal(0, 1.0, (8, 1, 3, 3)).astype(np.float32) * np.logspace(-3, 0, 8, dtype=np.float32)[:, None, None, None]
+    pointwise = rng.normal(0, 1.0, (16, 8, 1, 1)).astype(np.float32) / np.logspace(-3, 0, 8, dtype=np.float32)[None, :, None, None] * 0.05
+    gemm = rng.normal(0, 1.0, (16, classes)).astype(np.float32)
+    six, zero = numpy_helper.from_array(np.float32(6.0), "six"), numpy_helper.from_array(np.float32(0.0), "zero")
+    nodes = [helper.make_node("Conv", ["image", "stem_w"], ["stem"], strides=[4, 4]),
+             helper.make_node("Clip", ["stem", "zero", "six"], ["stem6"]),
+             helper.make_node("Conv", ["stem6", "dw_w"], ["dw"], group=8, pads=[1, 1, 1, 1]),
+             helper.make_node("Clip", ["dw", "zero", "six"], ["dw6"]),
+             helper.make_node("Conv", ["dw6", "pw_w"], ["pw"]),
+             helper.make_node("GlobalAveragePool", ["pw"], ["pooled"]),
+             helper.make_node("Flatten", ["pooled"], ["flat"]),
+             helper.make_node("Gemm", ["flat", "gemm_w"], ["scores"])]
+    graph = helper.make_graph(nodes, "depthwise", [helper.make_tensor_value_info("image", onnx.TensorProto.FLOAT, ["N", 3, size, size])],
+                              [helper.make_tensor_value_info("scores", onnx.TensorProto.FLOAT, ["N", classes])],
+                              [numpy_helper.from_array(stem, "stem_w"), numpy_helper.from_array(depthwise, "dw_w"),
+                               numpy_helper.from_array(pointwise, "pw_w"), numpy_helper.from_array(gemm, "gemm_w"), six, zero])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=7), str(path))
+    return path
+
+
+def photo_folder(root: Path, count: int = 30, size: int = 224, seed: int = 0) -> Path:
+    """ROOT/*.jpg: `count` unlabelled colour images (no class folders)."""
+    images, _ = colour_images(-(-count // 3), size, seed)
+    root.mkdir(parents=True, exist_ok=True)
+    for index, image in enumerate(images[:count]):
+        Image.fromarray(image).save(root / f"photo_{index:03d}.jpg", quality=90)
+    return root

@@ -13,7 +13,7 @@ from ptq_cli.backends.onnxruntime import preprocess
 from ptq_cli.inputs import PreprocessingFlags
 from ptq_cli.services.calibration import CalibrationSet
 from ptq_cli.services.measure.records import write_record
-from ptq_cli.services.measure.validation import ValidationSet, score, sqnr_db
+from ptq_cli.services.measure.validation import ValidationSet, labels_from_fp32, score, sqnr_db
 from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressCallback
 from ptq_cli.services.quant_settings import QuantizationSettings
@@ -67,7 +67,7 @@ def layer_sensitivity(
 ) -> SensitivityResult:
     source = model_path if isinstance(model_path, SourceModel) else load_source(model_path, flags or PreprocessingFlags(), settings.per_channel is not False)
     settings = with_calibration(settings, calibration)
-    fp32 = score(load_model(source.path, None, flags), validation)
+    validation, fp32 = labels_from_fp32(validation, score(load_model(source.path, None, flags), validation))  # no labels: agreement with FP32
     prepared = calibration_inputs(source, calibration)
     with tempfile.TemporaryDirectory(prefix="ptq-sensitivity-") as workdir:
         graph = preprocessed(source.model, Path(workdir)) if settings.preprocess else source.model

@@ -7,7 +7,7 @@ alone (`Dataset.calibration_split`); the test split is left to `evaluate`, which
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -22,13 +22,13 @@ from ptq_cli.services.models import check_classes
 @dataclass(frozen=True)
 class ValidationSet:
     images: np.ndarray  # (N, H, W, C) uint8 pixels
-    labels: np.ndarray  # (N,) int64
+    labels: np.ndarray  # (N,) int64; UNLABELLED (-1) for images without labels until labels_from_fp32
     indices: np.ndarray  # positions in the dataset split, disjoint from the calibration set's
     seed: int
     samples_per_class: int
     dataset: str
     split: str
-    class_names: tuple[str, ...] = ()  # what its labels name: scoring checks the model gives as many scores
+    class_names: tuple[str, ...] = ()  # what its labels name: scoring checks the model gives as many scores; () without labels
 
     def describe(self) -> dict:
         return {
@@ -55,8 +55,14 @@ def build_validation_set(
     if len(calibration.indices) and int(calibration.indices.max()) >= len(source.labels):
         raise PtqError(f"{calibration.source}: calibration indices do not fit the {split} split of {dataset.root}")
     available = np.setdiff1d(np.arange(len(source.labels)), calibration.indices)
-    indices = draw_stratified(source.labels, available, samples_per_class, seed, "--validation-per-class",
-                              f"left in the {split} split after the calibration set", len(source.class_names))
+    if not source.labelled:  # as many images as ten classes would give, or all that are left; scored against FP32 (labels_from_fp32)
+        if not len(available):
+            raise PtqError(f"{dataset.root}: no images left for validation after the calibration set (give fewer --calibration-size)")
+        rng = np.random.default_rng(seed)
+        indices = np.sort(rng.choice(available, size=min(len(available), 10 * samples_per_class), replace=False))
+    else:
+        indices = draw_stratified(source.labels, available, samples_per_class, seed, "--validation-per-class",
+                                  f"left in the {split} split after the calibration set", len(source.class_names))
     if np.intersect1d(indices, calibration.indices).size:  # by construction impossible; kept as a guard
         raise PtqError("validation split overlaps the calibration set")
     return ValidationSet(source.images[indices], source.labels[indices], indices, seed, samples_per_class, str(dataset.root), split,
@@ -81,6 +87,15 @@ def score(model: LoadedModel, validation: ValidationSet) -> ValidationScore:
     seconds = time.perf_counter() - began
     accuracy = 100.0 * float(np.mean(outputs.argmax(axis=1) == validation.labels))
     return ValidationScore(round(accuracy, 4), round(len(outputs) / seconds, 1), outputs)
+
+
+def labels_from_fp32(validation: ValidationSet, fp32: ValidationScore) -> tuple[ValidationSet, ValidationScore]:
+    """A set without labels, labelled with the FP32 model's own top-1 classes: every later score is then the
+    top-1 agreement with FP32, and FP32's own is 100%. A labelled set is returned as it is."""
+    if validation.class_names:
+        return validation, fp32
+    labels = fp32.outputs.argmax(axis=1)
+    return replace(validation, labels=labels), replace(fp32, accuracy=100.0)
 
 
 def sqnr_db(reference: np.ndarray, approximation: np.ndarray) -> float:

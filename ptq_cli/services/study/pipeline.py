@@ -8,6 +8,7 @@ which versions, and how long its stage took. A run where every stage is up to da
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import platform
@@ -32,6 +33,7 @@ from ptq_cli.errors import PtqError
 from ptq_cli.inputs import PreprocessingFlags
 from ptq_cli.services import calibration as calibration_service
 from ptq_cli.services import convert as convert_service
+from ptq_cli.services import models as models_service
 from ptq_cli.services import quant_settings
 from ptq_cli.services import quantize as quantize_service
 from ptq_cli.services.measure import benchmark as benchmark_service
@@ -210,8 +212,19 @@ class _Study:
     def evaluate(self, model: Path, label: str | None = None, runtime: str | None = None, precision: str | None = None,
                  int8_path: str | None = None, subset: int = emulate.DEFAULT_SUBSET) -> Path:
         record = evaluate_service.evaluate_model(model, self.dataset, threads=self.options.threads, flags=self.options.flags, runtime=runtime,
-                                                 precision=precision, label=label, int8_path=int8_path, subset=subset)
+                                                 precision=precision, label=label, int8_path=int8_path, subset=subset, against=self.against)
         return evaluate_service.save_record(record, self.results, self.dataset)
+
+    @functools.cached_property
+    def against(self) -> Path | None:
+        """Read once the FP32 model exists (at the first evaluation). Where the test images' labels are not the
+        FP32 model's classes (or there are none), every model is measured against the FP32 model (fidelity);
+        else each against its own source, as `evaluate` does."""
+        if self.dataset.labelled:
+            classes = len(self.dataset.class_names())
+            if models_service.load_model(self.fp32, 1, self.options.flags).num_classes == classes:
+                return None
+        return Path(self.fp32)
 
 
 def _study(options: StudyOptions) -> tuple[_Study, StudyOptions]:

@@ -30,7 +30,7 @@ from ptq_cli.inputs import PreprocessingFlags
 from ptq_cli.services.calibration import CalibrationSet, stratified_subset
 from ptq_cli.services.measure.records import model_key, write_record
 from ptq_cli.services.measure.sensitivity import layer_sensitivity, preprocessed, quantizable_layers
-from ptq_cli.services.measure.validation import ValidationSet, score, sqnr_db
+from ptq_cli.services.measure.validation import ValidationSet, labels_from_fp32, score, sqnr_db
 from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressCallback, Steps
 from ptq_cli.services.quant_settings import QuantizationSettings, describe_quantization, make_settings
@@ -243,7 +243,8 @@ def tune(
     record = Path(results_dir) / TUNING_DIR / f"{model_key(output)}.json"
     check_outputs([("--output", output, (row.suffix,)), ("--results-dir", record, (".json",))], [model_path])
     source = load_source(model_path, flags or PreprocessingFlags())
-    fp32 = score(load_model(model_path, None, flags), validation)
+    # Without labels, validation scores are the top-1 agreement with FP32 (its own top-1 classes as labels).
+    validation, fp32 = labels_from_fp32(validation, score(load_model(model_path, None, flags), validation))
     grid = calibration_grid(backend, dtype, methods, granularities)
     subsets = [size for size in CALIBRATION_SUBSETS if size < calibration.samples_per_class]
 

@@ -1,0 +1,214 @@
+"""ImageNet-size classifiers on images whose classes are not the model's: calibration without labels, fidelity
+to FP32, unlabelled folders, memory-bounded calibration, depthwise defaults, the 80-column report.
+
+Synthetic 224x224 stand-ins (tests/synthetic.py) in the fast lane; the real EfficientNet-Lite0 (packages on
+the registry, tests/imagenet_size.py) in the real-asset lane."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from synthetic import channel_mean_classifier, colour_images, depthwise_classifier, image_folder, invoke, one_line_error, photo_folder
+
+from ptq_cli.datasets import open_dataset
+from ptq_cli.services.calibration import build_calibration_set, sized_indices
+from ptq_cli.services.measure.evaluate import read_record
+from ptq_cli.services.measure.fidelity import compare
+
+
+@pytest.fixture(scope="module")
+def mobile(tmp_path_factory) -> Path:
+    """A working folder: dw.onnx (1000 classes, 224x224, depthwise), cal/ and photos/ (unlabelled JPEGs)."""
+    root = tmp_path_factory.mktemp("mobile")
+    depthwise_classifier(root / "dw.onnx")
+    photo_folder(root / "cal", 24, seed=1)
+    photo_folder(root / "photos", 18, seed=2)
+    return root
+
+
+def _quantize(root: Path, output: str, *extra: str):
+    result = invoke("quantize", "--model", "dw.onnx", "--data", "photos", "--calibration-data", "cal", "--output", output, "--json", *extra, cwd=root)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_fidelity_figures_follow_their_definitions():
+    reference = np.array([[3.0, 1.0, 0.0, -1.0, -2.0, -3.0], [0.0, 2.0, 1.0, 0.0, 0.0, 0.0]], np.float32)
+    same = compare(reference, reference.copy(), "fp32.onnx", "0" * 64)
+    assert (same.top1_agreement, same.top5_containment, same.sqnr_db, same.kl_divergence) == (100.0, 100.0, None, 0.0)
+    # Image 1: FP32's class 0 falls to 6th place (out of the top 5); image 2: top-1 moves from 1 to 2, class 1 stays in the top 5.
+    swapped = np.array([[-4.0, 1.0, 0.0, -1.0, -2.0, -3.0], [0.0, 2.0, 3.0, 0.0, 0.0, 0.0]], np.float32)
+    figures = compare(reference, swapped, "fp32.onnx", "0" * 64)
+    assert figures.top1_agreement == 0.0 and figures.top5_containment == 50.0
+    noise = float(np.sum((reference - swapped) ** 2))
+    assert figures.sqnr_db == round(10 * np.log10(float(np.sum(reference**2)) / noise), 3)
+    p = np.exp(reference) / np.exp(reference).sum(axis=1, keepdims=True)
+    q = np.exp(swapped) / np.exp(swapped).sum(axis=1, keepdims=True)
+    assert figures.kl_divergence == pytest.approx(float(np.mean(np.sum(p * np.log(p / q), axis=1))), abs=1e-6)
+
+
+def test_an_unlabelled_folder_is_a_dataset_drawn_uniformly(tmp_path):
+    folder = photo_folder(tmp_path / "photos", 12)
+    dataset = open_dataset(folder)
+    images = dataset.load(dataset.evaluation_split())
+    assert not images.labelled and images.images.shape == (12, 224, 224, 3) and set(images.labels) == {-1}
+    drawn = build_calibration_set(dataset, None, seed=3, count=5)
+    assert len(drawn.labels) == 5 and drawn.samples_per_class == 0 and drawn.per_class_counts == {}
+    assert np.array_equal(drawn.indices, build_calibration_set(dataset, None, seed=3, count=5).indices)  # seeded
+    assert len(set(drawn.indices)) == 5
+    (folder / "notes.txt").write_text("not an image")
+    with pytest.raises(Exception, match="notes.txt: not an image file"):
+        open_dataset(folder).load("test")
+
+
+def test_calibration_size_is_exact_and_even_over_labelled_classes():
+    labels = np.repeat(np.arange(4), 10)
+    chosen = sized_indices(labels, 10, seed=0, where="here")
+    counts = np.bincount(labels[chosen], minlength=4)
+    assert len(chosen) == 10 and len(set(chosen)) == 10 and sorted(counts) == [2, 2, 3, 3]
+    with pytest.raises(Exception, match="--calibration-size: 41 is not in 1..40"):
+        sized_indices(labels, 41, seed=0, where="here")
+
+
+def test_a_mixed_folder_of_class_folders_and_loose_images_is_refused(tmp_path):
+    image_folder(tmp_path / "mixed", splits=("train",))
+    photo_folder(tmp_path / "mixed", 2)
+    one_line_error(invoke("evaluate", "--model", "m.onnx", "--data", "mixed", cwd=tmp_path), "both class folders and images")
+
+
+def test_quantize_and_evaluate_on_photos_whose_classes_are_not_the_model_s(mobile):
+    """Calibration reads no labels; evaluation without labels of the model's classes measures fidelity to
+    the FP32 source instead of top-1, and the record stays small for 1000 classes."""
+    made = _quantize(mobile, "dw_int8.onnx")
+    assert made["settings"]["per_channel"] is True  # depthwise convolutions: per-channel unless told
+    assert made["settings"]["calibration_samples"] == 24  # every unlabelled image, under the default count
+    result = invoke("evaluate", "--model", "dw_int8.onnx", "--data", "photos", "--int8-path", "exact", "--json", cwd=mobile)
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert record["accuracy"] is None and record["correct"] is None and record["class_names"] == []
+    fidelity = record["fidelity"]
+    assert fidelity["images"] == 18 and fidelity["reference_path"].endswith("dw.onnx")
+    assert 0 <= fidelity["top1_agreement"] <= fidelity["top5_containment"] <= 100
+    files = list((mobile / "results").glob("dw_int8.onnx*~exact@*.json")) or list((mobile / "results").glob("dw_int8.onnx*@*.json"))
+    assert files and files[0].stat().st_size < 200_000
+    assert read_record(files[0]).agreement == fidelity["top1_agreement"]
+    # The FP32 source, evaluated on the same images for the delta, is the reference row: it agrees with itself.
+    source = read_record(next((mobile / "results").glob("dw.onnx-*@*.json")))
+    assert source.accuracy is None and source.agreement == 100.0
+
+
+def test_a_model_without_labels_or_fp32_to_compare_with_is_refused_in_one_line(mobile):
+    one_line_error(invoke("evaluate", "--model", "dw.onnx", "--data", "photos", "--results-dir", "elsewhere", cwd=mobile), "--against-fp32")
+    result = invoke("evaluate", "--model", "dw.onnx", "--data", "photos", "--against-fp32", "dw.onnx", "--results-dir", "elsewhere", "--json", cwd=mobile)
+    assert result.exit_code == 0 and json.loads(result.stdout)["fidelity"]["top1_agreement"] == 100.0
+
+
+def test_a_model_without_depthwise_convolutions_keeps_the_per_tensor_default(tmp_path):
+    channel_mean_classifier(tmp_path / "m.onnx", size=16)
+    image_folder(tmp_path / "data", size=16)
+    result = invoke("quantize", "--model", "m.onnx", "--data", "data", "--output", "m_int8.onnx", "--json", cwd=tmp_path)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["settings"]["per_channel"] is False
+
+
+def test_calibration_in_chunks_gives_the_same_model_and_an_impossible_budget_one_line(mobile, monkeypatch):
+    """MinMax over chunks is the MinMax of the whole set: a budget that forces one image at a time gives
+    the same file; a budget that cannot hold one image's activations is refused, naming the setting."""
+    _quantize(mobile, "whole.onnx", "--calibration-size", "12")
+    from ptq_cli import bounded
+    from ptq_cli.backends import onnxruntime as ort_backend
+
+    per_image = ort_backend.ACTIVATION_COPIES * ort_backend.activation_bytes(onnx.load(str(mobile / "dw.onnx")))
+    chunks = []
+    real_chunk = ort_backend.calibration_chunk
+    monkeypatch.setattr(ort_backend, "calibration_chunk", lambda *args: chunks.append(real_chunk(*args)) or chunks[-1])
+    monkeypatch.setenv("PTQ_CALIBRATION_MEMORY", str(bounded.resident_bytes() + 3 * (mobile / "dw.onnx").stat().st_size + int(1.5 * per_image)))
+    _quantize(mobile, "chunked.onnx", "--calibration-size", "12")
+    assert chunks == [1]
+    assert (mobile / "whole.onnx").read_bytes() == (mobile / "chunked.onnx").read_bytes()
+    monkeypatch.setenv("PTQ_CALIBRATION_MEMORY", "1000")
+    one_line_error(invoke("quantize", "--model", "dw.onnx", "--data", "photos", "--calibration-data", "cal", "--output", "no.onnx", cwd=mobile),
+                   "PTQ_CALIBRATION_MEMORY")
+    assert not (mobile / "no.onnx").exists()
+
+
+def test_the_report_without_labels_ranks_by_agreement_and_fits_80_columns(mobile):
+    _quantize(mobile, "dw_int8.onnx")
+    assert invoke("evaluate", "--model", "dw_int8.onnx", "--data", "photos", cwd=mobile).exit_code == 0
+    result = invoke("report", cwd=mobile, columns=80)
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert all(len(line) <= 80 for line in lines)
+    header = next(line for line in lines if "Agree" in line)
+    assert "Top-5" in header and "Top-1" not in header
+    assert any(line.startswith("dw_int8.onnx ") for line in lines)  # the whole name on one line (the shared stem "dw" is too short to cut)
+    assert any(line.startswith("Most faithful: ") for line in lines)
+
+
+def test_labelled_images_of_the_model_s_classes_give_accuracy_and_fidelity(tmp_path):
+    channel_mean_classifier(tmp_path / "m.onnx", size=8)
+    images, labels = colour_images(6, 8, seed=1)
+    test_images, test_labels = colour_images(6, 8, seed=2)
+    np.savez(tmp_path / "d.npz", train_images=images, train_labels=labels, test_images=test_images, test_labels=test_labels)
+    assert invoke("quantize", "--model", "m.onnx", "--data", "d.npz", "--output", "m_int8.onnx", cwd=tmp_path).exit_code == 0
+    result = invoke("evaluate", "--model", "m_int8.onnx", "--data", "d.npz", "--json", cwd=tmp_path)
+    record = json.loads(result.stdout)
+    assert record["accuracy"] is not None and record["fidelity"]["images"] == 18
+    # Agreement and accuracy are the same measurement where FP32 is right on every image.
+    fp32 = json.loads(invoke("evaluate", "--model", "m.onnx", "--data", "d.npz", "--json", cwd=tmp_path).stdout)
+    if fp32["accuracy"] == 100.0:
+        assert record["fidelity"]["top1_agreement"] == record["accuracy"]
+
+
+def test_a_record_without_accuracy_must_carry_its_fidelity(mobile, tmp_path):
+    _quantize(mobile, "dw_int8.onnx")
+    assert invoke("evaluate", "--model", "dw_int8.onnx", "--data", "photos", cwd=mobile).exit_code == 0
+    path = next((mobile / "results").glob("dw_int8.onnx-*.json"))
+    data = json.loads(path.read_text())
+    data["fidelity"] = None
+    tampered = tmp_path / path.name
+    tampered.write_text(json.dumps(data))
+    with pytest.raises(Exception, match="no fidelity"):
+        read_record(tampered)
+    data = json.loads(path.read_text())
+    data["fidelity"]["top5_containment"] = data["fidelity"]["top1_agreement"] - 1
+    tampered.write_text(json.dumps(data))
+    with pytest.raises(Exception, match="top-5 containment below top-1 agreement"):
+        read_record(tampered)
+
+
+def test_tuning_without_labels_scores_agreement_with_fp32(tmp_path):
+    """Validation images without labels take the FP32 model's top-1 classes: FP32 scores 100% and any other
+    model its top-1 agreement with FP32."""
+    from ptq_cli.services.measure.validation import ValidationScore, ValidationSet, build_validation_set, labels_from_fp32
+
+    dataset = open_dataset(photo_folder(tmp_path / "photos", 15, size=16))
+    calibration = build_calibration_set(dataset, None, seed=0, count=5)
+    validation = build_validation_set(calibration, dataset, samples_per_class=1)
+    assert len(validation.labels) == 10 and not set(validation.indices) & set(calibration.indices)
+    outputs = np.eye(4, dtype=np.float32)[[0, 1, 2, 3, 0, 1, 2, 3, 0, 1]]
+    labelled, fp32 = labels_from_fp32(validation, ValidationScore(37.0, 1.0, outputs))
+    assert fp32.accuracy == 100.0 and list(labelled.labels) == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
+    kept = ValidationSet(validation.images, np.zeros(10, np.int64), validation.indices, 0, 1, "d", "train", ("a",))
+    assert labels_from_fp32(kept, fp32)[0] is kept  # labels of the model's classes stay
+
+
+def test_the_study_runs_on_photos_whose_classes_are_not_the_model_s(tmp_path):
+    """`ptq run --model` on a folder of photos with other classes (CIFAR-like names, a 1000-class model):
+    every model measured against the FP32 model, and the report ranks by agreement."""
+    depthwise_classifier(tmp_path / "dw.onnx")
+    photo_folder(tmp_path / "cal", 12, seed=1)
+    image_folder(tmp_path / "photos", splits=("test",), per_class=3, suffix=".jpg", size=32)
+    result = invoke("run", "--model", "dw.onnx", "--data", "photos", "--calibration-data", "cal", "--no-pytorch", "--no-openvino", "--no-litert",
+                    "--no-benchmark", cwd=tmp_path)
+    assert result.exit_code == 0, result.output
+    records = [read_record(path) for path in (tmp_path / "results").glob("*.json") if path.name != "manifest.json"]
+    assert records and all(record.accuracy is None and record.fidelity is not None for record in records)
+    assert {Path(record.fidelity["reference_path"]).name for record in records} == {"dw.onnx"}
+    markdown = (tmp_path / "reports" / "QUANTIZATION_ANALYSIS.md").read_text()
+    assert "Agreement with the FP32 model (dw.onnx)" in markdown
+    assert "Agree" in result.stdout and "Top-5" in result.stdout
