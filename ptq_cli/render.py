@@ -340,6 +340,8 @@ def report(report: Report) -> Group:
                           "speed-ups compare like with like.", style="dim"))
     if report.rows:
         parts.append(Text(NO_VNNI_NOTE, style="dim"))
+        parts.append(Text("Runs as: runtime (" + ", ".join(f"{short} {name}" for name, short in SHORT_RUNTIMES.items())
+                          + "), its precision hint, data type. Agree: top-1 agreement with the FP32 source, percent.", style="dim"))
         parts += [Text(line, style="dim") for line in _emulated_lines(report.rows)]
         cpus = sorted({row.measured_on for row in report.rows if row.measured_on})
         if cpus:
@@ -349,7 +351,7 @@ def report(report: Report) -> Group:
     return Group(*parts)
 
 
-NO_VNNI_NOTE = ("noVNNI: top-1 on x86 CPUs without VNNI (the saturating int8 path); '=' the same by proof (or a float model), "
+NO_VNNI_NOTE = ("noVNNI: top-1 (without labels, agreement) on x86 CPUs without VNNI (the saturating int8 path); '=' the same by proof (or a float model), "
                 "'*' emulated on a subset, '-' not measured.")
 
 

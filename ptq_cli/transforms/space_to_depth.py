@@ -87,6 +87,8 @@ def _eligible(attributes: dict, weights: np.ndarray | None, width: int | None) -
     """The block size for this Conv, or None when the rewrite does not apply (or is not needed)."""
     if weights is None or weights.ndim != 4:
         return None
+    if weights.shape[2:] == (1, 1):
+        return None  # a pointwise Conv is one GEMM to MLAS already: regrouped it only gains zeros (README, ImageNet-size classifiers)
     out_channels, in_channels = weights.shape[:2]
     block = max(block_size(in_channels), -(-MIN_OUTPUT_CHANNELS // out_channels))
     if block == 1:

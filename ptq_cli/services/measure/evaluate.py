@@ -201,12 +201,7 @@ def evaluate_model(
     test = dataset.load(split, model.input.size, model.input.channels)
     if len(test.labels) == 0:
         raise PtqError(f"{dataset.root}: the {split} split has no images")
-    reference_path = fp32_model_for(model, against)
-    labels_fit = test.labelled and model.num_classes == len(test.class_names)
-    if not labels_fit and reference_path is None:
-        found = f"{dataset.root} has {len(test.class_names)} classes" if test.labelled else f"{dataset.root} has no labels"
-        raise PtqError(f"{model.info.path}: the model gives {model.num_classes} class scores, but {found}; "
-                       "give --against-fp32 FP32_MODEL to measure it against its float model on these images")
+    reference_path, labels_fit = _what_to_measure(model, test, dataset.root, against)
     chosen, scores, inference_seconds, exact_same, basis = _measure(model, test, basis, batch_size, Path(model_path), f"{dataset.root} ({split})",
                                                                     threads, subset, progress, labels_fit)
     fidelity = None
@@ -233,6 +228,18 @@ def evaluate_model(
         exact_accuracy_same_images=exact_same,
         fidelity=asdict(fidelity) if fidelity is not None else None,
     )
+
+
+def _what_to_measure(model: LoadedModel, test: LabelledImages, root: Path, against: Path | None) -> tuple[Path | None, bool]:
+    """(the FP32 model to measure fidelity against, whether the labels are the model's classes); a model with
+    neither is refused in one line."""
+    reference_path = fp32_model_for(model, against)
+    labels_fit = test.labelled and model.num_classes == len(test.class_names)
+    if not labels_fit and reference_path is None:
+        found = f"{root} has {len(test.class_names)} classes" if test.labelled else f"{root} has no labels"
+        raise PtqError(f"{model.info.path}: the model gives {model.num_classes} class scores, but {found}; "
+                       "give --against-fp32 FP32_MODEL to measure it against its float model on these images")
+    return reference_path, labels_fit
 
 
 def _accuracy_fields(labels: np.ndarray, predictions: np.ndarray, class_names: tuple[str, ...] | None) -> dict:
