@@ -69,7 +69,7 @@ def _markdown_rows(text: str) -> dict[tuple[str, str], list[str]]:
     rows = {}
     for line in text.splitlines():
         cells = [cell.strip() for cell in line.strip("|").split("|")]
-        if line.startswith("| resnet8") and len(cells) == 14:
+        if line.startswith("| resnet8") and len(cells) == 15:
             rows[(cells[0], cells[1].split()[0])] = cells
     return rows
 
@@ -89,7 +89,10 @@ def test_report_markdown_has_one_row_per_record_with_its_numbers(pipeline):
     assert set(rows) == set(records) and {name for name, _ in records} == set(PIPELINE_MODELS)
     fp32_size = {runtime: record["model_size_bytes"] for (name, runtime), record in records.items() if record["dtype"] == "fp32"}
     for key, record in records.items():
-        model, runtime, dtype, _config, accuracy, delta, no_vnni, size, reduction, speed, _speedup, _vs_onnxruntime, _latency, measured_on = rows[key]
+        model, runtime, dtype, _config, accuracy, delta, agreement, no_vnni, size, reduction, speed, _speedup, _vs_onnxruntime, _latency, measured_on = rows[key]
+        # Fidelity to the FP32 source, measured wherever the model names its source file and that file is unchanged.
+        fidelity = record.get("fidelity")
+        assert agreement == ("-" if fidelity is None else f"{fidelity['top1_agreement']:.2f}% / {fidelity['top5_containment']:.2f}%"), agreement
         saturating = by_path.get((key[0], key[1], "saturating"))
         if record["dtype"] == "fp32" and record["runtime"] in ("onnxruntime", "pytorch"):
             assert no_vnni == "="

@@ -212,8 +212,8 @@ def activation_bytes(source) -> int:
 
 
 def calibration_chunk(source, images: np.ndarray, fixed_batch: int | None, where: str) -> int:
-    """How many images onnxruntime calibrates at a time within bounded.CALIBRATION_BYTES (the process's
-    memory now included), or a one-line error when not even one image fits."""
+    """How many images onnxruntime may calibrate on at once within bounded.CALIBRATION_BYTES (the process's
+    memory now included), or a one-line error when not even one image (one fixed batch) fits."""
     from ptq_cli import bounded
 
     budget = bounded.CALIBRATION_BYTES.value()
@@ -225,37 +225,36 @@ def calibration_chunk(source, images: np.ndarray, fixed_batch: int | None, where
         raise PtqError(f"{where}: calibrating needs about {per_image * step / 1e6:,.0f} MB of activations for {step} image{'s' if step > 1 else ''} at a time, "
                        f"more than the {max(left, 0) / 1e6:,.0f} MB left of the {budget / 1e9:.1f} GB calibration budget; raise "
                        f"{bounded.CALIBRATION_BYTES.env} (bytes) or give fewer --calibration-size images")
-    if fixed_batch:
-        return fixed_batch
-    return int(max(1, min(CALIBRATION_BATCH, left // max(per_image, 1), len(images))))
+    return int(max(step, min(len(images), left // max(per_image, 1))))
 
 
-def _reader(input_name: str, images: np.ndarray, batch: int, fixed: bool, progress: ProgressCallback | None = None):
-    """onnxruntime's CalibrationDataReader over `images` in batches of `batch`; quantize_static takes one batch
-    per collect_data call (`set_range`, its CalibStridedMinMax loop), so only one batch's activations are held."""
+def _reader(input_name: str, images: np.ndarray, batch: int | None, progress: ProgressCallback | None = None):
+    """onnxruntime's CalibrationDataReader over `images`: batches of about CALIBRATION_BATCH images (of the
+    fixed batch, whole ones only), and `set_range` over batch indices for quantize_static's strided loop."""
     from onnxruntime.quantization import CalibrationDataReader
 
-    if fixed:  # a fixed batch: full batches only
+    if batch is None:
+        batches = np.array_split(images, max(1, len(images) // CALIBRATION_BATCH))
+    else:  # a fixed batch: full batches only
         batches = [images[start : start + batch] for start in range(0, len(images) - batch + 1, batch)]
-    else:
-        batches = [images[start : start + batch] for start in range(0, len(images), batch)]
     total = sum(len(item) for item in batches)
 
     class BatchReader(CalibrationDataReader):
         def __init__(self) -> None:
-            self._range = (0, len(batches))
+            self.batches = batches
+            self.stride = len(batches)
+            self._end = len(batches)
             self._next = 0
             self._done = 0
 
-        def __len__(self) -> int:
-            return len(batches)
+        def __len__(self) -> int:  # whole strides: quantize_static requires it
+            return -(-len(batches) // self.stride) * self.stride
 
         def set_range(self, start_index: int, end_index: int) -> None:
-            self._range = (start_index, min(end_index, len(batches)))
-            self._next = start_index
+            self._next, self._end = start_index, min(end_index, len(batches))
 
         def get_next(self) -> dict[str, np.ndarray] | None:
-            if self._next >= self._range[1]:
+            if self._next >= self._end:
                 return None
             item = batches[self._next]
             self._next += 1
@@ -269,6 +268,76 @@ def _reader(input_name: str, images: np.ndarray, batch: int, fixed: bool, progre
                 progress(total, total)
 
     return BatchReader()
+
+
+def _in_chunks(reader, fitting: int, extra_options: dict) -> None:
+    """When the batches do not all fit at once (`fitting` images), quantize_static collects a stride of them
+    at a time (its CalibStridedMinMax loop, which every method honours); otherwise in one call, as before, so
+    that histograms are built in one pass where memory allows it."""
+    largest = max((len(batch) for batch in reader.batches), default=1)
+    if sum(map(len, reader.batches)) <= fitting:
+        return
+    if largest > fitting:  # smaller batches
+        reader.batches[:] = [part for batch in reader.batches for part in np.array_split(batch, -(-len(batch) // fitting))]
+        largest = max(len(batch) for batch in reader.batches)
+    reader.stride = max(1, fitting // largest)
+    extra_options["CalibStridedMinMax"] = reader.stride
+
+
+@contextlib.contextmanager
+def _one_pass_histograms(reader, chunked: bool):
+    """Histograms over chunks that are the one-pass histograms, bin for bin.
+
+    onnxruntime's histogram calibrators (percentile, entropy) size each tensor's bins on the first chunk
+    and extend them as later chunks reach further, so chunked calibration would find other ranges than
+    one pass over the whole set (ResNet8's speed model: 86.66% against 87.06%). Where it chunks, a MinMax
+    pass over the same chunks first finds each tensor's largest magnitude, and the histogram collector
+    starts from empty histograms over exactly the range one pass would have used: every chunk then adds
+    its counts to the same bins."""
+    import importlib
+
+    from onnxruntime.quantization import calibrate
+
+    ort_quantize = importlib.import_module("onnxruntime.quantization.quantize")  # the module: the package exports its function
+    if not chunked:
+        yield
+        return
+    real = ort_quantize.create_calibrator
+
+    def seeded(model, op_types, augmented_model_path="augmented_model.onnx", calibrate_method=None, **options):
+        calibrator = real(model, op_types, augmented_model_path=augmented_model_path, calibrate_method=calibrate_method, **options)
+        if not isinstance(calibrator, calibrate.HistogramCalibrater) or calibrator.method == "distribution":
+            return calibrator
+        ranges = real(model, op_types, augmented_model_path=str(Path(augmented_model_path).with_suffix(".minmax.onnx")),
+                      calibrate_method=calibrate.CalibrationMethod.MinMax, **{**options, "extra_options": {}})
+        for start in range(0, len(reader), reader.stride):
+            reader.set_range(start, start + reader.stride)
+            ranges.collect_data(reader)
+        collector = calibrate.HistogramCollector(method=calibrator.method, symmetric=calibrator.symmetric, num_bins=calibrator.num_bins,
+                                                 num_quantized_bins=calibrator.num_quantized_bins, percentile=calibrator.percentile,
+                                                 scenario=calibrator.scenario)
+        absolute = collector.method == "percentile" and collector.symmetric  # histograms of |x|, from its smallest to its largest
+        for name, found in ranges.compute_data().data.items():
+            low, high = (np.float32(value) for value in np.asarray(found.range_value, dtype=np.float32).reshape(-1)[:2])
+            lowest, highest = np.array(np.inf, np.float32), np.array(-np.inf, np.float32)  # a chunk's own min/max replace them
+            if absolute:  # the smallest magnitude: 0 where the range crosses it (exact after a ReLU, a hair below it otherwise)
+                edges = np.histogram_bin_edges(np.array([0.0 if low <= 0 <= high else min(abs(low), abs(high)), max(abs(low), abs(high))]),
+                                               bins=collector.num_bins).astype(np.float32)
+                collector.histogram_dict[name] = (np.zeros(collector.num_bins, np.int64), edges, lowest, highest)
+            else:
+                threshold = np.array(max(abs(low), abs(high)), dtype=np.float32)
+                empty, edges = np.histogram(np.zeros(0, np.float32), collector.num_bins, range=(-threshold, threshold))
+                collector.histogram_dict[name] = (empty, edges, lowest, highest, threshold)
+        calibrator.collector = collector
+        reader.set_range(0, len(reader))
+        return calibrator
+
+    # quantize_static calls the name its module imported: that name is replaced for this one call.
+    setattr(ort_quantize, "create_calibrator", seeded)  # noqa: B010  a module attribute the type checker cannot see
+    try:
+        yield
+    finally:
+        setattr(ort_quantize, "create_calibrator", real)  # noqa: B010
 
 
 def _graph_to_quantize(model, settings: QuantizationSettings, workdir: Path) -> tuple[Any, list[Rewrite], dict | None]:
@@ -319,11 +388,11 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
         source, rewrites, overrides = _graph_to_quantize(model, settings, Path(workdir))
         if overrides is not None:
             extra_options["TensorQuantOverrides"] = overrides
-        batch = calibration_chunk(source, calibration, fixed_batch, model.graph.name or "model")
-        reader = _reader(described.name, calibration, batch, fixed_batch is not None, progress)
-        extra_options["CalibStridedMinMax"] = 1  # one batch per collect_data call: whatever the method, no more held at once
+        fitting = calibration_chunk(source, calibration, fixed_batch, model.graph.name or "model")
+        reader = _reader(described.name, calibration, fixed_batch, progress)
+        _in_chunks(reader, fitting, extra_options)
         # quantize_static print()s its histogram progress; stdout belongs to ptq's own output (--json).
-        with atomic_output(output) as tmp, contextlib.redirect_stdout(io.StringIO()):
+        with atomic_output(output) as tmp, contextlib.redirect_stdout(io.StringIO()), _one_pass_histograms(reader, "CalibStridedMinMax" in extra_options):
             try:
                 quantize_static(
                     source, str(tmp), reader,
