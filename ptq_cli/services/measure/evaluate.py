@@ -181,11 +181,10 @@ def evaluate_model(
     subset: int = emulate.DEFAULT_SUBSET,
     against: Path | None = None,
 ) -> EvaluationRecord:
-    """Top-1 of the model on the dataset's evaluation split, and its fidelity to the FP32 model on the same
-    images: `against`, else the FP32 source it was made from when that file is at hand. Where the labels
-    are not the model's classes (or there are none) fidelity is the only measure, and a model with no FP32
-    model to compare with is refused. `runtime` "openvino" runs an ONNX file on OpenVINO with the
-    `precision` hint; `label` names the model in the report. `int8_path` ("exact" or "saturating",
+    """Top-1 on the dataset's evaluation split, and fidelity to the FP32 model (`against`, else the source it
+    was made from while that file is at hand) on the same images: the only measure where the labels are not
+    the model's classes, and then a model with no FP32 model to compare with is refused. `runtime`
+    "openvino" runs an ONNX file on OpenVINO with the `precision` hint; `label` names the model in the report. `int8_path` ("exact" or "saturating",
     default this CPU's) says which x86 int8 path the figure is for: the other path than this CPU's own
     comes from onnxruntime's exact-kernel option, a proof that the model cannot saturate, or emulation
     of an AVX2 CPU on `subset` images of the split (stratified)."""
