@@ -52,7 +52,7 @@ CALL_ELEMENTS = Limit("PTQ_MAX_CALL_ELEMENTS", 2**26, "input values in one infer
 TEXT_BYTES = Limit("PTQ_MAX_TEXT_BYTES", 64 * 2**20, "bytes for a text file")
 # One inference call that does not return in this many seconds is reported, not waited on.
 CALL_SECONDS = Limit("PTQ_CALL_TIMEOUT", 900, "seconds for one inference call")
-# What calibrating may hold at its peak, the process included: onnxruntime's calibrators keep every
+# What calibrating may hold at its peak, ptq itself counted as a fixed allowance: onnxruntime's calibrators keep every
 # activation of every image they are given (tens of MB an image at 224x224), so images go in chunks.
 CALIBRATION_BYTES = Limit("PTQ_CALIBRATION_MEMORY", 2 * 10**9, "bytes of memory for calibrating")
 LIMITS = (MODEL_BYTES, ARRAY_BYTES, IMAGE_PIXELS, CLASSES, INPUT_ELEMENTS, CALL_ELEMENTS, TEXT_BYTES, CALL_SECONDS, CALIBRATION_BYTES)
@@ -193,11 +193,3 @@ def _read_member(path: Path, archive: zipfile.ZipFile, member: zipfile.ZipInfo, 
     with archive.open(member) as handle:
         return np.lib.format.read_array(handle, allow_pickle=False, max_header_size=NPY_HEADER_BYTES)
 
-
-def resident_bytes() -> int:
-    """This process's resident memory now (0 where /proc is not there)."""
-    try:
-        pages = int(Path("/proc/self/statm").read_text().split()[1])
-    except (OSError, ValueError, IndexError):
-        return 0
-    return pages * os.sysconf("SC_PAGE_SIZE")

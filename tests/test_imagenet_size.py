@@ -119,14 +119,15 @@ def test_calibration_in_chunks_gives_the_same_model_and_an_impossible_budget_one
     """MinMax over chunks is the MinMax of the whole set: a budget that forces one image at a time gives
     the same file; a budget that cannot hold one image's activations is refused, naming the setting."""
     _quantize(mobile, "whole.onnx", "--calibration-size", "12")
-    from ptq_cli import bounded
     from ptq_cli.backends import onnxruntime as ort_backend
 
     per_image = ort_backend.ACTIVATION_COPIES * ort_backend.activation_bytes(onnx.load(str(mobile / "dw.onnx")))
     chunks = []
     real_chunk = ort_backend.calibration_chunk
     monkeypatch.setattr(ort_backend, "calibration_chunk", lambda *args: chunks.append(real_chunk(*args)) or chunks[-1])
-    monkeypatch.setenv("PTQ_CALIBRATION_MEMORY", str(bounded.resident_bytes() + 3 * (mobile / "dw.onnx").stat().st_size + int(1.5 * per_image)))
+    images_bytes = 12 * 3 * 224 * 224 * 4  # the 12 calibration images as float32 model input
+    monkeypatch.setenv("PTQ_CALIBRATION_MEMORY", str(ort_backend.BASE_PROCESS_BYTES + images_bytes + 3 * (mobile / "dw.onnx").stat().st_size
+                                                     + int(1.5 * per_image)))
     _quantize(mobile, "chunked.onnx", "--calibration-size", "12")
     assert chunks == [1]
     assert (mobile / "whole.onnx").read_bytes() == (mobile / "chunked.onnx").read_bytes()

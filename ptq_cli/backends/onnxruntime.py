@@ -184,6 +184,8 @@ def preprocess(model, output: Path | str) -> None:
 # What one image's activations cost, as a multiple of their bytes, while onnxruntime calibrates: the
 # session's outputs, the list the calibrator merges them into and the array a histogram is built from.
 ACTIVATION_COPIES = 3
+# A `ptq quantize` process before calibrating, as the budget counts it: Python, numpy, onnx and onnxruntime (README, Limits).
+BASE_PROCESS_BYTES = 400 * 10**6
 
 
 def activation_bytes(source) -> int:
@@ -219,7 +221,9 @@ def calibration_chunk(source, images: np.ndarray, fixed_batch: int | None, where
     budget = bounded.CALIBRATION_BYTES.value()
     per_image = ACTIVATION_COPIES * activation_bytes(source)
     model_bytes = Path(source).stat().st_size if isinstance(source, str) else source.ByteSize()
-    left = budget - bounded.resident_bytes() - 3 * model_bytes  # the augmented model, and the session's copy of it
+    # Estimated, not read from the process, so that the ranges (and the file) never depend on what else the
+    # process holds (`ptq run`, the tests): ptq itself, the images, the augmented model and the session's copy.
+    left = budget - BASE_PROCESS_BYTES - images.nbytes - 3 * model_bytes
     step = fixed_batch or 1
     if per_image * step > left:
         raise PtqError(f"{where}: calibrating needs about {per_image * step / 1e6:,.0f} MB of activations for {step} image{'s' if step > 1 else ''} at a time, "
