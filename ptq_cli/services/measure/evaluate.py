@@ -271,9 +271,7 @@ def _reference_scores(path: Path, test: LabelledImages, model: LoadedModel, batc
     """The FP32 model's scores on every image of the split, fed as `model` is."""
     key = (file_sha256(path), test.content_sha256, test.images.shape, model.preprocessing.to_json())
     if key not in _REFERENCE_SCORES:
-        stored = asdict(model.preprocessing)
-        flags = PreprocessingFlags(None, stored["scale"], tuple(stored["mean"]), tuple(stored["std"]), stored["bgr"])
-        reference = load_model(path, threads, flags)
+        reference = load_model(path, threads, as_flags(asdict(model.preprocessing)))
         if reference.info.dtype != "fp32":
             raise PtqError(f"--against-fp32: {path} is a {reference.info.dtype} model; fidelity is measured against a float model")
         if reference.num_classes != model.num_classes:
@@ -565,7 +563,11 @@ def fp32_reference(records: list[EvaluationRecord], record: EvaluationRecord) ->
 
 def flags_of(record: EvaluationRecord) -> PreprocessingFlags:
     """The preprocessing a record's images were fed with, as flags (to feed its FP32 source the same)."""
-    stored = record.preprocessing_settings or asdict(Preprocessing())
+    return as_flags(record.preprocessing_settings or asdict(Preprocessing()))
+
+
+def as_flags(stored: dict) -> PreprocessingFlags:
+    """Resolved preprocessing (Preprocessing as a dict) as the flags that feed another model the same way."""
     return PreprocessingFlags(None, stored["scale"], tuple(stored["mean"]), tuple(stored["std"]), stored["bgr"])
 
 
