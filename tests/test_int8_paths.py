@@ -216,3 +216,54 @@ def test_ptq_cpuinfo_names_another_cpuinfo_file(tmp_path, monkeypatch):
     finally:
         monkeypatch.delenv(cpu_info.CPUINFO_ENV)
         cpu_info.current.cache_clear()
+
+
+def _grouped_qdq_classifier(path, in_per_group: int, channels: int = 64) -> Path:
+    """A QDQ model whose int8 Conv has `in_per_group` input channels per group (1: depthwise), every int8
+    weight at +127 (no pair rule), after a float 1x1 Conv that spreads an RGB image of ones over `channels`
+    activations of code 255: the worst case for pairs."""
+    from onnx import helper, numpy_helper
+
+    groups = channels // in_per_group
+    weights = np.full((channels, in_per_group, 3, 3), 127, np.int8)
+    constants = {"spread": np.full((channels, 3, 1, 1), 1 / 3, np.float32), "x_scale": np.float32(1 / 255), "x_zero": np.uint8(0), "w": weights, "w_scale": np.float32(1.0), "w_zero": np.int8(0),
+                 "y_scale": np.float32(10.0), "y_zero": np.uint8(0)}
+    nodes = [helper.make_node("Conv", ["image", "spread"], ["spread_out"]),
+             helper.make_node("QuantizeLinear", ["spread_out", "x_scale", "x_zero"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "x_scale", "x_zero"], ["x"]),
+             helper.make_node("DequantizeLinear", ["w", "w_scale", "w_zero"], ["wf"]),
+             helper.make_node("Conv", ["x", "wf"], ["y"], group=groups, pads=[1, 1, 1, 1], name="conv"),
+             helper.make_node("QuantizeLinear", ["y", "y_scale", "y_zero"], ["yq"]),
+             helper.make_node("DequantizeLinear", ["yq", "y_scale", "y_zero"], ["yd"]),
+             helper.make_node("GlobalAveragePool", ["yd"], ["pooled"]),
+             helper.make_node("Flatten", ["pooled"], ["scores"])]
+    graph = helper.make_graph(nodes, "grouped", [helper.make_tensor_value_info("image", onnx.TensorProto.FLOAT, ["N", 3, 8, 8])],
+                              [helper.make_tensor_value_info("scores", onnx.TensorProto.FLOAT, ["N", channels])],
+                              [numpy_helper.from_array(np.asarray(value), name) for name, value in constants.items()])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=7), str(path))
+    return path
+
+
+@pytest.mark.parametrize("in_per_group", [1, 2])
+def test_depthwise_convolutions_cannot_saturate_and_need_no_pair_rule(tmp_path, in_per_group):
+    """onnxruntime's depthwise kernel gives the exact sums with full-range weights, so the proof and the
+    all-layers fix exempt depthwise convolutions; two input channels per group already saturate."""
+    if cpu_info.current().int8_path == cpu_info.EXACT and emulate.qemu() is None:
+        pytest.fail("a VNNI CPU without qemu-user: `make install` installs it (apt-get install qemu-user)")
+    path = _grouped_qdq_classifier(tmp_path / "grouped.onnx", in_per_group)
+    batch = np.ones((1, 3, 8, 8), np.float32)
+    if cpu_info.current().int8_path == cpu_info.SATURATING:
+        exact, saturating = load_model(path, exact_int8=True).predict(batch), load_model(path).predict(batch)
+    else:
+        exact, saturating = load_model(path).predict(batch), emulate.scores_under_emulation(path, batch)
+    proven, _ = overflow.saturation_proof(onnx.load(str(path)))
+    assert proven == (in_per_group == 1)
+    assert np.array_equal(exact, saturating) == (in_per_group == 1)
+
+
+def test_the_all_layers_fix_leaves_depthwise_weights_at_full_precision(tmp_path):
+    from synthetic import depthwise_classifier
+
+    model = onnx.load(str(depthwise_classifier(tmp_path / "dw.onnx", size=32, classes=10)))
+    assert set(overflow.weight_overrides(model, overflow.ALL_LAYERS, per_channel=True)) == {"stem_w", "pw_w", "gemm_w"}
+    assert set(overflow.weight_overrides(model, overflow.FIRST_LAYER, per_channel=True)) == {"stem_w"}

@@ -8,6 +8,9 @@ stays within 255*128 = 32,640 <= 32,767 whatever the activations and whatever pa
 That is the *pair rule*: weaker than onnxruntime's own rule (every weight in [-64, 63], i.e. 7-bit
 weights) and so cheaper in accuracy, since only a channel's two largest same-sign codes are bounded.
 s8 x s8 models are covered too: on x86 onnxruntime shifts s8 activations to u8 and runs the u8 x s8 kernel.
+Depthwise convolutions (one input and one output channel per group) are exempt: onnxruntime runs them on
+a kernel that widens to 16 bits before multiplying, so they give the same sums on both paths
+(tests/test_int8_paths.py measures it).
 """
 
 from __future__ import annotations
@@ -100,12 +103,27 @@ def _attribute(node, name: str, default: int = 0) -> int:
     return next((attribute.i for attribute in node.attribute if attribute.name == name), default)
 
 
+def is_depthwise(node, weight_dims) -> bool:
+    """A Conv with one input and one output channel per group: onnxruntime's depthwise kernel, which cannot
+    saturate."""
+    group = _attribute(node, "group", 1)
+    dims = tuple(weight_dims)
+    return node.op_type == "Conv" and group > 1 and len(dims) >= 3 and dims[1] == 1 and dims[0] == group
+
+
+def saturable_layers(model, fix: str) -> list:
+    """The weighted nodes the fix bounds: the stem or every layer, less depthwise convolutions."""
+    weights = {init.name: init.dims for init in model.graph.initializer}
+    nodes = first_layers(model) if fix == FIRST_LAYER else [node for node in model.graph.node if node.op_type in WEIGHTED_OPS]
+    return [node for node in nodes if not (len(node.input) > 1 and is_depthwise(node, weights.get(node.input[1], ())))]
+
+
 def weight_overrides(model, fix: str, per_channel: bool) -> dict[str, list[dict]]:
     """onnxruntime `TensorQuantOverrides` giving the weights of the fix's layers pair-safe scales."""
     from onnx import numpy_helper
 
     initializers = {init.name: init for init in model.graph.initializer}
-    nodes = first_layers(model) if fix == FIRST_LAYER else [node for node in model.graph.node if node.op_type in WEIGHTED_OPS]
+    nodes = saturable_layers(model, fix)
     overrides: dict[str, list[dict]] = {}
     for node in nodes:
         if len(node.input) < 2 or node.input[1] not in initializers or node.input[1] in overrides:
@@ -125,7 +143,7 @@ def weight_overrides(model, fix: str, per_channel: bool) -> dict[str, list[dict]
 
 def saturation_proof(model) -> tuple[bool, str]:
     """Whether a QDQ model provably computes the same on both x86 int8 paths: every int8 weight of a
-    Conv/Gemm/MatMul follows the pair rule. (proven, why) in a few words."""
+    Conv/Gemm/MatMul follows the pair rule or belongs to a depthwise convolution. (proven, why) in a few words."""
     import onnx
     from onnx import numpy_helper
 
@@ -145,6 +163,9 @@ def saturation_proof(model) -> tuple[bool, str]:
             continue
         codes = numpy_helper.to_array(codes_init)
         if codes.ndim < 2:
+            continue
+        if is_depthwise(node, codes.shape):
+            checked += 1  # onnxruntime's depthwise kernel widens to 16 bits first
             continue
         rows, _ = weight_rows(node.op_type, codes, bool(_attribute(node, "transB")))
         if not is_pair_safe(rows):
