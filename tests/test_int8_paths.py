@@ -5,6 +5,7 @@ assertion holds on a CPU with VNNI and on one without."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -218,7 +219,7 @@ def test_ptq_cpuinfo_names_another_cpuinfo_file(tmp_path, monkeypatch):
         cpu_info.current.cache_clear()
 
 
-def _grouped_qdq_classifier(path, in_per_group: int, channels: int = 64) -> Path:
+def _grouped_qdq_classifier(path: Path, in_per_group: int, channels: int = 64) -> Path:
     """A QDQ model whose int8 Conv has `in_per_group` input channels per group (1: depthwise), every int8
     weight at +127 (no pair rule), after a float 1x1 Conv that spreads an RGB image of ones over `channels`
     activations of code 255: the worst case for pairs."""
