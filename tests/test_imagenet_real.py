@@ -11,6 +11,8 @@ import imagenet_size
 import pytest
 from conftest import CIFAR, ptq, ptq_ok
 
+from ptq_cli import cpu as cpu_info
+
 pytestmark = pytest.mark.real_assets
 
 
@@ -39,10 +41,14 @@ def _fidelity(root: Path, model: str, int8_path: str = "exact") -> dict:
 def test_the_default_is_per_channel_on_a_depthwise_network_and_follows_fp32_far_better(lite0):
     made = _made(lite0, "efficientnet_lite0_int8.onnx")
     assert made["settings"]["per_channel"] is True and made["settings"]["calibration_samples"] == 48
+    assert made["settings"]["overflow_fix"] == "all-layers"  # ReLU6 activations: every layer kept exact
     _made(lite0, "efficientnet_lite0_per_tensor.onnx", "--per-tensor")
     default, per_tensor = _fidelity(lite0, "efficientnet_lite0_int8.onnx"), _fidelity(lite0, "efficientnet_lite0_per_tensor.onnx")
-    assert default["top1_agreement"] >= per_tensor["top1_agreement"] + 20  # measured: 77% against 29% (300 photos)
+    assert default["top1_agreement"] >= per_tensor["top1_agreement"] + 20  # measured: 66% against 20% (300 photos)
     assert default["top5_containment"] >= default["top1_agreement"]
+    # The same figures on the path this CPU does not take natively: the model computes the same on both.
+    other = _fidelity(lite0, "efficientnet_lite0_int8.onnx", "saturating" if cpu_info.current().int8_path == cpu_info.EXACT else "exact")
+    assert other["top1_agreement"] == default["top1_agreement"] and other["sqnr_db"] == pytest.approx(default["sqnr_db"])
     records = sorted((lite0 / "results").glob("efficientnet_lite0_int8.onnx-*.json"))
     assert records and all(path.stat().st_size < 200_000 for path in records)
 
@@ -53,6 +59,8 @@ def test_pytorch_quantizes_it_although_its_reshape_copies_the_batch_dimension(li
     _made(lite0, "efficientnet_lite0_pytorch_int8.pt", "--backend", "pytorch", "--calibration-size", "16")
     fidelity = _fidelity(lite0, "efficientnet_lite0_pytorch_int8.pt", "native")  # fbgemm's exact path needs VNNI
     assert fidelity["images"] == 60 and fidelity["reference_path"].endswith("efficientnet_lite0.onnx")
+    # Its convolutions before ReLU6 are quantized over ReLU6's range: 64% on 300 photos (4.7% before).
+    assert fidelity["top1_agreement"] >= 40 and fidelity["top5_containment"] >= 75
 
 
 def test_the_report_keeps_the_file_names_on_one_line_at_80_columns(lite0):

@@ -6,6 +6,7 @@ the registry, tests/imagenet_size.py) in the real-asset lane."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from ptq_cli.datasets import open_dataset
 from ptq_cli.services.calibration import build_calibration_set, sized_indices
 from ptq_cli.services.measure.evaluate import read_record
 from ptq_cli.services.measure.fidelity import compare
+from ptq_cli.transforms import overflow
+from ptq_cli.transforms.graph import clamped_activations
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +116,75 @@ def test_a_model_without_depthwise_convolutions_keeps_the_per_tensor_default(tmp
     result = invoke("quantize", "--model", "m.onnx", "--data", "data", "--output", "m_int8.onnx", "--json", cwd=tmp_path)
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["settings"]["per_channel"] is False
+    assert json.loads(result.stdout)["settings"]["overflow_fix"] == "first-layer"  # no clamped activations
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "pytorch"])
+def test_clamped_activations_make_every_layer_safe_by_default(mobile, backend):
+    """ReLU6 outputs sit at the top code, where x86 kernels without VNNI saturate in every layer: the
+    default fix covers all layers there, and a fix the user names is kept."""
+    suffix = ".pt" if backend == "pytorch" else ".onnx"
+    made = _quantize(mobile, f"clamped{suffix}", "--backend", backend)
+    assert made["settings"]["overflow_fix"] == "all-layers"
+    assert _quantize(mobile, f"named{suffix}", "--backend", backend, "--overflow-fix", "first-layer")["settings"]["overflow_fix"] == "first-layer"
+    if backend == "onnxruntime":
+        proven, _ = overflow.saturation_proof(onnx.load(str(mobile / made["output"])))
+        assert proven  # its depthwise convolution keeps full-range weights: that kernel cannot saturate
+
+
+def _clip_node(opset: int, bound: float | None):
+    from onnx import helper, numpy_helper
+
+    if opset < 11:
+        return helper.make_node("Clip", ["x"], ["y"], min=0.0, **({"max": bound} if bound is not None else {})), []
+    constants = [numpy_helper.from_array(np.float32(0.0), "low")] + ([numpy_helper.from_array(np.float32(bound), "high")] if bound is not None else [])
+    return helper.make_node("Clip", ["x", "low", "high" if bound is not None else ""], ["y"]), constants
+
+
+@pytest.mark.parametrize(("opset", "bound", "clamped"), [(13, 6.0, True), (13, None, False), (9, 6.0, True), (9, None, False)])
+def test_clamped_activations_are_clips_with_an_upper_bound(opset, bound, clamped):
+    from onnx import helper
+
+    node, constants = _clip_node(opset, bound)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])], constants)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    assert bool(clamped_activations(model)) == clamped
+
+
+@pytest.mark.parametrize("reduce_range", [False, True])
+def test_pytorch_quantizes_a_conv_before_relu6_over_relu6_s_range(reduce_range):
+    """torch.ao would quantize the output over the convolution's own range (here -30..30 from its biases):
+    a dozen codes for 0..6. Clamped, the output has 6/255 (6/127) a code and its input keeps its own range.
+    The weights follow the pair rule (or the activations are 7-bit), so no CPU saturates."""
+    import torch
+    from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+
+    from ptq_cli.backends import pytorch as torch_backend
+
+    torch.backends.quantized.engine = torch_backend.ENGINE
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU6()).eval()
+    with torch.no_grad():
+        layers[0].bias.copy_(torch.tensor([-30.0, 30.0, 0, 0, 1, 2, 3, 4]))
+    float_module = torch.fx.symbolic_trace(layers)
+    images = torch.randn(16, 3, 12, 12)
+    fix = overflow.ALL_LAYERS if reduce_range else overflow.FIRST_LAYER
+
+    def quantized(clamp: bool):
+        mapping = torch_backend.qconfig_mapping(True, "minmax", fix, tuple(torch_backend.first_layer_modules(float_module)))
+        prepared = prepare_fx(copy.deepcopy(float_module), mapping, (images[:1],))
+        if clamp:
+            assert torch_backend.clamp_conv_outputs(prepared, reduce_range) == ["0"]
+        with torch.no_grad():
+            prepared(images)
+            converted = convert_fx(prepared)
+            return converted, float((converted(images) - float_module(images)).abs().mean())
+
+    converted, clamped_error = quantized(clamp=True)
+    assert converted.get_submodule("0").scale == pytest.approx(6 / (127 if reduce_range else 255)) and converted.get_submodule("0").zero_point == 0
+    assert getattr(converted, "0_input_scale_0") < 0.1  # the input's own range (about -4..4), not ReLU6's
+    assert quantized(clamp=False)[1] > 3 * clamped_error
 
 
 def test_calibration_in_chunks_gives_the_same_model_and_an_impossible_budget_one_line(mobile, monkeypatch):

@@ -102,7 +102,7 @@ class QuantizationSettings:
     format: str  # the backend's format: "QDQ", "FX", "IR", "TFLite"...
     dtype: str  # activations: "int8" or "uint8"; names the model's data type
     weight_dtype: str
-    per_channel: bool | None  # None until the model decides: per-channel where it has depthwise convolutions (quantize.resolve_granularity)
+    per_channel: bool | None  # None until the model decides: per-channel where it has depthwise convolutions (quantize.resolve_model_defaults)
     method: str
     percentile: float | None  # only for method "percentile"
     preprocess: bool  # onnxruntime's quant_pre_process (shape inference, BN folding) before quantizing
@@ -124,7 +124,7 @@ class QuantizationSettings:
     ranges_from: str | None = None
     # Which CPUs the model is for (cpu.CPU_TARGETS) and how it is kept exact on those without VNNI.
     cpus: str = ALL
-    overflow_fix: str = NO_FIX
+    overflow_fix: str | None = NO_FIX  # None until the model decides (quantize.resolve_model_defaults)
 
 
 def _no_check(settings: dict[str, Any]) -> dict[str, Any]:
@@ -151,6 +151,7 @@ class Backend:
     methods: tuple[str, ...] = ("minmax",)  # its calibration methods; the first is the default
     per_channel: bool = True  # its default weight granularity
     overflow_fixes: tuple[str, ...] = (FIRST_LAYER, *[fix for fix in OVERFLOW_FIXES if fix != FIRST_LAYER])  # the first is the default
+    clamped_overflow_fix: str | None = None  # its default instead for a model with clamped activations (ReLU6)
     speed_target: dict[str, Any] = field(default_factory=dict)  # what `--target speed` sets for it
     options: dict[str, str] = field(default_factory=dict)  # settings only it takes -> the option that sets them
     options_word: str = ""  # what its options are called in a message ("an NNCF option")

@@ -457,7 +457,7 @@ BACKEND = Backend(
     # histogram size to it, and with its default 128 bins equal to its 128 quantized bins the KL search has
     # a single candidate, the full range (the MinMax model).
     methods=("minmax", "entropy", "percentile"), tune_methods=("minmax", "percentile"), per_channel=False,
-    overflow_fixes=(overflow.FIRST_LAYER, overflow.ALL_LAYERS), options={"space_to_depth": "--space-to-depth"},
+    overflow_fixes=(overflow.FIRST_LAYER, overflow.ALL_LAYERS), clamped_overflow_fix=overflow.ALL_LAYERS, options={"space_to_depth": "--space-to-depth"},
     check_settings=_check_settings, output_name=_output_name,
     # onnxruntime's x86 int8 kernels (VNNI) multiply unsigned activations by signed weights; int8 x int8
     # and uint8 x uint8 fall back to slower paths. Per-channel weights with percentile calibration keep the accuracy.

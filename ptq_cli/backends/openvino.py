@@ -241,7 +241,7 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
         converted.reshape({first.get_any_name(): ov.PartialShape([-1, *_dims(first.get_partial_shape())[1:]])})
     from nncf.quantization.advanced_parameters import OverflowFix
 
-    overflow_fix = {FIRST_LAYER: OverflowFix.FIRST_LAYER, ALL_LAYERS: OverflowFix.ENABLE}.get(settings.overflow_fix, OverflowFix.DISABLE)
+    overflow_fix = {FIRST_LAYER: OverflowFix.FIRST_LAYER, ALL_LAYERS: OverflowFix.ENABLE}.get(settings.overflow_fix or "", OverflowFix.DISABLE)
     advanced = nncf.AdvancedQuantizationParameters(disable_bias_correction=settings.bias_correction == "none", overflow_fix=overflow_fix)
     try:
         # NNCF draws its progress bars on stdout, which is for ptq's results (--json): they go to stderr.

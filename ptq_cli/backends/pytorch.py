@@ -170,6 +170,51 @@ def qconfig_mapping(per_channel: bool, method: str, overflow_fix: str = overflow
     return mapping
 
 
+def clamp_bounds(module) -> tuple[float, float] | None:
+    """(low, high) of a clamping activation whose quantized output can simply be its input's (ReLU6, and
+    Hardtanh from 0), else None."""
+    import torch
+
+    if isinstance(module, torch.nn.ReLU6):
+        return 0.0, 6.0
+    if isinstance(module, torch.nn.Hardtanh) and module.min_val == 0 and module.max_val > 0:
+        return 0.0, float(module.max_val)
+    return None
+
+
+def clamp_conv_outputs(prepared, reduce_range: bool) -> list[str]:
+    """Give each Conv/Linear output that feeds only a ReLU6 (onnx2torch's Clip(0, 6)) the activation's
+    range, fixed: the quantized convolution then clamps as ReLU6 does, at 6/255 a code.
+
+    torch.ao shares ReLU6's quantization parameters with its input, so without this the convolution's
+    output is quantized over its whole range (-93..90 at an EfficientNet stem: 8 codes for 0..6). The
+    observer is replaced after prepare_fx rather than set in the QConfig, since a module's QConfig also
+    observes its *input*, which would clip a normalised image to [0, 6]. Returns the modules clamped."""
+    import torch
+    from torch.ao.quantization.observer import FixedQParamsObserver, ObserverBase
+
+    clamped = []
+    quant_max = 127 if reduce_range else 255
+    for node in prepared.graph.nodes:
+        bounds = clamp_bounds(prepared.get_submodule(node.target)) if node.op == "call_module" else None
+        observed = node.args[0] if bounds is not None and node.args else None
+        if not isinstance(observed, torch.fx.Node) or observed.op != "call_module" or len(observed.users) != 1:
+            continue
+        if not isinstance(prepared.get_submodule(observed.target), ObserverBase):
+            continue
+        source = observed.args[0]
+        if not isinstance(source, torch.fx.Node) or source.op != "call_module":
+            continue
+        if not isinstance(prepared.get_submodule(source.target), (torch.nn.Conv2d, torch.nn.Linear)):
+            continue
+        low, high = bounds  # type: ignore[misc]  # bounds is set: observed is a Node only then
+        fixed = FixedQParamsObserver(scale=(high - low) / quant_max, zero_point=0, dtype=torch.quint8, quant_min=0, quant_max=quant_max)
+        prepared.add_submodule(observed.target, fixed)
+        clamped.append(str(source.target))
+    prepared.recompile()
+    return clamped
+
+
 def _batches(images: np.ndarray, fixed: int | None) -> list[np.ndarray]:
     if fixed is None:
         return [images[start : start + CALIBRATION_BATCH] for start in range(0, len(images), CALIBRATION_BATCH)]
@@ -188,8 +233,9 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     float_module = onnx_to_graph_module(model, fold=settings.preprocess)
     batches = _batches(calibration, fixed)
     example = torch.from_numpy(batches[0][:1] if fixed is None else batches[0])
-    mapping = qconfig_mapping(bool(settings.per_channel), settings.method, settings.overflow_fix, tuple(first_layer_modules(float_module)))
+    mapping = qconfig_mapping(bool(settings.per_channel), settings.method, settings.overflow_fix or overflow.NO_FIX, tuple(first_layer_modules(float_module)))
     prepared = prepare_fx(float_module, mapping, (example,))
+    clamp_conv_outputs(prepared, settings.overflow_fix == overflow.ALL_LAYERS)
     with torch.no_grad():
         for index, batch in enumerate(batches):
             if progress is not None:
@@ -316,7 +362,8 @@ BACKEND = Backend(
     summary="torch.ao FX graph mode, x86 engine, saved as TorchScript",
     # Quantizing: PyTorch's x86 default is per-channel; FX quantizes every layer it can.
     methods=("histogram", "minmax"), per_channel=True, leaves_layers_float=False,
-    overflow_fixes=(overflow.FIRST_LAYER, overflow.ALL_LAYERS), describe_overflow_fix={overflow.ALL_LAYERS: "7-bit activations"},
+    overflow_fixes=(overflow.FIRST_LAYER, overflow.ALL_LAYERS), clamped_overflow_fix=overflow.ALL_LAYERS,
+    describe_overflow_fix={overflow.ALL_LAYERS: "7-bit activations"},
     check_settings=_check_settings, describe=_describe,
     # Running: fbgemm's kernels differ by CPU, with no switch; its OpenMP threads spin after a run.
     int8_kernels_vary=True, reaches_int8_path=_reaches_int8_path, int8_basis=_int8_basis, spins_when_idle=True,

@@ -74,7 +74,7 @@ def make_settings(
         raise PtqError(f"--method: '{method}' is not a {backend} calibration method ({', '.join(row.methods)})")
     cpus, overflow_fix = _cpus(row, cpus, overflow_fix)
     return QuantizationSettings(
-        # A backend whose default is per-tensor leaves it to the model (quantize.resolve_granularity).
+        # A backend whose default is per-tensor leaves it to the model (quantize.resolve_model_defaults).
         backend=backend, format=row.format, dtype=dtype, weight_dtype=weight_dtype,
         per_channel=(row.per_channel or None) if per_channel is None else per_channel,
         method=method, percentile=_percentile(method, percentile), preprocess=preprocess, target=target, float_nodes=tuple(float_nodes),
@@ -105,8 +105,9 @@ def _percentile(method: str, percentile: float | None) -> float | None:
     return None
 
 
-def _cpus(row: backends.Backend, cpus: str | None, overflow_fix: str | None) -> tuple[str, str]:
-    """(the CPUs the model is for, how it is kept exact on those without VNNI: README, "Right on every CPU")."""
+def _cpus(row: backends.Backend, cpus: str | None, overflow_fix: str | None) -> tuple[str, str | None]:
+    """(the CPUs the model is for, how it is kept exact on those without VNNI: README, "Right on every CPU").
+    The fix is None where the backend's default depends on the model (quantize.resolve_model_defaults)."""
     cpus = cpus or ALL
     if cpus not in CPU_TARGETS:
         raise PtqError(f"--cpus: '{cpus}' is not one of {', '.join(CPU_TARGETS)}")
@@ -114,6 +115,8 @@ def _cpus(row: backends.Backend, cpus: str | None, overflow_fix: str | None) -> 
         if overflow_fix not in (None, NO_FIX):
             raise PtqError(f"--overflow-fix {overflow_fix}: --cpus vnni keeps the full 8-bit range; the fix is for --cpus all")
         return cpus, NO_FIX
+    if overflow_fix is None and row.clamped_overflow_fix is not None:
+        return cpus, None
     overflow_fix = overflow_fix or row.overflow_fixes[0]
     if overflow_fix not in row.overflow_fixes:
         raise PtqError(f"--overflow-fix: {row.name} takes {', '.join(row.overflow_fixes)}")

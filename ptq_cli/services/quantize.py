@@ -16,7 +16,7 @@ from ptq_cli.errors import PtqError
 from ptq_cli.services.calibration import CalibrationSet
 from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressCallback
-from ptq_cli.transforms.graph import depthwise_convs, upgrade_opset
+from ptq_cli.transforms.graph import clamped_activations, depthwise_convs, upgrade_opset
 
 # QDQ needs opset 10; per-channel QDQ needs 13. Older models are converted to this opset first.
 MIN_OPSET, MIN_OPSET_PER_CHANNEL, UPGRADE_OPSET = 10, 13, 13
@@ -60,12 +60,20 @@ def load_source(model_path: Path, flags: inputs.PreprocessingFlags, per_channel:
     return SourceModel(model_path, model, loaded, (note,) if note else ())
 
 
-def resolve_granularity(settings: QuantizationSettings, model) -> QuantizationSettings:
-    """Settings whose granularity was left open: per-channel weights for a model with depthwise convolutions
-    (one scale over all their channels leaves most channels a few codes), the backend's per-tensor otherwise."""
-    if settings.per_channel is not None:
-        return settings
-    return replace(settings, per_channel=bool(depthwise_convs(model)))
+def resolve_model_defaults(settings: QuantizationSettings, model) -> QuantizationSettings:
+    """Settings left open for the model to decide.
+
+    Granularity: per-channel weights for a model with depthwise convolutions (one scale over all their
+    channels leaves most channels a few codes), the backend's per-tensor otherwise. Overflow fix: the
+    backend's `clamped_overflow_fix` for a model with clamped activations (ReLU6 outputs sit at the top
+    code, where x86 kernels without VNNI saturate in every layer, not only the first), its first otherwise."""
+    if settings.per_channel is None:
+        settings = replace(settings, per_channel=bool(depthwise_convs(model)))
+    if settings.overflow_fix is None:
+        row = backends.backend(settings.backend)
+        clamped = row.clamped_overflow_fix is not None and bool(clamped_activations(model))
+        settings = replace(settings, overflow_fix=row.clamped_overflow_fix if clamped else row.overflow_fixes[0])
+    return settings
 
 
 def calibration_inputs(source: SourceModel, calibration: CalibrationSet) -> np.ndarray:
@@ -83,7 +91,7 @@ def quantize_source(source: SourceModel, output: Path, settings: QuantizationSet
     `metadata` (e.g. the validation scores `tune` measured) is stored next to the settings."""
     if prepared is None:
         prepared = calibration_inputs(source, calibration)
-    settings = resolve_granularity(settings, source.model)
+    settings = resolve_model_defaults(settings, source.model)
     stored = {
         QUANTIZATION_METADATA_KEY: json.dumps({"source_model": str(source.path), **(metadata or {})}),
         inputs.INPUT_METADATA_KEY: source.loaded.preprocessing.to_json(),
@@ -115,7 +123,7 @@ def quantize(model_path: Path, output: Path, settings: QuantizationSettings, cal
     ranges_from = Path(settings.ranges_from) if settings.ranges_from else None
     check_outputs([("--output", output, (backends.backend(settings.backend).suffix,))], [model_path, ranges_from, calibration_file])
     source = load_source(model_path, flags or inputs.PreprocessingFlags(), settings.per_channel is not False)
-    settings = with_calibration(resolve_granularity(settings, source.model), calibration)
+    settings = with_calibration(resolve_model_defaults(settings, source.model), calibration)
     written = quantize_source(source, output, settings, calibration, progress=progress)
     return QuantizeResult(model_path, output, model_path.stat().st_size, written.size_bytes, settings, written.space_to_depth,
                           source.notes + written.notes, source.loaded.describe_input(), source.loaded.preprocessing.describe())
