@@ -119,11 +119,11 @@ def test_a_model_without_depthwise_convolutions_keeps_the_per_tensor_default(tmp
     assert json.loads(result.stdout)["settings"]["overflow_fix"] == "first-layer"  # no clamped activations
 
 
-@pytest.mark.parametrize("backend", ["onnxruntime", "pytorch"])
+@pytest.mark.parametrize("backend", ["onnxruntime", "pytorch", "openvino"])
 def test_clamped_activations_make_every_layer_safe_by_default(mobile, backend):
     """ReLU6 outputs sit at the top code, where x86 kernels without VNNI saturate in every layer: the
     default fix covers all layers there, and a fix the user names is kept."""
-    suffix = ".pt" if backend == "pytorch" else ".onnx"
+    suffix = {"pytorch": ".pt", "openvino": ".xml"}.get(backend, ".onnx")
     made = _quantize(mobile, f"clamped{suffix}", "--backend", backend)
     assert made["settings"]["overflow_fix"] == "all-layers"
     assert _quantize(mobile, f"named{suffix}", "--backend", backend, "--overflow-fix", "first-layer")["settings"]["overflow_fix"] == "first-layer"

@@ -318,7 +318,7 @@ BACKEND = Backend(
     NAME, (SUFFIX,), sniff, load, quantize, format="IR", available=available, companion_suffixes=(".bin",),
     summary="openvino.convert_model, then nncf.quantize, saved as OpenVINO IR (.xml + .bin)",
     # Quantizing with NNCF: min/max statistics of its preset, then bias correction; weights per channel.
-    methods=("nncf",), per_channel=True, granularities=(True,), overflow_fixes=(FIRST_LAYER, ALL_LAYERS),
+    methods=("nncf",), per_channel=True, granularities=(True,), overflow_fixes=(FIRST_LAYER, ALL_LAYERS), clamped_overflow_fix=ALL_LAYERS,
     options={"nncf_preset": "--nncf-preset", "bias_correction": "--bias-correction", "subset_size": "--subset-size", "float_nodes": "--ignored-scope"},
     options_word="an NNCF option", choices={"nncf_preset": NNCF_PRESETS, "bias_correction": BIAS_CORRECTIONS},
     check_settings=_check_settings, describe=_describe, tune_grid=_tune_grid, float_layers=layers, fast_on_x86=_fast_on_x86,
