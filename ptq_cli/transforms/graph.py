@@ -175,6 +175,8 @@ def depthwise_convs(model) -> list[str]:
 def clamped_activations(model) -> list[str]:
     """The Clip nodes with a finite upper bound (ReLU6 and its kin): their outputs pile up at the top code,
     where pairs of u8 x s8 products overflow on x86 CPUs without VNNI far more often than after a ReLU."""
+    from onnx import numpy_helper
+
     constants = {init.name: init for init in model.graph.initializer}
     constants.update({node.output[0]: attribute.t for node in model.graph.node if node.op_type == "Constant"
                       for attribute in node.attribute if attribute.name == "value"})
@@ -184,8 +186,6 @@ def clamped_activations(model) -> list[str]:
             continue
         bound = next((attribute.f for attribute in node.attribute if attribute.name == "max"), None)  # opset < 11
         if bound is None and len(node.input) > 2 and node.input[2] in constants:
-            from onnx import numpy_helper
-
             values = numpy_helper.to_array(constants[node.input[2]])
             bound = float(values.reshape(-1)[0]) if values.size == 1 else None
         if bound is not None and np.isfinite(bound):
