@@ -171,15 +171,23 @@ def qconfig_mapping(per_channel: bool, method: str, overflow_fix: str = overflow
 
 
 def clamp_bounds(module) -> tuple[float, float] | None:
-    """(low, high) of a clamping activation whose quantized output can simply be its input's (ReLU6, and
-    Hardtanh from 0), else None."""
+    """(low, high) of a clamping activation from 0 whose quantized output can simply be its input's
+    (ReLU6, a Hardtanh(0, 6), and other Hardtanh from 0), else None."""
     import torch
 
-    if isinstance(module, torch.nn.ReLU6):
-        return 0.0, 6.0
     if isinstance(module, torch.nn.Hardtanh) and module.min_val == 0 and module.max_val > 0:
         return 0.0, float(module.max_val)
     return None
+
+
+def _module_of(graph_module, value, types):
+    """The module a graph value is the output of, if it is a call to one of `types`, else None."""
+    import torch
+
+    if not isinstance(value, torch.fx.Node) or value.op != "call_module":
+        return None
+    module = graph_module.get_submodule(value.target)
+    return module if isinstance(module, types) else None
 
 
 def clamp_conv_outputs(prepared, reduce_range: bool) -> list[str]:
@@ -196,18 +204,17 @@ def clamp_conv_outputs(prepared, reduce_range: bool) -> list[str]:
     clamped = []
     quant_max = 127 if reduce_range else 255
     for node in prepared.graph.nodes:
-        bounds = clamp_bounds(prepared.get_submodule(node.target)) if node.op == "call_module" else None
-        observed = node.args[0] if bounds is not None and node.args else None
-        if not isinstance(observed, torch.fx.Node) or observed.op != "call_module" or len(observed.users) != 1:
+        clamp = _module_of(prepared, node, torch.nn.Hardtanh)
+        bounds = clamp_bounds(clamp) if clamp is not None else None
+        if bounds is None or not node.args:
             continue
-        if not isinstance(prepared.get_submodule(observed.target), ObserverBase):
+        observed = node.args[0]
+        if _module_of(prepared, observed, ObserverBase) is None or len(observed.users) != 1:
             continue
         source = observed.args[0]
-        if not isinstance(source, torch.fx.Node) or source.op != "call_module":
+        if _module_of(prepared, source, (torch.nn.Conv2d, torch.nn.Linear)) is None:
             continue
-        if not isinstance(prepared.get_submodule(source.target), (torch.nn.Conv2d, torch.nn.Linear)):
-            continue
-        low, high = bounds  # type: ignore[misc]  # bounds is set: observed is a Node only then
+        low, high = bounds
         fixed = FixedQParamsObserver(scale=(high - low) / quant_max, zero_point=0, dtype=torch.quint8, quant_min=0, quant_max=quant_max)
         prepared.add_submodule(observed.target, fixed)
         clamped.append(str(source.target))

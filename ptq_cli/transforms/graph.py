@@ -165,11 +165,20 @@ def depthwise_convs(model) -> list[str]:
     names = []
     weights = {init.name: tuple(init.dims) for init in model.graph.initializer}
     for node in model.graph.node:
-        group = next((attribute.i for attribute in node.attribute if attribute.name == "group"), 1)
         shape = weights.get(node.input[1]) if node.op_type == "Conv" and len(node.input) > 1 else None
-        if group > 1 and shape is not None and len(shape) == 4 and shape[1] == 1 and shape[0] >= group:
+        if shape is not None and len(shape) == 4 and depthwise_multiplier(node, shape):
             names.append(node.name or node.output[0])
     return names
+
+
+def depthwise_multiplier(node, weight_dims) -> int:
+    """Output channels per group of a Conv with one input channel per group and more than one group
+    (a depthwise convolution; 1 for the plain kind), else 0."""
+    group = next((attribute.i for attribute in node.attribute if attribute.name == "group"), 1)
+    dims = tuple(weight_dims)
+    if node.op_type != "Conv" or group <= 1 or len(dims) < 3 or dims[1] != 1 or dims[0] < group:
+        return 0
+    return dims[0] // group
 
 
 def clamped_activations(model) -> list[str]:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ptq_cli.transforms.graph import depthwise_multiplier
+
 PAIR_LIMIT = 128  # 255 * 128 = 32,640 <= 32,767
 WEIGHTED_OPS = ("Conv", "Gemm", "MatMul")
 # Overflow fixes (`--overflow-fix`): the layers whose weights follow the pair rule.
@@ -105,10 +107,8 @@ def _attribute(node, name: str, default: int = 0) -> int:
 
 def is_depthwise(node, weight_dims) -> bool:
     """A Conv with one input and one output channel per group: onnxruntime's depthwise kernel, which cannot
-    saturate."""
-    group = _attribute(node, "group", 1)
-    dims = tuple(weight_dims)
-    return node.op_type == "Conv" and group > 1 and len(dims) >= 3 and dims[1] == 1 and dims[0] == group
+    saturate (with two output channels per group it already can)."""
+    return depthwise_multiplier(node, weight_dims) == 1
 
 
 def saturable_layers(model, fix: str) -> list:
