@@ -185,6 +185,19 @@ def check_outputs(outputs: list[tuple[str, Path | None, tuple[str, ...]]], input
             written[key] = (option, given)
 
 
+def check_outside(outputs: list[Path], folders: list[Path | None]) -> None:
+    """No output is written inside a folder the command reads images from (`--data`, `--calibration-data`):
+    the next read would meet ptq's own file among the images."""
+    for folder in folders:
+        if folder is None or not Path(folder).is_dir():
+            continue
+        root = Path(folder).resolve()
+        for output in outputs:
+            if Path(output).resolve().is_relative_to(root):
+                raise PtqError(f"{output}: ptq would write it inside {folder}, a folder it reads images from; "
+                               "run it from another directory, or move the images")
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

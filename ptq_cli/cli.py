@@ -38,6 +38,7 @@ from ptq_cli.services import models as models_service
 from ptq_cli.services import prune as prune_service
 from ptq_cli.services import quant_settings
 from ptq_cli.services import quantize as quantize_service
+from ptq_cli.services import stem as stem_service
 from ptq_cli.services.measure import benchmark as benchmark_service
 from ptq_cli.services.measure import emulate as emulate_service
 from ptq_cli.services.measure import evaluate as evaluate_service
@@ -186,6 +187,7 @@ Runtime = _choices("Runtime", backends.runtimes())
 Precision = _choices("Precision", backends.precisions())
 Cpus = _choices("Cpus", cpu_info.CPU_TARGETS)
 OverflowFix = _choices("OverflowFix", overflow.OVERFLOW_FIXES)
+Stem = _choices("Stem", stem_service.STEM_CHOICES)
 # Each backend's own words, from the table.
 BACKENDS_HELP = ". ".join(f"{row.name}: {row.summary}" for row in backends.TABLE.values() if row.quantize is not None) + "."
 MODELS_HELP = f"Model file ({', '.join(backends.suffixes())}); repeat for several. (default: every model in models/)"
@@ -198,6 +200,10 @@ CpusOption = Annotated[
 OverflowFixOption = Annotated[
     OverflowFix | None,
     typer.Option(help="With --cpus all: the layers whose int8 weights are bounded so that no pair of u8 x s8 products overflows int16 (the pair rule): first-layer (where the input's full range meets them; measured) or all-layers (proven: the model cannot saturate). Depthwise convolutions are exempt: their kernel cannot saturate. PyTorch's all-layers keeps 7-bit activations instead; LiteRT needs nothing. (default: all-layers for a model with clamped activations such as ReLU6, whose outputs sit at the top code; first-layer otherwise)", show_default=False, rich_help_panel="Deployment"),
+]
+StemOption = Annotated[
+    Stem,
+    typer.Option(help=f"The stem, the layers the image enters first: float leaves them (and the image) unquantized, a few percent of the compute; int8 quantizes them. auto measures: float where the stem's weights alone, quantized as these settings would, take the output's SQNR below {stem_service.STEM_FLOAT_BELOW_DB:g} dB on {stem_service.PROBE_IMAGES} calibration images. LiteRT is always int8."),
 ]
 # Where a model runs: ONNX files on onnxruntime unless told; OpenVINO IR always on OpenVINO.
 RuntimeOption = Annotated[
@@ -484,6 +490,7 @@ def quantize(
     ranges_from: Annotated[Path | None, typer.Option(help="An onnxruntime QDQ model ptq quantized from the same FP32 model: its activation ranges (scale, zero point) replace the converter's calibration, tensor by tensor, so both models compute on the same grid.", show_default=False, rich_help_panel="LiteRT (--backend litert)")] = None,
     cpus: CpusOption = Cpus("all"),
     overflow_fix: OverflowFixOption = None,
+    stem: StemOption = Stem(stem_service.AUTO),
     choice: DataChoice = NO_CHOICE,
     as_json: JsonFlag = False,
 ) -> None:
@@ -497,6 +504,7 @@ def quantize(
         dtype and dtype.value, backend.value, weight_dtype and weight_dtype.value, per_channel, method and method.value, percentile, graph_preprocess,
         target and target.value, space_to_depth, nncf_preset and nncf_preset.value, bias_correction and bias_correction.value, subset_size,
         tuple(ignored_scope or ()), io and io.value, str(ranges_from) if ranges_from else None, cpus=cpus.value, overflow_fix=overflow_fix and overflow_fix.value,
+        stem=stem.value,
     )
     models_service.load_model(model, 1, choice.flags)  # a bad model (its input, its output on one image) fails before any calibration work
     if ranges_from is not None:
@@ -649,6 +657,7 @@ def tune(
     validation_per_class: ValidationPerClass = settings.VALIDATION_PER_CLASS,
     output: Annotated[Path | None, typer.Option(help="Where to write the chosen model. (default: beside the model, <model>_<dtype>_tuned.onnx, <model>_pytorch_int8_tuned.pt or <model>_openvino_int8_tuned.xml)", show_default=False)] = None,
     results_dir: Annotated[Path, typer.Option(help="The record of the search goes to RESULTS_DIR/tuning/<output>.json.")] = settings.RESULTS_DIR,
+    stem: StemOption = Stem(stem_service.AUTO),
     choice: DataChoice = NO_CHOICE,
     as_json: JsonFlag = False,
 ) -> None:
@@ -672,6 +681,7 @@ def tune(
             progress=progress,
             backend=backend.value,
             flags=choice.flags,
+            stem=stem.value,
         )
     _emit(as_json, result, render.tuning(result))
 
@@ -747,7 +757,7 @@ def evaluate(
 @_with_data(calibration=False)
 def benchmark(
     model: Annotated[list[Path] | None, typer.Option(help=MODELS_HELP, show_default=False)] = None,
-    batch_size: Annotated[int, typer.Option(min=1, help="Batch size for the throughput measurement (latency is always at batch 1).")] = 256,
+    batch_size: Annotated[int | None, typer.Option(min=1, help=f"Batch size for the throughput measurement (latency is always at batch 1). (default: {benchmark_service.DEFAULT_BATCH} at 32x32; a larger input as many pixels a batch, at least {benchmark_service.MIN_BATCH} images: 16 at 224x224)", show_default=False)] = None,
     threads: ThreadsOption = None,
     runs: RunsOption = 100,
     results_dir: Annotated[Path, typer.Option(help="Records go to RESULTS_DIR/benchmarks/<model file>.json, read by `ptq report`.")] = settings.RESULTS_DIR,

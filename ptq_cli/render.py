@@ -28,6 +28,7 @@ from ptq_cli.services.measure.sweep_records import SweepResult
 from ptq_cli.services.prune import PruneResult
 from ptq_cli.services.quant_settings import describe_cpus, short_node
 from ptq_cli.services.quantize import QuantizeResult
+from ptq_cli.services.stem import describe_stem
 from ptq_cli.services.study.pipeline import RunResult
 from ptq_cli.services.study.tune import TuneResult, describe
 
@@ -125,6 +126,7 @@ def quantization(result: QuantizeResult) -> Table:
             ("activations / weights", f"{settings.dtype} / {settings.weight_dtype}"),
             ("granularity", "per-channel" if settings.per_channel else "per-tensor"),
             ("CPUs", describe_cpus(dataclasses.asdict(settings)) or "-"),
+            ("stem", describe_stem(settings.stem, settings.stem_sqnr_db)),
             *((("input / output tensors", settings.io),) if settings.io else ()),
             ("calibration method", method),
             ("calibration samples", f"{settings.calibration_samples} (seed {settings.calibration_seed}, {settings.calibration_source})"),

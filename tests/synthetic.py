@@ -165,3 +165,37 @@ def photo_folder(root: Path, count: int = 30, size: int = 224, seed: int = 0) ->
     for index, image in enumerate(images[:count]):
         Image.fromarray(image).save(root / f"photo_{index:03d}.jpg", quality=90)
     return root
+
+
+def cancelling_stem_classifier(path: Path, size: int = 16, cancelling: bool = True) -> Path:
+    """NCHW 3 x size x size -> Mul by 1/255 (normalisation in the graph, which onnxruntime quantizes) -> stem
+    Conv 3->4 (3x3) -> global mean -> Gemm -> 3 scores, whose stem is ruined by 8-bit weights: each filter has
+    +1 on red and -1 on green at its centre, which cancel on grey images, and carries the image in weights of
+    about 0.004, half a code of the scale the +-1 set. Without `cancelling` the stem is the small weights
+    alone (8-bit weights then cost it little)."""
+    rng = np.random.default_rng(5)
+    stem = rng.uniform(0.002, 0.006, (4, 3, 3, 3)).astype(np.float32) * rng.choice([-1.0, 1.0], (4, 3, 3, 3)).astype(np.float32)
+    if cancelling:
+        stem[:, 0, 1, 1], stem[:, 1, 1, 1] = 1.0, -1.0
+    gemm = rng.normal(0, 1.0, (4, 3)).astype(np.float32)
+    nodes = [helper.make_node("Mul", ["image", "unit"], ["scaled"]),
+             helper.make_node("Conv", ["scaled", "stem_w"], ["stem"], pads=[1, 1, 1, 1]),
+             helper.make_node("GlobalAveragePool", ["stem"], ["pooled"]),
+             helper.make_node("Flatten", ["pooled"], ["flat"]),
+             helper.make_node("Gemm", ["flat", "gemm_w"], ["scores"])]
+    graph = helper.make_graph(nodes, "stem", [helper.make_tensor_value_info("image", onnx.TensorProto.FLOAT, ["N", 3, size, size])],
+                              [helper.make_tensor_value_info("scores", onnx.TensorProto.FLOAT, ["N", 3])],
+                              [numpy_helper.from_array(stem, "stem_w"), numpy_helper.from_array(gemm, "gemm_w"),
+                               numpy_helper.from_array(np.float32(1 / 255), "unit")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=7), str(path))
+    return path
+
+
+def grey_folder(root: Path, count: int = 24, size: int = 16, seed: int = 0) -> Path:
+    """ROOT/*.png: `count` unlabelled grey images (red = green = blue, exactly: PNG is lossless)."""
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    for index in range(count):
+        grey = rng.integers(0, 256, (size, size), dtype=np.uint8)
+        Image.fromarray(np.repeat(grey[:, :, None], 3, axis=2)).save(root / f"grey_{index:03d}.png")
+    return root

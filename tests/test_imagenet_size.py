@@ -209,6 +209,69 @@ def test_calibration_in_chunks_gives_the_same_model_and_an_impossible_budget_one
     assert not (mobile / "no.onnx").exists()
 
 
+@pytest.mark.parametrize("method,symmetric", [("percentile", True), ("percentile", False), ("entropy", False)])
+def test_the_threaded_histogram_collector_builds_onnxruntime_s_own_histograms(method, symmetric):
+    """Histograms built one tensor per thread are onnxruntime's, bin for bin and in the same tensor order,
+    over several chunks (the later ones extending the bins)."""
+    from onnxruntime.quantization import calibrate
+
+    from ptq_cli.backends import onnxruntime as ort_backend
+
+    calibrator = type("Calibrator", (), {"method": method, "symmetric": symmetric, "num_bins": 64, "num_quantized_bins": 16,
+                                         "percentile": 99.9, "scenario": "same"})()
+    threaded = ort_backend._threaded_collector(calibrator, calibrate)
+    own = calibrate.HistogramCollector(method, symmetric, 64, 16, 99.9, "same")
+    rng = np.random.default_rng(0)
+    for chunk in range(3):
+        arrays = {f"t{index}": [rng.normal(0, 1 + chunk + index, (2, 8, 5, 5)).astype(np.float32)] for index in (3, 1, 2, 0)}
+        threaded.collect(arrays)
+        own.collect(arrays)
+    assert list(threaded.histogram_dict) == list(own.histogram_dict) == ["t3", "t1", "t2", "t0"]
+    for name, histogram in own.histogram_dict.items():
+        assert all(np.array_equal(ours, theirs) for ours, theirs in zip(threaded.histogram_dict[name], histogram, strict=True))
+
+
+def test_percentile_calibration_on_threads_gives_the_same_file(mobile, monkeypatch):
+    from ptq_cli.backends import onnxruntime as ort_backend
+
+    monkeypatch.setattr(ort_backend, "HISTOGRAM_THREADS", 4)
+    _quantize(mobile, "threads4.onnx", "--calibration-size", "12", "--method", "percentile")
+    monkeypatch.setattr(ort_backend, "HISTOGRAM_THREADS", 1)
+    _quantize(mobile, "threads1.onnx", "--calibration-size", "12", "--method", "percentile")
+    assert (mobile / "threads4.onnx").read_bytes() == (mobile / "threads1.onnx").read_bytes()
+
+
+def test_onnxruntime_s_clipped_biases_are_a_note_not_log_lines(tmp_path):
+    """A bias far beyond int32 at its scale (input scale x tiny uint8 weights' scale): onnxruntime logs a
+    warning per bias tensor on the root logger; ptq says it once, in the result."""
+    from onnx import helper, numpy_helper
+
+    nodes = [helper.make_node("Conv", ["image", "w", "b"], ["conv"]), helper.make_node("GlobalAveragePool", ["conv"], ["pooled"]),
+             helper.make_node("Flatten", ["pooled"], ["scores"])]
+    weights = np.full((3, 3, 1, 1), 1e-7, np.float32)
+    graph = helper.make_graph(nodes, "biased", [helper.make_tensor_value_info("image", onnx.TensorProto.FLOAT, ["N", 3, 8, 8])],
+                              [helper.make_tensor_value_info("scores", onnx.TensorProto.FLOAT, ["N", 3])],
+                              [numpy_helper.from_array(weights, "w"), numpy_helper.from_array(np.array([1e6, -1e6, 0.0], np.float32), "b")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=7), str(tmp_path / "biased.onnx"))
+    photo_folder(tmp_path / "cal", 6, size=8)
+    result = invoke("quantize", "--model", "biased.onnx", "--data", "cal", "--calibration-data", "cal", "--output", "q.onnx", "--stem", "int8", "--dtype", "uint8", "--json", cwd=tmp_path)
+    assert result.exit_code == 0, result.output
+    assert "WARNING" not in result.stderr and "exceeds the range" not in result.stderr
+    assert "onnxruntime clipped the int32 biases of 1 layer:" in " ".join(json.loads(result.stdout)["notes"])
+
+
+def test_run_refuses_to_write_its_calibration_set_into_the_user_s_calibration_folder(tmp_path):
+    """`ptq run` keeps its calibration sets in ./calibration/: a folder of photos of that name is left alone."""
+    depthwise_classifier(tmp_path / "dw.onnx")
+    photo_folder(tmp_path / "calibration", 6, seed=1)
+    photo_folder(tmp_path / "photos", 6, seed=2)
+    before = sorted(path.name for path in (tmp_path / "calibration").iterdir())
+    result = invoke("run", "--model", "dw.onnx", "--data", "photos", "--calibration-data", "calibration", cwd=tmp_path)
+    assert result.exit_code == 2
+    one_line_error(result, "a folder it reads images from")
+    assert sorted(path.name for path in (tmp_path / "calibration").iterdir()) == before
+
+
 def test_the_report_without_labels_ranks_by_agreement_and_fits_80_columns(mobile):
     _quantize(mobile, "dw_int8.onnx")
     assert invoke("evaluate", "--model", "dw_int8.onnx", "--data", "photos", cwd=mobile).exit_code == 0

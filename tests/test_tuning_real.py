@@ -69,7 +69,7 @@ def test_tune_with_an_impossible_budget_keeps_the_best_and_never_reads_the_test_
 
 def test_tune_text_output_says_no_candidate_met_the_budget(pipeline, train_only_data, tmp_path):
     run = ptq(
-        "tune", "--max-drop", "0", "--method", "minmax", "--per-tensor", "--max-float-layers", "0", "--validation-per-class", "50",
+        "tune", "--max-drop", "0", "--method", "minmax", "--per-tensor", "--max-float-layers", "0", "--validation-per-class", "50", "--stem", "int8",
         "--data-dir", train_only_data, "--output", tmp_path / "t.onnx", "--results-dir", tmp_path / "r", cwd=pipeline,
     )
     assert run.returncode == 0, run.stderr

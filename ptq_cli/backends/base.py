@@ -125,6 +125,10 @@ class QuantizationSettings:
     # Which CPUs the model is for (cpu.CPU_TARGETS) and how it is kept exact on those without VNNI.
     cpus: str = ALL
     overflow_fix: str | None = NO_FIX  # None until the model decides (quantize.resolve_model_defaults)
+    # The stem (the layers the image enters): "float" or "int8"; None until measured (services/stem.py),
+    # with the output SQNR its int8 weights alone gave.
+    stem: str | None = None
+    stem_sqnr_db: float | None = None
 
 
 def _no_check(settings: dict[str, Any]) -> dict[str, Any]:
@@ -169,6 +173,7 @@ class Backend:
     tune_methods: tuple[str, ...] | None = None  # searched by default (else all its methods)
     granularities: tuple[bool, ...] = (True, False)  # per-channel, per-tensor: what it can do
     leaves_layers_float: bool = True
+    float_stem: bool = True  # whether it can leave the stem in float (`QuantizationSettings.stem`)
     float_layers: Callable[[Any], list[str]] | None = None
     fast_on_x86: Callable[[QuantizationSettings], bool] = _fast_when_u8s8  # its x86 fast configuration
     # Runtime side.
@@ -231,6 +236,14 @@ def short_node(name: str) -> str:
     return name.split("/")[-2] if "/" in name else name
 
 
+def float_parts(settings: dict) -> list[str]:
+    """The layers a model keeps in float, in words: its float stem, then the named layers."""
+    parts = ["float stem"] if settings.get("stem") == "float" else []
+    if settings.get("float_nodes"):
+        parts.append("float: " + ", ".join(short_node(name) for name in settings["float_nodes"]))
+    return parts
+
+
 def describe_settings(settings: dict, types: str | None = None) -> str:
     """The common description of stored settings (a dict: records hold JSON), e.g. "QDQ a:uint8 w:int8,
     per-channel, percentile 99.999, 1000 samples, float: conv2d_1"; `types` for a backend that names them
@@ -242,8 +255,7 @@ def describe_settings(settings: dict, types: str | None = None) -> str:
         settings.get("method", "?") + (f" {settings['percentile']:g}" if settings.get("percentile") else ""),
         f"{settings.get('calibration_samples', '?')} samples",
     ]
-    if settings.get("float_nodes"):
-        parts.append("float: " + ", ".join(short_node(name) for name in settings["float_nodes"]))
+    parts += float_parts(settings)
     if settings.get("space_to_depth_convs"):
         parts.append("space-to-depth: " + ", ".join(short_node(rewrite["node"]) for rewrite in settings["space_to_depth_convs"]))
     return ", ".join(parts)

@@ -494,7 +494,7 @@ BACKEND = Backend(
     summary="the TFLite converter, full-integer int8 .tflite for TFLite Micro",
     # Quantizing: the TFLite converter's min/max, or ptq's percentile rule (onnxruntime's histogram
     # collector) on the same tensors; XNNPACK widens to int16 before adding, so no overflow fix.
-    methods=("minmax", "percentile"), per_channel=True, overflow_fixes=(NO_FIX,),
+    methods=("minmax", "percentile"), per_channel=True, overflow_fixes=(NO_FIX,), float_stem=False,  # full-integer: every layer int8
     options={"io": "--io", "ranges_from": "--ranges-from"}, options_word="a LiteRT option", choices={"io": IO_TYPES},
     check_settings=_check_settings, describe=_describe, output_name=_output_name,
     tune_refused="--backend litert: tune searches onnxruntime, pytorch and openvino; for TFLite use ptq quantize --backend litert "

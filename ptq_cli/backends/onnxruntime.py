@@ -6,6 +6,8 @@ import contextlib
 import hashlib
 import io
 import json
+import logging
+import os
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
@@ -288,38 +290,56 @@ def _in_chunks(reader, fitting: int, extra_options: dict) -> None:
     extra_options["CalibStridedMinMax"] = reader.stride
 
 
-@contextlib.contextmanager
-def _one_pass_histograms(reader, chunked: bool):
-    """Histograms over chunks that are the one-pass histograms, bin for bin.
+# Threads that build histograms, one tensor each: numpy's sort, which dominates, releases the GIL.
+HISTOGRAM_THREADS = min(4, os.cpu_count() or 1)
 
-    onnxruntime's histogram calibrators (percentile, entropy) size each tensor's bins on the first chunk
-    and extend them as later chunks reach further, so chunked calibration would find other ranges than
-    one pass over the whole set (ResNet8's speed model: 86.66% against 87.06%). Where it chunks, a MinMax
-    pass over the same chunks first finds each tensor's largest magnitude, and the histogram collector
-    starts from empty histograms over exactly the range one pass would have used: every chunk then adds
-    its counts to the same bins."""
+
+def _threaded_collector(calibrator, calibrate):
+    """onnxruntime's own histogram collector for `calibrator`, its tensors spread over HISTOGRAM_THREADS: each
+    tensor's histogram is built by the same code from the same data, and the tensors keep their order."""
+
+    class ThreadedHistogramCollector(calibrate.HistogramCollector):
+        def collect(self, name_to_arr):
+            order = [*self.histogram_dict, *(name for name in name_to_arr if name not in self.histogram_dict)]
+            with ThreadPoolExecutor(HISTOGRAM_THREADS, thread_name_prefix="ptq-histogram") as pool:
+                list(pool.map(lambda item: calibrate.HistogramCollector.collect(self, dict([item])), name_to_arr.items()))
+            self.histogram_dict = {name: self.histogram_dict[name] for name in order}
+
+    return ThreadedHistogramCollector(method=calibrator.method, symmetric=calibrator.symmetric, num_bins=calibrator.num_bins,
+                                      num_quantized_bins=calibrator.num_quantized_bins, percentile=calibrator.percentile,
+                                      scenario=calibrator.scenario)
+
+
+@contextlib.contextmanager
+def _histograms(reader, chunked: bool):
+    """onnxruntime's histogram calibrators (percentile, entropy), with threaded collectors, and over chunks
+    the one-pass histograms, bin for bin.
+
+    They size each tensor's bins on the first chunk and extend them as later chunks reach further, so
+    chunked calibration would find other ranges than one pass over the whole set (ResNet8's speed model:
+    86.66% against 87.06%). Where ptq chunks, a MinMax pass over the same chunks first finds each tensor's
+    largest magnitude, and the histogram collector starts from empty histograms over exactly the range one
+    pass would have used: every chunk then adds its counts to the same bins."""
     import importlib
 
     from onnxruntime.quantization import calibrate
 
     ort_quantize = importlib.import_module("onnxruntime.quantization.quantize")  # the module: the package exports its function
-    if not chunked:
-        yield
-        return
     real = ort_quantize.create_calibrator
 
     def seeded(model, op_types, augmented_model_path="augmented_model.onnx", calibrate_method=None, **options):
         calibrator = real(model, op_types, augmented_model_path=augmented_model_path, calibrate_method=calibrate_method, **options)
         if not isinstance(calibrator, calibrate.HistogramCalibrater) or calibrator.method == "distribution":
             return calibrator
+        collector = _threaded_collector(calibrator, calibrate)
+        calibrator.collector = collector
+        if not chunked:
+            return calibrator
         ranges = real(model, op_types, augmented_model_path=str(Path(augmented_model_path).with_suffix(".minmax.onnx")),
                       calibrate_method=calibrate.CalibrationMethod.MinMax, **{**options, "extra_options": {}})
         for start in range(0, len(reader), reader.stride):
             reader.set_range(start, start + reader.stride)
             ranges.collect_data(reader)
-        collector = calibrate.HistogramCollector(method=calibrator.method, symmetric=calibrator.symmetric, num_bins=calibrator.num_bins,
-                                                 num_quantized_bins=calibrator.num_quantized_bins, percentile=calibrator.percentile,
-                                                 scenario=calibrator.scenario)
         absolute = collector.method == "percentile" and collector.symmetric  # histograms of |x|, from its smallest to its largest
         for name, found in ranges.compute_data().data.items():
             low, high = (np.float32(value) for value in np.asarray(found.range_value, dtype=np.float32).reshape(-1)[:2])
@@ -332,7 +352,6 @@ def _one_pass_histograms(reader, chunked: bool):
                 threshold = np.array(max(abs(low), abs(high)), dtype=np.float32)
                 empty, edges = np.histogram(np.zeros(0, np.float32), collector.num_bins, range=(-threshold, threshold))
                 collector.histogram_dict[name] = (empty, edges, lowest, highest, threshold)
-        calibrator.collector = collector
         reader.set_range(0, len(reader))
         return calibrator
 
@@ -344,27 +363,70 @@ def _one_pass_histograms(reader, chunked: bool):
         setattr(ort_quantize, "create_calibrator", real)  # noqa: B010
 
 
-def _graph_to_quantize(model, settings: QuantizationSettings, workdir: Path) -> tuple[Any, list[Rewrite], dict | None]:
+def stem_nodes(graph) -> list[str]:
+    """The names of the stem's weighted nodes (`overflow.first_layers`) and of every node between the input and
+    them, unnamed ones named here so that quantize_static can leave them in float. A float stem whose input
+    came from a DequantizeLinear would not stay float: onnxruntime's optimizer quantizes the weights of a
+    float Conv between a DequantizeLinear and a QuantizeLinear when it loads the model."""
+    names = {node.name for node in graph.graph.node}
+    stem, before = overflow.walk_to_stem(graph)
+    for index, node in enumerate([*stem, *before]):
+        if not node.name:
+            node.name = next(name for name in (f"ptq_stem_{index}_{suffix}" for suffix in range(len(names) + 1)) if name not in names)
+            names.add(node.name)
+    return [node.name for node in [*stem, *before]]
+
+
+def _graph_to_quantize(model, settings: QuantizationSettings, workdir: Path) -> tuple[Any, list[Rewrite], dict | None, list[str]]:
     """(what quantize_static takes: the ModelProto or a rewritten graph's path, the space-to-depth rewrites,
-    the weight scale overrides of the overflow fix): onnxruntime's pre-processing, then ptq's rewrites."""
+    the weight scale overrides of the overflow fix, the nodes left in float): onnxruntime's pre-processing,
+    then ptq's rewrites."""
     import onnx
 
     source = model
     if settings.preprocess:
         source = str(workdir / "preprocessed.onnx")
         preprocess(model, source)
+    graph = onnx.load(source) if isinstance(source, str) else onnx.ModelProto.FromString(model.SerializeToString())
+    float_nodes = list(settings.float_nodes)
+    if settings.stem == "float":
+        float_nodes += [name for name in stem_nodes(graph) if name not in float_nodes]
+    missing = sorted(set(float_nodes) - {node.name for node in graph.graph.node})
+    if missing:
+        raise PtqError(f"{model.graph.name or 'model'}: no node named '{missing[0]}' to leave in float")
     rewrites: list[Rewrite] = []
     if settings.space_to_depth:
-        graph = onnx.load(source) if isinstance(source, str) else onnx.ModelProto.FromString(model.SerializeToString())
-        graph, rewrites = space_to_depth_convs(graph, skip=set(settings.float_nodes))  # a float conv gains nothing
-        if rewrites:
-            source = str(workdir / "space_to_depth.onnx")
-            onnx.save(graph, source)
+        graph, rewrites = space_to_depth_convs(graph, skip=set(float_nodes))  # a float conv gains nothing
+    source = str(workdir / "to_quantize.onnx")
+    onnx.save(graph, source)
     overrides = None
     if settings.overflow_fix in overflow.OVERFLOW_FIXES and settings.weight_dtype == "int8":
-        graph = onnx.load(source) if isinstance(source, str) else model
-        overrides = overflow.weight_overrides(graph, settings.overflow_fix, bool(settings.per_channel))
-    return source, rewrites, overrides
+        overrides = overflow.weight_overrides(graph, settings.overflow_fix, bool(settings.per_channel), set(float_nodes))
+    return source, rewrites, overrides, float_nodes
+
+
+@contextlib.contextmanager
+def _library_warnings(into: list[str]):
+    """onnxruntime.quantization's warnings (logging.warning on the root logger), kept for the result's notes
+    rather than printed among ptq's output."""
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            into.append(record.getMessage())
+
+    root, handler = logging.getLogger(), Keep(logging.WARNING)
+    root.addHandler(handler)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+
+
+def _warning_notes(warnings: list[str]) -> list[str]:
+    clipped = [line for line in warnings if "exceeds the range of a int32" in line]
+    notes = [f"onnxruntime clipped the int32 biases of {len(clipped)} layer{'s' if len(clipped) > 1 else ''}: their scale "
+             "(input scale x weight scale) is too small for them"] if clipped else []
+    return notes + [f"onnxruntime: {line}" for line in dict.fromkeys(warnings) if line not in clipped][:3]
 
 
 def quantize(model, output: Path, settings: QuantizationSettings, calibration: np.ndarray, stored: dict[str, str],
@@ -389,14 +451,16 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
             notes.append(f"fixed batch {described.batch} made symbolic in the quantized model (same outputs)")
 
     with tempfile.TemporaryDirectory(prefix="ptq-quantize-") as workdir:
-        source, rewrites, overrides = _graph_to_quantize(model, settings, Path(workdir))
+        source, rewrites, overrides, float_nodes = _graph_to_quantize(model, settings, Path(workdir))
         if overrides is not None:
             extra_options["TensorQuantOverrides"] = overrides
         fitting = calibration_chunk(source, calibration, fixed_batch, model.graph.name or "model")
         reader = _reader(described.name, calibration, fixed_batch, progress)
         _in_chunks(reader, fitting, extra_options)
         # quantize_static print()s its histogram progress; stdout belongs to ptq's own output (--json).
-        with atomic_output(output) as tmp, contextlib.redirect_stdout(io.StringIO()), _one_pass_histograms(reader, "CalibStridedMinMax" in extra_options):
+        warnings: list[str] = []
+        with atomic_output(output) as tmp, contextlib.redirect_stdout(io.StringIO()), _histograms(reader, "CalibStridedMinMax" in extra_options), \
+                _library_warnings(warnings):
             try:
                 quantize_static(
                     source, str(tmp), reader,
@@ -405,7 +469,7 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
                     activation_type=quant_types[settings.dtype],
                     weight_type=quant_types[settings.weight_dtype],
                     calibrate_method=methods[settings.method],
-                    nodes_to_exclude=list(settings.float_nodes),
+                    nodes_to_exclude=float_nodes,
                     extra_options=extra_options,
                 )
             except PtqError:
@@ -423,7 +487,7 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
             props.update({key: value for key, value in metadata(model).items() if key == base.PRUNING_METADATA_KEY})  # a pruned source stays described
             onnx.helper.set_model_props(quantized, props)
             onnx.save(quantized, str(tmp))
-            return QuantizedFile(tmp.stat().st_size, tuple(rewrites), tuple(notes))
+            return QuantizedFile(tmp.stat().st_size, tuple(rewrites), tuple(notes + _warning_notes(warnings)))
 
 
 def _check_settings(settings: dict) -> dict:

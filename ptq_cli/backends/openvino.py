@@ -23,7 +23,7 @@ import numpy as np
 
 from ptq_cli import inputs
 from ptq_cli.backends import base
-from ptq_cli.backends.base import Backend, LoadedModel, ProgressCallback, QuantizationSettings, QuantizedFile, RunOptions, finish_load, short_node
+from ptq_cli.backends.base import Backend, LoadedModel, ProgressCallback, QuantizationSettings, QuantizedFile, RunOptions, finish_load, float_parts
 from ptq_cli.backends.model_file import in_fixed_batches, metadata_object, model_input, num_classes, read_bytes, read_onnx, resolve_threads
 from ptq_cli.errors import PtqError
 from ptq_cli.transforms.overflow import ALL_LAYERS, FIRST_LAYER
@@ -208,6 +208,22 @@ def _weighted_layers(converted) -> list[str]:
     return [op.get_friendly_name() for op in converted.get_ordered_ops() if op.get_type_name() in WEIGHTED_OPS]
 
 
+def _stem_layers(converted) -> list[str]:
+    """The weighted layers the input reaches without passing another one (the stem), by name."""
+    frontier, seen, found = list(converted.get_parameters()), set(), []
+    while frontier:
+        for output in frontier.pop().outputs():
+            for target in output.get_target_inputs():
+                op = target.get_node()
+                if op.get_type_name() in WEIGHTED_OPS:
+                    if op.get_friendly_name() not in found:
+                        found.append(op.get_friendly_name())
+                elif op.get_friendly_name() not in seen:
+                    seen.add(op.get_friendly_name())
+                    frontier.append(op)
+    return found
+
+
 def layers(model) -> list[str]:
     """The names of the layers NNCF quantizes in the ONNX model (onnx.ModelProto), in graph order: what
     --ignored-scope and tune's float stage name."""
@@ -235,6 +251,7 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     if unknown:
         raise PtqError(f"--ignored-scope: '{unknown[0]}' is not a layer of {model.graph.name or 'the model'}; "
                        f"its layers: {', '.join(layers)}")
+    ignored = list(settings.float_nodes) + (_stem_layers(converted) if settings.stem == "float" else [])
     samples = [calibration[index : index + 1] for index in range(len(calibration))]
     first = converted.inputs[0]
     if _dims(first.get_partial_shape())[0] not in (None, 1):
@@ -252,7 +269,7 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
                 preset=nncf.QuantizationPreset.MIXED if settings.nncf_preset == "mixed" else nncf.QuantizationPreset.PERFORMANCE,
                 subset_size=settings.subset_size or len(samples),
                 fast_bias_correction=settings.bias_correction != "full",
-                ignored_scope=nncf.IgnoredScope(names=list(settings.float_nodes)) if settings.float_nodes else None,
+                ignored_scope=nncf.IgnoredScope(names=list(dict.fromkeys(ignored))) if ignored else None,
                 advanced_parameters=advanced,
             )
     except Exception as error:  # noqa: BLE001  NNCF raises its own types (e.g. for an unknown ignored layer)
@@ -299,9 +316,7 @@ def _check_settings(settings: dict) -> dict:
 def _describe(settings: dict) -> str:
     parts = [f"NNCF IR a:{settings['dtype']} w:{settings.get('weight_dtype', settings['dtype'])}", f"{settings.get('nncf_preset')} preset",
              f"{settings.get('bias_correction')} bias correction", f"{settings.get('subset_size') or settings.get('calibration_samples', '?')} samples"]
-    if settings.get("float_nodes"):
-        parts.append("float: " + ", ".join(short_node(name) for name in settings["float_nodes"]))
-    return ", ".join(parts)
+    return ", ".join(parts + float_parts(settings))
 
 
 def _tune_grid(dtype: str, methods: tuple[str, ...]) -> list[dict]:

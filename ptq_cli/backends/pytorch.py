@@ -144,12 +144,14 @@ def first_layer_modules(module) -> list[str]:
     return found
 
 
-def qconfig_mapping(per_channel: bool, method: str, overflow_fix: str = overflow.NO_FIX, first_layers: tuple[str, ...] = ()):
+def qconfig_mapping(per_channel: bool, method: str, overflow_fix: str = overflow.NO_FIX, first_layers: tuple[str, ...] = (),
+                    float_stem: bool = False):
     """Weights: signed int8, symmetric (the x86 quantized kernels need that). Activations: unsigned 8-bit.
 
     fbgemm without VNNI adds pairs of u8 x s8 products into a saturating int16 (`--cpus all`): "all-layers"
     keeps 7-bit activations (torch.ao's own x86 default, `reduce_range`; 2 * 127 * 128 never overflows);
-    "first-layer" gives the `first_layers` modules' weights pair-safe scales and keeps 8-bit activations.
+    "first-layer" gives the `first_layers` modules' weights pair-safe scales and keeps 8-bit activations;
+    with `float_stem` they stay in float instead (the image then meets no int8 weights).
     """
     import torch
     from torch.ao.quantization import QConfig, get_default_qconfig_mapping
@@ -164,7 +166,10 @@ def qconfig_mapping(per_channel: bool, method: str, overflow_fix: str = overflow
     activation = observer.with_args(dtype=torch.quint8, reduce_range=overflow_fix == overflow.ALL_LAYERS)
     # The x86 mapping keeps its fixed-range settings for ops like softmax; everything else gets ours.
     mapping = get_default_qconfig_mapping(ENGINE).set_global(QConfig(activation=activation, weight=weight))
-    if overflow_fix == overflow.FIRST_LAYER:
+    if float_stem:
+        for name in first_layers:
+            mapping.set_module_name(name, None)
+    elif overflow_fix == overflow.FIRST_LAYER:
         for name in first_layers:
             mapping.set_module_name(name, QConfig(activation=activation, weight=_pair_safe_observer(per_channel)))
     return mapping
@@ -240,7 +245,8 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     float_module = onnx_to_graph_module(model, fold=settings.preprocess)
     batches = _batches(calibration, fixed)
     example = torch.from_numpy(batches[0][:1] if fixed is None else batches[0])
-    mapping = qconfig_mapping(bool(settings.per_channel), settings.method, settings.overflow_fix or overflow.NO_FIX, tuple(first_layer_modules(float_module)))
+    mapping = qconfig_mapping(bool(settings.per_channel), settings.method, settings.overflow_fix or overflow.NO_FIX,
+                              tuple(first_layer_modules(float_module)), float_stem=settings.stem == "float")
     prepared = prepare_fx(float_module, mapping, (example,))
     clamp_conv_outputs(prepared, settings.overflow_fix == overflow.ALL_LAYERS)
     with torch.no_grad():

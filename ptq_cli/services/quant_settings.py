@@ -7,6 +7,7 @@ from ptq_cli import backends
 from ptq_cli.backends.base import QuantizationSettings, describe_settings, short_node
 from ptq_cli.cpu import ALL, CPU_TARGETS, VNNI
 from ptq_cli.errors import PtqError
+from ptq_cli.services.stem import check_stem
 from ptq_cli.transforms.overflow import ALL_LAYERS, FIRST_LAYER, NO_FIX
 
 __all__ = ["QuantizationSettings", "describe_cpus", "describe_model", "describe_quantization", "make_settings", "short_node"]
@@ -49,6 +50,7 @@ def make_settings(
     ranges_from: str | None = None,
     cpus: str | None = None,
     overflow_fix: str | None = None,
+    stem: str | None = None,
 ) -> QuantizationSettings:
     """Validated settings. Without a target the defaults are the seed study's, the weights following the
     activations' type; a target's preset fills in what the options leave open; the backend's row adds
@@ -80,6 +82,7 @@ def make_settings(
         method=method, percentile=_percentile(method, percentile), preprocess=preprocess, target=target, float_nodes=tuple(float_nodes),
         space_to_depth=bool(fields["space_to_depth"]), cpus=cpus,
         overflow_fix=fields["overflow_fix"] or overflow_fix,  # the backend's own say first (onnxruntime's u8 x u8 kernel needs no fix)
+        stem=check_stem(stem, backend),  # None: measured when quantizing (services/stem.py)
         **{name: fields[name] for name in ("nncf_preset", "bias_correction", "subset_size", "io", "ranges_from")},
     )
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +16,7 @@ from ptq_cli.errors import PtqError
 from ptq_cli.services.calibration import CalibrationSet
 from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressCallback
+from ptq_cli.services.stem import resolve_stem
 from ptq_cli.transforms.graph import clamped_activations, depthwise_convs, upgrade_opset
 
 # QDQ needs opset 10; per-channel QDQ needs 13. Older models are converted to this opset first.
@@ -47,6 +48,7 @@ class SourceModel:
     model: object  # onnx.ModelProto, at an opset quantization takes
     loaded: LoadedModel  # its input contract, preprocessing and class count
     notes: tuple[str, ...]
+    stem_costs: dict = field(default_factory=dict, compare=False)  # stem.resolve_stem's measurements, per settings
 
 
 def load_source(model_path: Path, flags: inputs.PreprocessingFlags, per_channel: bool = True) -> SourceModel:
@@ -76,6 +78,11 @@ def resolve_model_defaults(settings: QuantizationSettings, model) -> Quantizatio
     return settings
 
 
+def resolve_settings(source: SourceModel, settings: QuantizationSettings, prepared: np.ndarray) -> QuantizationSettings:
+    """Everything the model and its calibration images decide: granularity, overflow fix, then the stem."""
+    return resolve_stem(resolve_model_defaults(settings, source.model), source.model, prepared, source.stem_costs)
+
+
 def calibration_inputs(source: SourceModel, calibration: CalibrationSet) -> np.ndarray:
     """The calibration images in the model's input format. Calibration reads no labels: its images need
     not be of the model's classes (a folder of photos calibrates an ImageNet classifier)."""
@@ -91,7 +98,7 @@ def quantize_source(source: SourceModel, output: Path, settings: QuantizationSet
     `metadata` (e.g. the validation scores `tune` measured) is stored next to the settings."""
     if prepared is None:
         prepared = calibration_inputs(source, calibration)
-    settings = resolve_model_defaults(settings, source.model)
+    settings = resolve_settings(source, settings, prepared)
     stored = {
         QUANTIZATION_METADATA_KEY: json.dumps({"source_model": str(source.path), **(metadata or {})}),
         inputs.INPUT_METADATA_KEY: source.loaded.preprocessing.to_json(),
@@ -123,7 +130,8 @@ def quantize(model_path: Path, output: Path, settings: QuantizationSettings, cal
     ranges_from = Path(settings.ranges_from) if settings.ranges_from else None
     check_outputs([("--output", output, (backends.backend(settings.backend).suffix,))], [model_path, ranges_from, calibration_file])
     source = load_source(model_path, flags or inputs.PreprocessingFlags(), settings.per_channel is not False)
-    settings = with_calibration(resolve_model_defaults(settings, source.model), calibration)
-    written = quantize_source(source, output, settings, calibration, progress=progress)
+    prepared = calibration_inputs(source, calibration)
+    settings = with_calibration(resolve_settings(source, settings, prepared), calibration)
+    written = quantize_source(source, output, settings, calibration, prepared=prepared, progress=progress)
     return QuantizeResult(model_path, output, model_path.stat().st_size, written.size_bytes, settings, written.space_to_depth,
                           source.notes + written.notes, source.loaded.describe_input(), source.loaded.preprocessing.describe())

@@ -15,12 +15,15 @@ a kernel that widens to 16 bits before multiplying, so they give the same sums o
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import numpy as np
 
 from ptq_cli.transforms.graph import depthwise_multiplier
 
 PAIR_LIMIT = 128  # 255 * 128 = 32,640 <= 32,767
 WEIGHTED_OPS = ("Conv", "Gemm", "MatMul")
+SHAPE_OPS = ("Shape", "Size")
 # Overflow fixes (`--overflow-fix`): the layers whose weights follow the pair rule.
 FIRST_LAYER, ALL_LAYERS, NO_FIX = "first-layer", "all-layers", "none"
 OVERFLOW_FIXES = (FIRST_LAYER, ALL_LAYERS)
@@ -81,24 +84,33 @@ def weight_rows(op_type: str, weight: np.ndarray, trans_b: bool = False) -> tupl
 
 def first_layers(model) -> list:
     """The weighted nodes the model's input reaches without passing another weighted node (the stem)."""
+    return walk_to_stem(model)[0]
+
+
+def walk_to_stem(model) -> tuple[list, list]:
+    """(the stem's weighted nodes as `first_layers` finds them, the other nodes passed on the way there)."""
     initializers = {init.name for init in model.graph.initializer}
     consumers: dict[str, list] = {}
     for node in model.graph.node:
         for name in node.input:
             consumers.setdefault(name, []).append(node)
     frontier = [value.name for value in model.graph.input if value.name not in initializers]
-    seen, found = set(frontier), []
+    seen, found, passed = set(frontier), [], []
     while frontier:
         for node in consumers.get(frontier.pop(), []):
+            if node.op_type in SHAPE_OPS:
+                continue  # the input's shape, not its values: a Reshape far down is not on the image's way
             if node.op_type in WEIGHTED_OPS:
                 if node not in found:
                     found.append(node)
                 continue
+            if node not in passed:
+                passed.append(node)
             for output in node.output:
                 if output not in seen:
                     seen.add(output)
                     frontier.append(output)
-    return found
+    return found, passed
 
 
 def _attribute(node, name: str, default: int = 0) -> int:
@@ -111,19 +123,21 @@ def is_depthwise(node, weight_dims) -> bool:
     return depthwise_multiplier(node, weight_dims) == 1
 
 
-def saturable_layers(model, fix: str) -> list:
-    """The weighted nodes the fix bounds: the stem or every layer, less depthwise convolutions."""
+def saturable_layers(model, fix: str, float_nodes: Collection[str] = ()) -> list:
+    """The int8 weighted nodes the fix bounds: the stem or every layer, less depthwise convolutions and the
+    `float_nodes` (a float stem leaves `first-layer` nothing to bound: the image meets no int8 weights)."""
     weights = {init.name: init.dims for init in model.graph.initializer}
     nodes = first_layers(model) if fix == FIRST_LAYER else [node for node in model.graph.node if node.op_type in WEIGHTED_OPS]
+    nodes = [node for node in nodes if node.name not in float_nodes]
     return [node for node in nodes if not (len(node.input) > 1 and is_depthwise(node, weights.get(node.input[1], ())))]
 
 
-def weight_overrides(model, fix: str, per_channel: bool) -> dict[str, list[dict]]:
+def weight_overrides(model, fix: str, per_channel: bool, float_nodes: Collection[str] = ()) -> dict[str, list[dict]]:
     """onnxruntime `TensorQuantOverrides` giving the weights of the fix's layers pair-safe scales."""
     from onnx import numpy_helper
 
     initializers = {init.name: init for init in model.graph.initializer}
-    nodes = saturable_layers(model, fix)
+    nodes = saturable_layers(model, fix, float_nodes)
     overrides: dict[str, list[dict]] = {}
     for node in nodes:
         if len(node.input) < 2 or node.input[1] not in initializers or node.input[1] in overrides:

@@ -57,10 +57,19 @@ class BenchmarkRecord:
         return Path(self.model_path).name
 
 
+# The study's batch at CIFAR-10's 32x32; a larger input gets as many pixels a batch (its activations and its
+# time grow with them: 256 images at 224x224 held 10.5 GB in onnxruntime), but never fewer than MIN_BATCH images.
+DEFAULT_BATCH, MIN_BATCH = 256, 16
+
+
+def default_batch(height: int, width: int) -> int:
+    return max(MIN_BATCH, min(DEFAULT_BATCH, DEFAULT_BATCH * 32 * 32 // max(1, height * width)))
+
+
 def benchmark_models(
     model_paths: list[Path],
     dataset: Dataset,
-    batch_size: int = 256,
+    batch_size: int | None = None,
     threads: int | None = None,
     runs: int = 100,
     warmup: int = 10,
@@ -70,7 +79,8 @@ def benchmark_models(
     precision: str | None = None,
     also: Sequence[tuple[Path, str, str | None]] = (),
 ) -> list[BenchmarkRecord]:
-    """Latency at batch 1 and throughput at `batch_size` of every model, the models in turns.
+    """Latency at batch 1 and throughput at `batch_size` (default: `default_batch` of the first model's input)
+    of every model, the models in turns.
     `also`: more runs, each (model, runtime, precision): an ONNX file on OpenVINO beside its onnxruntime run.
 
     Each timed run goes round a group of models before the next begins, so a change in the machine's
@@ -78,13 +88,14 @@ def benchmark_models(
     between them hold (which models share a group: below). Throughput is the batch size over the median time of a batch, so one stalled
     batch does not move it."""
     for option, value in (("--batch-size", batch_size), ("--runs", runs)):
-        if value < 1:
+        if value is not None and value < 1:
             raise PtqError(f"{option}: must be at least 1, got {value}")
     threads = resolve_threads(threads)
     models = [load_model(path, threads, flags, runtime, precision) for path in model_paths]
     models += [load_model(path, threads, flags, other_runtime, other_precision) for path, other_runtime, other_precision in also]
     if not models:
         return []
+    batch_size = batch_size or default_batch(*models[0].input.size)
     loaded = dataset.load(dataset.evaluation_split(), models[0].input.size)
     pixels = loaded.images[:batch_size]
     if len(pixels) < batch_size:  # a small dataset: its images again, to fill the batch

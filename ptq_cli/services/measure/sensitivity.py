@@ -18,6 +18,7 @@ from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressCallback
 from ptq_cli.services.quant_settings import QuantizationSettings
 from ptq_cli.services.quantize import SourceModel, calibration_inputs, load_source, quantize_source, with_calibration
+from ptq_cli.services.stem import INT8
 
 # The layers that compute: onnxruntime quantizes these (Relu folds into the preceding layer's output
 # range; Transpose and Reshape only move quantized data).
@@ -76,7 +77,7 @@ def layer_sensitivity(
         results = []
         for done, (name, op_type) in enumerate(layers):
             # Every other layer stays in float: only this one's error reaches the output.
-            only_this = replace(settings, float_nodes=tuple(sorted(others - {name})))
+            only_this = replace(settings, stem=INT8, float_nodes=tuple(sorted(others - {name})))  # the stem measured like any layer
             candidate = Path(workdir) / "candidate.onnx"
             quantize_source(source, candidate, only_this, calibration, prepared=prepared)
             quantized = score(load_model(candidate), validation)

@@ -26,7 +26,7 @@ from typing import Any
 import ptq_cli
 from ptq_cli import backends, bounded, settings
 from ptq_cli import cpu as cpu_info
-from ptq_cli.atomic import check_writable, companions, write_text
+from ptq_cli.atomic import check_outside, check_writable, companions, write_text
 from ptq_cli.backends.model_file import resolve_threads
 from ptq_cli.datasets import Dataset, open_dataset
 from ptq_cli.errors import PtqError
@@ -282,7 +282,7 @@ def _quantize_stages(study: _Study) -> list[Stage]:
         stages.append(Stage(f"quantize {output.name}", "quantize", ("--model", str(study.fp32), *_option_arguments(choice),
                                                                      *_flag_arguments(study.options.flags)),
                             (study.fp32, study.calibration, *extra_inputs), tuple(companions(output)),
-                            {**choice, **study.flag_options, "cpus": made.cpus, "overflow_fix": made.overflow_fix},
+                            {**choice, **study.flag_options, "cpus": made.cpus, "overflow_fix": made.overflow_fix, "stem": made.stem or "auto"},
                             partial(_quantize, study.fp32, output, study.calibration, choice, study.options.flags)))
     return stages
 
@@ -470,7 +470,9 @@ def run(
             content_keys[key] = dataset.content_key(split)
         return content_keys[key]
 
-    for path in (manifest_file, *(output for stage in stages for output in stage.outputs)):
+    to_write = [manifest_file, *(output for stage in stages for output in stage.outputs)]
+    check_outside(to_write, [options.data_dir, options.calibration_data])
+    for path in to_write:
         check_writable(path)  # a read-only directory fails now, not after minutes of work
     for index, stage in enumerate(stages):
         if on_stage:

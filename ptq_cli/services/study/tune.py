@@ -34,7 +34,8 @@ from ptq_cli.services.measure.validation import ValidationSet, labels_from_fp32,
 from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressCallback, Steps
 from ptq_cli.services.quant_settings import QuantizationSettings, describe_quantization, make_settings
-from ptq_cli.services.quantize import SourceModel, calibration_inputs, load_source, quantize_source, with_calibration
+from ptq_cli.services.quantize import SourceModel, calibration_inputs, load_source, quantize_source, resolve_settings, with_calibration
+from ptq_cli.services.stem import check_stem
 
 PERCENTILES = (99.9, 99.95, 99.99, 99.999)
 CALIBRATION_SUBSETS = (25, 50)  # per class, besides the full set
@@ -149,11 +150,11 @@ class _Search:
     def try_candidate(self, stage: str, settings: QuantizationSettings, calibration_set: CalibrationSet,
                       quantized_size: int | None = None) -> Candidate:
         """`quantized_size`: for a candidate with float layers, the size of its settings with none."""
-        settings = with_calibration(settings, calibration_set)
         samples = len(calibration_set.labels)
         self.calibration_sets.setdefault(samples, calibration_set)
         if samples not in self.prepared:
             self.prepared[samples] = calibration_inputs(self.source, calibration_set)
+        settings = resolve_settings(self.source, with_calibration(settings, calibration_set), self.prepared[samples])
         size, quantized = _quantize_and_score(self.source, self.workdir, settings, calibration_set, self.validation, self.prepared[samples])
         drop = round(self.fp32.accuracy - quantized.accuracy, 4)
         too_large = quantized_size is not None and size > quantized_size * (1 + FLOAT_GROWTH_LIMIT)
@@ -232,6 +233,7 @@ def tune(
     progress: ProgressCallback | None = None,
     backend: str = backends.DEFAULT,
     flags: PreprocessingFlags | None = None,
+    stem: str | None = None,
 ) -> TuneResult:
     """Search, choose, write the chosen model and the record. The PyTorch backend searches granularity x
     observer (histogram, minmax) and calibration size; it has no float-layer stage (FX quantizes all).
@@ -245,7 +247,7 @@ def tune(
     source = load_source(model_path, flags or PreprocessingFlags())
     # Without labels, validation scores are the top-1 agreement with FP32 (its own top-1 classes as labels).
     validation, fp32 = labels_from_fp32(validation, score(load_model(model_path, None, flags), validation))
-    grid = calibration_grid(backend, dtype, methods, granularities)
+    grid = [replace(settings, stem=check_stem(stem, backend)) for settings in calibration_grid(backend, dtype, methods, granularities)]
     subsets = [size for size in CALIBRATION_SUBSETS if size < calibration.samples_per_class]
 
     with tempfile.TemporaryDirectory(prefix="ptq-tune-") as workdir:

@@ -1,0 +1,136 @@
+"""Whether the stem (the layers the image enters first) stays in float: measured for each model and settings.
+
+Some networks' stems cost them most of their 8-bit fidelity: their int8 weights alone take the output's SQNR
+below what all the other layers together cost (README, "The stem"). Kept in float, the stem is a few percent
+of the compute and the image itself is not quantized. ptq quantizes the FP32 model's stem weights alone, as
+the settings would (granularity, the pair rule of an overflow fix), runs both models on a few calibration
+images and keeps the stem in float where the output's SQNR falls below STEM_FLOAT_BELOW_DB.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from ptq_cli import backends
+from ptq_cli.backends.base import QuantizationSettings
+from ptq_cli.errors import PtqError
+from ptq_cli.transforms import overflow
+
+FLOAT, INT8, AUTO = "float", "int8", "auto"
+STEM_CHOICES = (AUTO, FLOAT, INT8)
+# An int8 stem that alone leaves less than this SQNR at the output costs more than a typical int8 model's
+# whole error budget (15-20 dB at the logits, README): it stays in float.
+STEM_FLOAT_BELOW_DB = 25.0
+PROBE_IMAGES = 64  # the first calibration images, enough for a stable SQNR
+
+
+def check_stem(stem: str | None, backend: str) -> str | None:
+    """`--stem` as the settings hold it: None for auto (measured when quantizing)."""
+    if stem in (None, AUTO):
+        return None
+    if stem not in STEM_CHOICES:
+        raise PtqError(f"--stem: '{stem}' is not one of {', '.join(STEM_CHOICES)}")
+    if stem == FLOAT and not backends.backend(backend).float_stem:
+        raise PtqError(f"--stem float: --backend {backend} quantizes every layer to int8")
+    return stem
+
+
+def int8_weights(weight: np.ndarray, op_type: str, trans_b: bool, per_channel: bool, pair_rule: bool, unsigned: bool) -> np.ndarray:
+    """The weight after an 8-bit round trip as onnxruntime quantizes it: symmetric int8 (per output channel or
+    per tensor, with pair-safe scales under an overflow fix) or asymmetric uint8."""
+    rows, _ = overflow.weight_rows(op_type, weight, trans_b)
+    rows = rows.astype(np.float32)
+    if unsigned:
+        low, high = (np.minimum(rows.min(axis=1), 0), np.maximum(rows.max(axis=1), 0)) if per_channel else (
+            np.full(len(rows), min(rows.min(), 0)), np.full(len(rows), max(rows.max(), 0)))
+        scales = np.where(high > low, (high - low) / 255, 1).astype(np.float32)
+        zero = np.rint(-low / scales)
+        codes = np.clip(np.rint(rows / scales[:, None]) + zero[:, None], 0, 255)
+        back = (codes - zero[:, None]) * scales[:, None]
+    else:
+        scales = overflow.pair_safe_scales(rows) if pair_rule else np.abs(rows).max(axis=1) / 127
+        scales = np.where(scales > 0, scales, 1).astype(np.float32)
+        if not per_channel:
+            scales = np.full_like(scales, scales.max())
+        back = overflow.quantize_rows(rows, scales) * scales[:, None]
+    back = back.astype(weight.dtype)
+    rows_first = op_type == "Conv" or (op_type == "Gemm" and trans_b)  # weight_rows' two layouts
+    return back.reshape(weight.shape) if rows_first else back.T.reshape(weight.shape)
+
+
+def stem_cost_db(model, images: np.ndarray, settings: QuantizationSettings) -> float | None:
+    """The output's SQNR (dB) against FP32 with only the stem's weights in 8 bits, on `images` (the model's
+    input format); None for a model without a weighted stem, or whose outputs do not move."""
+    import onnx
+    from onnx import numpy_helper
+
+    from ptq_cli.backends.onnxruntime import preprocess
+    from ptq_cli.services.models import load_model
+
+    with tempfile.TemporaryDirectory(prefix="ptq-stem-") as workdir:
+        reference_path, stem_path = Path(workdir) / "fp32.onnx", Path(workdir) / "stem.onnx"
+        if settings.preprocess:  # the graph the quantizer sees: batch norm folded into the stem
+            preprocess(model, str(reference_path))
+            graph = onnx.load(str(reference_path))
+        else:
+            graph = onnx.ModelProto.FromString(model.SerializeToString())
+            onnx.save(graph, str(reference_path))
+        initializers = {init.name: init for init in graph.graph.initializer}
+        pair_rule = settings.overflow_fix in overflow.OVERFLOW_FIXES
+        changed = 0
+        for node in overflow.first_layers(graph):
+            init = initializers.get(node.input[1]) if len(node.input) > 1 else None
+            if init is None:
+                continue
+            weight = numpy_helper.to_array(init)
+            if weight.ndim < 2 or not np.issubdtype(weight.dtype, np.floating):
+                continue
+            exempt = node.op_type == "Conv" and overflow.is_depthwise(node, weight.shape)
+            trans_b = any(attribute.name == "transB" and attribute.i for attribute in node.attribute)
+            quantized = int8_weights(weight, node.op_type, trans_b, bool(settings.per_channel), pair_rule and not exempt, settings.weight_dtype == "uint8")
+            init.CopyFrom(numpy_helper.from_array(quantized, init.name))
+            changed += 1
+        if not changed:
+            return None
+        onnx.save(graph, str(stem_path))
+        probe = images[:PROBE_IMAGES]
+        reference = load_model(reference_path, None).predict(probe).astype(np.float64)
+        measured = load_model(stem_path, None).predict(probe).astype(np.float64)
+    error = float(((measured - reference) ** 2).sum())
+    signal = float((reference**2).sum())
+    if signal == 0:
+        return None
+    return float("inf") if error == 0 else 10 * np.log10(signal / error)
+
+
+def resolve_stem(settings: QuantizationSettings, model, images: np.ndarray, costs: dict | None = None) -> QuantizationSettings:
+    """The settings with the stem decided: kept if named, int8 where the backend cannot leave it float,
+    else measured (`costs` caches the measurement per granularity, weight type and fix)."""
+    if settings.stem is not None:
+        return settings
+    if not backends.backend(settings.backend).float_stem:
+        return replace(settings, stem=INT8)
+    key = (bool(settings.per_channel), settings.weight_dtype, settings.overflow_fix in overflow.OVERFLOW_FIXES, settings.preprocess)
+    if costs is None or key not in costs:
+        cost = stem_cost_db(model, images, settings)
+        if costs is not None:
+            costs[key] = cost
+    else:
+        cost = costs[key]
+    if cost is None:
+        return replace(settings, stem=INT8)
+    return replace(settings, stem=FLOAT if cost < STEM_FLOAT_BELOW_DB else INT8, stem_sqnr_db=round(cost, 2) if np.isfinite(cost) else None)
+
+
+def describe_stem(stem: str | None, sqnr_db: float | None) -> str:
+    """e.g. "float (its weights alone in int8: 17.4 dB SQNR at the output, below 25 dB)"."""
+    if stem is None:
+        return "auto"
+    if sqnr_db is None:
+        return stem
+    verdict = "below" if sqnr_db < STEM_FLOAT_BELOW_DB else "at least"
+    return f"{stem} (its weights alone in 8 bits: {sqnr_db:.1f} dB SQNR at the output, {verdict} {STEM_FLOAT_BELOW_DB:g} dB)"
