@@ -131,3 +131,54 @@ def test_the_stem_is_found_along_the_image_s_values_not_its_shape():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     assert [node.name for node in overflow.first_layers(model)] == ["stem"]
     assert stem_nodes(model) == ["stem"]
+
+
+def _two_convolutions(path: Path) -> Path:
+    """image -> Conv A (3->4, its filters 0 and 1 equal) -> Relu -> Conv B (1x1: +1 on channel 0, -1 on channel
+    1, which cancel, and weights of about 0.004 carrying the signal) -> global mean -> 4 scores. B's weights in
+    8 bits per tensor lose the signal."""
+    from onnx import helper
+
+    rng = np.random.default_rng(3)
+    first = rng.normal(0, 0.1, (4, 3, 3, 3)).astype(np.float32)
+    first[1] = first[0]
+    second = rng.uniform(0.002, 0.006, (4, 4, 1, 1)).astype(np.float32)
+    second[:, 0], second[:, 1] = 1.0, -1.0
+    nodes = [helper.make_node("Conv", ["image", "a_w"], ["a"], name="A", pads=[1, 1, 1, 1]), helper.make_node("Relu", ["a"], ["a_relu"], name="A_relu"),
+             helper.make_node("Conv", ["a_relu", "b_w"], ["b"], name="B"), helper.make_node("GlobalAveragePool", ["b"], ["pooled"], name="pool"),
+             helper.make_node("Flatten", ["pooled"], ["scores"], name="flatten")]
+    graph = helper.make_graph(nodes, "two", [helper.make_tensor_value_info("image", onnx.TensorProto.FLOAT, ["N", 3, 16, 16])],
+                              [helper.make_tensor_value_info("scores", onnx.TensorProto.FLOAT, ["N", 4])],
+                              [numpy_helper.from_array(first, "a_w"), numpy_helper.from_array(second, "b_w")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=7), str(path))
+    return path
+
+
+def test_a_float_layer_inside_the_graph_stays_float_when_onnxruntime_loads_it(project, tmp_path):
+    """onnxruntime quantizes at load time the float weights of a Conv between a DequantizeLinear and a
+    QuantizeLinear (per tensor, which loses B's signal): a layer ptq leaves in float must run in float."""
+    import dataclasses
+
+    import onnxruntime as ort
+
+    from ptq_cli import inputs
+    from ptq_cli.services import quant_settings
+    from ptq_cli.services import quantize as quantize_service
+    from ptq_cli.services.calibration import for_model
+
+    model = _two_convolutions(tmp_path / "two.onnx")
+    flags = inputs.PreprocessingFlags()
+    source = quantize_service.load_source(model, flags)
+    calibration = for_model(model, project / "grey", project / "cal", flags=flags)
+    settings = dataclasses.replace(quant_settings.make_settings(stem="int8"), float_nodes=("B",))
+    quantize_service.quantize_source(source, tmp_path / "q.onnx", quantize_service.with_calibration(settings, calibration), calibration)
+    images = source.loaded.prepare(calibration.images[:8])
+
+    def scores(level) -> np.ndarray:
+        options = ort.SessionOptions()
+        options.graph_optimization_level = level
+        return ort.InferenceSession(str(tmp_path / "q.onnx"), options, providers=["CPUExecutionProvider"]).run(None, {"image": images})[0]
+
+    as_written = scores(ort.GraphOptimizationLevel.ORT_DISABLE_ALL)  # the QDQ graph computed as it reads: B in float
+    loaded = scores(ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+    assert np.abs(loaded - as_written).max() <= 0.05 * np.abs(as_written).max()

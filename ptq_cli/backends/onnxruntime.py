@@ -24,7 +24,7 @@ from ptq_cli.backends.model_file import graph_inputs, in_fixed_batches, model_in
 from ptq_cli.cpu import EXACT
 from ptq_cli.errors import PtqError
 from ptq_cli.transforms import overflow
-from ptq_cli.transforms.graph import symbolic_batch
+from ptq_cli.transforms.graph import keep_float_layers, symbolic_batch
 from ptq_cli.transforms.space_to_depth import Rewrite, quantized_pads, space_to_depth_convs
 
 NAME = "onnxruntime"
@@ -481,6 +481,7 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
             quantized = onnx.load(str(tmp))
             if rewrites:
                 quantized_pads(quantized)
+            keep_float_layers(quantized, float_nodes)
             described_settings = {**asdict(settings), "space_to_depth_convs": [asdict(rewrite) for rewrite in rewrites]}
             extra = json.loads(stored.pop(base.QUANTIZATION_METADATA_KEY, "{}"))
             props = {base.QUANTIZATION_METADATA_KEY: json.dumps({**described_settings, **extra}), **stored}

@@ -200,3 +200,40 @@ def clamped_activations(model) -> list[str]:
         if bound is not None and np.isfinite(bound):
             names.append(node.name or node.output[0])
     return names
+
+
+def keep_float_layers(model, float_nodes) -> int:
+    """Give each float Conv/Gemm of a QDQ model that reads a per-tensor DequantizeLinear its own
+    DequantizeLinear, the same scale and zero point repeated along the channels (axis 1): the same values,
+    but onnxruntime's load-time WeightBiasQuantization, which quantizes the float weights of a Conv/Gemm
+    between a per-tensor DequantizeLinear and a QuantizeLinear (symmetric, per tensor, full range), takes
+    only per-tensor inputs, so the layer stays float. Returns how many (opset 13 and later: per-axis needs it)."""
+    from onnx import helper, numpy_helper
+
+    if next((opset.version for opset in model.opset_import if opset.domain in ("", "ai.onnx")), 0) < 13:
+        return 0
+    graph = model.graph
+    initializers = {init.name: init for init in graph.initializer}
+    producers = {output: node for node in graph.node for output in node.output}
+    kept = 0
+    for node in [node for node in graph.node if node.name in set(float_nodes) and node.op_type in ("Conv", "Gemm")]:
+        dequantize = producers.get(node.input[0])
+        weight = initializers.get(node.input[1]) if len(node.input) > 1 else None
+        if dequantize is None or dequantize.op_type != "DequantizeLinear" or weight is None or len(dequantize.input) < 3:
+            continue
+        scale, zero = (initializers.get(name) for name in dequantize.input[1:3])
+        if scale is None or zero is None or numpy_helper.to_array(scale).size != 1:
+            continue
+        attributes = {attribute.name: helper.get_attribute_value(attribute) for attribute in node.attribute}
+        dims = list(weight.dims)
+        channels = dims[1] * int(attributes.get("group", 1)) if node.op_type == "Conv" else (dims[1] if attributes.get("transB") else dims[0])
+        prefix = f"{node.name}_float_input"
+        graph.initializer.extend([
+            numpy_helper.from_array(np.repeat(numpy_helper.to_array(scale).reshape(1), channels), f"{prefix}_scale"),
+            numpy_helper.from_array(np.repeat(numpy_helper.to_array(zero).reshape(1), channels), f"{prefix}_zero_point"),
+        ])
+        own = helper.make_node("DequantizeLinear", [dequantize.input[0], f"{prefix}_scale", f"{prefix}_zero_point"], [prefix], name=prefix, axis=1)
+        graph.node.insert(list(graph.node).index(node), own)
+        node.input[0] = prefix
+        kept += 1
+    return kept
