@@ -75,17 +75,18 @@ def test_a_stem_8_bit_weights_barely_touch_stays_int8(project):
 
 
 @pytest.mark.parametrize("per_channel", [True, False], ids=["per-channel", "per-tensor"])
-@pytest.mark.parametrize("cpus", ["all", "vnni"], ids=["pair-rule", "full-range"])
+@pytest.mark.parametrize("cpus", ["all", "vnni", "uint8"], ids=["pair-rule", "full-range", "uint8-weights"])
 def test_the_measured_stem_weights_are_onnxruntime_s_own(project, per_channel, cpus):
-    """The measurement rounds the stem's weights as onnxruntime's quantizer does, pair rule included."""
+    """The measurement rounds the stem's weights as onnxruntime's quantizer does: pair rule, uint8 included."""
     output = f"plain_{cpus}_{per_channel}.onnx"
-    _quantize(project, "plain.onnx", output, "--stem", "int8", "--cpus", cpus, "--per-channel" if per_channel else "--per-tensor")
+    types = ("--dtype", "uint8") if cpus == "uint8" else ("--cpus", cpus)
+    _quantize(project, "plain.onnx", output, "--stem", "int8", *types, "--per-channel" if per_channel else "--per-tensor")
     dequantized = _stem_weight(project / output)
     weight = next(numpy_helper.to_array(init) for init in onnx.load(str(project / "plain.onnx")).graph.initializer if init.name == "stem_w")
-    ours = stem.int8_weights(weight, "Conv", False, per_channel, cpus == "all", unsigned=False)
+    ours = stem.int8_weights(weight, "Conv", False, per_channel, cpus == "all", unsigned=cpus == "uint8")
     np.testing.assert_allclose(ours, dequantized, rtol=1e-6, atol=1e-9)
-    plain = stem.int8_weights(weight, "Conv", False, per_channel, False, unsigned=False)
-    assert np.array_equal(ours, plain) == (cpus == "vnni")  # the pair rule moved the scales
+    plain = stem.int8_weights(weight, "Conv", False, per_channel, False, unsigned=cpus == "uint8")
+    assert np.array_equal(ours, plain) == (cpus != "all")  # the pair rule moved the scales
 
 
 @pytest.mark.parametrize("backend,suffix", [("pytorch", ".pt"), pytest.param("openvino", ".xml", marks=pytest.mark.skipif(not openvino.available(), reason="openvino not installed"))])

@@ -1,8 +1,8 @@
 """Whether the stem (the layers the image enters first) stays in float: measured for each model and settings.
 
-Some networks' stems cost them most of their 8-bit fidelity: their int8 weights alone take the output's SQNR
-below what all the other layers together cost (README, "The stem"). Kept in float, the stem is a few percent
-of the compute and the image itself is not quantized. ptq quantizes the FP32 model's stem weights alone, as
+Some networks' stems cost them most of their 8-bit fidelity: their int8 weights alone cost the output about
+as much as all the model's weights together (README, ImageNet-size classifiers). Kept in float, the stem is a
+few percent of the compute and the image itself is not quantized. ptq quantizes the FP32 model's stem weights alone, as
 the settings would (granularity, the pair rule of an overflow fix), runs both models on a few calibration
 images and keeps the stem in float where the output's SQNR falls below STEM_FLOAT_BELOW_DB.
 """
@@ -22,8 +22,8 @@ from ptq_cli.transforms import overflow
 
 FLOAT, INT8, AUTO = "float", "int8", "auto"
 STEM_CHOICES = (AUTO, FLOAT, INT8)
-# An int8 stem that alone leaves less than this SQNR at the output costs more than a typical int8 model's
-# whole error budget (15-20 dB at the logits, README): it stays in float.
+# An int8 stem that alone leaves less than this SQNR at the output costs about as much as a whole int8
+# model's error (README): it stays in float.
 STEM_FLOAT_BELOW_DB = 25.0
 PROBE_IMAGES = 64  # the first calibration images, enough for a stable SQNR
 
@@ -40,23 +40,27 @@ def check_stem(stem: str | None, backend: str) -> str | None:
 
 
 def int8_weights(weight: np.ndarray, op_type: str, trans_b: bool, per_channel: bool, pair_rule: bool, unsigned: bool) -> np.ndarray:
-    """The weight after an 8-bit round trip as onnxruntime quantizes it: symmetric int8 (per output channel or
-    per tensor, with pair-safe scales under an overflow fix) or asymmetric uint8."""
+    """The weight after an 8-bit round trip as onnxruntime quantizes it (its own `quantize_data`, per output
+    channel or per tensor): symmetric int8, with ptq's pair-safe scales under an overflow fix, or uint8 (asymmetric
+    per tensor, around 128 per channel)."""
+    import onnx
+    from onnxruntime.quantization.quant_utils import quantize_data
+
     rows, _ = overflow.weight_rows(op_type, weight, trans_b)
     rows = rows.astype(np.float32)
-    if unsigned:
-        low, high = (np.minimum(rows.min(axis=1), 0), np.maximum(rows.max(axis=1), 0)) if per_channel else (
-            np.full(len(rows), min(rows.min(), 0)), np.full(len(rows), max(rows.max(), 0)))
-        scales = np.where(high > low, (high - low) / 255, 1).astype(np.float32)
-        zero = np.rint(-low / scales)
-        codes = np.clip(np.rint(rows / scales[:, None]) + zero[:, None], 0, 255)
-        back = (codes - zero[:, None]) * scales[:, None]
-    else:
-        scales = overflow.pair_safe_scales(rows) if pair_rule else np.abs(rows).max(axis=1) / 127
-        scales = np.where(scales > 0, scales, 1).astype(np.float32)
-        if not per_channel:
-            scales = np.full_like(scales, scales.max())
+    if pair_rule and not unsigned:
+        scales = overflow.pair_safe_scales(rows)
+        scales = np.full_like(scales, scales.max()) if not per_channel else scales
         back = overflow.quantize_rows(rows, scales) * scales[:, None]
+    else:
+        kind = onnx.TensorProto.UINT8 if unsigned else onnx.TensorProto.INT8
+        symmetric = per_channel or not unsigned  # onnxruntime's per-channel uint8 weights sit around code 128 too
+
+        def round_trip(values: np.ndarray) -> np.ndarray:
+            zero, scale, codes = quantize_data(values.reshape(-1), kind, symmetric)
+            return ((codes.astype(np.float64) - zero) * scale).reshape(values.shape)
+
+        back = np.stack([round_trip(row) for row in rows]) if per_channel else round_trip(rows)
     back = back.astype(weight.dtype)
     rows_first = op_type == "Conv" or (op_type == "Gemm" and trans_b)  # weight_rows' two layouts
     return back.reshape(weight.shape) if rows_first else back.T.reshape(weight.shape)
