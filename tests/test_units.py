@@ -280,6 +280,28 @@ def test_benchmark_measures_models_in_turns(monkeypatch, tmp_path):
     assert all(record.runs == 3 for record in records)
 
 
+@pytest.mark.parametrize("side,batch", [(32, 256), (64, 64), (224, 16)])
+def test_the_default_benchmark_batch_keeps_the_pixels_of_256_cifar_images(tmp_path, monkeypatch, side, batch):
+    """256 images of 32x32, as many pixels for a larger input, never fewer than 16 images (a 224x224 model at
+    256 held 10.5 GB)."""
+    from ptq_cli.backends.base import LoadedModel, ModelInfo
+    from ptq_cli.inputs import NHWC, ModelInput, Preprocessing
+    from ptq_cli.services.measure import benchmark
+
+    sizes: list[int] = []
+
+    def fake_model(path, threads, flags=None, runtime=None, precision=None):
+        return LoadedModel(ModelInfo(path, "onnxruntime", "fp32", None, 1, str(path)),
+                           lambda images: sizes.append(len(images)) or np.zeros((len(images), 10), np.float32),
+                           ModelInput("x", NHWC, 3, side, side, None), Preprocessing(), 10)
+
+    monkeypatch.setattr(benchmark, "load_model", fake_model)
+    images = tmp_path / "images.npz"
+    np.savez(images, images=np.zeros((4, 8, 8, 3), np.uint8), labels=np.zeros(4, np.int64), class_names=np.array(list("abcdefghij")))
+    (record,) = benchmark.benchmark_models([tmp_path / "m.onnx"], open_dataset(images), threads=1, runs=1, warmup=1)
+    assert record.batch_size == batch and max(sizes) == batch
+
+
 def test_pipeline_stage_made_by_another_ptq_version_is_not_up_to_date(tmp_path):
     import ptq_cli
     from ptq_cli.services.study.pipeline import Stage, _Hashes, _up_to_date

@@ -183,6 +183,15 @@ def preprocess(model, output: Path | str) -> None:
         raise PtqError(f"{model.graph.name or 'model'}: onnxruntime's quant_pre_process failed ({str(error).splitlines()[0]})") from error
 
 
+def preprocessed(model, workdir: Path):
+    """`preprocess` into workdir/preprocessed.onnx, loaded (the graph quantize_static will see)."""
+    import onnx
+
+    path = Path(workdir) / "preprocessed.onnx"
+    preprocess(model, path)
+    return onnx.load(str(path))
+
+
 # What one image's activations cost, as a multiple of their bytes, while onnxruntime calibrates: the
 # session's outputs, the list the calibrator merges them into and the array a histogram is built from.
 ACTIVATION_COPIES = 3
@@ -372,7 +381,9 @@ def stem_nodes(graph) -> list[str]:
     stem, before = overflow.walk_to_stem(graph)
     for index, node in enumerate([*stem, *before]):
         if not node.name:
-            node.name = next(name for name in (f"ptq_stem_{index}_{suffix}" for suffix in range(len(names) + 1)) if name not in names)
+            node.name = f"ptq_stem_{index}"
+            while node.name in names:
+                node.name += "_"
             names.add(node.name)
     return [node.name for node in [*stem, *before]]
 

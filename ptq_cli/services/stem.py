@@ -72,14 +72,14 @@ def stem_cost_db(model, images: np.ndarray, settings: QuantizationSettings) -> f
     import onnx
     from onnx import numpy_helper
 
-    from ptq_cli.backends.onnxruntime import preprocess
+    from ptq_cli.backends.onnxruntime import preprocessed
+    from ptq_cli.services.measure.validation import sqnr_db
     from ptq_cli.services.models import load_model
 
     with tempfile.TemporaryDirectory(prefix="ptq-stem-") as workdir:
-        reference_path, stem_path = Path(workdir) / "fp32.onnx", Path(workdir) / "stem.onnx"
+        reference_path, stem_path = Path(workdir) / "preprocessed.onnx", Path(workdir) / "stem.onnx"
         if settings.preprocess:  # the graph the quantizer sees: batch norm folded into the stem
-            preprocess(model, str(reference_path))
-            graph = onnx.load(str(reference_path))
+            graph = preprocessed(model, Path(workdir))
         else:
             graph = onnx.ModelProto.FromString(model.SerializeToString())
             onnx.save(graph, str(reference_path))
@@ -102,13 +102,9 @@ def stem_cost_db(model, images: np.ndarray, settings: QuantizationSettings) -> f
             return None
         onnx.save(graph, str(stem_path))
         probe = images[:PROBE_IMAGES]
-        reference = load_model(reference_path, None).predict(probe).astype(np.float64)
-        measured = load_model(stem_path, None).predict(probe).astype(np.float64)
-    error = float(((measured - reference) ** 2).sum())
-    signal = float((reference**2).sum())
-    if signal == 0:
-        return None
-    return float("inf") if error == 0 else 10 * np.log10(signal / error)
+        reference = load_model(reference_path, None).predict(probe)
+        measured = load_model(stem_path, None).predict(probe)
+    return sqnr_db(reference, measured) if reference.any() else None
 
 
 def resolve_stem(settings: QuantizationSettings, model, images: np.ndarray, costs: dict | None = None) -> QuantizationSettings:
@@ -118,20 +114,18 @@ def resolve_stem(settings: QuantizationSettings, model, images: np.ndarray, cost
         return settings
     if not backends.backend(settings.backend).float_stem:
         return replace(settings, stem=INT8)
+    costs = {} if costs is None else costs
     key = (bool(settings.per_channel), settings.weight_dtype, settings.overflow_fix in overflow.OVERFLOW_FIXES, settings.preprocess)
-    if costs is None or key not in costs:
-        cost = stem_cost_db(model, images, settings)
-        if costs is not None:
-            costs[key] = cost
-    else:
-        cost = costs[key]
+    if key not in costs:
+        costs[key] = stem_cost_db(model, images, settings)
+    cost = costs[key]
     if cost is None:
         return replace(settings, stem=INT8)
     return replace(settings, stem=FLOAT if cost < STEM_FLOAT_BELOW_DB else INT8, stem_sqnr_db=round(cost, 2) if np.isfinite(cost) else None)
 
 
 def describe_stem(stem: str | None, sqnr_db: float | None) -> str:
-    """e.g. "float (its weights alone in int8: 17.4 dB SQNR at the output, below 25 dB)"."""
+    """e.g. "float (its weights alone in 8 bits: 17.4 dB SQNR at the output, below 25 dB)"."""
     if stem is None:
         return "auto"
     if sqnr_db is None:

@@ -215,8 +215,8 @@ def keep_float_layers(model, float_nodes) -> int:
     graph = model.graph
     initializers = {init.name: init for init in graph.initializer}
     producers = {output: node for node in graph.node for output in node.output}
-    kept = 0
-    for node in [node for node in graph.node if node.name in set(float_nodes) and node.op_type in ("Conv", "Gemm")]:
+    kept, floating = 0, set(float_nodes)
+    for node in [node for node in graph.node if node.name in floating and node.op_type in ("Conv", "Gemm")]:
         dequantize = producers.get(node.input[0])
         weight = initializers.get(node.input[1]) if len(node.input) > 1 else None
         if dequantize is None or dequantize.op_type != "DequantizeLinear" or weight is None or len(dequantize.input) < 3:

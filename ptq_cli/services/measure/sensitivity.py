@@ -9,7 +9,7 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ptq_cli.backends.onnxruntime import preprocess
+from ptq_cli.backends.onnxruntime import preprocessed
 from ptq_cli.inputs import PreprocessingFlags
 from ptq_cli.services.calibration import CalibrationSet
 from ptq_cli.services.measure.records import write_record
@@ -48,14 +48,6 @@ class SensitivityResult:
 def quantizable_layers(model) -> list[tuple[str, str]]:
     """(node name, op type) of each layer in the graph quantization sees, in graph order."""
     return [(node.name, node.op_type) for node in model.graph.node if node.op_type in LAYER_OPS]
-
-
-def preprocessed(model, workdir: Path):
-    import onnx
-
-    path = Path(workdir) / "preprocessed.onnx"
-    preprocess(model, path)
-    return onnx.load(str(path))
 
 
 def layer_sensitivity(

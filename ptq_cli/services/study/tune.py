@@ -25,11 +25,12 @@ from typing import Any
 
 from ptq_cli import backends
 from ptq_cli.atomic import check_outputs
+from ptq_cli.backends.onnxruntime import preprocessed
 from ptq_cli.errors import PtqError
 from ptq_cli.inputs import PreprocessingFlags
 from ptq_cli.services.calibration import CalibrationSet, stratified_subset
 from ptq_cli.services.measure.records import model_key, write_record
-from ptq_cli.services.measure.sensitivity import layer_sensitivity, preprocessed, quantizable_layers
+from ptq_cli.services.measure.sensitivity import layer_sensitivity, quantizable_layers
 from ptq_cli.services.measure.validation import ValidationSet, labels_from_fp32, score, sqnr_db
 from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressCallback, Steps
@@ -247,7 +248,8 @@ def tune(
     source = load_source(model_path, flags or PreprocessingFlags())
     # Without labels, validation scores are the top-1 agreement with FP32 (its own top-1 classes as labels).
     validation, fp32 = labels_from_fp32(validation, score(load_model(model_path, None, flags), validation))
-    grid = [replace(settings, stem=check_stem(stem, backend)) for settings in calibration_grid(backend, dtype, methods, granularities)]
+    stem = check_stem(stem, backend)
+    grid = [replace(settings, stem=stem) for settings in calibration_grid(backend, dtype, methods, granularities)]
     subsets = [size for size in CALIBRATION_SUBSETS if size < calibration.samples_per_class]
 
     with tempfile.TemporaryDirectory(prefix="ptq-tune-") as workdir:
