@@ -11,8 +11,8 @@ The model: the pretrained EfficientNet-Lite0 (tests/imagenet_size.py). The photo
   white, the drawings (`cartoon`, `symbols`) and images under 150x150 left out; alternate ones calibrate
   and measure.
 Each configuration is one `ptq quantize` process (wall time, peak resident memory), then `ptq evaluate
---int8-path both` (top-1 agreement and top-5 containment against FP32 on the exact and saturating x86 int8
-paths); one `ptq benchmark` call times FP32 and every model in turns (batch 32, 20 runs).
+--int8-path both` (top-1 agreement, top-5 containment and SQNR of the scores against FP32 on the exact and
+saturating x86 int8 paths); one `ptq benchmark` call times FP32 and every model in turns (batch 32, 20 runs).
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ from ptq_cli import cpu as cpu_info  # noqa: E402
 
 CONFIGS = {
     "default": [],
+    "nearest": ["--rounding", "nearest"],
+    "vnni": ["--cpus", "vnni"],
+    "speed-nearest": ["--target", "speed", "--rounding", "nearest"],
     "first-layer": ["--overflow-fix", "first-layer"],
     "int8-stem": ["--stem", "int8"],
     "per-tensor": ["--per-tensor"],
@@ -89,7 +92,7 @@ def quantize(workdir: Path, name: str, options: list[str]) -> tuple[str, float, 
 
 
 def fidelity(workdir: Path, model: str) -> str:
-    """"exact / saturating" top-1 agreement and top-5 containment from the records `evaluate --int8-path both` wrote."""
+    """"exact / saturating" top-1 agreement, top-5 containment and SQNR from the records `evaluate --int8-path both` wrote."""
     done = run(workdir, "evaluate", "--model", model, "--data", "test", "--int8-path", "both", "--results-dir", "results")
     if done.returncode:
         raise SystemExit(f"{model}: ptq evaluate failed: {done.stderr.strip()[-400:]}")
@@ -100,7 +103,8 @@ def fidelity(workdir: Path, model: str) -> str:
     paths = [path for path in ("exact", "saturating", "one path") if path in records]
     top1 = " / ".join(f"{records[path]['top1_agreement']:.1f}%" for path in paths)
     top5 = " / ".join(f"{records[path]['top5_containment']:.1f}%" for path in paths)
-    return f"{top1} | {top5}" + (" (one path)" if paths == ["one path"] else "")
+    sqnr = " / ".join(f"{records[path]['sqnr_db']:.1f} dB" for path in paths)
+    return f"{top1} | {top5} | {sqnr}" + (" (one path)" if paths == ["one path"] else "")
 
 
 def main() -> None:
@@ -132,7 +136,7 @@ def main() -> None:
     speeds = {Path(record["model_path"]).name: record for record in json.loads(done.stdout)}
     count = len(list((workdir / "test").glob("*.jpg")))
     print(f"{cpu_info.current().describe()}, {os.cpu_count()} cores; {count} photos measured, FP32 {speeds[MODEL]['images_per_second']:.1f} images/s\n")
-    print("| `ptq quantize` | time | peak | top-1 agreement exact / saturating | top-5 exact / saturating | x FP32 |\n|---|---|---|---|---|---|")
+    print("| `ptq quantize` | time | peak | top-1 agreement exact / saturating | top-5 exact / saturating | SQNR exact / saturating | x FP32 |\n|---|---|---|---|---|---|---|")
     for name, model, seconds, peak, figures in rows:
         ratio = speeds[model]["images_per_second"] / speeds[MODEL]["images_per_second"]  # same call, in turns: every runtime against onnxruntime FP32
         print(f"| {' '.join(CONFIGS[name]) or '(default)'} | {seconds:.1f} s | {peak / 1e9:.2f} GB | {figures} | {ratio:.2f}x |")

@@ -49,6 +49,8 @@ from ptq_cli.services.study import pipeline as pipeline_service
 from ptq_cli.services.study import sweep as sweep_service
 from ptq_cli.services.study import tune as tune_service
 from ptq_cli.transforms import overflow
+from ptq_cli.transforms.rounding import AUTO as AUTO_ROUNDING
+from ptq_cli.transforms.rounding import ROUNDING_CHOICES
 
 try:  # typer >= 0.22 vendors click; older typer uses the click package
     from typer._click.exceptions import ClickException, UsageError
@@ -188,6 +190,7 @@ Precision = _choices("Precision", backends.precisions())
 Cpus = _choices("Cpus", cpu_info.CPU_TARGETS)
 OverflowFix = _choices("OverflowFix", overflow.OVERFLOW_FIXES)
 Stem = _choices("Stem", stem_service.STEM_CHOICES)
+Rounding = _choices("Rounding", ROUNDING_CHOICES)
 # Each backend's own words, from the table.
 BACKENDS_HELP = ". ".join(f"{row.name}: {row.summary}" for row in backends.TABLE.values() if row.quantize is not None) + "."
 MODELS_HELP = f"Model file ({', '.join(backends.suffixes())}); repeat for several. (default: every model in models/)"
@@ -204,6 +207,10 @@ OverflowFixOption = Annotated[
 StemOption = Annotated[
     Stem,
     typer.Option(help=f"The stem, the layers the image enters first: float leaves them (and the image) unquantized, a few percent of the compute; int8 quantizes them. auto measures: float where the stem's weights alone, quantized as these settings would, take the output's SQNR below {stem_service.STEM_FLOAT_BELOW_DB:g} dB on {stem_service.PROBE_IMAGES} calibration images. LiteRT is always int8."),
+]
+RoundingOption = Annotated[
+    Rounding,
+    typer.Option(help="How weights are rounded to their 8-bit codes: nearest (each weight alone), or learned (GPTQ: layer by layer, each rounding error moved onto the weights not yet rounded, weighted by the calibration inputs, then each bias corrected for the mean output error against FP32; same scales, pair rule kept). auto learns the rounding on 3/4 of the calibration images and keeps it where the output is closer to FP32 on the other 1/4. onnxruntime only; other backends round to nearest."),
 ]
 # Where a model runs: ONNX files on onnxruntime unless told; OpenVINO IR always on OpenVINO.
 RuntimeOption = Annotated[
@@ -491,6 +498,7 @@ def quantize(
     cpus: CpusOption = Cpus("all"),
     overflow_fix: OverflowFixOption = None,
     stem: StemOption = Stem(stem_service.AUTO),
+    rounding: RoundingOption = Rounding(AUTO_ROUNDING),
     choice: DataChoice = NO_CHOICE,
     as_json: JsonFlag = False,
 ) -> None:
@@ -504,7 +512,7 @@ def quantize(
         dtype and dtype.value, backend.value, weight_dtype and weight_dtype.value, per_channel, method and method.value, percentile, graph_preprocess,
         target and target.value, space_to_depth, nncf_preset and nncf_preset.value, bias_correction and bias_correction.value, subset_size,
         tuple(ignored_scope or ()), io and io.value, str(ranges_from) if ranges_from else None, cpus=cpus.value, overflow_fix=overflow_fix and overflow_fix.value,
-        stem=stem.value,
+        stem=stem.value, rounding=rounding.value,
     )
     models_service.load_model(model, 1, choice.flags)  # a bad model (its input, its output on one image) fails before any calibration work
     if ranges_from is not None:
@@ -856,6 +864,7 @@ def run_pipeline(
     runs: RunsOption = 100,
     threads: ThreadsOption = None,
     force: Annotated[bool, typer.Option("--force", help="Run every stage, even those whose outputs are up to date.")] = False,
+    emulated_images: Annotated[int, typer.Option(min=10, help="On a CPU with VNNI: images (the first of each class) of the test split scored under emulation of an AVX2 CPU, for each 8-bit model whose saturating path is not proven equal; about 100 images/s on ResNet8.")] = pipeline_service.RUN_EMULATED_IMAGES,
     choice: DataChoice = NO_CHOICE,
     as_json: JsonFlag = False,
 ) -> None:
@@ -876,7 +885,7 @@ def run_pipeline(
         calibration_data=choice.calibration_data, flags=choice.flags, samples_per_class=samples_per_class, calibration_size=choice.calibration_size,
         without=frozenset(name for name, wanted in ((pipeline_service.PYTORCH, pytorch), (pipeline_service.OPENVINO, openvino),
                                                     (pipeline_service.LITERT, litert)) if not wanted),
-        seed=seed, benchmark=benchmark, benchmark_runs=runs, threads=threads, force=force,
+        seed=seed, benchmark=benchmark, benchmark_runs=runs, threads=threads, force=force, emulated_images=emulated_images,
     )
     columns = (SpinnerColumn(finished_text="[green]✓[/green]"), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, console=err, disable=not err.is_terminal) as display:

@@ -31,6 +31,7 @@ from ptq_cli.services.quantize import QuantizeResult
 from ptq_cli.services.stem import describe_stem
 from ptq_cli.services.study.pipeline import RunResult
 from ptq_cli.services.study.tune import TuneResult, describe
+from ptq_cli.transforms.rounding import describe_rounding
 
 
 def plain(value: Any) -> Any:
@@ -127,6 +128,7 @@ def quantization(result: QuantizeResult) -> Table:
             ("granularity", "per-channel" if settings.per_channel else "per-tensor"),
             ("CPUs", describe_cpus(dataclasses.asdict(settings)) or "-"),
             ("stem", describe_stem(settings.stem, settings.stem_sqnr_db)),
+            ("rounding", describe_rounding(settings.rounding, settings.rounding_nearest_db, settings.rounding_learned_db)),
             *((("input / output tensors", settings.io),) if settings.io else ()),
             ("calibration method", method),
             ("calibration samples", f"{settings.calibration_samples} (seed {settings.calibration_seed}, {settings.calibration_source})"),

@@ -219,16 +219,17 @@ def test_ptq_cpuinfo_names_another_cpuinfo_file(tmp_path, monkeypatch):
         cpu_info.current.cache_clear()
 
 
-def _grouped_qdq_classifier(path: Path, in_per_group: int, channels: int = 64) -> Path:
+def _grouped_qdq_classifier(path: Path, in_per_group: int, channels: int = 64, unsigned_weights: bool = False, output_scale: float = 10.0) -> Path:
     """A QDQ model whose int8 Conv has `in_per_group` input channels per group (1: depthwise), every int8
     weight at +127 (no pair rule), after a float 1x1 Conv that spreads an RGB image of ones over `channels`
     activations of code 255: the worst case for pairs."""
     from onnx import helper, numpy_helper
 
     groups = channels // in_per_group
-    weights = np.full((channels, in_per_group, 3, 3), 127, np.int8)
-    constants = {"spread": np.full((channels, 3, 1, 1), 1 / 3, np.float32), "x_scale": np.float32(1 / 255), "x_zero": np.uint8(0), "w": weights, "w_scale": np.float32(1.0), "w_zero": np.int8(0),
-                 "y_scale": np.float32(10.0), "y_zero": np.uint8(0)}
+    weights = np.full((channels, in_per_group, 3, 3), 255 if unsigned_weights else 127, np.uint8 if unsigned_weights else np.int8)
+    constants = {"spread": np.full((channels, 3, 1, 1), 1 / 3, np.float32), "x_scale": np.float32(1 / 255), "x_zero": np.uint8(0), "w": weights, "w_scale": np.float32(1.0),
+                 "w_zero": np.uint8(0) if unsigned_weights else np.int8(0),
+                 "y_scale": np.float32(output_scale), "y_zero": np.uint8(0)}
     nodes = [helper.make_node("Conv", ["image", "spread"], ["spread_out"]),
              helper.make_node("QuantizeLinear", ["spread_out", "x_scale", "x_zero"], ["xq"]),
              helper.make_node("DequantizeLinear", ["xq", "x_scale", "x_zero"], ["x"]),
@@ -260,6 +261,29 @@ def test_depthwise_convolutions_cannot_saturate_and_need_no_pair_rule(tmp_path, 
     proven, _ = overflow.saturation_proof(onnx.load(str(path)))
     assert proven == (in_per_group == 1)
     assert np.array_equal(exact, saturating) == (in_per_group == 1)
+
+
+def test_uint8_weights_under_uint8_activations_cannot_saturate_and_are_proven(tmp_path):
+    """u8 x u8: every weight at code 255 under activations of code 255, the worst case for int16 pairs, gives the
+    exact sums on both paths (onnxruntime's kernel widens first), so the proof takes uint8 weights under uint8 activations."""
+    if cpu_info.current().int8_path == cpu_info.EXACT and emulate.qemu() is None:
+        pytest.fail("a VNNI CPU without qemu-user: `make install` installs it (apt-get install qemu-user)")
+    batch = np.ones((1, 3, 8, 8), np.float32)
+
+    def both_paths(path: Path) -> tuple[np.ndarray, np.ndarray]:
+        if cpu_info.current().int8_path == cpu_info.SATURATING:
+            return load_model(path, exact_int8=True).predict(batch), load_model(path).predict(batch)
+        return load_model(path).predict(batch), emulate.scores_under_emulation(path, batch)
+
+    # An output scale wide enough for the exact sums (64 x 9 x 255): a saturated sum would land on another code.
+    unsigned = _grouped_qdq_classifier(tmp_path / "u8u8.onnx", 64, unsigned_weights=True, output_scale=1000.0)
+    exact, saturating = both_paths(unsigned)
+    assert np.array_equal(exact, saturating)
+    assert overflow.saturation_proof(onnx.load(str(unsigned)))[0]
+    signed = _grouped_qdq_classifier(tmp_path / "s8.onnx", 64, output_scale=1000.0)  # the same worst case with int8 weights
+    exact, saturating = both_paths(signed)
+    assert not np.array_equal(exact, saturating)  # saturates: the measurement sees saturation where there is some
+    assert not overflow.saturation_proof(onnx.load(str(signed)))[0]
 
 
 def test_the_all_layers_fix_leaves_depthwise_weights_at_full_precision(tmp_path):

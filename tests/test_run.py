@@ -6,7 +6,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from conftest import KERAS_MODEL, PIPELINE_MODELS, benchmark_of, ptq_ok, read_json, record_of
+from conftest import KERAS_MODEL, PIPELINE_MODELS, STUDY_EMULATION, benchmark_of, ptq_ok, read_json, record_of
 
 from ptq_cli.backends.model_file import file_sha256
 
@@ -27,7 +27,7 @@ def test_manifest_has_versions_seed_and_the_hash_of_every_input_and_output(pipel
     manifest = read_json(pipeline_snapshot / "results" / "manifest.json")
     assert manifest["seed"] == 42
     assert manifest["libraries"]["onnxruntime"] and manifest["libraries"]["torch"].startswith("2.13.0")
-    assert manifest["last_run"]["command"] == ["ptq", "run", "--no-benchmark"]
+    assert manifest["last_run"]["command"] == ["ptq", "run", "--no-benchmark", *STUDY_EMULATION]
     stages = {stage["name"]: stage for stage in manifest["stages"]}
     assert manifest["last_run"]["ran"] == list(stages)
     assert {"convert keras -> onnx", "calibrate", "report"} <= set(stages)
@@ -41,11 +41,11 @@ def test_manifest_has_versions_seed_and_the_hash_of_every_input_and_output(pipel
 
 def test_second_run_skips_every_stage_and_changes_no_file(pipeline_snapshot):
     before = _hashes(pipeline_snapshot)
-    result = json.loads(ptq_ok("run", "--no-benchmark", "--json", cwd=pipeline_snapshot).stdout)
+    result = json.loads(ptq_ok("run", "--no-benchmark", *STUDY_EMULATION, "--json", cwd=pipeline_snapshot).stdout)
     assert [stage["ran"] for stage in result["stages"]] == [False] * len(result["stages"])
     assert result["manifest_written"] is False
     assert _hashes(pipeline_snapshot) == before
-    text = ptq_ok("run", "--no-benchmark", cwd=pipeline_snapshot).stdout
+    text = ptq_ok("run", "--no-benchmark", *STUDY_EMULATION, cwd=pipeline_snapshot).stdout
     assert f"All {len(result['stages'])} stages up to date" in text and "nothing written" in text
     assert _hashes(pipeline_snapshot) == before
 
@@ -55,7 +55,7 @@ def test_a_missing_output_reruns_only_its_stage_and_those_after_it_that_read_it(
     fp32_record = next((pipeline_snapshot / "results").glob("resnet8.onnx-??????@*.json"))
     fp32_record.unlink()
     before = _hashes(pipeline_snapshot)
-    result = json.loads(ptq_ok("run", "--no-benchmark", "--json", cwd=pipeline_snapshot).stdout)
+    result = json.loads(ptq_ok("run", "--no-benchmark", *STUDY_EMULATION, "--json", cwd=pipeline_snapshot).stdout)
     ran = [stage["name"] for stage in result["stages"] if stage["ran"]]
     assert ran == ["evaluate resnet8.onnx", "report"]
     after = _hashes(pipeline_snapshot)
@@ -67,7 +67,7 @@ def test_a_missing_output_reruns_only_its_stage_and_those_after_it_that_read_it(
 def test_forced_run_with_the_same_seed_makes_byte_identical_models(pipeline_snapshot):
     before = _hashes(pipeline_snapshot)
     # Runs of the program, each in its own process, as a user makes them.
-    result = json.loads(ptq_ok("run", "--no-benchmark", "--force", "--json", cwd=pipeline_snapshot, fresh_process=True).stdout)
+    result = json.loads(ptq_ok("run", "--no-benchmark", *STUDY_EMULATION, "--force", "--json", cwd=pipeline_snapshot, fresh_process=True).stdout)
     assert all(stage["ran"] for stage in result["stages"])
     after = _hashes(pipeline_snapshot)
     for name in PIPELINE_MODELS:
@@ -76,7 +76,7 @@ def test_forced_run_with_the_same_seed_makes_byte_identical_models(pipeline_snap
 
 
 def test_benchmark_stage_measures_every_model_once_and_the_report_uses_it(pipeline_snapshot):
-    result = json.loads(ptq_ok("run", "--runs", "2", "--json", cwd=pipeline_snapshot).stdout)
+    result = json.loads(ptq_ok("run", "--runs", "2", *STUDY_EMULATION, "--json", cwd=pipeline_snapshot).stdout)
     assert [stage["name"] for stage in result["stages"] if stage["ran"]] == ["benchmark", "report"]
     records = {name: benchmark_of(pipeline_snapshot / "results", name) for name in PIPELINE_MODELS}
     for name, record in records.items():
@@ -94,5 +94,5 @@ def test_benchmark_stage_measures_every_model_once_and_the_report_uses_it(pipeli
     # Against the FP32 model on OpenVINO f32, and against onnxruntime's FP32 run, both from that one benchmark.
     assert nncf["speedup"] == round(nncf["images_per_second"] / ov_fp32["images_per_second"], 3)
     assert nncf["speedup_vs_onnxruntime"] == round(nncf["images_per_second"] / records["resnet8.onnx"]["images_per_second"], 3)
-    text = ptq_ok("run", "--runs", "2", cwd=pipeline_snapshot).stdout
+    text = ptq_ok("run", "--runs", "2", *STUDY_EMULATION, cwd=pipeline_snapshot).stdout
     assert f"{len(PIPELINE_MODELS) + 2} files in results/benchmarks/" in text  # and the ONNX model on OpenVINO, the MLPerf reference

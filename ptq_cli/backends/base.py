@@ -92,6 +92,7 @@ class QuantizedFile:
     size_bytes: int
     space_to_depth: tuple = ()  # the convolutions regrouped before quantizing (onnxruntime only)
     notes: tuple[str, ...] = ()  # what the backend changed on the way (a fixed batch made symbolic, ...)
+    settings: QuantizationSettings | None = None  # the settings as it applied them, where it decided some (the rounding)
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,11 @@ class QuantizationSettings:
     # with the output SQNR its int8 weights alone gave.
     stem: str | None = None
     stem_sqnr_db: float | None = None
+    # Weight rounding: "learned" (codes and biases refined layer by layer, transforms/rounding.py) or "nearest";
+    # None until measured on held-out calibration images, with the output SQNR of each there.
+    rounding: str | None = None
+    rounding_nearest_db: float | None = None
+    rounding_learned_db: float | None = None
 
 
 def _no_check(settings: dict[str, Any]) -> dict[str, Any]:
@@ -174,6 +180,7 @@ class Backend:
     granularities: tuple[bool, ...] = (True, False)  # per-channel, per-tensor: what it can do
     leaves_layers_float: bool = True
     float_stem: bool = True  # whether it can leave the stem in float (`QuantizationSettings.stem`)
+    learned_rounding: bool = False  # whether its quantize refines the weights' rounding (`QuantizationSettings.rounding`)
     float_layers: Callable[[Any], list[str]] | None = None
     fast_on_x86: Callable[[QuantizationSettings], bool] = _fast_when_u8s8  # its x86 fast configuration
     # Runtime side.
@@ -256,6 +263,8 @@ def describe_settings(settings: dict, types: str | None = None) -> str:
         f"{settings.get('calibration_samples', '?')} samples",
     ]
     parts += float_parts(settings)
+    if settings.get("rounding") == "learned":
+        parts.append("learned rounding")
     if settings.get("space_to_depth_convs"):
         parts.append("space-to-depth: " + ", ".join(short_node(rewrite["node"]) for rewrite in settings["space_to_depth_convs"]))
     return ", ".join(parts)

@@ -10,7 +10,7 @@ import logging
 import os
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from ptq_cli.backends.base import EMULATE, Backend, LoadedModel, ProgressCallbac
 from ptq_cli.backends.model_file import graph_inputs, in_fixed_batches, model_input, num_classes, onnx_dims, read_bytes, read_onnx, resolve_threads
 from ptq_cli.cpu import EXACT
 from ptq_cli.errors import PtqError
-from ptq_cli.transforms import overflow
+from ptq_cli.transforms import overflow, rounding
 from ptq_cli.transforms.graph import keep_float_layers, symbolic_batch
 from ptq_cli.transforms.space_to_depth import Rewrite, quantized_pads, space_to_depth_convs
 
@@ -388,6 +388,23 @@ def stem_nodes(graph) -> list[str]:
     return [node.name for node in [*stem, *before]]
 
 
+def output_softmax_nodes(graph) -> list[str]:
+    """The Softmax / LogSoftmax nodes that give the graph's outputs, named here if unnamed: left in float, so
+    the probabilities are not rounded to multiples of 1/255 (nothing runs after them to gain from int8)."""
+    outputs = {value.name for value in graph.graph.output}
+    names = {node.name for node in graph.graph.node}
+    found = []
+    for index, node in enumerate(graph.graph.node):
+        if node.op_type in ("Softmax", "LogSoftmax") and outputs.intersection(node.output):
+            if not node.name:
+                node.name = f"ptq_output_softmax_{index}"
+                while node.name in names:
+                    node.name += "_"
+                names.add(node.name)
+            found.append(node.name)
+    return found
+
+
 def _graph_to_quantize(model, settings: QuantizationSettings, workdir: Path) -> tuple[Any, list[Rewrite], dict | None, list[str]]:
     """(what quantize_static takes: the ModelProto or a rewritten graph's path, the space-to-depth rewrites,
     the weight scale overrides of the overflow fix, the nodes left in float): onnxruntime's pre-processing,
@@ -400,6 +417,7 @@ def _graph_to_quantize(model, settings: QuantizationSettings, workdir: Path) -> 
         preprocess(model, source)
     graph = onnx.load(source) if isinstance(source, str) else onnx.ModelProto.FromString(model.SerializeToString())
     float_nodes = list(settings.float_nodes)
+    float_nodes += [name for name in output_softmax_nodes(graph) if name not in float_nodes]
     if settings.stem == "float":
         float_nodes += [name for name in stem_nodes(graph) if name not in float_nodes]
     missing = sorted(set(float_nodes) - {node.name for node in graph.graph.node})
@@ -414,6 +432,98 @@ def _graph_to_quantize(model, settings: QuantizationSettings, workdir: Path) -> 
     if settings.overflow_fix in overflow.OVERFLOW_FIXES and settings.weight_dtype == "int8":
         overrides = overflow.weight_overrides(graph, settings.overflow_fix, bool(settings.per_channel), set(float_nodes))
     return source, rewrites, overrides, float_nodes
+
+
+LEARNED, NEAREST = rounding.LEARNED, rounding.NEAREST
+ROUNDING_PIXELS = 4_000_000  # image pixels the refinement reads per layer: 512 images at 32x32, 79 at 224x224
+ROUNDING_IMAGES = (32, 512)
+HELD_OUT_EVERY = 4  # every 4th calibration image judges nearest against learned rounding, unseen by the refinement
+HELD_OUT_MAX = 256
+
+
+def _probe_session(model, threads: int):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.add_session_config_entry(EXACT_PATH_CONFIG, "1")  # the same codes on every CPU, VNNI or not
+    options.intra_op_num_threads = threads
+    options.log_severity_level = 4
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _tensor_batches(input_name: str, images: np.ndarray, threads: int, chunk: int = 64):
+    """A `rounding.ActivationSource`: one named tensor of a model, over `images`, a chunk at a time."""
+    import onnx
+
+    def batches(model, name: str):
+        existing = [output.name for output in model.graph.output]
+        if name not in existing:
+            model.graph.output.append(onnx.helper.make_empty_tensor_value_info(name))
+        try:
+            session = _probe_session(model, threads)
+        finally:
+            if name not in existing:
+                model.graph.output.pop()
+        for start in range(0, len(images), chunk):
+            yield session.run([name], {input_name: images[start : start + chunk]})[0]
+
+    return batches
+
+
+def judged_output(model) -> str:
+    """The tensor nearest and learned rounding are compared on: the scores before a final Softmax (its
+    probabilities hide most of the difference in a few saturated images), else the first output."""
+    output = model.graph.output[0].name
+    producer = next((node for node in model.graph.node if output in node.output), None)
+    return producer.input[0] if producer is not None and producer.op_type in ("Softmax", "LogSoftmax") else output
+
+
+def _outputs(model, name: str, input_name: str, images: np.ndarray, threads: int) -> np.ndarray:
+    return np.concatenate(list(_tensor_batches(input_name, images, threads)(model, name)))
+
+
+def refine_rounding(quantized, float_path: str, calibration: np.ndarray, input_name: str, settings: QuantizationSettings,
+                    progress: ProgressCallback | None = None) -> tuple[Any, QuantizationSettings, list[str]]:
+    """(model, settings with the rounding decided, notes): learned codes and corrected biases where they bring
+    the output closer to FP32 than nearest rounding on held-out calibration images (or where asked)."""
+    import onnx
+
+    from ptq_cli.services.measure.validation import sqnr_db
+
+    held_out = calibration[HELD_OUT_EVERY - 1 :: HELD_OUT_EVERY][:HELD_OUT_MAX]
+    rest = np.delete(calibration, np.arange(HELD_OUT_EVERY - 1, len(calibration), HELD_OUT_EVERY), axis=0)
+    if settings.rounding == LEARNED or len(held_out) == 0:
+        rest = calibration  # nothing to judge with, or nothing to judge: every image refines
+    pixels = int(np.prod(calibration.shape[2:] if calibration.shape[1] in (1, 3, 4) else calibration.shape[1:3]))
+    count = int(np.clip(ROUNDING_PIXELS // max(1, pixels), *ROUNDING_IMAGES))
+    refining = rest[np.linspace(0, len(rest) - 1, min(count, len(rest))).astype(int)] if len(rest) else rest
+    threads = resolve_threads(None)
+    float_model = onnx.load(float_path)
+    nearest_model = onnx.ModelProto.FromString(quantized.SerializeToString())
+    refined, layers = rounding.refine(quantized, float_model, _tensor_batches(input_name, refining, threads),
+                                      _tensor_batches(input_name, refining, threads), progress=progress)
+    changed = sum(layer.codes_changed for layer in layers)
+    notes = [f"learned rounding: {len(layers)} layers, {changed:,} of {sum(layer.codes for layer in layers):,} weight codes moved off nearest, "
+             f"{sum(layer.bias_corrected for layer in layers)} biases corrected, from {len(refining)} calibration images"]
+    kept_nearest = sum(layer.channels_kept_nearest for layer in layers)
+    if kept_nearest:
+        notes.append(f"learned rounding: {kept_nearest} output channels kept nearest rounding to follow the pair rule")
+    if settings.rounding == LEARNED or len(held_out) == 0:
+        return refined, replace(settings, rounding=LEARNED), notes
+    judged = judged_output(float_model)
+    reference = _outputs(float_model, judged, input_name, held_out, threads)
+    quantized_judged = judged if judged in {output for node in refined.graph.node for output in node.output} else refined.graph.output[0].name
+    nearest_db = sqnr_db(reference, _outputs(nearest_model, quantized_judged, input_name, held_out, threads))
+    learned_db = sqnr_db(reference, _outputs(refined, quantized_judged, input_name, held_out, threads))
+    choice = LEARNED if learned_db > nearest_db else NEAREST
+    measured = replace(settings, rounding=choice, rounding_nearest_db=_db(nearest_db), rounding_learned_db=_db(learned_db))
+    verdict = f"output SQNR on {len(held_out)} held-out calibration images: {nearest_db:.2f} dB nearest, {learned_db:.2f} dB learned; kept {choice}"
+    return (refined if choice == LEARNED else nearest_model), measured, [*notes, f"learned rounding: {verdict}"]
+
+
+def _db(value: float) -> float | None:
+    return round(value, 2) if np.isfinite(value) else None
 
 
 @contextlib.contextmanager
@@ -493,13 +603,21 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
             if rewrites:
                 quantized_pads(quantized)
             keep_float_layers(quantized, float_nodes)
+            if settings.rounding != NEAREST:
+                if fixed_batch is not None:
+                    notes.append(f"learned rounding: not applied (the graph is tied to its fixed batch of {fixed_batch})")
+                    settings = replace(settings, rounding=NEAREST)
+                else:
+                    quantized, settings, refined_notes = refine_rounding(quantized, source if isinstance(source, str) else "", calibration,
+                                                                         described.name, settings)
+                    notes += refined_notes
             described_settings = {**asdict(settings), "space_to_depth_convs": [asdict(rewrite) for rewrite in rewrites]}
             extra = json.loads(stored.pop(base.QUANTIZATION_METADATA_KEY, "{}"))
             props = {base.QUANTIZATION_METADATA_KEY: json.dumps({**described_settings, **extra}), **stored}
             props.update({key: value for key, value in metadata(model).items() if key == base.PRUNING_METADATA_KEY})  # a pruned source stays described
             onnx.helper.set_model_props(quantized, props)
             onnx.save(quantized, str(tmp))
-            return QuantizedFile(tmp.stat().st_size, tuple(rewrites), tuple(notes + _warning_notes(warnings)))
+            return QuantizedFile(tmp.stat().st_size, tuple(rewrites), tuple(notes + _warning_notes(warnings)), settings)
 
 
 def _check_settings(settings: dict) -> dict:
@@ -539,6 +657,7 @@ BACKEND = Backend(
     # and uint8 x uint8 fall back to slower paths. Per-channel weights with percentile calibration keep the accuracy.
     speed_target={"dtype": "uint8", "weight_dtype": "int8", "per_channel": True, "method": "percentile"},
     # Running: its exact u8 x s8 kernels have a session switch.
+    learned_rounding=True,
     int8_kernels_vary=True, reaches_int8_path=lambda overflow_fix, int8_path: True, int8_basis=_int8_basis,
     runtime_settings="CPUExecutionProvider, 1 intra-op thread per run, allow_spinning 0, one shard per thread",
 )

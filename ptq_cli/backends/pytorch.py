@@ -227,6 +227,46 @@ def clamp_conv_outputs(prepared, reduce_range: bool) -> list[str]:
     return clamped
 
 
+def drop_integer_observers(prepared, example) -> list[str]:
+    """Remove the observers prepare_fx put on integer tensors (the int64 shapes and pads of a tf2onnx graph,
+    which onnx2torch computes at run time): torch.ao cannot observe or quantize them, and they are not
+    activations. Found by running `example` once; returns the observers removed."""
+    import torch
+    from torch.ao.quantization.observer import ObserverBase
+
+    seen: dict[str, torch.dtype] = {}
+
+    class Recorder(torch.nn.Module):  # stands in for an observer during the probe: notes the dtype, passes the tensor on
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.name = name
+
+        def forward(self, value):
+            if isinstance(value, torch.Tensor):
+                seen.setdefault(self.name, value.dtype)
+            return value
+
+    observers = {name: module for name, module in prepared.named_modules() if isinstance(module, ObserverBase)}
+    for name in observers:
+        prepared.set_submodule(name, Recorder(name))
+    try:
+        with torch.no_grad():
+            prepared(example)
+    finally:
+        for name, module in observers.items():
+            prepared.set_submodule(name, module)
+    dropped = []
+    for node in list(prepared.graph.nodes):
+        if node.op == "call_module" and str(node.target) in seen and not seen[str(node.target)].is_floating_point:
+            node.replace_all_uses_with(node.args[0])
+            prepared.graph.erase_node(node)
+            dropped.append(str(node.target))
+    if dropped:
+        prepared.graph.lint()
+        prepared.recompile()
+    return dropped
+
+
 def _batches(images: np.ndarray, fixed: int | None) -> list[np.ndarray]:
     if fixed is None:
         return [images[start : start + CALIBRATION_BATCH] for start in range(0, len(images), CALIBRATION_BATCH)]
@@ -248,6 +288,7 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     mapping = qconfig_mapping(bool(settings.per_channel), settings.method, settings.overflow_fix or overflow.NO_FIX,
                               tuple(first_layer_modules(float_module)), float_stem=settings.stem == "float")
     prepared = prepare_fx(float_module, mapping, (example,))
+    drop_integer_observers(prepared, example)
     clamp_conv_outputs(prepared, settings.overflow_fix == overflow.ALL_LAYERS)
     with torch.no_grad():
         for index, batch in enumerate(batches):

@@ -9,6 +9,8 @@ from ptq_cli.cpu import ALL, CPU_TARGETS, VNNI
 from ptq_cli.errors import PtqError
 from ptq_cli.services.stem import check_stem
 from ptq_cli.transforms.overflow import ALL_LAYERS, FIRST_LAYER, NO_FIX
+from ptq_cli.transforms.rounding import AUTO as AUTO_ROUNDING
+from ptq_cli.transforms.rounding import LEARNED, NEAREST, ROUNDING_CHOICES
 
 __all__ = ["QuantizationSettings", "describe_cpus", "describe_model", "describe_quantization", "make_settings", "short_node"]
 
@@ -51,6 +53,7 @@ def make_settings(
     cpus: str | None = None,
     overflow_fix: str | None = None,
     stem: str | None = None,
+    rounding: str | None = None,
 ) -> QuantizationSettings:
     """Validated settings. Without a target the defaults are the seed study's, the weights following the
     activations' type; a target's preset fills in what the options leave open; the backend's row adds
@@ -83,8 +86,22 @@ def make_settings(
         space_to_depth=bool(fields["space_to_depth"]), cpus=cpus,
         overflow_fix=fields["overflow_fix"] or overflow_fix,  # the backend's own say first (onnxruntime's u8 x u8 kernel needs no fix)
         stem=check_stem(stem, backend),  # None: measured when quantizing (services/stem.py)
+        rounding=check_rounding(rounding, row),  # None: measured when quantizing (transforms/rounding.py)
         **{name: fields[name] for name in ("nncf_preset", "bias_correction", "subset_size", "io", "ranges_from")},
     )
+
+
+def check_rounding(rounding: str | None, row: backends.Backend) -> str | None:
+    """`--rounding` as the settings hold it: None for auto (decided on held-out calibration images), nearest
+    for a backend that does not refine its weights."""
+    if rounding not in (None, *ROUNDING_CHOICES):
+        raise PtqError(f"--rounding: '{rounding}' is not one of {', '.join(ROUNDING_CHOICES)}")
+    if not row.learned_rounding:
+        if rounding == LEARNED:
+            raise PtqError(f"--rounding learned: --backend {row.name} rounds its weights to nearest (learned rounding: --backend "
+                           f"{' or '.join(other.name for other in backends.TABLE.values() if other.learned_rounding)})")
+        return NEAREST
+    return None if rounding in (None, AUTO_ROUNDING) else rounding
 
 
 def _types(dtype: str, weight_dtype: str | None) -> tuple[str, str]:

@@ -133,5 +133,6 @@ def quantize(model_path: Path, output: Path, settings: QuantizationSettings, cal
     prepared = calibration_inputs(source, calibration)
     settings = with_calibration(resolve_settings(source, settings, prepared), calibration)
     written = quantize_source(source, output, settings, calibration, prepared=prepared, progress=progress)
+    settings = written.settings or settings
     return QuantizeResult(model_path, output, model_path.stat().st_size, written.size_bytes, settings, written.space_to_depth,
                           source.notes + written.notes, source.loaded.describe_input(), source.loaded.preprocessing.describe())

@@ -9,8 +9,8 @@ That is the *pair rule*: weaker than onnxruntime's own rule (every weight in [-6
 weights) and so cheaper in accuracy, since only a channel's two largest same-sign codes are bounded.
 s8 x s8 models are covered too: on x86 onnxruntime shifts s8 activations to u8 and runs the u8 x s8 kernel.
 Depthwise convolutions (one input and one output channel per group) are exempt: onnxruntime runs them on
-a kernel that widens to 16 bits before multiplying, so they give the same sums on both paths
-(tests/test_int8_paths.py measures it).
+a kernel that widens to 16 bits before multiplying, so they give the same sums on both paths; so are uint8
+weights under uint8 activations, whose u8 x u8 kernel widens too (tests/test_int8_paths.py measures both).
 """
 
 from __future__ import annotations
@@ -155,9 +155,18 @@ def weight_overrides(model, fix: str, per_channel: bool, float_nodes: Collection
     return overrides
 
 
+def _activation_type(node, producers: dict, initializers: dict) -> int | None:
+    """The integer type of the activation a weighted node reads through a DequantizeLinear (its zero point's), or None."""
+    dequantize = producers.get(node.input[0])
+    if dequantize is None or dequantize.op_type != "DequantizeLinear" or len(dequantize.input) < 3 or dequantize.input[2] not in initializers:
+        return None
+    return int(initializers[dequantize.input[2]].data_type)
+
+
 def saturation_proof(model) -> tuple[bool, str]:
     """Whether a QDQ model provably computes the same on both x86 int8 paths: every int8 weight of a
-    Conv/Gemm/MatMul follows the pair rule or belongs to a depthwise convolution. (proven, why) in a few words."""
+    Conv/Gemm/MatMul follows the pair rule or belongs to a depthwise convolution, and every uint8 weight
+    meets uint8 activations. (proven, why) in a few words."""
     import onnx
     from onnx import numpy_helper
 
@@ -172,7 +181,10 @@ def saturation_proof(model) -> tuple[bool, str]:
             continue  # a float weight: nothing to saturate
         codes_init = initializers[dequantize.input[0]]
         if codes_init.data_type == onnx.TensorProto.UINT8:
-            return False, f"{node.name or node.op_type}: uint8 weights (not covered by the pair rule)"
+            if _activation_type(node, producers, initializers) != onnx.TensorProto.UINT8:
+                return False, f"{node.name or node.op_type}: uint8 weights under int8 activations (not covered by the pair rule)"
+            checked += 1  # u8 x u8: onnxruntime's kernel widens to 16 bits first
+            continue
         if codes_init.data_type != onnx.TensorProto.INT8:
             continue
         codes = numpy_helper.to_array(codes_init)
@@ -187,4 +199,4 @@ def saturation_proof(model) -> tuple[bool, str]:
         checked += 1
     if not checked:
         return False, "no int8 weights of a Conv/Gemm/MatMul found"
-    return True, f"all {checked} int8 weight tensors follow the pair rule"
+    return True, f"all {checked} 8-bit weight tensors follow the pair rule, are depthwise or are u8 x u8"

@@ -19,6 +19,7 @@ from ptq_cli.services.progress import ProgressCallback
 from ptq_cli.services.quant_settings import QuantizationSettings
 from ptq_cli.services.quantize import SourceModel, calibration_inputs, load_source, quantize_source, with_calibration
 from ptq_cli.services.stem import INT8
+from ptq_cli.transforms.rounding import NEAREST
 
 # The layers that compute: onnxruntime quantizes these (Relu folds into the preceding layer's output
 # range; Transpose and Reshape only move quantized data).
@@ -69,7 +70,8 @@ def layer_sensitivity(
         results = []
         for done, (name, op_type) in enumerate(layers):
             # Every other layer stays in float: only this one's error reaches the output.
-            only_this = replace(settings, stem=INT8, float_nodes=tuple(sorted(others - {name})))  # the stem measured like any layer
+            # The stem is measured like any layer, each layer's weights rounded to nearest (the cost of 8 bits, not of the refinement).
+            only_this = replace(settings, stem=INT8, float_nodes=tuple(sorted(others - {name})), rounding=NEAREST)
             candidate = Path(workdir) / "candidate.onnx"
             quantize_source(source, candidate, only_this, calibration, prepared=prepared)
             quantized = score(load_model(candidate), validation)

@@ -77,6 +77,7 @@ class StudyOptions:
     results_dir: Path = settings.RESULTS_DIR
     markdown: Path = settings.MARKDOWN_REPORT
     force: bool = False
+    emulated_images: int = RUN_EMULATED_IMAGES  # on a VNNI CPU: images scored under emulation of the saturating path, per model
 
     def uses(self, backend: str) -> bool:
         return backend not in self.without and backends.backend(backend).available()
@@ -304,15 +305,16 @@ def _evaluate_stages(study: _Study) -> list[Stage]:
     # Both x86 int8 paths of the 8-bit models whose runtime's kernels differ by CPU: the one this CPU does
     # not take, from the exact kernels' switch, a proof, or emulation (records "~exact" / "~saturating").
     other_path = next(path for path in cpu_info.INT8_PATHS if path != cpu_info.current().int8_path)
+    emulated = study.options.emulated_images
     for output, choice in study.quantized:
         made = quant_settings.make_settings(**choice)
         if not evaluate_service.other_path_measurable(made.backend, made.overflow_fix, other_path):
             continue
         record = evaluate_service.record_path(study.results, output, study.dataset, evaluate_service.requested_tag(other_path))
         stages.append(Stage(f"evaluate {output.name} on the {other_path} int8 path", "evaluate",
-                            ("--model", str(output), "--int8-path", other_path, "--emulated-images", str(RUN_EMULATED_IMAGES), *arguments),
-                            (output,), (record,), {**run_options, **flag_options, "int8_path": other_path, "emulated_images": RUN_EMULATED_IMAGES},
-                            partial(study.evaluate, output, int8_path=other_path, subset=RUN_EMULATED_IMAGES), study.test))
+                            ("--model", str(output), "--int8-path", other_path, "--emulated-images", str(emulated), *arguments),
+                            (output,), (record,), {**run_options, **flag_options, "int8_path": other_path, "emulated_images": emulated},
+                            partial(study.evaluate, output, int8_path=other_path, subset=emulated), study.test))
     for model, runtime, precision in study.openvino_fp32:
         record = evaluate_service.record_path(study.results, model, study.dataset, evaluate_service.runtime_tag(model, runtime, precision))
         stages.append(Stage(f"evaluate {model.name} on {runtime}", "evaluate",

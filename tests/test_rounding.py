@@ -1,0 +1,220 @@
+"""Learned rounding and bias correction (transforms/rounding.py): its pieces against references (onnxruntime's
+Conv, nearest rounding, the pair rule) and `ptq quantize --rounding` end to end on a small convolutional model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import helper, numpy_helper
+from PIL import Image
+from synthetic import invoke, one_line_error
+
+from ptq_cli.transforms import overflow, rounding
+
+
+def _conv_layer(attributes: dict) -> rounding.Layer:
+    return rounding.Layer("conv", "Conv", "x", "x", "w", "s", None, None, None, attributes)
+
+
+def _ort_conv(x: np.ndarray, weight: np.ndarray, attributes: dict) -> np.ndarray:
+    node = helper.make_node("Conv", ["x", "w"], ["y"], **attributes)
+    graph = helper.make_graph([node], "conv", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, list(x.shape))],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)], [numpy_helper.from_array(weight, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=7)
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+
+@pytest.mark.parametrize("attributes, channels, groups", [
+    ({"pads": [1, 1, 1, 1]}, 4, 1),
+    ({"strides": [2, 2], "pads": [0, 1, 1, 0]}, 4, 1),
+    ({"dilations": [2, 2], "pads": [2, 2, 2, 2]}, 4, 1),
+    ({"group": 6, "pads": [1, 1, 1, 1], "strides": [2, 2]}, 6, 6),  # depthwise
+    ({"group": 2, "auto_pad": "SAME_UPPER", "strides": [2, 2]}, 4, 2),
+    ({"auto_pad": "SAME_LOWER"}, 4, 1),
+    ({"auto_pad": "VALID", "strides": [3, 2]}, 4, 1),
+], ids=["padded", "strided-asymmetric-pads", "dilated", "depthwise", "grouped-same-upper", "same-lower", "valid"])
+def test_unfolded_rows_times_the_weight_matrix_are_onnxruntime_s_conv(attributes, channels, groups):
+    """What the statistics are taken over: the rows each output sums, in the weight's column order."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, channels, 9, 11)).astype(np.float32)
+    weight = rng.standard_normal((6, channels // groups, 3, 3)).astype(np.float32)
+    expected = _ort_conv(x, weight, attributes)
+    layer = _conv_layer(attributes)
+    rows = rounding.unfold(layer, x, weight.shape)  # positions x groups x inputs per group
+    matrix = rounding.weight_matrix(layer, weight)  # groups x outputs per group x inputs per group
+    got = np.einsum("rgi,goi->rgo", rows, matrix).reshape(2, expected.shape[2], expected.shape[3], 6).transpose(0, 3, 1, 2)
+    assert got.shape == expected.shape
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+    assert np.array_equal(rounding.from_matrix(layer, matrix, weight.shape), weight)
+
+
+def _output_error(weights, codes, scale, second) -> float:
+    difference = weights - codes * scale[:, :, None]
+    return float(np.einsum("gri,gij,grj->", difference, second, difference))
+
+
+def test_gptq_is_nearest_rounding_when_the_inputs_are_uncorrelated():
+    rng = np.random.default_rng(1)
+    weights = rng.standard_normal((1, 8, 20))
+    scale = np.abs(weights).max(axis=2) / 127
+    second = np.diag(rng.uniform(0.5, 2.0, 20))[None]  # no input correlated with another: nothing to feed back
+    codes = rounding.gptq(weights, second, scale, np.zeros_like(scale), -127, 127)
+    assert np.array_equal(codes, rounding.nearest(weights, scale, np.zeros_like(scale), -127, 127))
+
+
+@pytest.mark.parametrize("groups, rows, columns", [(1, 16, 40), (12, 1, 9), (1, 4, 300)], ids=["dense", "depthwise", "wide-blocks"])
+def test_gptq_lowers_the_output_error_of_correlated_inputs(groups, rows, columns):
+    """E||(W - Q) x||^2 over inputs that move together (neighbouring pixels do) falls well below nearest
+    rounding's; the codes stay on the grid and within one code of the weight's own over most weights."""
+    rng = np.random.default_rng(2)
+    mixing = rng.standard_normal((groups, columns, columns)) * 0.3 + np.eye(columns)[None] + 1.0
+    samples = np.einsum("ngi,gij->ngj", rng.standard_normal((4000, groups, columns)), mixing)
+    second = np.einsum("ngi,ngj->gij", samples, samples) / len(samples)
+    weights = rng.standard_normal((groups, rows, columns))
+    scale = np.abs(weights).max(axis=2) / 127
+    zero = np.zeros_like(scale)
+    learned = rounding.gptq(weights, second, scale, zero, -127, 127)
+    near = rounding.nearest(weights, scale, zero, -127, 127)
+    assert np.array_equal(learned, np.rint(learned)) and learned.min() >= -127 and learned.max() <= 127
+    assert _output_error(weights, learned, scale, second) < 0.6 * _output_error(weights, near, scale, second)
+    assert np.mean(np.abs(learned - near) <= 1) > 0.95
+
+
+def test_learned_codes_that_break_the_pair_rule_go_back_to_nearest():
+    near = np.array([[[64, 63, -10, 5], [100, 20, -60, -60]]], dtype=np.float64)  # channel 0 follows the rule, channel 1 does not
+    learned = np.array([[[65, 64, -10, 5], [101, 21, -61, -60]]], dtype=np.float64)  # both one code up
+    kept, count = rounding.keep_pair_rule(learned.copy(), near, depthwise=False)
+    assert count == 1 and np.array_equal(kept[0, 0], near[0, 0])  # put back: 65 + 64 > 128
+    assert np.array_equal(kept[0, 1], learned[0, 1])  # never followed the rule: nothing to keep
+    assert overflow.is_pair_safe(kept[0, :1])
+    untouched, none = rounding.keep_pair_rule(learned.copy(), near, depthwise=True)
+    assert none == 0 and np.array_equal(untouched, learned)
+
+
+def _two_conv_classifier(path: Path, size: int = 16) -> Path:
+    """NCHW 3 x 16 x 16 -> Conv 3->16 (3x3) -> Relu -> Conv 16->24 (3x3, stride 2) -> Relu -> mean -> Gemm -> 10 scores -> Softmax."""
+    rng = np.random.default_rng(3)
+    initializers = [numpy_helper.from_array(rng.normal(0, 0.3, (16, 3, 3, 3)).astype(np.float32), "w1"),
+                    numpy_helper.from_array(rng.normal(0, 0.05, 16).astype(np.float32), "b1"),
+                    numpy_helper.from_array(rng.normal(0, 0.15, (24, 16, 3, 3)).astype(np.float32), "w2"),
+                    numpy_helper.from_array(rng.normal(0, 0.05, 24).astype(np.float32), "b2"),
+                    numpy_helper.from_array(rng.normal(0, 0.5, (24, 10)).astype(np.float32), "w3")]
+    nodes = [helper.make_node("Conv", ["image", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1], strides=[2, 2], name="conv2"),
+             helper.make_node("Relu", ["c2"], ["r2"]),
+             helper.make_node("GlobalAveragePool", ["r2"], ["pooled"]),
+             helper.make_node("Flatten", ["pooled"], ["flat"]),
+             helper.make_node("Gemm", ["flat", "w3"], ["logits"], name="classifier"),
+             helper.make_node("Softmax", ["logits"], ["scores"], axis=1)]
+    graph = helper.make_graph(nodes, "two_conv", [helper.make_tensor_value_info("image", onnx.TensorProto.FLOAT, ["N", 3, size, size])],
+                              [helper.make_tensor_value_info("scores", onnx.TensorProto.FLOAT, ["N", 10])], initializers)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=7), str(path))
+    return path
+
+
+def _smooth_photos(root: Path, count: int, seed: int, size: int = 16) -> Path:
+    """Unlabelled PNGs of smooth colour fields (neighbouring pixels move together, as in photographs)."""
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True)
+    for index in range(count):
+        coarse = rng.integers(0, 256, (4, 4, 3)).astype(np.uint8)
+        Image.fromarray(coarse).resize((size, size), Image.BILINEAR).save(root / f"{index:03d}.png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("rounding")
+    _two_conv_classifier(root / "m.onnx")
+    _smooth_photos(root / "cal", 96, seed=1)
+    _smooth_photos(root / "test", 64, seed=2)
+    return root
+
+
+def _quantize(root: Path, output: str, *extra: str) -> dict:
+    result = invoke("quantize", "--model", "m.onnx", "--data", "test", "--calibration-data", "cal", "--preprocess", "unit",
+                    "--output", output, "--json", *extra, cwd=root)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def _logits(path: Path, images: np.ndarray) -> np.ndarray:
+    """The scores before the Softmax (what rounding is judged on), as onnxruntime computes them."""
+    model = onnx.load(str(path))
+    producers = {output: node for node in model.graph.node for output in node.output}
+    name = next(node.input[0] for node in model.graph.node if node.op_type == "Softmax")
+    while producers[name].op_type in ("DequantizeLinear", "QuantizeLinear"):  # the float scores the quantizer read
+        name = producers[name].input[0]
+    model.graph.output.append(helper.make_empty_tensor_value_info(name))
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run([name], {"image": images})[0]
+
+
+def _quantization_parameters(path: Path) -> dict[str, np.ndarray]:
+    """Every scale and zero point of the QDQ model (not the codes)."""
+    model = onnx.load(str(path))
+    names = {name for node in model.graph.node if node.op_type in ("QuantizeLinear", "DequantizeLinear") for name in node.input[1:]}
+    return {init.name: numpy_helper.to_array(init) for init in model.graph.initializer if init.name in names}
+
+
+def _test_images(root: Path) -> np.ndarray:
+    return np.stack([np.asarray(Image.open(path), np.float32).transpose(2, 0, 1) / 255 for path in sorted((root / "test").glob("*.png"))])
+
+
+@pytest.mark.parametrize("extra", [(), ("--dtype", "uint8"), ("--per-channel", "--overflow-fix", "all-layers")],
+                         ids=["int8-per-tensor", "uint8", "per-channel-pair-rule"])
+def test_learned_rounding_brings_unseen_images_closer_to_fp32_with_the_same_scales(project, extra):
+    name = "_".join(extra).replace("-", "") or "default"
+    nearest = _quantize(project, f"{name}_nearest.onnx", "--rounding", "nearest", *extra)
+    learned = _quantize(project, f"{name}_learned.onnx", "--rounding", "learned", *extra)
+    assert nearest["settings"]["rounding"] == "nearest" and learned["settings"]["rounding"] == "learned"
+    images = _test_images(project)
+    reference = _logits(project / "m.onnx", images)
+
+    def sqnr(model: str) -> float:
+        noise = np.sum((reference - _logits(project / model, images)) ** 2)
+        return float(10 * np.log10(np.sum(reference**2) / noise))
+
+    assert sqnr(f"{name}_learned.onnx") > sqnr(f"{name}_nearest.onnx") + 3
+    before, after = _quantization_parameters(project / f"{name}_nearest.onnx"), _quantization_parameters(project / f"{name}_learned.onnx")
+    assert before.keys() == after.keys() and all(np.array_equal(before[key], after[key]) for key in before)  # only codes and biases move
+    stored = json.loads({prop.key: prop.value for prop in onnx.load(str(project / f"{name}_learned.onnx")).metadata_props}["ptq.quantization"])
+    assert stored["rounding"] == "learned"
+    if "all-layers" in extra:  # the pair rule still holds on every layer: proven exact on CPUs without VNNI
+        proven, why = overflow.saturation_proof(onnx.load(str(project / f"{name}_learned.onnx")))
+        assert proven, why
+
+
+def test_auto_rounding_keeps_the_rounding_the_held_out_images_prefer_and_says_so(project):
+    auto = _quantize(project, "auto.onnx")["settings"]
+    nearest_db, learned_db = auto["rounding_nearest_db"], auto["rounding_learned_db"]
+    assert nearest_db is not None and learned_db is not None
+    assert auto["rounding"] == ("learned" if learned_db > nearest_db else "nearest")
+    shown = invoke("quantize", "--model", "m.onnx", "--data", "test", "--calibration-data", "cal", "--preprocess", "unit",
+                   "--output", "auto_shown.onnx", cwd=project, columns=200)
+    assert shown.exit_code == 0 and f"{nearest_db:.1f} dB nearest, {learned_db:.1f} dB learned" in shown.stdout
+
+
+def test_learned_rounding_on_a_backend_that_cannot_take_it_is_refused_in_one_line(project):
+    result = invoke("quantize", "--model", "m.onnx", "--data", "test", "--calibration-data", "cal", "--preprocess", "unit",
+                    "--backend", "pytorch", "--rounding", "learned", "--output", "t.pt", cwd=project)
+    one_line_error(result, "--rounding learned")
+    assert not (project / "t.pt").exists()
+
+
+def test_the_output_softmax_stays_float_so_probabilities_are_not_rounded_to_255ths(project):
+    _quantize(project, "softmax.onnx", "--rounding", "nearest")
+    model = onnx.load(str(project / "softmax.onnx"))
+    last = next(node for node in model.graph.node if model.graph.output[0].name in node.output)
+    assert last.op_type == "Softmax"
+    producers = {output: node for node in model.graph.node for output in node.output}
+    assert producers[last.input[0]].op_type == "DequantizeLinear"  # the scores before it are still 8-bit
+    scores = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"image": _test_images(project)})[0]
+    steps = scores * 255
+    assert np.mean(np.abs(steps - np.rint(steps)) > 1e-3) > 0.5  # most probabilities fall between the codes of a uint8 output
+    np.testing.assert_allclose(scores.sum(axis=1), 1.0, rtol=1e-5)
