@@ -8,7 +8,7 @@ PTQ_ASSETS ?= ../shared/assets
 export PTQ_ASSETS
 ONNX2TORCH := onnx2torch==1.5.15
 
-.PHONY: install qemu run tune sweep test test-fast lint bench bench-runtimes bench-int8 clean
+.PHONY: install qemu run tune sweep test test-fast lint bench bench-runtimes bench-int8 peers clean
 
 install: $(VENV)/.installed qemu
 
@@ -70,6 +70,19 @@ bench-runtimes: install
 # ptq's default models on both x86 int8 paths and their speed, with issue 22's targets for this CPU's instruction set.
 bench-int8: install
 	$(BIN)/python benchmarks/int8_paths.py
+
+# ptq against plain onnxruntime, NNCF (full bias correction) and AIMET-ONNX (AdaRound) on EfficientNet-Lite0 and photos
+# (benchmarks/peers.py). AIMET-ONNX pulls its own torch (a CUDA build, several GB): it gets its own virtual
+# environment, outside `make test` and CI. STAMPS=DIR measures on Tux Paint's stamp photographs, WORKDIR=DIR keeps the files.
+PEERS_VENV ?= .venv-peers
+peers: install $(PEERS_VENV)/.installed
+	$(BIN)/python benchmarks/peers.py --aimet-python $(PEERS_VENV)/bin/python $(if $(STAMPS),--stamps $(STAMPS)) $(if $(WORKDIR),--workdir $(WORKDIR))
+
+$(PEERS_VENV)/.installed:
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install --quiet --upgrade pip
+	$(PEERS_VENV)/bin/pip install --quiet aimet-onnx==2.42.0
+	touch $@
 
 clean:
 	rm -rf models calibration results reports

@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/imagenet_table.py [--workdir DIR] [--stamps DIR] [--configs default,speed,...]
 
-The model: the pretrained EfficientNet-Lite0 (tests/imagenet_size.py). The photos, unlabelled folders
+The model: the pretrained EfficientNet-Lite0 (tests/imagenet_size.py), or with `--lite 2` EfficientNet-Lite2 at 260x260
+(written as efficientnet_lite0.onnx in its own workdir, so that every command line stays the same). The photos, unlabelled folders
 (ROOT/*.jpg) whose classes are not ImageNet's:
 - by default 300 CIFAR-10 training photos to calibrate and 300 test photos to measure, upsampled to 224x224;
 - with `--stamps DIR`, the photographs of Tux Paint's stamp collection (Debian's tuxpaint-stamps-default:
@@ -73,6 +74,22 @@ def stamp_photos(stamps: Path, calibration: Path, test: Path, smallest: int = 15
     return written
 
 
+def prepare_workdir(workdir: Path, stamps: Path | None, variant: int = 0) -> Path:
+    """The model and the two photo folders in `workdir`, made where missing: stamp photographs, or upsampled CIFAR-10.
+    EfficientNet-Lite2 (`variant` 2) is written under the same file name in its own workdir."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    if not (workdir / MODEL).is_file():
+        imagenet_size.efficientnet_lite_onnx(workdir / MODEL, variant)
+    if not (workdir / "test").is_dir():
+        if stamps:
+            stamp_photos(stamps, workdir / "calibration", workdir / "test")
+        else:
+            cifar = Path(os.environ.get("PTQ_ASSETS", REPO.parent / "shared" / "assets")) / "cifar-10-batches-py"
+            imagenet_size.write_jpegs(imagenet_size.cifar_photos(cifar, "train", 300, seed=1)[0], workdir / "calibration")
+            imagenet_size.write_jpegs(imagenet_size.cifar_photos(cifar, "test", 300, seed=2)[0], workdir / "test")
+    return workdir
+
+
 def run(workdir: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ptq_cli", *args], cwd=workdir, capture_output=True, text=True)
 
@@ -112,18 +129,9 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--stamps", type=Path, default=None, help="Tux Paint's stamps folder (see above); default: CIFAR-10 upsampled")
     parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--lite", type=int, choices=sorted(imagenet_size.LITE_VARIANTS), default=0, help="EfficientNet-Lite0 (224 px) or -Lite2 (260 px)")
     options = parser.parse_args()
-    workdir = options.workdir or Path(tempfile.mkdtemp(prefix="ptq-imagenet-table-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    if not (workdir / MODEL).is_file():
-        imagenet_size.efficientnet_lite0_onnx(workdir / MODEL)
-    if not (workdir / "test").is_dir():
-        if options.stamps:
-            stamp_photos(options.stamps, workdir / "calibration", workdir / "test")
-        else:
-            cifar = Path(os.environ.get("PTQ_ASSETS", REPO.parent / "shared" / "assets")) / "cifar-10-batches-py"
-            imagenet_size.write_jpegs(imagenet_size.cifar_photos(cifar, "train", 300, seed=1)[0], workdir / "calibration")
-            imagenet_size.write_jpegs(imagenet_size.cifar_photos(cifar, "test", 300, seed=2)[0], workdir / "test")
+    workdir = prepare_workdir(options.workdir or Path(tempfile.mkdtemp(prefix="ptq-imagenet-table-")), options.stamps, options.lite)
     rows = []
     for name in options.configs.split(","):
         model, seconds, peak = quantize(workdir, name, CONFIGS[name])

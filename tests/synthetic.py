@@ -167,6 +167,15 @@ def photo_folder(root: Path, count: int = 30, size: int = 224, seed: int = 0) ->
     return root
 
 
+def smooth_photos(root: Path, count: int, seed: int, size: int = 16, suffix: str = ".png") -> Path:
+    """ROOT/*.png: unlabelled smooth colour fields (a 4x4 random image upsampled: neighbouring pixels move together, as in photographs)."""
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    for index in range(count):
+        Image.fromarray(rng.integers(0, 256, (4, 4, 3)).astype(np.uint8)).resize((size, size), Image.BILINEAR).save(root / f"{index:03d}{suffix}")
+    return root
+
+
 def cancelling_stem_classifier(path: Path, size: int = 16, cancelling: bool = True) -> Path:
     """NCHW 3 x size x size -> Mul by 1/255 (normalisation in the graph, which onnxruntime quantizes) -> stem
     Conv 3->4 (3x3) -> global mean -> Gemm -> 3 scores, whose stem is ruined by 8-bit weights: each filter has

@@ -40,10 +40,16 @@ def test_third_party_contract_scores_the_known_answer_and_quantizes(tmp_path, re
     run = ptq_ok("evaluate", "--model", "third_speed.onnx", "--results-dir", "res", "--int8-path", "both", cwd=tmp_path)  # no flags: the stored contract
     quantized = record_of(tmp_path / "res", "third_speed.onnx")
     assert quantized["source_sha256"] == fp32["model_sha256"] and quantized["preprocessing"] == "cifar10-normalized"
-    # Issue 22's bar for a third-party classifier: within 0.5 points of FP32 on both x86 int8 paths.
-    paths = [read_json(path) for path in (tmp_path / "res").glob("third_speed.onnx-*.json")]
-    assert sorted(record["int8_path"] for record in paths) == ["exact", "saturating"]
-    assert all(record["accuracy"] >= fp32["accuracy"] - 0.5 for record in paths), [(r["int8_path"], r["accuracy"]) for r in paths]
+    # Issue 22's bar for a third-party classifier: within 0.5 points of FP32 on both x86 int8 paths. The path this CPU
+    # does not take may be emulated on a subset of 1,000 images, too few for half a point: there the bar is that the
+    # saturating path loses nothing against the exact one on the same images.
+    paths = {record["int8_path"]: record for record in (read_json(path) for path in (tmp_path / "res").glob("third_speed.onnx-*.json"))}
+    assert sorted(paths) == ["exact", "saturating"]
+    for record in paths.values():
+        if record["images"] == fp32["images"]:
+            assert record["accuracy"] >= fp32["accuracy"] - 0.5, (record["int8_path"], record["accuracy"])
+        else:
+            assert record["accuracy"] >= record["exact_accuracy_same_images"] - 0.2, record["int8_basis"]
     assert "delta vs FP32 third.onnx" in run.stdout
     # PyTorch takes the NCHW model too.
     ptq_ok("quantize", "--model", "third.onnx", "--backend", "pytorch", *NORMALIZED, "--output", "third_pt.pt", cwd=tmp_path)
@@ -85,5 +91,6 @@ def test_run_on_a_users_model_and_image_folder(tmp_path, resnet8_onnx, test_fold
     contract_variant(resnet8_onnx, tmp_path / "third.onnx")
     ptq_ok("run", "--model", "third.onnx", "--data", test_folders / "png", *NORMALIZED, "--no-benchmark", "--no-pytorch", cwd=tmp_path)
     fp32, speed = record_of(tmp_path / "results", "third.onnx"), record_of(tmp_path / "results", "third_uint8_speed.onnx")
-    assert abs(fp32["accuracy"] - 87.19) <= 0.02 and speed["accuracy"] >= fp32["accuracy"] - 0.3
+    # Issue 22's bar (within 0.5 points), and the speed model follows FP32 on all but a few images.
+    assert abs(fp32["accuracy"] - 87.19) <= 0.02 and speed["accuracy"] >= fp32["accuracy"] - 0.5 and speed["fidelity"]["top1_agreement"] >= 97.5
     assert (tmp_path / "models" / "third_int8.onnx").is_file() and read_json(tmp_path / "results" / "manifest.json")["stages"]

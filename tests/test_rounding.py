@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 from onnx import helper, numpy_helper
 from PIL import Image
-from synthetic import invoke, one_line_error
+from synthetic import invoke, one_line_error, smooth_photos
 
 from ptq_cli.transforms import overflow, rounding
 
@@ -85,15 +85,28 @@ def test_gptq_lowers_the_output_error_of_correlated_inputs(groups, rows, columns
     assert np.mean(np.abs(learned - near) <= 1) > 0.95
 
 
-def test_learned_codes_that_break_the_pair_rule_go_back_to_nearest():
+def test_learned_codes_that_break_the_pair_rule_step_back_only_where_they_must():
     near = np.array([[[64, 63, -10, 5], [100, 20, -60, -60]]], dtype=np.float64)  # channel 0 follows the rule, channel 1 does not
-    learned = np.array([[[65, 64, -10, 5], [101, 21, -61, -60]]], dtype=np.float64)  # both one code up
-    kept, count = rounding.keep_pair_rule(learned.copy(), near, depthwise=False)
-    assert count == 1 and np.array_equal(kept[0, 0], near[0, 0])  # put back: 65 + 64 > 128
+    learned = np.array([[[65, 64, -11, 6], [101, 21, -61, -60]]], dtype=np.float64)  # moved off nearest
+    kept, stepped = rounding.keep_pair_rule(learned.copy(), near, depthwise=False)
+    assert overflow.is_pair_safe(kept[0, :1]) and kept[0, 0, :2].sum() == 128  # back to the limit, not to nearest
+    assert stepped == 1 and np.array_equal(kept[0, 0, 2:], learned[0, 0, 2:])  # the other learned codes stay
     assert np.array_equal(kept[0, 1], learned[0, 1])  # never followed the rule: nothing to keep
-    assert overflow.is_pair_safe(kept[0, :1])
     untouched, none = rounding.keep_pair_rule(learned.copy(), near, depthwise=True)
     assert none == 0 and np.array_equal(untouched, learned)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_stepping_back_always_ends_pair_safe_and_moves_the_fewest_codes(seed):
+    """Random channels at the pair limit, learned codes up to 2 codes off nearest: every channel ends pair-safe."""
+    rng = np.random.default_rng(seed)
+    weights = rng.standard_normal((1, 32, 27))
+    scales = overflow.pair_safe_scales(weights[0])
+    near = overflow.quantize_rows(weights[0], scales)[None]
+    learned = np.clip(near + rng.integers(-2, 3, near.shape), -127, 127)
+    kept, stepped = rounding.keep_pair_rule(learned.copy(), near, depthwise=False)
+    assert overflow.is_pair_safe(kept[0])
+    assert stepped == int(np.abs(kept - learned).sum()) and np.all(np.abs(kept - learned) <= 2)
 
 
 def _two_conv_classifier(path: Path, size: int = 16) -> Path:
@@ -118,22 +131,12 @@ def _two_conv_classifier(path: Path, size: int = 16) -> Path:
     return path
 
 
-def _smooth_photos(root: Path, count: int, seed: int, size: int = 16) -> Path:
-    """Unlabelled PNGs of smooth colour fields (neighbouring pixels move together, as in photographs)."""
-    rng = np.random.default_rng(seed)
-    root.mkdir(parents=True)
-    for index in range(count):
-        coarse = rng.integers(0, 256, (4, 4, 3)).astype(np.uint8)
-        Image.fromarray(coarse).resize((size, size), Image.BILINEAR).save(root / f"{index:03d}.png")
-    return root
-
-
 @pytest.fixture(scope="module")
 def project(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("rounding")
     _two_conv_classifier(root / "m.onnx")
-    _smooth_photos(root / "cal", 96, seed=1)
-    _smooth_photos(root / "test", 64, seed=2)
+    smooth_photos(root / "cal", 96, seed=1)
+    smooth_photos(root / "test", 64, seed=2)
     return root
 
 

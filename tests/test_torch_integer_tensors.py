@@ -11,8 +11,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import helper, numpy_helper
-from PIL import Image
-from synthetic import invoke
+from synthetic import invoke, smooth_photos
 
 
 def _squeeze_head_classifier(path: Path) -> Path:
@@ -39,10 +38,7 @@ def _squeeze_head_classifier(path: Path) -> Path:
 @pytest.mark.parametrize("method", ["histogram", "minmax"])
 def test_pytorch_quantizes_a_graph_with_int64_constants_and_stays_close_to_fp32(tmp_path, method):
     _squeeze_head_classifier(tmp_path / "m.onnx")
-    rng = np.random.default_rng(1)
-    (tmp_path / "photos").mkdir()
-    for index in range(24):
-        Image.fromarray(rng.integers(0, 256, (4, 4, 3)).astype(np.uint8)).resize((16, 16), Image.BILINEAR).save(tmp_path / "photos" / f"{index:02d}.png")
+    smooth_photos(tmp_path / "photos", 24, seed=1)
     result = invoke("quantize", "--model", "m.onnx", "--data", "photos", "--calibration-data", "photos", "--preprocess", "unit",
                     "--backend", "pytorch", "--method", method, "--output", "m.pt", "--json", cwd=tmp_path)
     assert result.exit_code == 0, result.output

@@ -452,7 +452,7 @@ def _probe_session(model, threads: int):
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-def _tensor_batches(input_name: str, images: np.ndarray, threads: int, chunk: int = 64):
+def _tensor_batches(input_name: str, images: np.ndarray, threads: int, chunk: int = 16):
     """A `rounding.ActivationSource`: one named tensor of a model, over `images`, a chunk at a time."""
     import onnx
 
@@ -502,13 +502,13 @@ def refine_rounding(quantized, float_path: str, calibration: np.ndarray, input_n
     float_model = onnx.load(float_path)
     nearest_model = onnx.ModelProto.FromString(quantized.SerializeToString())
     refined, layers = rounding.refine(quantized, float_model, _tensor_batches(input_name, refining, threads),
-                                      _tensor_batches(input_name, refining, threads), progress=progress)
+                                      _tensor_batches(input_name, refining, threads), len(refining), progress=progress)
     changed = sum(layer.codes_changed for layer in layers)
     notes = [f"learned rounding: {len(layers)} layers, {changed:,} of {sum(layer.codes for layer in layers):,} weight codes moved off nearest, "
              f"{sum(layer.bias_corrected for layer in layers)} biases corrected, from {len(refining)} calibration images"]
-    kept_nearest = sum(layer.channels_kept_nearest for layer in layers)
-    if kept_nearest:
-        notes.append(f"learned rounding: {kept_nearest} output channels kept nearest rounding to follow the pair rule")
+    stepped = sum(layer.codes_stepped_back for layer in layers)
+    if stepped:
+        notes.append(f"learned rounding: {stepped:,} codes stepped back towards zero to follow the pair rule")
     if settings.rounding == LEARNED or len(held_out) == 0:
         return refined, replace(settings, rounding=LEARNED), notes
     judged = judged_output(float_model)
@@ -608,8 +608,9 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
                     notes.append(f"learned rounding: not applied (the graph is tied to its fixed batch of {fixed_batch})")
                     settings = replace(settings, rounding=NEAREST)
                 else:
-                    quantized, settings, refined_notes = refine_rounding(quantized, source if isinstance(source, str) else "", calibration,
-                                                                         described.name, settings)
+                    # The same bar goes on: past the calibration images, one step per refined layer.
+                    after_calibration = (lambda done, total: progress(len(calibration) + done, len(calibration) + total)) if progress else None
+                    quantized, settings, refined_notes = refine_rounding(quantized, source, calibration, described.name, settings, after_calibration)
                     notes += refined_notes
             described_settings = {**asdict(settings), "space_to_depth_convs": [asdict(rewrite) for rewrite in rewrites]}
             extra = json.loads(stored.pop(base.QUANTIZATION_METADATA_KEY, "{}"))

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ptq_cli.transforms.overflow import is_pair_safe
+from ptq_cli.transforms.overflow import PAIR_LIMIT, is_pair_safe, pair_sums
 
 LEARNED, NEAREST, AUTO = "learned", "nearest", "auto"
 ROUNDING_CHOICES = (AUTO, LEARNED, NEAREST)
@@ -54,7 +54,7 @@ class LayerResult:
     name: str
     codes_changed: int  # weight codes that differ from nearest rounding
     codes: int
-    channels_kept_nearest: int  # channels whose learned codes would break the pair rule
+    codes_stepped_back: int  # learned codes moved one step towards zero to keep the pair rule
     bias_corrected: bool
 
 
@@ -225,28 +225,41 @@ def nearest(weights: np.ndarray, scale: np.ndarray, zero: np.ndarray, qmin: int,
 
 
 def keep_pair_rule(learned: np.ndarray, rounded: np.ndarray, depthwise: bool) -> tuple[np.ndarray, int]:
-    """Learned codes, with nearest ones back in every output channel that followed the pair rule and no
-    longer would. (codes, channels put back)."""
+    """Learned codes that keep the pair rule in every output channel whose nearest codes followed it: where a
+    channel's two largest same-sign codes would sum past the limit, the one of them learned rounding moved
+    furthest past its nearest code steps back towards zero, until the rule holds. It always ends: the nearest
+    codes follow the rule, so a violating pair holds a code past its nearest one. (codes, codes stepped back)."""
     if depthwise:
         return learned, 0
-    kept = 0
     flat_learned, flat_rounded = learned.reshape(-1, learned.shape[-1]), rounded.reshape(-1, rounded.shape[-1])
-    for row in range(len(flat_learned)):
-        if is_pair_safe(flat_rounded[row : row + 1]) and not is_pair_safe(flat_learned[row : row + 1]):
-            flat_learned[row] = flat_rounded[row]
-            kept += 1
-    return flat_learned.reshape(learned.shape), kept
+    positive, negative = pair_sums(flat_learned)
+    stepped = 0
+    for row in np.flatnonzero((positive > PAIR_LIMIT) | (negative > PAIR_LIMIT)):
+        if not is_pair_safe(flat_rounded[row : row + 1]):
+            continue  # never followed the rule (a layer the fix does not bound): nothing to keep
+        codes, nearest_codes = flat_learned[row], flat_rounded[row]
+        for sign in (1, -1):
+            magnitudes = np.where(sign * codes > 0, sign * codes, 0)
+            while np.sort(magnitudes)[-2:].sum() > PAIR_LIMIT:
+                top = np.argsort(magnitudes, kind="stable")[-2:]
+                past = sign * (codes[top] - nearest_codes[top])
+                chosen = top[int(np.argmax(past))]
+                codes[chosen] -= sign
+                magnitudes[chosen] -= 1
+                stepped += 1
+    return flat_learned.reshape(learned.shape), stepped
 
 
 ActivationSource = Callable[[object, str], Iterator[np.ndarray]]  # (model, tensor name) -> batches of that tensor
 
 
-def refine(quantized, float_model, quantized_batches: ActivationSource, float_batches: ActivationSource, seed: int = 0,
+def refine(quantized, float_model, quantized_batches: ActivationSource, float_batches: ActivationSource, images: int, seed: int = 0,
            progress: Callable[[int, int], None] | None = None) -> tuple[Any, list[LayerResult]]:
     """The QDQ model with learned weight codes and corrected biases, in place, layer by layer in graph order.
 
     `quantized_batches(model, name)` yields the named tensor as the (current) QDQ model computes it on the
-    refinement images, `float_batches(float_model, name)` as the float graph does on the same images."""
+    `images` refinement images, `float_batches(float_model, name)` as the float graph does on the same images,
+    in the same batches."""
     from onnx import numpy_helper
 
     initializers = {init.name: init for init in quantized.graph.initializer}
@@ -270,7 +283,7 @@ def refine(quantized, float_model, quantized_batches: ActivationSource, float_ba
         groups, rows = matrix.shape[:2]
         per_row_scale = np.broadcast_to(scale.reshape(-1) if scale.size > 1 else scale.reshape(1), (groups * rows,)).reshape(groups, rows)
         per_row_zero = np.broadcast_to(zero.reshape(-1) if zero.size > 1 else zero.reshape(1), (groups * rows,)).reshape(groups, rows)
-        moments = _moments(layer, quantized, float_model, quantized_batches, float_batches, codes_now.shape, rng)
+        moments = _moments(layer, quantized, float_model, quantized_batches, float_batches, codes_now.shape, rng, images)
         if moments.second is None or moments.rows == 0:
             continue
         learned = gptq(matrix, moments.second / moments.rows, per_row_scale, per_row_zero, int(info.min), int(info.max))
@@ -294,14 +307,15 @@ def _float_weight(node, initializers: dict) -> np.ndarray | None:
 
 
 def _moments(layer: Layer, quantized, float_model, quantized_batches: ActivationSource, float_batches: ActivationSource,
-             weight_shape: tuple[int, ...], rng: np.random.Generator) -> Moments:
+             weight_shape: tuple[int, ...], rng: np.random.Generator, images: int) -> Moments:
+    """The layer's input statistics over the refinement images, streamed a batch of both models at a time."""
     moments = Moments()
-    quantized_batches_list = list(quantized_batches(quantized, layer.quantized_input))
-    if not quantized_batches_list:
-        return moments
-    per_image = len(unfold(layer, quantized_batches_list[0][:1], weight_shape))
-    fraction = min(1.0, MAX_ROWS / max(1, per_image * sum(len(batch) for batch in quantized_batches_list)))
-    for batch_q, batch_f in zip(quantized_batches_list, float_batches(float_model, layer.float_input), strict=True):
+    fraction = 1.0
+    for index, (batch_q, batch_f) in enumerate(zip(quantized_batches(quantized, layer.quantized_input),
+                                                   float_batches(float_model, layer.float_input), strict=True)):
+        if index == 0:
+            per_image = len(unfold(layer, batch_q[:1], weight_shape))
+            fraction = min(1.0, MAX_ROWS / max(1, per_image * images))
         for rows_q, rows_f in _sampled_rows(layer, batch_q, batch_f, weight_shape, fraction, rng):
             moments.add(rows_q, rows_f)
     return moments
