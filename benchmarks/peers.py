@@ -36,8 +36,8 @@ from imagenet_table import MODEL, prepare_workdir  # noqa: E402
 from ptq_cli import cpu as cpu_info  # noqa: E402
 from ptq_cli.datasets import open_dataset  # noqa: E402
 from ptq_cli.inputs import PreprocessingFlags  # noqa: E402
+from ptq_cli.metrics import sqnr_db  # noqa: E402
 from ptq_cli.services.measure import emulate  # noqa: E402
-from ptq_cli.services.measure.validation import sqnr_db  # noqa: E402
 from ptq_cli.services.models import load_model  # noqa: E402
 
 PTQ_CONFIGS = {"ptq default": [], "ptq --rounding nearest": ["--rounding", "nearest"], "ptq --cpus vnni": ["--cpus", "vnni"],

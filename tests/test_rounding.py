@@ -221,3 +221,17 @@ def test_the_output_softmax_stays_float_so_probabilities_are_not_rounded_to_255t
     steps = scores * 255
     assert np.mean(np.abs(steps - np.rint(steps)) > 1e-3) > 0.5  # most probabilities fall between the codes of a uint8 output
     np.testing.assert_allclose(scores.sum(axis=1), 1.0, rtol=1e-5)
+
+
+def test_a_refinement_that_fails_leaves_the_nearest_model_and_says_so(project, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated failure inside the refinement")
+
+    monkeypatch.setattr(rounding, "gptq", broken)
+    failed = _quantize(project, "fallback.onnx", "--rounding", "learned")
+    assert failed["settings"]["rounding"] == "nearest"
+    assert any("not applied (simulated failure" in note for note in failed["notes"])
+    _quantize(project, "fallback_nearest.onnx", "--rounding", "nearest")
+    codes = [{init.name: numpy_helper.to_array(init) for init in onnx.load(str(project / name)).graph.initializer}
+             for name in ("fallback.onnx", "fallback_nearest.onnx")]
+    assert codes[0].keys() == codes[1].keys() and all(np.array_equal(codes[0][key], codes[1][key]) for key in codes[0])

@@ -489,7 +489,7 @@ def refine_rounding(quantized, float_path: str, calibration: np.ndarray, input_n
     the output closer to FP32 than nearest rounding on held-out calibration images (or where asked)."""
     import onnx
 
-    from ptq_cli.services.measure.validation import sqnr_db
+    from ptq_cli.metrics import sqnr_db
 
     held_out = calibration[HELD_OUT_EVERY - 1 :: HELD_OUT_EVERY][:HELD_OUT_MAX]
     rest = np.delete(calibration, np.arange(HELD_OUT_EVERY - 1, len(calibration), HELD_OUT_EVERY), axis=0)
@@ -501,8 +501,12 @@ def refine_rounding(quantized, float_path: str, calibration: np.ndarray, input_n
     threads = resolve_threads(None)
     float_model = onnx.load(float_path)
     nearest_model = onnx.ModelProto.FromString(quantized.SerializeToString())
-    refined, layers = rounding.refine(quantized, float_model, _tensor_batches(input_name, refining, threads),
-                                      _tensor_batches(input_name, refining, threads), len(refining), progress=progress)
+    try:
+        refined, layers = rounding.refine(quantized, float_model, _tensor_batches(input_name, refining, threads),
+                                          _tensor_batches(input_name, refining, threads), len(refining), progress=progress)
+    except Exception as error:  # noqa: BLE001  onnxruntime's and numpy's own errors: the user keeps the nearest-rounded model
+        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        return nearest_model, replace(settings, rounding=NEAREST), [f"learned rounding: not applied ({first_line}); weights rounded to nearest"]
     changed = sum(layer.codes_changed for layer in layers)
     notes = [f"learned rounding: {len(layers)} layers, {changed:,} of {sum(layer.codes for layer in layers):,} weight codes moved off nearest, "
              f"{sum(layer.bias_corrected for layer in layers)} biases corrected, from {len(refining)} calibration images"]
@@ -657,8 +661,8 @@ BACKEND = Backend(
     # onnxruntime's x86 int8 kernels (VNNI) multiply unsigned activations by signed weights; int8 x int8
     # and uint8 x uint8 fall back to slower paths. Per-channel weights with percentile calibration keep the accuracy.
     speed_target={"dtype": "uint8", "weight_dtype": "int8", "per_channel": True, "method": "percentile"},
+    learned_rounding=True,  # refine_rounding: GPTQ codes and bias correction on the QDQ model
     # Running: its exact u8 x s8 kernels have a session switch.
-    learned_rounding=True,
     int8_kernels_vary=True, reaches_int8_path=lambda overflow_fix, int8_path: True, int8_basis=_int8_basis,
     runtime_settings="CPUExecutionProvider, 1 intra-op thread per run, allow_spinning 0, one shard per thread",
 )

@@ -73,7 +73,7 @@ def stem_cost_db(model, images: np.ndarray, settings: QuantizationSettings) -> f
     from onnx import numpy_helper
 
     from ptq_cli.backends.onnxruntime import preprocessed
-    from ptq_cli.services.measure.validation import sqnr_db
+    from ptq_cli.metrics import sqnr_db
     from ptq_cli.services.models import load_model
 
     with tempfile.TemporaryDirectory(prefix="ptq-stem-") as workdir:

@@ -274,19 +274,24 @@ def refine(quantized, float_model, quantized_batches: ActivationSource, float_ba
         assert float_weight is not None
         codes_init = initializers[layer.codes]
         codes_now = numpy_helper.to_array(codes_init)
-        if codes_now.shape != float_weight.shape or (layer.op_type == "Conv" and codes_now.ndim != 4):
-            continue
+        if codes_now.shape != float_weight.shape or codes_now.ndim != (4 if layer.op_type == "Conv" else 2):
+            continue  # 1-D/3-D convolutions, batched MatMul weights: left as rounded
         info = np.iinfo(codes_now.dtype)
         scale = numpy_helper.to_array(initializers[layer.scale]).astype(np.float64)
         zero = numpy_helper.to_array(initializers[layer.zero_point]).astype(np.float64) if layer.zero_point else np.zeros_like(scale)
         matrix = weight_matrix(layer, float_weight.astype(np.float64))
         groups, rows = matrix.shape[:2]
+        if scale.size not in (1, groups * rows) or zero.size != scale.size:
+            continue  # not one scale per tensor or per output channel
         per_row_scale = np.broadcast_to(scale.reshape(-1) if scale.size > 1 else scale.reshape(1), (groups * rows,)).reshape(groups, rows)
         per_row_zero = np.broadcast_to(zero.reshape(-1) if zero.size > 1 else zero.reshape(1), (groups * rows,)).reshape(groups, rows)
         moments = _moments(layer, quantized, float_model, quantized_batches, float_batches, codes_now.shape, rng, images)
-        if moments.second is None or moments.rows == 0:
+        if moments.second is None or moments.rows == 0 or not np.all(np.isfinite(moments.second)):
             continue
-        learned = gptq(matrix, moments.second / moments.rows, per_row_scale, per_row_zero, int(info.min), int(info.max))
+        try:
+            learned = gptq(matrix, moments.second / moments.rows, per_row_scale, per_row_zero, int(info.min), int(info.max))
+        except np.linalg.LinAlgError:
+            continue  # H not positive definite even damped: this layer keeps its nearest codes
         rounded = weight_matrix(layer, codes_now.astype(np.float64))
         learned, kept = keep_pair_rule(learned, rounded, depthwise=groups > 1 and rows == 1 and matrix.shape[2] == np.prod(codes_now.shape[2:]))
         codes_init.CopyFrom(numpy_helper.from_array(from_matrix(layer, learned, codes_now.shape).astype(codes_now.dtype), layer.codes))

@@ -11,9 +11,10 @@ from pathlib import Path
 
 from ptq_cli.backends.onnxruntime import preprocessed
 from ptq_cli.inputs import PreprocessingFlags
+from ptq_cli.metrics import sqnr_db
 from ptq_cli.services.calibration import CalibrationSet
 from ptq_cli.services.measure.records import write_record
-from ptq_cli.services.measure.validation import ValidationSet, labels_from_fp32, score, sqnr_db
+from ptq_cli.services.measure.validation import ValidationSet, labels_from_fp32, score
 from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressCallback
 from ptq_cli.services.quant_settings import QuantizationSettings

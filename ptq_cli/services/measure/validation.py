@@ -96,10 +96,3 @@ def labels_from_fp32(validation: ValidationSet, fp32: ValidationScore) -> tuple[
         return validation, fp32
     labels = fp32.outputs.argmax(axis=1)
     return replace(validation, labels=labels), replace(fp32, accuracy=100.0)
-
-
-def sqnr_db(reference: np.ndarray, approximation: np.ndarray) -> float:
-    """Signal-to-quantization-noise ratio in dB; higher is better, inf when identical."""
-    noise = float(np.sum((reference.astype(np.float64) - approximation) ** 2))
-    signal = float(np.sum(reference.astype(np.float64) ** 2))
-    return float("inf") if noise == 0 else 10.0 * np.log10(signal / noise)

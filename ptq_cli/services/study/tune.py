@@ -28,10 +28,11 @@ from ptq_cli.atomic import check_outputs
 from ptq_cli.backends.onnxruntime import preprocessed
 from ptq_cli.errors import PtqError
 from ptq_cli.inputs import PreprocessingFlags
+from ptq_cli.metrics import sqnr_db
 from ptq_cli.services.calibration import CalibrationSet, stratified_subset
 from ptq_cli.services.measure.records import model_key, write_record
 from ptq_cli.services.measure.sensitivity import layer_sensitivity, quantizable_layers
-from ptq_cli.services.measure.validation import ValidationSet, labels_from_fp32, score, sqnr_db
+from ptq_cli.services.measure.validation import ValidationSet, labels_from_fp32, score
 from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressCallback, Steps
 from ptq_cli.services.quant_settings import QuantizationSettings, describe_quantization, make_settings
