@@ -18,7 +18,7 @@ from ptq_cli.transforms import overflow, rounding
 
 
 def _conv_layer(attributes: dict) -> rounding.Layer:
-    return rounding.Layer("conv", "Conv", "x", "x", "w", "s", None, None, None, attributes)
+    return rounding.Layer("conv", "Conv", "x", "x", "w", "s", None, None, None, attributes, helper.make_node("Conv", ["x", "w"], ["y"], **attributes))
 
 
 def _ort_conv(x: np.ndarray, weight: np.ndarray, attributes: dict) -> np.ndarray:
@@ -235,3 +235,13 @@ def test_a_refinement_that_fails_leaves_the_nearest_model_and_says_so(project, m
     codes = [{init.name: numpy_helper.to_array(init) for init in onnx.load(str(project / name)).graph.initializer}
              for name in ("fallback.onnx", "fallback_nearest.onnx")]
     assert codes[0].keys() == codes[1].keys() and all(np.array_equal(codes[0][key], codes[1][key]) for key in codes[0])
+
+
+def test_layers_too_wide_to_hold_their_input_moments_keep_nearest_codes(project, monkeypatch):
+    monkeypatch.setattr(rounding, "MAX_INPUTS", 8)  # every layer here has more inputs (27, 144, 24)
+    wide = _quantize(project, "wide.onnx", "--rounding", "learned")
+    assert any("learned rounding: 0 layers" in note for note in wide["notes"])
+    _quantize(project, "wide_nearest.onnx", "--rounding", "nearest")
+    codes = [{init.name: numpy_helper.to_array(init) for init in onnx.load(str(project / name)).graph.initializer}
+             for name in ("wide.onnx", "wide_nearest.onnx")]
+    assert all(np.array_equal(codes[0][key], codes[1][key]) for key in codes[0])

@@ -9,20 +9,20 @@ quantized model gives it (the layers before it already refined), and its bias th
 output error against FP32 (empirical bias correction, Nagel et al. 2019): b' = b + W mu_fp32 - Q mu_int8.
 
 Scales, zero points and types stay as quantization chose them: only the integer weight codes and the
-int32 biases change. A channel whose codes followed the pair rule still does (`overflow.is_pair_safe`),
-nearest rounding being kept for a channel where the error feedback would break it, so a model proven
+int32 biases change. A channel whose codes followed the pair rule still does (`overflow.is_pair_safe`): where
+the error feedback would break it, learned codes step back towards zero one code at a time, so a model proven
 exact on x86 CPUs without VNNI stays proven.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from ptq_cli.transforms.overflow import PAIR_LIMIT, is_pair_safe, pair_sums
+from ptq_cli.transforms.overflow import PAIR_LIMIT, is_depthwise, is_pair_safe, pair_sums, weight_rows
 
 LEARNED, NEAREST, AUTO = "learned", "nearest", "auto"
 ROUNDING_CHOICES = (AUTO, LEARNED, NEAREST)
@@ -31,6 +31,7 @@ DAMPING = 0.01  # of the mean diagonal of H, as in GPTQ: keeps H invertible wher
 BLOCK = 128  # columns rounded between two full error updates (GPTQ's lazy batch)
 ROW_BUDGET = 8_000_000  # floats of unfolded input rows held at once
 MAX_ROWS = 65_536  # rows (output positions) a layer's statistics are drawn from, at most
+MAX_INPUTS = 8_192  # inputs per group at most: H is inputs x inputs float64 (512 MB here); wider layers keep nearest codes
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class Layer:
     bias_codes: str | None  # int32 bias initializer, when the bias is dequantized from one
     bias_scale: str | None
     attributes: dict
+    node: Any = field(compare=False, repr=False)  # the NodeProto
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,7 @@ def find_layers(model) -> list[Layer]:
                 continue  # a float bias: onnxruntime would not fuse this layer as ptq expects
             bias_codes, bias_scale = bias_dq.input[0], bias_dq.input[1]
         layers.append(Layer(node.name, node.op_type, node.input[0], quantize.input[0], weight_dq.input[0], weight_dq.input[1],
-                            weight_dq.input[2] if len(weight_dq.input) > 2 and weight_dq.input[2] else None, bias_codes, bias_scale, attributes))
+                            weight_dq.input[2] if len(weight_dq.input) > 2 and weight_dq.input[2] else None, bias_codes, bias_scale, attributes, node))
     return layers
 
 
@@ -133,23 +135,16 @@ def unfold(layer: Layer, inputs: np.ndarray, weight_shape: tuple[int, ...]) -> n
 
 
 def weight_matrix(layer: Layer, weight: np.ndarray) -> np.ndarray:
-    """The weight as (groups, output channels per group, inputs per group)."""
-    if layer.op_type == "Conv":
-        groups = int(layer.attributes.get("group", 1))
-        return weight.reshape(groups, weight.shape[0] // groups, -1)
-    if layer.op_type == "Gemm" and layer.attributes.get("transB"):
-        return weight[None]
-    return weight.T[None]
+    """The weight as (groups, output channels per group, inputs per group): `overflow.weight_rows`, split by group."""
+    rows, _ = weight_rows(layer.op_type, weight, bool(layer.attributes.get("transB")))
+    groups = int(layer.attributes.get("group", 1)) if layer.op_type == "Conv" else 1
+    return rows.reshape(groups, rows.shape[0] // groups, rows.shape[1])
 
 
 def from_matrix(layer: Layer, matrix: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     if layer.op_type == "Conv" or (layer.op_type == "Gemm" and layer.attributes.get("transB")):
         return matrix.reshape(shape)
     return matrix[0].T.reshape(shape)
-
-
-def channel_axis(layer: Layer) -> int:
-    return 0 if layer.op_type == "Conv" or (layer.op_type == "Gemm" and layer.attributes.get("transB")) else 1
 
 
 @dataclass
@@ -281,8 +276,8 @@ def refine(quantized, float_model, quantized_batches: ActivationSource, float_ba
         zero = numpy_helper.to_array(initializers[layer.zero_point]).astype(np.float64) if layer.zero_point else np.zeros_like(scale)
         matrix = weight_matrix(layer, float_weight.astype(np.float64))
         groups, rows = matrix.shape[:2]
-        if scale.size not in (1, groups * rows) or zero.size != scale.size:
-            continue  # not one scale per tensor or per output channel
+        if scale.size not in (1, groups * rows) or zero.size != scale.size or matrix.shape[2] > MAX_INPUTS:
+            continue  # not one scale per tensor or per output channel, or too wide to hold H
         per_row_scale = np.broadcast_to(scale.reshape(-1) if scale.size > 1 else scale.reshape(1), (groups * rows,)).reshape(groups, rows)
         per_row_zero = np.broadcast_to(zero.reshape(-1) if zero.size > 1 else zero.reshape(1), (groups * rows,)).reshape(groups, rows)
         moments = _moments(layer, quantized, float_model, quantized_batches, float_batches, codes_now.shape, rng, images)
@@ -293,7 +288,7 @@ def refine(quantized, float_model, quantized_batches: ActivationSource, float_ba
         except np.linalg.LinAlgError:
             continue  # H not positive definite even damped: this layer keeps its nearest codes
         rounded = weight_matrix(layer, codes_now.astype(np.float64))
-        learned, kept = keep_pair_rule(learned, rounded, depthwise=groups > 1 and rows == 1 and matrix.shape[2] == np.prod(codes_now.shape[2:]))
+        learned, kept = keep_pair_rule(learned, rounded, depthwise=layer.op_type == "Conv" and is_depthwise(layer.node, codes_now.shape))
         codes_init.CopyFrom(numpy_helper.from_array(from_matrix(layer, learned, codes_now.shape).astype(codes_now.dtype), layer.codes))
         corrected = _correct_bias(layer, initializers, float_node, float_initializers, matrix, learned, per_row_scale, per_row_zero, moments)
         results.append(LayerResult(layer.name, int(np.sum(learned != rounded)), int(learned.size), kept, corrected))
