@@ -46,9 +46,10 @@ CONFIGS = {
     "speed": ["--target", "speed"],
     "speed-minmax": ["--target", "speed", "--method", "minmax"],
     "openvino": ["--backend", "openvino"],
+    "openvino-nncf": ["--backend", "openvino", "--method", "nncf"],
     "pytorch": ["--backend", "pytorch"],
 }
-SUFFIXES = {"openvino": ".xml", "pytorch": ".pt"}
+SUFFIXES = {"openvino": ".xml", "openvino-nncf": ".xml", "pytorch": ".pt"}
 MODEL = "efficientnet_lite0.onnx"
 
 

@@ -210,7 +210,7 @@ StemOption = Annotated[
 ]
 RoundingOption = Annotated[
     Rounding,
-    typer.Option(help="How weights are rounded to their 8-bit codes: nearest (each weight alone), or learned (GPTQ: layer by layer, each rounding error moved onto the weights not yet rounded, weighted by the calibration inputs, then each bias corrected for the mean output error against FP32; same scales, pair rule kept). auto learns the rounding on 3/4 of the calibration images and keeps it where the output is closer to FP32 on the other 1/4. onnxruntime only; other backends round to nearest."),
+    typer.Option(help="How weights are rounded to their 8-bit codes: nearest (each weight alone), or learned (GPTQ: layer by layer, each rounding error moved onto the weights not yet rounded, weighted by the calibration inputs, then each bias corrected for the mean output error against FP32; same scales, pair rule kept). auto learns the rounding on 3/4 of the calibration images and keeps it where the output is closer to FP32 on the other 1/4. onnxruntime, and openvino (its QDQ model converted); other backends and --method nncf round to nearest."),
 ]
 # Where a model runs: ONNX files on onnxruntime unless told; OpenVINO IR always on OpenVINO.
 RuntimeOption = Annotated[
@@ -259,7 +259,7 @@ RunsOption = Annotated[int, typer.Option(min=1, help="Timed runs of each model f
 DTypeOption = Annotated[DType | None, typer.Option(help="Activation type (and weight type unless --weight-dtype is given). PyTorch, OpenVINO and LiteRT take int8 only. (default: int8)", show_default=False, rich_help_panel="Quantization")]
 WeightDTypeOption = Annotated[DType | None, typer.Option(help="Weight type. (default: same as --dtype)", show_default=False, rich_help_panel="Quantization")]
 PerChannelOption = Annotated[bool | None, typer.Option("--per-channel/--per-tensor", help="One weight scale per output channel, or one per tensor. Where no default is shown, the backend's: per-tensor for onnxruntime (per-channel for a model with depthwise convolutions, where one scale per tensor leaves most channels a few codes), per-channel for the others.", rich_help_panel="Quantization")]
-MethodOption = Annotated[Method | None, typer.Option(help="Activation calibration, the backend's own: onnxruntime minmax|entropy|percentile; pytorch histogram|minmax; litert minmax (the converter's) or percentile (ptq's rule on the TFLite tensors). Where no default is shown, the backend's first.", rich_help_panel="Quantization")]
+MethodOption = Annotated[Method | None, typer.Option(help="Activation calibration, the backend's own: onnxruntime minmax|entropy|percentile; pytorch histogram|minmax; openvino onnxruntime's three (ptq's QDQ model, converted) or nncf (NNCF quantizes); litert minmax (the converter's) or percentile (ptq's rule on the TFLite tensors). Where no default is shown, the backend's first.", rich_help_panel="Quantization")]
 PercentileOption = Annotated[float | None, typer.Option(callback=_finite, min=50, max=100, help="Percentile kept by --method percentile. (default: 99.999)", show_default=False, rich_help_panel="Quantization")]
 
 

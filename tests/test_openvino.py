@@ -1,5 +1,5 @@
-"""The OpenVINO backend: NNCF quantization to IR, OpenVINO as a runtime for ONNX files, the precision hint
-in every record. In-process on tests/synthetic.py's classifier; one real-asset test against a plain
+"""The OpenVINO backend: quantization to IR (ptq's QDQ model converted, or NNCF's), OpenVINO as a runtime
+for ONNX files, the precision hint in every record. In-process on tests/synthetic.py's classifier; one real-asset test against a plain
 openvino script."""
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ def test_nncf_quantizes_to_ir_that_evaluates_on_openvino_with_its_precision_reco
                 cwd=project)
     summary = json.loads(result.stdout)  # NNCF's progress bars stay off stdout
     assert summary["settings"]["backend"] == "openvino" and summary["settings"]["bias_correction"] == "full"
+    assert summary["settings"]["method"] == "nncf"  # an NNCF option names the quantizer
     assert (project / "m_openvino_int8.xml").is_file() and (project / "m_openvino_int8.bin").is_file()
     assert not [path.name for path in project.iterdir() if path.name.startswith(".")]
     ok("evaluate", "--model", "m_openvino_int8.xml", "--data", "colours.npz", "--results-dir", "res", cwd=project)
@@ -50,6 +51,39 @@ def test_nncf_quantizes_to_ir_that_evaluates_on_openvino_with_its_precision_reco
     assert record["accuracy"] == 100.0 and record["quantization"]["nncf_preset"] == "performance"
     # The source was evaluated for the delta (on onnxruntime, its own runtime).
     assert any(r["runtime"] == "onnxruntime" and r["dtype"] == "fp32" for r in records(project / "res").values())
+
+
+def _weight_codes_of_ir(path: Path) -> list[tuple[int, bytes]]:
+    import openvino as ov
+
+    model = ov.Core().read_model(str(path))
+    return sorted((op.get_data().size, op.get_data().tobytes()) for op in model.get_ops()
+                  if op.get_type_name() == "Constant" and op.get_element_type() == ov.Type.i8)
+
+
+def _weight_codes_of_qdq(path: Path) -> list[tuple[int, bytes]]:
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path))
+    initializers = {init.name: init for init in model.graph.initializer}
+    weights = [initializers[node.input[0]] for node in model.graph.node if node.op_type == "DequantizeLinear" and node.input[0] in initializers]
+    return sorted((int(np.prod(init.dims)), numpy_helper.to_array(init).tobytes()) for init in weights if init.data_type == onnx.TensorProto.INT8)
+
+
+def test_the_default_ir_runs_the_weight_codes_of_ptq_s_own_quantization(project):
+    """By default the IR is ptq's onnxruntime QDQ model (calibration, pair rule, learned rounding) converted: the
+    CPU plugin's int8 weights are that model's codes, and the IR says how it was made."""
+    made = json.loads(ok("quantize", "--model", "m.onnx", "--data", "colours.npz", "--backend", "openvino", "--rounding", "learned", "--json",
+                         cwd=project).stdout)["settings"]
+    assert (made["method"], made["rounding"], made["nncf_preset"], made["format"]) == ("minmax", "learned", None, "IR")
+    ok("quantize", "--model", "m.onnx", "--data", "colours.npz", "--rounding", "learned", "--output", "q.onnx", cwd=project)
+    codes = _weight_codes_of_ir(project / "m_openvino_int8.xml")
+    assert codes and codes == _weight_codes_of_qdq(project / "q.onnx")
+    ok("evaluate", "--model", "m_openvino_int8.xml", "--data", "colours.npz", "--results-dir", "res", cwd=project)
+    (record,) = [record for record in records(project / "res").values() if record["model_path"].endswith(".xml")]
+    assert record["runtime"] == "openvino" and record["quantization"]["rounding"] == "learned"
+    assert "IR from QDQ" in ok("report", "--results-dir", "res", cwd=project).stdout
 
 
 def test_an_onnx_file_runs_on_either_runtime_and_keeps_one_record_per_runtime_and_precision(project):
@@ -63,7 +97,11 @@ def test_an_onnx_file_runs_on_either_runtime_and_keeps_one_record_per_runtime_an
 
 @pytest.mark.parametrize("args, mentions", [
     (("quantize", "--model", "m.onnx", "--data", "colours.npz", "--preset", "mixed"), "--nncf-preset"),
-    (("quantize", "--model", "m.onnx", "--data", "colours.npz", "--backend", "openvino", "--dtype", "uint8"), "--dtype"),
+    (("quantize", "--model", "m.onnx", "--data", "colours.npz", "--backend", "openvino", "--method", "nncf", "--dtype", "uint8"), "--dtype"),
+    (("quantize", "--model", "m.onnx", "--data", "colours.npz", "--backend", "openvino", "--method", "minmax", "--bias-correction", "full"),
+     "--method nncf"),
+    (("quantize", "--model", "m.onnx", "--data", "colours.npz", "--backend", "openvino", "--bias-correction", "full", "--rounding", "learned"),
+     "--rounding"),
     (("quantize", "--model", "m.onnx", "--data", "colours.npz", "--backend", "openvino", "--output", "q.onnx"), ".xml"),
     (("quantize", "--model", "m.onnx", "--data", "colours.npz", "--backend", "openvino", "--ignored-scope", "no_such_layer",
       "--output", "q.xml"), "is not a layer"),

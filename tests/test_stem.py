@@ -89,11 +89,13 @@ def test_the_measured_stem_weights_are_onnxruntime_s_own(project, per_channel, c
     assert np.array_equal(ours, plain) == (cpus != "all")  # the pair rule moved the scales
 
 
-@pytest.mark.parametrize("backend,suffix", [("pytorch", ".pt"), pytest.param("openvino", ".xml", marks=pytest.mark.skipif(not openvino.available(), reason="openvino not installed"))])
-def test_every_backend_that_leaves_layers_float_keeps_the_stem_float(project, backend, suffix):
-    auto = _quantize(project, "ruined.onnx", f"ruined_{backend}{suffix}", "--backend", backend)
+@pytest.mark.parametrize("backend,suffix,method", [("pytorch", ".pt", ()), *[
+    pytest.param("openvino", ".xml", method, marks=pytest.mark.skipif(not openvino.available(), reason="openvino not installed"))
+    for method in ((), ("--method", "nncf"))]])
+def test_every_backend_that_leaves_layers_float_keeps_the_stem_float(project, backend, suffix, method):
+    auto = _quantize(project, "ruined.onnx", f"ruined_{backend}{suffix}", "--backend", backend, *method)
     assert auto["settings"]["stem"] == "float"
-    _quantize(project, "ruined.onnx", f"ruined_{backend}_int8{suffix}", "--backend", backend, "--stem", "int8")
+    _quantize(project, "ruined.onnx", f"ruined_{backend}_int8{suffix}", "--backend", backend, "--stem", "int8", *method)
     assert _sqnr(project, f"ruined_{backend}{suffix}") > _sqnr(project, f"ruined_{backend}_int8{suffix}") + 10
 
 

@@ -168,7 +168,7 @@ class Backend:
     choices: dict[str, tuple[str, ...]] = field(default_factory=dict)  # those settings' accepted values, where they are a list
     check_settings: Callable[[dict[str, Any]], dict[str, Any]] = _no_check  # its own rules and defaults, on make_settings' fields
     describe: Callable[[dict[str, Any]], str] | None = None  # its settings in a few words (else the common description)
-    describe_overflow_fix: dict[str, str] = field(default_factory=dict)  # how it keeps each fix, if not the common words
+    overflow_words: Callable[[dict[str, Any]], dict[str, str]] = lambda settings: {}  # how a model's settings keep each fix, if not the common words
     output_name: Callable[[str, QuantizationSettings], str] | None = None  # default output file name for a model's stem
     # Tuning: `tune_refused` says why tune does not search it (and what to use instead); `tune_grid` gives
     # its own first-stage candidates (make_settings' options), else the common grid of `tune_methods` x

@@ -1,5 +1,7 @@
 """OpenVINO: runs OpenVINO IR (.xml + .bin) and, when asked (`--runtime openvino`), ONNX files; quantizes
-with NNCF (`nncf.quantize`, OpenVINO backend) into IR.
+into IR in one of two ways: by default ptq's own onnxruntime QDQ quantization (its calibration, pair rule,
+float stem and learned rounding; backends/onnxruntime.py), which `openvino.convert_model` turns into IR and
+the CPU plugin runs on its int8 kernels; with `--method nncf`, NNCF's (`nncf.quantize`, OpenVINO backend).
 
 The CPU plugin's default inference precision on a CPU with AMX or AVX512-BF16 is bf16, which silently
 costs accuracy; ptq always sets the hint (`f32` unless told) and records it with every figure.
@@ -23,10 +25,13 @@ import numpy as np
 
 from ptq_cli import inputs
 from ptq_cli.backends import base
+from ptq_cli.backends import onnxruntime as qdq
 from ptq_cli.backends.base import Backend, LoadedModel, ProgressCallback, QuantizationSettings, QuantizedFile, RunOptions, finish_load, float_parts
+from ptq_cli.backends.base import describe_settings as describe_qdq_settings
 from ptq_cli.backends.model_file import in_fixed_batches, metadata_object, model_input, num_classes, read_bytes, read_onnx, resolve_threads
 from ptq_cli.errors import PtqError
 from ptq_cli.transforms.overflow import ALL_LAYERS, FIRST_LAYER
+from ptq_cli.transforms.rounding import LEARNED, NEAREST
 
 NAME = "openvino"
 SUFFIX = ".xml"
@@ -40,6 +45,8 @@ WEIGHTED_OPS = ("Convolution", "GroupConvolution", "ConvolutionBackpropData", "G
 # A name OpenVINO made up while converting (Multiply_2903, from a process-wide counter): it changes from
 # one conversion to the next, so such layers are renamed by their place in the graph.
 GENERATED_NAME = re.compile(r"^[A-Z][A-Za-z0-9]*_\d+$")
+NNCF = "nncf"  # --method nncf: NNCF's own quantization; the other methods are onnxruntime's calibration, converted to IR
+NNCF_OPTIONS = {"nncf_preset": "--nncf-preset", "bias_correction": "--bias-correction", "subset_size": "--subset-size", "float_nodes": "--ignored-scope"}
 
 
 def sniff(head: bytes) -> bool:
@@ -232,9 +239,31 @@ def layers(model) -> list[str]:
 
 def quantize(model, output: Path, settings: QuantizationSettings, calibration: np.ndarray, stored: dict[str, str],
              progress: ProgressCallback | None = None) -> QuantizedFile:
-    """NNCF post-training quantization of the ONNX model, converted with openvino.convert_model, calibrated
-    on `calibration` (images in the model's input format, one per NNCF sample); written as IR (.xml + .bin,
-    weights not compressed to fp16), both files through temporary names."""
+    """The ONNX model (onnx.ModelProto) quantized on `calibration` (images in the model's input format) and
+    written as IR (.xml + .bin, weights not compressed to fp16), both files through temporary names: with
+    NNCF for `--method nncf`, else through ptq's onnxruntime QDQ quantization."""
+    output = Path(output)
+    if output.suffix != SUFFIX:
+        raise PtqError(f"--output: {output} must end in .xml (an OpenVINO IR is written as .xml and .bin)")
+    if settings.method == NNCF:
+        return _quantize_nncf(model, output, settings, calibration, stored)
+    if settings.float_nodes:
+        raise PtqError(f"--ignored-scope: NNCF's ignored scope; applies to --backend openvino --method {NNCF}")
+    ov = _openvino()
+    as_qdq = replace(settings, backend=qdq.NAME, format=qdq.BACKEND.format)
+    with tempfile.TemporaryDirectory(prefix="ptq-openvino-") as workdir:
+        written = qdq.quantize(model, Path(workdir) / f"quantized{qdq.SUFFIX}", as_qdq, calibration, dict(stored), progress=progress)
+        try:
+            converted = ov.convert_model(str(Path(workdir) / f"quantized{qdq.SUFFIX}"))
+        except Exception as error:  # noqa: BLE001  the converter's own exception types
+            raise PtqError(f"{model.graph.name or 'model'}: openvino.convert_model failed on the QDQ model ({_first_line(error)})") from error
+    applied = replace(written.settings or as_qdq, backend=NAME, format=BACKEND.format)
+    extra = {"space_to_depth_convs": [asdict(rewrite) for rewrite in written.space_to_depth]} if written.space_to_depth else {}
+    return QuantizedFile(_save_ir(ov, converted, output, stored, applied, extra), written.space_to_depth, written.notes, applied)
+
+
+def _quantize_nncf(model, output: Path, settings: QuantizationSettings, calibration: np.ndarray, stored: dict[str, str]) -> QuantizedFile:
+    """NNCF post-training quantization of the model converted with openvino.convert_model, one NNCF sample per image."""
     ov = _openvino()
     import nncf
 
@@ -242,9 +271,6 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     for handler in logging.getLogger("nncf").handlers:
         if type(handler) is logging.StreamHandler:  # its own; not a subclass another tool (pytest) added
             handler.stream = sys.stderr  # not setStream: it flushes the old stream, which may be closed
-    output = Path(output)
-    if output.suffix != SUFFIX:
-        raise PtqError(f"--output: {output} must end in .xml (an OpenVINO IR is written as .xml and .bin)")
     converted = _convert(model)
     layers = _weighted_layers(converted)
     unknown = [name for name in settings.float_nodes if name not in layers]
@@ -274,8 +300,14 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
             )
     except Exception as error:  # noqa: BLE001  NNCF raises its own types (e.g. for an unknown ignored layer)
         raise PtqError(f"nncf.quantize failed ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})") from error
+    return QuantizedFile(_save_ir(ov, quantized, output, stored, settings))
+
+
+def _save_ir(ov, quantized, output: Path, stored: dict[str, str], settings: QuantizationSettings, described: dict | None = None) -> int:
+    """The IR written with ptq's metadata (the settings beside `stored`) in its rt_info, through temporary
+    names, the .bin first; its size in bytes (.xml + .bin)."""
     extra = json.loads(stored.get(base.QUANTIZATION_METADATA_KEY, "{}"))
-    contents = {**stored, base.QUANTIZATION_METADATA_KEY: json.dumps({**asdict(settings), **extra})}
+    contents = {**stored, base.QUANTIZATION_METADATA_KEY: json.dumps({**asdict(settings), **(described or {}), **extra})}
     for key, value in contents.items():
         quantized.set_rt_info(value, [RT_INFO_SECTION, key])
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -290,7 +322,7 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
         for leftover in staging.glob("*"):
             leftover.unlink(missing_ok=True)
         staging.rmdir()
-    return QuantizedFile(output.stat().st_size + output.with_suffix(".bin").stat().st_size)
+    return output.stat().st_size + output.with_suffix(".bin").stat().st_size
 
 
 NNCF_PRESETS = ("performance", "mixed")  # NNCF's: symmetric activations, or asymmetric ones
@@ -298,10 +330,21 @@ BIAS_CORRECTIONS = ("fast", "full", "none")
 
 
 def _check_settings(settings: dict) -> dict:
+    given = [option for name, option in NNCF_OPTIONS.items() if settings[name] not in (None, ())]
+    if given and settings["method_given"] is None:
+        settings["method_given"] = NNCF  # an NNCF option says which quantizer is meant
+    if settings["method_given"] != NNCF:
+        if given:
+            raise PtqError(f"{given[0]}: an NNCF option; applies to --backend openvino --method {NNCF}")
+        # onnxruntime's rules, less its space-to-depth (a regrouping for onnxruntime's own fast kernel).
+        return {**qdq.BACKEND.check_settings(settings), "space_to_depth": False}
     if "uint8" in (settings["dtype"], settings["weight_dtype"]):
         raise PtqError("--dtype uint8: NNCF quantizes to int8 (its presets choose symmetric or asymmetric activations: --nncf-preset)")
     if settings["per_channel"] is False:
         raise PtqError("--per-tensor: NNCF quantizes weights per channel on the CPU")
+    if settings["rounding"] == LEARNED:
+        raise PtqError(f"--rounding learned: --method {NNCF} rounds NNCF's way (learned rounding: --backend openvino without --method {NNCF})")
+    settings["per_channel"], settings["rounding"] = True, NEAREST
     settings["nncf_preset"] = settings["nncf_preset"] or NNCF_PRESETS[0]
     settings["bias_correction"] = settings["bias_correction"] or BIAS_CORRECTIONS[0]
     if settings["nncf_preset"] not in NNCF_PRESETS:
@@ -314,30 +357,40 @@ def _check_settings(settings: dict) -> dict:
 
 
 def _describe(settings: dict) -> str:
+    if settings.get("method") != NNCF:
+        return describe_qdq_settings({**settings, "format": "IR from QDQ"})
     parts = [f"NNCF IR a:{settings['dtype']} w:{settings.get('weight_dtype', settings['dtype'])}", f"{settings.get('nncf_preset')} preset",
              f"{settings.get('bias_correction')} bias correction", f"{settings.get('subset_size') or settings.get('calibration_samples', '?')} samples"]
     return ", ".join(parts + float_parts(settings))
 
 
+def _overflow_words(settings: dict) -> dict[str, str]:
+    """NNCF keeps its models exact its own way; ptq's QDQ route by the pair rule (the common words)."""
+    return {FIRST_LAYER: "NNCF overflow fix, first layer", ALL_LAYERS: "NNCF overflow fix, all layers"} if settings.get("method") == NNCF else {}
+
+
 def _tune_grid(dtype: str, methods: tuple[str, ...]) -> list[dict]:
     """NNCF's own calibration choices: its preset x its bias correction."""
-    return [{"method": method, "nncf_preset": preset, "bias_correction": correction}
-            for method in methods for preset in NNCF_PRESETS for correction in BIAS_CORRECTIONS]
+    return [{"method": NNCF, "nncf_preset": preset, "bias_correction": correction} for preset in NNCF_PRESETS for correction in BIAS_CORRECTIONS]
 
 
 def _fast_on_x86(settings: QuantizationSettings) -> bool:
-    return settings.nncf_preset == "performance"  # symmetric activations: NNCF's fast preset
+    # The CPU plugin runs every QDQ model on its int8 kernels; NNCF's fast preset has symmetric activations.
+    return settings.method != NNCF or settings.nncf_preset == "performance"
 
 
 BACKEND = Backend(
     NAME, (SUFFIX,), sniff, load, quantize, format="IR", available=available, companion_suffixes=(".bin",),
-    summary="openvino.convert_model, then nncf.quantize, saved as OpenVINO IR (.xml + .bin)",
-    # Quantizing with NNCF: min/max statistics of its preset, then bias correction; weights per channel.
-    methods=("nncf",), per_channel=True, granularities=(True,), overflow_fixes=(FIRST_LAYER, ALL_LAYERS), clamped_overflow_fix=ALL_LAYERS,
-    options={"nncf_preset": "--nncf-preset", "bias_correction": "--bias-correction", "subset_size": "--subset-size", "float_nodes": "--ignored-scope"},
+    summary="onnxruntime QDQ (learned rounding) or, with --method nncf, nncf.quantize; saved as OpenVINO IR (.xml + .bin)",
+    # Quantizing: ptq's onnxruntime route with its calibration methods and defaults (per-tensor unless the
+    # model has depthwise convolutions, the pair rule, learned rounding), or NNCF: min/max statistics of
+    # its preset, then bias correction, weights per channel. Tune searches NNCF's settings.
+    methods=(*qdq.BACKEND.methods, NNCF), tune_methods=(NNCF,), per_channel=False, granularities=(True,),
+    overflow_fixes=(FIRST_LAYER, ALL_LAYERS), clamped_overflow_fix=ALL_LAYERS, learned_rounding=True,
+    options=NNCF_OPTIONS,
     options_word="an NNCF option", choices={"nncf_preset": NNCF_PRESETS, "bias_correction": BIAS_CORRECTIONS},
     check_settings=_check_settings, describe=_describe, tune_grid=_tune_grid, float_layers=layers, fast_on_x86=_fast_on_x86,
-    describe_overflow_fix={FIRST_LAYER: "NNCF overflow fix, first layer", ALL_LAYERS: "NNCF overflow fix, all layers"},
+    overflow_words=_overflow_words,
     # Running: ONNX files too (`--runtime openvino`), always with a precision hint.
     runs_suffixes=(".onnx",), precisions=PRECISIONS,
     runtime_settings="CPU plugin, INFERENCE_NUM_THREADS threads, one synchronous infer request, compiled for each batch size",

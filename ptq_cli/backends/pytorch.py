@@ -417,7 +417,7 @@ BACKEND = Backend(
     # Quantizing: PyTorch's x86 default is per-channel; FX quantizes every layer it can.
     methods=("histogram", "minmax"), per_channel=True, leaves_layers_float=False,
     overflow_fixes=(overflow.FIRST_LAYER, overflow.ALL_LAYERS), clamped_overflow_fix=overflow.ALL_LAYERS,
-    describe_overflow_fix={overflow.ALL_LAYERS: "7-bit activations"},
+    overflow_words=lambda settings: {overflow.ALL_LAYERS: "7-bit activations"},
     check_settings=_check_settings, describe=_describe,
     # Running: fbgemm's kernels differ by CPU, with no switch; its OpenMP threads spin after a run.
     int8_kernels_vary=True, reaches_int8_path=_reaches_int8_path, int8_basis=_int8_basis, spins_when_idle=True,

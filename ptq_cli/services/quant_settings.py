@@ -73,20 +73,21 @@ def make_settings(
         "dtype": dtype, "weight_dtype": weight_dtype, "per_channel": per_channel, "method_given": method_given, "nncf_preset": nncf_preset,
         "bias_correction": bias_correction, "subset_size": subset_size, "io": io, "ranges_from": ranges_from,
         "space_to_depth": space_to_depth if space_to_depth is not None else targeted.get("space_to_depth"), "overflow_fix": None,
+        "float_nodes": tuple(float_nodes), "rounding": rounding,
     })
-    method = method_given or row.methods[0]
+    method = fields["method_given"] or row.methods[0]  # the backend may infer it from its own options
     if method not in row.methods:
         raise PtqError(f"--method: '{method}' is not a {backend} calibration method ({', '.join(row.methods)})")
     cpus, overflow_fix = _cpus(row, cpus, overflow_fix)
     return QuantizationSettings(
         # A backend whose default is per-tensor leaves it to the model (quantize.resolve_model_defaults).
         backend=backend, format=row.format, dtype=dtype, weight_dtype=weight_dtype,
-        per_channel=(row.per_channel or None) if per_channel is None else per_channel,
+        per_channel=(row.per_channel or None) if fields["per_channel"] is None else fields["per_channel"],
         method=method, percentile=_percentile(method, percentile), preprocess=preprocess, target=target, float_nodes=tuple(float_nodes),
         space_to_depth=bool(fields["space_to_depth"]), cpus=cpus,
         overflow_fix=fields["overflow_fix"] or overflow_fix,  # the backend's own say first (onnxruntime's u8 x u8 kernel needs no fix)
         stem=check_stem(stem, backend),  # None: measured when quantizing (services/stem.py)
-        rounding=check_rounding(rounding, row),  # None: measured when quantizing (transforms/rounding.py)
+        rounding=check_rounding(fields["rounding"], row),  # None: measured when quantizing (transforms/rounding.py)
         **{name: fields[name] for name in ("nncf_preset", "bias_correction", "subset_size", "io", "ranges_from")},
     )
 
@@ -163,7 +164,7 @@ def describe_cpus(settings: dict | None) -> str:
         return ""
     fix = settings.get("overflow_fix") or NO_FIX
     row = _row_of(settings)
-    how = {**COMMON_OVERFLOW_WORDS, **(row.describe_overflow_fix if row else {})}
+    how = {**COMMON_OVERFLOW_WORDS, **(row.overflow_words(settings) if row else {})}
     target = "all CPUs" if settings["cpus"] == ALL else f"{settings['cpus']} CPUs"
     return f"{target} ({how[fix]})" if fix in how else target
 
