@@ -215,7 +215,7 @@ RoundingOption = Annotated[
 # Where a model runs: ONNX files on onnxruntime unless told; OpenVINO IR always on OpenVINO.
 RuntimeOption = Annotated[
     Runtime | None,
-    typer.Option(help="Run ONNX models on onnxruntime or on OpenVINO (IR models always run on OpenVINO). (default: onnxruntime)", show_default=False, rich_help_panel="Runtime"),
+    typer.Option(help="Run ONNX models on onnxruntime or on OpenVINO (IR models always run on OpenVINO); TFLite models on LiteRT (XNNPACK) or on tflm (TensorFlow Lite Micro's reference kernels: what a microcontroller runs, and its tensor arena). (default: each file's own runtime)", show_default=False, rich_help_panel="Runtime"),
 ]
 PrecisionOption = Annotated[
     Precision | None,
@@ -805,12 +805,13 @@ def export(
     c_array: Annotated[bool, typer.Option("--c-array", help="Write it as C source and header: a 16-byte-aligned const unsigned char array and its length, as TensorFlow Lite Micro projects compile in.")] = False,
     output_dir: Annotated[Path | None, typer.Option(help="Where to write <model>.c and <model>.h. (default: beside the model)", show_default=False)] = None,
     symbol: Annotated[str | None, typer.Option(help="The array's C name; its length is <symbol>_len. (default: from the file name, e.g. resnet8_int8_tflite)", show_default=False)] = None,
+    arena: Annotated[bool, typer.Option("--arena/--no-arena", help="Run the model once on TensorFlow Lite Micro (with the litert extra) and write the tensor arena it allocated as <SYMBOL>_ARENA_BYTES; a model it cannot run is refused.")] = True,
     as_json: JsonFlag = False,
 ) -> None:
     """Export a model in the form a deployment compiles in (today: --c-array, for TFLite Micro)."""
     if not c_array:
         raise PtqError("--c-array: the one export format so far; pass it")
-    result = export_service.export_c_array(model, output_dir, symbol)
+    result = export_service.export_c_array(model, output_dir, symbol, arena)
     _emit(as_json, result, render.exported(result))
 
 

@@ -166,7 +166,8 @@ def evaluation(record: EvaluationRecord, reference: EvaluationRecord | None, cla
         *fidelity_text(record),
         f"  {record.images_per_second:,.0f} images/s  -> {record_file}",
     )
-    details = Text(f"  input {record.model_input}; preprocessing {record.preprocessing}" + int8_path_text(record), style="dim")
+    arena = f"; tensor arena {record.arena_bytes:,} bytes (as {record.runtime} measured it)" if record.arena_bytes else ""
+    details = Text(f"  input {record.model_input}; preprocessing {record.preprocessing}{arena}" + int8_path_text(record), style="dim")
     if classes is None:
         return Group(headline, details)
     shown = "" if len(classes) == len(record.class_names) else f" ({len(classes)} of {len(record.class_names):,} classes: those that lose the most)"
@@ -439,7 +440,7 @@ def _group_tables(group: DatasetGroup) -> list[Any]:
             losses.add_row(loss.model, loss.class_name, f"{loss.accuracy:.1f}%", f"{loss.reference_accuracy:.1f}%", signed(loss.delta))
         parts.append(losses)
     if group.versus_reference and group.reference is not None:
-        versus = Table(title=f"TFLite models vs the {group.reference.label} ({group.reference.model})", title_justify="left",
+        versus = Table(title=f"TFLite models vs the {group.reference.label} ({group.reference.model}), both on {_runtime(group.reference)}", title_justify="left",
                        box=box.SIMPLE_HEAD, pad_edge=False)
         for column in VERSUS_REFERENCE_COLUMNS:
             versus.add_column(column, justify="left" if column == "Model" else "right", no_wrap=column != "Model")
@@ -450,7 +451,7 @@ def _group_tables(group: DatasetGroup) -> list[Any]:
     return parts
 
 
-VERSUS_REFERENCE_COLUMNS = ("Model", "Top-1", "vs reference", "Bytes", "vs reference", "p50 ms (batch 1)", "vs reference")
+VERSUS_REFERENCE_COLUMNS = ("Model", "Top-1", "vs reference", "Bytes (flash)", "vs reference", "Arena bytes (RAM)", "p50 ms (batch 1)", "vs reference")
 
 
 def _versus_reference_cells(group: DatasetGroup) -> list[list[str]]:
@@ -458,11 +459,15 @@ def _versus_reference_cells(group: DatasetGroup) -> list[list[str]]:
     if reference is None:
         return []
     rows = [[f"{reference.label} (reference)", f"{reference.accuracy:.2f}%", "-", f"{reference.size_bytes:,}", "-",
-             milliseconds(reference.latency_ms_p50), "-"]]
+             _bytes(reference.arena_bytes), milliseconds(reference.latency_ms_p50), "-"]]
     rows += [[comparison.model, f"{comparison.accuracy:.2f}%", signed(comparison.accuracy_delta), f"{comparison.size_bytes:,}",
-              f"{comparison.size_delta_bytes:+,}", milliseconds(comparison.latency_ms_p50),
+              f"{comparison.size_delta_bytes:+,}", _bytes(comparison.arena_bytes), milliseconds(comparison.latency_ms_p50),
               "-" if comparison.latency_ratio is None else f"{comparison.latency_ratio:.2f}x"] for comparison in group.versus_reference]
     return rows
+
+
+def _bytes(count: int | None) -> str:
+    return "-" if count is None else f"{count:,}"
 
 
 def _validation_and_test(row: ReportRow) -> str:
@@ -622,7 +627,7 @@ def report_markdown(report: Report, charts: list[Path] | None = None) -> str:
                 [[loss.model, loss.class_name, f"{loss.accuracy:.1f}%", f"{loss.reference_accuracy:.1f}%", signed(loss.delta)] for loss in group.class_losses],
             )
         if group.versus_reference and group.reference is not None:
-            lines += ["", f"### TFLite models vs the {group.reference.label}", "",
+            lines += ["", f"### TFLite models vs the {group.reference.label}, both on {_runtime(group.reference)}", "",
                       "Points and bytes against the reference; latency at batch 1 from `ptq benchmark`, as a ratio to the reference's "
                       "(below 1: faster).", ""]
             lines += _markdown_table(VERSUS_REFERENCE_COLUMNS, _versus_reference_cells(group))
@@ -741,5 +746,6 @@ def tuning(result: TuneResult) -> Group:
 
 
 def exported(result: CArrayExport) -> Text:
+    arena = f", {result.symbol.upper()}_ARENA_BYTES {result.arena_bytes:,} (TFLite Micro's tensor arena)" if result.arena_bytes else ""
     return Text(f"{result.model.name} ({result.size_bytes:,} bytes) -> {result.source} and {result.header}: "
-                f"const unsigned char {result.symbol}[], {result.symbol}_len")
+                f"const unsigned char {result.symbol}[], {result.symbol}_len{arena}")

@@ -11,7 +11,7 @@ from conftest import CIFAR
 from synthetic import CLASSES, colour_images, invoke, one_line_error
 
 from ptq_cli import settings
-from ptq_cli.backends import litert
+from ptq_cli.backends import litert, tflm
 
 pytest.importorskip("ai_edge_litert", reason="the litert extra is not installed")
 ASSETS = CIFAR.parent / "mlperf-tiny-resnet8"
@@ -53,6 +53,32 @@ def test_mlperf_tiny_tflite_models_score_what_mlcommons_published(tmp_path, name
         assert record["quantization"]["input"] == "int8 (scale 1, zero point -128)"
 
 
+@pytest.mark.real_assets
+def test_tflm_scores_the_mlperf_reference_as_a_plain_tflite_micro_script_does(tmp_path):
+    """The first 500 test images, through `ptq evaluate --runtime tflm` (split across two worker processes) and
+    through tflite-micro's interpreter alone: the same predictions, image by image."""
+    pytest.importorskip("tflite_micro", reason="tflite-micro is not installed")
+    from conftest import cifar_split
+    from tflite_micro.python.tflite_micro import runtime
+
+    test = cifar_split("test")
+    images, labels = test.images[:500], test.labels[:500]
+    np.savez(tmp_path / "first.npz", test_images=images, test_labels=labels, class_names=np.array(test.class_names))
+    reference = ASSETS / "pretrainedResnet_quant.tflite"
+    result = invoke("evaluate", "--model", str(reference), "--runtime", "tflm", "--data", "first.npz", "--threads", "2", "--results-dir", "res",
+                    "--json", cwd=tmp_path)
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    interpreter = runtime.Interpreter.from_file(str(reference))
+    plain = []
+    for image in images:
+        interpreter.set_input((image.astype(np.int16) - 128).astype(np.int8)[None], 0)  # scale 1, zero point -128
+        interpreter.invoke()
+        plain.append(int(np.argmax(interpreter.get_output(0))))
+    assert record["runtime"] == "tflm" and record["correct"] == int(np.sum(np.array(plain) == labels))
+    assert record["correct"] >= 400
+
+
 C_MAIN = """
 #include <stdint.h>
 #include <stdio.h>
@@ -81,7 +107,7 @@ def _compile_and_dump(directory, source, header, symbol):
 def test_c_array_compiles_with_the_system_compiler_and_holds_the_exact_bytes(tmp_path):
     data = b"\x1c\x00\x00\x00TFL3" + bytes(range(256)) * 3 + b"\x07"  # every byte value, a length not a multiple of a row
     (tmp_path / "9-tiny model.tflite").write_bytes(data)
-    result = invoke("export", "--model", "9-tiny model.tflite", "--c-array", "--output-dir", "out", "--json", cwd=tmp_path)
+    result = invoke("export", "--model", "9-tiny model.tflite", "--c-array", "--no-arena", "--output-dir", "out", "--json", cwd=tmp_path)
     assert result.exit_code == 0, result.output
     exported = json.loads(result.stdout)
     assert exported["symbol"] == "model_9_tiny_model_tflite" and exported["size_bytes"] == len(data)
@@ -103,6 +129,9 @@ def test_c_array_of_the_mlperf_reference_round_trips(tmp_path):
     exported = json.loads(result.stdout)
     dumped = _compile_and_dump(tmp_path, tmp_path / "pretrainedResnet_quant.c", tmp_path / "pretrainedResnet_quant.h", "g_model")
     assert dumped == (ASSETS / "pretrainedResnet_quant.tflite").read_bytes() and exported["size_bytes"] == 98_496
+    if tflm.available():  # the arena TFLite Micro measured, as a define the firmware sizes its arena with
+        assert f"#define G_MODEL_ARENA_BYTES {exported['arena_bytes']}" in (tmp_path / "pretrainedResnet_quant.h").read_text()
+        assert 0 < exported["arena_bytes"] < 1 << 20
 
 
 @pytest.mark.parametrize("args, mentions", [((), "--c-array"), (("--c-array", "--symbol", "1bad-name"), "--symbol")])
@@ -162,4 +191,9 @@ def test_report_sets_ptqs_tflite_models_against_the_reference(pipeline_snapshot)
     assert group["reference"]["label"] == settings.MLPERF_REFERENCE_LABEL
     versus = {entry["model"]: entry for entry in group["versus_reference"]}
     assert set(versus) == {"resnet8_int8.tflite", "resnet8_int8_ranges.tflite"}
-    assert versus["resnet8_int8.tflite"]["accuracy_delta"] == pytest.approx(versus["resnet8_int8.tflite"]["accuracy"] - 86.97)
+    assert versus["resnet8_int8.tflite"]["accuracy_delta"] == pytest.approx(versus["resnet8_int8.tflite"]["accuracy"] - group["reference"]["accuracy"])
+    # With TFLite Micro installed, the comparison is the one a microcontroller makes: every model on its kernels.
+    if tflm.available():
+        assert group["reference"]["runtime"] == "tflm"
+        runs = {(row["model"], row["runtime"]) for row in group["rows"]}
+        assert {("resnet8_int8.tflite", "tflm"), ("resnet8_int8.tflite", "litert"), ("pretrainedResnet_quant.tflite", "tflm")} <= runs

@@ -163,3 +163,74 @@ def test_litert_settings_are_checked_in_one_place(options, mentions):
 def test_tune_says_it_does_not_search_tflite_settings(study):
     result = invoke("tune", "--model", "tiny.onnx", "--backend", "litert", "--data", "colours.npz", cwd=study)
     one_line_error(result, "ptq quantize --backend litert")
+
+
+def _plain_tflm_scores(path, prepared: np.ndarray) -> tuple[np.ndarray, float]:
+    """The tflite-micro interpreter as its own README uses it, one image per invoke: (int8 output codes x its
+    output scale, that scale)."""
+    from tflite_micro.python.tflite_micro import runtime
+
+    interpreter = runtime.Interpreter.from_file(str(path))
+    given = interpreter.get_input_details(0)["quantization_parameters"]
+    scale, zero_point = float(given["scales"][0]), int(given["zero_points"][0])
+    codes = np.clip(np.round(prepared / scale + zero_point), -128, 127).astype(np.int8)
+    scores = []
+    for image in codes:
+        interpreter.set_input(image[None], 0)
+        interpreter.invoke()
+        scores.append(np.array(interpreter.get_output(0)).reshape(-1))
+    returned = interpreter.get_output_details(0)["quantization_parameters"]
+    out_scale, out_zero_point = float(returned["scales"][0]), int(returned["zero_points"][0])
+    return (np.stack(scores).astype(np.float64) - out_zero_point) * out_scale, out_scale
+
+
+def test_tflm_runs_a_tflite_on_the_microcontroller_kernels_in_worker_processes_with_the_same_scores(study):
+    """`--runtime tflm`: TFLite Micro's interpreter scores the model as a device does (its own record, the arena
+    it measured); a call split across worker processes gives the serial scores, and both are TFLM's own."""
+    pytest.importorskip("tflite_micro", reason="tflite-micro is not installed")
+    from ptq_cli.backends import tflm
+
+    _quantize(study)
+    path = study / "tiny_int8.tflite"
+    images, _ = colour_images(40, seed=3)  # 120 images: split across workers from tflm.PARALLEL_FROM
+    serial = load_model(path, 1, runtime="tflm")
+    parallel = load_model(path, 2, runtime="tflm")
+    assert serial.info.runtime == "tflm" and serial.info.arena_bytes > 0 and len(images) >= tflm.PARALLEL_FROM
+    prepared = serial.prepare(images)
+    scores = parallel.predict(prepared)
+    assert np.array_equal(scores, serial.predict(prepared))
+    plain, step = _plain_tflm_scores(path, prepared)
+    np.testing.assert_allclose(scores, plain, rtol=0, atol=step / 4)  # the same output codes
+    assert len(np.unique(plain.argmax(axis=1))) == 3
+    result = invoke("evaluate", "--model", "tiny_int8.tflite", "--runtime", "tflm", "--data", "colours.npz", "--results-dir", "res", "--json", cwd=study)
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert record["runtime"] == "tflm" and record["dtype"] == "int8" and record["accuracy"] == 100.0
+    assert record["arena_bytes"] == serial.info.arena_bytes
+    assert [path.name for path in (study / "res").glob("tiny_int8.tflite-*~tflm@*.json")]
+
+
+def test_tflm_refuses_what_it_cannot_run_in_one_line(study):
+    pytest.importorskip("tflite_micro", reason="tflite-micro is not installed")
+    one_line_error(invoke("evaluate", "--model", "tiny.onnx", "--runtime", "tflm", "--data", "colours.npz", cwd=study), "runs .tflite files only")
+    (study / "broken.tflite").write_bytes(b"\x1c\x00\x00\x00TFL3" + b"\x00" * 40)
+    one_line_error(invoke("evaluate", "--model", "broken.tflite", "--runtime", "tflm", "--data", "colours.npz", cwd=study), "broken.tflite")
+
+
+def test_tflm_names_the_op_it_lacks_in_one_line(study):
+    """A model LiteRT loads but TFLite Micro has no kernel for (its Softmax's opcode made SKIP_GRAM, which TFLM lacks)."""
+    pytest.importorskip("tflite_micro", reason="tflite-micro is not installed")
+    import flatbuffers
+    from ai_edge_litert import schema_py_generated as schema
+
+    _quantize(study)
+    model = schema.ModelT.InitFromObj(schema.Model.GetRootAs((study / "tiny_int8.tflite").read_bytes(), 0))
+    (softmax,) = [code for code in model.operatorCodes if code.builtinCode == schema.BuiltinOperator.SOFTMAX]
+    softmax.builtinCode = softmax.deprecatedBuiltinCode = schema.BuiltinOperator.SKIP_GRAM
+    softmax.version = 1
+    builder = flatbuffers.Builder(0)
+    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
+    (study / "lacks.tflite").write_bytes(builder.Output())
+    result = invoke("evaluate", "--model", "lacks.tflite", "--runtime", "tflm", "--data", "colours.npz", "--results-dir", "res", cwd=study)
+    one_line_error(result, "lacks.tflite: TFLite Micro cannot run it (Didn't find op for builtin opcode 'SKIP_GRAM')")
+    assert not list(study.glob("res/*.json"))  # no record of a model that did not run

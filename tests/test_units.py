@@ -345,8 +345,17 @@ def test_report_sets_each_tflite_model_against_the_mlperf_reference():
     (versus,) = group.versus_reference  # the TFLite model only: not the reference, not the ONNX model
     assert (versus.model, versus.accuracy_delta, versus.size_delta_bytes, versus.latency_ratio) == ("q.tflite", 0.14, 640, 1.2)
     markdown = report_markdown(build_report([fp32, other, ours, reference], benchmarks=benchmarks))
-    assert f"### TFLite models vs the {settings.MLPERF_REFERENCE_LABEL}" in markdown and "| q.tflite | 87.11% | +0.14 | 99,136 | +640 | 0.060 | 1.20x |" in markdown
+    assert f"### TFLite models vs the {settings.MLPERF_REFERENCE_LABEL}, both on litert" in markdown
+    assert "| q.tflite | 87.11% | +0.14 | 99,136 | +640 | - | 0.060 | 1.20x |" in markdown
     assert build_report([fp32, other, ours]).groups[0].versus_reference == ()  # no reference evaluated: no comparison
+    # Run on a microcontroller's kernels too, the comparison is the microcontroller's: TFLM rows against TFLM's reference, arenas beside.
+    on_device = [replace(record, runtime="tflm", accuracy=accuracy, arena_bytes=arena)
+                 for record, accuracy, arena in ((reference, 87.07, 55_984), (ours, 86.88, 56_000))]
+    group = build_report([fp32, other, ours, reference, *on_device], benchmarks=benchmarks).groups[0]
+    assert (group.reference.runtime, group.reference.accuracy) == ("tflm", 87.07)
+    (versus,) = group.versus_reference
+    assert (versus.model, versus.accuracy_delta, versus.arena_bytes) == ("q.tflite", -0.19, 56_000)
+    assert "| q.tflite | 86.88% | -0.19 | 99,136 | +640 | 56,000 |" in report_markdown(build_report([fp32, other, ours, reference, *on_device]))
 
 
 def test_benchmark_speedups_are_against_each_model_s_own_source():

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ptq_cli.atomic import declare_companions
-from ptq_cli.backends import litert, onnxruntime, openvino, pytorch
+from ptq_cli.backends import litert, onnxruntime, openvino, pytorch, tflm
 from ptq_cli.backends.base import Backend
 from ptq_cli.backends.model_file import require_file
 from ptq_cli.errors import PtqError
@@ -26,7 +26,7 @@ def register(row: Backend) -> Backend:
     return row
 
 
-for _module in (onnxruntime, pytorch, openvino, litert):
+for _module in (onnxruntime, pytorch, openvino, litert, tflm):
     register(_module.BACKEND)
 
 
@@ -105,4 +105,5 @@ def for_file(path: Path, runtime: str | None = None) -> Backend:
     chosen = TABLE[runtime]
     if found.suffix in chosen.runs_suffixes:
         return chosen
-    raise PtqError(f"--runtime {runtime}: {path} is a model of {found.name}; {runtime} runs {', '.join(chosen.suffixes + chosen.runs_suffixes)} files only")
+    kinds = ", ".join(dict.fromkeys(chosen.suffixes + chosen.runs_suffixes))
+    raise PtqError(f"--runtime {runtime}: {path} is a model of {found.name}; {runtime} runs {kinds} files only")

@@ -47,6 +47,7 @@ class ModelInfo:
     pruning: dict | None = None  # the settings prune used; None for an unpruned model
     source_sha256: str | None = None  # the float model this one was made from, if ptq made it
     precision: str | None = None  # the inference precision hint it ran with (OpenVINO: f32 or bf16)
+    arena_bytes: int | None = None  # the working memory its runtime allocated for it, as that runtime measured it (TFLM's tensor arena)
 
 
 @dataclass(frozen=True)
@@ -193,6 +194,7 @@ class Backend:
     reaches_int8_path: Callable[[str | None, str], bool] = lambda overflow_fix, path: False
     int8_basis: Callable[[Path, dict | None, str], str] | None = None
     spins_when_idle: bool = False  # its idle threads spin after a run: benchmarked apart from the others
+    microcontroller: bool = False  # runs the kernels a microcontroller runs: `ptq run` scores every file it takes on it too
     runtime_settings: str = ""  # how ptq runs it, for benchmark records
     available: Callable[[], bool] = lambda: True
     companion_suffixes: tuple[str, ...] = ()  # files kept beside its model file, part of the model (an IR's .bin)
@@ -222,7 +224,7 @@ READ_FROM_METADATA: Any = object()  # finish_load's quantization: the settings s
 
 def finish_load(path: Path, backend: Backend, options: RunOptions, *, described: ModelInput, predict: Callable[[np.ndarray], np.ndarray],
                 dtype: str, size_bytes: int, sha256: str, stored: dict[str, str], declared_classes: int | None,
-                quantization: dict | None = READ_FROM_METADATA, note: str | None = None) -> LoadedModel:
+                quantization: dict | None = READ_FROM_METADATA, note: str | None = None, arena_bytes: int | None = None) -> LoadedModel:
     """Every backend's load ends here: the model run once on a probe image (its output checked against the
     class count it declares), the preprocessing resolved, and its ModelInfo."""
     probe = predict(np.zeros(described.shape(described.batch or 1), np.float32))[:1]
@@ -232,7 +234,7 @@ def finish_load(path: Path, backend: Backend, options: RunOptions, *, described:
     if quantization is READ_FROM_METADATA:
         quantization = metadata_object(path, stored, QUANTIZATION_METADATA_KEY)
     info = ModelInfo(path, backend.name, dtype, quantization, size_bytes, sha256, metadata_object(path, stored, PRUNING_METADATA_KEY),
-                     stored.get(SOURCE_METADATA_KEY), options.precision)
+                     stored.get(SOURCE_METADATA_KEY), options.precision, arena_bytes)
     return LoadedModel(info, predict, described, preprocessing, int(probe.shape[1]), note)
 
 

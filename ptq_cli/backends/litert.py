@@ -78,6 +78,15 @@ def describe_io(detail: dict) -> str:
     return kind if quantization is None else f"{kind} (scale {quantization[0]:g}, zero point {quantization[1]})"
 
 
+def verify(data: bytes, path: Path) -> None:
+    """The flatbuffer checked by LiteRT's interpreter (its verifier), before a runtime that trusts it reads it."""
+    Interpreter = _interpreter_class()
+    try:
+        Interpreter(model_content=data)
+    except (ValueError, RuntimeError) as error:
+        raise PtqError(f"{path}: LiteRT cannot load it ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from error
+
+
 def load(path: Path, options: RunOptions) -> LoadedModel:
     """The model in the LiteRT interpreter with `threads` threads; a batch dimension declared dynamic is
     resized to each batch, a fixed one runs that many images at a time."""
@@ -130,21 +139,36 @@ def load(path: Path, options: RunOptions) -> LoadedModel:
         return run(batch) if chunk is None else in_fixed_batches(run, batch, chunk)
 
     stored = metadata(data)
-    dtype, quantization = _made(path, interpreter, stored, image, scores)
+    tensor_types = {np.dtype(detail["dtype"]) for detail in interpreter.get_tensor_details()}
+    dtype, quantization = made(path, tensor_types, stored, np.dtype(image["dtype"]), describe_io(image), describe_io(scores))
     note = None if dynamic else f"fixed batch {chunk}: run {chunk} at a time"
     return finish_load(path, BACKEND, options, described=described, predict=predict, dtype=dtype, size_bytes=len(data),
                        sha256=hashlib.sha256(data).hexdigest(), stored=stored, declared_classes=classes, quantization=quantization, note=note)
 
 
-def _made(path: Path, interpreter, stored: dict[str, str], image: dict, scores: dict) -> tuple[str, dict | None]:
-    """(data type, quantization) of a loaded .tflite: how ptq quantized it, if it did, and its tensors' types."""
-    tensor_types = {np.dtype(detail["dtype"]) for detail in interpreter.get_tensor_details()}
+def made(path: Path, tensor_types: set[np.dtype], stored: dict[str, str], input_type: np.dtype, input_words: str,
+         output_words: str) -> tuple[str, dict | None]:
+    """(data type, quantization) of a .tflite from its tensors' types: how ptq quantized it, if it did (else
+    named by its input's type: legacy uint8 models), with its input and output described."""
     if not tensor_types & set(INTEGER_TYPES):
         return "fp32", None
-    made = metadata_object(path, stored, base.QUANTIZATION_METADATA_KEY) or {}
-    # ptq's settings name the activations' type; a model ptq did not make is named by its input's (legacy uint8 models).
-    dtype = made.get("dtype") or INTEGER_TYPES.get(np.dtype(image["dtype"]), "int8")
-    return dtype, {**made, "format": FORMAT, "dtype": dtype, "weight_dtype": "int8", "input": describe_io(image), "output": describe_io(scores)}
+    settings = metadata_object(path, stored, base.QUANTIZATION_METADATA_KEY) or {}
+    dtype = settings.get("dtype") or INTEGER_TYPES.get(np.dtype(input_type), "int8")
+    return dtype, {**settings, "format": FORMAT, "dtype": dtype, "weight_dtype": "int8", "input": input_words, "output": output_words}
+
+
+def tensor_types(data: bytes) -> set[np.dtype]:
+    """The types of the tensors of a .tflite's first subgraph, read from the flatbuffer."""
+    from ai_edge_litert import schema_py_generated as schema
+
+    names = {value: name for name, value in vars(schema.TensorType).items() if not name.startswith("_")}
+    numpy_types = {"FLOAT32": np.float32, "FLOAT16": np.float16, "INT8": np.int8, "UINT8": np.uint8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64}
+    try:
+        graph = schema.Model.GetRootAs(data, 0).Subgraphs(0)
+        found = {names.get(graph.Tensors(index).Type()) for index in range(graph.TensorsLength())}
+    except Exception:  # noqa: BLE001  a flatbuffer the interpreter loaded but this reader does not
+        return set()
+    return {np.dtype(numpy_types[name]) for name in found if name in numpy_types}
 
 
 def metadata(data: bytes) -> dict[str, str]:

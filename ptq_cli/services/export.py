@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ptq_cli import backends
 from ptq_cli.atomic import check_outputs, write_text
 from ptq_cli.backends import litert
 from ptq_cli.backends.model_file import read_bytes
@@ -23,6 +24,7 @@ class CArrayExport:
     header: Path
     symbol: str  # the array; its length is <symbol>_len
     size_bytes: int
+    arena_bytes: int | None = None  # the tensor arena TFLite Micro allocated for it (<SYMBOL>_ARENA_BYTES), if measured
 
 
 # C11's keywords, and names its headers define as macros: a symbol named so does not compile.
@@ -40,9 +42,19 @@ def c_symbol(name: str) -> str:
     return f"model_{symbol}" if symbol[:1].isdigit() else symbol
 
 
-def export_c_array(model: Path, output_dir: Path | None = None, symbol: str | None = None) -> CArrayExport:
+def measure_arena(model: Path) -> int | None:
+    """The tensor arena a microcontroller runtime of the backend table (TFLite Micro) allocates for the model,
+    as it measures it; None where none is installed. A model it cannot run is refused in one line."""
+    from ptq_cli.services.models import load_model
+
+    rows = [row for row in backends.TABLE.values() if row.microcontroller and row.available()]
+    return load_model(model, 1, runtime=rows[0].name).info.arena_bytes if rows else None
+
+
+def export_c_array(model: Path, output_dir: Path | None = None, symbol: str | None = None, arena: bool = True) -> CArrayExport:
     """Write <model>.c and <model>.h beside the model (or in `output_dir`): the bytes as an aligned
-    `const unsigned char` array and its length as `const unsigned int`."""
+    `const unsigned char` array and its length as `const unsigned int`; with `arena`, the tensor arena TFLite
+    Micro measured for it as <SYMBOL>_ARENA_BYTES."""
     model = Path(model)
     data = read_bytes(model)
     if not litert.sniff(data[:8]):
@@ -54,9 +66,13 @@ def export_c_array(model: Path, output_dir: Path | None = None, symbol: str | No
     source, header = directory / f"{model.stem}.c", directory / f"{model.stem}.h"
     check_outputs([("--output-dir", source, (".c",)), ("--output-dir", header, (".h",))], [model])
     guard = f"{symbol.upper()}_H_"
+    arena_bytes = measure_arena(model) if arena else None
+    arena_lines = ["/* The tensor arena TensorFlow Lite Micro allocated for it: tflite-micro's recording allocator on the 64-bit host",
+                   "   that exported it (not measured on the target). */",
+                   f"#define {symbol.upper()}_ARENA_BYTES {arena_bytes}", ""] if arena_bytes else []
     write_text(header, "\n".join([
         f"/* {model.name}: {len(data):,} bytes, written by ptq export --c-array. */",
-        f"#ifndef {guard}", f"#define {guard}", "",
+        f"#ifndef {guard}", f"#define {guard}", "", *arena_lines,
         "#ifdef __cplusplus", 'extern "C" {', "#endif", "",
         f"extern const unsigned char {symbol}[];",
         f"extern const unsigned int {symbol}_len;", "",
@@ -71,4 +87,4 @@ def export_c_array(model: Path, output_dir: Path | None = None, symbol: str | No
         "};", "",
         f"const unsigned int {symbol}_len = {len(data)};", "",
     ]))
-    return CArrayExport(model, source, header, symbol, len(data))
+    return CArrayExport(model, source, header, symbol, len(data), arena_bytes)

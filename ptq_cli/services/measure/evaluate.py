@@ -75,6 +75,7 @@ class EvaluationRecord:
     # Against the FP32 model on the same images (fidelity.Fidelity): top-1 agreement, top-5 containment,
     # SQNR and KL of the scores. Measured whenever the FP32 model is at hand; needs no labels.
     fidelity: dict | None = None
+    arena_bytes: int | None = None  # the working memory its runtime measured for it (TFLM's tensor arena), where it does
 
     @property
     def agreement(self) -> float | None:
@@ -288,6 +289,7 @@ def _model_fields(model: LoadedModel) -> dict:
         "runtime": model.info.runtime, "dtype": model.info.dtype, "quantization": model.info.quantization, "pruning": model.info.pruning,
         "source_sha256": model.info.source_sha256, "precision": model.info.precision, "model_input": model.describe_input(),
         "preprocessing": model.preprocessing.describe(), "preprocessing_settings": asdict(model.preprocessing),
+        "arena_bytes": model.info.arena_bytes,
     }
 
 

@@ -211,6 +211,14 @@ class _Study:
         """The FP32 model on OpenVINO at f32, to compare NNCF's model with on its own runtime."""
         return ((self.fp32, OPENVINO, "f32"),) if self.options.uses(OPENVINO) else ()
 
+    @property
+    def microcontroller_runs(self) -> tuple[tuple[Path, str, str | None], ...]:
+        """(model, runtime, label): every file a microcontroller runtime takes (the TFLite models, the MLPerf
+        reference), scored on that runtime's kernels too."""
+        files = [(path, None) for path, _ in self.quantized] + [(path, settings.MLPERF_REFERENCE_LABEL) for path in _references(self)]
+        return tuple((path, row.name, label) for row in backends.TABLE.values() if row.microcontroller and row.available()
+                     for path, label in files if path.suffix in row.runs_suffixes)
+
     def evaluate(self, model: Path, label: str | None = None, runtime: str | None = None, precision: str | None = None,
                  int8_path: str | None = None, subset: int = emulate.DEFAULT_SUBSET) -> Path:
         record = evaluate_service.evaluate_model(model, self.dataset, threads=self.options.threads, flags=self.options.flags, runtime=runtime,
@@ -323,6 +331,12 @@ def _evaluate_stages(study: _Study) -> list[Stage]:
                             (model,), (record,), {**run_options, **flag_options, "runtime": runtime, "precision": precision},
                             partial(study.evaluate, model, runtime=runtime, precision=precision),
                             study.test))
+    for model, runtime, named in study.microcontroller_runs:
+        record = evaluate_service.record_path(study.results, model, study.dataset, evaluate_service.runtime_tag(model, runtime, None))
+        stages.append(Stage(f"evaluate {named or model.name} on {runtime}", "evaluate",
+                            ("--model", str(model), "--runtime", runtime, *(("--label", named) if named else ()), *arguments),
+                            (model,), (record,), {**run_options, **flag_options, "runtime": runtime, **({"label": named} if named else {})},
+                            partial(study.evaluate, model, label=named, runtime=runtime), study.test))
     label = settings.MLPERF_REFERENCE_LABEL
     for model in _references(study):
         stages.append(Stage(f"evaluate {label}", "evaluate", ("--model", str(model), "--label", label, *arguments), (model,),

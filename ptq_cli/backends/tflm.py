@@ -1,0 +1,199 @@
+"""TensorFlow Lite Micro: runs `.tflite` files (`--runtime tflm`) on the kernels a microcontroller runs.
+
+TFLM's reference kernels are what a Cortex-M runs (CMSIS-NN reproduces them bit for bit); LiteRT's default
+XNNPACK kernels, and even its own reference kernels, round some layers differently (README, "TFLite Micro").
+The scores come from the tflite-micro Python interpreter itself, one image per invoke as on the device;
+large batches are split across worker processes (the interpreter holds the GIL), each with its own
+interpreter, which gives the same scores. The tensor arena is TFLM's own figure (its allocation recording).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import ctypes
+import hashlib
+import multiprocessing
+import os
+import re
+import tempfile
+import weakref
+from pathlib import Path
+
+import numpy as np
+
+from ptq_cli.backends import litert
+from ptq_cli.backends.base import Backend, LoadedModel, RunOptions, finish_load
+from ptq_cli.backends.model_file import model_input, num_classes, read_bytes, resolve_threads
+from ptq_cli.errors import PtqError
+
+NAME = "tflm"
+ARENA_START = 1 << 20  # bytes of tensor arena tried first; doubled while TFLM says it is too small
+ARENA_LIMIT = 1 << 30
+PARALLEL_FROM = 64  # images in one call from which the call is split across worker processes
+ARENA_LINE = re.compile(r"Arena allocation total (\d+) bytes")
+
+
+def available() -> bool:
+    try:
+        from tflite_micro.python.tflite_micro import runtime  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _runtime():
+    try:
+        from tflite_micro.python.tflite_micro import runtime
+    except ImportError as error:
+        raise PtqError("TFLite Micro is not installed: pip install 'ptq-cli[litert]' (make install does)") from error
+    return runtime
+
+
+@contextlib.contextmanager
+def _captured_stderr():
+    """TFLM prints (MicroPrintf) to the C library's stderr: what it says inside the block, as a list of lines."""
+    lines: list[str] = []
+    libc = ctypes.CDLL(None)
+    with tempfile.TemporaryFile() as sink:
+        libc.fflush(None)
+        saved = os.dup(2)
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield lines
+        finally:
+            libc.fflush(None)
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            lines.extend(sink.read(1 << 20).decode("utf-8", "replace").splitlines())
+
+
+def _interpreter(data: bytes, path: Path, arena_size: int | None = None):
+    """A TFLM interpreter of the model with a tensor arena it fits in (grown from ARENA_START); (interpreter,
+    arena size given)."""
+    runtime = _runtime()
+    size = arena_size or ARENA_START
+    while True:
+        with _captured_stderr() as said:
+            try:
+                return runtime.Interpreter.from_bytes(data, arena_size=size), size
+            except Exception as error:  # noqa: BLE001  its Python side raises whatever a malformed model makes it raise
+                failure = error
+        too_small = any("Failed to resize buffer" in line or "too small" in line for line in said)
+        if too_small and arena_size is None and size < ARENA_LIMIT:
+            size *= 2
+            continue
+        why = next((line.strip() for line in said if line.strip()), str(failure).splitlines()[0] if str(failure) else type(failure).__name__)
+        raise PtqError(f"{path}: TFLite Micro cannot run it ({why})") from failure
+
+
+def arena_bytes(interpreter) -> int | None:
+    """The tensor arena TFLM allocated for the model (its recording allocator's total), after one invoke."""
+    with _captured_stderr() as said:
+        interpreter.print_allocations()
+    found = [int(match.group(1)) for match in map(ARENA_LINE.search, said) if match]
+    return found[0] if found else None
+
+
+def _io(detail: dict) -> tuple[np.dtype, tuple[float, int] | None]:
+    """(tensor type, (scale, zero point) of an integer tensor or None)."""
+    dtype = np.dtype(detail["dtype"])
+    parameters = detail.get("quantization_parameters") or {}
+    scales, zero_points = parameters.get("scales", []), parameters.get("zero_points", [])
+    if dtype not in litert.INTEGER_TYPES or len(scales) == 0:
+        return dtype, None
+    return dtype, (float(scales[0]), int(zero_points[0]))
+
+
+class _Scorer:
+    """One interpreter scoring images one at a time (the model's own batch), input quantized and output dequantized."""
+
+    def __init__(self, data: bytes, path: Path, arena_size: int | None = None) -> None:
+        self.interpreter, self.arena_size = _interpreter(data, path, arena_size)
+        self.path = path
+        self.image, self.scores = self.interpreter.get_input_details(0), self.interpreter.get_output_details(0)
+        self.input_type, self.input_quantization = _io(self.image)
+        _, self.output_quantization = _io(self.scores)
+        self.batch = max(int(self.image["shape"][0]), 1)
+
+    def run(self, batch: np.ndarray) -> np.ndarray:
+        if self.input_quantization is not None:
+            scale, zero_point = self.input_quantization
+            limits = np.iinfo(self.input_type)
+            batch = np.clip(np.round(batch / scale + zero_point), limits.min, limits.max)
+        batch = np.ascontiguousarray(batch, dtype=self.input_type)
+        results = []
+        for start in range(0, len(batch), self.batch):
+            part = batch[start : start + self.batch]
+            filled = np.concatenate([part, np.repeat(part[-1:], self.batch - len(part), axis=0)]) if len(part) < self.batch else part
+            try:
+                self.interpreter.set_input(filled, 0)
+                self.interpreter.invoke()
+                results.append(np.array(self.interpreter.get_output(0)).reshape(self.batch, -1)[: len(part)])
+            except (RuntimeError, ValueError) as error:
+                raise PtqError(f"{self.path}: TFLite Micro failed to run it ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from error
+        result = np.concatenate(results).astype(np.float32)
+        if self.output_quantization is not None:
+            scale, zero_point = self.output_quantization
+            result = (result - zero_point) * scale
+        return result
+
+
+_worker: _Scorer | None = None
+
+
+def _start_worker(data: bytes, path: str, arena_size: int) -> None:
+    global _worker
+    _worker = _Scorer(data, Path(path), arena_size)
+
+
+def _score_in_worker(batch: np.ndarray) -> np.ndarray:
+    assert _worker is not None
+    return _worker.run(batch)
+
+
+def load(path: Path, options: RunOptions) -> LoadedModel:
+    """The model in TFLM's interpreter; with more than one thread, calls of PARALLEL_FROM images or more are
+    split across that many worker processes."""
+    path = Path(path)
+    data = read_bytes(path)
+    if not litert.sniff(data[:8]):
+        raise PtqError(f"{path}: not a TFLite flatbuffer (no TFL3 identifier); TFLite Micro runs .tflite files")
+    litert.verify(data, path)  # TFLM does not verify the flatbuffer it is given; LiteRT does
+    threads = resolve_threads(options.threads)
+    scorer = _Scorer(data, path)
+    image = scorer.image
+    described = model_input(path, image.get("name", "input"), [int(dim) for dim in image["shape"]])
+    classes = num_classes(path, [int(dim) for dim in scorer.scores["shape"]])
+    state: dict = {"pool": None}
+
+    def predict(batch: np.ndarray) -> np.ndarray:
+        if threads < 2 or len(batch) < PARALLEL_FROM:
+            return scorer.run(batch)
+        pool = state["pool"]
+        if pool is None:
+            # fork: the workers inherit the loaded modules; TFLM itself starts no threads.
+            pool = state["pool"] = concurrent.futures.ProcessPoolExecutor(
+                threads, mp_context=multiprocessing.get_context("fork"), initializer=_start_worker, initargs=(data, str(path), scorer.arena_size))
+            weakref.finalize(predict, pool.shutdown, wait=False, cancel_futures=True)
+        try:
+            return np.concatenate(list(pool.map(_score_in_worker, np.array_split(batch, threads))))
+        except concurrent.futures.process.BrokenProcessPool as error:
+            raise PtqError(f"{path}: TFLite Micro crashed running it") from error
+
+    stored = litert.metadata(data)
+    words = [litert.describe_io({"dtype": kind, "quantization": quantization or (0.0, 0)}) for kind, quantization in (_io(image), _io(scorer.scores))]
+    dtype, quantization = litert.made(path, litert.tensor_types(data), stored, scorer.input_type, *words)
+    scorer.run(np.zeros(described.shape(1), np.float32))  # one invoke, so that the arena is all allocated
+    return finish_load(path, BACKEND, options, described=described, predict=predict, dtype=dtype, size_bytes=len(data),
+                       sha256=hashlib.sha256(data).hexdigest(), stored=stored, declared_classes=classes, quantization=quantization,
+                       arena_bytes=arena_bytes(scorer.interpreter))
+
+
+BACKEND = Backend(
+    NAME, (litert.SUFFIX,), lambda head: False, load, available=available, format=litert.FORMAT,
+    summary="TensorFlow Lite Micro's reference kernels (what a microcontroller runs): runs .tflite files",
+    runs_suffixes=(litert.SUFFIX,), microcontroller=True,
+    runtime_settings="tflite-micro Python interpreter (TFLM reference kernels), one image per invoke, calls split across threads worker processes",
+)
