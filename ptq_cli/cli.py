@@ -499,6 +499,7 @@ def quantize(
     overflow_fix: OverflowFixOption = None,
     stem: StemOption = Stem(stem_service.AUTO),
     rounding: RoundingOption = Rounding(AUTO_ROUNDING),
+    portability_cost: Annotated[bool, typer.Option("--portability-cost/--no-portability-cost", help="On a CPU with VNNI, for a model made for all CPUs with an overflow fix: quantize it again for VNNI CPUs alone (--cpus vnni) and say what running right on every x86 CPU costs, both measured against FP32 on the calibration images. Takes one more quantization. (env: PTQ_PORTABILITY_COST=0 turns the default off)", envvar="PTQ_PORTABILITY_COST", show_envvar=False, rich_help_panel="Quantization")] = True,
     choice: DataChoice = NO_CHOICE,
     as_json: JsonFlag = False,
 ) -> None:
@@ -521,7 +522,7 @@ def quantize(
     check_writable(destination)
     calibration_set = _calibration_set(calibration, choice, model)
     with _progress_bar(f"Calibrating ({quantization_settings.method}) and quantizing with {backend.value}") as progress:
-        result = quantize_service.quantize(model, destination, quantization_settings, calibration_set, choice.flags, progress)
+        result = quantize_service.quantize(model, destination, quantization_settings, calibration_set, choice.flags, progress, portability_cost)
     _emit(as_json, result, render.quantization(result))
 
 

@@ -25,6 +25,7 @@ from ptq_cli.services.measure.records import to_json
 from ptq_cli.services.measure.report import AGREEMENT_BUDGET, BASE_RUNTIME, TOP5_BUDGET, DatasetGroup, Report, ReportRow
 from ptq_cli.services.measure.sensitivity import SensitivityResult
 from ptq_cli.services.measure.sweep_records import SweepResult
+from ptq_cli.services.portability import describe as describe_portability
 from ptq_cli.services.prune import PruneResult
 from ptq_cli.services.quant_settings import describe_cpus, short_node
 from ptq_cli.services.quantize import QuantizeResult
@@ -129,6 +130,7 @@ def quantization(result: QuantizeResult) -> Table:
             ("CPUs", describe_cpus(dataclasses.asdict(settings)) or "-"),
             ("stem", describe_stem(settings.stem, settings.stem_sqnr_db)),
             ("rounding", describe_rounding(settings.rounding, settings.rounding_nearest_db, settings.rounding_learned_db)),
+            *((("portability", describe_portability(result.portability)),) if result.portability else ()),
             *((("input / output tensors", settings.io),) if settings.io else ()),
             ("calibration method", method),
             ("calibration samples", f"{settings.calibration_samples} (seed {settings.calibration_seed}, {settings.calibration_source})"),

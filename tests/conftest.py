@@ -16,6 +16,9 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 # The decoded-CIFAR cache of this test session, apart from the user's (~/.cache/ptq).
 os.environ.setdefault("PTQ_CACHE_DIR", tempfile.mkdtemp(prefix="ptq-test-cache-"))
+# quantize's second quantization (what portability costs, on VNNI CPUs only) would make the suite slower on those
+# CPUs than on others: off unless a test asks for it (--portability-cost).
+os.environ.setdefault("PTQ_PORTABILITY_COST", "0")
 ASSETS = Path(os.environ.get("PTQ_ASSETS", REPO.parent / "shared" / "assets")).resolve()
 CIFAR = ASSETS / "cifar-10-batches-py"
 KERAS_MODEL = ASSETS / "mlperf-tiny-resnet8" / "pretrainedResnet.h5"

@@ -146,4 +146,5 @@ def test_a_file_is_told_by_its_content_and_a_pt_file_by_its_name(tmp_path):
     broken = tmp_path / "m.pt"
     broken.write_bytes(b"not a zip")
     assert backends.loads_code(broken) and backends.for_file(broken).name == "pytorch"  # so its error says TorchScript
-    assert backends.runtimes() == ("onnxruntime", "openvino")  # what --runtime offers: ONNX files on either
+    # What --runtime offers: ONNX files on onnxruntime or OpenVINO, TFLite files on LiteRT or TFLite Micro.
+    assert backends.runtimes() == ("onnxruntime", "openvino", "litert", "tflm")

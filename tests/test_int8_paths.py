@@ -292,3 +292,42 @@ def test_the_all_layers_fix_leaves_depthwise_weights_at_full_precision(tmp_path)
     model = onnx.load(str(depthwise_classifier(tmp_path / "dw.onnx", size=32, classes=10)))
     assert set(overflow.weight_overrides(model, overflow.ALL_LAYERS, per_channel=True)) == {"stem_w", "pw_w", "gemm_w"}
     assert set(overflow.weight_overrides(model, overflow.FIRST_LAYER, per_channel=True)) == {"stem_w"}
+
+
+def _sqnr_on(model_path: Path, reference: np.ndarray, images: np.ndarray) -> float:
+    from ptq_cli.metrics import sqnr_db
+
+    return round(sqnr_db(reference, load_model(model_path).predict(images)), 2)
+
+
+def test_quantize_says_what_portability_costs_against_the_model_for_vnni_cpus_alone(tmp_path, monkeypatch):
+    """On a CPU with VNNI, a model made for all CPUs (the pair rule bounds its int8 stem) is measured against the
+    one `--cpus vnni` makes, both against FP32 on the calibration images: the figures are those two files'. (The CPU
+    is the test's: on a CPU without VNNI both models run on its kernels alike, and the figures still are theirs.)"""
+    conv_classifier(tmp_path / "m.onnx")
+    image_folder(tmp_path / "data", per_class=8)
+    assert invoke("calibrate", "--data", "data", "--output", "cal.npz", cwd=tmp_path).exit_code == 0
+    monkeypatch.setattr(cpu_info, "current", lambda: WITH_VNNI)
+    common = ("--model", "m.onnx", "--data", "data", "--calibration", "cal.npz", "--stem", "int8", "--rounding", "nearest", "--portability-cost", "--json")
+    made = invoke("quantize", *common, "--output", "all.onnx", cwd=tmp_path)
+    assert made.exit_code == 0, made.output
+    cost = json.loads(made.stdout)["portability"]
+    alone = invoke("quantize", *common, "--cpus", "vnni", "--output", "vnni.onnx", cwd=tmp_path)
+    assert alone.exit_code == 0 and json.loads(alone.stdout)["portability"] is None  # nothing to compare: no fix
+    fp32 = load_model(tmp_path / "m.onnx")
+    images = fp32.prepare(np.load(tmp_path / "cal.npz")["images"])
+    reference = fp32.predict(images)
+    assert cost["images"] == len(images)
+    assert cost["portable_sqnr_db"] == _sqnr_on(tmp_path / "all.onnx", reference, images)
+    assert cost["vnni_sqnr_db"] == _sqnr_on(tmp_path / "vnni.onnx", reference, images) != cost["portable_sqnr_db"]
+    assert "--cpus vnni" in invoke("quantize", *common[:-1], "--output", "again.onnx", cwd=tmp_path).stdout
+    skipped = invoke("quantize", *common, "--no-portability-cost", "--output", "quick.onnx", cwd=tmp_path)
+    assert json.loads(skipped.stdout)["portability"] is None
+    monkeypatch.setattr(cpu_info, "current", lambda: AVX2_ONLY)
+    here = json.loads(invoke("quantize", *common, "--output", "avx2.onnx", cwd=tmp_path).stdout)["portability"]
+    assert "has no VNNI" in here["not_measured"] and here["portable_sqnr_db"] is None
+    # On by default; PTQ_PORTABILITY_COST=0 (the test suite's setting) turns the default off.
+    by_default = [argument for argument in common if argument != "--portability-cost"]
+    assert json.loads(invoke("quantize", *by_default, "--output", "default.onnx", cwd=tmp_path).stdout)["portability"] is None
+    monkeypatch.delenv("PTQ_PORTABILITY_COST")
+    assert json.loads(invoke("quantize", *by_default, "--output", "default.onnx", cwd=tmp_path).stdout)["portability"]["not_measured"]

@@ -18,6 +18,7 @@ import os
 import re
 import tempfile
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -51,7 +52,7 @@ def _runtime():
 
 
 @contextlib.contextmanager
-def _captured_stderr():
+def _captured_stderr() -> Iterator[list[str]]:
     """TFLM prints (MicroPrintf) to the C library's stderr: what it says inside the block, as a list of lines."""
     lines: list[str] = []
     libc = ctypes.CDLL(None)

@@ -13,6 +13,7 @@ from ptq_cli.atomic import check_outputs
 from ptq_cli.backends.base import QUANTIZATION_METADATA_KEY, SOURCE_METADATA_KEY, LoadedModel, QuantizationSettings, QuantizedFile
 from ptq_cli.backends.model_file import read_onnx
 from ptq_cli.errors import PtqError
+from ptq_cli.services import portability
 from ptq_cli.services.calibration import CalibrationSet
 from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressCallback
@@ -34,6 +35,7 @@ class QuantizeResult:
     notes: tuple[str, ...] = ()  # what was changed on the way (opset upgrade, fixed batch made symbolic)
     model_input: str = ""
     preprocessing: str = ""
+    portability: portability.PortabilityCost | None = None  # what running right on every x86 CPU costs it here, where measured
 
     @property
     def size_ratio(self) -> float:
@@ -123,8 +125,10 @@ def default_output(model: Path, settings: QuantizationSettings, models_dir: Path
 
 
 def quantize(model_path: Path, output: Path, settings: QuantizationSettings, calibration: CalibrationSet,
-             flags: inputs.PreprocessingFlags | None = None, progress: ProgressCallback | None = None) -> QuantizeResult:
-    """Quantize the FP32 ONNX model with the settings' backend; the output is written atomically."""
+             flags: inputs.PreprocessingFlags | None = None, progress: ProgressCallback | None = None,
+             portability_cost: bool = False) -> QuantizeResult:
+    """Quantize the FP32 ONNX model with the settings' backend; the output is written atomically. With
+    `portability_cost`, a model with an overflow fix is measured against one made for VNNI CPUs alone (portability.py)."""
     model_path, output = Path(model_path), Path(output)
     calibration_file = Path(calibration.source.split(" (")[0]) if calibration.source else None
     ranges_from = Path(settings.ranges_from) if settings.ranges_from else None
@@ -134,5 +138,6 @@ def quantize(model_path: Path, output: Path, settings: QuantizationSettings, cal
     settings = with_calibration(resolve_settings(source, settings, prepared), calibration)
     written = quantize_source(source, output, settings, calibration, prepared=prepared, progress=progress)
     settings = written.settings or settings
+    cost = portability.measure(source, output, settings, calibration, prepared) if portability_cost and portability.applies(settings) else None
     return QuantizeResult(model_path, output, model_path.stat().st_size, written.size_bytes, settings, written.space_to_depth,
-                          source.notes + written.notes, source.loaded.describe_input(), source.loaded.preprocessing.describe())
+                          source.notes + written.notes, source.loaded.describe_input(), source.loaded.preprocessing.describe(), cost)
