@@ -6,6 +6,8 @@ import json
 
 from conftest import assert_clean_failure, ptq, ptq_ok, record_of
 
+from ptq_cli.backends import tflm
+
 
 def test_pytorch_fp32_scores_exactly_the_onnx_accuracy(pipeline):
     onnx_record = record_of(pipeline / "results", "resnet8.onnx")
@@ -89,8 +91,10 @@ def test_report_shows_both_frameworks_side_by_side(pipeline):
         ("litert", "int8", "pretrainedResnet_quant.tflite"),  # the MLPerf Tiny reference
         ("litert", "int8", "resnet8_int8.tflite"),
         ("litert", "int8", "resnet8_int8_ranges.tflite"),
+        # Every .tflite again on TFLite Micro's kernels (what a microcontroller runs), with the tflite-micro package.
+        *[("tflm", "int8", name) for name in ("pretrainedResnet_quant.tflite", "resnet8_int8.tflite", "resnet8_int8_ranges.tflite") if tflm.available()],
     ]
-    by_model = {row["model"]: row for row in study["rows"] if row["runtime"] != "openvino"}
+    by_model = {row["model"]: row for row in study["rows"] if row["runtime"] not in ("openvino", "tflm")}
     torch_int8 = record_of(pipeline / "results", "resnet8_pytorch_int8.pt")
     torch_fp32 = record_of(pipeline / "results", "resnet8.pt")
     assert by_model["resnet8_pytorch_int8.pt"]["size_bytes"] == torch_int8["model_size_bytes"]

@@ -88,7 +88,8 @@ def test_benchmark_stage_measures_every_model_once_and_the_report_uses_it(pipeli
         model = pipeline_snapshot / "models" / name
         assert record["model_sha256"] == file_sha256(model) and record["runs"] == 2, name  # an IR: its .xml and .bin
     report = json.loads(ptq_ok("report", "--json", cwd=pipeline_snapshot).stdout)
-    rows = {(row["model"], row["runtime"]): row for row in report["groups"][0]["rows"]}
+    # TFLite Micro rows are the microcontroller's accuracy; their speed on this x86 CPU is not a device's, and is not benchmarked.
+    rows = {(row["model"], row["runtime"]): row for row in report["groups"][0]["rows"] if row["runtime"] != "tflm"}
     # The benchmark stage measures each file on its own runtime, and the ONNX FP32 model on OpenVINO too, in the same process.
     assert sorted(rows) == sorted([(name, record["runtime"]) for name, record in records.items()]
                                   + [("resnet8.onnx", "openvino"), ("pretrainedResnet_quant.tflite", "litert")])
