@@ -292,6 +292,7 @@ class DataChoice:
     calibration_data: Path | None
     flags: inputs_service.PreprocessingFlags
     calibration_size: int | None = None  # --calibration-size: calibration images in all
+    data_given: bool = True  # whether --data was given (else `data` is the study's CIFAR-10)
 
     def dataset(self) -> Dataset:
         return open_dataset(self.data)
@@ -304,7 +305,7 @@ def _data(data: Path | None, calibration_data: Path | None, preset, scale: float
           bgr: bool | None, calibration_size: int | None = None) -> DataChoice:
     """The data and preprocessing options, validated before any work."""
     flags = inputs_service.make_flags(preset and preset.value, scale, mean, std, bgr)
-    return DataChoice(data or settings.cifar_dir(), calibration_data, flags, calibration_size)
+    return DataChoice(data or settings.cifar_dir(), calibration_data, flags, calibration_size, data is not None)
 
 
 def _option(name: str, annotation: Any) -> inspect.Parameter:
@@ -783,13 +784,16 @@ def benchmark(
     models take their turns together; at batch 1, each runtime's models among themselves (so its threads are
     as warm as when serving alone); PyTorch models come last (their spinning threads would slow the next
     model). Throughput is the batch size over the median batch time. A model with a fixed batch runs chunks of it.
+    Without --data (and without the study's CIFAR-10), the models are fed seeded random pixels of their input's
+    size: speed needs no real images, and the output says what was fed.
     """
     models = model or _default_models()
+    dataset = choice.dataset() if choice.data_given or choice.data.exists() else None
     for model_path in models:
         check_writable(benchmark_service.benchmark_path(results_dir, model_path, evaluate_service.runtime_tag(
             model_path, runtime and runtime.value, precision and precision.value)))
     with _progress_bar(f"Benchmarking {len(models)} model{'s' if len(models) > 1 else ''} in turns") as progress:
-        records = benchmark_service.benchmark_models(models, choice.dataset(), batch_size, threads, runs, progress=progress, flags=choice.flags,
+        records = benchmark_service.benchmark_models(models, dataset, batch_size, threads, runs, progress=progress, flags=choice.flags,
                                                      runtime=runtime and runtime.value, precision=precision and precision.value)
     for record in records:
         benchmark_service.save_benchmark(record, results_dir)

@@ -150,7 +150,8 @@ REFERENCE_STATUS = {"stale": "its file changed since; evaluate it again", "missi
 def evaluation(record: EvaluationRecord, reference: EvaluationRecord | None, classes: list[int] | None, record_file: Path,
                reference_status: str = "ok") -> Group:
     """`classes`: the classes `--per-class` lists (evaluate.classes_to_show), None without it."""
-    comparison: tuple = (("  (no FP32 source record to compare with)", "dim"),) if record.fidelity is None else ()
+    alone = "  (the FP32 reference its quantized models are measured against)" if record.dtype == "fp32" else "  (no FP32 source record to compare with)"
+    comparison: tuple = ((alone, "dim"),) if record.fidelity is None else ()
     if reference is not None and record.accuracy is not None and reference.accuracy is not None:
         delta = record.accuracy - reference.accuracy
         comparison = (
@@ -664,6 +665,9 @@ def benchmarks(records: list[BenchmarkRecord], speedups: dict[tuple, float | Non
             milliseconds(record.latency_ms_p50), milliseconds(record.latency_ms_p95),
             milliseconds(record.latency_ms_p99), f"{record.images_per_second:,.0f}", speedup(speedups.get(run_key(record))),
         )
+    fed = sorted({record.inputs for record in records if record.inputs})
+    if fed:
+        table.caption, table.caption_justify = f"inputs: {'; '.join(fed)}", "left"
     return table
 
 

@@ -258,6 +258,8 @@ def describe_settings(settings: dict, types: str | None = None) -> str:
     per-channel, percentile 99.999, 1000 samples, float: conv2d_1"; `types` for a backend that names them
     otherwise."""
     types = types or f"a:{settings['dtype']} w:{settings.get('weight_dtype', settings['dtype'])}"
+    if settings.get("made_by"):  # read from the graph of a model ptq did not make: no calibration to name
+        return f"{settings.get('format', 'QDQ')} {types}, {'per-channel' if settings.get('per_channel') else 'per-tensor'} (made by {settings['made_by']})"
     parts = [
         f"{settings.get('format', 'QDQ')} {types}",
         "per-channel" if settings.get("per_channel") else "per-tensor",

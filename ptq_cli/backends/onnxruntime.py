@@ -48,13 +48,32 @@ def _dtype(model) -> tuple[str, dict | None]:
             return str(settings["dtype"]), settings
         except (ValueError, KeyError, TypeError):
             pass  # unreadable settings: tell the type from the graph
-    # A quantized model from elsewhere: the zero point of its first QuantizeLinear tells the activation type.
+    # A quantized model from elsewhere: the zero point of its first QuantizeLinear tells the activation type,
+    # and the graph the rest (described_from_graph).
     initializers = {init.name: init for init in model.graph.initializer}
     for node in model.graph.node:
         if node.op_type == "QuantizeLinear" and len(node.input) > 2 and node.input[2] in initializers:
             zero_point = initializers[node.input[2]]
-            return ("uint8" if zero_point.data_type == onnx.TensorProto.UINT8 else "int8"), None
+            dtype = "uint8" if zero_point.data_type == onnx.TensorProto.UINT8 else "int8"
+            return dtype, described_from_graph(model, dtype)
     return "fp32", None
+
+
+QOPERATOR_OPS = ("QLinearConv", "QLinearMatMul", "ConvInteger", "MatMulInteger", "QGemm")
+
+
+def described_from_graph(model, dtype: str) -> dict:
+    """How a quantized model ptq did not make is quantized, read from its graph: QDQ or QOperator, the weights'
+    type (the codes a DequantizeLinear reads from an initializer) and granularity (one scale per channel)."""
+    import onnx
+
+    initializers = {init.name: init for init in model.graph.initializer}
+    weights = [node for node in model.graph.node if node.op_type == "DequantizeLinear" and node.input[0] in initializers]
+    types = {initializers[node.input[0]].data_type for node in weights}
+    per_channel = any(len(node.input) > 1 and node.input[1] in initializers and int(np.prod(initializers[node.input[1]].dims)) > 1 for node in weights)
+    quantized_ops = {node.op_type for node in model.graph.node} & set(QOPERATOR_OPS)
+    return {"format": "QOperator" if quantized_ops and not weights else "QDQ", "dtype": dtype,
+            "weight_dtype": "uint8" if types == {onnx.TensorProto.UINT8} else "int8", "per_channel": per_channel, "made_by": "another tool"}
 
 
 def describe_input(path: Path, model):

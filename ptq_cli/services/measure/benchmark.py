@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -51,6 +51,7 @@ class BenchmarkRecord:
     cpu: dict | None = None  # the CPU it ran on (cpu.Cpu.as_record): speed is a property of the machine too
     target_cpus: str | None = None  # the CPUs the model was quantized for (`--cpus`), if ptq says
     source_sha256: str | None = None  # the FP32 model it was made from, if ptq made it: its speed-up is against that model
+    inputs: str = ""  # what it was fed: a dataset's images, or seeded synthetic pixels (speed needs no labels, nor real images)
 
     @property
     def name(self) -> str:
@@ -60,6 +61,7 @@ class BenchmarkRecord:
 # The study's batch at CIFAR-10's 32x32; a larger input gets as many pixels a batch (its activations and its
 # time grow with them: 256 images at 224x224 held 10.5 GB in onnxruntime), but never fewer than MIN_BATCH images.
 DEFAULT_BATCH, MIN_BATCH = 256, 16
+SYNTHETIC_INPUTS = "synthetic pixels (seeded uniform 0-255, the model's input size; no --data given)"
 
 
 def default_batch(height: int, width: int) -> int:
@@ -68,7 +70,7 @@ def default_batch(height: int, width: int) -> int:
 
 def benchmark_models(
     model_paths: list[Path],
-    dataset: Dataset,
+    dataset: Dataset | None,
     batch_size: int | None = None,
     threads: int | None = None,
     runs: int = 100,
@@ -82,6 +84,7 @@ def benchmark_models(
     """Latency at batch 1 and throughput at `batch_size` (default: `default_batch` of the first model's input)
     of every model, the models in turns.
     `also`: more runs, each (model, runtime, precision): an ONNX file on OpenVINO beside its onnxruntime run.
+    Without a `dataset`, the models are fed seeded random pixels of their input's size (SYNTHETIC_INPUTS).
 
     Each timed run goes round a group of models before the next begins, so a change in the machine's
     speed during the measurement (another tenant, a frequency change) reaches them alike and the ratios
@@ -96,15 +99,21 @@ def benchmark_models(
     if not models:
         return []
     batch_size = batch_size or default_batch(*models[0].input.size)
-    loaded = dataset.load(dataset.evaluation_split(), models[0].input.size)
-    pixels = loaded.images[:batch_size]
-    if len(pixels) < batch_size:  # a small dataset: its images again, to fill the batch
-        pixels = np.resize(pixels, (batch_size, *pixels.shape[1:]))
+    if dataset is None:
+        height, width = models[0].input.size
+        pixels = np.random.default_rng(0).integers(0, 256, (batch_size, height, width, max(models[0].input.channels, 1)), dtype=np.uint8)
+        inputs = SYNTHETIC_INPUTS
+    else:
+        loaded = dataset.load(dataset.evaluation_split(), models[0].input.size)
+        pixels = loaded.images[:batch_size]
+        if len(pixels) < batch_size:  # a small dataset: its images again, to fill the batch
+            pixels = np.resize(pixels, (batch_size, *pixels.shape[1:]))
+        inputs = f"{dataset.root} ({loaded.split})"
     # Each model's own input (size, layout, preprocessing), prepared before any timing.
     batches = [model.prepare(pixels) for model in models]
     latencies, batch_seconds = _timed_in_turns(models, batches, warmup, runs, Steps(2 * (warmup + runs) * len(models), progress))
     timestamp = datetime.now(UTC).isoformat(timespec="seconds")
-    return [_record(model, latency, seconds, threads, warmup, runs, batch_size, timestamp)
+    return [replace(_record(model, latency, seconds, threads, warmup, runs, batch_size, timestamp), inputs=inputs)
             for model, latency, seconds in zip(models, latencies, batch_seconds, strict=True)]
 
 

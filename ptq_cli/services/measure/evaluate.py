@@ -231,11 +231,12 @@ def evaluate_model(
 
 
 def _what_to_measure(model: LoadedModel, test: LabelledImages, root: Path, against: Path | None) -> tuple[Path | None, bool]:
-    """(the FP32 model to measure fidelity against, whether the labels are the model's classes); a model with
-    neither is refused in one line."""
+    """(the FP32 model to measure fidelity against, whether the labels are the model's classes); a quantized
+    model with neither is refused in one line. A float model needs neither: it is the reference its quantized
+    models are measured against, and its record holds its speed and the images it ran on."""
     reference_path = fp32_model_for(model, against)
     labels_fit = test.labelled and model.num_classes == len(test.class_names)
-    if not labels_fit and reference_path is None:
+    if not labels_fit and reference_path is None and model.info.dtype != "fp32":
         found = f"{root} has {len(test.class_names)} classes" if test.labelled else f"{root} has no labels"
         raise PtqError(f"{model.info.path}: the model gives {model.num_classes} class scores, but {found}; "
                        "give --against-fp32 FP32_MODEL to measure it against its float model on these images")
@@ -407,9 +408,11 @@ def read_record(path: Path) -> EvaluationRecord:
             raise ValueError("images or size out of range")
         if record.fidelity is not None:
             check_fidelity(record.fidelity)
-        if record.accuracy is None:  # measured against its FP32 model alone
-            if record.correct is not None or record.fidelity is None or record.per_class_accuracy or record.confusion_matrix or record.confusion_counts:
-                raise ValueError("no accuracy, yet per-class figures or no fidelity either")
+        if record.accuracy is None:  # measured against its FP32 model alone, or the FP32 model itself on images without its labels
+            if record.correct is not None or record.per_class_accuracy or record.confusion_matrix or record.confusion_counts:
+                raise ValueError("no accuracy, yet per-class figures")
+            if record.fidelity is None and record.dtype != "fp32":
+                raise ValueError("a quantized model with no accuracy and no fidelity either")
         else:
             _check_accuracy(path, record)
         describe_model(record.quantization, record.pruning)  # its settings must read as ptq wrote them
