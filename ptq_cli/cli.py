@@ -176,6 +176,7 @@ def _choices(name: str, values) -> Any:
 
 
 DType = _choices("DType", quant_settings.DTYPES)
+WeightDType = _choices("WeightDType", quant_settings.WEIGHT_DTYPES)
 Backend = _choices("Backend", backends.quantizers())
 Target = _choices("Target", quant_settings.TARGETS)
 Method = _choices("Method", backends.methods())
@@ -257,7 +258,7 @@ RunsOption = Annotated[int, typer.Option(min=1, help="Timed runs of each model f
 # One option block for the quantization settings, shared by quantize, sweep and sensitivity; each command
 # gives its own defaults (quantize leaves them to the backend).
 DTypeOption = Annotated[DType | None, typer.Option(help="Activation type (and weight type unless --weight-dtype is given). PyTorch, OpenVINO and LiteRT take int8 only. (default: int8)", show_default=False, rich_help_panel="Quantization")]
-WeightDTypeOption = Annotated[DType | None, typer.Option(help="Weight type. (default: same as --dtype)", show_default=False, rich_help_panel="Quantization")]
+WeightDTypeOption = Annotated[WeightDType | None, typer.Option(help="Weight type. int4: 4-bit convolution and fully-connected filters (--backend litert: TFLite's INT4, run by TFLite Micro and LiteRT), rounded by GPTQ on the calibration images, the stem kept in 8 bits. (default: same as --dtype)", show_default=False, rich_help_panel="Quantization")]
 PerChannelOption = Annotated[bool | None, typer.Option("--per-channel/--per-tensor", help="One weight scale per output channel, or one per tensor. Where no default is shown, the backend's: per-tensor for onnxruntime (per-channel for a model with depthwise convolutions, where one scale per tensor leaves most channels a few codes), per-channel for the others.", rich_help_panel="Quantization")]
 MethodOption = Annotated[Method | None, typer.Option(help="Activation calibration, the backend's own: onnxruntime minmax|entropy|percentile; pytorch histogram|minmax; openvino onnxruntime's three (ptq's QDQ model, converted) or nncf (NNCF quantizes); litert minmax (the converter's) or percentile (ptq's rule on the TFLite tensors). Where no default is shown, the backend's first.", rich_help_panel="Quantization")]
 PercentileOption = Annotated[float | None, typer.Option(callback=_finite, min=50, max=100, help="Percentile kept by --method percentile. (default: 99.999)", show_default=False, rich_help_panel="Quantization")]

@@ -25,7 +25,7 @@ KERAS_MODEL = ASSETS / "mlperf-tiny-resnet8" / "pretrainedResnet.h5"
 
 
 PIPELINE_MODELS = ("resnet8.onnx", "resnet8.pt", "resnet8_int8.onnx", "resnet8_uint8.onnx", "resnet8_uint8_speed.onnx", "resnet8_pytorch_int8.pt",
-                   "resnet8_openvino_int8.xml", "resnet8_int8.tflite", "resnet8_int8_ranges.tflite")
+                   "resnet8_openvino_int8.xml", "resnet8_int8.tflite", "resnet8_int8_ranges.tflite", "resnet8_int8_w4.tflite")
 
 
 @dataclass

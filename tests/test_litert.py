@@ -190,7 +190,7 @@ def test_report_sets_ptqs_tflite_models_against_the_reference(pipeline_snapshot)
     group = json.loads(result.stdout)["groups"][0]
     assert group["reference"]["label"] == settings.MLPERF_REFERENCE_LABEL
     versus = {entry["model"]: entry for entry in group["versus_reference"]}
-    assert set(versus) == {"resnet8_int8.tflite", "resnet8_int8_ranges.tflite"}
+    assert set(versus) == {"resnet8_int8.tflite", "resnet8_int8_ranges.tflite", "resnet8_int8_w4.tflite"}
     assert versus["resnet8_int8.tflite"]["accuracy_delta"] == pytest.approx(versus["resnet8_int8.tflite"]["accuracy"] - group["reference"]["accuracy"])
     # With TFLite Micro installed, the comparison is the one a microcontroller makes: every model on its kernels.
     if tflm.available():

@@ -234,3 +234,99 @@ def test_tflm_names_the_op_it_lacks_in_one_line(study):
     result = invoke("evaluate", "--model", "lacks.tflite", "--runtime", "tflm", "--data", "colours.npz", "--results-dir", "res", cwd=study)
     one_line_error(result, "lacks.tflite: TFLite Micro cannot run it (Didn't find op for builtin opcode 'SKIP_GRAM')")
     assert not list(study.glob("res/*.json"))  # no record of a model that did not run
+
+
+def _keras_two_conv_classifier(path):
+    """Conv 3x3 (3->8) -> Conv 3x3 (8->8) -> mean -> Dense: a stem and one more convolution, seeded weights."""
+    rng = np.random.default_rng(3)
+    image = keras.Input((8, 8, 3))
+    features = keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="stem")(image)
+    features = keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="body")(features)
+    scores = keras.layers.Dense(3, name="dense")(keras.layers.GlobalAveragePooling2D()(features))
+    model = keras.Model(image, scores)
+    for layer in ("stem", "body", "dense"):
+        weights = model.get_layer(layer).get_weights()
+        model.get_layer(layer).set_weights([rng.normal(0, 0.3, weights[0].shape).astype(np.float32), np.zeros_like(weights[1])])
+    model.save(path)
+    return path
+
+
+def _tensor_types(data: bytes) -> dict[str, tuple[int, int]]:
+    """The filters of a .tflite's CONV_2D and FULLY_CONNECTED ops: name -> (tensor type, buffer bytes)."""
+    from ai_edge_litert import schema_py_generated as schema
+
+    model = schema.ModelT.InitFromObj(schema.Model.GetRootAs(data, 0))
+    graph, found = model.subgraphs[0], {}
+    for operator in graph.operators:
+        code = model.operatorCodes[operator.opcodeIndex]
+        if max(code.builtinCode, code.deprecatedBuiltinCode) in (schema.BuiltinOperator.CONV_2D, schema.BuiltinOperator.FULLY_CONNECTED):
+            tensor = graph.tensors[operator.inputs[1]]
+            found[tensor.name.decode() if isinstance(tensor.name, bytes) else tensor.name] = (tensor.type, len(model.buffers[tensor.buffer].data))
+    return found
+
+
+def test_int4_filters_are_int4_in_the_file_and_tflm_runs_them_as_their_codes(study):
+    """`--weight-dtype int4`: the body's convolution filter is an INT4 tensor (two codes a byte), the stem and the
+    fully-connected layer stay int8 (TFLite Micro has no int4 FULLY_CONNECTED); TFLite Micro gives the scores of
+    the same codes held in int8, and the model still predicts what the float model does."""
+    pytest.importorskip("tflite_micro", reason="tflite-micro is not installed")
+    import flatbuffers
+    from ai_edge_litert import schema_py_generated as schema
+
+    _keras_two_conv_classifier(study / "two.h5")
+    assert invoke("convert", "--keras", "two.h5", "--output", "two.onnx", "--data", "colours.npz", "--check-images", "30", "--scale",
+                  str(SCALE), cwd=study).exit_code == 0
+    made = invoke("quantize", "--model", "two.onnx", "--backend", "litert", "--weight-dtype", "int4", "--data", "colours.npz", "--json", cwd=study)
+    assert made.exit_code == 0, made.output
+    settings = json.loads(made.stdout)["settings"]
+    assert (settings["weight_dtype"], settings["rounding"], json.loads(made.stdout)["output"]) == ("int4", "learned", "two_int8_w4.tflite")
+    data = (study / "two_int8_w4.tflite").read_bytes()
+    filters = sorted(_tensor_types(data).values(), key=lambda kind: kind[1])
+    int4 = [(kind, size) for kind, size in filters if kind == schema.TensorType.INT4]
+    assert int4 == [(schema.TensorType.INT4, 8 * 3 * 3 * 8 // 2)]  # the body: 576 codes in 288 bytes
+    assert sum(kind == schema.TensorType.INT8 for kind, _ in filters) == 2  # the stem and the dense layer
+    # The same codes held in int8 (unpacked, low nibble first), run by TFLite Micro: the same scores.
+    model = schema.ModelT.InitFromObj(schema.Model.GetRootAs(data, 0))
+    for tensor in model.subgraphs[0].tensors:
+        if tensor.type == schema.TensorType.INT4:
+            packed = np.asarray(model.buffers[tensor.buffer].data, np.uint8)
+            nibbles = np.stack([packed & 0x0F, packed >> 4], axis=1).reshape(-1)[: int(np.prod(tensor.shape))].astype(np.int8)
+            model.buffers[tensor.buffer].data = np.where(nibbles > 7, nibbles - 16, nibbles).astype(np.int8).view(np.uint8)
+            tensor.type = schema.TensorType.INT8
+    builder = flatbuffers.Builder(0)
+    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
+    (study / "as_int8.tflite").write_bytes(bytes(builder.Output()))
+    images, labels = colour_images(10, seed=4)
+    four_bit, held_in_int8 = (load_model(study / name, 1, runtime="tflm") for name in ("two_int8_w4.tflite", "as_int8.tflite"))
+    scores = four_bit.predict(four_bit.prepare(images))
+    assert np.array_equal(scores, held_in_int8.predict(held_in_int8.prepare(images)))
+    fp32 = load_model(study / "two.onnx")
+    assert np.mean(scores.argmax(axis=1) == fp32.predict(fp32.prepare(images)).argmax(axis=1)) >= 0.9
+
+
+def test_int4_codes_leave_less_output_error_than_plain_rounding():
+    """Per output channel, the chosen clipping and GPTQ codes cost the layer's output no more than nearest 4-bit
+    codes at the full range, weighted by the inputs' second moments, on correlated inputs."""
+    from ptq_cli.transforms import int4
+
+    rng = np.random.default_rng(0)
+    mixing = rng.normal(0, 1, (24, 24))
+    inputs = rng.normal(0, 1, (4000, 24)) @ mixing
+    second = inputs.T @ inputs / len(inputs)
+    weights = rng.normal(0, 1, (16, 24))
+    codes, scales = int4._codes(weights, second, per_tensor=False)
+    assert codes.min() >= int4.QMIN and codes.max() <= int4.QMAX
+    plain_scales = np.abs(weights).max(axis=1) / int4.QMAX
+    plain = np.clip(np.rint(weights / plain_scales[:, None]), int4.QMIN, int4.QMAX)
+
+    def cost(quantized, scale):
+        error = weights - quantized * scale[:, None]
+        return np.einsum("ok,kl,ol->o", error, second, error)
+
+    assert np.all(cost(codes, scales) <= cost(plain, plain_scales) + 1e-9) and cost(codes, scales).sum() < 0.8 * cost(plain, plain_scales).sum()
+    assert np.array_equal(int4.pack_int4(np.array([1, -1, 7, -8, 3], np.int8)), np.array([0xF1, 0x87, 0x03], np.uint8))
+
+
+def test_int4_weights_are_refused_where_the_format_has_none(study):
+    one_line_error(invoke("quantize", "--model", "tiny.onnx", "--data", "colours.npz", "--weight-dtype", "int4", cwd=study),
+                   "--weight-dtype int4: 4-bit weights are written by --backend litert")

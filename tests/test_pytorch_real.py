@@ -91,8 +91,10 @@ def test_report_shows_both_frameworks_side_by_side(pipeline):
         ("litert", "int8", "pretrainedResnet_quant.tflite"),  # the MLPerf Tiny reference
         ("litert", "int8", "resnet8_int8.tflite"),
         ("litert", "int8", "resnet8_int8_ranges.tflite"),
+        ("litert", "int8", "resnet8_int8_w4.tflite"),
         # Every .tflite again on TFLite Micro's kernels (what a microcontroller runs), with the tflite-micro package.
-        *[("tflm", "int8", name) for name in ("pretrainedResnet_quant.tflite", "resnet8_int8.tflite", "resnet8_int8_ranges.tflite") if tflm.available()],
+        *[("tflm", "int8", name) for name in ("pretrainedResnet_quant.tflite", "resnet8_int8.tflite", "resnet8_int8_ranges.tflite", "resnet8_int8_w4.tflite")
+          if tflm.available()],
     ]
     by_model = {row["model"]: row for row in study["rows"] if row["runtime"] not in ("openvino", "tflm")}
     torch_int8 = record_of(pipeline / "results", "resnet8_pytorch_int8.pt")

@@ -34,6 +34,7 @@ SOURCE_METADATA_KEY = "ptq.source_sha256"
 # quantization starts from that file.
 KERAS_SOURCE_METADATA_KEY = "ptq.keras_source"
 EMULATE = "emulate"  # an int8 path reached by emulating a CPU of the other kind (Backend.int8_basis)
+INT4 = "int4"  # 4-bit weights (`--weight-dtype int4`), for a backend whose format holds them (Backend.int4_weights)
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,7 @@ class Backend:
     leaves_layers_float: bool = True
     float_stem: bool = True  # whether it can leave the stem in float (`QuantizationSettings.stem`)
     learned_rounding: bool = False  # whether its quantize refines the weights' rounding (`QuantizationSettings.rounding`)
+    int4_weights: bool = False  # whether it writes 4-bit weights (`--weight-dtype int4`)
     float_layers: Callable[[Any], list[str]] | None = None
     fast_on_x86: Callable[[QuantizationSettings], bool] = _fast_when_u8s8  # its x86 fast configuration
     # Runtime side.

@@ -18,18 +18,20 @@ import hashlib
 import json
 import os
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
 
 from ptq_cli.atomic import atomic_output
 from ptq_cli.backends import base
-from ptq_cli.backends.base import Backend, LoadedModel, ProgressCallback, QuantizationSettings, QuantizedFile, RunOptions, finish_load
+from ptq_cli.backends.base import INT4, Backend, LoadedModel, ProgressCallback, QuantizationSettings, QuantizedFile, RunOptions, finish_load
 from ptq_cli.backends.model_file import file_sha256, in_fixed_batches, metadata_object, model_input, num_classes, read_bytes, read_onnx, resolve_threads
 from ptq_cli.errors import PtqError
 from ptq_cli.library_noise import native_stderr_silenced
+from ptq_cli.transforms.int4 import to_int4
 from ptq_cli.transforms.overflow import NO_FIX
+from ptq_cli.transforms.rounding import LEARNED
 
 NAME = "litert"
 SUFFIX = ".tflite"
@@ -71,6 +73,16 @@ def _quantization(detail: dict) -> tuple[float, int] | None:
     return float(scale), int(zero_point)
 
 
+def _as_input(images: np.ndarray, detail: dict) -> np.ndarray:
+    """Images in the model's input format (float) as its input tensor takes them: quantized with its scale and zero point."""
+    quantization = _quantization(detail)
+    if quantization is None:
+        return images.astype(np.float32)
+    scale, zero_point = quantization
+    limits = np.iinfo(np.dtype(detail["dtype"]))
+    return np.clip(np.round(images / scale + zero_point), limits.min, limits.max).astype(detail["dtype"])
+
+
 def describe_io(detail: dict) -> str:
     """e.g. "int8 (scale 1, zero point -128)" or "float32"."""
     quantization = _quantization(detail)
@@ -110,7 +122,7 @@ def load(path: Path, options: RunOptions) -> LoadedModel:
     classes = num_classes(path, [int(dim) for dim in scores["shape"]])
     dynamic = signature[0] < 1
     chunk = None if dynamic else max(int(image["shape"][0]), 1)
-    input_quantization, output_quantization = _quantization(image), _quantization(scores)
+    output_quantization = _quantization(scores)
     input_type = np.dtype(image["dtype"])
     state = {"batch": int(image["shape"][0])}
 
@@ -119,10 +131,7 @@ def load(path: Path, options: RunOptions) -> LoadedModel:
             interpreter.resize_tensor_input(image["index"], [len(batch), *described.shape(1)[1:]])
             interpreter.allocate_tensors()
             state["batch"] = len(batch)
-        if input_quantization is not None:
-            scale, zero_point = input_quantization
-            limits = np.iinfo(input_type)
-            batch = np.clip(np.round(batch / scale + zero_point), limits.min, limits.max).astype(input_type)
+        batch = _as_input(batch, image)
         try:
             interpreter.set_tensor(image["index"], np.ascontiguousarray(batch, dtype=input_type))
             interpreter.invoke()
@@ -154,7 +163,8 @@ def made(path: Path, tensor_types: set[np.dtype], stored: dict[str, str], input_
         return "fp32", None
     settings = metadata_object(path, stored, base.QUANTIZATION_METADATA_KEY) or {}
     dtype = settings.get("dtype") or INTEGER_TYPES.get(np.dtype(input_type), "int8")
-    return dtype, {**settings, "format": FORMAT, "dtype": dtype, "weight_dtype": "int8", "input": input_words, "output": output_words}
+    return dtype, {**settings, "format": FORMAT, "dtype": dtype, "weight_dtype": settings.get("weight_dtype") or "int8", "input": input_words,
+                   "output": output_words}
 
 
 def tensor_types(data: bytes) -> set[np.dtype]:
@@ -471,6 +481,14 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     if left:
         raise PtqError(f"{keras_path}: the TFLite converter left {len(left)} ops in float ({', '.join(sorted(set(left)))}); "
                        "TFLite Micro needs every op in int8")
+    if settings.weight_dtype == INT4:
+        # The int8 model's filters made 4-bit, layer by layer on the calibration images fed as the model's int8 input.
+        image = _interpreter_class()(model_content=quantized).get_input_details()[0]
+        int4 = to_int4(quantized, _as_input(calibration, image))
+        quantized = int4.data
+        notes.append(f"int4 filters: {len(int4.layers)} layers (GPTQ codes and clipping, bias corrected, on {len(calibration)} calibration images); "
+                     f"8-bit: {', '.join(int4.kept) or 'none'}")
+        settings = replace(settings, rounding=LEARNED)
     # Only what was set: the file is what a microcontroller stores.
     described = {key: value for key, value in asdict(settings).items() if value is not None and value != ()}
     extra = json.loads(stored.get(base.QUANTIZATION_METADATA_KEY, "{}"))
@@ -478,7 +496,7 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     data = _with_metadata(quantized, entries)
     with atomic_output(output) as tmp:
         tmp.write_bytes(data)
-    return QuantizedFile(len(data), notes=tuple(notes))
+    return QuantizedFile(len(data), notes=tuple(notes), settings=settings)
 
 
 IO_TYPES = ("int8", "uint8", "float")  # the first is TFLite Micro's; float keeps float I/O around the int8 body
@@ -506,11 +524,13 @@ def _describe(settings: dict) -> str:
         parts.append(f"ranges of {ranges.replace(chr(92), '/').rsplit('/', 1)[-1]}" if ranges else
                      settings.get("method", "?") + (f" {settings['percentile']:g}" if settings.get("percentile") else ""))
         parts.append(f"{settings.get('calibration_samples', '?')} samples")
+        if settings.get("weight_dtype") == INT4:
+            parts.append("GPTQ int4 conv filters (stem and fully-connected layers int8)")
     return ", ".join([*parts, f"input {settings.get('input', '?')}", f"output {settings.get('output', '?')}"])
 
 
 def _output_name(stem: str, settings: QuantizationSettings) -> str:
-    return f"{stem}_{settings.dtype}{'_ranges' if settings.ranges_from else ''}{SUFFIX}"
+    return f"{stem}_{settings.dtype}{'_ranges' if settings.ranges_from else ''}{'_w4' if settings.weight_dtype == INT4 else ''}{SUFFIX}"
 
 
 BACKEND = Backend(
@@ -519,6 +539,7 @@ BACKEND = Backend(
     # Quantizing: the TFLite converter's min/max, or ptq's percentile rule (onnxruntime's histogram
     # collector) on the same tensors; XNNPACK widens to int16 before adding, so no overflow fix.
     methods=("minmax", "percentile"), per_channel=True, overflow_fixes=(NO_FIX,), float_stem=False,  # full-integer: every layer int8
+    int4_weights=True,  # TFLite's INT4 filters (transforms/int4.py)
     options={"io": "--io", "ranges_from": "--ranges-from"}, options_word="a LiteRT option", choices={"io": IO_TYPES},
     check_settings=_check_settings, describe=_describe, output_name=_output_name,
     tune_refused="--backend litert: tune searches onnxruntime, pytorch and openvino; for TFLite use ptq quantize --backend litert "

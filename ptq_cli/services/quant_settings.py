@@ -4,7 +4,7 @@ describer of a model's quantization (report, tune, sweep and render all use it).
 from __future__ import annotations
 
 from ptq_cli import backends
-from ptq_cli.backends.base import QuantizationSettings, describe_settings, short_node
+from ptq_cli.backends.base import INT4, QuantizationSettings, describe_settings, short_node
 from ptq_cli.cpu import ALL, CPU_TARGETS, VNNI
 from ptq_cli.errors import PtqError
 from ptq_cli.services.stem import check_stem
@@ -15,6 +15,7 @@ from ptq_cli.transforms.rounding import LEARNED, NEAREST, ROUNDING_CHOICES
 __all__ = ["QuantizationSettings", "describe_cpus", "describe_model", "describe_quantization", "make_settings", "short_node"]
 
 DTYPES = ("int8", "uint8")
+WEIGHT_DTYPES = (*DTYPES, INT4)
 DEFAULT_PERCENTILE = 99.999
 DEFAULT_DTYPE = "int8"
 # `--target speed`: the fast configuration on x86, each backend's own (Backend.speed_target). See README.
@@ -67,6 +68,9 @@ def make_settings(
                                "float_nodes": tuple(float_nodes) or None, "io": io, "ranges_from": ranges_from, "space_to_depth": space_to_depth})
     targeted = row.speed_target if target else {}
     dtype, weight_dtype = _types(dtype or targeted.get("dtype") or DEFAULT_DTYPE, weight_dtype or targeted.get("weight_dtype"))
+    if weight_dtype == INT4 and not row.int4_weights:
+        raise PtqError(f"--weight-dtype int4: 4-bit weights are written by --backend "
+                       f"{' or '.join(other.name for other in backends.TABLE.values() if other.int4_weights)}")
     per_channel = targeted.get("per_channel") if per_channel is None else per_channel
     method_given = method or targeted.get("method")
     fields = row.check_settings({
@@ -110,8 +114,8 @@ def _types(dtype: str, weight_dtype: str | None) -> tuple[str, str]:
     if dtype not in DTYPES:
         raise PtqError(f"--dtype: '{dtype}' is not one of {', '.join(DTYPES)}")
     weight_dtype = weight_dtype or dtype
-    if weight_dtype not in DTYPES:
-        raise PtqError(f"--weight-dtype: '{weight_dtype}' is not one of {', '.join(DTYPES)}")
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise PtqError(f"--weight-dtype: '{weight_dtype}' is not one of {', '.join(WEIGHT_DTYPES)}")
     return dtype, weight_dtype
 
 

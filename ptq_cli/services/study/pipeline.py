@@ -51,8 +51,10 @@ QUANTIZED: tuple[dict[str, Any], ...] = ({"dtype": "int8"}, {"dtype": "uint8"}, 
 # compare it with on its own runtime.
 OPENVINO_QUANTIZED: dict[str, Any] = {"backend": "openvino"}
 # With the litert extra (the study only: LiteRT quantizes the Keras source): the converter's own calibration,
-# and the same with the activation ranges of the `--target speed` onnxruntime model (both models on one grid).
-LITERT_QUANTIZED: tuple[dict[str, Any], ...] = ({"backend": "litert"}, {"backend": "litert", "ranges_from": "speed"})
+# the same with the activation ranges of the `--target speed` onnxruntime model (both models on one grid), and
+# the converter's model with 4-bit filters (the microcontroller's smallest).
+LITERT_QUANTIZED: tuple[dict[str, Any], ...] = ({"backend": "litert"}, {"backend": "litert", "ranges_from": "speed"},
+                                                {"backend": "litert", "weight_dtype": "int4"})
 # The backends the study names (its recipe above is data; which of them run is the user's and the extras' say).
 PYTORCH, OPENVINO, LITERT = "pytorch", "openvino", "litert"
 # On a VNNI CPU the saturating path of a model that cannot be proven exact is emulated (about 35 to 70 s
