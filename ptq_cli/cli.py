@@ -252,7 +252,7 @@ SamplesPerClassOption = Annotated[
     int | None,
     typer.Option(min=1, help=f"Calibration images drawn from each class. (default: {settings.SAMPLES_PER_CLASS}, or all of the smallest class if it has fewer)", show_default=False),
 ]
-RunsOption = Annotated[int, typer.Option(min=1, help="Timed runs of each model for each measurement, after 10 warm-up runs.")]
+RunsOption = Annotated[int, typer.Option(min=1, max=10_000, help="Timed runs of each model for each measurement, after 10 warm-up runs (at most 10,000).")]
 
 
 # One option block for the quantization settings, shared by quantize, sweep and sensitivity; each command

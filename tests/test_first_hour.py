@@ -51,6 +51,8 @@ def test_benchmark_without_data_feeds_synthetic_pixels_and_says_so(newcomer):
     (record,) = json.loads(result.stdout)
     assert record["inputs"] == SYNTHETIC_INPUTS and record["images_per_second"] > 0
     assert "synthetic pixels" in invoke("benchmark", "--model", "yours.onnx", "--runs", "3", "--results-dir", "res", cwd=newcomer).stdout
+    too_many = invoke("benchmark", "--model", "yours.onnx", "--batch-size", str(10**9), "--results-dir", "res", cwd=newcomer)
+    assert too_many.exit_code == 2 and "PTQ_MAX_CALL_ELEMENTS" in too_many.output  # a batch past the call limit: one line, no allocation
     given = json.loads(invoke("benchmark", "--model", "yours.onnx", "--data", "my_images", "--runs", "3", "--results-dir", "res", "--json",
                               cwd=newcomer).stdout)
     assert "my_images" in given[0]["inputs"] and given[0]["inputs"] != SYNTHETIC_INPUTS

@@ -9,6 +9,7 @@ a CPU without VNNI the portable model is the one for this CPU, and nothing is co
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -47,11 +48,11 @@ def applies(settings: QuantizationSettings) -> bool:
     return settings.cpus == cpu_info.ALL and settings.overflow_fix not in (None, NO_FIX)
 
 
-def measure(source, portable: Path, settings: QuantizationSettings, calibration: CalibrationSet, prepared: np.ndarray) -> PortabilityCost:
-    """Quantize the model again for VNNI CPUs alone (the same settings, stem and rounding, no overflow fix) and
-    measure both against FP32 on up to MAX_IMAGES calibration images."""
-    from ptq_cli.services.quantize import quantize_source
-
+def measure(source, portable: Path, settings: QuantizationSettings, calibration: CalibrationSet, prepared: np.ndarray,
+            quantize_source: Callable[..., object]) -> PortabilityCost:
+    """Quantize the model again for VNNI CPUs alone (the same settings, stem and rounding, no overflow fix) with
+    `quantize_source` (services/quantize.py's, passed in: it calls this module) and measure both against FP32 on
+    up to MAX_IMAGES calibration images."""
     cpu = cpu_info.current()
     if cpu.int8_path != cpu_info.EXACT:
         return PortabilityCost(cpu.model, not_measured=f"this {cpu.model} has no VNNI: the model for all CPUs is the one for it")

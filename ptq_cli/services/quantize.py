@@ -138,6 +138,6 @@ def quantize(model_path: Path, output: Path, settings: QuantizationSettings, cal
     settings = with_calibration(resolve_settings(source, settings, prepared), calibration)
     written = quantize_source(source, output, settings, calibration, prepared=prepared, progress=progress)
     settings = written.settings or settings
-    cost = portability.measure(source, output, settings, calibration, prepared) if portability_cost and portability.applies(settings) else None
+    cost = portability.measure(source, output, settings, calibration, prepared, quantize_source) if portability_cost and portability.applies(settings) else None
     return QuantizeResult(model_path, output, model_path.stat().st_size, written.size_bytes, settings, written.space_to_depth,
                           source.notes + written.notes, source.loaded.describe_input(), source.loaded.preprocessing.describe(), cost)

@@ -99,6 +99,10 @@ def benchmark_models(
     if not models:
         return []
     batch_size = batch_size or default_batch(*models[0].input.size)
+    per_image = int(np.prod(models[0].input.shape(1)))
+    if batch_size * per_image > bounded.CALL_ELEMENTS.value():
+        raise PtqError(f"--batch-size {batch_size:,}: {batch_size * per_image:,} input values in one call, over the limit of "
+                       f"{bounded.CALL_ELEMENTS.value():,} (raise {bounded.CALL_ELEMENTS.env} to allow more)")
     if dataset is None:
         height, width = models[0].input.size
         pixels = np.random.default_rng(0).integers(0, 256, (batch_size, height, width, max(models[0].input.channels, 1)), dtype=np.uint8)

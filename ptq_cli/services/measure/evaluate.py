@@ -231,12 +231,13 @@ def evaluate_model(
 
 
 def _what_to_measure(model: LoadedModel, test: LabelledImages, root: Path, against: Path | None) -> tuple[Path | None, bool]:
-    """(the FP32 model to measure fidelity against, whether the labels are the model's classes); a quantized
-    model with neither is refused in one line. A float model needs neither: it is the reference its quantized
-    models are measured against, and its record holds its speed and the images it ran on."""
+    """(the FP32 model to measure fidelity against, whether the labels are the model's classes); a model with
+    neither is refused in one line, but for a float model on images without labels: it is the reference its
+    quantized models are measured against, and its record holds its speed and the images it ran on."""
     reference_path = fp32_model_for(model, against)
     labels_fit = test.labelled and model.num_classes == len(test.class_names)
-    if not labels_fit and reference_path is None and model.info.dtype != "fp32":
+    # Labels of other classes than the model's are a wrong model or wrong data, float or not: refused.
+    if not labels_fit and reference_path is None and (model.info.dtype != "fp32" or test.labelled):
         found = f"{root} has {len(test.class_names)} classes" if test.labelled else f"{root} has no labels"
         raise PtqError(f"{model.info.path}: the model gives {model.num_classes} class scores, but {found}; "
                        "give --against-fp32 FP32_MODEL to measure it against its float model on these images")
