@@ -65,7 +65,7 @@ def _interpreter_class():
     return Interpreter
 
 
-def _quantization(detail: dict) -> tuple[float, int] | None:
+def io_quantization(detail: dict) -> tuple[float, int] | None:
     """(scale, zero point) of an integer tensor, None for a float one."""
     if np.dtype(detail["dtype"]) not in INTEGER_TYPES:
         return None
@@ -73,9 +73,9 @@ def _quantization(detail: dict) -> tuple[float, int] | None:
     return float(scale), int(zero_point)
 
 
-def _as_input(images: np.ndarray, detail: dict) -> np.ndarray:
+def as_input(images: np.ndarray, detail: dict) -> np.ndarray:
     """Images in the model's input format (float) as its input tensor takes them: quantized with its scale and zero point."""
-    quantization = _quantization(detail)
+    quantization = io_quantization(detail)
     if quantization is None:
         return images.astype(np.float32)
     scale, zero_point = quantization
@@ -85,7 +85,7 @@ def _as_input(images: np.ndarray, detail: dict) -> np.ndarray:
 
 def describe_io(detail: dict) -> str:
     """e.g. "int8 (scale 1, zero point -128)" or "float32"."""
-    quantization = _quantization(detail)
+    quantization = io_quantization(detail)
     kind = INTEGER_TYPES.get(np.dtype(detail["dtype"]), np.dtype(detail["dtype"]).name)
     return kind if quantization is None else f"{kind} (scale {quantization[0]:g}, zero point {quantization[1]})"
 
@@ -122,7 +122,7 @@ def load(path: Path, options: RunOptions) -> LoadedModel:
     classes = num_classes(path, [int(dim) for dim in scores["shape"]])
     dynamic = signature[0] < 1
     chunk = None if dynamic else max(int(image["shape"][0]), 1)
-    output_quantization = _quantization(scores)
+    output_quantization = io_quantization(scores)
     input_type = np.dtype(image["dtype"])
     state = {"batch": int(image["shape"][0])}
 
@@ -131,7 +131,7 @@ def load(path: Path, options: RunOptions) -> LoadedModel:
             interpreter.resize_tensor_input(image["index"], [len(batch), *described.shape(1)[1:]])
             interpreter.allocate_tensors()
             state["batch"] = len(batch)
-        batch = _as_input(batch, image)
+        batch = as_input(batch, image)
         try:
             interpreter.set_tensor(image["index"], np.ascontiguousarray(batch, dtype=input_type))
             interpreter.invoke()
@@ -484,7 +484,7 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     if settings.weight_dtype == INT4:
         # The int8 model's filters made 4-bit, layer by layer on the calibration images fed as the model's int8 input.
         image = _interpreter_class()(model_content=quantized).get_input_details()[0]
-        int4 = to_int4(quantized, _as_input(calibration, image))
+        int4 = to_int4(quantized, as_input(calibration, image))
         quantized = int4.data
         notes.append(f"int4 filters: {len(int4.layers)} layers (GPTQ codes and clipping, bias corrected, on {len(calibration)} calibration images); "
                      f"8-bit: {', '.join(int4.kept) or 'none'}")

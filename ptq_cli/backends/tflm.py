@@ -97,14 +97,11 @@ def arena_bytes(interpreter) -> int | None:
     return found[0] if found else None
 
 
-def _io(detail: dict) -> tuple[np.dtype, tuple[float, int] | None]:
-    """(tensor type, (scale, zero point) of an integer tensor or None)."""
-    dtype = np.dtype(detail["dtype"])
+def _as_litert(detail: dict) -> dict:
+    """A TFLM tensor's details in LiteRT's form (dtype, (scale, zero point)), for LiteRT's helpers to quantize and describe it."""
     parameters = detail.get("quantization_parameters") or {}
     scales, zero_points = parameters.get("scales", []), parameters.get("zero_points", [])
-    if dtype not in litert.INTEGER_TYPES or len(scales) == 0:
-        return dtype, None
-    return dtype, (float(scales[0]), int(zero_points[0]))
+    return {"dtype": np.dtype(detail["dtype"]), "quantization": (float(scales[0]), int(zero_points[0])) if len(scales) else (0.0, 0)}
 
 
 class _Scorer:
@@ -114,16 +111,12 @@ class _Scorer:
         self.interpreter, self.arena_size = _interpreter(data, path, arena_size)
         self.path = path
         self.image, self.scores = self.interpreter.get_input_details(0), self.interpreter.get_output_details(0)
-        self.input_type, self.input_quantization = _io(self.image)
-        _, self.output_quantization = _io(self.scores)
+        self.input, self.output = _as_litert(self.image), _as_litert(self.scores)
+        self.output_quantization = litert.io_quantization(self.output)
         self.batch = max(int(self.image["shape"][0]), 1)
 
     def run(self, batch: np.ndarray) -> np.ndarray:
-        if self.input_quantization is not None:
-            scale, zero_point = self.input_quantization
-            limits = np.iinfo(self.input_type)
-            batch = np.clip(np.round(batch / scale + zero_point), limits.min, limits.max)
-        batch = np.ascontiguousarray(batch, dtype=self.input_type)
+        batch = np.ascontiguousarray(litert.as_input(batch, self.input))
         results = []
         for start in range(0, len(batch), self.batch):
             part = batch[start : start + self.batch]
@@ -184,8 +177,8 @@ def load(path: Path, options: RunOptions) -> LoadedModel:
             raise PtqError(f"{path}: TFLite Micro crashed running it") from error
 
     stored = litert.metadata(data)
-    words = [litert.describe_io({"dtype": kind, "quantization": quantization or (0.0, 0)}) for kind, quantization in (_io(image), _io(scorer.scores))]
-    dtype, quantization = litert.made(path, litert.tensor_types(data), stored, scorer.input_type, *words)
+    dtype, quantization = litert.made(path, litert.tensor_types(data), stored, scorer.input["dtype"], litert.describe_io(scorer.input),
+                                      litert.describe_io(scorer.output))
     scorer.run(np.zeros(described.shape(1), np.float32))  # one invoke, so that the arena is all allocated
     return finish_load(path, BACKEND, options, described=described, predict=predict, dtype=dtype, size_bytes=len(data),
                        sha256=hashlib.sha256(data).hexdigest(), stored=stored, declared_classes=classes, quantization=quantization,
