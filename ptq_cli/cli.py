@@ -267,7 +267,7 @@ PercentileOption = Annotated[float | None, typer.Option(callback=_finite, min=50
 # One option block for the data and its preprocessing, shared by every command that reads images.
 DataOption = Annotated[
     Path | None,
-    typer.Option("--data", "--data-dir", help=f"Labelled images, told apart by layout: CIFAR-10 python batches, an image folder (ROOT/train|test|val/<class>/*.png|jpg|…, or ROOT/<class>/*), or an .npz (images uint8 NHWC, labels[, class_names]). (default: ${settings.ASSETS_ENV}/cifar-10-batches-py, {settings.ASSETS_ENV}={settings.DEFAULT_ASSETS})", show_default=False, rich_help_panel="Data and preprocessing"),
+    typer.Option("--data", "--data-dir", help=f"Images, with labels or without, told apart by layout: CIFAR-10 python batches, an image folder (ROOT/train|test|val/<class>/*.png|jpg|…, ROOT/<class>/*, or ROOT/*.jpg without labels), or an .npz (images uint8 NHWC, labels[, class_names]). (default: ${settings.ASSETS_ENV}/cifar-10-batches-py, {settings.ASSETS_ENV}={settings.DEFAULT_ASSETS})", show_default=False, rich_help_panel="Data and preprocessing"),
 ]
 CalibrationDataOption = Annotated[
     Path | None,
@@ -298,8 +298,9 @@ class DataChoice:
     def dataset(self) -> Dataset:
         return open_dataset(self.data)
 
-    def calibration_dataset(self) -> Dataset:
-        return calibration_service.calibration_dataset(self.data, self.calibration_data)
+    def validation_dataset(self) -> Dataset:
+        """Where tuning's validation images come from: never the images models are judged on."""
+        return calibration_service.calibration_dataset(self.data, self.calibration_data, validation=True)
 
 
 def _data(data: Path | None, calibration_data: Path | None, preset, scale: float | None, mean: str | None, std: str | None,
@@ -501,6 +502,7 @@ def quantize(
     overflow_fix: OverflowFixOption = None,
     stem: StemOption = Stem(stem_service.AUTO),
     rounding: RoundingOption = Rounding(AUTO_ROUNDING),
+    results_dir: Annotated[Path, typer.Option(help="Records of earlier evaluations and benchmarks: the models made from the same FP32 model that they measured are named after quantizing, as the other choices.")] = settings.RESULTS_DIR,
     portability_cost: Annotated[bool, typer.Option("--portability-cost/--no-portability-cost", help="On a CPU with VNNI, for a model made for all CPUs with an overflow fix: quantize it again for VNNI CPUs alone (--cpus vnni) and say what running right on every x86 CPU costs, both measured against FP32 on the calibration images. Takes one more quantization. (env: PTQ_PORTABILITY_COST=0 turns the default off)", envvar="PTQ_PORTABILITY_COST", show_envvar=False, rich_help_panel="Quantization")] = True,
     choice: DataChoice = NO_CHOICE,
     as_json: JsonFlag = False,
@@ -524,7 +526,8 @@ def quantize(
     check_writable(destination)
     calibration_set = _calibration_set(calibration, choice, model)
     with _progress_bar(f"Calibrating ({quantization_settings.method}) and quantizing with {backend.value}") as progress:
-        result = quantize_service.quantize(model, destination, quantization_settings, calibration_set, choice.flags, progress, portability_cost)
+        result = quantize_service.quantize(model, destination, quantization_settings, calibration_set, choice.flags, progress, portability_cost,
+                                           results_dir)
     _emit(as_json, result, render.quantization(result))
 
 
@@ -620,7 +623,7 @@ def _calibration_set(calibration: Path | None, choice: DataChoice, model: Path):
 def _calibration_and_validation(calibration: Path | None, choice: DataChoice, model: Path, validation_per_class: int):
     calibration_set = _calibration_set(calibration, choice, model)
     with _working("Drawing the validation split (training images only)…"):
-        return calibration_set, validation_service.build_validation_set(calibration_set, choice.calibration_dataset(), validation_per_class)
+        return calibration_set, validation_service.build_validation_set(calibration_set, choice.validation_dataset(), validation_per_class)
 
 
 @app.command()
@@ -894,15 +897,23 @@ def run_pipeline(
                                                     (pipeline_service.LITERT, litert)) if not wanted),
         seed=seed, benchmark=benchmark, benchmark_runs=runs, threads=threads, force=force, emulated_images=emulated_images,
     )
+    if not err.is_terminal:  # piped or logged: one plain line as each stage starts and as it ends
+        def on_line(index: int, total: int, stage: pipeline_service.Stage, outcome: pipeline_service.StageOutcome | None) -> None:
+            err.print(render.stage_line(index, total, stage.name, outcome), markup=False, highlight=False, soft_wrap=True)
+
+        result = pipeline_service.run(options, render.report_markdown, list(COMMAND_LINE.get()), on_line)
+        _emit(as_json, result, render.pipeline_run(result))
+        return
     columns = (SpinnerColumn(finished_text="[green]✓[/green]"), TextColumn("{task.description}"), TimeElapsedColumn())
-    with Progress(*columns, console=err, disable=not err.is_terminal) as display:
+    with Progress(*columns, console=err) as display:
         tasks: dict[int, Any] = {}
 
-        def on_stage(index: int, stage: pipeline_service.Stage, outcome: pipeline_service.StageOutcome | None) -> None:
+        def on_stage(index: int, total: int, stage: pipeline_service.Stage, outcome: pipeline_service.StageOutcome | None) -> None:
+            label = escape(f"[{index + 1}/{total}] {stage.name}")
             if outcome is None:
-                tasks[index] = display.add_task(stage.name, total=1)
+                tasks[index] = display.add_task(label, total=1)
             else:
-                display.update(tasks[index], completed=1, description=stage.name if outcome.ran else f"[dim]{stage.name} (up to date)[/dim]")
+                display.update(tasks[index], completed=1, description=label if outcome.ran else f"[dim]{label} (up to date)[/dim]")
 
         result = pipeline_service.run(options, render.report_markdown, list(COMMAND_LINE.get()), on_stage)
     _emit(as_json, result, render.pipeline_run(result))

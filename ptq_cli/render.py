@@ -30,7 +30,7 @@ from ptq_cli.services.prune import PruneResult
 from ptq_cli.services.quant_settings import describe_cpus, short_node
 from ptq_cli.services.quantize import QuantizeResult
 from ptq_cli.services.stem import describe_stem
-from ptq_cli.services.study.pipeline import RunResult
+from ptq_cli.services.study.pipeline import RunResult, StageOutcome
 from ptq_cli.services.study.tune import TuneResult, describe
 from ptq_cli.transforms.rounding import describe_rounding
 
@@ -95,16 +95,22 @@ def conversion(result: ConversionResult) -> Table:
 
 def calibration(calibration_set: CalibrationSet, output: Path) -> Group:
     low, high = calibration_set.pixel_range
+    drawn = (f"{calibration_set.samples_per_class} per class" if calibration_set.samples_per_class
+             else "as even over the classes as the count allows" if calibration_set.class_names else "at random: no labels")
     summary = _key_value_table(
         "Calibration set",
         [
             ("output", str(output)),
-            ("samples", f"{len(calibration_set.labels)} ({calibration_set.samples_per_class} per class)"),
+            ("samples", f"{len(calibration_set.labels)} ({drawn})"),
             ("seed", str(calibration_set.seed)),
             ("drawn from", f"{calibration_set.dataset} ({calibration_set.split})"),
+            *((("note", "the set models are judged on (it has no train split); --calibration-data DIR draws from other images"),)
+              if calibration_set.judged_on else ()),
             ("images", f"{'x'.join(map(str, calibration_set.images.shape[1:]))} uint8, pixels {low} .. {high} (preprocessed per model when quantizing)"),
         ],
     )
+    if not calibration_set.class_names:
+        return Group(summary)
     per_class = Table(title="Samples per class", title_justify="left")
     per_class.add_column("class")
     per_class.add_column("samples", justify="right")
@@ -131,6 +137,7 @@ def quantization(result: QuantizeResult) -> Table:
             ("stem", describe_stem(settings.stem, settings.stem_sqnr_db)),
             ("rounding", describe_rounding(settings.rounding, settings.rounding_nearest_db, settings.rounding_learned_db)),
             *((("portability", describe_portability(result.portability)),) if result.portability else ()),
+            ("other choices", describe_choices(result.measured_choices)),
             *((("input / output tensors", settings.io),) if settings.io else ()),
             ("calibration method", method),
             ("calibration samples", f"{settings.calibration_samples} (seed {settings.calibration_seed}, {settings.calibration_source})"),
@@ -150,27 +157,32 @@ REFERENCE_STATUS = {"stale": "its file changed since; evaluate it again", "missi
 def evaluation(record: EvaluationRecord, reference: EvaluationRecord | None, classes: list[int] | None, record_file: Path,
                reference_status: str = "ok") -> Group:
     """`classes`: the classes `--per-class` lists (evaluate.classes_to_show), None without it."""
-    alone = "  (the FP32 reference its quantized models are measured against)" if record.dtype == "fp32" else "  (no FP32 source record to compare with)"
-    comparison: tuple = ((alone, "dim"),) if record.fidelity is None else ()
+    lines: list[Text] = []
     if reference is not None and record.accuracy is not None and reference.accuracy is not None:
         delta = record.accuracy - reference.accuracy
-        comparison = (
+        lines.append(Text.assemble(
             f"  delta vs FP32 {reference.name} ({reference.accuracy:.2f}%): ",
             (signed(delta), "green" if delta >= 0 else "red"),
             " pts",
             *(() if reference_status == "ok" else ((f" [FP32 record {reference_status}: {REFERENCE_STATUS[reference_status]}]", "yellow"),)),
-        )
-    top1: tuple = ("  top-1 ", (f"{record.accuracy:.2f}%", "bold"), f" ({record.correct}/{record.images})") if record.accuracy is not None else ()
-    headline = Text.assemble(
-        (f"{record.name}", "bold"),
-        f"  {record.runtime}{f' ({record.precision})' if record.precision else ''} {record.dtype} on {record.dataset_label}",
-        *top1,
-        *comparison,
-        *fidelity_text(record),
-        f"  {record.images_per_second:,.0f} images/s  -> {record_file}",
+        ))
+    if record.fidelity is not None:
+        lines.append(Text.assemble(*fidelity_text(record)))
+    elif record.dtype == "fp32":
+        lines.append(Text("  the FP32 reference its quantized models are measured against", style="dim"))
+    else:
+        lines.append(Text("  no FP32 source to compare with (--against-fp32 MODEL names it)", style="dim"))
+    top1: tuple = ("  top-1 ", (f"{record.accuracy:.2f}%", "bold"), f" ({record.correct:,}/{record.images:,})") if record.accuracy is not None else ()
+    headline = Group(
+        Text.assemble((f"{record.name}", "bold"),
+                      f"  {record.runtime}{f' ({record.precision})' if record.precision else ''} {record.dtype} on {record.dataset_label}", *top1),
+        *lines,
+        Text(f"  {record.images_per_second:,.0f} images/s"),
     )
     arena = f"; tensor arena {record.arena_bytes:,} bytes (as {record.runtime} measured it)" if record.arena_bytes else ""
-    details = Text(f"  input {record.model_input}; preprocessing {record.preprocessing}{arena}" + int8_path_text(record), style="dim")
+    where = int8_path_text(record).removeprefix("; ")
+    details = Text(f"  input {record.model_input}; preprocessing {record.preprocessing}{arena}" + (f"\n  {where}" if where else "")
+                   + f"\n  record {record_file}", style="dim")
     if classes is None:
         return Group(headline, details)
     shown = "" if len(classes) == len(record.class_names) else f" ({len(classes)} of {len(record.class_names):,} classes: those that lose the most)"
@@ -196,8 +208,8 @@ def fidelity_text(record: EvaluationRecord) -> tuple:
     if fidelity is None:
         return ()
     sqnr = "identical" if fidelity["sqnr_db"] is None else f"SQNR {fidelity['sqnr_db']:.1f} dB"
-    return (f"  vs FP32 {Path(fidelity['reference_path']).name} on {fidelity['images']:,} images{'' if record.accuracy is not None else ' (no labels of its classes)'}: "
-            "top-1 agreement ", (f"{fidelity['top1_agreement']:.2f}%", "bold"), f", top-5 {fidelity['top5_containment']:.2f}%, {sqnr}, "
+    return (f"  vs FP32 {Path(fidelity['reference_path']).name} on {fidelity['images']:,} images{'' if record.accuracy is not None else ' (no labels of its classes)'}:"
+            "\n  top-1 agreement ", (f"{fidelity['top1_agreement']:.2f}%", "bold"), f", top-5 {fidelity['top5_containment']:.2f}%, {sqnr}, "
             f"KL {fidelity['kl_divergence']:.4f}")
 
 
@@ -296,6 +308,21 @@ def _score(row: ReportRow) -> str:
     return f"{row.accuracy:.2f}%, {delta(row.delta)} pts"
 
 
+def describe_choices(group: DatasetGroup | None) -> str:
+    """The models already made from the same FP32 model, as their records measured them on this CPU."""
+    if group is None or group.recommendation is None:
+        return "none measured yet from this FP32 model (`ptq run --model` quantizes, evaluates and benchmarks every choice)"
+    advice = group.recommendation
+    quantized = sum(row.dtype != "fp32" for row in group.rows)
+    faithful = f"most faithful {_name(advice.best_accuracy)} on {_runtime(advice.best_accuracy)} ({_score(advice.best_accuracy)}"
+    faithful += f", {advice.best_accuracy.speedup_vs_onnxruntime:.2f}x onnxruntime FP32)" if advice.best_accuracy.speedup_vs_onnxruntime else ")"
+    fastest = advice.fastest
+    quickest = ("" if fastest is None or fastest is advice.best_accuracy else
+                f"; fastest within budget {_name(fastest)} on {_runtime(fastest)} ({_score(fastest)}"
+                + (f", {fastest.speedup_vs_onnxruntime:.2f}x onnxruntime FP32)" if fastest.speedup_vs_onnxruntime else ")"))
+    return f"{quantized} measured on {group.label} (`ptq report` compares them): {faithful}{quickest}"
+
+
 def _recommendation_lines(group: DatasetGroup) -> list[str]:
     advice = group.recommendation
     if advice is None:
@@ -349,7 +376,7 @@ def report(report: Report) -> Group:
     if report.rows:
         parts.append(Text(NO_VNNI_NOTE, style="dim"))
         parts.append(Text("Runs as: runtime (" + ", ".join(f"{short} {name}" for name, short in SHORT_RUNTIMES.items())
-                          + "), its precision hint, data type. Agree: top-1 agreement with the FP32 source, percent.", style="dim"))
+                          + "), its precision hint where not f32, data type. Agree: top-1 agreement with the FP32 source, percent.", style="dim"))
         parts += [Text(line, style="dim") for line in _emulated_lines(report.rows)]
         cpus = sorted({row.measured_on for row in report.rows if row.measured_on})
         if cpus:
@@ -396,33 +423,55 @@ def shared_stem(names: list[str]) -> str:
     return stem if len(stem) >= 6 else ""
 
 
-def _main_table(group: DatasetGroup) -> Table:
+TABLE_WIDTH = 80  # the terminal table fits it, whatever the terminal
+
+
+def shortened(name: str, width: int) -> str:
+    """`name` cut at the last word boundary (space, '_', '.', '-') that leaves room for "…", never inside a word
+    unless it is one word."""
+    if len(name) <= width:
+        return name
+    room = name[: max(width - 1, 1)]
+    cut = max(room.rfind(mark) for mark in " _.-")
+    return (room[:cut] if cut > 0 else room).rstrip() + "…"
+
+
+def _main_table(group: DatasetGroup) -> Group:
+    """Numbers never wrap nor get cut. File names lose the stem they share (said in the title); a name that still
+    does not fit the 80 columns is shortened at a word boundary, marked (a), (b)... and given in full below the table.
+    "xORT" (the speed-up against onnxruntime's FP32 run) only when another runtime is in the table."""
     labelled = group.baseline is None or group.baseline.accuracy is not None or any(row.accuracy is not None for row in group.rows)
     stem = shared_stem([row.model for row in group.rows if not row.label])
-    table = Table(
-        title=f"Quantization report: {_group_title(group)}" + (f". Models: {stem}*" if stem else ""),
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
-        padding=0,
-        show_edge=False,
-    )
-    # Numbers never wrap nor get cut; the file names lose the stem they share (said in the title), and on a
-    # narrow terminal fold. "xORT" (the speed-up against onnxruntime's FP32 run) only when another runtime is in the table.
     other_runtimes = any(row.runtime != BASE_RUNTIME for row in group.rows)
-    columns = TERMINAL_COLUMNS if labelled else TERMINAL_COLUMNS_UNLABELLED
-    for column in columns + (("xORT",) if other_runtimes else ()):
-        if column == "Model":
-            table.add_column(f"{stem}*" if stem else column, overflow="fold", min_width=12)
-        else:
-            table.add_column(column, justify="left" if column in columns[:2] else "right", no_wrap=True)
+    columns = (TERMINAL_COLUMNS if labelled else TERMINAL_COLUMNS_UNLABELLED) + (("xORT",) if other_runtimes else ())
+    names, cells = [], []
     for row in group.rows:
         name = _model_cell(row)
-        shown = "*" + name[len(stem):] if stem and not row.label and name.startswith(stem) else name
-        runs_as = " ".join(part for part in (SHORT_RUNTIMES.get(row.runtime, row.runtime), row.precision, row.dtype) if part)  # "OV f32 int8"
+        names.append("*" + name[len(stem):] if stem and not row.label and name.startswith(stem) else name)
         scores = ([top1(row.accuracy, ""), delta(row.delta), share(row.agreement)] if labelled else [share(row.agreement), share(row.top5)])
-        table.add_row(shown, runs_as, *scores, no_vnni(row, short=True), f"{row.size_bytes / 1024:,.0f}", f"{row.images_per_second:,.0f}",
-                      speedup(row.speedup), *((speedup(row.speedup_vs_onnxruntime),) if other_runtimes else ()))
-    return table
+        cells.append([runs_as(row), *scores, no_vnni(row, short=True), f"{row.size_bytes / 1024:,.0f}", f"{row.images_per_second:,.0f}",
+                      speedup(row.speedup), *((speedup(row.speedup_vs_onnxruntime),) if other_runtimes else ())])
+    widths = [max([len(column), *(len(row[index]) for row in cells)]) for index, column in enumerate(columns[1:])]
+    room = max(TABLE_WIDTH - sum(widths) - len(widths), 12)  # one space between columns
+    keys: dict[str, str] = {}  # full name -> its mark
+    table = Table(title=f"Quantization report: {_group_title(group)}" + (f". Models: {stem}*" if stem else ""), title_justify="left",
+                  box=box.SIMPLE_HEAD, padding=0, show_edge=False)
+    for column in columns:
+        header = f"{stem}*" if column == "Model" and stem else column
+        table.add_column(header, justify="left" if column in columns[:2] else "right", no_wrap=True,
+                         min_width=min(room, max(len(name) for name in [header, *names])) if column == "Model" else None)
+    for name, row_cells in zip(names, cells, strict=True):
+        if len(name) > room:
+            mark = keys.setdefault(name, f" ({chr(ord('a') + len(keys) % 26)})")
+            name = shortened(name, room - len(mark)) + mark
+        table.add_row(Text(name), *(Text(cell) for cell in row_cells))
+    return Group(table, *(Text(f"{mark.strip()} {name}", style="dim") for name, mark in keys.items()))
+
+
+def runs_as(row: ReportRow) -> str:
+    """"OV int8": the runtime, its precision hint where it is not f32 (bf16 would change the figures), the data type."""
+    precision = row.precision if row.precision not in (None, "", "f32") else None
+    return " ".join(part for part in (SHORT_RUNTIMES.get(row.runtime, row.runtime), precision, row.dtype) if part)
 
 
 def _group_tables(group: DatasetGroup) -> list[Any]:
@@ -680,15 +729,20 @@ def fetched(result: FetchResult) -> Group:
     return Group(*lines)
 
 
+def stage_line(index: int, total: int, name: str, outcome: StageOutcome | None) -> str:
+    """A stage as it starts ("[3/27] quantize m.onnx ...") and as it ends (the same, then its seconds), for a log."""
+    line = f"[{index + 1}/{total}] {name} ..."
+    if outcome is None:
+        return line
+    return f"{line} {outcome.seconds:.1f} s" if outcome.ran else f"{line} up to date"
+
+
 def pipeline_run(result: RunResult) -> Group:
     table = Table(title="ptq run", title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False)
-    for column in ("Stage", "Status", "Seconds", "Outputs"):
-        table.add_column(column, justify="right" if column == "Seconds" else "left", no_wrap=column != "Outputs")
+    table.add_column("Stage", ratio=1)  # wraps between words; its outputs are in the manifest
+    table.add_column("Ran", justify="right", no_wrap=True)
     for stage in result.stages:
-        status = "[green]ran[/green]" if stage.ran else "[dim]up to date[/dim]"
-        outputs = [Path(output) for output in stage.outputs]
-        listed = ", ".join(path.name for path in outputs) if len(outputs) <= 2 else f"{len(outputs)} files in {outputs[0].parent}/"
-        table.add_row(stage.name, status, f"{stage.seconds:.1f}", listed)
+        table.add_row(Text(stage.name), Text(f"{stage.seconds:.1f} s") if stage.ran else Text("up to date", style="dim"))
     ran = len(result.ran)
     summary = (
         f"{ran} of {len(result.stages)} stages ran in {result.wall_seconds:.1f} s; manifest: {result.manifest}"

@@ -144,17 +144,21 @@ def test_calibrating_and_timing_need_no_labels_of_the_model_s_classes(tmp_path):
     assert [record["model_path"] for record in json.loads(timed.stdout)] == ["four.onnx", "q.onnx"]
 
 
-def test_a_single_set_needs_calibration_data_from_elsewhere(tmp_path):
+def test_a_single_set_calibrates_on_itself_and_says_so_but_never_tunes_on_itself(tmp_path):
     image_folder(tmp_path / "only", splits=("test",))
     flat = tmp_path / "flat"  # ROOT/<class>/<image>: one set
     (tmp_path / "only" / "test").rename(flat)
     image_folder(tmp_path / "calib", splits=("train",))
     channel_mean_classifier(tmp_path / "m.onnx")
-    one_line_error(invoke("quantize", "--model", "m.onnx", "--data", "flat", "--output", "q.onnx", cwd=tmp_path), "--calibration-data")
+    itself = invoke("quantize", "--model", "m.onnx", "--data", "flat", "--output", "q.onnx", "--json", cwd=tmp_path)
+    assert itself.exit_code == 0, itself.output
+    made = json.loads(itself.stdout)
+    assert any("the set it is judged on" in note for note in made["notes"]) and "judged on" in made["settings"]["calibration_source"]
+    one_line_error(invoke("tune", "--model", "m.onnx", "--data", "flat", cwd=tmp_path), "--calibration-data")
     result = invoke("quantize", "--model", "m.onnx", "--data", "flat", "--calibration-data", "calib", "--output", "q.onnx",
                     "--dtype", "uint8", "--json", cwd=tmp_path)
     assert result.exit_code == 0, result.output
-    assert (tmp_path / "q.onnx").is_file()
+    assert not any("judged on" in note for note in json.loads(result.stdout)["notes"])
 
 
 def test_quantized_model_keeps_its_preprocessing_and_fixed_batch_is_freed(tmp_path):

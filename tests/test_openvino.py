@@ -92,7 +92,7 @@ def test_an_onnx_file_runs_on_either_runtime_and_keeps_one_record_per_runtime_an
     found = sorted((record["runtime"], record["precision"]) for record in records(project / "res").values())
     assert found == [("onnxruntime", None), ("openvino", "bf16"), ("openvino", "f32")]
     report = ok("report", "--results-dir", "res", cwd=project).stdout
-    assert "OV bf16" in report and "OV f32" in report  # a bf16 row is never shown as plain FP32 (OV: OpenVINO, as the 80-column table says it)
+    assert "OV bf16 fp32" in report and "OV fp32" in report  # a bf16 row is never shown as plain FP32 (OV: OpenVINO, as the 80-column table says it)
 
 
 @pytest.mark.parametrize("args, mentions", [

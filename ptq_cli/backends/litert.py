@@ -107,8 +107,9 @@ def load(path: Path, options: RunOptions) -> LoadedModel:
     threads = resolve_threads(options.threads)
     Interpreter = _interpreter_class()
     try:
-        interpreter = Interpreter(model_content=data, num_threads=threads)
-        interpreter.allocate_tensors()
+        with native_stderr_silenced():  # XNNPACK's "Created ... delegate" line; failures still raise with their reason
+            interpreter = Interpreter(model_content=data, num_threads=threads)
+            interpreter.allocate_tensors()
     except (ValueError, RuntimeError) as error:
         raise PtqError(f"{path}: LiteRT cannot load it ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from error
     input_details, output_details = interpreter.get_input_details(), interpreter.get_output_details()

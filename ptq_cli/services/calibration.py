@@ -29,6 +29,7 @@ class CalibrationSet:
     dataset_sha256: str  # content key of that split: a validation split is drawn from the same images
     class_names: tuple[str, ...]
     source: str  # where it came from: the .npz path, or "built in memory"
+    judged_on: bool = False  # drawn from the images its models are judged on (one set, no --calibration-data)
 
     @property
     def per_class_counts(self) -> dict[str, int]:
@@ -147,6 +148,7 @@ def save_calibration_set(calibration: CalibrationSet, path: Path) -> None:
             split=np.array(calibration.split),
             dataset_sha256=np.array(calibration.dataset_sha256),
             class_names=np.array(calibration.class_names),
+            judged_on=np.bool_(calibration.judged_on),
         )
 
 
@@ -168,6 +170,7 @@ def load_calibration_set(path: Path) -> CalibrationSet:
             dataset_sha256=str(data["dataset_sha256"]) if "dataset_sha256" in data else "",
             class_names=tuple(str(name) for name in np.atleast_1d(data["class_names"])),
             source=str(path),
+            judged_on=bool(data["judged_on"]) if "judged_on" in data else False,
         )
     except (ValueError, KeyError, TypeError, OverflowError) as error:
         raise PtqError(f"{path}: not a ptq calibration file ({'no ' + str(error) if isinstance(error, KeyError) else error})") from error
@@ -190,14 +193,15 @@ def load_calibration_set(path: Path) -> CalibrationSet:
     return calibration
 
 
-def calibration_dataset(data: Path, calibration_data: Path | None = None) -> Dataset:
+def calibration_dataset(data: Path, calibration_data: Path | None = None, validation: bool = False) -> Dataset:
     """Where calibration (and tuning's validation) images come from: `calibration_data`, else `data`'s train
-    split; a set with no train split is refused, since calibrating on it would use the images models are judged on."""
+    split. A set with no train split calibrates on its own images (which the calibration set's source says);
+    tuning's `validation` images are never the images models are judged on."""
     if calibration_data is not None:
         return open_dataset(calibration_data)
     dataset = open_dataset(data)
-    if dataset.single_set:
-        raise PtqError(f"{data}: one set of images with no train split: calibrating on it would use the images models are judged on; "
+    if dataset.single_set and validation:
+        raise PtqError(f"{data}: one set of images with no train split: tuning on it would choose on the images models are judged on; "
                        "give --calibration-data")
     return dataset
 
@@ -218,7 +222,8 @@ def for_model(model: Path | None, data: Path, calibration_data: Path | None = No
         if Path(found.dataset).resolve() == dataset.root.resolve():
             return found
     size = models_service.input_of(model, flags).size if model is not None else None
-    return build_calibration_set(dataset, samples_per_class, seed, size, count)
+    drawn = build_calibration_set(dataset, samples_per_class, seed, size, count)
+    return replace(drawn, judged_on=True) if calibration_data is None and dataset.single_set else drawn
 
 
 def stratified_subset(calibration: CalibrationSet, samples_per_class: int) -> CalibrationSet:

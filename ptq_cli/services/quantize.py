@@ -11,10 +11,11 @@ import numpy as np
 from ptq_cli import backends, inputs
 from ptq_cli.atomic import check_outputs
 from ptq_cli.backends.base import QUANTIZATION_METADATA_KEY, SOURCE_METADATA_KEY, LoadedModel, QuantizationSettings, QuantizedFile
-from ptq_cli.backends.model_file import read_onnx
+from ptq_cli.backends.model_file import file_sha256, read_onnx
 from ptq_cli.errors import PtqError
 from ptq_cli.services import portability
 from ptq_cli.services.calibration import CalibrationSet
+from ptq_cli.services.measure.report import DatasetGroup, measured_from
 from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressCallback
 from ptq_cli.services.stem import resolve_stem
@@ -36,6 +37,8 @@ class QuantizeResult:
     model_input: str = ""
     preprocessing: str = ""
     portability: portability.PortabilityCost | None = None  # what running right on every x86 CPU costs it here, where measured
+    # The other models made from the same FP32 model, as their records measured them on this CPU (the report's group).
+    measured_choices: DatasetGroup | None = None
 
     @property
     def size_ratio(self) -> float:
@@ -114,7 +117,16 @@ def quantize_source(source: SourceModel, output: Path, settings: QuantizationSet
 
 
 def with_calibration(settings: QuantizationSettings, calibration: CalibrationSet) -> QuantizationSettings:
-    return replace(settings, calibration_samples=int(len(calibration.labels)), calibration_seed=calibration.seed, calibration_source=calibration.source)
+    source = f"{calibration.source}, from the images it is judged on" if calibration.judged_on else calibration.source
+    return replace(settings, calibration_samples=int(len(calibration.labels)), calibration_seed=calibration.seed, calibration_source=source)
+
+
+def judged_on_note(calibration: CalibrationSet) -> tuple[str, ...]:
+    """What calibrating on the set a model is judged on means, said where it happens."""
+    if not calibration.judged_on:
+        return ()
+    return (f"calibrated on {len(calibration.labels):,} images of {calibration.dataset}, the set it is judged on (it has no train split): "
+            "fidelity measured there may flatter the model; --calibration-data DIR calibrates on other images",)
 
 
 def default_output(model: Path, settings: QuantizationSettings, models_dir: Path | None = None) -> Path:
@@ -126,9 +138,10 @@ def default_output(model: Path, settings: QuantizationSettings, models_dir: Path
 
 def quantize(model_path: Path, output: Path, settings: QuantizationSettings, calibration: CalibrationSet,
              flags: inputs.PreprocessingFlags | None = None, progress: ProgressCallback | None = None,
-             portability_cost: bool = False) -> QuantizeResult:
+             portability_cost: bool = False, results_dir: Path | None = None) -> QuantizeResult:
     """Quantize the FP32 ONNX model with the settings' backend; the output is written atomically. With
-    `portability_cost`, a model with an overflow fix is measured against one made for VNNI CPUs alone (portability.py)."""
+    `portability_cost`, a model with an overflow fix is measured against one made for VNNI CPUs alone (portability.py).
+    With `results_dir`, the result names what the records there measured of the other models made from the same source."""
     model_path, output = Path(model_path), Path(output)
     calibration_file = Path(calibration.source.split(" (")[0]) if calibration.source else None
     ranges_from = Path(settings.ranges_from) if settings.ranges_from else None
@@ -139,5 +152,7 @@ def quantize(model_path: Path, output: Path, settings: QuantizationSettings, cal
     written = quantize_source(source, output, settings, calibration, prepared=prepared, progress=progress)
     settings = written.settings or settings
     cost = portability.measure(source, output, settings, calibration, prepared, quantize_source) if portability_cost and portability.applies(settings) else None
+    choices = measured_from(results_dir, file_sha256(model_path), leaving_out=output) if results_dir is not None else None
     return QuantizeResult(model_path, output, model_path.stat().st_size, written.size_bytes, settings, written.space_to_depth,
-                          source.notes + written.notes, source.loaded.describe_input(), source.loaded.preprocessing.describe(), cost)
+                          source.notes + written.notes + judged_on_note(calibration), source.loaded.describe_input(), source.loaded.preprocessing.describe(),
+                          cost, choices)

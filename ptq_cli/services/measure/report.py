@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ptq_cli import backends, settings
@@ -144,6 +144,7 @@ class DatasetGroup:
     baseline: ReportRow | None  # the FP32 model most rows are compared with: its measured accuracy heads the table
     reference: ReportRow | None = None  # the MLPerf Tiny reference row, when it was evaluated on these images
     versus_reference: tuple[ReferenceComparison, ...] = ()  # each other int8 TFLite model against it
+    source_sha256: str | None = None  # the float model the group's models were made from
 
 
 @dataclass(frozen=True)
@@ -305,15 +306,7 @@ def _group(records: list[EvaluationRecord], benchmarks: dict[MeasurementKey, Ben
         if record.dtype != "fp32" and reference is not None and record.accuracy is not None and reference.accuracy is not None:
             losses.extend(_class_losses(record, reference))
     losses.sort(key=lambda loss: loss.delta)
-    current = [row for row in rows if row.status == OK]  # never recommend a file whose figures are not its own
-    quantized = [row for row in current if row.dtype != "fp32"]
-    candidates = quantized or current
-    recommendation = Recommendation(
-        best_accuracy=max(candidates, key=lambda row: row.score),
-        smallest=min(candidates, key=lambda row: row.size_bytes),
-        fastest=_fastest_within_budget(quantized),
-        by_agreement=all(row.accuracy is None for row in candidates),
-    ) if candidates else None
+    recommendation = _recommend([row for row in rows if row.status == OK])  # never a file whose figures are not its own
     roots = [row for record, row in zip(records, rows, strict=True) if record.model_sha256 == root]
     baseline = min(roots, key=lambda row: (row.runtime != BASE_RUNTIME, row.precision or ""), default=None) \
         or next((row for row in rows if row.dtype == "fp32"), None)
@@ -325,7 +318,7 @@ def _group(records: list[EvaluationRecord], benchmarks: dict[MeasurementKey, Ben
     source_path = next((record.model_path for record in records if record.model_sha256 == root), None)
     label = first.dataset_label + (f", models made from {source_path}" if several and source_path else "")
     return DatasetGroup(label, first.dataset, first.images, rows, tuple(first.class_names), losses[:worst_classes],
-                        recommendation, baseline, mlperf, _versus_reference(rows, mlperf))
+                        recommendation, baseline, mlperf, _versus_reference(rows, mlperf), root)
 
 
 def _versus_reference(rows: list[ReportRow], reference: ReportRow | None) -> tuple[ReferenceComparison, ...]:
@@ -339,6 +332,15 @@ def _versus_reference(rows: list[ReportRow], reference: ReportRow | None) -> tup
         for row in rows if row.runtime == reference.runtime and row.dtype != "fp32" and row is not reference
         and row.accuracy is not None and reference.accuracy is not None
     )
+
+
+def _recommend(current: list[ReportRow]) -> Recommendation | None:
+    quantized = [row for row in current if row.dtype != "fp32"]
+    candidates = quantized or current
+    if not candidates:
+        return None
+    return Recommendation(best_accuracy=max(candidates, key=lambda row: row.score), smallest=min(candidates, key=lambda row: row.size_bytes),
+                          fastest=_fastest_within_budget(quantized), by_agreement=all(row.accuracy is None for row in candidates))
 
 
 def _fastest_within_budget(rows: list[ReportRow]) -> ReportRow | None:
@@ -422,3 +424,18 @@ def report_from_results(results_dir: Path) -> Report:
     sweeps, skipped_sweeps = load_sweeps(results_dir)
     statuses = {record.model_path: record_status(record) for record in record_set.records}
     return build_report(record_set.records, record_set.skipped + skipped_sweeps, load_benchmarks(results_dir), sweeps=sweeps, statuses=statuses)
+
+
+def measured_from(results_dir: Path, source_sha256: str, leaving_out: Path | None = None) -> DatasetGroup | None:
+    """What the records under `results_dir` measured of the models made from one float model on this CPU's int8
+    path (the largest dataset where several), without `leaving_out` (a file just rewritten: its record is stale):
+    the choices a user has already measured, read, never recomputed."""
+    if not Path(results_dir).is_dir():  # nothing measured yet
+        return None
+    groups = [group for group in report_from_results(results_dir).groups if group.source_sha256 == source_sha256]
+    for group in groups:
+        rows = [row for row in group.rows if row.status == OK and not row.other_cpu
+                and (leaving_out is None or row.model != Path(leaving_out).name)]
+        if any(row.dtype != "fp32" for row in rows):
+            return replace(group, rows=rows, recommendation=_recommend(rows))
+    return None

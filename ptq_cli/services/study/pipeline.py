@@ -132,8 +132,8 @@ class RunResult:
         return [stage.name for stage in self.stages if stage.ran]
 
 
-# Called before (outcome None) and after each stage.
-StageCallback = Callable[[int, Stage, "StageOutcome | None"], None]
+# Called before (outcome None) and after each stage, with its index and the number of stages.
+StageCallback = Callable[[int, int, Stage, "StageOutcome | None"], None]
 
 
 @dataclass
@@ -242,8 +242,6 @@ class _Study:
 def _study(options: StudyOptions) -> tuple[_Study, StudyOptions]:
     dataset = open_dataset(options.data_dir)
     calibration_dataset = open_dataset(options.calibration_data) if options.calibration_data else dataset
-    if options.calibration_data is None and dataset.single_set:
-        raise PtqError(f"{options.data_dir}: one set of images with no train split: give --calibration-data to calibrate on other images")
     if options.samples_per_class is None and options.calibration_size is None and calibration_dataset.labelled:
         options = replace(options, samples_per_class=calibration_service.default_samples_per_class(calibration_dataset))
     fp32 = options.model if options.model is not None else settings.FP32_ONNX
@@ -495,7 +493,7 @@ def run(
         check_writable(path)  # a read-only directory fails now, not after minutes of work
     for index, stage in enumerate(stages):
         if on_stage:
-            on_stage(index, stage, None)
+            on_stage(index, len(stages), stage, None)
         started = time.perf_counter()
         _check_inputs(stage)
         inputs = {str(path): hashes(path) for path in stage.inputs}
@@ -513,7 +511,7 @@ def run(
             }
         outcomes.append(outcome)
         if on_stage:
-            on_stage(index, stage, outcome)
+            on_stage(index, len(stages), stage, outcome)
     wall = round(time.perf_counter() - began, 3)
     written = any(outcome.ran for outcome in outcomes)
     if written:
