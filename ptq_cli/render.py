@@ -331,6 +331,9 @@ def _recommendation_lines(group: DatasetGroup) -> list[str]:
     budget = (f"agreeing with FP32 on {AGREEMENT_BUDGET:g}% top-1 and {TOP5_BUDGET:g}% top-5" if advice.by_agreement
               else f"within {advice.budget:.2f} points of FP32")
     smallest = advice.smallest
+    portable = [f"Right on every x86 CPU: {Path(cost.model_path).name} {cost.portable_sqnr_db:.1f} dB SQNR, {cost.portable_agreement:.1f}% top-1 "
+                f"agreement; made for VNNI CPUs alone (--cpus vnni) {cost.vnni_sqnr_db:.1f} dB, {cost.vnni_agreement:.1f}% (against FP32 on "
+                f"{cost.images} calibration images on {cost.cpu}, measured by quantize)" for cost in group.portability]
     return [
         f"{'Most faithful' if advice.by_agreement else 'Best accuracy'}: {_name(advice.best_accuracy)} ({_score(advice.best_accuracy)})",
         f"Smallest: {_name(smallest)} ({size(smallest.size_bytes)}, {_score(smallest)})",
@@ -338,6 +341,7 @@ def _recommendation_lines(group: DatasetGroup) -> list[str]:
         + (f", {fastest.speedup_vs_onnxruntime:.2f}x onnxruntime FP32" if fastest.speedup_vs_onnxruntime else "")
         + f", {_score(fastest)}; {fastest.configuration})"
         if fastest else f"Fastest {budget}: none",
+        *portable,
     ]
 
 

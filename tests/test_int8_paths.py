@@ -321,6 +321,11 @@ def test_quantize_says_what_portability_costs_against_the_model_for_vnni_cpus_al
     assert cost["portable_sqnr_db"] == _sqnr_on(tmp_path / "all.onnx", reference, images)
     assert cost["vnni_sqnr_db"] == _sqnr_on(tmp_path / "vnni.onnx", reference, images) != cost["portable_sqnr_db"]
     assert "--cpus vnni" in invoke("quantize", *common[:-1], "--output", "again.onnx", cwd=tmp_path).stdout
+    # The measurement is a record of the portable file: the report's recommendation names it once that file is evaluated.
+    assert invoke("evaluate", "--model", "all.onnx", "--data", "data", cwd=tmp_path).exit_code == 0
+    report = json.loads(invoke("report", "--json", cwd=tmp_path).stdout)
+    assert [saved["portable_sqnr_db"] for saved in report["groups"][0]["portability"]] == [cost["portable_sqnr_db"]]
+    assert "Right on every x86 CPU: all.onnx" in " ".join(invoke("report", cwd=tmp_path).stdout.split())
     skipped = invoke("quantize", *common, "--no-portability-cost", "--output", "quick.onnx", cwd=tmp_path)
     assert json.loads(skipped.stdout)["portability"] is None
     monkeypatch.setattr(cpu_info, "current", lambda: AVX2_ONLY)

@@ -8,6 +8,7 @@ a CPU without VNNI the portable model is the one for this CPU, and nothing is co
 
 from __future__ import annotations
 
+import json
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -16,10 +17,13 @@ from pathlib import Path
 import numpy as np
 
 from ptq_cli import backends, bounded
+from ptq_cli.backends.model_file import file_sha256
 from ptq_cli import cpu as cpu_info
 from ptq_cli.backends.base import QuantizationSettings
 from ptq_cli.metrics import sqnr_db
 from ptq_cli.services.calibration import CalibrationSet
+from ptq_cli.errors import PtqError
+from ptq_cli.services.measure.records import from_dict, model_key, record_files, write_record
 from ptq_cli.services.models import load_model
 from ptq_cli.transforms.overflow import NO_FIX
 
@@ -37,6 +41,8 @@ class PortabilityCost:
     vnni_sqnr_db: float | None = None
     vnni_agreement: float | None = None
     not_measured: str = ""  # why, when it was not
+    model_path: str = ""  # the portable model measured, and its sha256 (its record's key)
+    model_sha256: str = ""
 
     @property
     def sqnr_cost_db(self) -> float | None:
@@ -69,7 +75,29 @@ def measure(source, portable: Path, settings: QuantizationSettings, calibration:
         return round(100.0 * float(np.mean(scores.argmax(axis=1) == reference.argmax(axis=1))), 2)
 
     return PortabilityCost(cpu.model, len(images), round(sqnr_db(reference, portable_scores), 2), agreement(portable_scores),
-                           round(sqnr_db(reference, vnni_scores), 2), agreement(vnni_scores))
+                           round(sqnr_db(reference, vnni_scores), 2), agreement(vnni_scores), model_path=str(portable),
+                           model_sha256=file_sha256(portable))
+
+
+RECORD_DIR = "portability"  # results/portability/<model key>.json, read by `ptq report`
+
+
+def save(cost: PortabilityCost, results_dir: Path) -> Path:
+    """The measurement as a record keyed by the portable model's sha256 (the file it measured)."""
+    return write_record(Path(results_dir) / RECORD_DIR / f"{model_key(cost.model_path)}.json", cost)
+
+
+def load_all(results_dir: Path) -> dict[str, PortabilityCost]:
+    """Measured records by the portable model's sha256; unreadable ones are ignored (the report names what it shows)."""
+    found: dict[str, PortabilityCost] = {}
+    for path in record_files(Path(results_dir) / RECORD_DIR):
+        try:
+            cost = from_dict(PortabilityCost, json.loads(bounded.read_text(path, "record")))
+        except (PtqError, OSError, ValueError, TypeError, AttributeError, RecursionError):
+            continue
+        if cost.model_sha256 and not cost.not_measured and None not in (cost.portable_sqnr_db, cost.vnni_sqnr_db):
+            found[cost.model_sha256] = cost
+    return found
 
 
 def _scores(model, images: np.ndarray) -> np.ndarray:

@@ -152,6 +152,8 @@ def quantize(model_path: Path, output: Path, settings: QuantizationSettings, cal
     written = quantize_source(source, output, settings, calibration, prepared=prepared, progress=progress)
     settings = written.settings or settings
     cost = portability.measure(source, output, settings, calibration, prepared, quantize_source) if portability_cost and portability.applies(settings) else None
+    if cost is not None and cost.model_sha256 and results_dir is not None:
+        portability.save(cost, results_dir)
     choices = measured_from(results_dir, file_sha256(model_path), leaving_out=output) if results_dir is not None else None
     return QuantizeResult(model_path, output, model_path.stat().st_size, written.size_bytes, settings, written.space_to_depth,
                           source.notes + written.notes + judged_on_note(calibration), source.loaded.describe_input(), source.loaded.preprocessing.describe(),

@@ -11,7 +11,9 @@ from ptq_cli.cpu import ALL, EXACT, SATURATING
 from ptq_cli.services.measure.benchmark import BenchmarkRecord, load_benchmarks
 from ptq_cli.services.measure.evaluate import OK, EvaluationRecord, fp32_reference, load_records, measured_classes, record_status, reference_for
 from ptq_cli.services.measure.records import MeasurementKey
+from ptq_cli.services import portability
 from ptq_cli.services.measure.sweep_records import SweepResult, load_sweeps
+from ptq_cli.services.portability import PortabilityCost
 from ptq_cli.services.quant_settings import describe_model
 
 DTYPE_ORDER = {"fp32": 0, "int8": 1, "uint8": 2}
@@ -68,6 +70,7 @@ class ReportRow:
     sqnr_db: float | None = None
     saturating_agreement: float | None = None
     saturating_top5: float | None = None
+    model_sha256: str = ""  # the file its figures are of
 
     @property
     def loses_on_its_cpus(self) -> bool:
@@ -145,6 +148,8 @@ class DatasetGroup:
     reference: ReportRow | None = None  # the MLPerf Tiny reference row, when it was evaluated on these images
     versus_reference: tuple[ReferenceComparison, ...] = ()  # each other int8 TFLite model against it
     source_sha256: str | None = None  # the float model the group's models were made from
+    # What running right on every x86 CPU cost its models where `quantize` measured it (portability.py), by their files.
+    portability: tuple[PortabilityCost, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -248,6 +253,7 @@ def _row(record: EvaluationRecord, records: list[EvaluationRecord], benchmarks: 
         precision=record.precision,
         speedup_vs_onnxruntime=_ratio(record, _onnxruntime_fp32(record, records), benchmarks),
         label=record.label,
+        model_sha256=record.model_sha256,
         **_int8_fields(record, saturating, reference),
         **_fidelity_fields(record, saturating),
     )
@@ -423,7 +429,11 @@ def report_from_results(results_dir: Path) -> Report:
     record_set = load_records(results_dir)
     sweeps, skipped_sweeps = load_sweeps(results_dir)
     statuses = {record.model_path: record_status(record) for record in record_set.records}
-    return build_report(record_set.records, record_set.skipped + skipped_sweeps, load_benchmarks(results_dir), sweeps=sweeps, statuses=statuses)
+    report = build_report(record_set.records, record_set.skipped + skipped_sweeps, load_benchmarks(results_dir), sweeps=sweeps, statuses=statuses)
+    costs = portability.load_all(results_dir)
+    groups = [replace(group, portability=tuple({row.model_sha256: costs[row.model_sha256] for row in group.rows
+                                                if row.status == OK and row.model_sha256 in costs}.values())) for group in report.groups]
+    return replace(report, groups=groups)
 
 
 def measured_from(results_dir: Path, source_sha256: str, leaving_out: Path | None = None) -> DatasetGroup | None:
