@@ -17,12 +17,12 @@ from pathlib import Path
 import numpy as np
 
 from ptq_cli import backends, bounded
-from ptq_cli.backends.model_file import file_sha256
 from ptq_cli import cpu as cpu_info
 from ptq_cli.backends.base import QuantizationSettings
+from ptq_cli.backends.model_file import file_sha256
+from ptq_cli.errors import PtqError
 from ptq_cli.metrics import sqnr_db
 from ptq_cli.services.calibration import CalibrationSet
-from ptq_cli.errors import PtqError
 from ptq_cli.services.measure.records import from_dict, model_key, record_files, write_record
 from ptq_cli.services.models import load_model
 from ptq_cli.transforms.overflow import NO_FIX

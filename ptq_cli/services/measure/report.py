@@ -8,10 +8,10 @@ from pathlib import Path
 from ptq_cli import backends, settings
 from ptq_cli import cpu as cpu_info
 from ptq_cli.cpu import ALL, EXACT, SATURATING
+from ptq_cli.services import portability
 from ptq_cli.services.measure.benchmark import BenchmarkRecord, load_benchmarks
 from ptq_cli.services.measure.evaluate import OK, EvaluationRecord, fp32_reference, load_records, measured_classes, record_status, reference_for
 from ptq_cli.services.measure.records import MeasurementKey
-from ptq_cli.services import portability
 from ptq_cli.services.measure.sweep_records import SweepResult, load_sweeps
 from ptq_cli.services.portability import PortabilityCost
 from ptq_cli.services.quant_settings import describe_model
