@@ -17,12 +17,51 @@ from pathlib import Path
 
 from ptq_cli.errors import PtqError
 
+# What the running command reads (its files by device and inode, its folders resolved): no output may be one of
+# them, through a hard link, a symbolic link or a path inside a folder it reads images from.
+_read_files: dict[tuple, str] = {}
+_read_folders: dict[Path, str] = {}
+
+
+@contextlib.contextmanager
+def reading(paths: list[Path]) -> Iterator[None]:
+    """For the duration of a command: the files and folders it was given to read, which nothing it writes may be."""
+    saved = dict(_read_files), dict(_read_folders)
+    for given in paths:
+        for path in companions(given):
+            try:
+                if path.is_dir():
+                    _read_folders[path.resolve()] = str(given)
+                elif path.exists():
+                    _read_files[_identity(path)] = str(given)
+            except (OSError, ValueError):
+                continue  # a name the system cannot look at: the command's own checks word it
+    try:
+        yield
+    finally:
+        _read_files.clear(), _read_folders.clear()
+        _read_files.update(saved[0]), _read_folders.update(saved[1])
+
+
+def _refuse_input(path: Path) -> None:
+    try:
+        same = _read_files.get(_identity(path)) if path.exists() else None
+        resolved = path.resolve()
+    except (OSError, ValueError):
+        return
+    if same is not None:
+        raise PtqError(f"{path}: ptq would write over {same}, which this command reads (the same file, by a link or another name)")
+    for folder, given in _read_folders.items():
+        if resolved.is_relative_to(folder):
+            raise PtqError(f"{path}: ptq would write it inside {given}, a folder this command reads; write it elsewhere")
+
 
 @contextlib.contextmanager
 def atomic_output(path: Path) -> Iterator[Path]:
     """Yield a temporary path beside `path`; on success rename it to `path`, on any failure delete it."""
     path = Path(path)
     _refuse_directory(path)
+    _refuse_input(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(path)
@@ -122,6 +161,7 @@ def check_writable(path: Path) -> None:
     """
     path = Path(path)
     _refuse_directory(path)
+    _refuse_input(path)
     existing = path.parent
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
@@ -206,7 +246,7 @@ def _umask() -> int:
 
 def write_text(path: Path, text: str) -> None:
     with atomic_output(path) as tmp:
-        tmp.write_text(text, encoding="utf-8")
+        tmp.write_text(text, encoding="utf-8", errors="backslashreplace")  # a name no codec takes, shown escaped
 
 
 def write_bytes(path: Path, data: bytes) -> None:

@@ -7,6 +7,7 @@ Each limit is raised by an environment variable (README, "Limits") for the rare 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 import stat
@@ -18,6 +19,8 @@ import numpy as np
 
 from ptq_cli.errors import PtqError
 
+UNBOUNDED = 2**62  # a limit raised past this is no limit; larger numbers overflow the indexes they are compared with
+
 
 @dataclass(frozen=True)
 class Limit:
@@ -28,9 +31,12 @@ class Limit:
     def value(self) -> int:
         raw = os.environ.get(self.env, "")
         try:
-            return int(raw) if raw.strip() else self.default
+            value = int(raw) if raw.strip() else self.default
         except ValueError:
-            raise PtqError(f"{self.env}: '{raw}' is not a whole number") from None
+            raise PtqError(f"{self.env}: '{raw[:40]}' is not a whole number") from None
+        if value < 1:
+            raise PtqError(f"{self.env}: {value} would refuse everything; give at least 1 (or leave it unset for {self.default:,})")
+        return min(value, UNBOUNDED)  # "as much as there is": beyond what any index or file size can be
 
     def refuse(self, where: Path | str, found: str) -> PtqError:
         return PtqError(f"{where}: {found}, over the limit of {self.value():,} {self.what} (raise it with {self.env})")
@@ -58,6 +64,7 @@ CALIBRATION_BYTES = Limit("PTQ_CALIBRATION_MEMORY", 2 * 10**9, "bytes of memory 
 LIMITS = (MODEL_BYTES, ARRAY_BYTES, IMAGE_PIXELS, CLASSES, INPUT_ELEMENTS, CALL_ELEMENTS, TEXT_BYTES, CALL_SECONDS, CALIBRATION_BYTES)
 
 NPZ_MEMBERS = 1000
+JSON_DEPTH = 64  # ptq's own JSON nests a few levels; a record or metadata deeper than this is not ptq's
 NPY_HEADER_BYTES = 10_000  # numpy's own default bound on a .npy header
 
 
@@ -86,10 +93,14 @@ def read_bytes(path: Path, limit: Limit = MODEL_BYTES, what: str = "file") -> by
     if size > limit.value():
         raise limit.refuse(path, f"{size:,} bytes")
     try:
-        with path.open("rb") as handle:
-            data = handle.read(limit.value() + 1)
+        with path.open("rb") as handle:  # in pieces of the size it had: a raised limit never becomes one huge buffer
+            pieces, left = [], limit.value() + 1
+            while left > 0 and (piece := handle.read(min(left, max(size + 1, 2**20)))):
+                pieces.append(piece)
+                left -= len(piece)
     except OSError as error:
         raise PtqError(f"{path}: cannot read ({error.strerror or error})") from error
+    data = b"".join(pieces)
     if len(data) > limit.value():
         raise limit.refuse(path, "grew while read")
     return data
@@ -116,9 +127,43 @@ def sha256(path: Path, limit: Limit = ARRAY_BYTES, what: str = "file") -> bytes:
 
 def read_text(path: Path, what: str = "file") -> str:
     try:
-        return read_bytes(path, TEXT_BYTES, what).decode("utf-8")
+        return read_bytes(path, TEXT_BYTES, what).decode("utf-8-sig")  # a byte-order mark (Windows editors) is not part of the text
     except UnicodeDecodeError as error:
         raise PtqError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from error
+
+
+class JsonRefused(ValueError):
+    """JSON over ptq's bounds: a ValueError, as any unreadable JSON is to the code reading it."""
+
+
+def json_loads(text: str | bytes, **options) -> object:
+    """json.loads within bounds: at most TEXT_BYTES, nested at most JSON_DEPTH deep (the parser's own recursion
+    is caught, never a RecursionError traceback)."""
+    if len(text) > TEXT_BYTES.value():
+        raise JsonRefused(f"{len(text):,} bytes of JSON, over {TEXT_BYTES.value():,} ({TEXT_BYTES.env})")
+    try:
+        value = json.loads(text, **options)
+    except RecursionError:
+        raise JsonRefused(f"JSON nested deeper than {JSON_DEPTH} levels") from None
+    pending = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, dict | list):
+            if depth > JSON_DEPTH:
+                raise JsonRefused(f"JSON nested deeper than {JSON_DEPTH} levels")
+            pending += [(child, depth + 1) for child in (item.values() if isinstance(item, dict) else item) if isinstance(child, dict | list)]
+    return value
+
+
+def json_object(text: str, where: Path | str, what: str) -> dict:
+    """A JSON object ptq stored (model metadata), or a one-line error naming the file and the entry."""
+    try:
+        value = json_loads(text)
+    except ValueError as error:
+        raise PtqError(f"{where}: {what} is not readable JSON ({str(error).splitlines()[0]})") from error
+    if not isinstance(value, dict):
+        raise PtqError(f"{where}: {what} is not a JSON object")
+    return value
 
 
 def check_count(where: Path | str, count: int, limit: Limit, found: str) -> None:
@@ -157,7 +202,11 @@ def npz_arrays(path: Path, names: tuple[str, ...] | None = None, what: str = ".n
                 if not member.filename.endswith(".npy") or member.is_dir():
                     raise PtqError(f"{path}: member '{member.filename}' is not a .npy array")
                 found[member.filename[: -len(".npy")]] = member
-            return {name: _read_member(path, archive, member, name) for name, member in found.items() if names is None or name in names}
+            wanted = {name: member for name, member in found.items() if names is None or name in names}
+            total = sum(_declared_bytes(path, archive, member, name) for name, member in wanted.items())
+            if total > ARRAY_BYTES.value():  # the members together, sized from their headers before any is inflated
+                raise ARRAY_BYTES.refuse(path, f"its arrays are {total:,} bytes together")
+            return {name: _read_member(path, archive, member, name) for name, member in wanted.items()}
     except PtqError:
         raise
     except zipfile.BadZipFile as error:
@@ -173,6 +222,17 @@ def _is_npy(path: Path) -> bool:
             return handle.read(6) == b"\x93NUMPY"
     except OSError:
         return False
+
+
+def _declared_bytes(path: Path, archive: zipfile.ZipFile, member: zipfile.ZipInfo, name: str) -> int:
+    """The bytes a member's .npy header declares, read without inflating its data."""
+    with archive.open(member) as handle:
+        version = np.lib.format.read_magic(handle)
+        reader = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, _, dtype = reader(handle, max_header_size=NPY_HEADER_BYTES)
+    if any(dim < 0 for dim in shape):
+        raise PtqError(f"{path}: '{name}' declares a negative dimension")
+    return math.prod(shape) * dtype.itemsize
 
 
 def _read_member(path: Path, archive: zipfile.ZipFile, member: zipfile.ZipInfo, name: str) -> np.ndarray:

@@ -90,7 +90,7 @@ def seal(*parts: str | bytes) -> str:
         raise PtqError(f"{settings.cache_dir()}: no cache directory")
     mac = hmac.new(_key(root), digestmod=hashlib.sha256)
     for part in parts:
-        data = part.encode() if isinstance(part, str) else part
+        data = part.encode("utf-8", "surrogateescape") if isinstance(part, str) else part
         mac.update(len(data).to_bytes(8, "little") + data)
     return mac.hexdigest()
 

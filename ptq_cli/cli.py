@@ -22,14 +22,15 @@ import typer
 from rich.console import Console, Group
 from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TransferSpeedColumn
+from rich.text import Text
 
-from ptq_cli import backends, hardstop, render, settings, trust
+from ptq_cli import atomic, backends, bounded, hardstop, render, settings, trust
 from ptq_cli import cpu as cpu_info
 from ptq_cli import inputs as inputs_service
 from ptq_cli.atomic import check_outputs, check_writable, write_text
 from ptq_cli.backends.model_file import read_onnx as check_model
 from ptq_cli.datasets import Dataset, open_dataset
-from ptq_cli.errors import Interrupted, PtqError
+from ptq_cli.errors import Interrupted, PtqError, Terminated, TerminateSignal
 from ptq_cli.services import calibration as calibration_service
 from ptq_cli.services import convert as convert_service
 from ptq_cli.services import export as export_service
@@ -61,8 +62,28 @@ except ImportError:  # pragma: no cover
 # for its own messages. Set before torch is first imported (services import it lazily).
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
-out = Console()
-err = Console(stderr=True)
+class _StandardOutput:
+    """sys.stdout as it is at each write (a test runner swaps it), a failed write named as standard output's."""
+
+    def write(self, text: str) -> int:
+        try:
+            return sys.stdout.write(text)
+        except OSError as error:
+            raise PtqError(f"standard output: cannot write ({error.strerror or error})") from error
+
+    def flush(self) -> None:
+        try:
+            sys.stdout.flush()
+        except OSError as error:
+            raise PtqError(f"standard output: cannot write ({error.strerror or error})") from error
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(sys.stdout, name)
+
+
+# No markup in what is printed: names come from users' files ("[/]" in a class name is a name, not a tag).
+out = Console(file=_StandardOutput(), markup=False)  # type: ignore[arg-type]
+err = Console(stderr=True, markup=False)
 
 
 # The command line as ptq was given it (recorded in `ptq run`'s manifest).
@@ -106,9 +127,12 @@ class PtqGroup(typer.core.TyperGroup):
     def invoke(self, ctx: Any) -> Any:
         # Typer turns Ctrl-C into a silent exit 130 before main() sees it; say what happened instead.
         try:
+            for limit in bounded.LIMITS:  # a limit set to something unusable fails now, whether or not this run meets it
+                limit.value()
             return super().invoke(ctx)
         except KeyboardInterrupt as interrupt:
-            raise Interrupted("interrupted; no partial output was written") from interrupt
+            kind = Terminated if isinstance(interrupt, TerminateSignal) else Interrupted
+            raise kind("interrupted; no partial output was written") from interrupt
 
 
 def _tolerant_streams() -> None:
@@ -125,7 +149,7 @@ def _terminate_as_interrupt() -> Iterator[None]:
     """SIGTERM (kill, a CI timeout, systemd) ends ptq the way Ctrl-C does: temporary files removed."""
 
     def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
+        raise TerminateSignal
 
     try:
         previous = signal.signal(signal.SIGTERM, interrupt)
@@ -156,7 +180,7 @@ def _fill_optional_values(args: list[str]) -> list[str]:
 
 def _fail(message: str, exit_code: int) -> int:
     message = " ".join(str(message).split())  # one line, whatever a library put in its message
-    err.print(f"[red]Error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
+    err.print(Text.assemble(("Error:", "red"), f" {message}"), highlight=False, soft_wrap=True)
     return exit_code
 
 
@@ -354,6 +378,7 @@ JsonFlag = Annotated[bool, typer.Option("--json", help="Print the result as JSON
 
 def _emit(as_json: bool, result: Any, renderable: Any) -> None:
     out.print(render.as_json(result) if as_json else renderable, soft_wrap=as_json)
+    out.file.flush()  # a full disk or closed pipe behind stdout is said now, naming it
 
 
 @contextmanager
@@ -366,7 +391,7 @@ def _working(message: str) -> Iterator[None]:
 @contextmanager
 def _progress_bar(description: str) -> Iterator[Callable[[int, int], None]]:
     """A progress bar on stderr (only on a terminal); yields the (done, total) callback services take."""
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task(description, total=None)
         yield lambda done, total: bar.update(task, completed=done, total=total)
@@ -406,7 +431,7 @@ def fetch(
 @contextmanager
 def _byte_progress() -> Iterator[Callable[[str, int, int], None]]:
     """One download/copy bar per asset on stderr (only on a terminal)."""
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeElapsedColumn())
+    columns = (TextColumn("{task.description}", markup=False), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
         tasks: dict[str, Any] = {}
 
@@ -703,7 +728,7 @@ def tune(
 def _default_models() -> list[Path]:
     found, skipped = models_service.models_in(settings.MODELS_DIR, backends.suffixes())
     for path in skipped:
-        err.print(f"skipped {escape(str(path))}: TorchScript ptq did not write (loading it runs its code; pass --model {escape(str(path))} {trust.OPTION} to load it)",
+        err.print(f"skipped {path}: TorchScript ptq did not write (loading it runs its code; pass --model {path} {trust.OPTION} to load it)",
                   soft_wrap=True, highlight=False)
     if not found:
         raise PtqError(f"{settings.MODELS_DIR}: no {', '.join(backends.suffixes())} models to evaluate (run `ptq convert` or pass --model)")
@@ -757,10 +782,10 @@ def evaluate(
             records.append(evaluated.record)
             warning = evaluate_service.outside_target(model_path, (evaluated.record.quantization or {}).get("cpus"))
             if warning:
-                err.print(f"warning: {escape(warning)}", soft_wrap=True)
+                err.print(f"warning: {warning}", soft_wrap=True)
             if not as_json:
                 if evaluated.source_evaluated is not None:
-                    out.print(f"[dim]Evaluated its FP32 source {evaluated.source_evaluated} too (no record of it on this dataset).[/dim]")
+                    out.print(Text(f"Evaluated its FP32 source {evaluated.source_evaluated} too (no record of it on this dataset).", style="dim"))
                 shown = evaluate_service.classes_to_show(evaluated.record, evaluated.reference) if per_class and evaluated.record.accuracy is not None else None
                 out.print(render.evaluation(evaluated.record, evaluated.reference, shown, evaluated.path, evaluated.reference_status))
     if as_json:
@@ -803,7 +828,7 @@ def benchmark(
         benchmark_service.save_benchmark(record, results_dir)
         warning = evaluate_service.outside_target(record.model_path, record.target_cpus)
         if warning:
-            err.print(f"warning: {escape(warning)}", soft_wrap=True)
+            err.print(f"warning: {warning}", soft_wrap=True)
     ratios = benchmark_service.speedups(records, benchmark_service.load_benchmarks(results_dir))
     _emit(as_json, [{**render.plain(record), "speedup_vs_fp32": ratios[benchmark_service.run_key(record)]} for record in records], render.benchmarks(records, ratios))
 
@@ -934,8 +959,38 @@ def _reflow(text: str) -> str:
     return "\n\n".join(paragraphs)
 
 
+# Parameters that name what a command writes; every other path it is given, it reads.
+OUTPUT_PARAMETERS = frozenset({"output", "torch_output", "output_dir", "results_dir", "models_dir", "destination", "markdown"})
+
+
+def _read_paths(arguments: dict[str, Any]) -> list[Path]:
+    paths: list[Path] = []
+    for name, value in arguments.items():
+        if name in OUTPUT_PARAMETERS:
+            continue
+        if isinstance(value, DataChoice):
+            paths += [path for path in (value.data, value.calibration_data) if path is not None]
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, Path):
+                paths.append(item)
+    return paths
+
+
+def _guarding_inputs(command: Callable[..., None]) -> Callable[..., None]:
+    """The command's input paths held for its duration: no output may be one of them (atomic.reading)."""
+
+    @functools.wraps(command)
+    def guarded(**arguments: Any) -> None:
+        with atomic.reading(_read_paths(arguments)):
+            return command(**arguments)
+
+    return guarded
+
+
 for _command in app.registered_commands:
     _command.help = _reflow(_command.help or inspect.getdoc(_command.callback) or "")
+    if _command.callback is not None:
+        _command.callback = _guarding_inputs(_command.callback)
 
 
 def main() -> None:

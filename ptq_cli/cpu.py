@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from ptq_cli.errors import PtqError
+
 EXACT, SATURATING = "exact", "saturating"
 INT8_PATHS = (EXACT, SATURATING)
 # The /proc/cpuinfo flags that decide the int8 path, recorded with every figure.
@@ -75,12 +77,22 @@ def parse_cpuinfo(text: str, arch: str) -> Cpu:
 
 @lru_cache(maxsize=1)
 def current() -> Cpu:
+    """This CPU (or the one PTQ_CPUINFO describes). On x86 its int8 path decides figures, so a description ptq
+    cannot read is an error, never a guess: a FIFO or device is refused before it is opened (it could block)."""
     arch = platform.machine()
+    named = os.environ.get(CPUINFO_ENV)
+    path = Path(named or CPUINFO)
+    where = f"{CPUINFO_ENV}={named}" if named else str(path)
     try:
-        with Path(os.environ.get(CPUINFO_ENV) or CPUINFO).open("r", encoding="utf-8", errors="replace") as handle:
+        if named and not path.is_file():
+            raise PtqError(f"{where}: not a regular file" + ("" if path.exists() else " (not found)") + "; name a cpuinfo file")
+        with path.open("r", encoding="utf-8", errors="replace") as handle:
             text = handle.read(CPUINFO_LIMIT)
-    except OSError:
-        text = ""
+    except OSError as error:
+        raise PtqError(f"{where}: cannot read ({error.strerror or error}); ptq cannot tell this CPU's int8 path") from error
+    x86 = arch.lower() in ("x86_64", "amd64", "i686", "i386", "x86")
+    if (named or x86) and not any(line.partition(":")[0].strip().lower() in ("flags", "features") for line in text.splitlines()):
+        raise PtqError(f"{where}: no 'flags' line, not a cpuinfo file; ptq cannot tell this CPU's int8 path")
     return parse_cpuinfo(text, arch)
 
 

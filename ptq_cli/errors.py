@@ -15,6 +15,16 @@ class Interrupted(PtqError):
     exit_code = 130
 
 
+class Terminated(Interrupted):
+    """SIGTERM (kill, a CI timeout): ended as Ctrl-C ends ptq, with the shell's code for that signal."""
+
+    exit_code = 143
+
+
+class TerminateSignal(KeyboardInterrupt):
+    """Raised in the main thread by the SIGTERM handler, to unwind as Ctrl-C does."""
+
+
 class CheckFailed(PtqError):
     """A verification (e.g. converted model vs source) did not pass: the input was fine, the result is not."""
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ptq_cli import bounded
 from ptq_cli.errors import PtqError
 
 NHWC, NCHW = "NHWC", "NCHW"
@@ -138,7 +139,7 @@ def from_metadata(text: str | None, where: Path | str = "model") -> Preprocessin
     if not text:
         return None
     try:
-        data = json.loads(text)
+        data = bounded.json_loads(text)
         stored = Preprocessing(float(data["scale"]), tuple(map(float, data["mean"])), tuple(map(float, data["std"])), bool(data["bgr"]),
                                None if data.get("preset") is None else str(data["preset"]))
     except (ValueError, KeyError, TypeError, AttributeError) as error:

@@ -800,10 +800,10 @@ def tuning(result: TuneResult) -> Group:
         table.add_row(candidate.stage, _short_configuration(candidate.settings), f"{candidate.validation_accuracy:.2f}",
                       signed(-candidate.accuracy_drop), f"{candidate.output_sqnr_db:.1f}", f"{candidate.size_bytes / 1024:.1f}",
                       f"{candidate.size_ratio:.1%}", mark, style=style)
-    verdict = "[green]Budget met.[/green]" if result.met_budget else "[yellow]No candidate met the budget.[/yellow]"
+    verdict = Text("Budget met.", style="green") if result.met_budget else Text("No candidate met the budget.", style="yellow")
     return Group(
         table,
-        Text.from_markup(f"{verdict} {result.reason}."),
+        Text.assemble(verdict, f" {result.reason}."),
         Text(f"Chosen: {result.chosen.label} -> {result.output} (validation {result.chosen.validation_accuracy:.2f}%)"),
         Text(f"Record: {result.record}. Judge it on the test set with: ptq evaluate --model {result.output}"),
     )

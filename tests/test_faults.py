@@ -326,7 +326,7 @@ def test_per_class_marks_an_fp32_reference_whose_file_changed(project):
 
 
 def test_sigterm_ends_ptq_like_ctrl_c_with_nothing_half_written(project):
-    """A real process: `kill` (SIGTERM) during a long benchmark: exit 130, one line, no record, no temp file."""
+    """A real process: `kill` (SIGTERM) during a long benchmark: exit 143 (as the README says), one line, no record, no temp file."""
     import os
     import signal
     import subprocess
@@ -343,7 +343,7 @@ def test_sigterm_ends_ptq_like_ctrl_c_with_nothing_half_written(project):
     time.sleep(0.5)
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=60)
-    assert process.returncode == 130, stderr
+    assert process.returncode == 143, stderr
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "interrupted" in lines[0] and "Traceback" not in stderr
     assert not (project / "results").exists() and files_under(project / "models") == ["m.onnx"]

@@ -440,7 +440,7 @@ def _with_metadata(quantized: bytes, entries: dict[str, str]) -> bytes:
     model_object.metadata = list(model_object.metadata or [])
     for name, text in entries.items():
         buffer = schema.BufferT()
-        buffer.data = np.frombuffer(text.encode(), np.uint8)
+        buffer.data = np.frombuffer(text.encode("utf-8", "surrogateescape"), np.uint8)
         model_object.buffers.append(buffer)
         entry = schema.MetadataT()
         entry.name, entry.buffer = name, len(model_object.buffers) - 1

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -149,7 +148,7 @@ def metadata_object(path: Path, stored: dict[str, str], key: str) -> dict | None
     if key not in stored:
         return None
     try:
-        value = json.loads(stored[key])
+        value = bounded.json_loads(stored[key])
     except ValueError as error:
         raise PtqError(f"{path}: model metadata '{key}' is not JSON ({error})") from error
     if not isinstance(value, dict):

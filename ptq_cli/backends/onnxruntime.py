@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ptq_cli import inputs
+from ptq_cli import bounded, inputs
 from ptq_cli.atomic import atomic_output
 from ptq_cli.backends import base
 from ptq_cli.backends.base import EMULATE, Backend, LoadedModel, ProgressCallback, QuantizationSettings, QuantizedFile, RunOptions, finish_load
@@ -44,7 +44,7 @@ def _dtype(model) -> tuple[str, dict | None]:
     stored = metadata(model)
     if base.QUANTIZATION_METADATA_KEY in stored:
         try:
-            settings = json.loads(stored[base.QUANTIZATION_METADATA_KEY])
+            settings = bounded.json_loads(stored[base.QUANTIZATION_METADATA_KEY])
             return str(settings["dtype"]), settings
         except (ValueError, KeyError, TypeError):
             pass  # unreadable settings: tell the type from the graph
@@ -636,7 +636,7 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
                     quantized, settings, refined_notes = refine_rounding(quantized, source, calibration, described.name, settings, after_calibration)
                     notes += refined_notes
             described_settings = {**asdict(settings), "space_to_depth_convs": [asdict(rewrite) for rewrite in rewrites]}
-            extra = json.loads(stored.pop(base.QUANTIZATION_METADATA_KEY, "{}"))
+            extra = bounded.json_loads(stored.pop(base.QUANTIZATION_METADATA_KEY, "{}"))
             props = {base.QUANTIZATION_METADATA_KEY: json.dumps({**described_settings, **extra}), **stored}
             props.update({key: value for key, value in metadata(model).items() if key == base.PRUNING_METADATA_KEY})  # a pruned source stays described
             onnx.helper.set_model_props(quantized, props)

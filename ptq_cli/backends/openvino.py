@@ -287,8 +287,9 @@ def _quantize_nncf(model, output: Path, settings: QuantizationSettings, calibrat
     overflow_fix = {FIRST_LAYER: OverflowFix.FIRST_LAYER, ALL_LAYERS: OverflowFix.ENABLE}.get(settings.overflow_fix or "", OverflowFix.DISABLE)
     advanced = nncf.AdvancedQuantizationParameters(disable_bias_correction=settings.bias_correction == "none", overflow_fix=overflow_fix)
     try:
-        # NNCF draws its progress bars on stdout, which is for ptq's results (--json): they go to stderr.
-        with contextlib.redirect_stdout(sys.stderr):
+        # NNCF draws its progress bars on stdout, which is for ptq's results (--json): they go to a terminal's stderr,
+        # and nowhere when stderr is a log or a pipe (a bar redrawn as lines is noise there).
+        with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(sys.stderr if sys.stderr.isatty() else devnull):
             quantized = nncf.quantize(
                 converted,
                 nncf.Dataset(samples),

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ptq_cli import inputs, trust
+from ptq_cli import bounded, inputs, trust
 from ptq_cli.atomic import atomic_output
 from ptq_cli.backends import base
 from ptq_cli.backends import onnxruntime as ort_backend
@@ -296,7 +296,7 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
                 progress(index * len(batches[0]), sum(map(len, batches)))
             prepared(torch.from_numpy(batch))  # observers keep running statistics: one batch held at a time
     quantized = convert_fx(prepared)
-    extra = json.loads(stored.pop(base.QUANTIZATION_METADATA_KEY, "{}"))
+    extra = bounded.json_loads(stored.pop(base.QUANTIZATION_METADATA_KEY, "{}"))
     contents = {**stored, base.QUANTIZATION_METADATA_KEY: json.dumps({**asdict(settings), **extra})}
     with atomic_output(output) as tmp:
         save_torchscript(quantized, tmp, batches[0][: 8 if fixed is None else fixed], contents, described)
@@ -307,7 +307,7 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
 
 def _read_metadata(raw: str) -> dict:
     try:
-        data = json.loads(raw or "{}")
+        data = bounded.json_loads(raw or "{}")
     except ValueError:
         return {}
     if not isinstance(data, dict):
@@ -353,7 +353,7 @@ def load(path: Path, options: RunOptions) -> LoadedModel:
     candidates: tuple[inputs.ModelInput, ...] = PROBE_INPUTS
     if MODEL_INPUT_KEY in stored:
         with contextlib.suppress(ValueError, TypeError):  # unreadable: probe the usual layouts
-            candidates = (inputs.ModelInput(**json.loads(stored[MODEL_INPUT_KEY])),)
+            candidates = (inputs.ModelInput(**bounded.json_loads(stored[MODEL_INPUT_KEY])),)
     described, probe = _probe_input(path, predict, candidates)
     if probe.ndim != 2:
         raise PtqError(f"{path}: output shape {list(probe.shape)} is not N x classes")

@@ -8,6 +8,7 @@ knows the model: the model's size and channel count are asked for by the caller 
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -72,6 +73,9 @@ class Dataset(ABC):
     # Formats whose images may differ in size decode straight to the size asked for (cached per size);
     # the others are cached as they are and resized after loading.
     resizes_on_decode: bool = False
+    # How this format's decoder turns files into pixels, part of its cache entries' seal: a decoder that changes
+    # what it makes of a file changes this, and entries it made before are decoded again.
+    decoding: str = "1"
 
     def evaluation_split(self) -> str:
         """The split models are judged on: test, else val."""
@@ -90,7 +94,7 @@ class Dataset(ABC):
 
     def slug(self, split: str) -> str:
         """A file-name-safe name of this dataset split, unique per location: `cifar-10-batches-py-test-1a2b3c`."""
-        where = hashlib.sha256(str(self.root.resolve()).encode()).hexdigest()[:6]
+        where = hashlib.sha256(os.fsencode(self.root.resolve())).hexdigest()[:6]
         stem = re.sub(r"[^A-Za-z0-9._-]+", "_", self.root.stem or "data")
         return f"{stem}-{split}-{where}"
 
@@ -106,13 +110,14 @@ class Dataset(ABC):
         shape = f"{decode_size[0]}x{decode_size[1]}" if decode_size else "native"
         cache_dir = cache.directory()
         entry = cache_dir / f"{self.format}-{key[:40]}-{split}-{shape}.npz" if cache_dir is not None else None
-        cached = read_cache(entry, f"{self.format}:{key}:{split}:{shape}") if entry is not None else None
+        sealed_as = f"{self.format}:{self.decoding}:{key}:{split}:{shape}"
+        cached = read_cache(entry, sealed_as) if entry is not None else None
         if cached is None:
             images, labels = self._decode(split, decode_size)
             if 0 in images.shape[1:3]:
                 raise PtqError(f"{self.root}: the {split} split's images are {images.shape[1]}x{images.shape[2]} pixels")
             if entry is not None:
-                write_cache(entry, f"{self.format}:{key}:{split}:{shape}", images, labels)
+                write_cache(entry, sealed_as, images, labels)
         else:
             images, labels = cached
         if size is not None and images.shape[1:3] != tuple(size):
@@ -131,7 +136,7 @@ def file_digest(paths: list[Path]) -> str:
     """sha256 over names and bytes of the files, in the given order."""
     digest = hashlib.sha256()
     for path in paths:
-        digest.update(path.name.encode() + b"\0" + bounded.sha256(path, bounded.ARRAY_BYTES, "data file"))
+        digest.update(os.fsencode(path.name) + b"\0" + bounded.sha256(path, bounded.ARRAY_BYTES, "data file"))
     return digest.hexdigest()
 
 

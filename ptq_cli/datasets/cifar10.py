@@ -104,9 +104,16 @@ def load_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     batch = _unpickle(path)
     if not isinstance(batch, dict) or b"data" not in batch or b"labels" not in batch:
         raise PtqError(f"{path}: not a CIFAR-10 batch (no b'data' and b'labels' keys)")
+    # The official batches hold an array and a list of ints. Anything else is refused before numpy makes it an array:
+    # a list of references to one row would allocate gigabytes from a small file.
+    if not isinstance(batch[b"data"], np.ndarray):
+        raise PtqError(f"{path}: b'data' is a {type(batch[b'data']).__name__}, not the uint8 array a CIFAR-10 batch holds")
+    raw_labels = batch[b"labels"]
+    if not isinstance(raw_labels, np.ndarray) and not (isinstance(raw_labels, list) and all(type(label) is int for label in raw_labels)):
+        raise PtqError(f"{path}: b'labels' is not a list of integers")
     try:
         data = np.asarray(batch[b"data"])
-        labels = np.asarray(batch[b"labels"])
+        labels = np.asarray(raw_labels)
     except (TypeError, ValueError, OverflowError) as error:
         raise PtqError(f"{path}: b'data' or b'labels' is not an array ({error})") from error
     if labels.size and labels.dtype.kind not in "iu":

@@ -6,6 +6,7 @@ ROOT/classes.txt (one per line, in label order) or the sorted folder names."""
 from __future__ import annotations
 
 import hashlib
+import os
 import warnings
 from pathlib import Path
 
@@ -40,6 +41,7 @@ def _images_in(directory: Path) -> list[Path]:
 class ImageFolder(Dataset):
     format = "folder"
     resizes_on_decode = True
+    decoding = "2"  # 2: wide grey (16-bit, float) scaled to 0-255, not clipped
 
     def __init__(self, root: Path) -> None:
         super().__init__(root)
@@ -104,9 +106,10 @@ class ImageFolder(Dataset):
         return [path for path, _ in self.files(split)]
 
     def content_key(self, split: str) -> str:
-        digest = hashlib.sha256("\n".join(self._classes).encode())
+        digest = hashlib.sha256("\n".join(self._classes).encode("utf-8", "surrogateescape"))
         for path, label in self.files(split):
-            digest.update(f"{path.relative_to(self.root)}\0{label}\0".encode() + bounded.sha256(path, bounded.ARRAY_BYTES, "image file"))
+            named = os.fsencode(path.relative_to(self.root)) + f"\0{label}\0".encode()
+            digest.update(named + bounded.sha256(path, bounded.ARRAY_BYTES, "image file"))
         return digest.hexdigest()
 
     def _decode(self, split: str, size: tuple[int, int] | None) -> tuple[np.ndarray, np.ndarray]:
@@ -127,7 +130,7 @@ class ImageFolder(Dataset):
                         if width * height > most:
                             raise bounded.IMAGE_PIXELS.refuse(path, f"{width}x{height} pixels")
                         image.load()
-                        converted = image.convert("L" if image.mode in ("1", "L", "I", "I;16", "F") else "RGB")
+                        converted = _eight_bit(image)
             except (Image.DecompressionBombWarning, Image.DecompressionBombError) as error:
                 raise bounded.IMAGE_PIXELS.refuse(path, "declares over twice as many pixels") from error
             except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError, MemoryError) as error:
@@ -144,6 +147,24 @@ class ImageFolder(Dataset):
             images = [np.repeat(image, 3, axis=2) if image.shape[2] == 1 else image for image in images]
         labels = np.array([label for _, label in files], dtype=np.int64)
         return np.stack(images), labels
+
+
+WIDE_GREY = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")  # Pillow's 16-bit, 32-bit integer and float grey modes
+
+
+def _eight_bit(image):
+    """The image as 8-bit grey or RGB pixels. Wide grey is scaled to 0-255, not clipped there (Pillow's own
+    convert clips a 16-bit PNG's 0-65535 to 255): 16-bit by 1/257, float 0-1 by 255."""
+    from PIL import Image
+
+    if image.mode not in WIDE_GREY:
+        return image.convert("L" if image.mode in ("1", "L") else "RGB")
+    values = np.asarray(image, dtype=np.float64)
+    if image.mode.startswith("I;16") or (image.mode == "I" and values.size and values.max() > 255):
+        values = values / 257.0
+    elif image.mode == "F" and values.size and np.nanmax(values) <= 1.0:
+        values = values * 255.0
+    return Image.fromarray(np.clip(np.rint(np.nan_to_num(values)), 0, 255).astype(np.uint8), "L")
 
 
 def _subfolders(directory: Path) -> list[str]:

@@ -38,7 +38,8 @@ class NpzDataset(Dataset):
             if names.ndim != 1 or names.dtype.kind not in "US":
                 raise PtqError(f"{self.root}: 'class_names' is not a list of strings")
             bounded.check_count(self.root, len(names), bounded.CLASSES, f"{len(names):,} class names")
-            self._classes = tuple(str(name) for name in names)
+            # Byte strings (dtype S, as numpy keeps Python 2's str) are names too, never "b'...'".
+            self._classes = tuple(name.decode("utf-8", "replace") if isinstance(name, bytes) else str(name) for name in names.tolist())
         else:
             highest = max((int(labels.max()) for labels in label_arrays if labels.size and labels.dtype.kind in "iu"), default=0)
             bounded.check_count(self.root, highest + 1, bounded.CLASSES, f"label {highest:,} means {highest + 1:,} classes")

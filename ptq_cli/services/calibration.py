@@ -60,8 +60,11 @@ def draw_stratified(labels: np.ndarray, pool: np.ndarray, samples_per_class: int
     if samples_per_class < 1:
         raise PtqError(f"{option}: must be at least 1, got {samples_per_class}")
     counts = np.bincount(labels[pool], minlength=classes) if len(pool) else np.zeros(classes, np.int64)
-    if samples_per_class > int(counts.min()):
-        raise PtqError(f"{option}: {samples_per_class} is more than the {int(counts.min())} images of class {int(counts.argmin())} {where}")
+    # Classes the images do not show (a small set) are not drawn from; each class they show gives as many.
+    present = np.flatnonzero(counts) if counts.any() else np.arange(classes)
+    fewest = present[np.argmin(counts[present])]
+    if samples_per_class > int(counts[fewest]):
+        raise PtqError(f"{option}: {samples_per_class} is more than the {int(counts[fewest])} images of class {int(fewest)} {where}")
     return pool[stratified_indices(labels[pool], samples_per_class, seed)]
 
 
@@ -93,10 +96,11 @@ def sized_indices(labels: np.ndarray, count: int, seed: int, where: str) -> np.n
 
 
 def default_samples_per_class(dataset: Dataset) -> int:
-    """settings.SAMPLES_PER_CLASS, or every image of the smallest class when it has fewer."""
+    """settings.SAMPLES_PER_CLASS, or every image of the smallest class the split shows when it has fewer."""
     labels = dataset.load(dataset.calibration_split()).labels
     counts = np.bincount(labels, minlength=len(dataset.class_names()))
-    return max(1, min(settings.SAMPLES_PER_CLASS, int(counts.min())))
+    shown = counts[counts > 0]  # classes without images in the split are not drawn from
+    return max(1, min(settings.SAMPLES_PER_CLASS, int(shown.min()) if shown.size else 1))
 
 
 def build_calibration_set(dataset: Dataset, samples_per_class: int | None, seed: int, size: tuple[int, int] | None = None,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ptq_cli import backends
-from ptq_cli.atomic import check_outputs, write_text
+from ptq_cli.atomic import atomic_output, check_outputs
 from ptq_cli.backends import litert
 from ptq_cli.backends.model_file import read_bytes
 from ptq_cli.errors import PtqError
@@ -33,13 +33,33 @@ C_KEYWORDS = frozenset([
     "goto", "if", "inline", "int", "long", "register", "restrict", "return", "short", "signed", "sizeof", "static", "struct",
     "switch", "typedef", "union", "unsigned", "void", "volatile", "while", "_Alignas", "_Alignof", "_Atomic", "_Bool",
     "_Complex", "_Generic", "_Imaginary", "_Noreturn", "_Static_assert", "_Thread_local", "bool", "true", "false", "NULL", "asm",
+    # C23 and C++ (the header is included from C++ too), and names a program already has.
+    "alignas", "alignof", "constexpr", "nullptr", "static_assert", "thread_local", "typeof", "typeof_unqual", "_BitInt", "_Decimal32",
+    "_Decimal64", "_Decimal128", "and", "and_eq", "bitand", "bitor", "catch", "char8_t", "char16_t", "char32_t", "class", "compl", "concept",
+    "consteval", "constinit", "const_cast", "co_await", "co_return", "co_yield", "decltype", "delete", "dynamic_cast", "explicit", "export",
+    "friend", "mutable", "namespace", "new", "noexcept", "not", "not_eq", "operator", "or", "or_eq", "private", "protected", "public",
+    "reinterpret_cast", "requires", "static_cast", "template", "this", "throw", "try", "typeid", "typename", "using", "virtual", "wchar_t",
+    "xor", "xor_eq", "main", "errno", "assert", "stdin", "stdout", "stderr",
 ])
 
 
+def valid_symbol(symbol: str) -> bool:
+    """A name C and C++ both let a program declare: an identifier, no keyword, none of the reserved forms
+    (a leading '_' and capital, '__' anywhere, a leading '_' at file scope)."""
+    return (re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", symbol) is not None and symbol not in C_KEYWORDS and "__" not in symbol
+            and len(symbol) <= 200)
+
+
 def c_symbol(name: str) -> str:
-    """A C identifier from a file name: resnet8-int8.tflite -> resnet8_int8_tflite."""
-    symbol = re.sub(r"[^A-Za-z0-9_]", "_", name)
-    return f"model_{symbol}" if symbol[:1].isdigit() else symbol
+    """A valid symbol from a file name, always: resnet8-int8.tflite -> resnet8_int8_tflite, ü.tflite -> tflite,
+    class.tflite -> class_tflite, 8bit.tflite -> model_8bit_tflite."""
+    symbol = re.sub(r"_+", "_", re.sub(r"[^A-Za-z0-9]", "_", name)).strip("_")[:120].rstrip("_")
+    return symbol if valid_symbol(symbol) else f"model_{symbol}".rstrip("_")
+
+
+def _c_comment(text: str) -> str:
+    """Text safe inside /* */: printable ASCII, no comment end."""
+    return "".join(character if " " <= character <= "~" else "?" for character in text).replace("*/", "*?")
 
 
 def measure_arena(model: Path) -> int | None:
@@ -59,32 +79,39 @@ def export_c_array(model: Path, output_dir: Path | None = None, symbol: str | No
     data = read_bytes(model)
     if not litert.sniff(data[:8]):
         raise PtqError(f"{model}: not a TFLite flatbuffer; --c-array exports .tflite models (what TFLite Micro runs)")
+    if symbol is not None and not valid_symbol(symbol):
+        raise PtqError(f"--symbol: '{symbol[:60]}' is not a name C and C++ let a program declare (a letter, then letters, digits "
+                       "and single '_'; no keyword, no reserved name)")
     symbol = symbol or c_symbol(model.name)
-    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", symbol) or symbol in C_KEYWORDS or symbol.startswith("__"):
-        raise PtqError(f"--symbol: '{symbol}' is not a C identifier a program can declare (a keyword, or reserved)")
     directory = Path(output_dir) if output_dir is not None else model.parent
-    source, header = directory / f"{model.stem}.c", directory / f"{model.stem}.h"
+    # The .c includes the .h by name: a name a C string cannot hold as it is gives files named after the symbol.
+    stem = model.stem if re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]*", model.stem) else symbol
+    source, header = directory / f"{stem}.c", directory / f"{stem}.h"
     check_outputs([("--output-dir", source, (".c",)), ("--output-dir", header, (".h",))], [model])
     guard = f"{symbol.upper()}_H_"
     arena_bytes = measure_arena(model) if arena else None
     arena_lines = ["/* The tensor arena TensorFlow Lite Micro allocated for it: tflite-micro's recording allocator on the 64-bit host",
                    "   that exported it (not measured on the target). */",
                    f"#define {symbol.upper()}_ARENA_BYTES {arena_bytes}", ""] if arena_bytes else []
-    write_text(header, "\n".join([
-        f"/* {model.name}: {len(data):,} bytes, written by ptq export --c-array. */",
+    header_text = "\n".join([
+        f"/* {_c_comment(model.name)}: {len(data):,} bytes, written by ptq export --c-array. */",
         f"#ifndef {guard}", f"#define {guard}", "", *arena_lines,
         "#ifdef __cplusplus", 'extern "C" {', "#endif", "",
         f"extern const unsigned char {symbol}[];",
         f"extern const unsigned int {symbol}_len;", "",
         "#ifdef __cplusplus", "}", "#endif", "", f"#endif /* {guard} */", "",
-    ]))
+    ])
     rows = [", ".join(f"0x{byte:02x}" for byte in data[start : start + BYTES_PER_LINE]) for start in range(0, len(data), BYTES_PER_LINE)]
-    write_text(source, "\n".join([
+    source_text = "\n".join([
         f'#include "{header.name}"', "",
         "#if defined(__cplusplus)", f"alignas({ALIGNMENT})", "#else", f"_Alignas({ALIGNMENT})", "#endif",
         f"const unsigned char {symbol}[] = {{",
         *(f"  {row}," for row in rows),
         "};", "",
         f"const unsigned int {symbol}_len = {len(data)};", "",
-    ]))
+    ])
+    # Both or neither: each written to a temporary file, renamed only once both are complete (a full disk leaves no .h alone).
+    with atomic_output(source) as source_tmp, atomic_output(header) as header_tmp:
+        source_tmp.write_text(source_text, encoding="ascii")
+        header_tmp.write_text(header_text, encoding="ascii")
     return CArrayExport(model, source, header, symbol, len(data), arena_bytes)

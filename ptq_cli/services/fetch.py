@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import hashlib
 import http.client
+import os
 import shutil
 import tarfile
 import tempfile
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ptq_cli import bounded
 from ptq_cli.atomic import atomic_output
 from ptq_cli.datasets import cifar10 as cifar
 from ptq_cli.errors import PtqError
@@ -46,6 +49,12 @@ class Source:
     url: str
     algorithm: str  # "md5" or "sha256"
     digest: str
+    max_bytes: int = 1 << 30  # a download that goes on past this is not the asset (a stream of zeros, a wrong URL)
+
+
+# The assets' sizes, with room: the CIFAR-10 tarball is 170,498,071 bytes, the .h5 under 1 MB.
+CIFAR_MAX_BYTES = 256 * 2**20
+MODEL_MAX_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -64,11 +73,11 @@ class FetchResult:
 
 
 def cifar_source(url: str | None = None, md5: str | None = None) -> Source:
-    return Source(url or CIFAR_URL, "md5", (md5 or CIFAR_MD5).lower())
+    return Source(url or CIFAR_URL, "md5", (md5 or CIFAR_MD5).lower(), CIFAR_MAX_BYTES)
 
 
 def model_source(url: str | None = None, sha256: str | None = None) -> Source:
-    return Source(url or MODEL_URL, "sha256", (sha256 or MODEL_SHA256).lower())
+    return Source(url or MODEL_URL, "sha256", (sha256 or MODEL_SHA256).lower(), MODEL_MAX_BYTES)
 
 
 def download(
@@ -77,12 +86,15 @@ def download(
     """Stream `source.url` to `destination` through a temporary file; it is renamed into place only when
     every announced byte arrived, the checksum matches and `check` accepts it, else deleted."""
     digest = hashlib.new(source.algorithm)
+    _check_local(source.url)
     with atomic_output(destination) as tmp:
         try:
             with urllib.request.urlopen(source.url, timeout=TIMEOUT_SECONDS) as response, tmp.open("wb") as handle:
                 total = int(response.headers.get("Content-Length") or 0)
                 done = 0
                 while chunk := response.read(CHUNK):
+                    if done + len(chunk) > source.max_bytes:
+                        raise PtqError(f"{source.url}: more than {source.max_bytes:,} bytes, more than the asset is; nothing written to {destination}")
                     handle.write(chunk)
                     digest.update(chunk)
                     done += len(chunk)
@@ -101,6 +113,15 @@ def download(
             check(tmp)
 
 
+def _check_local(url: str) -> None:
+    """A file:// URL names a regular file (a FIFO or /dev/zero would never end)."""
+    parsed = urllib.parse.urlparse(url)
+    if parsed.scheme == "file":
+        path = Path(urllib.request.url2pathname(parsed.path))
+        if not path.is_file():
+            raise PtqError(f"{url}: not a regular file" + ("" if path.exists() else " (not found)"))
+
+
 def check_keras_file(path: Path) -> str:
     """An HDF5 file holding a Keras image model, N x H x W x C input (structure, not a hash)."""
     path = Path(path)
@@ -113,11 +134,10 @@ def check_keras_file(path: Path) -> str:
         import h5py
     except ImportError:  # h5py comes with the keras extra; without it, the signature is all we can check
         return "HDF5 file"
-    import json
 
     try:
         with h5py.File(path, "r") as handle:
-            config = json.loads(handle.attrs["model_config"])
+            config = bounded.json_loads(handle.attrs["model_config"])
     except (OSError, KeyError, ValueError) as error:
         raise PtqError(f"{path}: not a Keras .h5 model (no readable model_config: {error})") from error
     layers = config.get("config", {}).get("layers", [])
@@ -132,14 +152,18 @@ def _cifar_summary(summary: cifar.DirectorySummary) -> str:
 
 
 def _swap_directory(new: Path, final: Path) -> None:
-    """Put the complete directory `new` at `final`, replacing what was there only once `new` is ready."""
-    old = None
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{new.name}")
-        final.rename(old)
-    new.rename(final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    """Put the complete directory `new` at `final` once `new` is ready. Where `final` exists, only the files ptq
+    fetched are replaced, one by one: anything else a user keeps there stays."""
+    if not final.exists():
+        new.rename(final)
+        return
+    if not final.is_dir() or final.is_symlink():
+        raise PtqError(f"{final}: exists and is not a folder ptq can put {CIFAR_DIR_NAME} files in")
+    for path in sorted(new.iterdir()):
+        target = final / path.name
+        if target.is_dir() and not target.is_symlink():
+            raise PtqError(f"{target}: a folder where ptq puts the file {path.name}")
+        os.replace(path, target)
 
 
 def _staging_dir(destination: Path) -> Path:
@@ -178,7 +202,10 @@ def fetch_cifar(destination: Path, source: Source, mirror: Path | None, force: b
             download(source, archive, (lambda done, total: progress(CIFAR, done, total)) if progress else None)
             unpacked = _unpack(archive, staging)
             action, origin_text = "downloaded", source.url
-        summary = cifar.validate_directory(unpacked)
+        try:
+            summary = cifar.validate_directory(unpacked)
+        except PtqError as error:  # named by where the data came from, not ptq's staging folder
+            raise PtqError(str(error).replace(str(unpacked), origin_text)) from error
         _swap_directory(unpacked, final)
     except OSError as error:
         raise PtqError(f"{final}: cannot write ({error.strerror or error})") from error

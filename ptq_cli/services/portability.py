@@ -8,7 +8,6 @@ a CPU without VNNI the portable model is the one for this CPU, and nothing is co
 
 from __future__ import annotations
 
-import json
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -92,7 +91,7 @@ def load_all(results_dir: Path) -> dict[str, PortabilityCost]:
     found: dict[str, PortabilityCost] = {}
     for path in record_files(Path(results_dir) / RECORD_DIR):
         try:
-            cost = from_dict(PortabilityCost, json.loads(bounded.read_text(path, "record")))
+            cost = from_dict(PortabilityCost, bounded.json_loads(bounded.read_text(path, "record")))
         except (PtqError, OSError, ValueError, TypeError, AttributeError, RecursionError):
             continue
         if cost.model_sha256 and not cost.not_measured and None not in (cost.portable_sqnr_db, cost.vnni_sqnr_db):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -200,7 +199,7 @@ def load_benchmarks(results_dir: Path) -> dict[MeasurementKey, BenchmarkRecord]:
     found: dict[MeasurementKey, BenchmarkRecord] = {}
     for path in record_files(Path(results_dir) / BENCHMARK_DIR):
         try:
-            data = json.loads(bounded.read_text(path, "record"))
+            data = bounded.json_loads(bounded.read_text(path, "record"))
             record = from_dict(BenchmarkRecord, data)
         except (PtqError, OSError, ValueError, TypeError, AttributeError):
             continue

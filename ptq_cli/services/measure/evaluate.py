@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable
@@ -401,7 +400,7 @@ def save_record(record: EvaluationRecord, results_dir: Path, dataset: Dataset) -
 
 def read_record(path: Path) -> EvaluationRecord:
     try:
-        data = json.loads(bounded.read_text(Path(path), "record"), parse_constant=_refuse_constant)
+        data = bounded.json_loads(bounded.read_text(Path(path), "record"), parse_constant=_refuse_constant)
         if not isinstance(data, dict):
             raise ValueError("not a JSON object")
         record = from_dict(EvaluationRecord, data)

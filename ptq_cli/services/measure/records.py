@@ -102,7 +102,7 @@ def model_key(model_path: Path | str) -> str:
     folder = os.path.relpath(path.resolve().parent, Path.cwd().resolve())
     if folder == os.pardir or folder.startswith(os.pardir + os.sep):
         folder = str(path.resolve().parent)
-    folder = hashlib.sha256(folder.encode()).hexdigest()[:6]
+    folder = hashlib.sha256(folder.encode("utf-8", "surrogateescape")).hexdigest()[:6]
     return f"{path.name}-{folder}"
 
 

@@ -3,7 +3,6 @@ the report."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -46,7 +45,7 @@ class SweepResult:
 
 def read_sweep(path: Path) -> SweepResult:
     try:
-        data = json.loads(bounded.read_text(Path(path), "record"))
+        data = bounded.json_loads(bounded.read_text(Path(path), "record"))
         points = [from_dict(SweepPoint, point) for point in data["points"]]
         return replace(from_dict(SweepResult, {**data, "points": []}), points=points)
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:

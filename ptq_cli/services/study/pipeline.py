@@ -399,7 +399,7 @@ def manifest_path(results_dir: Path) -> Path:
 def read_manifest(path: Path) -> dict:
     """The previous manifest, or an empty one; a damaged manifest only means every stage runs again."""
     try:
-        data = json.loads(bounded.read_text(Path(path), "record"))
+        data = bounded.json_loads(bounded.read_text(Path(path), "record"))
     except (PtqError, OSError, ValueError):
         return {}
     if not isinstance(data, dict) or data.get("schema") != MANIFEST_SCHEMA:
