@@ -39,8 +39,10 @@ def reading(paths: list[Path]) -> Iterator[None]:
     try:
         yield
     finally:
-        _read_files.clear(), _read_folders.clear()
-        _read_files.update(saved[0]), _read_folders.update(saved[1])
+        _read_files.clear()
+        _read_folders.clear()
+        _read_files.update(saved[0])
+        _read_folders.update(saved[1])
 
 
 def _refuse_input(path: Path) -> None:

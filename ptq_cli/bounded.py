@@ -14,6 +14,7 @@ import stat
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -136,7 +137,7 @@ class JsonRefused(ValueError):
     """JSON over ptq's bounds: a ValueError, as any unreadable JSON is to the code reading it."""
 
 
-def json_loads(text: str | bytes, **options) -> object:
+def json_loads(text: str | bytes, **options: Any) -> Any:
     """json.loads within bounds: at most TEXT_BYTES, nested at most JSON_DEPTH deep (the parser's own recursion
     is caught, never a RecursionError traceback)."""
     if len(text) > TEXT_BYTES.value():
