@@ -203,3 +203,25 @@ def test_each_command_has_its_own_help_with_the_data_options(tmp_path):
         assert "--data" in result.stdout and f"ptq {command}" in result.stdout
     for command in ("quantize", "evaluate", "benchmark", "sensitivity", "tune", "prune", "sweep", "run"):
         assert "--preprocess" in invoke(command, "--help", cwd=tmp_path).stdout
+
+
+def test_sixteen_bit_grey_is_scaled_to_eight_bits_not_clipped(tmp_path):
+    """A 16-bit PNG's 0-65535 become 0-255 (divided by 257), as its 8-bit original would read, never 255 everywhere."""
+    wide = (np.random.default_rng(0).random((8, 8)) * 65535).astype(np.uint16)
+    for split in ("train", "test"):
+        for name in CLASSES:
+            (tmp_path / "grey" / split / name).mkdir(parents=True)
+            Image.fromarray(wide).save(tmp_path / "grey" / split / name / "0.png")
+    assert Image.open(tmp_path / "grey" / "test" / "red" / "0.png").mode.startswith("I")
+    images = open_dataset(tmp_path / "grey").load("test").images
+    assert np.abs(images[0, ..., 0].astype(float) - wide / 257.0).max() <= 0.5
+
+
+def test_a_set_of_one_image_evaluates_and_quantizes(tmp_path):
+    """Classes the images do not show are not drawn from: one labelled image calibrates."""
+    channel_mean_classifier(tmp_path / "m.onnx")
+    np.savez(tmp_path / "one.npz", images=colour_images(1)[0][:1], labels=np.array([0]), class_names=np.array(CLASSES))
+    assert invoke("evaluate", "--model", "m.onnx", "--data", "one.npz", "--results-dir", "res", cwd=tmp_path).exit_code == 0
+    made = invoke("quantize", "--model", "m.onnx", "--data", "one.npz", "--output", "q.onnx", "--json", cwd=tmp_path)
+    assert made.exit_code == 0, made.output
+    assert json.loads(made.stdout)["settings"]["calibration_samples"] == 1

@@ -347,3 +347,38 @@ def test_sigterm_ends_ptq_like_ctrl_c_with_nothing_half_written(project):
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "interrupted" in lines[0] and "Traceback" not in stderr
     assert not (project / "results").exists() and files_under(project / "models") == ["m.onnx"]
+
+
+def test_a_full_disk_behind_standard_output_is_named(tmp_path):
+    """`ptq ... > /dev/full`: one line naming standard output, exit 2 (a real process: the stream is the point)."""
+    import subprocess
+    import sys
+
+    from synthetic import channel_mean_classifier, photo_folder
+
+    channel_mean_classifier(tmp_path / "m.onnx", size=16, classes=5)
+    photo_folder(tmp_path / "photos", count=4, size=16)
+    with open("/dev/full", "w") as full:
+        process = subprocess.run([sys.executable, "-m", "ptq_cli", "evaluate", "--model", "m.onnx", "--data", "photos"], cwd=tmp_path,
+                                 stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+    lines = [line for line in process.stderr.splitlines() if line.strip()]
+    assert process.returncode == 2 and lines == ["Error: standard output: cannot write (No space left on device)"], process.stderr
+
+
+def test_no_output_is_a_file_or_folder_the_command_reads(tmp_path):
+    """By a hard link, a symbolic link or a path inside an image folder it reads: refused before writing, inputs unchanged."""
+    import os
+
+    from synthetic import channel_mean_classifier, colours_npz, image_folder, invoke, one_line_error
+
+    channel_mean_classifier(tmp_path / "m.onnx")
+    image_folder(tmp_path / "folder")
+    colours_npz(tmp_path / "colours.npz")
+    os.link(tmp_path / "colours.npz", tmp_path / "hard.npz")
+    os.symlink(tmp_path / "m.onnx", tmp_path / "soft.onnx")
+    before = {path.name: path.read_bytes() for path in (tmp_path / "m.onnx", tmp_path / "colours.npz")}
+    one_line_error(invoke("calibrate", "--data", "colours.npz", "--output", "hard.npz", cwd=tmp_path), "colours.npz")
+    one_line_error(invoke("quantize", "--model", "m.onnx", "--data", "colours.npz", "--output", "soft.onnx", cwd=tmp_path), "m.onnx")
+    one_line_error(invoke("calibrate", "--data", "folder", "--output", "folder/test/cal.npz", cwd=tmp_path), "a folder this command reads")
+    assert {path.name: path.read_bytes() for path in (tmp_path / "m.onnx", tmp_path / "colours.npz")} == before
+    assert not (tmp_path / "folder" / "test" / "cal.npz").exists()

@@ -149,3 +149,23 @@ def test_mirror_with_a_wrong_class_count_is_refused(tmp_path):
     assert_clean_failure(run, 2, "test_batch")
     assert "expected 1000 of each" in run.stderr
     assert not (tmp_path / "copy").exists()
+
+
+def test_fetch_keeps_what_a_user_put_beside_the_data_and_never_streams_forever(tmp_path, server, archive):
+    """A refetch replaces only the files it fetches; a URL to a device, a FIFO or an endless stream ends in one line."""
+    md5 = hashlib.md5(archive).hexdigest()
+    ptq_ok("fetch", "--dest", "assets", "--asset", "cifar", "--cifar-url", f"{server}/cifar.tar.gz", "--cifar-md5", md5, cwd=tmp_path)
+    notes = tmp_path / "assets" / fetch.CIFAR_DIR_NAME / "notes.txt"
+    notes.write_text("mine")
+    ptq_ok("fetch", "--dest", "assets", "--asset", "cifar", "--force", "--cifar-url", f"{server}/cifar.tar.gz", "--cifar-md5", md5, cwd=tmp_path)
+    assert notes.read_text() == "mine" and not [path for path in (tmp_path / "assets").iterdir() if path.name.startswith(".")]
+    import os
+
+    os.mkfifo(tmp_path / "fifo")
+    for url in ("file:///dev/zero", f"file://{tmp_path / 'fifo'}", f"file://{tmp_path / 'nothing'}"):
+        run = ptq("fetch", "--dest", "other", "--asset", "cifar", "--cifar-url", url, cwd=tmp_path)
+        assert_clean_failure(run, 2, url)
+    (tmp_path / "big").write_bytes(b"\0" * (fetch.MODEL_MAX_BYTES + 1))  # past any real .h5: refused while streaming
+    run = ptq("fetch", "--dest", "other", "--asset", "model", "--model-url", f"file://{tmp_path / 'big'}", cwd=tmp_path)
+    assert_clean_failure(run, 2, "more than")
+    assert not (tmp_path / "other").exists() or not any((tmp_path / "other").rglob("*.h5"))

@@ -625,3 +625,212 @@ def test_fuzz_output_collisions(template, tmp_path_factory, data):
     run_case(work, *(part.replace("{out}", chosen) for part in command))
     changed = [name for name, content in protected.items() if (work / name).read_bytes() != content]
     assert not changed, (command, chosen, changed)
+
+
+# Hostile input, second round (issue 36): the kinds that broke ptq, each a category drawn at random.
+
+def nested(depth: int, draw) -> str:
+    """JSON nested `depth` deep, in lists or objects."""
+    if draw(st.booleans(), label="objects"):
+        return '{"a":' * depth + "1" + "}" * depth
+    return "[" * depth + "]" * depth
+
+
+DEEP_TARGETS = {
+    "record": ("results/*.json", ("report", "--json")),
+    "benchmark record": ("results/benchmarks/*.json", ("report", "--json")),
+    "manifest": ("results/manifest.json", ("run", "--model", "models/m.onnx", "--data", "colours.npz", "--no-pytorch", "--no-openvino", "--no-benchmark")),
+    "model ptq.input": ("models/m.onnx", ("evaluate", "--model", "models/m.onnx", "--data", "colours.npz", "--results-dir", "res")),
+    "model ptq.quantization": ("models/m_uint8.onnx", ("evaluate", "--model", "models/m_uint8.onnx", "--data", "colours.npz", "--results-dir", "res")),
+    "model ptq.pruning": ("models/m.onnx", ("quantize", "--model", "models/m.onnx", "--data", "colours.npz", "--calibration", "calib.npz", "--output", "q.onnx")),
+}
+
+
+@fuzz(120)
+@given(data=st.data())
+def test_fuzz_deep_json(template, tmp_path_factory, data):
+    """JSON nested past any sane depth, in a record, the manifest or a model's metadata: one line or skipped, never a RecursionError."""
+    work = project(template, tmp_path_factory)
+    role = data.draw(st.sampled_from(sorted(DEEP_TARGETS)), label="role")
+    pattern, command = DEEP_TARGETS[role]
+    target = sorted(work.glob(pattern))[0] if "*" in pattern else work / pattern
+    text = nested(data.draw(st.integers(65, 30_000), label="depth"), data.draw)
+    if role.startswith("model"):
+        proto = onnx.load(str(target))
+        onnx.helper.set_model_props(proto, {**{prop.key: prop.value for prop in proto.metadata_props}, role.split()[1]: text})
+        target.write_bytes(proto.SerializeToString())
+    else:
+        target.write_text(text)
+    run_case(work, *command)
+
+
+NAME_TEXT = st.one_of(
+    st.sampled_from(["[/]", "[bold]x", "[link=file:///etc/passwd]y", "\\[x]", "[red]m[/red]", "a*/b", "x" * 240]),
+    st.binary(min_size=1, max_size=12).map(lambda raw: os.fsdecode(raw.replace(b"/", b"_").replace(b"\0", b"_"))),
+    st.text(alphabet=st.characters(blacklist_characters="/\0", blacklist_categories=("Cs",)), min_size=1, max_size=20),
+)
+
+
+@fuzz(200)
+@given(data=st.data())
+def test_fuzz_names(template, tmp_path_factory, data):
+    """Class folders, image files, model files and class names no codec takes, with rich markup, or at a file name's limit:
+    exit 0 with every name shown, or one line."""
+    work = project(template, tmp_path_factory)
+    name = data.draw(NAME_TEXT, label="name").strip() or "x"
+    if name in (".", ".."):
+        name = "dots"
+    where = data.draw(st.sampled_from(["class folder", "image file", "model file", "npz class name", "bom classes.txt"]), label="where")
+    command = ("evaluate", "--model", "models/m.onnx", "--data", "folder", "--results-dir", "res", "--per-class")
+    try:
+        if where == "class folder":
+            for split in ("train", "test"):
+                (work / "folder" / split / "red").rename(work / "folder" / split / name)
+            (work / "folder" / "classes.txt").unlink()
+        elif where == "image file":
+            (work / "folder" / "test" / "red" / "0000.png").rename(work / "folder" / "test" / "red" / f"{name[:200]}.png")
+        elif where == "model file":
+            shutil.copy(work / "models" / "m.onnx", work / f"{name[:200]}.onnx")
+            command = ("evaluate", "--model", f"{name[:200]}.onnx", "--data", "colours.npz", "--results-dir", "res")
+        elif where == "npz class name":
+            images, labels = colour_images(2)
+            np.savez(work / "colours.npz", images=images, labels=labels, class_names=np.array([name, "green", "blue"]))
+            command = ("evaluate", "--model", "models/m.onnx", "--data", "colours.npz", "--results-dir", "res", "--per-class")
+        else:
+            (work / "folder" / "classes.txt").write_bytes(b"\xef\xbb\xbf" + (work / "folder" / "classes.txt").read_bytes())
+    except OSError:  # a name this file system refuses (too long in bytes): nothing to test
+        return
+    result = run_case(work, *command)
+    if where == "bom classes.txt":
+        assert result.exit_code == 0, result.output  # a byte-order mark is not part of the first class's name
+    if result.exit_code == 0:
+        assert invoke("report", "--results-dir", "res", cwd=work).exit_code == 0
+
+
+ENVIRONMENT = {
+    "PTQ_MAX_IMAGE_PIXELS": st.sampled_from(["0", "-5", "1", "99999999999999999999999", "1e9", "", " 7 "]),
+    "PTQ_MAX_MODEL_BYTES": st.sampled_from(["0", "1", "99999999999999999999999", "-1", "x"]),
+    "PTQ_MAX_ARRAY_BYTES": st.sampled_from(["0", "100", "99999999999999999999999"]),
+    "PTQ_MAX_TEXT_BYTES": st.sampled_from(["0", "10", "99999999999999999999999"]),
+    "PTQ_CPUINFO": st.sampled_from(["/dev/zero", "/dev/null", "/dev/stdin", "fifo", "missing", "folder", "colours.npz", "random", "cpuinfo"]),
+}
+
+
+@fuzz(150)
+@given(data=st.data())
+def test_fuzz_environment(template, tmp_path_factory, data):
+    """Limits at their extremes and CPU descriptions ptq cannot read (a FIFO, a device, random bytes): one line or a right
+    result, never a hang, a traceback or a guessed int8 path."""
+    from ptq_cli import cpu as cpu_info
+
+    work = project(template, tmp_path_factory)
+    variable = data.draw(st.sampled_from(sorted(ENVIRONMENT)), label="variable")
+    value = data.draw(ENVIRONMENT[variable], label="value")
+    if variable == "PTQ_CPUINFO":
+        if value == "fifo":
+            os.mkfifo(work / "fifo")
+        elif value == "random":
+            (work / "random").write_bytes(np.random.default_rng(data.draw(st.integers(0, 99))).bytes(200))
+        elif value == "cpuinfo":
+            (work / "cpuinfo").write_text("model name : Drawn CPU\nflags : avx2\n")
+        value = value if value.startswith("/") else str(work / value)
+    command = data.draw(st.sampled_from([("evaluate", "--model", "models/m_uint8.onnx", "--data", "colours.npz", "--results-dir", "res", "--json"),
+                                         ("report", "--json")]), label="command")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(variable, value)
+        cpu_info.current.cache_clear()
+        try:
+            result = run_case(work, *command)
+        finally:
+            cpu_info.current.cache_clear()
+    if variable == "PTQ_CPUINFO" and command[0] == "evaluate":
+        assert (result.exit_code == 0) == value.endswith("cpuinfo"), (value, result.output)  # read, or refused: never guessed
+        if result.exit_code == 0:
+            assert json.loads(result.stdout)["cpu"]["model"] == "Drawn CPU"
+
+
+@fuzz(30)
+@given(data=st.data())
+def test_fuzz_study_outputs_over_user_files(template, tmp_path_factory, data):
+    """`ptq run` on data that sits where one of its stages writes, or is linked there: the user's file never changes."""
+    work = project(template, tmp_path_factory)
+    where = data.draw(st.sampled_from(["calibration/m_calib.npz", "models/m_int8.onnx.npz", "results/x.npz"]), label="where")
+    how = data.draw(st.sampled_from(["file", "hard link", "symbolic link"]), label="how")
+    target = work / where
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.unlink(missing_ok=True)
+    if how == "file":
+        shutil.copy(work / "colours.npz", target)
+        data_path = where
+    else:
+        (os.link if how == "hard link" else os.symlink)(work / "colours.npz", target)
+        data_path = "colours.npz"
+    before = (work / data_path).read_bytes()
+    run_case(work, "run", "--model", "models/m.onnx", "--data", data_path, "--no-pytorch", "--no-openvino", "--no-benchmark")
+    assert (work / data_path).read_bytes() == before and (work / "colours.npz").read_bytes() == before
+
+
+@fuzz(40)
+@given(data=st.data())
+def test_fuzz_container_bombs(template, tmp_path_factory, data):
+    """Arrays that fit one by one but not together, and a CIFAR batch of references to one row: refused before allocating."""
+    work = project(template, tmp_path_factory)
+    if data.draw(st.booleans(), label="npz"):
+        members = data.draw(st.integers(2, 6), label="members")
+        with zipfile.ZipFile(work / "colours.npz", "w", zipfile.ZIP_DEFLATED) as archive:
+            for index in range(members):
+                with archive.open(f"{'images' if index == 0 else f'extra{index}'}.npy", "w") as handle:
+                    np.lib.format.write_array(handle, np.zeros((60, 8, 8, 3), np.uint8))
+            with archive.open("labels.npy", "w") as handle:
+                np.lib.format.write_array(handle, np.zeros(60, np.int64))
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("PTQ_MAX_ARRAY_BYTES", str(60 * 8 * 8 * 3 + 60 * 8 + 1))  # each fits, all together do not
+            result = run_case(work, "evaluate", "--model", "models/m.onnx", "--data", "colours.npz", "--results-dir", "res")
+        assert result.exit_code == 2 and "together" in result.stderr
+        return
+    row = np.zeros(3072, np.uint8)
+    count = data.draw(st.integers(1000, 300_000), label="references")
+    (work / "cifar" / "test_batch").write_bytes(pickle.dumps({b"data": [row] * count, b"labels": [0] * count}, protocol=2))
+    result = run_case(work, "evaluate", "--model", "big.onnx", "--data", "cifar", "--results-dir", "res")
+    assert result.exit_code == 2 and "test_batch" in result.stderr
+
+
+SYMBOL_TEXT = st.one_of(st.sampled_from(["class", "new", "this", "template", "typeof", "constexpr", "main", "_Float32", "", "x__y", "ok",
+                                         "a b", "9lives", "_x", "int", "errno"]),
+                        st.text(alphabet="abcXYZ_019$-. ", min_size=0, max_size=12))
+
+
+@fuzz(60)
+@given(data=st.data())
+def test_fuzz_export_symbols(template, tmp_path_factory, data):
+    """`export --c-array` with a drawn --symbol or file name: C and C++ compile what it writes, or it refuses in one line."""
+    compilers = [shutil.which("gcc"), shutil.which("g++")]
+    tflite = Path(os.environ.get(ptq_settings.ASSETS_ENV, ptq_settings.DEFAULT_ASSETS)) / "mlperf-tiny-resnet8" / "pretrainedResnet_quant.tflite"
+    if not tflite.is_file():
+        pytest.skip("needs the MLPerf Tiny int8 .tflite (../shared/assets)")
+    work = project(template, tmp_path_factory)
+    if data.draw(st.booleans(), label="symbol given"):
+        shutil.copy(tflite, work / "model.tflite")
+        command = ("export", "--model", "model.tflite", "--c-array", "--no-arena", "--output-dir", "out", "--symbol", data.draw(SYMBOL_TEXT, label="symbol"))
+    else:
+        name = data.draw(NAME_TEXT, label="file name").strip()[:100] or "x"
+        try:
+            shutil.copy(tflite, work / f"{name}.tflite")
+        except OSError:
+            return
+        command = ("export", "--model", f"{name}.tflite", "--c-array", "--no-arena", "--output-dir", "out")
+        result = run_case(work, *command)
+        assert result.exit_code == 0, result.output  # a derived symbol is made valid, never refused
+    result = run_case(work, *command)
+    written = sorted((work / "out").glob("*")) if (work / "out").is_dir() else []
+    if result.exit_code == 2:
+        assert not written
+        return
+    assert [path.suffix for path in written] == [".c", ".h"]
+    if all(compilers):
+        import subprocess
+
+        for compiler, standard in zip(compilers, ("-std=c11", "-std=c++17"), strict=True):
+            built = subprocess.run([compiler, standard, "-x", "c" if "++" not in compiler else "c++", "-c", str(written[0]), "-o", os.devnull],
+                                   capture_output=True, text=True)
+            assert built.returncode == 0, (command, built.stderr[:400])
