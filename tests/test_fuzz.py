@@ -2,7 +2,7 @@
 
 The contract, for every case: exit 0 with a sound result, or exit 2 with one line on stderr and nothing
 written; never a traceback. In-process (CliRunner) on tests/synthetic.py's tiny classifier and images, so
-it runs on every change: all 5,000 cases in `make test` (CI), a quarter of them in `make test-fast`.
+it runs on every change: all 5,600 cases in `make test` (CI), a quarter of them in `make test-fast`.
 Cases are derandomized: a failure reproduces.
 """
 
@@ -30,7 +30,7 @@ FUZZ = settings(derandomize=True, database=None, deadline=None, suppress_health_
 
 
 def fuzz(examples: int):
-    """`examples` cases (5,000 over the harness), scaled by PTQ_FUZZ_SCALE: `make test-fast` runs a quarter."""
+    """`examples` cases (5,600 over the harness), scaled by PTQ_FUZZ_SCALE: `make test-fast` runs a quarter."""
     return settings(FUZZ, max_examples=max(10, round(examples * float(os.environ.get("PTQ_FUZZ_SCALE", "1")))))
 OUTPUTS = ("models", "results", "res", "reports", "out", "calibration", "q.onnx", "report.md", "calib_out.npz")
 
