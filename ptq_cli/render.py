@@ -174,7 +174,7 @@ def evaluation(record: EvaluationRecord, reference: EvaluationRecord | None, cla
         lines.append(Text("  no FP32 source to compare with (--against-fp32 MODEL names it)", style="dim"))
     top1: tuple = ("  top-1 ", (f"{record.accuracy:.2f}%", "bold"), f" ({record.correct:,}/{record.images:,})") if record.accuracy is not None else ()
     headline = Group(
-        Text.assemble((f"{record.name}", "bold"),
+        Text.assemble((visible(record.name), "bold"),
                       f"  {record.runtime}{f' ({record.precision})' if record.precision else ''} {record.dtype} on {record.dataset_label}", *top1),
         *lines,
         Text(f"  {record.images_per_second:,.0f} images/s"),
@@ -193,7 +193,7 @@ def evaluation(record: EvaluationRecord, reference: EvaluationRecord | None, cla
         table.add_column(f"FP32 ({reference.name})", justify="right")
         table.add_column("delta", justify="right")
     for index in classes:
-        name, accuracy = record.class_names[index], record.per_class_accuracy[index]
+        name, accuracy = visible(record.class_names[index]), record.per_class_accuracy[index]
         cells = [name, class_percent(accuracy)]
         if reference is not None:
             other = reference.per_class_accuracy[index]
@@ -273,8 +273,13 @@ def milliseconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
+def visible(name: str) -> str:
+    """A name as a terminal shows it: bytes no codec takes (kept as surrogates) as visible escapes, so columns line up."""
+    return name.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _name(row: ReportRow) -> str:
-    return f"{row.label} ({row.model})" if row.label else row.model
+    return visible(f"{row.label} ({row.model})" if row.label else row.model)
 
 
 def _model_cell(row: ReportRow) -> str:

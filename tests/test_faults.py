@@ -382,3 +382,22 @@ def test_no_output_is_a_file_or_folder_the_command_reads(tmp_path):
     one_line_error(invoke("calibrate", "--data", "folder", "--output", "folder/test/cal.npz", cwd=tmp_path), "a folder this command reads")
     assert {path.name: path.read_bytes() for path in (tmp_path / "m.onnx", tmp_path / "colours.npz")} == before
     assert not (tmp_path / "folder" / "test" / "cal.npz").exists()
+
+
+def test_a_model_named_at_the_file_name_limit_gets_a_record(tmp_path):
+    """A 245-byte model name: its record's name is shortened with a digest (never "File name too long"), and reads back."""
+    import shutil
+
+    from synthetic import channel_mean_classifier, colours_npz, invoke
+
+    channel_mean_classifier(tmp_path / "m.onnx")
+    colours_npz(tmp_path / "colours.npz")
+    long_name = "é" * 60 + "m" * 120 + ".onnx"  # 245 bytes in UTF-8
+    assert len(long_name.encode()) == 245
+    shutil.copy(tmp_path / "m.onnx", tmp_path / long_name)
+    result = invoke("evaluate", "--model", long_name, "--data", "colours.npz", "--results-dir", "res", cwd=tmp_path)
+    assert result.exit_code == 0, result.output
+    (record,) = (tmp_path / "res").glob("*.json")
+    assert len(record.name.encode()) <= 255
+    report = json.loads(invoke("report", "--results-dir", "res", "--json", cwd=tmp_path).stdout)
+    assert [row["model"] for row in report["groups"][0]["rows"]] == [long_name]

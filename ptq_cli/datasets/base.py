@@ -95,7 +95,7 @@ class Dataset(ABC):
     def slug(self, split: str) -> str:
         """A file-name-safe name of this dataset split, unique per location: `cifar-10-batches-py-test-1a2b3c`."""
         where = hashlib.sha256(os.fsencode(self.root.resolve())).hexdigest()[:6]
-        stem = re.sub(r"[^A-Za-z0-9._-]+", "_", self.root.stem or "data")
+        stem = re.sub(r"[^A-Za-z0-9._-]+", "_", self.root.stem or "data")[:60]  # the digest tells long names apart
         return f"{stem}-{split}-{where}"
 
     def load(self, split: str, size: tuple[int, int] | None = None, channels: int | None = None) -> LabelledImages:

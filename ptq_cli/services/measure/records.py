@@ -103,7 +103,22 @@ def model_key(model_path: Path | str) -> str:
     if folder == os.pardir or folder.startswith(os.pardir + os.sep):
         folder = str(path.resolve().parent)
     folder = hashlib.sha256(folder.encode("utf-8", "surrogateescape")).hexdigest()[:6]
-    return f"{path.name}-{folder}"
+    return f"{_within(path.name, NAME_BYTES)}-{folder}"
+
+
+NAME_BYTES = 120  # of a model's name in a record's file name: with the dataset and runtime parts, under a file system's 255
+
+
+def _within(name: str, limit: int) -> str:
+    """`name`, or its first bytes and a digest of the whole when it is longer than `limit` bytes (a 245-byte
+    file name still gets a record)."""
+    raw = os.fsencode(name)
+    if len(raw) <= limit:
+        return name
+    kept = name
+    while len(os.fsencode(kept)) > limit - 13:  # by characters: a cut inside one would make a name no codec takes
+        kept = kept[:-1]
+    return kept.rstrip() + "~" + hashlib.sha256(raw).hexdigest()[:12]
 
 
 @dataclass(frozen=True, order=True)
