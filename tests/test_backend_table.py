@@ -58,7 +58,7 @@ def _load(path: Path, options: RunOptions):
 
     import onnxruntime as ort
 
-    from ptq_cli.backends.onnxruntime import describe_input
+    from ptq_cli.backends.model_file import describe_input
 
     data = read_bytes(path)
     length = int.from_bytes(data[4:8], "little")

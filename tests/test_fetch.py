@@ -169,3 +169,13 @@ def test_fetch_keeps_what_a_user_put_beside_the_data_and_never_streams_forever(t
     run = ptq("fetch", "--dest", "other", "--asset", "model", "--model-url", f"file://{tmp_path / 'big'}", cwd=tmp_path)
     assert_clean_failure(run, 2, "more than")
     assert not (tmp_path / "other").exists() or not any((tmp_path / "other").rglob("*.h5"))
+
+
+def test_a_destination_inside_the_mirror_is_refused_before_any_copy(tmp_path):
+    mirror = tmp_path / "mirror" / fetch.CIFAR_DIR_NAME
+    mirror.mkdir(parents=True)
+    for name, data in _cifar_files(VALID_TEST_LABELS).items():
+        (mirror / name).write_bytes(data)
+    run = ptq("fetch", "--mirror", tmp_path / "mirror", "--dest", tmp_path / "mirror" / "sub", cwd=tmp_path)
+    assert_clean_failure(run, 2, "inside the mirror")
+    assert not (tmp_path / "mirror" / "sub").exists()

@@ -15,7 +15,13 @@ from typing import Any
 import numpy as np
 
 from ptq_cli import inputs
-from ptq_cli.backends.model_file import metadata_object
+from ptq_cli.backends.model_file import (  # noqa: F401  the metadata keys, named here for the backends
+    KERAS_SOURCE_METADATA_KEY,
+    PRUNING_METADATA_KEY,
+    QUANTIZATION_METADATA_KEY,
+    SOURCE_METADATA_KEY,
+    metadata_object,
+)
 from ptq_cli.cpu import ALL
 from ptq_cli.datasets.base import convert_channels, resize
 from ptq_cli.errors import PtqError
@@ -24,15 +30,6 @@ from ptq_cli.transforms.overflow import FIRST_LAYER, NO_FIX, OVERFLOW_FIXES
 
 ProgressCallback = Callable[[int, int], None]  # (images done, images in all): a backend's calibration progress
 
-# Quantize records how a model was made inside the model file itself, under this metadata key.
-QUANTIZATION_METADATA_KEY = "ptq.quantization"
-# ... and `ptq prune` how it pruned a model (kept through quantization), under this one.
-PRUNING_METADATA_KEY = "ptq.pruning"
-# ... and the sha256 of the float model a model was made from (the reference of its accuracy delta).
-SOURCE_METADATA_KEY = "ptq.source_sha256"
-# ... and `ptq convert --keras` the Keras file an ONNX model was converted from ({"path", "sha256"}): LiteRT
-# quantization starts from that file.
-KERAS_SOURCE_METADATA_KEY = "ptq.keras_source"
 EMULATE = "emulate"  # an int8 path reached by emulating a CPU of the other kind (Backend.int8_basis)
 INT4 = "int4"  # 4-bit weights (`--weight-dtype int4`), for a backend whose format holds them (Backend.int4_weights)
 

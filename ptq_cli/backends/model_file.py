@@ -1,5 +1,7 @@
 """Reading a model's files, whatever the backend: bounded reads, ONNX parsing with its external weights
-(from the model's folder only), and the input/output shapes an image classifier declares."""
+(from the model's folder only), the input/output shapes an image classifier declares, and what an ONNX
+graph says of itself (ptq's metadata, its data type, how a model ptq did not make is quantized): the
+helpers every ONNX-reading part shares, onnxruntime's or not."""
 
 from __future__ import annotations
 
@@ -14,6 +16,16 @@ from ptq_cli import bounded, inputs
 from ptq_cli.atomic import companions
 from ptq_cli.errors import PtqError
 from ptq_cli.inputs import ModelInput
+
+# Quantize records how a model was made inside the model file itself, under this metadata key.
+QUANTIZATION_METADATA_KEY = "ptq.quantization"
+# ... and `ptq prune` how it pruned a model (kept through quantization), under this one.
+PRUNING_METADATA_KEY = "ptq.pruning"
+# ... and the sha256 of the float model a model was made from (the reference of its accuracy delta).
+SOURCE_METADATA_KEY = "ptq.source_sha256"
+# ... and `ptq convert --keras` the Keras file an ONNX model was converted from ({"path", "sha256"}): LiteRT
+# quantization starts from that file.
+KERAS_SOURCE_METADATA_KEY = "ptq.keras_source"
 
 
 def require_file(path: Path) -> None:
@@ -154,3 +166,62 @@ def metadata_object(path: Path, stored: dict[str, str], key: str) -> dict | None
     if not isinstance(value, dict):
         raise PtqError(f"{path}: model metadata '{key}' is not a JSON object")
     return value
+
+
+def metadata(model) -> dict[str, str]:
+    """The model's metadata_props as a dict (ptq keeps its settings, input contract and source there)."""
+    return {prop.key: prop.value for prop in model.metadata_props}
+
+
+def quantized_dtype(model) -> tuple[str, dict | None]:
+    """The model's data type ("fp32", "int8", "uint8") and how it was quantized: ptq's settings from its metadata, else read off the graph."""
+    import onnx
+
+    stored = metadata(model)
+    if QUANTIZATION_METADATA_KEY in stored:
+        try:
+            settings = bounded.json_loads(stored[QUANTIZATION_METADATA_KEY])
+            return str(settings["dtype"]), settings
+        except (ValueError, KeyError, TypeError):
+            pass  # unreadable settings: tell the type from the graph
+    # A quantized model from elsewhere: the zero point of its first QuantizeLinear tells the activation type,
+    # and the graph the rest (described_from_graph).
+    initializers = {init.name: init for init in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "QuantizeLinear" and len(node.input) > 2 and node.input[2] in initializers:
+            zero_point = initializers[node.input[2]]
+            dtype = "uint8" if zero_point.data_type == onnx.TensorProto.UINT8 else "int8"
+            return dtype, described_from_graph(model, dtype)
+    return "fp32", None
+
+
+QOPERATOR_OPS = ("QLinearConv", "QLinearMatMul", "ConvInteger", "MatMulInteger", "QGemm")
+
+
+def described_from_graph(model, dtype: str) -> dict:
+    """How a quantized model ptq did not make is quantized, read from its graph: QDQ or QOperator, the weights'
+    type (the codes a DequantizeLinear reads from an initializer) and granularity (one scale per channel)."""
+    import onnx
+
+    initializers = {init.name: init for init in model.graph.initializer}
+    weights = [node for node in model.graph.node if node.op_type == "DequantizeLinear" and node.input[0] in initializers]
+    types = {initializers[node.input[0]].data_type for node in weights}
+    per_channel = any(len(node.input) > 1 and node.input[1] in initializers and int(np.prod(initializers[node.input[1]].dims)) > 1 for node in weights)
+    quantized_ops = {node.op_type for node in model.graph.node} & set(QOPERATOR_OPS)
+    return {"format": "QOperator" if quantized_ops and not weights else "QDQ", "dtype": dtype,
+            "weight_dtype": "uint8" if types == {onnx.TensorProto.UINT8} else "int8", "per_channel": per_channel, "made_by": "another tool"}
+
+
+def describe_input(path: Path, model):
+    """(ModelInput, declared class count or None) of an ONNX classifier, or a one-line error."""
+    import onnx
+
+    found = graph_inputs(model)
+    if len(found) != 1:
+        raise PtqError(f"{path}: {len(found)} inputs ({', '.join(value.name for value in found)}); ptq takes image classifiers with one image input")
+    value = found[0]
+    is_float = value.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    described = model_input(path, value.name, onnx_dims(value), is_float)
+    if not model.graph.output:
+        raise PtqError(f"{path}: the graph has no outputs; ptq takes classifiers whose first output is the class scores")
+    return described, num_classes(path, onnx_dims(model.graph.output[0]))

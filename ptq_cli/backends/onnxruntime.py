@@ -20,7 +20,7 @@ from ptq_cli import bounded, inputs
 from ptq_cli.atomic import atomic_output
 from ptq_cli.backends import base
 from ptq_cli.backends.base import EMULATE, Backend, LoadedModel, ProgressCallback, QuantizationSettings, QuantizedFile, RunOptions, finish_load
-from ptq_cli.backends.model_file import graph_inputs, in_fixed_batches, model_input, num_classes, onnx_dims, read_bytes, read_onnx, resolve_threads
+from ptq_cli.backends.model_file import describe_input, in_fixed_batches, metadata, quantized_dtype, read_bytes, read_onnx, resolve_threads
 from ptq_cli.cpu import EXACT
 from ptq_cli.errors import PtqError
 from ptq_cli.transforms import overflow, rounding
@@ -32,63 +32,6 @@ SUFFIX = ".onnx"
 CALIBRATION_BATCH = 100
 # Batches smaller than this per thread are run whole: splitting them costs more than it saves.
 MIN_SHARD = 32
-
-
-def metadata(model) -> dict[str, str]:
-    return {prop.key: prop.value for prop in model.metadata_props}
-
-
-def _dtype(model) -> tuple[str, dict | None]:
-    import onnx
-
-    stored = metadata(model)
-    if base.QUANTIZATION_METADATA_KEY in stored:
-        try:
-            settings = bounded.json_loads(stored[base.QUANTIZATION_METADATA_KEY])
-            return str(settings["dtype"]), settings
-        except (ValueError, KeyError, TypeError):
-            pass  # unreadable settings: tell the type from the graph
-    # A quantized model from elsewhere: the zero point of its first QuantizeLinear tells the activation type,
-    # and the graph the rest (described_from_graph).
-    initializers = {init.name: init for init in model.graph.initializer}
-    for node in model.graph.node:
-        if node.op_type == "QuantizeLinear" and len(node.input) > 2 and node.input[2] in initializers:
-            zero_point = initializers[node.input[2]]
-            dtype = "uint8" if zero_point.data_type == onnx.TensorProto.UINT8 else "int8"
-            return dtype, described_from_graph(model, dtype)
-    return "fp32", None
-
-
-QOPERATOR_OPS = ("QLinearConv", "QLinearMatMul", "ConvInteger", "MatMulInteger", "QGemm")
-
-
-def described_from_graph(model, dtype: str) -> dict:
-    """How a quantized model ptq did not make is quantized, read from its graph: QDQ or QOperator, the weights'
-    type (the codes a DequantizeLinear reads from an initializer) and granularity (one scale per channel)."""
-    import onnx
-
-    initializers = {init.name: init for init in model.graph.initializer}
-    weights = [node for node in model.graph.node if node.op_type == "DequantizeLinear" and node.input[0] in initializers]
-    types = {initializers[node.input[0]].data_type for node in weights}
-    per_channel = any(len(node.input) > 1 and node.input[1] in initializers and int(np.prod(initializers[node.input[1]].dims)) > 1 for node in weights)
-    quantized_ops = {node.op_type for node in model.graph.node} & set(QOPERATOR_OPS)
-    return {"format": "QOperator" if quantized_ops and not weights else "QDQ", "dtype": dtype,
-            "weight_dtype": "uint8" if types == {onnx.TensorProto.UINT8} else "int8", "per_channel": per_channel, "made_by": "another tool"}
-
-
-def describe_input(path: Path, model):
-    """(ModelInput, declared class count or None) of an ONNX classifier, or a one-line error."""
-    import onnx
-
-    found = graph_inputs(model)
-    if len(found) != 1:
-        raise PtqError(f"{path}: {len(found)} inputs ({', '.join(value.name for value in found)}); ptq takes image classifiers with one image input")
-    value = found[0]
-    is_float = value.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
-    described = model_input(path, value.name, onnx_dims(value), is_float)
-    if not model.graph.output:
-        raise PtqError(f"{path}: the graph has no outputs; ptq takes classifiers whose first output is the class scores")
-    return described, num_classes(path, onnx_dims(model.graph.output[0]))
 
 
 # onnxruntime's session option for its exact (slower) u8 x s8 kernels on x86 CPUs without VNNI.
@@ -143,7 +86,7 @@ def load(path: Path, options: RunOptions) -> LoadedModel:
     path = Path(path)
     data = read_bytes(path)
     model = read_onnx(path, data)
-    dtype, quantization = _dtype(model)
+    dtype, quantization = quantized_dtype(model)
     whole = data if model.ByteSize() == len(data) else model.SerializeToString()  # external weights read in
     threads, exact_int8 = resolve_threads(options.threads), options.exact_int8
     described, classes = describe_input(path, model)

@@ -94,7 +94,7 @@ def _files(path: Path) -> list[Path]:
 def _stored(path: Path, model) -> dict[str, str]:
     """ptq's metadata: from the IR's rt_info, or from an ONNX file's metadata_props."""
     if path.suffix != SUFFIX:
-        from ptq_cli.backends.onnxruntime import metadata
+        from ptq_cli.backends.model_file import metadata
 
         return metadata(read_onnx(path))
     return {key: str(model.get_rt_info([RT_INFO_SECTION, key]).astype(str)) for key in STORED_KEYS if model.has_rt_info([RT_INFO_SECTION, key])}

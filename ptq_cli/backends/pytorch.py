@@ -28,7 +28,7 @@ from ptq_cli.backends.base import (
     describe_settings,
     finish_load,
 )
-from ptq_cli.backends.model_file import in_fixed_batches, metadata_object, read_bytes, resolve_threads
+from ptq_cli.backends.model_file import describe_input, in_fixed_batches, metadata_object, read_bytes, resolve_threads
 from ptq_cli.cpu import SATURATING
 from ptq_cli.errors import PtqError
 from ptq_cli.transforms import overflow
@@ -78,7 +78,7 @@ def onnx_to_graph_module(model, fold: bool = True):
 
 def torch_ready(model, path: Path):
     """(model, ModelInput, fixed batch or None): a fixed batch is made symbolic where that computes the same."""
-    described, _ = ort_backend.describe_input(path, model)
+    described, _ = describe_input(path, model)
     if described.batch is None:
         return model, described, None
     freed = ort_backend.free_batch(path, model, described)

@@ -259,6 +259,8 @@ def fetch(
     destination = Path(destination)
     if mirror is not None and not Path(mirror).is_dir():
         raise PtqError(f"--mirror: {mirror} is not a directory")
+    if mirror is not None and destination.resolve() != Path(mirror).resolve() and destination.resolve().is_relative_to(Path(mirror).resolve()):
+        raise PtqError(f"--dest: {destination} is inside the mirror {mirror}, which fetch reads; give a folder outside it (or the mirror itself, to check it)")
     fetched = []
     if CIFAR in assets:
         fetched.append(fetch_cifar(destination, cifar_from or cifar_source(), mirror and Path(mirror), force, progress))
