@@ -8,6 +8,7 @@ removes those left by a process that no longer runs (a `kill -9`, a power cut).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import stat
@@ -16,6 +17,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ptq_cli.errors import PtqError
+
+# The errors of a write that fails for its destination (a full disk, a quota, a read-only or failing device).
+WRITE_FAILURES = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO})
 
 # What the running command reads (its files by device and inode, its folders resolved): no output may be one of
 # them, through a hard link, a symbolic link or a path inside a folder it reads images from.

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ptq_cli import bounded, inputs
-from ptq_cli.atomic import atomic_output
+from ptq_cli.atomic import WRITE_FAILURES, atomic_output
 from ptq_cli.backends import base
 from ptq_cli.backends.base import EMULATE, Backend, LoadedModel, ProgressCallback, QuantizationSettings, QuantizedFile, RunOptions, finish_load
 from ptq_cli.backends.model_file import describe_input, in_fixed_batches, metadata, quantized_dtype, read_bytes, read_onnx, resolve_threads
@@ -561,6 +561,10 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
                 )
             except PtqError:
                 raise
+            except OSError as error:
+                if error.errno in WRITE_FAILURES:
+                    raise PtqError(f"{output}: cannot write ({error.strerror})") from error  # the output's disk, not the model
+                raise PtqError(f"{model.graph.name or 'model'}: onnxruntime.quantization failed (OSError: {error.strerror or error})") from error
             except Exception as error:  # onnxruntime.quantization raises many types for graphs it cannot handle
                 first_line = str(error).splitlines()[0] if str(error) else ""
                 raise PtqError(f"{model.graph.name or 'model'}: onnxruntime.quantization failed ({type(error).__name__}: {first_line})") from error

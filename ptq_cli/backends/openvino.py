@@ -314,7 +314,10 @@ def _save_ir(ov, quantized, output: Path, stored: dict[str, str], settings: Quan
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.{os.getpid()}-", suffix=".partial", dir=output.parent))
     try:
-        ov.save_model(quantized, str(staging / output.name), compress_to_fp16=False)
+        try:
+            ov.save_model(quantized, str(staging / output.name), compress_to_fp16=False)
+        except RuntimeError as error:  # OpenVINO's C++ stream error on a full disk, with no errno to tell
+            raise PtqError(f"{output}: cannot write the IR ({str(error).splitlines()[0] if str(error) else 'OpenVINO failed'}; is the disk full?)") from error
         weights = output.with_suffix(".bin")
         # The .bin first: an .xml on disk always has its weights beside it.
         os.replace(staging / weights.name, weights)

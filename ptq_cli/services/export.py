@@ -111,7 +111,8 @@ def export_c_array(model: Path, output_dir: Path | None = None, symbol: str | No
         f"const unsigned int {symbol}_len = {len(data)};", "",
     ])
     # Both or neither: each written to a temporary file, renamed only once both are complete (a full disk leaves no .h alone).
-    with atomic_output(source) as source_tmp, atomic_output(header) as header_tmp:
-        source_tmp.write_text(source_text, encoding="ascii")
-        header_tmp.write_text(header_text, encoding="ascii")
+    with atomic_output(source) as source_tmp:
+        source_tmp.write_text(source_text, encoding="ascii")  # a failure here is named by the .c, one below by the .h
+        with atomic_output(header) as header_tmp:
+            header_tmp.write_text(header_text, encoding="ascii")
     return CArrayExport(model, source, header, symbol, len(data), arena_bytes)
