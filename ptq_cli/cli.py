@@ -544,7 +544,8 @@ def quantize(
         tuple(ignored_scope or ()), io and io.value, str(ranges_from) if ranges_from else None, cpus=cpus.value, overflow_fix=overflow_fix and overflow_fix.value,
         stem=stem.value, rounding=rounding.value,
     )
-    models_service.load_model(model, 1, choice.flags)  # a bad model (its input, its output on one image) fails before any calibration work
+    # Loaded once, before any calibration work: a bad model (its input, its output on one image) fails first.
+    source = quantize_service.load_source(model, choice.flags, quantization_settings.per_channel is not False)
     if ranges_from is not None:
         check_model(ranges_from)
     destination = output or quantize_service.default_output(model, quantization_settings)
@@ -552,7 +553,7 @@ def quantize(
     calibration_set = _calibration_set(calibration, choice, model)
     with _progress_bar(f"Calibrating ({quantization_settings.method}) and quantizing with {backend.value}") as progress:
         result = quantize_service.quantize(model, destination, quantization_settings, calibration_set, choice.flags, progress, portability_cost,
-                                           results_dir)
+                                           results_dir, source)
     _emit(as_json, result, render.quantization(result))
 
 

@@ -167,3 +167,26 @@ def test_the_report_table_fits_80_columns_and_keys_long_names_below_it(newcomer)
     again = invoke("quantize", "--model", long_name, "--data", "my_images", "--output", "q2.onnx", "--results-dir", "res", cwd=newcomer)
     said = " ".join(again.stdout.split())
     assert "1 measured on my_images (test)" in said and "most faithful q.onnx" in said  # the other choice, read from its record
+
+
+def test_quantize_loads_the_users_model_once(newcomer, monkeypatch):
+    """The model is checked before calibration work and quantized from that one load (issue 37: every model loaded once
+    per command), whichever backend quantizes it."""
+    import collections
+    import dataclasses
+
+    from ptq_cli import backends
+
+    loads: collections.Counter = collections.Counter()
+    row = backends.TABLE["onnxruntime"]
+
+    def counted(path, options):
+        loads[str(path)] += 1
+        return row.load(path, options)
+
+    monkeypatch.setitem(backends.TABLE, "onnxruntime", dataclasses.replace(row, load=counted))
+    for backend, suffix in (("onnxruntime", ".onnx"), ("pytorch", ".pt")):
+        loads.clear()
+        made = invoke("quantize", "--model", "yours.onnx", "--data", "my_images", "--backend", backend, "--output", f"q{suffix}", cwd=newcomer)
+        assert made.exit_code == 0, made.output
+        assert loads["yours.onnx"] == 1, (backend, dict(loads))

@@ -138,15 +138,18 @@ def default_output(model: Path, settings: QuantizationSettings, models_dir: Path
 
 def quantize(model_path: Path, output: Path, settings: QuantizationSettings, calibration: CalibrationSet,
              flags: inputs.PreprocessingFlags | None = None, progress: ProgressCallback | None = None,
-             portability_cost: bool = False, results_dir: Path | None = None) -> QuantizeResult:
+             portability_cost: bool = False, results_dir: Path | None = None, source: SourceModel | None = None) -> QuantizeResult:
     """Quantize the FP32 ONNX model with the settings' backend; the output is written atomically. With
     `portability_cost`, a model with an overflow fix is measured against one made for VNNI CPUs alone (portability.py).
-    With `results_dir`, the result names what the records there measured of the other models made from the same source."""
+    With `results_dir`, the result names what the records there measured of the other models made from the same source.
+    `source`: the model already loaded by load_source (a command that checked it before drawing calibration images),
+    so it is loaded once."""
     model_path, output = Path(model_path), Path(output)
     calibration_file = Path(calibration.source.split(" (")[0]) if calibration.source else None
     ranges_from = Path(settings.ranges_from) if settings.ranges_from else None
     check_outputs([("--output", output, (backends.backend(settings.backend).suffix,))], [model_path, ranges_from, calibration_file])
-    source = load_source(model_path, flags or inputs.PreprocessingFlags(), settings.per_channel is not False)
+    if source is None or Path(source.path) != model_path:
+        source = load_source(model_path, flags or inputs.PreprocessingFlags(), settings.per_channel is not False)
     prepared = calibration_inputs(source, calibration)
     settings = with_calibration(resolve_settings(source, settings, prepared), calibration)
     written = quantize_source(source, output, settings, calibration, prepared=prepared, progress=progress)
