@@ -156,17 +156,6 @@ def json_loads(text: str | bytes, **options: Any) -> Any:
     return value
 
 
-def json_object(text: str, where: Path | str, what: str) -> dict:
-    """A JSON object ptq stored (model metadata), or a one-line error naming the file and the entry."""
-    try:
-        value = json_loads(text)
-    except ValueError as error:
-        raise PtqError(f"{where}: {what} is not readable JSON ({str(error).splitlines()[0]})") from error
-    if not isinstance(value, dict):
-        raise PtqError(f"{where}: {what} is not a JSON object")
-    return value
-
-
 def check_count(where: Path | str, count: int, limit: Limit, found: str) -> None:
     if count > limit.value():
         raise limit.refuse(where, found)
@@ -204,10 +193,12 @@ def npz_arrays(path: Path, names: tuple[str, ...] | None = None, what: str = ".n
                     raise PtqError(f"{path}: member '{member.filename}' is not a .npy array")
                 found[member.filename[: -len(".npy")]] = member
             wanted = {name: member for name, member in found.items() if names is None or name in names}
-            total = sum(_declared_bytes(path, archive, member, name) for name, member in wanted.items())
-            if total > ARRAY_BYTES.value():  # the members together, sized from their headers before any is inflated
+            # Each member, then all together, sized from their headers before any is inflated.
+            declared = {name: _declared(path, archive, member, name) for name, member in wanted.items()}
+            total = sum(declared.values())
+            if total > ARRAY_BYTES.value():
                 raise ARRAY_BYTES.refuse(path, f"its arrays are {total:,} bytes together")
-            return {name: _read_member(path, archive, member, name) for name, member in wanted.items()}
+            return {name: _read_member(path, archive, member, name, declared[name]) for name, member in wanted.items()}
     except PtqError:
         raise
     except zipfile.BadZipFile as error:
@@ -225,18 +216,9 @@ def _is_npy(path: Path) -> bool:
         return False
 
 
-def _declared_bytes(path: Path, archive: zipfile.ZipFile, member: zipfile.ZipInfo, name: str) -> int:
-    """The bytes a member's .npy header declares, read without inflating its data."""
-    with archive.open(member) as handle:
-        version = np.lib.format.read_magic(handle)
-        reader = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        shape, _, dtype = reader(handle, max_header_size=NPY_HEADER_BYTES)
-    if any(dim < 0 for dim in shape):
-        raise PtqError(f"{path}: '{name}' declares a negative dimension")
-    return math.prod(shape) * dtype.itemsize
-
-
-def _read_member(path: Path, archive: zipfile.ZipFile, member: zipfile.ZipInfo, name: str) -> np.ndarray:
+def _declared(path: Path, archive: zipfile.ZipFile, member: zipfile.ZipInfo, name: str) -> int:
+    """The bytes a member's .npy header declares, read without inflating its data; object arrays, negative
+    dimensions and a member over ARRAY_BYTES refused."""
     where = f"{path}: '{name}'"
     with archive.open(member) as handle:
         version = np.lib.format.read_magic(handle)
@@ -249,8 +231,13 @@ def _read_member(path: Path, archive: zipfile.ZipFile, member: zipfile.ZipInfo, 
     size = math.prod(shape) * dtype.itemsize
     if size > ARRAY_BYTES.value():
         raise ARRAY_BYTES.refuse(path, f"'{name}' is {size:,} bytes")
+    return size
+
+
+def _read_member(path: Path, archive: zipfile.ZipFile, member: zipfile.ZipInfo, name: str, size: int) -> np.ndarray:
+    """The member's array, of the `size` its header declared (_declared)."""
     if size > member.file_size:
-        raise PtqError(f"{where} declares {size:,} bytes of data but holds {member.file_size:,}")
+        raise PtqError(f"{path}: '{name}' declares {size:,} bytes of data but holds {member.file_size:,}")
     with archive.open(member) as handle:
         return np.lib.format.read_array(handle, allow_pickle=False, max_header_size=NPY_HEADER_BYTES)
 

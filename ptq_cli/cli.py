@@ -923,18 +923,14 @@ def run_pipeline(
                                                     (pipeline_service.LITERT, litert)) if not wanted),
         seed=seed, benchmark=benchmark, benchmark_runs=runs, threads=threads, force=force, emulated_images=emulated_images,
     )
-    if not err.is_terminal:  # piped or logged: one plain line as each stage starts and as it ends
-        def on_line(index: int, total: int, stage: pipeline_service.Stage, outcome: pipeline_service.StageOutcome | None) -> None:
-            err.print(render.stage_line(index, total, stage.name, outcome), markup=False, highlight=False, soft_wrap=True)
-
-        result = pipeline_service.run(options, render.report_markdown, list(COMMAND_LINE.get()), on_line)
-        _emit(as_json, result, render.pipeline_run(result))
-        return
     columns = (SpinnerColumn(finished_text="[green]✓[/green]"), TextColumn("{task.description}"), TimeElapsedColumn())
-    with Progress(*columns, console=err) as display:
+    with Progress(*columns, console=err, disable=not err.is_terminal) as display:
         tasks: dict[int, Any] = {}
 
         def on_stage(index: int, total: int, stage: pipeline_service.Stage, outcome: pipeline_service.StageOutcome | None) -> None:
+            if not err.is_terminal:  # piped or logged: one plain line as each stage starts and as it ends
+                err.print(render.stage_line(index, total, stage.name, outcome), highlight=False, soft_wrap=True)
+                return
             label = escape(f"[{index + 1}/{total}] {stage.name}")
             if outcome is None:
                 tasks[index] = display.add_task(label, total=1)
@@ -969,8 +965,6 @@ def _read_paths(arguments: dict[str, Any]) -> list[Path]:
     for name, value in arguments.items():
         if name in OUTPUT_PARAMETERS:
             continue
-        if isinstance(value, DataChoice):
-            paths += [path for path in (value.data, value.calibration_data) if path is not None]
         for item in value if isinstance(value, list) else [value]:
             if isinstance(item, Path):
                 paths.append(item)

@@ -503,14 +503,19 @@ SPECIAL_TARGETS = {
 }
 
 
+def drawn_target(work: Path, targets: dict[str, tuple[str, tuple[str, ...]]], data) -> tuple[str, Path, tuple[str, ...]]:
+    """A role drawn from `targets` (role -> (path or glob in the project, the command that reads it)): the role, its file, the command."""
+    role = data.draw(st.sampled_from(sorted(targets)), label="role")
+    pattern, command = targets[role]
+    return role, sorted(work.glob(pattern))[0] if "*" in pattern else work / pattern, command
+
+
 @fuzz(700)
 @given(data=st.data())
 def test_fuzz_special_files(template, tmp_path_factory, data):
     """Any input replaced by a FIFO, a device, a directory or a dangling link: refused in one line, never read."""
     work = project(template, tmp_path_factory)
-    role = data.draw(st.sampled_from(sorted(SPECIAL_TARGETS)), label="role")
-    pattern, command = SPECIAL_TARGETS[role]
-    target = sorted(work.glob(pattern))[0] if "*" in pattern else work / pattern
+    _, target, command = drawn_target(work, SPECIAL_TARGETS, data)
     target.unlink()
     kind = data.draw(st.sampled_from(["fifo", "/dev/zero", "/dev/null", "/dev/urandom", "directory", "dangling link", "link to a directory"]), label="kind")
     if kind == "fifo":
@@ -651,9 +656,7 @@ DEEP_TARGETS = {
 def test_fuzz_deep_json(template, tmp_path_factory, data):
     """JSON nested past any sane depth, in a record, the manifest or a model's metadata: one line or skipped, never a RecursionError."""
     work = project(template, tmp_path_factory)
-    role = data.draw(st.sampled_from(sorted(DEEP_TARGETS)), label="role")
-    pattern, command = DEEP_TARGETS[role]
-    target = sorted(work.glob(pattern))[0] if "*" in pattern else work / pattern
+    role, target, command = drawn_target(work, DEEP_TARGETS, data)
     text = nested(data.draw(st.integers(65, 30_000), label="depth"), data.draw)
     if role.startswith("model"):
         proto = onnx.load(str(target))

@@ -92,7 +92,7 @@ def load_all(results_dir: Path) -> dict[str, PortabilityCost]:
     for path in record_files(Path(results_dir) / RECORD_DIR):
         try:
             cost = from_dict(PortabilityCost, bounded.json_loads(bounded.read_text(path, "record")))
-        except (PtqError, OSError, ValueError, TypeError, AttributeError, RecursionError):
+        except (PtqError, OSError, ValueError, TypeError, AttributeError):
             continue
         if cost.model_sha256 and not cost.not_measured and None not in (cost.portable_sqnr_db, cost.vnni_sqnr_db):
             found[cost.model_sha256] = cost
