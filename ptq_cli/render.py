@@ -27,7 +27,7 @@ from ptq_cli.services.measure.sensitivity import SensitivityResult
 from ptq_cli.services.measure.sweep_records import SweepResult
 from ptq_cli.services.portability import describe as describe_portability
 from ptq_cli.services.prune import PruneResult
-from ptq_cli.services.quant_settings import describe_cpus, short_node
+from ptq_cli.services.quant_settings import describe_cpus, describe_method, short_node
 from ptq_cli.services.quantize import QuantizeResult
 from ptq_cli.services.stem import describe_stem
 from ptq_cli.services.study.pipeline import RunResult, StageOutcome
@@ -121,7 +121,7 @@ def calibration(calibration_set: CalibrationSet, output: Path) -> Group:
 
 def quantization(result: QuantizeResult) -> Table:
     settings = result.settings
-    method = settings.method + (f" (percentile {settings.percentile:g})" if settings.percentile is not None else "")
+    method = describe_method(settings.method, settings.percentile, settings.method_sqnr_db)
     if settings.ranges_from:
         method = f"the converter's min/max, then the activation ranges of {settings.ranges_from}"
     return _key_value_table(

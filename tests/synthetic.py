@@ -208,3 +208,25 @@ def grey_folder(root: Path, count: int = 24, size: int = 16, seed: int = 0) -> P
         grey = rng.integers(0, 256, (size, size), dtype=np.uint8)
         Image.fromarray(np.repeat(grey[:, :, None], 3, axis=2)).save(root / f"grey_{index:03d}.png")
     return root
+
+
+def two_conv_classifier(path: Path, size: int = 16) -> Path:
+    """NCHW 3 x 16 x 16 -> Conv 3->16 (3x3) -> Relu -> Conv 16->24 (3x3, stride 2) -> Relu -> mean -> Gemm -> 10 scores -> Softmax."""
+    rng = np.random.default_rng(3)
+    initializers = [numpy_helper.from_array(rng.normal(0, 0.3, (16, 3, 3, 3)).astype(np.float32), "w1"),
+                    numpy_helper.from_array(rng.normal(0, 0.05, 16).astype(np.float32), "b1"),
+                    numpy_helper.from_array(rng.normal(0, 0.15, (24, 16, 3, 3)).astype(np.float32), "w2"),
+                    numpy_helper.from_array(rng.normal(0, 0.05, 24).astype(np.float32), "b2"),
+                    numpy_helper.from_array(rng.normal(0, 0.5, (24, 10)).astype(np.float32), "w3")]
+    nodes = [helper.make_node("Conv", ["image", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1], strides=[2, 2], name="conv2"),
+             helper.make_node("Relu", ["c2"], ["r2"]),
+             helper.make_node("GlobalAveragePool", ["r2"], ["pooled"]),
+             helper.make_node("Flatten", ["pooled"], ["flat"]),
+             helper.make_node("Gemm", ["flat", "w3"], ["logits"], name="classifier"),
+             helper.make_node("Softmax", ["logits"], ["scores"], axis=1)]
+    graph = helper.make_graph(nodes, "two_conv", [helper.make_tensor_value_info("image", onnx.TensorProto.FLOAT, ["N", 3, size, size])],
+                              [helper.make_tensor_value_info("scores", onnx.TensorProto.FLOAT, ["N", 10])], initializers)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=7), str(path))
+    return path

@@ -192,7 +192,7 @@ def test_pytorch_quantizes_a_conv_before_relu6_over_relu6_s_range(reduce_range):
 def test_calibration_in_chunks_gives_the_same_model_and_an_impossible_budget_one_line(mobile, monkeypatch):
     """MinMax over chunks is the MinMax of the whole set: a budget that forces one image at a time gives
     the same file; a budget that cannot hold one image's activations is refused, naming the setting."""
-    _quantize(mobile, "whole.onnx", "--calibration-size", "12")
+    _quantize(mobile, "whole.onnx", "--calibration-size", "12", "--method", "minmax")
     from ptq_cli.backends import onnxruntime as ort_backend
 
     per_image = ort_backend.ACTIVATION_COPIES * ort_backend.activation_bytes(onnx.load(str(mobile / "dw.onnx")))
@@ -202,7 +202,7 @@ def test_calibration_in_chunks_gives_the_same_model_and_an_impossible_budget_one
     images_bytes = 12 * 3 * 224 * 224 * 4  # the 12 calibration images as float32 model input
     monkeypatch.setenv("PTQ_CALIBRATION_MEMORY", str(ort_backend.BASE_PROCESS_BYTES + images_bytes + 3 * (mobile / "dw.onnx").stat().st_size
                                                      + int(1.5 * per_image)))
-    _quantize(mobile, "chunked.onnx", "--calibration-size", "12")
+    _quantize(mobile, "chunked.onnx", "--calibration-size", "12", "--method", "minmax")
     assert chunks == [1]
     assert (mobile / "whole.onnx").read_bytes() == (mobile / "chunked.onnx").read_bytes()
     monkeypatch.setenv("PTQ_CALIBRATION_MEMORY", "1000")

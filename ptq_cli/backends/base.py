@@ -134,6 +134,9 @@ class QuantizationSettings:
     rounding: str | None = None
     rounding_nearest_db: float | None = None
     rounding_learned_db: float | None = None
+    # `--method auto`: each activation range tried (method, percentile) and the output SQNR it gave on held-out
+    # calibration images; `method` and `percentile` then hold the one kept.
+    method_sqnr_db: tuple[tuple[str, float | None, float | None], ...] = ()
 
 
 def _no_check(settings: dict[str, Any]) -> dict[str, Any]:

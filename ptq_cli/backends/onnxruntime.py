@@ -269,11 +269,14 @@ def _threaded_collector(calibrator, calibrate):
     """onnxruntime's own histogram collector for `calibrator`, its tensors spread over HISTOGRAM_THREADS: each
     tensor's histogram is built by the same code from the same data, and the tensors keep their order."""
 
+    def flat(values):  # onnxruntime stacks a tensor's batches with np.asarray, which fails on batches of unequal sizes
+        return np.concatenate([np.ravel(value) for value in values]) if isinstance(values, list) and values else values
+
     class ThreadedHistogramCollector(calibrate.HistogramCollector):
         def collect(self, name_to_arr):
             order = [*self.histogram_dict, *(name for name in name_to_arr if name not in self.histogram_dict)]
             with ThreadPoolExecutor(HISTOGRAM_THREADS, thread_name_prefix="ptq-histogram") as pool:
-                list(pool.map(lambda item: calibrate.HistogramCollector.collect(self, dict([item])), name_to_arr.items()))
+                list(pool.map(lambda item: calibrate.HistogramCollector.collect(self, {item[0]: flat(item[1])}), name_to_arr.items()))
             self.histogram_dict = {name: self.histogram_dict[name] for name in order}
 
     return ThreadedHistogramCollector(method=calibrator.method, symmetric=calibrator.symmetric, num_bins=calibrator.num_bins,
@@ -453,8 +456,7 @@ def refine_rounding(quantized, float_path: str, calibration: np.ndarray, input_n
 
     from ptq_cli.metrics import sqnr_db
 
-    held_out = calibration[HELD_OUT_EVERY - 1 :: HELD_OUT_EVERY][:HELD_OUT_MAX]
-    rest = np.delete(calibration, np.arange(HELD_OUT_EVERY - 1, len(calibration), HELD_OUT_EVERY), axis=0)
+    held_out, rest = held_out_split(calibration)
     if settings.rounding == LEARNED or len(held_out) == 0:
         rest = calibration  # nothing to judge with, or nothing to judge: every image refines
     pixels = int(np.prod(calibration.shape[2:] if calibration.shape[1] in (1, 3, 4) else calibration.shape[1:3]))
@@ -516,6 +518,94 @@ def _warning_notes(warnings: list[str]) -> list[str]:
     return notes + [f"onnxruntime: {line}" for line in dict.fromkeys(warnings) if line not in clipped][:3]
 
 
+AUTO_METHOD = "auto"
+# What `--method auto` tries: onnxruntime's MinMax ranges and two percentiles of its histograms, each judged by
+# the output it gives on held-out calibration images (the percentiles clip the rare activations MinMax spends codes on).
+METHOD_CANDIDATES: tuple[tuple[str, float | None], ...] = (("minmax", None), ("percentile", 99.999), ("percentile", 99.99))
+QUANT_TYPES = {"int8": "QInt8", "uint8": "QUInt8"}
+CALIBRATION_METHODS = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile"}
+
+
+def _quantize_static(source: str, target: Path, images: np.ndarray, input_name: str, fixed_batch: int | None, settings: QuantizationSettings,
+                     float_nodes: list[str], overrides: dict | None, output: Path, model_name: str, progress: ProgressCallback | None) -> list[str]:
+    """onnxruntime's quantize_static (QDQ) of `source` into `target`, calibrated on `images` with the settings'
+    method; returns the library's warnings. Calibration is chunked to the memory budget."""
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    extra_options: dict[str, object] = {"CalibPercentile": settings.percentile} if settings.percentile is not None else {}
+    if overrides is not None:
+        extra_options["TensorQuantOverrides"] = overrides
+    fitting = calibration_chunk(source, images, fixed_batch, model_name)
+    reader = _reader(input_name, images, fixed_batch, progress)
+    _in_chunks(reader, fitting, extra_options)
+    # quantize_static print()s its histogram progress; stdout belongs to ptq's own output (--json).
+    warnings: list[str] = []
+    with contextlib.redirect_stdout(io.StringIO()), _histograms(reader, "CalibStridedMinMax" in extra_options), _library_warnings(warnings):
+        try:
+            quantize_static(
+                source, str(target), reader,
+                quant_format=QuantFormat.QDQ,
+                per_channel=settings.per_channel,
+                activation_type=getattr(QuantType, QUANT_TYPES[settings.dtype]),
+                weight_type=getattr(QuantType, QUANT_TYPES[settings.weight_dtype]),
+                calibrate_method=getattr(CalibrationMethod, CALIBRATION_METHODS[settings.method]),
+                nodes_to_exclude=float_nodes,
+                extra_options=extra_options,
+            )
+        except PtqError:
+            raise
+        except OSError as error:
+            if error.errno in WRITE_FAILURES:
+                raise PtqError(f"{output}: cannot write ({error.strerror})") from error  # the output's disk, not the model
+            raise PtqError(f"{model_name}: onnxruntime.quantization failed (OSError: {error.strerror or error})") from error
+        except Exception as error:  # onnxruntime.quantization raises many types for graphs it cannot handle
+            first_line = str(error).splitlines()[0] if str(error) else ""
+            raise PtqError(f"{model_name}: onnxruntime.quantization failed ({type(error).__name__}: {first_line})") from error
+    reader.finished()
+    return warnings
+
+
+def held_out_split(calibration: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(held-out images, the rest): every HELD_OUT_EVERY-th calibration image, at most HELD_OUT_MAX, judges
+    choices made on the rest (activation ranges, learned rounding)."""
+    held_out = calibration[HELD_OUT_EVERY - 1 :: HELD_OUT_EVERY][:HELD_OUT_MAX]
+    rest = np.delete(calibration, np.arange(HELD_OUT_EVERY - 1, len(calibration), HELD_OUT_EVERY), axis=0)
+    return held_out, rest
+
+
+def choose_method(source: str, calibration: np.ndarray, input_name: str, settings: QuantizationSettings, float_nodes: list[str],
+                  overrides: dict | None, finish, workdir: Path, output: Path, model_name: str,
+                  progress: ProgressCallback | None) -> tuple[QuantizationSettings, list[str]]:
+    """(settings with the activation ranges chosen, notes): each METHOD_CANDIDATES range calibrated on 3/4 of the
+    calibration images, nearest-rounded, and judged by the output SQNR against FP32 on the other 1/4 (the
+    scores before a final Softmax); the highest is kept. `finish` applies ptq's edits to a quantized graph."""
+    import onnx
+
+    from ptq_cli.metrics import sqnr_db
+
+    held_out, rest = held_out_split(calibration)
+    if len(held_out) == 0 or len(rest) == 0:
+        first = METHOD_CANDIDATES[0][0]
+        return replace(settings, method=first, percentile=None), [f"method auto: {first} (too few calibration images to compare ranges)"]
+    threads = resolve_threads(None)
+    float_model = onnx.load(source)
+    judged = judged_output(float_model)
+    reference = _outputs(float_model, judged, input_name, held_out, threads)
+    scores: list[tuple[str, float | None, float | None]] = []
+    for index, (method, percentile) in enumerate(METHOD_CANDIDATES):
+        candidate = replace(settings, method=method, percentile=percentile)
+        target = workdir / f"candidate_{index}.onnx"
+        step = (lambda done, total, index=index: progress(index * len(rest) + done, len(METHOD_CANDIDATES) * len(rest))) if progress else None
+        _quantize_static(source, target, rest, input_name, None, candidate, float_nodes, overrides, output, model_name, step)
+        quantized = onnx.load(str(target))
+        finish(quantized)
+        name = judged if judged in {out for node in quantized.graph.node for out in node.output} else quantized.graph.output[0].name
+        scores.append((method, percentile, _db(sqnr_db(reference, _outputs(quantized, name, input_name, held_out, threads)))))
+        target.unlink()
+    method, percentile, _ = max(scores, key=lambda score: -np.inf if score[2] is None else score[2])
+    return replace(settings, method=method, percentile=percentile, method_sqnr_db=tuple(scores)), []
+
+
 def quantize(model, output: Path, settings: QuantizationSettings, calibration: np.ndarray, stored: dict[str, str],
              progress: ProgressCallback | None = None) -> QuantizedFile:
     """onnxruntime.quantization.quantize_static in QDQ format, written atomically.
@@ -523,63 +613,49 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     `calibration` is the calibration images in the model's input format; `stored` is metadata to keep
     in the model (settings, input contract, source sha256, tune's validation scores)."""
     import onnx
-    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
-    quant_types = {"int8": QuantType.QInt8, "uint8": QuantType.QUInt8}
-    methods = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy, "percentile": CalibrationMethod.Percentile}
-    extra_options: dict[str, object] = {"CalibPercentile": settings.percentile} if settings.percentile is not None else {}
     described, _ = describe_input(Path(model.graph.name or "model"), model)
+    model_name = model.graph.name or "model"
     notes: list[str] = []
     fixed_batch = described.batch
     if described.batch is not None:
-        freed = free_batch(Path(model.graph.name or "model"), model, described)
+        freed = free_batch(Path(model_name), model, described)
         if freed is not None:
             model, fixed_batch = freed, None
             notes.append(f"fixed batch {described.batch} made symbolic in the quantized model (same outputs)")
 
     with tempfile.TemporaryDirectory(prefix="ptq-quantize-") as workdir:
         source, rewrites, overrides, float_nodes = _graph_to_quantize(model, settings, Path(workdir))
-        if overrides is not None:
-            extra_options["TensorQuantOverrides"] = overrides
-        fitting = calibration_chunk(source, calibration, fixed_batch, model.graph.name or "model")
-        reader = _reader(described.name, calibration, fixed_batch, progress)
-        _in_chunks(reader, fitting, extra_options)
-        # quantize_static print()s its histogram progress; stdout belongs to ptq's own output (--json).
-        warnings: list[str] = []
-        with atomic_output(output) as tmp, contextlib.redirect_stdout(io.StringIO()), _histograms(reader, "CalibStridedMinMax" in extra_options), \
-                _library_warnings(warnings):
-            try:
-                quantize_static(
-                    source, str(tmp), reader,
-                    quant_format=QuantFormat.QDQ,
-                    per_channel=settings.per_channel,
-                    activation_type=quant_types[settings.dtype],
-                    weight_type=quant_types[settings.weight_dtype],
-                    calibrate_method=methods[settings.method],
-                    nodes_to_exclude=float_nodes,
-                    extra_options=extra_options,
-                )
-            except PtqError:
-                raise
-            except OSError as error:
-                if error.errno in WRITE_FAILURES:
-                    raise PtqError(f"{output}: cannot write ({error.strerror})") from error  # the output's disk, not the model
-                raise PtqError(f"{model.graph.name or 'model'}: onnxruntime.quantization failed (OSError: {error.strerror or error})") from error
-            except Exception as error:  # onnxruntime.quantization raises many types for graphs it cannot handle
-                first_line = str(error).splitlines()[0] if str(error) else ""
-                raise PtqError(f"{model.graph.name or 'model'}: onnxruntime.quantization failed ({type(error).__name__}: {first_line})") from error
-            reader.finished()
-            quantized = onnx.load(str(tmp))
+
+        def finish(quantized) -> None:  # ptq's edits to what quantize_static wrote
             if rewrites:
                 quantized_pads(quantized)
             keep_float_layers(quantized, float_nodes)
+
+        done = 0  # images already shown on the progress bar, before this phase
+        if settings.method == AUTO_METHOD:
+            if fixed_batch is not None:
+                settings = replace(settings, method=METHOD_CANDIDATES[0][0])
+                notes.append(f"method auto: {METHOD_CANDIDATES[0][0]} (the graph is tied to its fixed batch of {fixed_batch})")
+            else:
+                settings, chosen = choose_method(source, calibration, described.name, settings, float_nodes, overrides, finish, Path(workdir),
+                                                 output, model_name, progress)
+                notes += chosen
+                done = len(METHOD_CANDIDATES) * len(held_out_split(calibration)[1])
+        shifted = (lambda images, total: progress(done + images, done + total)) if progress else None
+        with atomic_output(output) as tmp:
+            warnings = _quantize_static(source, tmp, calibration, described.name, fixed_batch, settings, float_nodes, overrides, output, model_name,
+                                        shifted)
+            quantized = onnx.load(str(tmp))
+            finish(quantized)
             if settings.rounding != NEAREST:
                 if fixed_batch is not None:
                     notes.append(f"learned rounding: not applied (the graph is tied to its fixed batch of {fixed_batch})")
                     settings = replace(settings, rounding=NEAREST)
                 else:
                     # The same bar goes on: past the calibration images, one step per refined layer.
-                    after_calibration = (lambda done, total: progress(len(calibration) + done, len(calibration) + total)) if progress else None
+                    calibrated = done + len(calibration)
+                    after_calibration = (lambda images, total: progress(calibrated + images, calibrated + total)) if progress else None
                     quantized, settings, refined_notes = refine_rounding(quantized, source, calibration, described.name, settings, after_calibration)
                     notes += refined_notes
             described_settings = {**asdict(settings), "space_to_depth_convs": [asdict(rewrite) for rewrite in rewrites]}
@@ -618,15 +694,15 @@ def read_input(path: Path) -> inputs.ModelInput:
 BACKEND = Backend(
     NAME, (SUFFIX,), sniff, load, quantize, format="QDQ", catch_all=True, read_input=read_input,
     summary="quantize_static, QDQ",
-    # Quantizing: the seed study's per-tensor default. Entropy is not tuned: quantize_static does not pass a
-    # histogram size to it, and with its default 128 bins equal to its 128 quantized bins the KL search has
-    # a single candidate, the full range (the MinMax model).
-    methods=("minmax", "entropy", "percentile"), tune_methods=("minmax", "percentile"), per_channel=False,
+    # Quantizing: the seed study's per-tensor default, its activation ranges chosen by measurement (choose_method).
+    # Entropy is not tuned: quantize_static does not pass a histogram size to it, and with its default 128 bins
+    # equal to its 128 quantized bins the KL search has a single candidate, the full range (the MinMax model).
+    methods=(AUTO_METHOD, "minmax", "entropy", "percentile"), tune_methods=("minmax", "percentile"), per_channel=False,
     overflow_fixes=(overflow.FIRST_LAYER, overflow.ALL_LAYERS), clamped_overflow_fix=overflow.ALL_LAYERS, options={"space_to_depth": "--space-to-depth"},
     check_settings=_check_settings, output_name=_output_name,
     # onnxruntime's x86 int8 kernels (VNNI) multiply unsigned activations by signed weights; int8 x int8
-    # and uint8 x uint8 fall back to slower paths. Per-channel weights with percentile calibration keep the accuracy.
-    speed_target={"dtype": "uint8", "weight_dtype": "int8", "per_channel": True, "method": "percentile"},
+    # and uint8 x uint8 fall back to slower paths. Per-channel weights keep the accuracy.
+    speed_target={"dtype": "uint8", "weight_dtype": "int8", "per_channel": True},
     learned_rounding=True,  # refine_rounding: GPTQ codes and bias correction on the QDQ model
     # Running: its exact u8 x s8 kernels have a session switch.
     int8_kernels_vary=True, reaches_int8_path=lambda overflow_fix, int8_path: True, int8_basis=_int8_basis,

@@ -12,7 +12,7 @@ from ptq_cli.transforms.overflow import ALL_LAYERS, FIRST_LAYER, NO_FIX
 from ptq_cli.transforms.rounding import AUTO as AUTO_ROUNDING
 from ptq_cli.transforms.rounding import LEARNED, NEAREST, ROUNDING_CHOICES
 
-__all__ = ["QuantizationSettings", "describe_cpus", "describe_model", "describe_quantization", "make_settings", "short_node"]
+__all__ = ["QuantizationSettings", "describe_cpus", "describe_method", "describe_model", "describe_quantization", "make_settings", "short_node"]
 
 DTYPES = ("int8", "uint8")
 WEIGHT_DTYPES = (*DTYPES, INT4)
@@ -79,7 +79,8 @@ def make_settings(
         "space_to_depth": space_to_depth if space_to_depth is not None else targeted.get("space_to_depth"), "overflow_fix": None,
         "float_nodes": tuple(float_nodes), "rounding": rounding,
     })
-    method = fields["method_given"] or row.methods[0]  # the backend may infer it from its own options
+    # The backend may infer the method from its own options; a percentile alone asks for percentile calibration.
+    method = fields["method_given"] or ("percentile" if percentile is not None and "percentile" in row.methods else row.methods[0])
     if method not in row.methods:
         raise PtqError(f"--method: '{method}' is not a {backend} calibration method ({', '.join(row.methods)})")
     cpus, overflow_fix = _cpus(row, cpus, overflow_fix)
@@ -94,6 +95,19 @@ def make_settings(
         rounding=check_rounding(fields["rounding"], row),  # None: measured when quantizing (transforms/rounding.py)
         **{name: fields[name] for name in ("nncf_preset", "bias_correction", "subset_size", "io", "ranges_from")},
     )
+
+
+def describe_method(method: str, percentile: float | None, measured=()) -> str:
+    """e.g. "percentile 99.99 (auto: output SQNR on held-out calibration images, minmax 23.1, percentile 99.999
+    24.0, percentile 99.99 25.2 dB)"; `measured` is QuantizationSettings.method_sqnr_db."""
+    def label(name: str, value: float | None) -> str:
+        return f"{name} {value:g}" if value is not None else name
+
+    chosen = label(method, percentile)
+    if not measured:
+        return chosen
+    scores = ", ".join(f"{label(name, value)} {'-' if db is None else f'{db:.1f}'}" for name, value, db in measured)
+    return f"{chosen} (auto: output SQNR on held-out calibration images, {scores} dB)"
 
 
 def check_rounding(rounding: str | None, row: backends.Backend) -> str | None:

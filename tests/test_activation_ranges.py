@@ -1,0 +1,88 @@
+"""`--method auto` (onnxruntime, OpenVINO's QDQ route): the activation ranges chosen by the output they give on
+held-out calibration images, then calibrated on every image; and onnxruntime's histogram calibration on
+calibration batches of unequal sizes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+from synthetic import invoke, smooth_photos, two_conv_classifier
+
+from ptq_cli.backends import onnxruntime as ort_backend
+from ptq_cli.services.quant_settings import describe_method, make_settings
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("ranges")
+    two_conv_classifier(root / "m.onnx")
+    smooth_photos(root / "cal", 120, seed=1)
+    smooth_photos(root / "test", 16, seed=2)
+    return root
+
+
+def _quantize(root: Path, output: str, *extra: str, calibration: str = "cal") -> dict:
+    result = invoke("quantize", "--model", "m.onnx", "--data", "test", "--calibration-data", calibration, "--preprocess", "unit",
+                    "--rounding", "nearest", "--output", output, "--json", *extra, cwd=root)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def _quantization_parameters(path: Path) -> dict[str, np.ndarray]:
+    model = onnx.load(str(path))
+    names = {name for node in model.graph.node if node.op_type in ("QuantizeLinear", "DequantizeLinear") for name in node.input[1:]}
+    return {init.name: numpy_helper.to_array(init) for init in model.graph.initializer if init.name in names}
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8"])
+def test_auto_keeps_the_best_measured_ranges_and_calibrates_them_on_every_image(project, dtype):
+    """Every candidate is measured, the highest output SQNR is kept, and the file is that method's, calibrated on
+    all the calibration images: the same scales and zero points as asking for the method by name."""
+    auto = _quantize(project, f"auto_{dtype}.onnx", "--dtype", dtype)["settings"]
+    measured = [tuple(score) for score in auto["method_sqnr_db"]]
+    assert [(method, percentile) for method, percentile, _ in measured] == list(ort_backend.METHOD_CANDIDATES)
+    assert all(db is not None for _, _, db in measured) and len({db for _, _, db in measured}) > 1  # measured, not assumed
+    best = max(measured, key=lambda score: score[2])
+    assert (auto["method"], auto["percentile"]) == best[:2]
+    named = ["--method", best[0], *(["--percentile", str(best[1])] if best[1] is not None else [])]
+    explicit = _quantize(project, f"named_{dtype}.onnx", "--dtype", dtype, *named)["settings"]
+    assert explicit["method_sqnr_db"] == [] and (explicit["method"], explicit["percentile"]) == best[:2]
+    chosen, named_model = _quantization_parameters(project / f"auto_{dtype}.onnx"), _quantization_parameters(project / f"named_{dtype}.onnx")
+    assert chosen.keys() == named_model.keys() and all(np.array_equal(chosen[key], named_model[key]) for key in chosen)
+    stored = json.loads({prop.key: prop.value for prop in onnx.load(str(project / f"auto_{dtype}.onnx")).metadata_props}["ptq.quantization"])
+    assert stored["method"] == best[0] and len(stored["method_sqnr_db"]) == len(ort_backend.METHOD_CANDIDATES)
+
+
+def test_the_quantize_table_names_the_ranges_kept_and_what_each_measured(project):
+    result = invoke("quantize", "--model", "m.onnx", "--data", "test", "--calibration-data", "cal", "--preprocess", "unit",
+                    "--rounding", "nearest", "--output", "shown.onnx", cwd=project)
+    assert result.exit_code == 0, result.output
+    made = _quantize(project, "shown_json.onnx")["settings"]
+    row = next(line for line in result.stdout.splitlines() if "calibration method" in line)
+    assert describe_method(made["method"], made["percentile"], [tuple(score) for score in made["method_sqnr_db"]]) in row
+    assert row.count(" dB") == 1 and all(f"{db:.1f}" in row for _, _, db in made["method_sqnr_db"])
+
+
+def test_histogram_calibration_takes_batches_of_unequal_sizes(project):
+    """350 images are 3 batches of 117, 117 and 116: onnxruntime's histogram collector stacks a tensor's batches
+    with np.asarray, which fails on unequal ones; ptq's collector hands it one flat array."""
+    smooth_photos(project / "cal350", 350, seed=3, size=16)
+    made = _quantize(project, "p350.onnx", "--method", "percentile", calibration="cal350")["settings"]
+    assert made["method"] == "percentile" and made["calibration_samples"] == 350
+
+
+def test_a_percentile_alone_asks_for_percentile_calibration():
+    assert (make_settings("int8", percentile=99.9).method, make_settings("int8", percentile=99.9).percentile) == ("percentile", 99.9)
+    assert make_settings("int8").method == ort_backend.AUTO_METHOD
+    assert make_settings("int8", target="speed").method == ort_backend.AUTO_METHOD
+
+
+def test_describe_method_names_the_kept_ranges_then_the_measured_ones():
+    assert describe_method("minmax", None) == "minmax"
+    assert describe_method("percentile", 99.99, (("minmax", None, 23.14), ("percentile", 99.99, 25.0))) == (
+        "percentile 99.99 (auto: output SQNR on held-out calibration images, minmax 23.1, percentile 99.99 25.0 dB)")
