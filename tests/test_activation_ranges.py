@@ -13,7 +13,7 @@ import pytest
 from onnx import numpy_helper
 from synthetic import invoke, smooth_photos, two_conv_classifier
 
-from ptq_cli.backends import onnxruntime as ort_backend
+from ptq_cli.backends.base import AUTO_METHOD, METHOD_CANDIDATES, METHOD_MARGIN_DB, chosen_method
 from ptq_cli.services.quant_settings import describe_method, make_settings
 
 
@@ -41,21 +41,21 @@ def _quantization_parameters(path: Path) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("dtype", ["int8", "uint8"])
 def test_auto_keeps_the_best_measured_ranges_and_calibrates_them_on_every_image(project, dtype):
-    """Every candidate is measured, the highest output SQNR is kept, and the file is that method's, calibrated on
+    """Every candidate is measured, the highest output SQNR is kept (MinMax unless beaten by a margin), and the file is that method's, calibrated on
     all the calibration images: the same scales and zero points as asking for the method by name."""
     auto = _quantize(project, f"auto_{dtype}.onnx", "--dtype", dtype)["settings"]
     measured = [tuple(score) for score in auto["method_sqnr_db"]]
-    assert [(method, percentile) for method, percentile, _ in measured] == list(ort_backend.METHOD_CANDIDATES)
+    assert [(method, percentile) for method, percentile, _ in measured] == list(METHOD_CANDIDATES)
     assert all(db is not None for _, _, db in measured) and len({db for _, _, db in measured}) > 1  # measured, not assumed
-    best = max(measured, key=lambda score: score[2])
-    assert (auto["method"], auto["percentile"]) == best[:2]
+    best = chosen_method(tuple(measured))
+    assert (auto["method"], auto["percentile"]) == best
     named = ["--method", best[0], *(["--percentile", str(best[1])] if best[1] is not None else [])]
     explicit = _quantize(project, f"named_{dtype}.onnx", "--dtype", dtype, *named)["settings"]
-    assert explicit["method_sqnr_db"] == [] and (explicit["method"], explicit["percentile"]) == best[:2]
+    assert explicit["method_sqnr_db"] == [] and (explicit["method"], explicit["percentile"]) == best
     chosen, named_model = _quantization_parameters(project / f"auto_{dtype}.onnx"), _quantization_parameters(project / f"named_{dtype}.onnx")
     assert chosen.keys() == named_model.keys() and all(np.array_equal(chosen[key], named_model[key]) for key in chosen)
     stored = json.loads({prop.key: prop.value for prop in onnx.load(str(project / f"auto_{dtype}.onnx")).metadata_props}["ptq.quantization"])
-    assert stored["method"] == best[0] and len(stored["method_sqnr_db"]) == len(ort_backend.METHOD_CANDIDATES)
+    assert stored["method"] == best[0] and len(stored["method_sqnr_db"]) == len(METHOD_CANDIDATES)
 
 
 def test_the_quantize_table_names_the_ranges_kept_and_what_each_measured(project):
@@ -78,8 +78,14 @@ def test_histogram_calibration_takes_batches_of_unequal_sizes(project):
 
 def test_a_percentile_alone_asks_for_percentile_calibration():
     assert (make_settings("int8", percentile=99.9).method, make_settings("int8", percentile=99.9).percentile) == ("percentile", 99.9)
-    assert make_settings("int8").method == ort_backend.AUTO_METHOD
-    assert make_settings("int8", target="speed").method == ort_backend.AUTO_METHOD
+    assert make_settings("int8").method == AUTO_METHOD
+    assert make_settings("int8", target="speed").method == AUTO_METHOD
+
+
+def test_a_percentile_replaces_minmax_only_when_it_measures_better_by_the_margin():
+    assert chosen_method((("minmax", None, 20.0), ("percentile", 99.999, 20.0 + METHOD_MARGIN_DB), ("percentile", 99.99, 19.0))) == ("percentile", 99.999)
+    assert chosen_method((("minmax", None, 20.0), ("percentile", 99.999, 20.0 + METHOD_MARGIN_DB / 2), ("percentile", 99.99, 19.0))) == ("minmax", None)
+    assert chosen_method((("minmax", None, None), ("percentile", 99.999, 3.0), ("percentile", 99.99, 4.0))) == ("percentile", 99.99)
 
 
 def test_describe_method_names_the_kept_ranges_then_the_measured_ones():

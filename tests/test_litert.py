@@ -158,17 +158,22 @@ def test_tflite_on_the_speed_models_ranges_agrees_with_it_on_99_percent_of_the_t
     """The ranges model copies the speed model's activation grid. The default speed model also bounds its
     first layer's weights for CPUs without VNNI, which a TFLite model needs not: the same grid with the full
     8-bit weights is the speed model for VNNI CPUs (same calibration, so the same activation ranges), on the exact path."""
-    from conftest import CIFAR, cifar_split
+    from conftest import CIFAR, cifar_split, record_of
     from synthetic import invoke
 
     from ptq_cli import cpu as cpu_info
     from ptq_cli.services.models import load_model
 
     # The study's own calibration set, and the data named whole: PTQ_ASSETS may be relative to the repository.
-    # Rounded to nearest, as the TFLite converter rounds: the grid is compared here, not the rounding.
-    result = invoke("quantize", "--target", "speed", "--cpus", "vnni", "--rounding", "nearest", "--data", CIFAR, "--calibration", "calibration/cifar10_calib.npz",
-                    "--output", "models/speed_vnni.onnx", cwd=pipeline_snapshot)
-    assert result.exit_code == 0, result.output
+    # Every model rounded to nearest, with the speed model's activation ranges method: the grid is compared here, not the rounding.
+    made = record_of(pipeline_snapshot / "results", "resnet8_uint8_speed.onnx")["quantization"]
+    method = ["--method", made["method"], *(["--percentile", str(made["percentile"])] if made["percentile"] is not None else [])]
+    common = ["--rounding", "nearest", "--data", CIFAR, "--calibration", "calibration/cifar10_calib.npz"]
+    for arguments in (["--target", "speed", "--cpus", "vnni", *method, "--output", "models/speed_vnni.onnx"],
+                      ["--backend", "litert", "--ranges-from", "models/resnet8_uint8_speed.onnx", "--output", "models/ranges_nearest.tflite"],
+                      ["--backend", "litert", "--method", "minmax", "--output", "models/minmax_nearest.tflite"]):
+        result = invoke("quantize", *arguments, *common, cwd=pipeline_snapshot)
+        assert result.exit_code == 0, result.output
     test = cifar_split("test")
 
     def top1(name, exact_int8=False):
@@ -177,10 +182,10 @@ def test_tflite_on_the_speed_models_ranges_agrees_with_it_on_99_percent_of_the_t
                                for start in range(0, len(test.labels), 1000)])
 
     speed = top1("speed_vnni.onnx", exact_int8=cpu_info.current().int8_path == cpu_info.SATURATING)
-    agreement = {name: float(np.mean(top1(name) == speed)) for name in ("resnet8_int8_ranges.tflite", "resnet8_int8.tflite")}
+    agreement = {name: float(np.mean(top1(name) == speed)) for name in ("ranges_nearest.tflite", "minmax_nearest.tflite")}
     print(f"top-1 agreement with speed_vnni.onnx (exact path): {agreement}")
     # On the speed model's grid the two agree far more than the converter's own calibration does.
-    assert agreement["resnet8_int8_ranges.tflite"] >= 0.99 > agreement["resnet8_int8.tflite"]
+    assert agreement["ranges_nearest.tflite"] >= 0.99 > agreement["minmax_nearest.tflite"]
 
 
 @pytest.mark.real_assets

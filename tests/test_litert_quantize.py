@@ -13,6 +13,7 @@ from synthetic import CLASSES, channel_mean_classifier, colour_images, invoke, o
 
 from ptq_cli import settings
 from ptq_cli.backends import litert
+from ptq_cli.backends.base import METHOD_CANDIDATES, chosen_method
 from ptq_cli.errors import PtqError
 from ptq_cli.services import quant_settings
 from ptq_cli.services.models import load_model
@@ -330,3 +331,57 @@ def test_int4_codes_leave_less_output_error_than_plain_rounding():
 def test_int4_weights_are_refused_where_the_format_has_none(study):
     one_line_error(invoke("quantize", "--model", "tiny.onnx", "--data", "colours.npz", "--weight-dtype", "int4", cwd=study),
                    "--weight-dtype int4: 4-bit weights are written by --backend litert")
+
+
+def _tensor_grids(path) -> list[tuple]:
+    """Every tensor's (name, scales, zero points) of a .tflite: what its calibration decided."""
+    from tensorflow.lite.tools import flatbuffer_utils
+
+    graph = flatbuffer_utils.read_model(str(path)).subgraphs[0]
+    return [(tensor.name, tuple(np.asarray(tensor.quantization.scale).tolist()), tuple(np.asarray(tensor.quantization.zeroPoint).tolist()))
+            for tensor in graph.tensors if tensor.quantization is not None and tensor.quantization.scale is not None]
+
+
+def test_auto_keeps_the_ranges_the_held_out_images_prefer_on_the_reference_kernels(study):
+    """--method auto (the default): the converter's min/max and two percentiles are each measured, the best is
+    kept, and the file has that method's grids, as when the method is named; --json stays one JSON document
+    although onnxruntime's histogram collector prints as it works."""
+    auto = _quantize(study, "--output", "auto.tflite")["settings"]
+    measured = [tuple(score) for score in auto["method_sqnr_db"]]
+    assert [score[:2] for score in measured] == list(METHOD_CANDIDATES) and all(score[2] is not None for score in measured)
+    best = chosen_method(tuple(measured))
+    assert (auto["method"], auto.get("percentile")) == best
+    named = _quantize(study, "--method", best[0], *(["--percentile", str(best[1])] if best[1] is not None else []), "--output", "named.tflite")
+    assert named["settings"].get("method_sqnr_db") in (None, [])
+    assert _tensor_grids(study / "auto.tflite") == _tensor_grids(study / "named.tflite")
+
+
+def test_learned_rounding_moves_int8_codes_on_the_converter_s_grid_and_brings_unseen_images_closer(study):
+    """`--rounding learned` (LiteRT): GPTQ codes from the float weights and corrected biases, on the grids the converter
+    chose (every scale and zero point the same as the nearest-rounded model's), and the scores of images calibration
+    never saw closer to the float model's; auto keeps whichever the held-out calibration images prefer."""
+    _keras_two_conv_classifier(study / "two.h5")
+    assert invoke("convert", "--keras", "two.h5", "--output", "two.onnx", "--data", "colours.npz", "--check-images", "30", "--scale",
+                  str(SCALE), cwd=study).exit_code == 0
+
+    def made(name: str, *extra: str) -> dict:
+        result = invoke("quantize", "--model", "two.onnx", "--backend", "litert", "--method", "minmax", "--data", "colours.npz",
+                        "--output", name, "--json", *extra, cwd=study)
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)["settings"]
+
+    assert made("nearest.tflite", "--rounding", "nearest")["rounding"] == "nearest"
+    assert made("learned.tflite", "--rounding", "learned")["rounding"] == "learned"
+    assert _tensor_grids(study / "nearest.tflite") == _tensor_grids(study / "learned.tflite")
+    nearest, learned = ((study / name).read_bytes() for name in ("nearest.tflite", "learned.tflite"))
+    assert _tensor_types(nearest) == _tensor_types(learned) and nearest != learned
+    images = colour_images(40, seed=7)[0].astype(np.float32) * SCALE  # the model's input: pixels x scale
+    reference = keras.models.load_model(study / "two.h5", compile=False).predict(images, verbose=0)
+
+    def sqnr(data: bytes) -> float:
+        scores = litert._judged_scores(data, images)
+        return float(10 * np.log10(np.sum(reference**2) / np.sum((reference - scores) ** 2)))
+
+    assert sqnr(learned) > sqnr(nearest)
+    auto = made("auto.tflite")
+    assert auto["rounding"] == ("learned" if auto["rounding_learned_db"] > auto["rounding_nearest_db"] else "nearest")

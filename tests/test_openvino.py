@@ -12,7 +12,7 @@ import pytest
 from synthetic import CLASSES, channel_mean_classifier, colour_images, invoke, one_line_error
 
 from ptq_cli import settings
-from ptq_cli.backends.onnxruntime import METHOD_CANDIDATES
+from ptq_cli.backends.base import METHOD_CANDIDATES
 
 pytest.importorskip("openvino", reason="the openvino extra is not installed")
 

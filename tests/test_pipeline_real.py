@@ -7,6 +7,8 @@ from pathlib import Path
 
 from conftest import PIPELINE_MODELS, ptq_ok, read_json, record_of
 
+from ptq_cli.backends.base import chosen_method
+
 # Per-class top-1 of the FP32 model on test_batch, airplane ... truck (shared/assets/README.md).
 FP32_PER_CLASS = [87.7, 95.4, 83.9, 73.4, 87.2, 74.2, 94.6, 90.5, 92.4, 92.6]
 
@@ -41,8 +43,8 @@ def test_quantized_models_are_accurate_and_small(pipeline):
         settings = record["quantization"]
         assert (settings["dtype"], settings["weight_dtype"]) == (dtype, dtype)
         # --method auto: the activation ranges with the best output on held-out calibration images
-        best = max(settings["method_sqnr_db"], key=lambda score: score[2])
-        assert (settings["method"], settings["percentile"]) == tuple(best[:2]) and settings["per_channel"] is False
+        kept = chosen_method(tuple(tuple(score) for score in settings["method_sqnr_db"]))
+        assert (settings["method"], settings["percentile"]) == kept and settings["per_channel"] is False
         assert settings["calibration_samples"] == 1000 and settings["calibration_seed"] == 42
         assert record["model_size_bytes"] == (pipeline / "models" / f"resnet8_{dtype}.onnx").stat().st_size
 

@@ -10,6 +10,7 @@ import numpy as np
 from conftest import CIFAR, assert_clean_failure, benchmark_of, cifar_split, ptq, ptq_ok, record_of
 
 from ptq_cli import settings
+from ptq_cli.backends.base import chosen_method
 from ptq_cli.backends.pytorch import TORCH_CHUNK
 from ptq_cli.datasets import cifar10 as cifar
 from ptq_cli.services.models import load_model as load_onnx
@@ -65,8 +66,8 @@ def test_target_speed_quantizes_u8s8_per_channel_within_budget(pipeline):
     assert result["output"] == "models/resnet8_uint8_speed.onnx"
     settings_used = result["settings"]
     assert (settings_used["dtype"], settings_used["weight_dtype"], settings_used["per_channel"]) == ("uint8", "int8", True)
-    best = max(settings_used["method_sqnr_db"], key=lambda score: score[2])  # --method auto
-    assert (settings_used["method"], settings_used["percentile"]) == tuple(best[:2])
+    kept = chosen_method(tuple(tuple(score) for score in settings_used["method_sqnr_db"]))  # --method auto
+    assert (settings_used["method"], settings_used["percentile"]) == kept
     assert settings_used["target"] == "speed"
     ptq_ok("evaluate", "--model", "models/resnet8_uint8_speed.onnx", "--results-dir", "speed-results", cwd=pipeline)
     record = record_of(pipeline / "speed-results", "resnet8_uint8_speed.onnx")

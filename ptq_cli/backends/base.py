@@ -32,6 +32,15 @@ ProgressCallback = Callable[[int, int], None]  # (images done, images in all): a
 
 EMULATE = "emulate"  # an int8 path reached by emulating a CPU of the other kind (Backend.int8_basis)
 INT4 = "int4"  # 4-bit weights (`--weight-dtype int4`), for a backend whose format holds them (Backend.int4_weights)
+# `--method auto`: the activation ranges each of these gives (method, percentile) are judged by the output on held-out
+# calibration images and the best kept (the percentiles clip the rare activations MinMax spends codes on).
+AUTO_METHOD = "auto"
+METHOD_CANDIDATES: tuple[tuple[str, float | None], ...] = (("minmax", None), ("percentile", 99.999), ("percentile", 99.99))
+# A percentile replaces MinMax only when it measures at least this much better: on a few dozen held-out images smaller
+# differences are noise (EfficientNet-Lite0 on 27 photos: +0.3 dB held out, -0.7 dB on the test photos).
+METHOD_MARGIN_DB = 0.5
+HELD_OUT_EVERY = 4  # every 4th calibration image judges choices made on the others (ranges, learned rounding)
+HELD_OUT_MAX = 256
 
 
 @dataclass(frozen=True)
@@ -137,6 +146,25 @@ class QuantizationSettings:
     # `--method auto`: each activation range tried (method, percentile) and the output SQNR it gave on held-out
     # calibration images; `method` and `percentile` then hold the one kept.
     method_sqnr_db: tuple[tuple[str, float | None, float | None], ...] = ()
+
+
+def held_out_split(calibration: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(held-out images, the rest): every HELD_OUT_EVERY-th calibration image, at most HELD_OUT_MAX, judges
+    choices made on the rest."""
+    held_out = calibration[HELD_OUT_EVERY - 1 :: HELD_OUT_EVERY][:HELD_OUT_MAX]
+    rest = np.delete(calibration, np.arange(HELD_OUT_EVERY - 1, len(calibration), HELD_OUT_EVERY), axis=0)
+    return held_out, rest
+
+
+def chosen_method(measured: tuple[tuple[str, float | None, float | None], ...]) -> tuple[str, float | None]:
+    """(method, percentile) `--method auto` keeps from what each METHOD_CANDIDATES range measured: the best, unless
+    it beats the first (MinMax) by less than METHOD_MARGIN_DB."""
+    def db(score) -> float:
+        return -np.inf if score[2] is None else score[2]
+
+    best, first = max(measured, key=db), measured[0]
+    kept = best if db(best) >= db(first) + METHOD_MARGIN_DB else first
+    return kept[0], kept[1]
 
 
 def _no_check(settings: dict[str, Any]) -> dict[str, Any]:

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
-import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -25,13 +25,27 @@ import numpy as np
 
 from ptq_cli.atomic import atomic_output
 from ptq_cli.backends import base
-from ptq_cli.backends.base import INT4, Backend, LoadedModel, ProgressCallback, QuantizationSettings, QuantizedFile, RunOptions, finish_load
+from ptq_cli.backends.base import (
+    AUTO_METHOD,
+    INT4,
+    METHOD_CANDIDATES,
+    Backend,
+    LoadedModel,
+    ProgressCallback,
+    QuantizationSettings,
+    QuantizedFile,
+    RunOptions,
+    chosen_method,
+    finish_load,
+    held_out_split,
+)
 from ptq_cli.backends.model_file import file_sha256, in_fixed_batches, metadata_object, model_input, num_classes, read_bytes, read_onnx, resolve_threads
 from ptq_cli.errors import PtqError
 from ptq_cli.library_noise import native_stderr_silenced
 from ptq_cli.transforms.int4 import to_int4
 from ptq_cli.transforms.overflow import NO_FIX
-from ptq_cli.transforms.rounding import LEARNED
+from ptq_cli.transforms.rounding import LEARNED, NEAREST
+from ptq_cli.transforms.tflite_rounding import learned_int8
 
 NAME = "litert"
 SUFFIX = ".tflite"
@@ -309,9 +323,9 @@ def _percentile_ranges(calibrated: bytes, tensors: list[int], calibration: np.nd
 
     collector = HistogramCollector(method="percentile", symmetric=False, num_bins=2048, num_quantized_bins=128,
                                    percentile=percentile, scenario="same")
-    for values in _activations(calibrated, tensors, calibration):
-        collector.collect({str(index): [value] for index, value in values.items()})
-    with contextlib.redirect_stdout(sys.stderr):  # it prints its progress
+    with contextlib.redirect_stdout(io.StringIO()):  # it print()s its progress; stdout is ptq's own (--json)
+        for values in _activations(calibrated, tensors, calibration):
+            collector.collect({str(index): [value] for index, value in values.items()})
         result = collector.compute_collection_result()
     return {int(index): (float(bounds[0]), float(bounds[1])) for index, bounds in result.items()}
 
@@ -413,6 +427,113 @@ def _with_ranges(calibrated: bytes, ranges: dict[int, tuple[float, float]]) -> b
     return bytes(flatbuffer_utils.convert_object_to_bytearray(model_object))
 
 
+def _db(value: float) -> float | None:
+    return round(float(value), 2) if np.isfinite(value) else None
+
+
+def _judged_scores(data: bytes, images: np.ndarray) -> np.ndarray:
+    """What `--method auto` compares, on LiteRT's reference kernels (no XNNPACK, as a microcontroller): the
+    scores before a final SOFTMAX (the probabilities hide most differences), else the first output, in float."""
+    from ai_edge_litert import schema_py_generated as schema
+    from ai_edge_litert.interpreter import OpResolverType
+
+    model_object = schema.ModelT.InitFromObj(schema.Model.GetRootAs(data, 0))
+    graph = model_object.subgraphs[0]
+    names = {value: name for name, value in vars(schema.BuiltinOperator).items() if not name.startswith("_")}
+    judged = int(graph.outputs[0])
+    for operator in graph.operators:
+        code = model_object.operatorCodes[operator.opcodeIndex]
+        if names.get(max(code.builtinCode, code.deprecatedBuiltinCode)) in ("SOFTMAX", "LOG_SOFTMAX") and int(operator.outputs[0]) == judged:
+            judged = int(operator.inputs[0])
+            break
+    interpreter = _interpreter_class()(model_content=data, experimental_preserve_all_tensors=True,
+                                       experimental_op_resolver_type=OpResolverType.BUILTIN_REF)
+    image = interpreter.get_input_details()[0]
+    interpreter.resize_tensor_input(image["index"], list(images.shape))
+    interpreter.allocate_tensors()
+    interpreter.set_tensor(image["index"], as_input(images, image))
+    interpreter.invoke()
+    detail = next(detail for detail in interpreter.get_tensor_details() if detail["index"] == judged)
+    values = interpreter.get_tensor(judged).astype(np.float64)
+    quantization = io_quantization(detail)
+    return values if quantization is None else (values - quantization[1]) * quantization[0]
+
+
+def _with_method(calibrated: bytes, method: str, percentile: float | None, calibration: np.ndarray) -> bytes:
+    """The calibrated model with the ranges `method` gives: the converter's min/max, or ptq's percentile rule."""
+    if method != "percentile" or percentile is None:
+        return calibrated
+    from tensorflow.lite.tools import flatbuffer_utils
+
+    tensors = _ranged_tensors(flatbuffer_utils.convert_bytearray_to_object(calibrated))
+    return _with_ranges(calibrated, _percentile_ranges(calibrated, tensors, calibration, percentile))
+
+
+def _choose_method(keras_path: Path, calibration: np.ndarray, settings: QuantizationSettings, io_type) -> QuantizationSettings:
+    """`--method auto`: each METHOD_CANDIDATES range calibrated on 3/4 of the calibration images, quantized, and
+    judged by the output SQNR against the float model on the other 1/4; the settings with the best one."""
+    from ptq_cli.metrics import sqnr_db
+
+    held_out, rest = held_out_split(calibration)
+    if len(held_out) == 0 or len(rest) == 0:
+        return replace(settings, method=METHOD_CANDIDATES[0][0])
+    calibrated = _calibrated(keras_path, rest)
+    reference = _judged_scores(calibrated, held_out)
+    scores: list[tuple[str, float | None, float | None]] = []
+    for method, percentile in METHOD_CANDIDATES:
+        quantized = _quantized(_with_method(calibrated, method, percentile, rest), settings, io_type, keras_path)
+        db = sqnr_db(reference, _judged_scores(quantized, held_out))
+        scores.append((method, percentile, _db(db)))
+    method, percentile = chosen_method(tuple(scores))
+    return replace(settings, method=method, percentile=percentile, method_sqnr_db=tuple(scores))
+
+
+def _quantized(calibrated: bytes, settings: QuantizationSettings, io_type, keras_path: Path) -> bytes:
+    """The converter's quantizer on the calibrated model: every op int8 (one line naming those left in float)."""
+    from tensorflow.lite.python.convert import mlir_quantize
+    from tensorflow.lite.tools import flatbuffer_utils
+
+    try:
+        with _quiet():
+            quantized = mlir_quantize(calibrated, not settings.per_channel, input_data_type=io_type, output_data_type=io_type)
+    except Exception as error:  # noqa: BLE001  the quantizer's own exception types
+        raise PtqError(f"{keras_path}: the TFLite quantizer failed ({_last_line(error)})") from error
+    left = _float_ops(flatbuffer_utils.convert_bytearray_to_object(quantized))
+    if left:
+        raise PtqError(f"{keras_path}: the TFLite converter left {len(left)} ops in float ({', '.join(sorted(set(left)))}); "
+                       "TFLite Micro needs every op in int8")
+    return quantized
+
+
+ROUNDING_PIXELS = 4_000_000  # image pixels the refinement reads per layer (as onnxruntime's): 512 images at 32x32
+ROUNDING_IMAGES = (32, 512)
+
+
+def _refined(quantized: bytes, calibrated: bytes, calibration: np.ndarray, settings: QuantizationSettings) -> tuple[bytes, QuantizationSettings, list[str]]:
+    """(model, settings with the rounding decided, notes): learned int8 codes and corrected biases
+    (transforms/tflite_rounding.py) where they bring the held-out calibration images' scores closer to the float
+    model's than the converter's nearest codes (or where asked)."""
+    from ptq_cli.metrics import sqnr_db
+
+    held_out, rest = held_out_split(calibration)
+    if settings.rounding == LEARNED or len(held_out) == 0:
+        rest = calibration
+    pixels = int(np.prod(calibration.shape[1:3]))
+    count = int(np.clip(ROUNDING_PIXELS // max(1, pixels), *ROUNDING_IMAGES))
+    refining = rest[np.linspace(0, len(rest) - 1, min(count, len(rest))).astype(int)]
+    image = _interpreter_class()(model_content=quantized).get_input_details()[0]
+    result = learned_int8(quantized, calibrated, as_input(refining, image))
+    notes = [f"learned rounding: {result.layers} layers, {result.codes_changed:,} of {result.codes:,} weight codes moved off nearest, "
+             f"biases corrected, from {len(refining)} calibration images"]
+    if settings.rounding == LEARNED or len(held_out) == 0:
+        return result.data, replace(settings, rounding=LEARNED), notes
+    reference = _judged_scores(calibrated, held_out)
+    nearest_db, learned_db = (sqnr_db(reference, _judged_scores(model, held_out)) for model in (quantized, result.data))
+    choice = LEARNED if learned_db > nearest_db else NEAREST
+    measured = replace(settings, rounding=choice, rounding_nearest_db=_db(nearest_db), rounding_learned_db=_db(learned_db))
+    return (result.data if choice == LEARNED else quantized), measured, notes
+
+
 def _float_ops(model_object) -> list[str]:
     """The ops of a quantized model that still compute in float (the model's own float I/O aside)."""
     from tensorflow.lite.python import schema_py_generated as schema
@@ -458,30 +579,26 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
         raise PtqError(f"--output: {output} must end in {SUFFIX}")
     keras_path = keras_source(model)
     qdq = _ranges_model(Path(settings.ranges_from), stored.get(base.SOURCE_METADATA_KEY)) if settings.ranges_from else None
-    calibrated = _calibrated(keras_path, calibration.astype(np.float32, copy=False), progress)
-    tf = _tensorflow()
-    from tensorflow.lite.python.convert import mlir_quantize
+    calibration = calibration.astype(np.float32, copy=False)
+    io_type = getattr(_tensorflow(), IO_DTYPES[settings.io or "int8"])
+    if settings.method == AUTO_METHOD:
+        settings = _choose_method(keras_path, calibration, settings, io_type)
+    calibrated = _calibrated(keras_path, calibration, progress)
     from tensorflow.lite.tools import flatbuffer_utils
 
-    tensors = _ranged_tensors(flatbuffer_utils.convert_bytearray_to_object(calibrated))
     notes: list[str] = []
     if settings.ranges_from:
+        tensors = _ranged_tensors(flatbuffer_utils.convert_bytearray_to_object(calibrated))
         ranges, unmatched = _transferred_ranges(Path(settings.ranges_from), qdq, calibrated, tensors, calibration)
         notes.append(f"activation ranges of {len(ranges)} of {len(tensors)} tensors from {Path(settings.ranges_from).name}"
                      + (f"; {len(unmatched)} kept the converter's min/max" if unmatched else ""))
         calibrated = _with_ranges(calibrated, ranges)
-    elif settings.method == "percentile" and settings.percentile is not None:
-        calibrated = _with_ranges(calibrated, _percentile_ranges(calibrated, tensors, calibration, settings.percentile))
-    io_type = getattr(tf, IO_DTYPES[settings.io or "int8"])
-    try:
-        with _quiet():
-            quantized = mlir_quantize(calibrated, not settings.per_channel, input_data_type=io_type, output_data_type=io_type)
-    except Exception as error:  # noqa: BLE001  the quantizer's own exception types
-        raise PtqError(f"{keras_path}: the TFLite quantizer failed ({_last_line(error)})") from error
-    left = _float_ops(flatbuffer_utils.convert_bytearray_to_object(quantized))
-    if left:
-        raise PtqError(f"{keras_path}: the TFLite converter left {len(left)} ops in float ({', '.join(sorted(set(left)))}); "
-                       "TFLite Micro needs every op in int8")
+    else:
+        calibrated = _with_method(calibrated, settings.method, settings.percentile, calibration)
+    quantized = _quantized(calibrated, settings, io_type, keras_path)
+    if settings.weight_dtype != INT4 and settings.rounding != NEAREST:
+        quantized, settings, rounded = _refined(quantized, calibrated, calibration, settings)
+        notes += rounded
     if settings.weight_dtype == INT4:
         # The int8 model's filters made 4-bit, layer by layer on the calibration images fed as the model's int8 input.
         image = _interpreter_class()(model_content=quantized).get_input_details()[0]
@@ -510,9 +627,10 @@ def _check_settings(settings: dict) -> dict:
     if settings["io"] not in IO_TYPES:
         raise PtqError(f"--io: '{settings['io']}' is not one of {', '.join(IO_TYPES)}")
     if settings["ranges_from"] is not None:
-        if settings["method_given"] not in (None, BACKEND.methods[0]):
+        if settings["method_given"] not in (None, AUTO_METHOD, "minmax"):
             raise PtqError(f"--method {settings['method_given']}: --ranges-from takes the activation ranges from {settings['ranges_from']} instead")
         settings["ranges_from"] = str(settings["ranges_from"])
+        settings["method_given"] = "minmax"  # the converter's min/max, then replaced by the other model's ranges
     return settings
 
 
@@ -537,10 +655,11 @@ def _output_name(stem: str, settings: QuantizationSettings) -> str:
 BACKEND = Backend(
     NAME, (SUFFIX,), sniff, load, quantize, format=FORMAT, available=available,
     summary="the TFLite converter, full-integer int8 .tflite for TFLite Micro",
-    # Quantizing: the TFLite converter's min/max, or ptq's percentile rule (onnxruntime's histogram
-    # collector) on the same tensors; XNNPACK widens to int16 before adding, so no overflow fix.
-    methods=("minmax", "percentile"), per_channel=True, overflow_fixes=(NO_FIX,), float_stem=False,  # full-integer: every layer int8
+    # Quantizing: the TFLite converter's min/max, or ptq's percentile rule (onnxruntime's histogram collector) on
+    # the same tensors, by default whichever measures best (_choose_method); XNNPACK widens to int16 before adding, so no overflow fix.
+    methods=(AUTO_METHOD, "minmax", "percentile"), per_channel=True, overflow_fixes=(NO_FIX,), float_stem=False,  # full-integer: every layer int8
     int4_weights=True,  # TFLite's INT4 filters (transforms/int4.py)
+    learned_rounding=True,  # _refined: GPTQ int8 codes and bias correction (transforms/tflite_rounding.py)
     options={"io": "--io", "ranges_from": "--ranges-from"}, options_word="a LiteRT option", choices={"io": IO_TYPES},
     check_settings=_check_settings, describe=_describe, output_name=_output_name,
     tune_refused="--backend litert: tune searches onnxruntime, pytorch and openvino; for TFLite use ptq quantize --backend litert "

@@ -19,7 +19,20 @@ import numpy as np
 from ptq_cli import bounded, inputs
 from ptq_cli.atomic import WRITE_FAILURES, atomic_output
 from ptq_cli.backends import base
-from ptq_cli.backends.base import EMULATE, Backend, LoadedModel, ProgressCallback, QuantizationSettings, QuantizedFile, RunOptions, finish_load
+from ptq_cli.backends.base import (
+    AUTO_METHOD,
+    EMULATE,
+    METHOD_CANDIDATES,
+    Backend,
+    LoadedModel,
+    ProgressCallback,
+    QuantizationSettings,
+    QuantizedFile,
+    RunOptions,
+    chosen_method,
+    finish_load,
+    held_out_split,
+)
 from ptq_cli.backends.model_file import describe_input, in_fixed_batches, metadata, quantized_dtype, read_bytes, read_onnx, resolve_threads
 from ptq_cli.cpu import EXACT
 from ptq_cli.errors import PtqError
@@ -402,8 +415,6 @@ def _graph_to_quantize(model, settings: QuantizationSettings, workdir: Path) -> 
 LEARNED, NEAREST = rounding.LEARNED, rounding.NEAREST
 ROUNDING_PIXELS = 4_000_000  # image pixels the refinement reads per layer: 512 images at 32x32, 79 at 224x224
 ROUNDING_IMAGES = (32, 512)
-HELD_OUT_EVERY = 4  # every 4th calibration image judges nearest against learned rounding, unseen by the refinement
-HELD_OUT_MAX = 256
 
 
 def _probe_session(model, threads: int):
@@ -518,10 +529,6 @@ def _warning_notes(warnings: list[str]) -> list[str]:
     return notes + [f"onnxruntime: {line}" for line in dict.fromkeys(warnings) if line not in clipped][:3]
 
 
-AUTO_METHOD = "auto"
-# What `--method auto` tries: onnxruntime's MinMax ranges and two percentiles of its histograms, each judged by
-# the output it gives on held-out calibration images (the percentiles clip the rare activations MinMax spends codes on).
-METHOD_CANDIDATES: tuple[tuple[str, float | None], ...] = (("minmax", None), ("percentile", 99.999), ("percentile", 99.99))
 QUANT_TYPES = {"int8": "QInt8", "uint8": "QUInt8"}
 CALIBRATION_METHODS = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile"}
 
@@ -565,14 +572,6 @@ def _quantize_static(source: str, target: Path, images: np.ndarray, input_name: 
     return warnings
 
 
-def held_out_split(calibration: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(held-out images, the rest): every HELD_OUT_EVERY-th calibration image, at most HELD_OUT_MAX, judges
-    choices made on the rest (activation ranges, learned rounding)."""
-    held_out = calibration[HELD_OUT_EVERY - 1 :: HELD_OUT_EVERY][:HELD_OUT_MAX]
-    rest = np.delete(calibration, np.arange(HELD_OUT_EVERY - 1, len(calibration), HELD_OUT_EVERY), axis=0)
-    return held_out, rest
-
-
 def choose_method(source: str, calibration: np.ndarray, input_name: str, settings: QuantizationSettings, float_nodes: list[str],
                   overrides: dict | None, finish, workdir: Path, output: Path, model_name: str,
                   progress: ProgressCallback | None) -> tuple[QuantizationSettings, list[str]]:
@@ -602,7 +601,7 @@ def choose_method(source: str, calibration: np.ndarray, input_name: str, setting
         name = judged if judged in {out for node in quantized.graph.node for out in node.output} else quantized.graph.output[0].name
         scores.append((method, percentile, _db(sqnr_db(reference, _outputs(quantized, name, input_name, held_out, threads)))))
         target.unlink()
-    method, percentile, _ = max(scores, key=lambda score: -np.inf if score[2] is None else score[2])
+    method, percentile = chosen_method(tuple(scores))
     return replace(settings, method=method, percentile=percentile, method_sqnr_db=tuple(scores)), []
 
 

@@ -39,13 +39,13 @@ class Int4Result:
     kept: tuple[str, ...]  # the weighted layers kept in 8 bits, and why
 
 
-def _schema():
+def schema_module():
     from ai_edge_litert import schema_py_generated as schema
 
     return schema
 
 
-def _pack(model_object) -> bytes:
+def pack_model(model_object) -> bytes:
     import flatbuffers
 
     builder = flatbuffers.Builder(0)
@@ -61,7 +61,7 @@ def pack_int4(codes: np.ndarray) -> np.ndarray:
     return ((flat[0::2].astype(np.uint8) & 0x0F) | ((flat[1::2].astype(np.uint8) & 0x0F) << 4)).astype(np.uint8)
 
 
-def _unfold(inputs: np.ndarray, kernel: tuple[int, int], strides: tuple[int, int], dilations: tuple[int, int], same: bool) -> np.ndarray:
+def unfold_conv(inputs: np.ndarray, kernel: tuple[int, int], strides: tuple[int, int], dilations: tuple[int, int], same: bool) -> np.ndarray:
     """NHWC inputs -> the rows a CONV_2D output sums over, in its filter's (row, column, channel) order."""
     _, height, width, _ = inputs.shape
     if same:  # TFLite's SAME: the extra padding at the end
@@ -73,7 +73,7 @@ def _unfold(inputs: np.ndarray, kernel: tuple[int, int], strides: tuple[int, int
     return windows.transpose(0, 1, 2, 4, 5, 3).reshape(-1, kernel[0] * kernel[1] * inputs.shape[3])
 
 
-def _layer_inputs(data: bytes, tensor: int, images: np.ndarray) -> np.ndarray:
+def layer_inputs(data: bytes, tensor: int, images: np.ndarray) -> np.ndarray:
     """The values (dequantized) the model feeds tensor `tensor` on `images` (the model's int8 input), by LiteRT's reference kernels."""
     from ai_edge_litert.interpreter import Interpreter, OpResolverType
 
@@ -95,8 +95,8 @@ def _layer_inputs(data: bytes, tensor: int, images: np.ndarray) -> np.ndarray:
     return (np.concatenate(found) - zero_point) * scale
 
 
-def _weighted(model_object) -> list[tuple[str, Any]]:
-    schema = _schema()
+def weighted_ops(model_object) -> list[tuple[str, Any]]:
+    schema = schema_module()
     names = {value: name for name, value in vars(schema.BuiltinOperator).items() if not name.startswith("_")}
     found = []
     for operator in model_object.subgraphs[0].operators:
@@ -126,10 +126,10 @@ def _codes(weights: np.ndarray, second: np.ndarray, per_tensor: bool) -> tuple[n
 
 def to_int4(data: bytes, images: np.ndarray, progress: Callable[[int, int], None] | None = None) -> Int4Result:
     """The model (`data`, a full-integer .tflite) with its filters in int4, refined on `images` (its int8 input)."""
-    schema = _schema()
+    schema = schema_module()
     model_object = schema.ModelT.InitFromObj(schema.Model.GetRootAs(data, 0))
     graph = model_object.subgraphs[0]
-    layers, made, kept = _weighted(model_object), [], []
+    layers, made, kept = weighted_ops(model_object), [], []
     for position, (kind, operator) in enumerate(layers):
         input_tensor, weight_tensor, bias_tensor = (int(index) for index in operator.inputs[:3])
         weight = graph.tensors[weight_tensor]
@@ -144,10 +144,10 @@ def to_int4(data: bytes, images: np.ndarray, progress: Callable[[int, int], None
         per_tensor = len(int8_scales) == 1
         codes8 = np.frombuffer(bytes(model_object.buffers[weight.buffer].data), np.int8).astype(np.float64).reshape(shape[0], -1)
         weights = codes8 * np.broadcast_to(int8_scales, (shape[0],))[:, None]
-        inputs = _layer_inputs(_pack(model_object), input_tensor, images)
+        inputs = layer_inputs(pack_model(model_object), input_tensor, images)
         if kind == "CONV_2D":
             options = operator.builtinOptions
-            rows = _unfold(inputs, (shape[1], shape[2]), (options.strideH, options.strideW), (options.dilationHFactor, options.dilationWFactor),
+            rows = unfold_conv(inputs, (shape[1], shape[2]), (options.strideH, options.strideW), (options.dilationHFactor, options.dilationWFactor),
                            options.padding == schema.Padding.SAME)
         else:
             rows = inputs.reshape(-1, weights.shape[1])
@@ -170,4 +170,4 @@ def to_int4(data: bytes, images: np.ndarray, progress: Callable[[int, int], None
         made.append(name)
         if progress:
             progress(position + 1, len(layers))
-    return Int4Result(_pack(model_object), tuple(made), tuple(kept))
+    return Int4Result(pack_model(model_object), tuple(made), tuple(kept))
