@@ -95,6 +95,20 @@ def layer_inputs(data: bytes, tensor: int, images: np.ndarray) -> np.ndarray:
     return (np.concatenate(found) - zero_point) * scale
 
 
+def layer_rows(model_object, operator, kind: str, shape: list[int], images: np.ndarray) -> np.ndarray:
+    """The rows (float64) a CONV_2D or FULLY_CONNECTED output sums over, in its filter's order, as the model (its
+    earlier layers as they are now) feeds the operator on `images`."""
+    schema = schema_module()
+    inputs = layer_inputs(pack_model(model_object), int(operator.inputs[0]), images)
+    if kind == "CONV_2D":
+        options = operator.builtinOptions
+        rows = unfold_conv(inputs, (shape[1], shape[2]), (options.strideH, options.strideW), (options.dilationHFactor, options.dilationWFactor),
+                           options.padding == schema.Padding.SAME)
+    else:
+        rows = inputs.reshape(-1, int(np.prod(shape[1:])))
+    return rows.astype(np.float64)
+
+
 def weighted_ops(model_object) -> list[tuple[str, Any]]:
     schema = schema_module()
     names = {value: name for name, value in vars(schema.BuiltinOperator).items() if not name.startswith("_")}
@@ -144,14 +158,7 @@ def to_int4(data: bytes, images: np.ndarray, progress: Callable[[int, int], None
         per_tensor = len(int8_scales) == 1
         codes8 = np.frombuffer(bytes(model_object.buffers[weight.buffer].data), np.int8).astype(np.float64).reshape(shape[0], -1)
         weights = codes8 * np.broadcast_to(int8_scales, (shape[0],))[:, None]
-        inputs = layer_inputs(pack_model(model_object), input_tensor, images)
-        if kind == "CONV_2D":
-            options = operator.builtinOptions
-            rows = unfold_conv(inputs, (shape[1], shape[2]), (options.strideH, options.strideW), (options.dilationHFactor, options.dilationWFactor),
-                           options.padding == schema.Padding.SAME)
-        else:
-            rows = inputs.reshape(-1, weights.shape[1])
-        rows64 = rows.astype(np.float64)
+        rows64 = layer_rows(model_object, operator, kind, shape, images)
         codes, scales = _codes(weights, rows64.T @ rows64 / len(rows64), per_tensor)
         # The bias takes up the mean output error; its scale follows the weights' (TFLite: input scale x weight scale).
         input_scale = float(graph.tensors[input_tensor].quantization.scale[0])

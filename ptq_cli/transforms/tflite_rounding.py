@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ptq_cli.transforms.int4 import layer_inputs, pack_model, schema_module, unfold_conv, weighted_ops
+from ptq_cli.transforms.int4 import layer_rows, pack_model, schema_module, weighted_ops
 from ptq_cli.transforms.rounding import gptq
 
 QMIN, QMAX = -127, 127  # TFLite's int8 filters: symmetric, zero point 0
@@ -63,14 +63,7 @@ def learned_int8(data: bytes, float_data: bytes, images: np.ndarray, progress: C
         float_weights = floats[weight.name].astype(np.float64).reshape(shape[0], -1)
         scales = np.broadcast_to(np.asarray(weight.quantization.scale, np.float64), (shape[0],))
         nearest = np.frombuffer(bytes(model_object.buffers[weight.buffer].data), np.int8).astype(np.float64).reshape(shape[0], -1)
-        inputs = layer_inputs(pack_model(model_object), input_tensor, images)
-        if kind == "CONV_2D":
-            options = operator.builtinOptions
-            rows = unfold_conv(inputs, (shape[1], shape[2]), (options.strideH, options.strideW), (options.dilationHFactor, options.dilationWFactor),
-                               options.padding == schema.Padding.SAME)
-        else:
-            rows = inputs.reshape(-1, float_weights.shape[1])
-        rows64 = rows.astype(np.float64)
+        rows64 = layer_rows(model_object, operator, kind, shape, images)
         codes = gptq(float_weights[None], (rows64.T @ rows64 / len(rows64))[None], scales[None], np.zeros((1, shape[0])), QMIN, QMAX)[0]
         input_scale = float(graph.tensors[input_tensor].quantization.scale[0])
         float_bias = floats[bias.name].astype(np.float64) + (float_weights - codes * scales[:, None]) @ rows64.mean(axis=0)
