@@ -92,3 +92,21 @@ def test_describe_method_names_the_kept_ranges_then_the_measured_ones():
     assert describe_method("minmax", None) == "minmax"
     assert describe_method("percentile", 99.99, (("minmax", None, 23.14), ("percentile", 99.99, 25.0))) == (
         "percentile 99.99 (auto: output SQNR on held-out calibration images, minmax 23.1, percentile 99.99 25.0 dB)")
+
+
+def test_a_percentile_onnxruntime_cannot_calibrate_leaves_minmax(project, monkeypatch):
+    """A candidate that fails scores nothing, and the model is still made: MinMax, as before auto existed."""
+    from ptq_cli.backends import onnxruntime as ort_backend
+    from ptq_cli.errors import PtqError
+
+    real = ort_backend._quantize_static
+
+    def failing_percentiles(source, target, images, input_name, fixed_batch, settings, *rest):
+        if settings.method == "percentile":
+            raise PtqError("m.onnx: onnxruntime.quantization failed (a histogram it cannot build)")
+        return real(source, target, images, input_name, fixed_batch, settings, *rest)
+
+    monkeypatch.setattr(ort_backend, "_quantize_static", failing_percentiles)
+    made = _quantize(project, "minmax_kept.onnx")["settings"]
+    assert (made["method"], made["percentile"]) == ("minmax", None)
+    assert [db is None for _, _, db in made["method_sqnr_db"]] == [False, True, True]

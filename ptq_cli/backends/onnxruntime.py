@@ -577,7 +577,8 @@ def choose_method(source: str, calibration: np.ndarray, input_name: str, setting
                   progress: ProgressCallback | None) -> tuple[QuantizationSettings, list[str]]:
     """(settings with the activation ranges chosen, notes): each METHOD_CANDIDATES range calibrated on 3/4 of the
     calibration images, nearest-rounded, and judged by the output SQNR against FP32 on the other 1/4 (the
-    scores before a final Softmax); the highest is kept. `finish` applies ptq's edits to a quantized graph."""
+    scores before a final Softmax); `chosen_method` keeps one (MinMax unless a percentile measures better by a
+    margin). A candidate onnxruntime cannot calibrate scores nothing. `finish` applies ptq's edits to a quantized graph."""
     import onnx
 
     from ptq_cli.metrics import sqnr_db
@@ -595,7 +596,13 @@ def choose_method(source: str, calibration: np.ndarray, input_name: str, setting
         candidate = replace(settings, method=method, percentile=percentile)
         target = workdir / f"candidate_{index}.onnx"
         step = (lambda done, total, index=index: progress(index * len(rest) + done, len(METHOD_CANDIDATES) * len(rest))) if progress else None
-        _quantize_static(source, target, rest, input_name, None, candidate, float_nodes, overrides, output, model_name, step)
+        try:
+            _quantize_static(source, target, rest, input_name, None, candidate, float_nodes, overrides, output, model_name, step)
+        except PtqError:
+            if index == 0:
+                raise  # MinMax itself: the model cannot be calibrated, said in onnxruntime's words
+            scores.append((method, percentile, None))
+            continue
         quantized = onnx.load(str(target))
         finish(quantized)
         name = judged if judged in {out for node in quantized.graph.node for out in node.output} else quantized.graph.output[0].name
