@@ -237,12 +237,15 @@ def test_tflm_names_the_op_it_lacks_in_one_line(study):
     assert not list(study.glob("res/*.json"))  # no record of a model that did not run
 
 
-def _keras_two_conv_classifier(path):
-    """Conv 3x3 (3->8) -> Conv 3x3 (8->8) -> mean -> Dense: a stem and one more convolution, seeded weights."""
+def _keras_two_conv_classifier(path, pooled: bool = False):
+    """Conv 3x3 (3->8) -> Conv 3x3 (8->8) -> mean -> Dense: a stem and one more convolution, seeded weights.
+    `pooled`: Conv 3x3 (3->16) -> MaxPool 2 -> Conv 3x3 (16->4), so that the body convolution runs where fewer
+    activation bytes are alive than at the stem (its int4 filter, unpacked, does not enlarge TFLite Micro's arena)."""
     rng = np.random.default_rng(3)
     image = keras.Input((8, 8, 3))
-    features = keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="stem")(image)
-    features = keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="body")(features)
+    features = keras.layers.Conv2D(16 if pooled else 8, 3, padding="same", activation="relu", name="stem")(image)
+    features = keras.layers.MaxPooling2D(2)(features) if pooled else features
+    features = keras.layers.Conv2D(4 if pooled else 8, 3, padding="same", activation="relu", name="body")(features)
     scores = keras.layers.Dense(3, name="dense")(keras.layers.GlobalAveragePooling2D()(features))
     model = keras.Model(image, scores)
     for layer in ("stem", "body", "dense"):
@@ -274,7 +277,7 @@ def test_int4_filters_are_int4_in_the_file_and_tflm_runs_them_as_their_codes(stu
     import flatbuffers
     from ai_edge_litert import schema_py_generated as schema
 
-    _keras_two_conv_classifier(study / "two.h5")
+    _keras_two_conv_classifier(study / "two.h5", pooled=True)
     assert invoke("convert", "--keras", "two.h5", "--output", "two.onnx", "--data", "colours.npz", "--check-images", "30", "--scale",
                   str(SCALE), cwd=study).exit_code == 0
     made = invoke("quantize", "--model", "two.onnx", "--backend", "litert", "--weight-dtype", "int4", "--data", "colours.npz", "--json", cwd=study)
@@ -284,7 +287,7 @@ def test_int4_filters_are_int4_in_the_file_and_tflm_runs_them_as_their_codes(stu
     data = (study / "two_int8_w4.tflite").read_bytes()
     filters = sorted(_tensor_types(data).values(), key=lambda kind: kind[1])
     int4 = [(kind, size) for kind, size in filters if kind == schema.TensorType.INT4]
-    assert int4 == [(schema.TensorType.INT4, 8 * 3 * 3 * 8 // 2)]  # the body: 576 codes in 288 bytes
+    assert int4 == [(schema.TensorType.INT4, 4 * 3 * 3 * 16 // 2)]  # the body: 576 codes in 288 bytes
     assert sum(kind == schema.TensorType.INT8 for kind, _ in filters) == 2  # the stem and the dense layer
     # The same codes held in int8 (unpacked, low nibble first), run by TFLite Micro: the same scores.
     model = schema.ModelT.InitFromObj(schema.Model.GetRootAs(data, 0))

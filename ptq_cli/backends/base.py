@@ -41,6 +41,9 @@ METHOD_CANDIDATES: tuple[tuple[str, float | None], ...] = (("minmax", None), ("p
 METHOD_MARGIN_DB = 0.5
 HELD_OUT_EVERY = 4  # every 4th calibration image judges choices made on the others (ranges, learned rounding)
 HELD_OUT_MAX = 256
+# Learned rounding reads at most this many image pixels per layer: 512 images at 32x32, 79 at 224x224.
+ROUNDING_PIXELS = 4_000_000
+ROUNDING_IMAGES = (32, 512)
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,16 @@ def held_out_split(calibration: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     held_out = calibration[HELD_OUT_EVERY - 1 :: HELD_OUT_EVERY][:HELD_OUT_MAX]
     rest = np.delete(calibration, np.arange(HELD_OUT_EVERY - 1, len(calibration), HELD_OUT_EVERY), axis=0)
     return held_out, rest
+
+
+def rounding_image_count(pixels: int) -> int:
+    """How many calibration images learned rounding reads for a model whose images have `pixels` pixels."""
+    return int(np.clip(ROUNDING_PIXELS // max(1, pixels), *ROUNDING_IMAGES))
+
+
+def sqnr_figure(value: float) -> float | None:
+    """An SQNR (dB) as the settings record it: two decimals, None where it is not finite."""
+    return round(float(value), 2) if np.isfinite(value) else None
 
 
 def chosen_method(measured: tuple[tuple[str, float | None, float | None], ...]) -> tuple[str, float | None]:

@@ -38,6 +38,8 @@ from ptq_cli.backends.base import (
     chosen_method,
     finish_load,
     held_out_split,
+    rounding_image_count,
+    sqnr_figure,
 )
 from ptq_cli.backends.model_file import file_sha256, in_fixed_batches, metadata_object, model_input, num_classes, read_bytes, read_onnx, resolve_threads
 from ptq_cli.errors import PtqError
@@ -45,6 +47,8 @@ from ptq_cli.library_noise import native_stderr_silenced
 from ptq_cli.transforms.int4 import to_int4
 from ptq_cli.transforms.overflow import NO_FIX
 from ptq_cli.transforms.rounding import LEARNED, NEAREST
+from ptq_cli.transforms.tflite_graph import op_kind
+from ptq_cli.transforms.tflite_layout import microcontroller_layout
 from ptq_cli.transforms.tflite_rounding import learned_int8
 
 NAME = "litert"
@@ -427,9 +431,6 @@ def _with_ranges(calibrated: bytes, ranges: dict[int, tuple[float, float]]) -> b
     return bytes(flatbuffer_utils.convert_object_to_bytearray(model_object))
 
 
-def _db(value: float) -> float | None:
-    return round(float(value), 2) if np.isfinite(value) else None
-
 
 def _judged_scores(data: bytes, images: np.ndarray) -> np.ndarray:
     """What `--method auto` compares, on LiteRT's reference kernels (no XNNPACK, as a microcontroller): the
@@ -439,11 +440,9 @@ def _judged_scores(data: bytes, images: np.ndarray) -> np.ndarray:
 
     model_object = schema.ModelT.InitFromObj(schema.Model.GetRootAs(data, 0))
     graph = model_object.subgraphs[0]
-    names = {value: name for name, value in vars(schema.BuiltinOperator).items() if not name.startswith("_")}
     judged = int(graph.outputs[0])
     for operator in graph.operators:
-        code = model_object.operatorCodes[operator.opcodeIndex]
-        if names.get(max(code.builtinCode, code.deprecatedBuiltinCode)) in ("SOFTMAX", "LOG_SOFTMAX") and int(operator.outputs[0]) == judged:
+        if op_kind(model_object, operator) in ("SOFTMAX", "LOG_SOFTMAX") and int(operator.outputs[0]) == judged:
             judged = int(operator.inputs[0])
             break
     interpreter = _interpreter_class()(model_content=data, experimental_preserve_all_tensors=True,
@@ -483,7 +482,7 @@ def _choose_method(keras_path: Path, calibration: np.ndarray, settings: Quantiza
     for method, percentile in METHOD_CANDIDATES:
         quantized = _quantized(_with_method(calibrated, method, percentile, rest), settings, io_type, keras_path)
         db = sqnr_db(reference, _judged_scores(quantized, held_out))
-        scores.append((method, percentile, _db(db)))
+        scores.append((method, percentile, sqnr_figure(db)))
     method, percentile = chosen_method(tuple(scores))
     return replace(settings, method=method, percentile=percentile, method_sqnr_db=tuple(scores))
 
@@ -505,8 +504,6 @@ def _quantized(calibrated: bytes, settings: QuantizationSettings, io_type, keras
     return quantized
 
 
-ROUNDING_PIXELS = 4_000_000  # image pixels the refinement reads per layer (as onnxruntime's): 512 images at 32x32
-ROUNDING_IMAGES = (32, 512)
 
 
 def _refined(quantized: bytes, calibrated: bytes, calibration: np.ndarray, settings: QuantizationSettings) -> tuple[bytes, QuantizationSettings, list[str]]:
@@ -519,7 +516,7 @@ def _refined(quantized: bytes, calibrated: bytes, calibration: np.ndarray, setti
     if settings.rounding == LEARNED or len(held_out) == 0:
         rest = calibration
     pixels = int(np.prod(calibration.shape[1:3]))
-    count = int(np.clip(ROUNDING_PIXELS // max(1, pixels), *ROUNDING_IMAGES))
+    count = rounding_image_count(pixels)
     refining = rest[np.linspace(0, len(rest) - 1, min(count, len(rest))).astype(int)]
     image = _interpreter_class()(model_content=quantized).get_input_details()[0]
     result = learned_int8(quantized, calibrated, as_input(refining, image))
@@ -530,7 +527,7 @@ def _refined(quantized: bytes, calibrated: bytes, calibration: np.ndarray, setti
     reference = _judged_scores(calibrated, held_out)
     nearest_db, learned_db = (sqnr_db(reference, _judged_scores(model, held_out)) for model in (quantized, result.data))
     choice = LEARNED if learned_db > nearest_db else NEAREST
-    measured = replace(settings, rounding=choice, rounding_nearest_db=_db(nearest_db), rounding_learned_db=_db(learned_db))
+    measured = replace(settings, rounding=choice, rounding_nearest_db=sqnr_figure(nearest_db), rounding_learned_db=sqnr_figure(learned_db))
     return (result.data if choice == LEARNED else quantized), measured, notes
 
 
@@ -540,11 +537,9 @@ def _float_ops(model_object) -> list[str]:
 
     graph = model_object.subgraphs[0]
     edges = {int(index) for index in (*graph.inputs, *graph.outputs)}
-    names = {value: name for name, value in vars(schema.BuiltinOperator).items() if not name.startswith("_")}
     left = []
     for operator in graph.operators:
-        code = model_object.operatorCodes[operator.opcodeIndex]
-        kind = names.get(max(code.builtinCode, code.deprecatedBuiltinCode), "custom")
+        kind = op_kind(model_object, operator)
         if kind in ("QUANTIZE", "DEQUANTIZE"):
             continue
         used = [int(index) for index in (*operator.inputs, *operator.outputs) if index >= 0 and int(index) not in edges]
@@ -607,6 +602,10 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
         notes.append(f"int4 filters: {len(int4.layers)} layers (GPTQ codes and clipping, bias corrected, on {len(calibration)} calibration images); "
                      f"8-bit: {', '.join(int4.kept) or 'none'}")
         settings = replace(settings, rounding=LEARNED)
+    layout = microcontroller_layout(quantized, _tflm_arena())
+    quantized = layout.data
+    if layout.changes:
+        notes.append(f"laid out for a microcontroller (same outputs): {'; '.join(layout.changes)}")
     # Only what was set: the file is what a microcontroller stores.
     described = {key: value for key, value in asdict(settings).items() if value is not None and value != ()}
     extra = json.loads(stored.get(base.QUANTIZATION_METADATA_KEY, "{}"))
@@ -615,6 +614,13 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     with atomic_output(output) as tmp:
         tmp.write_bytes(data)
     return QuantizedFile(len(data), notes=tuple(notes), settings=settings)
+
+
+def _tflm_arena():
+    """TFLite Micro's arena figure for a flatbuffer (it judges the op order), or None without TFLite Micro."""
+    from ptq_cli.backends import tflm  # tflm builds on this module
+
+    return tflm.arena_of if tflm.available() else None
 
 
 IO_TYPES = ("int8", "uint8", "float")  # the first is TFLite Micro's; float keeps float I/O around the int8 body

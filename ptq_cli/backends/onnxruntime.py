@@ -32,6 +32,8 @@ from ptq_cli.backends.base import (
     chosen_method,
     finish_load,
     held_out_split,
+    rounding_image_count,
+    sqnr_figure,
 )
 from ptq_cli.backends.model_file import describe_input, in_fixed_batches, metadata, quantized_dtype, read_bytes, read_onnx, resolve_threads
 from ptq_cli.cpu import EXACT
@@ -413,8 +415,6 @@ def _graph_to_quantize(model, settings: QuantizationSettings, workdir: Path) -> 
 
 
 LEARNED, NEAREST = rounding.LEARNED, rounding.NEAREST
-ROUNDING_PIXELS = 4_000_000  # image pixels the refinement reads per layer: 512 images at 32x32, 79 at 224x224
-ROUNDING_IMAGES = (32, 512)
 
 
 def _probe_session(model, threads: int):
@@ -471,7 +471,7 @@ def refine_rounding(quantized, float_path: str, calibration: np.ndarray, input_n
     if settings.rounding == LEARNED or len(held_out) == 0:
         rest = calibration  # nothing to judge with, or nothing to judge: every image refines
     pixels = int(np.prod(calibration.shape[2:] if calibration.shape[1] in (1, 3, 4) else calibration.shape[1:3]))
-    count = int(np.clip(ROUNDING_PIXELS // max(1, pixels), *ROUNDING_IMAGES))
+    count = rounding_image_count(pixels)
     refining = rest[np.linspace(0, len(rest) - 1, min(count, len(rest))).astype(int)] if len(rest) else rest
     threads = resolve_threads(None)
     float_model = onnx.load(float_path)
@@ -496,13 +496,10 @@ def refine_rounding(quantized, float_path: str, calibration: np.ndarray, input_n
     nearest_db = sqnr_db(reference, _outputs(nearest_model, quantized_judged, input_name, held_out, threads))
     learned_db = sqnr_db(reference, _outputs(refined, quantized_judged, input_name, held_out, threads))
     choice = LEARNED if learned_db > nearest_db else NEAREST
-    measured = replace(settings, rounding=choice, rounding_nearest_db=_db(nearest_db), rounding_learned_db=_db(learned_db))
+    measured = replace(settings, rounding=choice, rounding_nearest_db=sqnr_figure(nearest_db), rounding_learned_db=sqnr_figure(learned_db))
     verdict = f"output SQNR on {len(held_out)} held-out calibration images: {nearest_db:.2f} dB nearest, {learned_db:.2f} dB learned; kept {choice}"
     return (refined if choice == LEARNED else nearest_model), measured, [*notes, f"learned rounding: {verdict}"]
 
-
-def _db(value: float) -> float | None:
-    return round(value, 2) if np.isfinite(value) else None
 
 
 @contextlib.contextmanager
@@ -606,7 +603,7 @@ def choose_method(source: str, calibration: np.ndarray, input_name: str, setting
         quantized = onnx.load(str(target))
         finish(quantized)
         name = judged if judged in {out for node in quantized.graph.node for out in node.output} else quantized.graph.output[0].name
-        scores.append((method, percentile, _db(sqnr_db(reference, _outputs(quantized, name, input_name, held_out, threads)))))
+        scores.append((method, percentile, sqnr_figure(sqnr_db(reference, _outputs(quantized, name, input_name, held_out, threads)))))
         target.unlink()
     method, percentile = chosen_method(tuple(scores))
     return replace(settings, method=method, percentile=percentile, method_sqnr_db=tuple(scores)), []

@@ -97,6 +97,18 @@ def arena_bytes(interpreter) -> int | None:
     return found[0] if found else None
 
 
+def arena_of(data: bytes) -> int | None:
+    """TFLM's tensor arena for a flatbuffer, after one invoke on zeros; None where TFLM cannot run it."""
+    try:
+        interpreter, _ = _interpreter(data, Path("model.tflite"))
+        image = interpreter.get_input_details(0)
+        interpreter.set_input(np.zeros(image["shape"], image["dtype"]), 0)
+        interpreter.invoke()
+    except (PtqError, RuntimeError, ValueError):
+        return None
+    return arena_bytes(interpreter)
+
+
 def _as_litert(detail: dict) -> dict:
     """A TFLM tensor's details in LiteRT's form (dtype, (scale, zero point)), for LiteRT's helpers to quantize and describe it."""
     parameters = detail.get("quantization_parameters") or {}

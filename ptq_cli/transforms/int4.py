@@ -12,7 +12,10 @@ codes held in int8).
 
 The stem (the first weighted layer, which the image enters) stays in 8 bits, and so do the layers TFLite Micro
 has no int4 kernel for: its FULLY_CONNECTED refuses an int4 filter under int8 input (tflite-micro's
-fully_connected_common.cc), and depthwise convolutions are left as they are.
+fully_connected_common.cc), and depthwise convolutions are left as they are. TFLite Micro unpacks an int4 filter
+to int8 in its tensor arena while the layer runs; a layer where that would keep more bytes alive than the int8
+model ever does (ResNet8's second convolution, beside three 16 KB activations) stays in 8 bits too, so that 4-bit
+weights save flash without asking for more RAM.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from ptq_cli.transforms.rounding import gptq
+from ptq_cli.transforms.tflite_graph import low_peak_order, op_kind, pack_model, schema_module, step_peaks
 
 QMIN, QMAX = -8, 7  # int4, symmetric scales (zero point 0, as TFLite's weights)
 CLIPPINGS = np.arange(0.6, 1.0001, 0.05)  # fractions of a channel's largest weight tried as its 4-bit range
@@ -37,20 +41,6 @@ class Int4Result:
     data: bytes  # the model with int4 filters
     layers: tuple[str, ...]  # the layers made 4-bit, e.g. "CONV_2D 64x3x3x64"
     kept: tuple[str, ...]  # the weighted layers kept in 8 bits, and why
-
-
-def schema_module():
-    from ai_edge_litert import schema_py_generated as schema
-
-    return schema
-
-
-def pack_model(model_object) -> bytes:
-    import flatbuffers
-
-    builder = flatbuffers.Builder(0)
-    builder.Finish(model_object.Pack(builder), file_identifier=b"TFL3")
-    return bytes(builder.Output())
 
 
 def pack_int4(codes: np.ndarray) -> np.ndarray:
@@ -110,15 +100,8 @@ def layer_rows(model_object, operator, kind: str, shape: list[int], images: np.n
 
 
 def weighted_ops(model_object) -> list[tuple[str, Any]]:
-    schema = schema_module()
-    names = {value: name for name, value in vars(schema.BuiltinOperator).items() if not name.startswith("_")}
-    found = []
-    for operator in model_object.subgraphs[0].operators:
-        code = model_object.operatorCodes[operator.opcodeIndex]
-        kind = names.get(max(code.builtinCode, code.deprecatedBuiltinCode), "?")
-        if kind in WEIGHTED:
-            found.append((kind, operator))
-    return found
+    return [(op_kind(model_object, operator), operator) for operator in model_object.subgraphs[0].operators
+            if op_kind(model_object, operator) in WEIGHTED]
 
 
 def _codes(weights: np.ndarray, second: np.ndarray, per_tensor: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -138,19 +121,47 @@ def _codes(weights: np.ndarray, second: np.ndarray, per_tensor: bool) -> tuple[n
     return codes, scales
 
 
+def arena_neutral(model_object, candidates: list[Any]) -> set[int]:
+    """The ids of the `candidates` (operators) whose filters can be int4 without TFLite Micro keeping more bytes
+    alive than the int8 model does in its leaner op order: the unpacked filter counts while its layer runs."""
+    operators = model_object.subgraphs[0].operators
+    plain = min(max(step_peaks(model_object, order)) for order in (list(range(len(operators))), low_peak_order(model_object)))
+    chosen = {id(operator) for operator in candidates}
+    while True:
+        def unpacked(operator, chosen=frozenset(chosen)) -> int:
+            if id(operator) not in chosen:
+                return 0
+            return int(np.prod([int(dim) for dim in model_object.subgraphs[0].tensors[int(operator.inputs[1])].shape]))
+
+        order = low_peak_order(model_object, unpacked)
+        over = {id(operators[position]) for position, peak in zip(order, step_peaks(model_object, order, unpacked), strict=True)
+                if peak > plain and id(operators[position]) in chosen}
+        if not over:
+            return chosen
+        chosen -= over
+
+
 def to_int4(data: bytes, images: np.ndarray, progress: Callable[[int, int], None] | None = None) -> Int4Result:
     """The model (`data`, a full-integer .tflite) with its filters in int4, refined on `images` (its int8 input)."""
     schema = schema_module()
     model_object = schema.ModelT.InitFromObj(schema.Model.GetRootAs(data, 0))
     graph = model_object.subgraphs[0]
     layers, made, kept = weighted_ops(model_object), [], []
+
+    def reason(position: int, kind: str, operator) -> str:
+        weight = graph.tensors[int(operator.inputs[1])]
+        return ("the stem" if position == 0 else f"TFLite Micro has no int4 {kind}" if kind not in INT4_KERNELS
+                else "not an int8 filter with a bias" if weight.type != schema.TensorType.INT8 or len(operator.inputs) < 3 or operator.inputs[2] < 0
+                else "")
+
+    fits = arena_neutral(model_object, [operator for position, (kind, operator) in enumerate(layers) if not reason(position, kind, operator)])
     for position, (kind, operator) in enumerate(layers):
         input_tensor, weight_tensor, bias_tensor = (int(index) for index in operator.inputs[:3])
         weight = graph.tensors[weight_tensor]
         shape = [int(dim) for dim in weight.shape]
         name = f"{kind} {'x'.join(map(str, shape))}"
-        why = ("the stem" if position == 0 else f"TFLite Micro has no int4 {kind}" if kind not in INT4_KERNELS
-               else "not an int8 filter with a bias" if weight.type != schema.TensorType.INT8 or bias_tensor < 0 else "")
+        why = reason(position, kind, operator) or ("unpacked to int8 while it runs, it would enlarge TFLite Micro's tensor arena"
+                                                   if id(operator) not in fits else "")
         if why:
             kept.append(f"{name} ({why})")
             continue
