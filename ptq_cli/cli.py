@@ -523,6 +523,7 @@ def quantize(
     ignored_scope: Annotated[list[str] | None, typer.Option(help="A layer (node name) NNCF leaves in float; repeat for several.", show_default=False, rich_help_panel="NNCF (--backend openvino)")] = None,
     io: Annotated[IoType | None, typer.Option(help="Type of the .tflite's input and output tensors: int8 (what TFLite Micro wants), uint8, or float around the int8 body. (default: int8)", show_default=False, rich_help_panel="LiteRT (--backend litert)")] = None,
     ranges_from: Annotated[Path | None, typer.Option(help="An onnxruntime QDQ model ptq quantized from the same FP32 model: its activation ranges (scale, zero point) replace the converter's calibration, tensor by tensor, so both models compute on the same grid.", show_default=False, rich_help_panel="LiteRT (--backend litert)")] = None,
+    max_flash_kb: Annotated[float | None, typer.Option(help="With --weight-dtype int4: the flash the .tflite may take, in KB (1,024 bytes). The 4-bit layers whose 4 bits cost most (output SQNR against the float model on calibration images, measured layer by layer) go back to 8 bits while the file stays within it. (default: none go back)", show_default=False, rich_help_panel="LiteRT (--backend litert)")] = None,
     cpus: CpusOption = Cpus("all"),
     overflow_fix: OverflowFixOption = None,
     stem: StemOption = Stem(stem_service.AUTO),
@@ -542,7 +543,7 @@ def quantize(
         dtype and dtype.value, backend.value, weight_dtype and weight_dtype.value, per_channel, method and method.value, percentile, graph_preprocess,
         target and target.value, space_to_depth, nncf_preset and nncf_preset.value, bias_correction and bias_correction.value, subset_size,
         tuple(ignored_scope or ()), io and io.value, str(ranges_from) if ranges_from else None, cpus=cpus.value, overflow_fix=overflow_fix and overflow_fix.value,
-        stem=stem.value, rounding=rounding.value,
+        stem=stem.value, rounding=rounding.value, max_flash_kb=max_flash_kb,
     )
     # Loaded once, before any calibration work: a bad model (its input, its output on one image) fails first.
     source = quantize_service.load_source(model, choice.flags, quantization_settings.per_channel is not False)

@@ -308,6 +308,46 @@ def test_int4_filters_are_int4_in_the_file_and_tflm_runs_them_as_their_codes(stu
     assert np.mean(scores.argmax(axis=1) == fp32.predict(fp32.prepare(images)).argmax(axis=1)) >= 0.9
 
 
+def test_a_flash_budget_puts_back_in_8_bits_the_4_bit_layers_that_fit_and_gain(study):
+    """`--max-flash-kb`: the file stays within it and the settings record it; the layers put back in 8 bits are
+    those the judge scores higher that fit (here a judge that prefers 8-bit filters, so that the choice and not
+    the tiny model's noise is tested); refused without int4."""
+    from ai_edge_litert import schema_py_generated as schema
+
+    from ptq_cli.transforms import int4
+
+    _keras_two_conv_classifier(study / "two.h5", pooled=True)
+    assert invoke("convert", "--keras", "two.h5", "--output", "two.onnx", "--data", "colours.npz", "--check-images", "30", "--scale",
+                  str(SCALE), cwd=study).exit_code == 0
+    budget = 32.0
+    result = invoke("quantize", "--model", "two.onnx", "--backend", "litert", "--weight-dtype", "int4", "--data", "colours.npz",
+                    "--output", "budget.tflite", "--max-flash-kb", str(budget), "--json", cwd=study)
+    assert result.exit_code == 0, result.output
+    made = json.loads(result.stdout)
+    assert made["settings"]["max_flash_kb"] == budget and (study / "budget.tflite").stat().st_size <= budget * 1024
+    assert "8 bits back where they gain most output SQNR" in " ".join(made["notes"])
+
+    assert invoke("quantize", "--model", "two.onnx", "--backend", "litert", "--data", "colours.npz", "--output", "eight.tflite", cwd=study).exit_code == 0
+    eight = (study / "eight.tflite").read_bytes()
+    images = np.random.default_rng(8).integers(-128, 128, (20, 8, 8, 3), dtype=np.int8)
+    all_four = int4.to_int4(eight, images).data
+
+    def int8_filters(data: bytes) -> float:
+        return float(sum(kind == schema.TensorType.INT8 for kind, _ in _tensor_types(data).values()))
+
+    def body_type(cap: int) -> set[int]:
+        mixed = int4.Mixed(fits=lambda data: len(data) <= cap, judge=int8_filters)
+        data = int4.to_int4(eight, images, mixed=mixed).data
+        assert len(data) <= cap
+        return {kind for kind, _ in _tensor_types(data).values()}
+
+    assert schema.TensorType.INT4 not in body_type(len(all_four) + 1000)
+    assert schema.TensorType.INT4 in body_type(len(all_four) + 100)  # the body's int8 filter needs 288 more bytes
+    one_line_error(invoke("quantize", "--model", "two.onnx", "--backend", "litert", "--max-flash-kb", "60", "--data", "colours.npz", cwd=study),
+                   "--max-flash-kb")
+    one_line_error(invoke("quantize", "--model", "two.onnx", "--max-flash-kb", "60", "--data", "colours.npz", cwd=study), "--max-flash-kb")
+
+
 def test_int4_codes_leave_less_output_error_than_plain_rounding():
     """Per output channel, the chosen clipping and GPTQ codes cost the layer's output no more than nearest 4-bit
     codes at the full range, weighted by the inputs' second moments, on correlated inputs."""

@@ -14,7 +14,7 @@ from ptq_cli.transforms.tflite_layout import microcontroller_layout
 pytest.importorskip("ai_edge_litert", reason="the litert extra is not installed")
 pytest.importorskip("tflite_micro", reason="tflite-micro is not installed")
 tf = pytest.importorskip("tensorflow", reason="the keras extra is not installed")
-from ptq_cli.backends import tflm  # noqa: E402  (after the skips: it needs the litert extra)
+from ptq_cli.backends import tflm_interpreter as tflm  # noqa: E402  (after the skips: it needs the litert extra)
 
 ASSETS = CIFAR.parent / "mlperf-tiny-resnet8"
 

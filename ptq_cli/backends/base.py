@@ -134,6 +134,8 @@ class QuantizationSettings:
     # LiteRT only: the input/output tensors' type, and the onnxruntime model whose activation ranges it copies.
     io: str | None = None
     ranges_from: str | None = None
+    # LiteRT int4 only: the flash the file may take (KB of 1,024 bytes); layers whose 4 bits cost most go back to 8 bits within it.
+    max_flash_kb: float | None = None
     # Which CPUs the model is for (cpu.CPU_TARGETS) and how it is kept exact on those without VNNI.
     cpus: str = ALL
     overflow_fix: str | None = NO_FIX  # None until the model decides (quantize.resolve_model_defaults)

@@ -18,6 +18,7 @@ import hashlib
 import io
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -44,7 +45,7 @@ from ptq_cli.backends.base import (
 from ptq_cli.backends.model_file import file_sha256, in_fixed_batches, metadata_object, model_input, num_classes, read_bytes, read_onnx, resolve_threads
 from ptq_cli.errors import PtqError
 from ptq_cli.library_noise import native_stderr_silenced
-from ptq_cli.transforms.int4 import to_int4
+from ptq_cli.transforms.int4 import Mixed, to_int4
 from ptq_cli.transforms.overflow import NO_FIX
 from ptq_cli.transforms.rounding import LEARNED, NEAREST
 from ptq_cli.transforms.tflite_graph import op_kind
@@ -595,32 +596,59 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
         quantized, settings, rounded = _refined(quantized, calibrated, calibration, settings)
         notes += rounded
     if settings.weight_dtype == INT4:
-        # The int8 model's filters made 4-bit, layer by layer on the calibration images fed as the model's int8 input.
-        image = _interpreter_class()(model_content=quantized).get_input_details()[0]
-        int4 = to_int4(quantized, as_input(calibration, image))
-        quantized = int4.data
-        notes.append(f"int4 filters: {len(int4.layers)} layers (GPTQ codes and clipping, bias corrected, on {len(calibration)} calibration images); "
-                     f"8-bit: {', '.join(int4.kept) or 'none'}")
+        quantized, four_bit = _four_bit(quantized, calibrated, calibration, settings, lambda data: _entries(data, settings, stored, keras_path))
+        notes.append(four_bit)
         settings = replace(settings, rounding=LEARNED)
     layout = microcontroller_layout(quantized, _tflm_arena())
     quantized = layout.data
     if layout.changes:
         notes.append(f"laid out for a microcontroller (same outputs): {'; '.join(layout.changes)}")
-    # Only what was set: the file is what a microcontroller stores.
-    described = {key: value for key, value in asdict(settings).items() if value is not None and value != ()}
-    extra = json.loads(stored.get(base.QUANTIZATION_METADATA_KEY, "{}"))
-    entries = {**stored, base.QUANTIZATION_METADATA_KEY: json.dumps({**described, **extra, "keras_source": keras_path.name}, separators=(",", ":"))}
-    data = _with_metadata(quantized, entries)
+    data = _entries(quantized, settings, stored, keras_path)
+    if settings.max_flash_kb is not None and len(data) > settings.max_flash_kb * 1024:
+        notes.append(f"{len(data):,} bytes: over --max-flash-kb {settings.max_flash_kb:g} ({settings.max_flash_kb * 1024:,.0f} bytes) with every "
+                     "layer that can be 4-bit in 4 bits")
     with atomic_output(output) as tmp:
         tmp.write_bytes(data)
     return QuantizedFile(len(data), notes=tuple(notes), settings=settings)
 
 
+def _entries(quantized: bytes, settings: QuantizationSettings, stored: dict[str, str], keras_path: Path) -> bytes:
+    """The model with ptq's metadata: only the settings that were set (the file is what a microcontroller stores)."""
+    described = {key: value for key, value in asdict(settings).items() if value is not None and value != ()}
+    extra = json.loads(stored.get(base.QUANTIZATION_METADATA_KEY, "{}"))
+    return _with_metadata(quantized, {**stored, base.QUANTIZATION_METADATA_KEY: json.dumps({**described, **extra, "keras_source": keras_path.name},
+                                                                                             separators=(",", ":"))})
+
+
+FLASH_SLACK = 64  # bytes kept free under --max-flash-kb for the settings the metadata records after the choice
+
+
+def _four_bit(quantized: bytes, calibrated: bytes, calibration: np.ndarray, settings: QuantizationSettings,
+              written: Callable[[bytes], bytes]) -> tuple[bytes, str]:
+    """The int8 model's filters made 4-bit, layer by layer on the calibration images fed as the model's int8 input;
+    with --max-flash-kb, the layers whose 4 bits cost most back in 8 bits while the file (`written`: as it will be
+    written, laid out and with its metadata) fits. (model, note)."""
+    from ptq_cli.metrics import sqnr_db
+
+    image = _interpreter_class()(model_content=quantized).get_input_details()[0]
+    mixed = None
+    if settings.max_flash_kb is not None:
+        judged_images = held_out_split(calibration)[0]
+        reference = _judged_scores(calibrated, judged_images)
+        budget = settings.max_flash_kb * 1024 - FLASH_SLACK
+        mixed = Mixed(fits=lambda data: len(written(microcontroller_layout(data).data)) <= budget,
+                      judge=lambda data: sqnr_db(reference, _judged_scores(data, judged_images)))
+    int4 = to_int4(quantized, as_input(calibration, image), mixed=mixed)
+    judged = f"; 8 bits back where they gain most output SQNR on {len(judged_images)} calibration images" if mixed else ""
+    return int4.data, (f"int4 filters: {len(int4.layers)} layers (GPTQ codes and clipping, bias corrected, on {len(calibration)} calibration "
+                       f"images{judged}); 8-bit: {', '.join(int4.kept) or 'none'}")
+
+
 def _tflm_arena():
     """TFLite Micro's arena figure for a flatbuffer (it judges the op order), or None without TFLite Micro."""
-    from ptq_cli.backends import tflm  # tflm builds on this module
+    from ptq_cli.backends import tflm_interpreter
 
-    return tflm.arena_of if tflm.available() else None
+    return tflm_interpreter.arena_of if tflm_interpreter.available() else None
 
 
 IO_TYPES = ("int8", "uint8", "float")  # the first is TFLite Micro's; float keeps float I/O around the int8 body
@@ -637,6 +665,11 @@ def _check_settings(settings: dict) -> dict:
             raise PtqError(f"--method {settings['method_given']}: --ranges-from takes the activation ranges from {settings['ranges_from']} instead")
         settings["ranges_from"] = str(settings["ranges_from"])
         settings["method_given"] = "minmax"  # the converter's min/max, then replaced by the other model's ranges
+    if settings["max_flash_kb"] is not None:
+        if settings["weight_dtype"] != INT4:
+            raise PtqError("--max-flash-kb: a flash budget chooses which layers keep 8-bit weights in a 4-bit model (--weight-dtype int4)")
+        if not settings["max_flash_kb"] > 0:
+            raise PtqError(f"--max-flash-kb: {settings['max_flash_kb']} is not a positive size in KB")
     return settings
 
 
@@ -650,7 +683,8 @@ def _describe(settings: dict) -> str:
                      settings.get("method", "?") + (f" {settings['percentile']:g}" if settings.get("percentile") else ""))
         parts.append(f"{settings.get('calibration_samples', '?')} samples")
         if settings.get("weight_dtype") == INT4:
-            parts.append("GPTQ int4 conv filters (stem and fully-connected layers int8)")
+            budget = f"; layers back in 8 bits within {settings['max_flash_kb']:g} KB" if settings.get("max_flash_kb") else ""
+            parts.append(f"GPTQ int4 conv filters (stem and fully-connected layers int8{budget})")
     return ", ".join([*parts, f"input {settings.get('input', '?')}", f"output {settings.get('output', '?')}"])
 
 
@@ -666,7 +700,7 @@ BACKEND = Backend(
     methods=(AUTO_METHOD, "minmax", "percentile"), per_channel=True, overflow_fixes=(NO_FIX,), float_stem=False,  # full-integer: every layer int8
     int4_weights=True,  # TFLite's INT4 filters (transforms/int4.py)
     learned_rounding=True,  # _refined: GPTQ int8 codes and bias correction (transforms/tflite_rounding.py)
-    options={"io": "--io", "ranges_from": "--ranges-from"}, options_word="a LiteRT option", choices={"io": IO_TYPES},
+    options={"io": "--io", "ranges_from": "--ranges-from", "max_flash_kb": "--max-flash-kb"}, options_word="a LiteRT option", choices={"io": IO_TYPES},
     check_settings=_check_settings, describe=_describe, output_name=_output_name,
     tune_refused="--backend litert: tune searches onnxruntime, pytorch and openvino; for TFLite use ptq quantize --backend litert "
                  "(--method, --per-tensor, --ranges-from a tuned onnxruntime model)",

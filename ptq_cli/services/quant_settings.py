@@ -55,6 +55,7 @@ def make_settings(
     overflow_fix: str | None = None,
     stem: str | None = None,
     rounding: str | None = None,
+    max_flash_kb: float | None = None,
 ) -> QuantizationSettings:
     """Validated settings. Without a target the defaults are the seed study's, the weights following the
     activations' type; a target's preset fills in what the options leave open; the backend's row adds
@@ -65,7 +66,8 @@ def make_settings(
     if target is not None and target not in TARGETS:
         raise PtqError(f"--target: '{target}' is not one of {', '.join(TARGETS)}")
     _backend_options(backend, {"nncf_preset": nncf_preset, "bias_correction": bias_correction, "subset_size": subset_size,
-                               "float_nodes": tuple(float_nodes) or None, "io": io, "ranges_from": ranges_from, "space_to_depth": space_to_depth})
+                               "float_nodes": tuple(float_nodes) or None, "io": io, "ranges_from": ranges_from, "space_to_depth": space_to_depth,
+                               "max_flash_kb": max_flash_kb})
     targeted = row.speed_target if target else {}
     dtype, weight_dtype = _types(dtype or targeted.get("dtype") or DEFAULT_DTYPE, weight_dtype or targeted.get("weight_dtype"))
     if weight_dtype == INT4 and not row.int4_weights:
@@ -75,7 +77,7 @@ def make_settings(
     method_given = method or targeted.get("method")
     fields = row.check_settings({
         "dtype": dtype, "weight_dtype": weight_dtype, "per_channel": per_channel, "method_given": method_given, "nncf_preset": nncf_preset,
-        "bias_correction": bias_correction, "subset_size": subset_size, "io": io, "ranges_from": ranges_from,
+        "bias_correction": bias_correction, "subset_size": subset_size, "io": io, "ranges_from": ranges_from, "max_flash_kb": max_flash_kb,
         "space_to_depth": space_to_depth if space_to_depth is not None else targeted.get("space_to_depth"), "overflow_fix": None,
         "float_nodes": tuple(float_nodes), "rounding": rounding,
     })
@@ -93,7 +95,7 @@ def make_settings(
         overflow_fix=fields["overflow_fix"] or overflow_fix,  # the backend's own say first (onnxruntime's u8 x u8 kernel needs no fix)
         stem=check_stem(stem, backend),  # None: measured when quantizing (services/stem.py)
         rounding=check_rounding(fields["rounding"], row),  # None: measured when quantizing (transforms/rounding.py)
-        **{name: fields[name] for name in ("nncf_preset", "bias_correction", "subset_size", "io", "ranges_from")},
+        **{name: fields[name] for name in ("nncf_preset", "bias_correction", "subset_size", "io", "ranges_from", "max_flash_kb")},
     )
 
 

@@ -37,6 +37,15 @@ INT4_KERNELS = ("CONV_2D",)  # the ops whose int4 filters TFLite Micro runs (che
 
 
 @dataclass(frozen=True)
+class Mixed:
+    """A flash budget: `fits(model bytes)` says whether a model is within it (as it will be written), `judge(model
+    bytes)` how close its outputs come to the float model's (SQNR, dB) on images it was not rounded on."""
+
+    fits: Callable[[bytes], bool]
+    judge: Callable[[bytes], float]
+
+
+@dataclass(frozen=True)
 class Int4Result:
     data: bytes  # the model with int4 filters
     layers: tuple[str, ...]  # the layers made 4-bit, e.g. "CONV_2D 64x3x3x64"
@@ -141,12 +150,54 @@ def arena_neutral(model_object, candidates: list[Any]) -> set[int]:
         chosen -= over
 
 
-def to_int4(data: bytes, images: np.ndarray, progress: Callable[[int, int], None] | None = None) -> Int4Result:
-    """The model (`data`, a full-integer .tflite) with its filters in int4, refined on `images` (its int8 input)."""
+def _state(model_object, operator) -> tuple:
+    """What int4 changes in a layer (its filter's and bias's data, type and scales), to put back later."""
+    graph = model_object.subgraphs[0]
+    weight, bias = graph.tensors[int(operator.inputs[1])], graph.tensors[int(operator.inputs[2])]
+    return (weight, bias, model_object.buffers[weight.buffer].data, weight.type, list(weight.quantization.scale),
+            list(weight.quantization.zeroPoint), model_object.buffers[bias.buffer].data, list(bias.quantization.scale))
+
+
+def _restore(model_object, state: tuple) -> None:
+    weight, bias, weight_data, weight_type, scales, zero_points, bias_data, bias_scales = state
+    model_object.buffers[weight.buffer].data, weight.type = weight_data, weight_type
+    weight.quantization.scale, weight.quantization.zeroPoint = scales, zero_points
+    model_object.buffers[bias.buffer].data, bias.quantization.scale = bias_data, bias_scales
+
+
+def _back_to_8_bits(model_object, states: dict[str, tuple[tuple, tuple]], mixed: Mixed) -> dict[str, float]:
+    """Layers put back to their int8 filters while the model fits the budget, each time the one whose 8 bits
+    gain most SQNR per byte of flash: their names and gains (dB)."""
+    chosen: dict[str, float] = {}
+    current = mixed.judge(pack_model(model_object))
+    while True:
+        best: tuple[float, float, str] | None = None
+        size = len(pack_model(model_object))
+        for name, (int8_state, int4_state) in states.items():
+            if name in chosen:
+                continue
+            _restore(model_object, int8_state)
+            data = pack_model(model_object)
+            if mixed.fits(data):
+                gain = mixed.judge(data) - current
+                if gain > 0 and (best is None or gain / max(len(data) - size, 1) > best[0]):
+                    best = (gain / max(len(data) - size, 1), gain, name)
+            _restore(model_object, int4_state)
+        if best is None:
+            return chosen
+        _restore(model_object, states[best[2]][0])
+        current += best[1]
+        chosen[best[2]] = best[1]
+
+
+def to_int4(data: bytes, images: np.ndarray, progress: Callable[[int, int], None] | None = None, mixed: Mixed | None = None) -> Int4Result:
+    """The model (`data`, a full-integer .tflite) with its filters in int4, refined on `images` (its int8 input);
+    with `mixed`, the layers whose 4 bits cost most then go back to 8 bits within its flash budget."""
     schema = schema_module()
     model_object = schema.ModelT.InitFromObj(schema.Model.GetRootAs(data, 0))
     graph = model_object.subgraphs[0]
     layers, made, kept = weighted_ops(model_object), [], []
+    states: dict[str, tuple[tuple, tuple]] = {}  # a 4-bit layer's name -> (its int8 state, its int4 state)
 
     def reason(position: int, kind: str, operator) -> str:
         weight = graph.tensors[int(operator.inputs[1])]
@@ -165,6 +216,7 @@ def to_int4(data: bytes, images: np.ndarray, progress: Callable[[int, int], None
         if why:
             kept.append(f"{name} ({why})")
             continue
+        int8_state = _state(model_object, operator)
         int8_scales = np.asarray(weight.quantization.scale, np.float64)
         per_tensor = len(int8_scales) == 1
         codes8 = np.frombuffer(bytes(model_object.buffers[weight.buffer].data), np.int8).astype(np.float64).reshape(shape[0], -1)
@@ -185,7 +237,13 @@ def to_int4(data: bytes, images: np.ndarray, progress: Callable[[int, int], None
         weight.type = schema.TensorType.INT4
         weight.quantization.scale = list(stored_scales)
         weight.quantization.zeroPoint = [0] * len(stored_scales)
+        name = f"{name} #{position}" if name in states else name
+        states[name] = (int8_state, _state(model_object, operator))
         made.append(name)
         if progress:
             progress(position + 1, len(layers))
+    if mixed is not None:
+        back = _back_to_8_bits(model_object, states, mixed)
+        kept += [f"{name} (+{gain:.2f} dB in 8 bits, within the flash budget)" for name, gain in back.items()]
+        made = [name for name in made if name not in back]
     return Int4Result(pack_model(model_object), tuple(made), tuple(kept))

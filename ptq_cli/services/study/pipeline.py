@@ -50,11 +50,13 @@ QUANTIZED: tuple[dict[str, Any], ...] = ({"dtype": "int8"}, {"dtype": "uint8"}, 
 # than NNCF's on ResNet8 and EfficientNet-Lite0, README), and the FP32 model run on OpenVINO at f32 to
 # compare it with on its own runtime.
 OPENVINO_QUANTIZED: dict[str, Any] = {"backend": "openvino"}
+# The flash the study's 4-bit model may take: MLPerf Tiny's reference is 96 KB; issue 34 asked for 60 KB.
+MICROCONTROLLER_FLASH_KB = 60
 # With the litert extra (the study only: LiteRT quantizes the Keras source): the converter's own calibration,
 # the same with the activation ranges of the `--target speed` onnxruntime model (both models on one grid), and
 # the converter's model with 4-bit filters (the microcontroller's smallest).
 LITERT_QUANTIZED: tuple[dict[str, Any], ...] = ({"backend": "litert"}, {"backend": "litert", "ranges_from": "speed"},
-                                                {"backend": "litert", "weight_dtype": "int4"})
+                                                {"backend": "litert", "weight_dtype": "int4", "max_flash_kb": MICROCONTROLLER_FLASH_KB})
 # The backends the study names (its recipe above is data; which of them run is the user's and the extras' say).
 PYTORCH, OPENVINO, LITERT = "pytorch", "openvino", "litert"
 # On a VNNI CPU the saturating path of a model that cannot be proven exact is emulated (about 35 to 70 s
