@@ -2,9 +2,12 @@
 
 TFLM's reference kernels are what a Cortex-M runs (CMSIS-NN reproduces them bit for bit); LiteRT's default
 XNNPACK kernels, and even its own reference kernels, round some layers differently (README, "TFLite Micro").
-The scores come from the tflite-micro Python interpreter itself, one image per invoke as on the device;
-large batches are split across worker processes (the interpreter holds the GIL), each with its own
-interpreter, which gives the same scores. The tensor arena is TFLM's own figure (its allocation recording).
+The scores come from TFLM's kernels. Where a model's ops are all in `tflm_kernels` (ptq's numpy copy of
+them, whole batches at once), they run there, and the tflite-micro Python interpreter runs the first
+VERIFIED_IMAGES images of every call too: the output bytes must be identical, else that model goes back to the
+interpreter for good. The interpreter runs one image per invoke, as on the device; large batches are split
+across worker processes (it holds the GIL), each with its own interpreter, which gives the same scores. The
+tensor arena is TFLM's own figure (its allocation recording).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ptq_cli.backends import litert
+from ptq_cli.backends import litert, tflm_kernels
 from ptq_cli.backends.base import Backend, LoadedModel, RunOptions, finish_load
 from ptq_cli.backends.model_file import model_input, num_classes, read_bytes, resolve_threads
 from ptq_cli.backends.tflm_interpreter import arena_bytes, available, fitted_interpreter
@@ -25,6 +28,7 @@ from ptq_cli.errors import PtqError
 
 NAME = "tflm"
 PARALLEL_FROM = 64  # images in one call from which the call is split across worker processes
+VERIFIED_IMAGES = 4  # images of every call (128 by default) the interpreter runs too where ptq's copy of the kernels runs it
 
 
 def _as_litert(detail: dict) -> dict:
@@ -45,8 +49,22 @@ class _Scorer:
         self.output_quantization = litert.io_quantization(self.output)
         self.batch = max(int(self.image["shape"][0]), 1)
 
+    def codes(self, batch: np.ndarray) -> np.ndarray:
+        """The model's int8 input for a batch in its input format."""
+        return np.ascontiguousarray(litert.as_input(batch, self.input))
+
+    def dequantized(self, result: np.ndarray) -> np.ndarray:
+        result = result.astype(np.float32)
+        if self.output_quantization is not None:
+            scale, zero_point = self.output_quantization
+            result = (result - zero_point) * scale
+        return result
+
     def run(self, batch: np.ndarray) -> np.ndarray:
-        batch = np.ascontiguousarray(litert.as_input(batch, self.input))
+        return self.dequantized(self.raw(self.codes(batch)))
+
+    def raw(self, batch: np.ndarray) -> np.ndarray:
+        """The interpreter's output tensor for a batch of input codes, one invoke per model batch."""
         results = []
         for start in range(0, len(batch), self.batch):
             part = batch[start : start + self.batch]
@@ -57,11 +75,7 @@ class _Scorer:
                 results.append(np.array(self.interpreter.get_output(0)).reshape(self.batch, -1)[: len(part)])
             except (RuntimeError, ValueError) as error:
                 raise PtqError(f"{self.path}: TFLite Micro failed to run it ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from error
-        result = np.concatenate(results).astype(np.float32)
-        if self.output_quantization is not None:
-            scale, zero_point = self.output_quantization
-            result = (result - zero_point) * scale
-        return result
+        return np.concatenate(results)
 
 
 _worker: _Scorer | None = None
@@ -90,9 +104,28 @@ def load(path: Path, options: RunOptions) -> LoadedModel:
     image = scorer.image
     described = model_input(path, image.get("name", "input"), [int(dim) for dim in image["shape"]])
     classes = num_classes(path, [int(dim) for dim in scorer.scores["shape"]])
-    state: dict = {"pool": None}
+    state: dict = {"pool": None, "kernels": tflm_kernels.covers(data) if scorer.batch == 1 else None}
+
+    def copied_kernels(batch: np.ndarray) -> np.ndarray | None:
+        """The call on ptq's copy of TFLM's kernels, if it has them and they give the interpreter's bytes on the first images."""
+        kernels = state["kernels"]
+        if not callable(kernels) or len(batch) < PARALLEL_FROM:
+            return None
+        codes = scorer.codes(batch)
+        try:
+            result = kernels(codes)
+        except Exception:  # noqa: BLE001  a gap in ptq's copy: the interpreter is the reference, and it runs the call
+            result = None
+        checked = scorer.raw(codes[:VERIFIED_IMAGES])
+        if result is None or not np.array_equal(result.reshape(len(codes), -1)[:VERIFIED_IMAGES], checked.reshape(len(checked), -1)):
+            state["kernels"] = None
+            return None
+        return scorer.dequantized(result.reshape(len(codes), -1))
 
     def predict(batch: np.ndarray) -> np.ndarray:
+        copied = copied_kernels(batch)
+        if copied is not None:
+            return copied
         if threads < 2 or len(batch) < PARALLEL_FROM:
             return scorer.run(batch)
         pool = state["pool"]
@@ -119,5 +152,7 @@ BACKEND = Backend(
     NAME, (litert.SUFFIX,), lambda head: False, load, available=available, format=litert.FORMAT,
     summary="TensorFlow Lite Micro's reference kernels (what a microcontroller runs): runs .tflite files",
     runs_suffixes=(litert.SUFFIX,), microcontroller=True,
-    runtime_settings="tflite-micro Python interpreter (TFLM reference kernels), one image per invoke, calls split across threads worker processes",
+    runtime_settings="TFLM reference kernels: ptq's numpy copy where it has the model's ops (the tflite-micro Python interpreter checks the first "
+                     f"{VERIFIED_IMAGES} images of every call byte for byte, and runs the model where they differ), else the interpreter, "
+                     "one image per invoke, calls split across threads worker processes",
 )

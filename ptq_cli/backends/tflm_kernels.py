@@ -1,0 +1,392 @@
+"""TensorFlow Lite Micro's int8 reference kernels, integer for integer, over whole batches in numpy.
+
+The tflite-micro interpreter runs one image per invoke (about 7 ms for ResNet8 on one core, 38 s for the CIFAR-10
+test set on two). These are the same computations as its reference kernels (tensorflow/lite/kernels/internal/
+reference/integer_ops and gemmlowp's fixed point, which CMSIS-NN reproduces): the same int32 accumulators, the
+same multipliers and shifts derived from the same float scales, the same rounding. Only the ops written here are
+covered (`covers`); `tflm.py` runs a model through them only where they give TFLM's own output bytes on the
+images it checks, and TFLM itself otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ptq_cli.transforms.tflite_graph import op_kind, schema_module
+
+INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
+CHUNK = 64  # images per convolution matrix product (the unfolded rows of a 32x32x16 layer: 64 x 1024 x 144)
+
+
+# --- gemmlowp / TFLite fixed point on int64 arrays holding int32 values -------------------------------------------
+
+def _truncating_divide(numerator: np.ndarray, denominator: int) -> np.ndarray:
+    """C's integer division (toward zero)."""
+    quotient = np.abs(numerator) // denominator
+    return np.where(numerator < 0, -quotient, quotient)
+
+
+def doubling_high_mul(a: np.ndarray, b: np.ndarray | int) -> np.ndarray:
+    """gemmlowp's SaturatingRoundingDoublingHighMul."""
+    a, b = np.asarray(a, np.int64), np.asarray(b, np.int64)
+    product = a * b
+    product += (1 << 30) - (product < 0) * ((1 << 31) - 1)  # the nudge: 2^30, or 1 - 2^30 below zero
+    product += (product >> 63) & ((1 << 31) - 1)  # then a division by 2^31 that truncates toward zero
+    product >>= 31
+    if np.any(b == INT32_MIN):
+        product = np.where((a == INT32_MIN) & (b == INT32_MIN), INT32_MAX, product)
+    return product
+
+
+def divide_by_pot(x: np.ndarray, exponent: np.ndarray | int) -> np.ndarray:
+    """gemmlowp's RoundingDivideByPOT: to nearest, ties away from zero."""
+    x, exponent = np.asarray(x, np.int64), np.asarray(exponent, np.int64)
+    mask = (np.int64(1) << exponent) - 1
+    remainder = x & mask
+    threshold = (mask >> 1) + (x < 0)
+    return (x >> exponent) + (remainder > threshold)
+
+
+def multiply_by_quantized_multiplier(x: np.ndarray, multiplier: np.ndarray | int, shift: np.ndarray | int) -> np.ndarray:
+    shift = np.asarray(shift, np.int64)
+    left, right = np.maximum(shift, 0), np.maximum(-shift, 0)
+    return divide_by_pot(doubling_high_mul(np.asarray(x, np.int64) * (np.int64(1) << left), multiplier), right)
+
+
+def quantize_multiplier(value: float) -> tuple[int, int]:
+    """TFLite's QuantizeMultiplier: (int32 multiplier, shift) with value = multiplier x 2^(shift - 31)."""
+    if value == 0.0:
+        return 0, 0
+    fraction, shift = math.frexp(value)
+    fixed = int(math.floor(abs(fraction) * (1 << 31) + 0.5)) * (1 if fraction >= 0 else -1)  # TfLiteRound: half away from zero
+    if fixed == 1 << 31:
+        fixed //= 2
+        shift += 1
+    if shift < -31:
+        return 0, 0
+    return fixed, shift
+
+
+def _saturating_pot(x: np.ndarray, exponent: int) -> np.ndarray:
+    """gemmlowp's SaturatingRoundingMultiplyByPOT."""
+    if exponent > 0:
+        threshold = (1 << (31 - exponent)) - 1
+        return np.where(x > threshold, INT32_MAX, np.where(x < -threshold, INT32_MIN, x << exponent))
+    return divide_by_pot(x, -exponent) if exponent < 0 else x
+
+
+def _exp_near_zero(a: np.ndarray) -> np.ndarray:
+    """gemmlowp's exp_on_interval_between_negative_one_quarter_and_0_excl (raw values, 0 integer bits)."""
+    x = a + (1 << 28)
+    x2 = doubling_high_mul(x, x)
+    x3 = doubling_high_mul(x2, x)
+    x4 = doubling_high_mul(x2, x2)
+    x4_over_4 = _saturating_pot(x4, -2)
+    polynomial = _saturating_pot(doubling_high_mul(x4_over_4 + x3, 715827883) + x2, -1)
+    return 1895147668 + doubling_high_mul(1895147668, x + polynomial)
+
+
+def _exp_on_negative(a: np.ndarray) -> np.ndarray:
+    """gemmlowp's exp_on_negative_values for 5 integer bits in, 0 out (raw int32 values)."""
+    quarter = 1 << 24
+    mod_quarter = (a & (quarter - 1)) - quarter
+    result = _exp_near_zero(_saturating_pot(mod_quarter, 5))
+    remainder = mod_quarter - a
+    for exponent, multiplier in ((-2, 1672461947), (-1, 1302514674), (0, 790015084), (1, 290630308), (2, 39332535), (3, 720401), (4, 242)):
+        result = np.where(remainder & (1 << (26 + exponent)), doubling_high_mul(result, multiplier), result)
+    return np.where(a == 0, INT32_MAX, result)
+
+
+def _reciprocal(x: np.ndarray, integer_bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """TFLite's GetReciprocal: (1 / (1 + fraction) raw, the bits over unit)."""
+    headroom = np.array([32 - int(value).bit_length() for value in x.reshape(-1)], np.int64).reshape(x.shape)  # leading zeros of uint32
+    bits_over_unit = integer_bits - headroom
+    shifted = ((x.astype(np.uint64) << headroom.astype(np.uint64)) & 0xFFFFFFFF).astype(np.int64) - (1 << 31)
+    # gemmlowp's one_over_one_plus_x_for_x_in_0_1 (Newton-Raphson, 2 integer bits)
+    total = shifted + INT32_MAX
+    half_denominator = _truncating_divide(total + np.where(total >= 0, 1, -1), 2)
+    estimate = 1515870810 + doubling_high_mul(half_denominator, -1010580540)
+    for _ in range(3):
+        product = doubling_high_mul(half_denominator, estimate)
+        one_minus = (1 << 29) - product
+        estimate = estimate + _saturating_pot(doubling_high_mul(estimate, one_minus), 2)
+    return _saturating_pot(estimate, 1), bits_over_unit
+
+
+# --- the ops ------------------------------------------------------------------------------------------------------
+
+def _activation_range(activation: int, scale: float, zero_point: int) -> tuple[int, int]:
+    schema = schema_module()
+
+    def quantized(value: float) -> int:
+        scaled = value / scale
+        return zero_point + int(math.floor(abs(scaled) + 0.5)) * (1 if scaled >= 0 else -1)
+
+    low, high = -128, 127
+    if activation == schema.ActivationFunctionType.RELU:
+        low = max(low, quantized(0.0))
+    elif activation == schema.ActivationFunctionType.RELU6:
+        low, high = max(low, quantized(0.0)), min(high, quantized(6.0))
+    elif activation == schema.ActivationFunctionType.RELU_N1_TO_1:
+        low, high = max(low, quantized(-1.0)), min(high, quantized(1.0))
+    elif activation != schema.ActivationFunctionType.NONE:
+        raise _Uncovered(f"fused activation {activation}")
+    return low, high
+
+
+class _Uncovered(Exception):
+    """An op or option these kernels do not reproduce (TFLM itself then runs the model)."""
+
+
+def _padding(size: int, kernel: int, stride: int, dilation: int, same: bool) -> tuple[int, int]:
+    """(output size, padding before), TFLite's ComputePaddingHeightWidth."""
+    effective = (kernel - 1) * dilation + 1
+    out = (size + stride - 1) // stride if same else (size - effective + stride) // stride
+    total = max((out - 1) * stride + effective - size, 0)
+    return out, total // 2
+
+
+def _windows(x: np.ndarray, kernel: tuple[int, int], strides: tuple[int, int], dilations: tuple[int, int], same: bool, fill: int) -> np.ndarray:
+    """(N, OH, OW, KH, KW, C) windows of an NHWC batch, outside positions holding `fill`."""
+    _, height, width, _ = x.shape
+    (out_h, pad_h), (out_w, pad_w) = (_padding(size, k, s, d, same) for size, k, s, d in zip((height, width), kernel, strides, dilations, strict=True))
+    need_h = (out_h - 1) * strides[0] + (kernel[0] - 1) * dilations[0] + 1
+    need_w = (out_w - 1) * strides[1] + (kernel[1] - 1) * dilations[1] + 1
+    padded = np.pad(x, ((0, 0), (pad_h, max(need_h - height - pad_h, 0)), (pad_w, max(need_w - width - pad_w, 0)), (0, 0)), constant_values=fill)
+    span = ((kernel[0] - 1) * dilations[0] + 1, (kernel[1] - 1) * dilations[1] + 1)
+    windows = np.lib.stride_tricks.sliding_window_view(padded, span, axis=(1, 2))[:, ::strides[0], ::strides[1], :, ::dilations[0], ::dilations[1]]
+    return windows[:, :out_h, :out_w].transpose(0, 1, 2, 4, 5, 3)
+
+
+def kernel_terms(weights: np.ndarray) -> int:
+    """The terms of one DEPTHWISE_CONV_2D sum (1 x KH x KW x O filter): KH x KW."""
+    return int(weights.shape[1] * weights.shape[2])
+
+
+class _Model:
+    def __init__(self, data: bytes) -> None:
+        schema = schema_module()
+        self.schema = schema
+        self.model = schema.ModelT.InitFromObj(schema.Model.GetRootAs(data, 0))
+        if len(self.model.subgraphs) != 1:
+            raise _Uncovered("more than one subgraph")
+        self.graph = self.model.subgraphs[0]
+        self.steps: list[Callable[[dict[int, np.ndarray]], None]] = [self._step(operator) for operator in self.graph.operators]
+
+    def tensor(self, index: int):
+        return self.graph.tensors[int(index)]
+
+    def quantization(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        parameters = self.tensor(index).quantization
+        if parameters is None or parameters.scale is None or not len(parameters.scale):
+            raise _Uncovered("a tensor without quantization")
+        return np.asarray(parameters.scale, np.float32), np.asarray(parameters.zeroPoint, np.int64)
+
+    def constant(self, index: int) -> np.ndarray:
+        tensor = self.tensor(index)
+        raw = np.asarray(self.model.buffers[tensor.buffer].data, np.uint8).tobytes()
+        shape = [int(dim) for dim in tensor.shape]
+        if tensor.type == self.schema.TensorType.INT4:
+            packed = np.frombuffer(raw, np.uint8)
+            nibbles = np.stack([packed & 0x0F, packed >> 4], axis=1).reshape(-1)[: int(np.prod(shape))].astype(np.int64)
+            return np.where(nibbles > 7, nibbles - 16, nibbles).reshape(shape)
+        types = {self.schema.TensorType.INT8: np.int8, self.schema.TensorType.INT32: np.int32, self.schema.TensorType.INT64: np.int64}
+        if tensor.type not in types:
+            raise _Uncovered(f"a constant of type {tensor.type}")
+        return np.frombuffer(raw, types[tensor.type]).astype(np.int64).reshape(shape)
+
+    def _int8(self, index: int) -> None:
+        if self.tensor(index).type != self.schema.TensorType.INT8:
+            raise _Uncovered("a tensor other than int8")
+
+    def _step(self, operator) -> Callable[[dict[int, np.ndarray]], None]:
+        kind = op_kind(self.model, operator)
+        builder = {"CONV_2D": self._convolution, "DEPTHWISE_CONV_2D": self._convolution, "FULLY_CONNECTED": self._fully_connected,
+                   "ADD": self._add, "AVERAGE_POOL_2D": self._pool, "MAX_POOL_2D": self._pool, "RESHAPE": self._reshape,
+                   "SOFTMAX": self._softmax}.get(kind)
+        if builder is None:
+            raise _Uncovered(kind)
+        for index in operator.outputs:
+            self._int8(int(index))
+        return builder(operator, kind)
+
+    def _requantizer(self, input_index: int, weight_scales: np.ndarray, output_index: int, activation: int):
+        (input_scale,), _ = self.quantization(input_index)
+        (output_scale,), (output_zero,) = self.quantization(output_index)
+        pairs = [quantize_multiplier(float(input_scale) * float(scale) / float(output_scale)) for scale in weight_scales]
+        multipliers, shifts = (np.array(values, np.int64) for values in zip(*pairs, strict=True))
+        low, high = _activation_range(activation, float(output_scale), int(output_zero))
+
+        def requantized(accumulators: np.ndarray) -> np.ndarray:
+            return np.clip(multiply_by_quantized_multiplier(accumulators, multipliers, shifts) + output_zero, low, high).astype(np.int16)
+
+        return requantized
+
+    def _convolution(self, operator, kind: str):
+        inputs = [int(index) for index in operator.inputs]
+        self._int8(inputs[0])
+        options = operator.builtinOptions
+        weights = self.constant(inputs[1])  # CONV_2D: O x KH x KW x I; DEPTHWISE_CONV_2D: 1 x KH x KW x O
+        bias = self.constant(inputs[2]) if len(inputs) > 2 and inputs[2] >= 0 else np.zeros(weights.shape[-1 if kind != "CONV_2D" else 0], np.int64)
+        weight_scales, weight_zeros = self.quantization(inputs[1])
+        if np.any(weight_zeros != 0):
+            raise _Uncovered("filter zero points")
+        outputs = weights.shape[0] if kind == "CONV_2D" else weights.shape[3]
+        _, (input_zero,) = self.quantization(inputs[0])
+        requantized = self._requantizer(inputs[0], np.broadcast_to(weight_scales, (outputs,)), int(operator.outputs[0]), options.fusedActivationFunction)
+        strides, dilations = (options.strideH, options.strideW), (options.dilationHFactor, options.dilationWFactor)
+        same = options.padding == self.schema.Padding.SAME
+        kernel = (weights.shape[1], weights.shape[2])
+        multiplier = getattr(options, "depthMultiplier", 1) or 1
+        # Integer sums are exact in floating point while the sum of the terms' magnitudes stays below 2^24 (float32)
+        # or 2^53 (float64): |input - zero point| <= 255, and each sum has KH x KW x C terms.
+        terms = int(np.prod(weights.shape[1:])) if kind == "CONV_2D" else kernel_terms(weights)
+        exact = np.float32 if terms * 255 * int(np.abs(weights).max(initial=0)) < (1 << 24) else np.float64
+        matrix = weights.reshape(outputs, -1).T.astype(exact) if kind == "CONV_2D" else None
+
+        def run(values: dict[int, np.ndarray]) -> None:
+            x = values[inputs[0]]
+            results = []
+            for start in range(0, len(x), CHUNK):
+                # Positions outside the image add nothing: the kernel skips them, here they hold input - zero point = 0.
+                windows = _windows((x[start : start + CHUNK] - input_zero).astype(exact), kernel, strides, dilations, same, 0)
+                if kind == "CONV_2D":
+                    accumulators = (windows.reshape(*windows.shape[:3], -1) @ matrix).astype(np.int64)  # whole numbers, exactly
+                else:
+                    repeated = np.repeat(windows, multiplier, axis=-1)
+                    accumulators = np.einsum("nhwabc,abc->nhwc", repeated, weights[0].astype(exact)).astype(np.int64)
+                results.append(requantized(accumulators + bias))
+            values[int(operator.outputs[0])] = np.concatenate(results)
+
+        return run
+
+    def _fully_connected(self, operator, kind: str):
+        inputs = [int(index) for index in operator.inputs]
+        self._int8(inputs[0])
+        weights = self.constant(inputs[1])
+        bias = self.constant(inputs[2]) if len(inputs) > 2 and inputs[2] >= 0 else np.zeros(weights.shape[0], np.int64)
+        weight_scales, weight_zeros = self.quantization(inputs[1])
+        _, (input_zero,) = self.quantization(inputs[0])
+        requantized = self._requantizer(inputs[0], np.broadcast_to(weight_scales, (weights.shape[0],)), int(operator.outputs[0]),
+                                        operator.builtinOptions.fusedActivationFunction)
+        matrix = (weights - weight_zeros.reshape(-1, 1) if len(weight_zeros) > 1 else weights - int(weight_zeros[0])).T.astype(np.float64)
+        output_shape = [int(dim) for dim in self.tensor(int(operator.outputs[0])).shape]
+
+        def run(values: dict[int, np.ndarray]) -> None:
+            x = values[inputs[0]].reshape(-1, weights.shape[1]).astype(np.float64) - float(input_zero)
+            result = requantized((x @ matrix).astype(np.int64) + bias)
+            values[int(operator.outputs[0])] = result.reshape(len(values[inputs[0]]), *output_shape[1:])
+
+        return run
+
+    def _add(self, operator, kind: str):
+        first, second = (int(index) for index in operator.inputs)
+        output = int(operator.outputs[0])
+        (scale_1,), (zero_1,) = self.quantization(first)
+        (scale_2,), (zero_2,) = self.quantization(second)
+        (scale_out,), (zero_out,) = self.quantization(output)
+        if list(self.tensor(first).shape) != list(self.tensor(second).shape):
+            raise _Uncovered("ADD with broadcasting")
+        left_shift = 20
+        twice_max = 2 * max(float(scale_1), float(scale_2))
+        multiplier_1, shift_1 = quantize_multiplier(float(scale_1) / twice_max)
+        multiplier_2, shift_2 = quantize_multiplier(float(scale_2) / twice_max)
+        multiplier_out, shift_out = quantize_multiplier(twice_max / ((1 << left_shift) * float(scale_out)))
+        low, high = _activation_range(operator.builtinOptions.fusedActivationFunction, float(scale_out), int(zero_out))
+
+        # The output depends on the two int8 codes alone: every pair computed once, as the kernel computes it.
+        codes = np.arange(-128, 128, dtype=np.int64)
+        scaled_1 = divide_by_pot(doubling_high_mul((codes - zero_1) << left_shift, multiplier_1), -shift_1)
+        scaled_2 = divide_by_pot(doubling_high_mul((codes - zero_2) << left_shift, multiplier_2), -shift_2)
+        total = divide_by_pot(doubling_high_mul(scaled_1[:, None] + scaled_2[None, :], multiplier_out), -shift_out) + zero_out
+        table = np.clip(total, low, high).astype(np.int16).reshape(-1)
+
+        def run(values: dict[int, np.ndarray]) -> None:
+            values[output] = table[(values[first].astype(np.int32) + 128) * 256 + (values[second] + 128)]
+
+        return run
+
+    def _pool(self, operator, kind: str):
+        source, output = int(operator.inputs[0]), int(operator.outputs[0])
+        options = operator.builtinOptions
+        (scale_out,), (zero_out,) = self.quantization(output)
+        low, high = _activation_range(options.fusedActivationFunction, float(scale_out), int(zero_out))
+        kernel, strides = (options.filterHeight, options.filterWidth), (options.strideH, options.strideW)
+        same = options.padding == self.schema.Padding.SAME
+
+        def run(values: dict[int, np.ndarray]) -> None:
+            x = values[source]
+            if kind == "MAX_POOL_2D":
+                pooled = _windows(x, kernel, strides, (1, 1), same, -129).max(axis=(3, 4))  # below every int8 code
+            else:
+                windows = _windows(x, kernel, strides, (1, 1), same, 0)
+                counts = _windows(np.ones((1, *x.shape[1:3], 1), np.int64), kernel, strides, (1, 1), same, 0).sum(axis=(3, 4))
+                sums = windows.sum(axis=(3, 4))
+                half = counts // 2  # C's (sum +- count / 2) / count, truncating
+                pooled = np.where(sums > 0, (sums + half) // counts, -((half - sums) // counts))
+            values[output] = np.clip(pooled, low, high).astype(np.int16)
+
+        return run
+
+    def _reshape(self, operator, kind: str):
+        source, output = int(operator.inputs[0]), int(operator.outputs[0])
+        shape = [int(dim) for dim in self.tensor(output).shape]
+
+        def run(values: dict[int, np.ndarray]) -> None:
+            values[output] = values[source].reshape(len(values[source]), *shape[1:])
+
+        return run
+
+    def _softmax(self, operator, kind: str):
+        source, output = int(operator.inputs[0]), int(operator.outputs[0])
+        (scale_in,), _ = self.quantization(source)
+        (scale_out,), (zero_out,) = self.quantization(output)
+        if abs(float(scale_out) - 1 / 256) > 1e-9 or int(zero_out) != -128:
+            raise _Uncovered("SOFTMAX output other than scale 1/256, zero point -128")
+        beta = float(operator.builtinOptions.beta)
+        real = min(beta * float(scale_in) * (1 << (31 - 5)), (1 << 31) - 1.0)
+        multiplier, left_shift = quantize_multiplier(real)
+        radius = math.floor(1.0 * ((1 << 5) - 1) * (1 << (31 - 5)) / (1 << left_shift))
+        diff_min = -radius
+
+        def run(values: dict[int, np.ndarray]) -> None:
+            x = values[source]
+            difference = x - x.max(axis=-1, keepdims=True)
+            inside = difference >= diff_min
+            rescaled = doubling_high_mul(difference * (np.int64(1) << left_shift), multiplier)
+            exps = _exp_on_negative(rescaled)
+            summed = np.where(inside, _saturating_pot(exps, -12), 0).sum(axis=-1, keepdims=True)
+            scale, bits_over_unit = _reciprocal(summed, 12)
+            unsaturated = divide_by_pot(doubling_high_mul(scale, exps), bits_over_unit + 31 - 8)
+            values[output] = np.where(inside, np.clip(unsaturated - 128, -128, 127), -128).astype(np.int16)
+
+        return run
+
+    def run(self, batch: np.ndarray) -> np.ndarray:
+        values = {int(self.graph.inputs[0]): batch.astype(np.int16)}  # int8 codes, with room for arithmetic
+        for step in self.steps:
+            step(values)
+        return values[int(self.graph.outputs[0])].astype(np.int8)
+
+
+def covers(data: bytes) -> Callable[[np.ndarray], np.ndarray] | str:
+    """A batch runner (int8 NHWC batch -> int8 outputs) for a model whose ops are all written here, else the
+    name of the first op or option that is not."""
+    try:
+        model = _Model(data)
+    except _Uncovered as missing:
+        return str(missing)
+    if len(model.graph.inputs) != 1 or len(model.graph.outputs) != 1:
+        return "more than one input or output"
+    try:
+        model._int8(int(model.graph.inputs[0]))
+    except _Uncovered as missing:
+        return str(missing)
+    return model.run
+
+
+__all__: list[Any] = ["covers", "quantize_multiplier", "multiply_by_quantized_multiplier"]

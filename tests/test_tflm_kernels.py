@@ -1,0 +1,116 @@
+"""ptq's numpy copy of TensorFlow Lite Micro's int8 reference kernels (backends/tflm_kernels.py) against the
+tflite-micro interpreter itself: the same output bytes, image by image, on models of every op it covers; and
+`--runtime tflm` going back to the interpreter where the copy disagrees or lacks an op."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import CIFAR
+
+pytest.importorskip("ai_edge_litert", reason="the litert extra is not installed")
+pytest.importorskip("tflite_micro", reason="tflite-micro is not installed")
+tf = pytest.importorskip("tensorflow", reason="the keras extra is not installed")
+
+from ptq_cli.backends import tflm, tflm_kernels  # noqa: E402  (after the skips: they need the litert extra)
+from ptq_cli.services.models import load_model  # noqa: E402
+from ptq_cli.transforms import int4  # noqa: E402
+
+ASSETS = CIFAR.parent / "mlperf-tiny-resnet8"
+
+
+def _interpreter_outputs(data: bytes, codes: np.ndarray) -> np.ndarray:
+    from tflite_micro.python.tflite_micro import runtime
+
+    interpreter = runtime.Interpreter.from_bytes(data, arena_size=1 << 20)
+    found = []
+    for image in codes:
+        interpreter.set_input(image[None], 0)
+        interpreter.invoke()
+        found.append(np.array(interpreter.get_output(0)).reshape(-1))
+    return np.stack(found)
+
+
+def _every_op_int8(relu=tf.nn.relu6) -> bytes:
+    """A full-integer .tflite (batch 1, as a microcontroller's) with each op the copy covers: strided and dilated
+    convolutions with ReLU/ReLU6, a depthwise convolution with depth multiplier 2, max and average pooling, a
+    residual ADD, RESHAPE, FULLY_CONNECTED and SOFTMAX."""
+    keras = tf.keras
+    rng = np.random.default_rng(11)
+    image = keras.Input((12, 12, 3), batch_size=1)
+    stem = keras.layers.Conv2D(8, 3, strides=2, padding="same", activation=relu)(image)
+    body = keras.layers.DepthwiseConv2D(3, depth_multiplier=2, padding="same", activation="relu")(stem)
+    body = keras.layers.Conv2D(8, 3, dilation_rate=2, padding="same")(body)
+    merged = keras.layers.Add()([stem, body])
+    pooled = keras.layers.AveragePooling2D(2)(keras.layers.MaxPooling2D(2, strides=1, padding="same")(merged))
+    hidden = keras.layers.Dense(16, activation="relu")(keras.layers.Flatten()(pooled))
+    model = keras.Model(image, keras.layers.Softmax()(keras.layers.Dense(5)(hidden)))
+    for layer in model.layers:
+        if layer.get_weights():
+            layer.set_weights([rng.normal(0, 0.4, weight.shape).astype(np.float32) for weight in layer.get_weights()])
+    converter = tf.lite.TFLiteConverter.from_keras_model(model)
+    converter.optimizations = [tf.lite.Optimize.DEFAULT]
+    converter.representative_dataset = lambda: ([rng.uniform(0, 1, (1, 12, 12, 3)).astype(np.float32)] for _ in range(30))
+    converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
+    converter.inference_input_type = converter.inference_output_type = tf.int8
+    return converter.convert()
+
+
+def test_the_copy_gives_the_interpreter_s_bytes_on_every_op_it_covers():
+    data = _every_op_int8()
+    codes = np.random.default_rng(12).integers(-128, 128, (64, 12, 12, 3), dtype=np.int8)
+    kernels = tflm_kernels.covers(data)
+    assert callable(kernels), kernels
+    expected = _interpreter_outputs(data, codes)
+    assert np.array_equal(kernels(codes).reshape(len(codes), -1), expected)
+    assert len(np.unique(expected.argmax(axis=1))) > 1  # the outputs say something
+    # 4-bit filters (unpacked as TFLite Micro unpacks them): the same again.
+    four_bit = int4.to_int4(data, codes[:20]).data
+    assert np.array_equal(tflm_kernels.covers(four_bit)(codes).reshape(len(codes), -1), _interpreter_outputs(four_bit, codes))
+
+
+def test_an_op_the_copy_lacks_is_named_and_the_interpreter_runs_the_model(tmp_path):
+    data = _every_op_int8(relu=tf.nn.sigmoid)  # LOGISTIC, which the copy does not have
+    assert tflm_kernels.covers(data) == "LOGISTIC"
+    (tmp_path / "logistic.tflite").write_bytes(data)
+    model = load_model(tmp_path / "logistic.tflite", 1, runtime="tflm")
+    prepared = model.prepare(np.random.default_rng(13).integers(0, 256, (70, 12, 12, 3), dtype=np.uint8))
+    assert np.array_equal(model.predict(prepared), _interpreter_scores(tmp_path / "logistic.tflite", prepared))
+
+
+def test_where_the_copy_disagrees_the_interpreter_scores_the_call_and_every_later_one(tmp_path, monkeypatch):
+    (tmp_path / "model.tflite").write_bytes(_every_op_int8())
+    calls = []
+
+    def wrong(_data):
+        def run(codes):
+            calls.append(len(codes))
+            return np.zeros((len(codes), 5), np.int8)
+
+        return run
+
+    monkeypatch.setattr(tflm_kernels, "covers", wrong)
+    model = load_model(tmp_path / "model.tflite", 1, runtime="tflm")
+    prepared = model.prepare(np.random.default_rng(14).integers(0, 256, (2 * tflm.PARALLEL_FROM, 12, 12, 3), dtype=np.uint8))
+    expected = _interpreter_scores(tmp_path / "model.tflite", prepared)
+    assert len(np.unique(expected.argmax(axis=1))) > 1
+    for start in (0, tflm.PARALLEL_FROM):
+        part = slice(start, start + tflm.PARALLEL_FROM)
+        assert np.array_equal(model.predict(prepared[part]), expected[part])
+    assert calls == [tflm.PARALLEL_FROM]  # tried once, then left
+
+
+def _interpreter_scores(path, prepared: np.ndarray) -> np.ndarray:
+    """The tflite-micro interpreter's scores, through the runtime's own input and output conversion."""
+    return tflm._Scorer(path.read_bytes(), path).run(prepared)
+
+
+@pytest.mark.real_assets
+def test_the_copy_gives_the_interpreter_s_bytes_on_the_mlperf_reference_and_its_4_bit_version():
+    from conftest import cifar_split
+
+    data = (ASSETS / "pretrainedResnet_quant.tflite").read_bytes()
+    codes = (cifar_split("test").images[:200].astype(np.int16) - 128).astype(np.int8)  # its input: scale 1, zero point -128
+    assert np.array_equal(tflm_kernels.covers(data)(codes).reshape(len(codes), -1), _interpreter_outputs(data, codes))
+    four_bit = int4.to_int4(data, codes[:100]).data
+    assert np.array_equal(tflm_kernels.covers(four_bit)(codes).reshape(len(codes), -1), _interpreter_outputs(four_bit, codes))
