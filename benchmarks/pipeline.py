@@ -85,7 +85,9 @@ def main() -> None:
     threads = ["--threads", str(options.threads)] if options.threads else []
     _, output = ptq(["benchmark", *[arg for model in MODELS for arg in ("--model", f"models/{model}")], "--runs", str(options.runs), *threads, "--json"], workdir, env)
     records = json.loads(output)
-    accuracy = {model: json.loads(next((workdir / "results").glob(f"{model}@*.json")).read_text())["accuracy"] for model in MODELS}
+    # Its record on its own runtime: <model>-<folder digest>@<dataset>.json (others carry ~runtime or ~path).
+    accuracy = {model: json.loads(next(path for path in (workdir / "results").glob(f"{model}-*@*.json") if "~" not in path.name).read_text())["accuracy"]
+                for model in MODELS}
     table = Table(title=f"Benchmark: latency at batch 1, throughput at batch {records[0]['batch_size']}, {records[0]['threads']} threads, {options.runs} runs after warm-up", title_justify="left")
     for column in ("model", "runtime", "type", "top-1", "p50 ms", "p99 ms", "images/s", "speed-up vs FP32"):
         table.add_column(column, justify="left" if column in ("model", "runtime", "type") else "right")

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
 from ptq_cli.transforms.tflite_graph import op_kind, schema_module
 
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
-CHUNK = 64  # images per convolution matrix product (the unfolded rows of a 32x32x16 layer: 64 x 1024 x 144)
+WINDOW_VALUES = 1 << 24  # unfolded input values per convolution product (64 MB in float32): the images per product follow
 
 
 # --- gemmlowp / TFLite fixed point on int64 arrays holding int32 values -------------------------------------------
@@ -251,9 +250,12 @@ class _Model:
         def run(values: dict[int, np.ndarray]) -> None:
             x = values[inputs[0]]
             results = []
-            for start in range(0, len(x), CHUNK):
+            out_h, out_w = (_padding(size, k, stride, dilation, same)[0]
+                            for size, k, stride, dilation in zip(x.shape[1:3], kernel, strides, dilations, strict=True))
+            chunk = max(1, WINDOW_VALUES // (out_h * out_w * kernel[0] * kernel[1] * x.shape[3] * multiplier))
+            for start in range(0, len(x), chunk):
                 # Positions outside the image add nothing: the kernel skips them, here they hold input - zero point = 0.
-                windows = _windows((x[start : start + CHUNK] - input_zero).astype(exact), kernel, strides, dilations, same, 0)
+                windows = _windows((x[start : start + chunk] - input_zero).astype(exact), kernel, strides, dilations, same, 0)
                 if kind == "CONV_2D":
                     accumulators = (windows.reshape(*windows.shape[:3], -1) @ matrix).astype(np.int64)  # whole numbers, exactly
                 else:
@@ -388,5 +390,3 @@ def covers(data: bytes) -> Callable[[np.ndarray], np.ndarray] | str:
         return str(missing)
     return model.run
 
-
-__all__: list[Any] = ["covers", "quantize_multiplier", "multiply_by_quantized_multiplier"]
