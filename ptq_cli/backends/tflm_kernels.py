@@ -382,6 +382,8 @@ def covers(data: bytes) -> Callable[[np.ndarray], np.ndarray] | str:
         model = _Model(data)
     except _Uncovered as missing:
         return str(missing)
+    except Exception as error:  # noqa: BLE001  a file the interpreter runs but this reading does not follow: the interpreter runs it
+        return f"unread ({type(error).__name__})"
     if len(model.graph.inputs) != 1 or len(model.graph.outputs) != 1:
         return "more than one input or output"
     try:
