@@ -29,7 +29,7 @@ def _truncating_divide(numerator: np.ndarray, denominator: int) -> np.ndarray:
     return np.where(numerator < 0, -quotient, quotient)
 
 
-def doubling_high_mul(a: np.ndarray, b: np.ndarray | int) -> np.ndarray:
+def doubling_high_mul(a: np.ndarray | int, b: np.ndarray | int) -> np.ndarray:
     """gemmlowp's SaturatingRoundingDoublingHighMul."""
     a, b = np.asarray(a, np.int64), np.asarray(b, np.int64)
     product = a * b
