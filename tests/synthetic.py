@@ -230,3 +230,20 @@ def two_conv_classifier(path: Path, size: int = 16) -> Path:
                               [helper.make_tensor_value_info("scores", onnx.TensorProto.FLOAT, ["N", 10])], initializers)
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=7), str(path))
     return path
+
+
+def full_integer_tflite(model, rng: np.random.Generator, weight_std: float, samples: int) -> bytes:
+    """A Keras model with seeded normal weights (std `weight_std`), converted by the TFLite converter to a
+    full-integer .tflite with int8 input and output, calibrated on `samples` uniform [0, 1) images."""
+    import tensorflow as tf
+
+    for layer in model.layers:
+        if layer.get_weights():
+            layer.set_weights([rng.normal(0, weight_std, weight.shape).astype(np.float32) for weight in layer.get_weights()])
+    shape = (1, *model.input_shape[1:])
+    converter = tf.lite.TFLiteConverter.from_keras_model(model)
+    converter.optimizations = [tf.lite.Optimize.DEFAULT]
+    converter.representative_dataset = lambda: ([rng.uniform(0, 1, shape).astype(np.float32)] for _ in range(samples))
+    converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
+    converter.inference_input_type = converter.inference_output_type = tf.int8
+    return converter.convert()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import CIFAR
+from synthetic import full_integer_tflite
 
 from ptq_cli.transforms import int4, tflite_graph
 from ptq_cli.transforms.tflite_layout import microcontroller_layout
@@ -38,7 +39,7 @@ def _outputs(data: bytes, images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.stack(on_micro), np.stack(on_lite)
 
 
-def _residual_int8(path) -> bytes:
+def _residual_int8() -> bytes:
     """A full-integer .tflite of: stem conv -> identity block (two convs) -> strided block whose 1x1 shortcut
     convolution is written last -> Flatten -> Dense, as the TFLite converter writes it."""
     keras = tf.keras
@@ -53,22 +54,14 @@ def _residual_int8(path) -> bytes:
     shortcut = keras.layers.Conv2D(16, 1, strides=2)(merged)
     pooled = keras.layers.AveragePooling2D(8)(keras.layers.ReLU()(keras.layers.Add()([shortcut, down])))
     model = keras.Model(image, keras.layers.Dense(4)(keras.layers.Flatten()(pooled)))
-    for layer in model.layers:
-        if layer.get_weights():
-            layer.set_weights([rng.normal(0, 0.3, weight.shape).astype(np.float32) for weight in layer.get_weights()])
-    converter = tf.lite.TFLiteConverter.from_keras_model(model)
-    converter.optimizations = [tf.lite.Optimize.DEFAULT]
-    converter.representative_dataset = lambda: ([rng.uniform(0, 1, (1, 16, 16, 3)).astype(np.float32)] for _ in range(20))
-    converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
-    converter.inference_input_type = converter.inference_output_type = tf.int8
-    return converter.convert()
+    return full_integer_tflite(model, rng, 0.3, 20)
 
 
-def test_the_layout_keeps_every_output_bit_for_bit_in_less_flash_and_arena(tmp_path):
+def test_the_layout_keeps_every_output_bit_for_bit_in_less_flash_and_arena():
     """On the 4-bit model, where running the shortcut first keeps its input from living across the unpacking of
     the widest filter."""
     images = np.random.default_rng(6).integers(-128, 128, (8, 16, 16, 3), dtype=np.int8)
-    data = int4.to_int4(_residual_int8(tmp_path), images).data
+    data = int4.to_int4(_residual_int8(), images).data
     laid_out = microcontroller_layout(data, tflm.arena_of)
     for before, after in zip(_outputs(data, images), _outputs(laid_out.data, images), strict=True):
         assert np.array_equal(before, after)
@@ -84,11 +77,11 @@ def test_the_layout_keeps_every_output_bit_for_bit_in_less_flash_and_arena(tmp_p
     assert shortcut == 3 and any("reordered" in change for change in laid_out.changes)
 
 
-def test_int4_leaves_in_8_bits_the_layer_whose_unpacked_filter_would_enlarge_the_arena(tmp_path):
+def test_int4_leaves_in_8_bits_the_layer_whose_unpacked_filter_would_enlarge_the_arena():
     """In the identity block, the second convolution runs while three full-size activations are alive (the
     int8 model's peak): its unpacked int4 filter would add to it. Every other body convolution fits."""
     schema = tflite_graph.schema_module()
-    model = schema.ModelT.InitFromObj(schema.Model.GetRootAs(_residual_int8(tmp_path), 0))
+    model = schema.ModelT.InitFromObj(schema.Model.GetRootAs(_residual_int8(), 0))
     convolutions = [operator for kind, operator in int4.weighted_ops(model) if kind == "CONV_2D"]
     body = convolutions[1:]  # the stem stays int8 anyway
     fits = int4.arena_neutral(model, body)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import CIFAR
+from synthetic import full_integer_tflite
 
 pytest.importorskip("ai_edge_litert", reason="the litert extra is not installed")
 pytest.importorskip("tflite_micro", reason="tflite-micro is not installed")
@@ -45,15 +46,7 @@ def _every_op_int8(relu=tf.nn.relu6) -> bytes:
     pooled = keras.layers.AveragePooling2D(2)(keras.layers.MaxPooling2D(2, strides=1, padding="same")(merged))
     hidden = keras.layers.Dense(16, activation="relu")(keras.layers.Flatten()(pooled))
     model = keras.Model(image, keras.layers.Softmax()(keras.layers.Dense(5)(hidden)))
-    for layer in model.layers:
-        if layer.get_weights():
-            layer.set_weights([rng.normal(0, 0.4, weight.shape).astype(np.float32) for weight in layer.get_weights()])
-    converter = tf.lite.TFLiteConverter.from_keras_model(model)
-    converter.optimizations = [tf.lite.Optimize.DEFAULT]
-    converter.representative_dataset = lambda: ([rng.uniform(0, 1, (1, 12, 12, 3)).astype(np.float32)] for _ in range(30))
-    converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
-    converter.inference_input_type = converter.inference_output_type = tf.int8
-    return converter.convert()
+    return full_integer_tflite(model, rng, 0.4, 30)
 
 
 def test_the_copy_gives_the_interpreter_s_bytes_on_every_op_it_covers():

@@ -432,7 +432,6 @@ def _with_ranges(calibrated: bytes, ranges: dict[int, tuple[float, float]]) -> b
     return bytes(flatbuffer_utils.convert_object_to_bytearray(model_object))
 
 
-
 def _judged_scores(data: bytes, images: np.ndarray) -> np.ndarray:
     """What `--method auto` compares, on LiteRT's reference kernels (no XNNPACK, as a microcontroller): the
     scores before a final SOFTMAX (the probabilities hide most differences), else the first output, in float."""
@@ -503,8 +502,6 @@ def _quantized(calibrated: bytes, settings: QuantizationSettings, io_type, keras
         raise PtqError(f"{keras_path}: the TFLite converter left {len(left)} ops in float ({', '.join(sorted(set(left)))}); "
                        "TFLite Micro needs every op in int8")
     return quantized
-
-
 
 
 def _refined(quantized: bytes, calibrated: bytes, calibration: np.ndarray, settings: QuantizationSettings) -> tuple[bytes, QuantizationSettings, list[str]]:

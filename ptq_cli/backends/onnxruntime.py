@@ -501,7 +501,6 @@ def refine_rounding(quantized, float_path: str, calibration: np.ndarray, input_n
     return (refined if choice == LEARNED else nearest_model), measured, [*notes, f"learned rounding: {verdict}"]
 
 
-
 @contextlib.contextmanager
 def _library_warnings(into: list[str]):
     """onnxruntime.quantization's warnings (logging.warning on the root logger), kept for the result's notes

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ptq_cli.transforms.int4 import unpack_int4
 from ptq_cli.transforms.tflite_graph import op_kind, schema_module
 
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
@@ -190,9 +191,7 @@ class _Model:
         raw = np.asarray(self.model.buffers[tensor.buffer].data, np.uint8).tobytes()
         shape = [int(dim) for dim in tensor.shape]
         if tensor.type == self.schema.TensorType.INT4:
-            packed = np.frombuffer(raw, np.uint8)
-            nibbles = np.stack([packed & 0x0F, packed >> 4], axis=1).reshape(-1)[: int(np.prod(shape))].astype(np.int64)
-            return np.where(nibbles > 7, nibbles - 16, nibbles).reshape(shape)
+            return unpack_int4(np.frombuffer(raw, np.uint8), shape)
         types = {self.schema.TensorType.INT8: np.int8, self.schema.TensorType.INT32: np.int32, self.schema.TensorType.INT64: np.int64}
         if tensor.type not in types:
             raise _Uncovered(f"a constant of type {tensor.type}")

@@ -60,6 +60,13 @@ def pack_int4(codes: np.ndarray) -> np.ndarray:
     return ((flat[0::2].astype(np.uint8) & 0x0F) | ((flat[1::2].astype(np.uint8) & 0x0F) << 4)).astype(np.uint8)
 
 
+def unpack_int4(packed: np.ndarray, shape: list[int]) -> np.ndarray:
+    """The int4 codes (int64, `shape`) a TFLite INT4 buffer holds: pack_int4 undone."""
+    packed = np.asarray(packed, np.uint8)
+    nibbles = np.stack([packed & 0x0F, packed >> 4], axis=1).reshape(-1)[: int(np.prod(shape))].astype(np.int64)
+    return np.where(nibbles > 7, nibbles - 16, nibbles).reshape(shape)
+
+
 def unfold_conv(inputs: np.ndarray, kernel: tuple[int, int], strides: tuple[int, int], dilations: tuple[int, int], same: bool) -> np.ndarray:
     """NHWC inputs -> the rows a CONV_2D output sums over, in its filter's (row, column, channel) order."""
     _, height, width, _ = inputs.shape

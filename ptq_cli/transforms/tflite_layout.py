@@ -119,19 +119,18 @@ def microcontroller_layout(data: bytes, arena: Callable[[bytes], int | None] | N
     _short_names(model_object)
     graph = model_object.subgraphs[0]
     original = list(range(len(graph.operators)))
-    reordered = low_peak_order(model_object, lambda operator: unpack_bytes(model_object, operator))
+    scratch = lambda operator: unpack_bytes(model_object, operator)  # noqa: E731
+    reordered = low_peak_order(model_object, scratch)
     if reordered != original:
         operators = list(graph.operators)
+        counted = max(step_peaks(model_object, original, scratch)), max(step_peaks(model_object, reordered, scratch))
         as_is = pack_model(model_object)
         graph.operators = [operators[position] for position in reordered]
-        candidate = pack_model(model_object)
-        before, after = (arena(as_is), arena(candidate)) if arena else (None, None)
-        if before is None or after is None:
-            scratch = lambda operator: unpack_bytes(model_object, operator)  # noqa: E731
-            graph.operators = operators
-            before = max(step_peaks(model_object, original, scratch))
-            after = max(step_peaks(model_object, reordered, scratch))
-            graph.operators = [operators[position] for position in reordered]
+        before, after = counted
+        if arena is not None:
+            measured_before, measured_after = arena(as_is), arena(pack_model(model_object))
+            if measured_before is not None and measured_after is not None:
+                before, after = measured_before, measured_after
         if after < before:
             changes.append(f"ops reordered: tensor arena {before:,} -> {after:,} bytes")
         else:
