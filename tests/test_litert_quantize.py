@@ -343,6 +343,8 @@ def test_a_flash_budget_puts_back_in_8_bits_the_4_bit_layers_that_fit_and_gain(s
 
     assert schema.TensorType.INT4 not in body_type(len(all_four) + 1000)
     assert schema.TensorType.INT4 in body_type(len(all_four) + 100)  # the body's int8 filter needs 288 more bytes
+    asked = int4.to_int4(eight, images, eight_bit={1: "asked"})  # how a budget's choice is fitted again
+    assert not asked.layers and any(kept.endswith("(asked)") for kept in asked.kept)
     one_line_error(invoke("quantize", "--model", "two.onnx", "--backend", "litert", "--max-flash-kb", "60", "--data", "colours.npz", cwd=study),
                    "--max-flash-kb")
     one_line_error(invoke("quantize", "--model", "two.onnx", "--max-flash-kb", "60", "--data", "colours.npz", cwd=study), "--max-flash-kb")
@@ -369,6 +371,36 @@ def test_int4_codes_leave_less_output_error_than_plain_rounding():
 
     assert np.all(cost(codes, scales) <= cost(plain, plain_scales) + 1e-9) and cost(codes, scales).sum() < 0.8 * cost(plain, plain_scales).sum()
     assert np.array_equal(int4.pack_int4(np.array([1, -1, 7, -8, 3], np.int8)), np.array([0xF1, 0x87, 0x03], np.uint8))
+
+
+def _moments(original: np.ndarray, current: np.ndarray) -> tuple[np.ndarray, int]:
+    rows = np.concatenate([original, current, np.ones((len(original), 1))], axis=1)
+    return rows.T @ rows, len(rows)
+
+
+def test_int4_layers_take_up_the_earlier_layers_error_where_held_out_rows_show_it_helps():
+    """GPTAQ's asymmetric calibration: where the inputs a layer now gets (x') are a distortion of the int8
+    model's (x), aiming at W x takes it up, on rows the fit never saw; where rows are too few to fit it, the
+    held-out rows choose the plain fit."""
+    from ptq_cli.transforms import int4
+
+    rng = np.random.default_rng(1)
+    weights, bias = rng.normal(0, 1, (8, 24)), rng.normal(0, 0.1, 8)
+    distortion = np.eye(24) + rng.normal(0, 0.08, (24, 24))
+
+    def rows(count: int, systematic: bool) -> tuple[np.ndarray, np.ndarray]:
+        original = rng.normal(0.5, 1, (count, 24))
+        return original, (original @ distortion if systematic else original) + rng.normal(0, 0.05, (count, 24))
+
+    def error(fitted, count: int = 20_000) -> float:
+        return int4._output_error(weights, bias, fitted, _moments(*rows(count, systematic=True))[0] / count)
+
+    plentiful = (_moments(*rows(3000, True)), _moments(*rows(1000, True)))
+    compensate, fitted = int4._chosen_fit(weights, bias, plentiful, per_tensor=False)
+    plain = int4._fit(weights, bias, (plentiful[0][0] + plentiful[1][0]) / 4000, per_tensor=False, compensate=False)
+    assert compensate and error(fitted) < 0.8 * error(plain)
+    assert not int4._chosen_fit(weights, bias, (_moments(*rows(30, False)), _moments(*rows(10, False))), per_tensor=False)[0]
+    assert not int4._chosen_fit(weights, bias, (_moments(*rows(300, True)), (np.zeros((49, 49)), 0)), per_tensor=False)[0]
 
 
 def test_int4_weights_are_refused_where_the_format_has_none(study):

@@ -153,12 +153,18 @@ class QuantizationSettings:
     method_sqnr_db: tuple[tuple[str, float | None, float | None], ...] = ()
 
 
+def held_out_mask(count: int) -> np.ndarray:
+    """Which of `count` calibration images are held out: every HELD_OUT_EVERY-th, at most HELD_OUT_MAX."""
+    mask = np.zeros(count, bool)
+    mask[np.arange(HELD_OUT_EVERY - 1, count, HELD_OUT_EVERY)[:HELD_OUT_MAX]] = True
+    return mask
+
+
 def held_out_split(calibration: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(held-out images, the rest): every HELD_OUT_EVERY-th calibration image, at most HELD_OUT_MAX, judges
-    choices made on the rest."""
-    held_out = calibration[HELD_OUT_EVERY - 1 :: HELD_OUT_EVERY][:HELD_OUT_MAX]
+    """(held-out images, the rest): the held_out_mask images judge choices made on the rest (which leaves out
+    every HELD_OUT_EVERY-th image, held out or not)."""
     rest = np.delete(calibration, np.arange(HELD_OUT_EVERY - 1, len(calibration), HELD_OUT_EVERY), axis=0)
-    return held_out, rest
+    return calibration[held_out_mask(len(calibration))], rest
 
 
 def rounding_image_count(pixels: int) -> int:

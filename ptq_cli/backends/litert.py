@@ -38,6 +38,7 @@ from ptq_cli.backends.base import (
     RunOptions,
     chosen_method,
     finish_load,
+    held_out_mask,
     held_out_split,
     rounding_image_count,
     sqnr_figure,
@@ -635,10 +636,12 @@ def _four_bit(quantized: bytes, calibrated: bytes, calibration: np.ndarray, sett
         budget = settings.max_flash_kb * 1024 - FLASH_SLACK
         mixed = Mixed(fits=lambda data: len(written(microcontroller_layout(data).data)) <= budget,
                       judge=lambda data: sqnr_db(reference, _judged_scores(data, judged_images)))
-    int4 = to_int4(quantized, as_input(calibration, image), mixed=mixed)
+    int4 = to_int4(quantized, as_input(calibration, image), mixed=mixed, held=held_out_mask(len(calibration)))
     judged = f"; 8 bits back where they gain most output SQNR on {len(judged_images)} calibration images" if mixed else ""
+    aimed = (f"; aimed at the int8 model's outputs, taking up the earlier layers' error: {', '.join(int4.compensating)}" if int4.compensating
+             else "")
     return int4.data, (f"int4 filters: {len(int4.layers)} layers (GPTQ codes and clipping, bias corrected, on {len(calibration)} calibration "
-                       f"images{judged}); 8-bit: {', '.join(int4.kept) or 'none'}")
+                       f"images{judged}{aimed}); 8-bit: {', '.join(int4.kept) or 'none'}")
 
 
 def _tflm_arena():

@@ -5,7 +5,10 @@ Plain rounding to 4 bits ruins a small network (ResNet8 fell to 83.4% with the s
 each layer, in graph order, gets per output channel the clipping (a fraction of its largest weight) and the
 4-bit codes that leave the least output error, E||(W - Q) x||^2 over the inputs the model (its earlier layers
 already 4-bit) gives it on the calibration images (`rounding.gptq`, the same closed form the onnxruntime models
-use), then a bias that takes up the mean output error. The weights GPTQ starts from are the int8 model's own:
+use), then a bias that takes up the mean output error. A layer may instead aim at the int8 model's output from
+the int8 model's own inputs, so that it takes up the error of the 4-bit layers before it (GPTAQ's asymmetric
+calibration); it overfits where images are few, so held-out calibration images choose, layer by layer. The
+weights GPTQ starts from are the int8 model's own:
 at 1/16 of a 4-bit step, their rounding is not what costs. TFLite's INT4 tensors hold two codes a byte, low
 nibble first; TFLite Micro and LiteRT run them on their int8 kernels (a test checks the same scores as the
 codes held in int8).
@@ -26,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from ptq_cli.transforms.rounding import gptq
+from ptq_cli.transforms.rounding import DAMPING, gptq
 from ptq_cli.transforms.tflite_graph import low_peak_order, op_kind, pack_model, schema_module, step_peaks
 
 QMIN, QMAX = -8, 7  # int4, symmetric scales (zero point 0, as TFLite's weights)
@@ -50,6 +53,7 @@ class Int4Result:
     data: bytes  # the model with int4 filters
     layers: tuple[str, ...]  # the layers made 4-bit, e.g. "CONV_2D 64x3x3x64"
     kept: tuple[str, ...]  # the weighted layers kept in 8 bits, and why
+    compensating: tuple[str, ...] = ()  # the 4-bit layers aimed at the int8 model's outputs (held-out images chose it)
 
 
 def pack_int4(codes: np.ndarray) -> np.ndarray:
@@ -101,18 +105,41 @@ def layer_inputs(data: bytes, tensor: int, images: np.ndarray) -> np.ndarray:
     return (np.concatenate(found) - zero_point) * scale
 
 
-def layer_rows(model_object, operator, kind: str, shape: list[int], images: np.ndarray) -> np.ndarray:
-    """The rows (float64) a CONV_2D or FULLY_CONNECTED output sums over, in its filter's order, as the model (its
-    earlier layers as they are now) feeds the operator on `images`."""
-    schema = schema_module()
-    inputs = layer_inputs(pack_model(model_object), int(operator.inputs[0]), images)
+def _unfolded(inputs: np.ndarray, operator, kind: str, shape: list[int]) -> np.ndarray:
+    """The rows (float64) a CONV_2D or FULLY_CONNECTED output sums over, in its filter's order, from its input values."""
     if kind == "CONV_2D":
         options = operator.builtinOptions
         rows = unfold_conv(inputs, (shape[1], shape[2]), (options.strideH, options.strideW), (options.dilationHFactor, options.dilationWFactor),
-                           options.padding == schema.Padding.SAME)
+                           options.padding == schema_module().Padding.SAME)
     else:
         rows = inputs.reshape(-1, int(np.prod(shape[1:])))
     return rows.astype(np.float64)
+
+
+def layer_rows(model_object, operator, kind: str, shape: list[int], images: np.ndarray) -> np.ndarray:
+    """The rows (float64) a CONV_2D or FULLY_CONNECTED output sums over, in its filter's order, as the model (its
+    earlier layers as they are now) feeds the operator on `images`."""
+    return _unfolded(layer_inputs(pack_model(model_object), int(operator.inputs[0]), images), operator, kind, shape)
+
+
+def layer_moments(original: bytes, current: bytes, operator, kind: str, shape: list[int], images: np.ndarray,
+                  held: np.ndarray) -> tuple[tuple[np.ndarray, int], tuple[np.ndarray, int]]:
+    """((sum, rows) on the images `held` leaves out, (sum, rows) on those it marks): the sums of z z^T over a
+    layer's rows, z = [x; x'; 1], x the row the int8 model (`original`) feeds it and x' the one the model as it is
+    now (`current`) feeds it. Summed image batch by image batch, so memory stays that of one batch's rows."""
+    tensor = int(operator.inputs[0])
+    original_inputs, current_inputs = (layer_inputs(data, tensor, images) for data in (original, current))
+    width = 2 * int(np.prod(shape[1:])) + 1
+    sums, counts = [np.zeros((width, width)) for _ in range(2)], [0, 0]
+    for start in range(0, len(images), BATCH):
+        part = slice(start, start + BATCH)
+        for group, mask in enumerate((~held[part], held[part])):
+            if mask.any():
+                pair = [_unfolded(inputs[part][mask], operator, kind, shape) for inputs in (original_inputs, current_inputs)]
+                rows = np.concatenate([*pair, np.ones((len(pair[0]), 1))], axis=1)
+                sums[group] += rows.T @ rows
+                counts[group] += len(rows)
+    return (sums[0], counts[0]), (sums[1], counts[1])
 
 
 def weighted_ops(model_object) -> list[tuple[str, Any]]:
@@ -135,6 +162,44 @@ def _codes(weights: np.ndarray, second: np.ndarray, per_tensor: bool) -> tuple[n
         better = np.full(len(cost), cost.sum() < best.sum()) if per_tensor else cost < best
         best[better], codes[better], scales[better] = cost[better], trial[better], scale[better]
     return codes, scales
+
+
+def _fit(weights: np.ndarray, bias: np.ndarray, moments: np.ndarray, per_tensor: bool, compensate: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(int4 codes, scales, float bias) for a layer (float `weights` outputs x inputs, float `bias`) from the second
+    moments of [x; x'; 1] (layer_moments). Plain: GPTQ aims Q at W on the inputs x' the layer now gets. Compensating
+    (GPTAQ's asymmetric calibration): it aims at the int8 model's output W x, through the least-squares weights
+    W E[x x'^T] E[x' x'^T]^-1, so that a layer takes up the error of the 4-bit layers before it. Either way the bias
+    takes up the mean output error."""
+    inputs = weights.shape[1]
+    cross, second = moments[:inputs, inputs : 2 * inputs], moments[inputs : 2 * inputs, inputs : 2 * inputs]
+    original_mean, current_mean = moments[:inputs, -1], moments[inputs : 2 * inputs, -1]
+    aimed = weights
+    if compensate:
+        damped = second + DAMPING * max(float(np.mean(np.diag(second))), 1e-12) * np.eye(inputs)
+        aimed = np.linalg.solve(damped, (weights @ cross).T).T  # W C H^-1, H symmetric
+    codes, scales = _codes(aimed, second, per_tensor)
+    return codes, scales, bias + weights @ original_mean - (codes * scales[:, None]) @ current_mean if compensate else \
+        bias + (weights - codes * scales[:, None]) @ current_mean
+
+
+def _output_error(weights: np.ndarray, bias: np.ndarray, fitted: tuple[np.ndarray, np.ndarray, np.ndarray], moments: np.ndarray) -> float:
+    """E||W x + b - (Q x' + b')||^2 under `moments`: how far the 4-bit layer's outputs are from the int8 model's."""
+    codes, scales, new_bias = fitted
+    difference = np.concatenate([weights, -codes * scales[:, None], (bias - new_bias)[:, None]], axis=1)
+    return float(np.einsum("ok,kl,ol->", difference, moments, difference))
+
+
+def _chosen_fit(weights: np.ndarray, bias: np.ndarray, moments: tuple[tuple[np.ndarray, int], tuple[np.ndarray, int]],
+                per_tensor: bool) -> tuple[bool, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """(compensating?, the fit on every image): compensating where, fitted on the rest, it leaves the held-out
+    images' outputs closer to the int8 model's than the plain fit does; it overfits where images are few."""
+    (rest, rest_rows), (held, held_rows) = moments
+    everything = (rest + held) / max(rest_rows + held_rows, 1)
+    if not held_rows or not rest_rows:
+        return False, _fit(weights, bias, everything, per_tensor, compensate=False)
+    errors = [_output_error(weights, bias, _fit(weights, bias, rest / rest_rows, per_tensor, compensate), held / held_rows) for compensate in (False, True)]
+    compensate = errors[1] < errors[0]
+    return compensate, _fit(weights, bias, everything, per_tensor, compensate)
 
 
 def arena_neutral(model_object, candidates: list[Any]) -> set[int]:
@@ -197,14 +262,20 @@ def _back_to_8_bits(model_object, states: dict[str, tuple[tuple, tuple]], mixed:
         chosen[best[2]] = best[1]
 
 
-def to_int4(data: bytes, images: np.ndarray, progress: Callable[[int, int], None] | None = None, mixed: Mixed | None = None) -> Int4Result:
+def to_int4(data: bytes, images: np.ndarray, progress: Callable[[int, int], None] | None = None, mixed: Mixed | None = None,
+            held: np.ndarray | None = None, eight_bit: dict[int, str] | None = None) -> Int4Result:
     """The model (`data`, a full-integer .tflite) with its filters in int4, refined on `images` (its int8 input);
-    with `mixed`, the layers whose 4 bits cost most then go back to 8 bits within its flash budget."""
+    `held` marks the images that judge, layer by layer, whether compensating for the earlier 4-bit layers helps;
+    with `mixed`, the layers whose 4 bits cost most then go back to 8 bits within its flash budget; `eight_bit`
+    keeps layers (their places among the weighted layers) in 8 bits, for the reason given."""
     schema = schema_module()
     model_object = schema.ModelT.InitFromObj(schema.Model.GetRootAs(data, 0))
     graph = model_object.subgraphs[0]
-    layers, made, kept = weighted_ops(model_object), [], []
+    layers, made, kept, compensating = weighted_ops(model_object), [], [], []
+    held = np.zeros(len(images), bool) if held is None else held
     states: dict[str, tuple[tuple, tuple]] = {}  # a 4-bit layer's name -> (its int8 state, its int4 state)
+    positions: dict[str, int] = {}  # a 4-bit layer's name -> its place among the weighted layers
+    eight_bit = eight_bit or {}
 
     def reason(position: int, kind: str, operator) -> str:
         weight = graph.tensors[int(operator.inputs[1])]
@@ -219,7 +290,7 @@ def to_int4(data: bytes, images: np.ndarray, progress: Callable[[int, int], None
         shape = [int(dim) for dim in weight.shape]
         name = f"{kind} {'x'.join(map(str, shape))}"
         why = reason(position, kind, operator) or ("unpacked to int8 while it runs, it would enlarge TFLite Micro's tensor arena"
-                                                   if id(operator) not in fits else "")
+                                                   if id(operator) not in fits else eight_bit.get(position, ""))
         if why:
             kept.append(f"{name} ({why})")
             continue
@@ -228,14 +299,13 @@ def to_int4(data: bytes, images: np.ndarray, progress: Callable[[int, int], None
         per_tensor = len(int8_scales) == 1
         codes8 = np.frombuffer(bytes(model_object.buffers[weight.buffer].data), np.int8).astype(np.float64).reshape(shape[0], -1)
         weights = codes8 * np.broadcast_to(int8_scales, (shape[0],))[:, None]
-        rows64 = layer_rows(model_object, operator, kind, shape, images)
-        codes, scales = _codes(weights, rows64.T @ rows64 / len(rows64), per_tensor)
-        # The bias takes up the mean output error; its scale follows the weights' (TFLite: input scale x weight scale).
         input_scale = float(graph.tensors[input_tensor].quantization.scale[0])
         bias = graph.tensors[bias_tensor]
-        float_bias = np.frombuffer(bytes(model_object.buffers[bias.buffer].data), np.int32).astype(np.float64) * input_scale * np.broadcast_to(
+        int8_bias = np.frombuffer(bytes(model_object.buffers[bias.buffer].data), np.int32).astype(np.float64) * input_scale * np.broadcast_to(
             int8_scales, (shape[0],))
-        float_bias = float_bias + (weights - codes * scales[:, None]) @ rows64.mean(axis=0)
+        compensate, (codes, scales, float_bias) = _chosen_fit(weights, int8_bias, layer_moments(data, pack_model(model_object), operator, kind, shape,
+                                                                                                images, held), per_tensor)
+        # The bias's scale follows the weights' (TFLite: input scale x weight scale).
         bias_codes = np.clip(np.rint(float_bias / (input_scale * scales)), np.iinfo(np.int32).min, np.iinfo(np.int32).max).astype(np.int32)
         model_object.buffers[bias.buffer].data = np.frombuffer(bias_codes.tobytes(), np.uint8)
         stored_scales = scales[:1] if per_tensor else scales
@@ -245,12 +315,17 @@ def to_int4(data: bytes, images: np.ndarray, progress: Callable[[int, int], None
         weight.quantization.scale = list(stored_scales)
         weight.quantization.zeroPoint = [0] * len(stored_scales)
         name = f"{name} #{position}" if name in states else name
-        states[name] = (int8_state, _state(model_object, operator))
+        states[name], positions[name] = (int8_state, _state(model_object, operator)), position
         made.append(name)
+        if compensate:
+            compensating.append(name)
         if progress:
             progress(position + 1, len(layers))
     if mixed is not None:
         back = _back_to_8_bits(model_object, states, mixed)
+        if back and compensating:  # the later layers took up the error of layers now back in 8 bits: fit them again without it
+            return to_int4(data, images, progress, held=held,
+                           eight_bit={positions[name]: f"+{gain:.2f} dB in 8 bits, within the flash budget" for name, gain in back.items()})
         kept += [f"{name} (+{gain:.2f} dB in 8 bits, within the flash budget)" for name, gain in back.items()]
         made = [name for name in made if name not in back]
-    return Int4Result(pack_model(model_object), tuple(made), tuple(kept))
+    return Int4Result(pack_model(model_object), tuple(made), tuple(kept), tuple(name for name in compensating if name in made))
