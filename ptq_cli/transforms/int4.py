@@ -168,15 +168,16 @@ def _fit(weights: np.ndarray, bias: np.ndarray, moments: np.ndarray, per_tensor:
     """(int4 codes, scales, float bias) for a layer (float `weights` outputs x inputs, float `bias`) from the second
     moments of [x; x'; 1] (layer_moments). Plain: GPTQ aims Q at W on the inputs x' the layer now gets. Compensating
     (GPTAQ's asymmetric calibration): it aims at the int8 model's output W x, through the least-squares weights
-    W E[x x'^T] E[x' x'^T]^-1, so that a layer takes up the error of the 4-bit layers before it. Either way the bias
-    takes up the mean output error."""
+    W + W E[(x - x') x'^T] E[x' x'^T]^-1, so that a layer takes up the error of the 4-bit layers before it. The
+    damping only tempers that correction: written as W E[x x'^T] (H + damping)^-1, it would also shrink W where
+    the inputs vary little (README: the cost, measured). Either way the bias takes up the mean output error."""
     inputs = weights.shape[1]
     cross, second = moments[:inputs, inputs : 2 * inputs], moments[inputs : 2 * inputs, inputs : 2 * inputs]
     original_mean, current_mean = moments[:inputs, -1], moments[inputs : 2 * inputs, -1]
     aimed = weights
     if compensate:
         damped = second + DAMPING * max(float(np.mean(np.diag(second))), 1e-12) * np.eye(inputs)
-        aimed = np.linalg.solve(damped, (weights @ cross).T).T  # W C H^-1, H symmetric
+        aimed = weights + np.linalg.solve(damped, (weights @ (cross - second)).T).T  # H symmetric
     codes, scales = _codes(aimed, second, per_tensor)
     return codes, scales, bias + weights @ original_mean - (codes * scales[:, None]) @ current_mean if compensate else \
         bias + (weights - codes * scales[:, None]) @ current_mean
