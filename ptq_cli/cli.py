@@ -281,7 +281,7 @@ RunsOption = Annotated[int, typer.Option(min=1, max=10_000, help="Timed runs of 
 
 # One option block for the quantization settings, shared by quantize, sweep and sensitivity; each command
 # gives its own defaults (quantize leaves them to the backend).
-DTypeOption = Annotated[DType | None, typer.Option(help="Activation type (and weight type unless --weight-dtype is given). PyTorch, OpenVINO and LiteRT take int8 only. (default: int8)", show_default=False, rich_help_panel="Quantization")]
+DTypeOption = Annotated[DType | None, typer.Option(help="Activation type (and weight type unless --weight-dtype is given). PyTorch, OpenVINO and LiteRT take int8 only. (default: int8; onnxruntime without --dtype, --weight-dtype or --target: --target speed)", show_default=False, rich_help_panel="Quantization")]
 WeightDTypeOption = Annotated[WeightDType | None, typer.Option(help="Weight type. int4: 4-bit convolution filters (--backend litert: TFLite's INT4, run by TFLite Micro and LiteRT), rounded by GPTQ on the calibration images; the stem, fully-connected layers and any layer whose unpacked filter would enlarge TFLite Micro's arena stay in 8 bits (--max-flash-kb puts more back). (default: same as --dtype)", show_default=False, rich_help_panel="Quantization")]
 PerChannelOption = Annotated[bool | None, typer.Option("--per-channel/--per-tensor", help="One weight scale per output channel, or one per tensor. Where no default is shown, the backend's: per-tensor for onnxruntime (per-channel for a model with depthwise convolutions, where one scale per tensor leaves most channels a few codes), per-channel for the others.", rich_help_panel="Quantization")]
 MethodOption = Annotated[Method | None, typer.Option(help="Activation calibration, the backend's own: onnxruntime auto|minmax|entropy|percentile (auto: minmax, percentile 99.999 and 99.99 each judged by the output on held-out calibration images, the best kept); pytorch histogram|minmax; openvino onnxruntime's four (ptq's QDQ model, converted) or nncf (NNCF quantizes); litert minmax (the converter's) or percentile (ptq's rule on the TFLite tensors). Where no default is shown, the backend's first.", rich_help_panel="Quantization")]
@@ -508,7 +508,7 @@ def quantize(
     model: Annotated[Path, typer.Option(help="FP32 ONNX model to quantize (the PyTorch backend converts it with onnx2torch first; LiteRT starts from the Keras model `ptq convert --keras` made it from).")] = settings.FP32_ONNX,
     backend: Annotated[Backend, typer.Option(help=BACKENDS_HELP)] = Backend(backends.DEFAULT),
     dtype: DTypeOption = None,
-    target: Annotated[Target | None, typer.Option(help="speed: the fast x86 configuration (onnxruntime: uint8 activations, int8 per-channel weights); other options still override it.", show_default=False)] = None,
+    target: Annotated[Target | None, typer.Option(help="speed: the fast x86 configuration (onnxruntime: uint8 activations, int8 per-channel weights); other options still override it. onnxruntime's default when neither --dtype nor --weight-dtype is given: it follows FP32 as closely as int8 activations do, about twice as fast (README).", show_default=False)] = None,
     weight_dtype: WeightDTypeOption = None,
     per_channel: PerChannelOption = None,
     method: MethodOption = None,

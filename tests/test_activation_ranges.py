@@ -110,3 +110,18 @@ def test_a_percentile_onnxruntime_cannot_calibrate_leaves_minmax(project, monkey
     made = _quantize(project, "minmax_kept.onnx")["settings"]
     assert (made["method"], made["percentile"]) == ("minmax", None)
     assert [db is None for _, _, db in made["method_sqnr_db"]] == [False, True, True]
+
+
+def test_a_plain_onnxruntime_quantize_gets_the_speed_target_and_a_type_given_keeps_its_own():
+    """Without --dtype, --weight-dtype or --target, onnxruntime quantizes as --target speed (uint8 activations,
+    int8 per-channel weights, named so); a type given, or another backend, keeps the weights following the type."""
+    from pathlib import Path
+
+    from ptq_cli.services.quantize import default_output
+
+    plain = make_settings()
+    assert (plain.target, plain.dtype, plain.weight_dtype, plain.per_channel) == ("speed", "uint8", "int8", True)
+    assert default_output(Path("m.onnx"), plain).name == "m_uint8_speed.onnx"
+    for given in (make_settings("int8"), make_settings(weight_dtype="int8"), make_settings("uint8")):
+        assert given.target is None and given.weight_dtype == given.dtype
+    assert make_settings(backend="pytorch").target is None

@@ -27,8 +27,8 @@ def lite0(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def default_model(lite0) -> dict:
-    """`ptq quantize` with no option but the data's, once for the module: efficientnet_lite0_int8.onnx."""
-    return _made(lite0, "efficientnet_lite0_int8.onnx")
+    """`ptq quantize` with no option but the data's (the speed target), once for the module: efficientnet_lite0_default.onnx."""
+    return _made(lite0, "efficientnet_lite0_default.onnx")
 
 
 def _made(root: Path, output: str, *extra: str) -> dict:
@@ -46,6 +46,7 @@ def _fidelity(root: Path, model: str, int8_path: str = "exact") -> dict:
 
 def test_the_default_is_per_channel_on_a_depthwise_network_and_follows_fp32_far_better(lite0, default_model):
     made = default_model
+    assert (made["settings"]["target"], made["settings"]["dtype"], made["settings"]["weight_dtype"]) == ("speed", "uint8", "int8")
     assert made["settings"]["per_channel"] is True and made["settings"]["calibration_samples"] == 48
     assert made["settings"]["overflow_fix"] == "all-layers"  # ReLU6 activations: every layer kept exact
     # Its stem's 8-bit weights alone cost the output about as much as all its weights together: left float.
@@ -58,14 +59,14 @@ def test_the_default_is_per_channel_on_a_depthwise_network_and_follows_fp32_far_
     assert nearest["top1_agreement"] >= per_tensor["top1_agreement"] + 20  # measured: 66% against 20% (300 photos)
     assert nearest["sqnr_db"] > _fidelity(lite0, "efficientnet_lite0_int8_stem.onnx")["sqnr_db"]  # measured: 12.0 dB against 11.3 (60 photos)
     # Learned rounding, the default here (the held-out calibration images chose it), follows FP32 more closely.
-    default = _fidelity(lite0, "efficientnet_lite0_int8.onnx")
+    default = _fidelity(lite0, "efficientnet_lite0_default.onnx")
     assert made["settings"]["rounding"] == "learned"
     assert default["sqnr_db"] > nearest["sqnr_db"] + 2 and default["top1_agreement"] >= nearest["top1_agreement"], (default, nearest)
     assert default["top5_containment"] >= default["top1_agreement"]
     # The same figures on the path this CPU does not take natively: the model computes the same on both.
-    other = _fidelity(lite0, "efficientnet_lite0_int8.onnx", "saturating" if cpu_info.current().int8_path == cpu_info.EXACT else "exact")
+    other = _fidelity(lite0, "efficientnet_lite0_default.onnx", "saturating" if cpu_info.current().int8_path == cpu_info.EXACT else "exact")
     assert other["top1_agreement"] == default["top1_agreement"] and other["sqnr_db"] == pytest.approx(default["sqnr_db"])
-    records = sorted((lite0 / "results").glob("efficientnet_lite0_int8.onnx-*.json"))
+    records = sorted((lite0 / "results").glob("efficientnet_lite0_default.onnx-*.json"))
     assert records and all(path.stat().st_size < 200_000 for path in records)
 
 
@@ -80,7 +81,7 @@ def test_pytorch_quantizes_it_although_its_reshape_copies_the_batch_dimension(li
 
 
 def test_the_report_keeps_the_file_names_on_one_line_at_80_columns(lite0, default_model):
-    ptq_ok("evaluate", "--model", "efficientnet_lite0_int8.onnx", "--data", "photos", cwd=lite0)
+    ptq_ok("evaluate", "--model", "efficientnet_lite0_default.onnx", "--data", "photos", cwd=lite0)
     result = ptq("report", cwd=lite0, columns=80)
     assert result.returncode == 0, result.stderr
     assert "Models: efficientnet_lite0*" in " ".join(result.stdout.split())

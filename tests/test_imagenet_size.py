@@ -115,7 +115,7 @@ def test_the_fp32_model_on_photos_is_the_reference_and_against_itself_agrees(mob
 def test_a_model_without_depthwise_convolutions_keeps_the_per_tensor_default(tmp_path):
     channel_mean_classifier(tmp_path / "m.onnx", size=16)
     image_folder(tmp_path / "data", size=16)
-    result = invoke("quantize", "--model", "m.onnx", "--data", "data", "--output", "m_int8.onnx", "--json", cwd=tmp_path)
+    result = invoke("quantize", "--model", "m.onnx", "--data", "data", "--dtype", "int8", "--output", "m_int8.onnx", "--json", cwd=tmp_path)
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["settings"]["per_channel"] is False
     assert json.loads(result.stdout)["settings"]["overflow_fix"] == "first-layer"  # no clamped activations

@@ -79,7 +79,7 @@ def test_a_stem_8_bit_weights_barely_touch_stays_int8(project):
 def test_the_measured_stem_weights_are_onnxruntime_s_own(project, per_channel, cpus):
     """The measurement rounds the stem's weights as onnxruntime's quantizer does: pair rule, uint8 included."""
     output = f"plain_{cpus}_{per_channel}.onnx"
-    types = ("--dtype", "uint8") if cpus == "uint8" else ("--cpus", cpus)
+    types = ("--dtype", "uint8") if cpus == "uint8" else ("--dtype", "int8", "--cpus", cpus)
     _quantize(project, "plain.onnx", output, "--stem", "int8", *types, "--per-channel" if per_channel else "--per-tensor")
     dequantized = _stem_weight(project / output)
     weight = next(numpy_helper.to_array(init) for init in onnx.load(str(project / "plain.onnx")).graph.initializer if init.name == "stem_w")

@@ -214,6 +214,7 @@ class Backend:
     overflow_fixes: tuple[str, ...] = (FIRST_LAYER, *[fix for fix in OVERFLOW_FIXES if fix != FIRST_LAYER])  # the first is the default
     clamped_overflow_fix: str | None = None  # its default instead for a model with clamped activations (ReLU6)
     speed_target: dict[str, Any] = field(default_factory=dict)  # what `--target speed` sets for it
+    speed_by_default: bool = False  # a plain `quantize` (no type or target given) gets the speed target: measured as faithful (README)
     options: dict[str, str] = field(default_factory=dict)  # settings only it takes -> the option that sets them
     options_word: str = ""  # what its options are called in a message ("an NNCF option")
     choices: dict[str, tuple[str, ...]] = field(default_factory=dict)  # those settings' accepted values, where they are a list

@@ -705,6 +705,7 @@ BACKEND = Backend(
     # onnxruntime's x86 int8 kernels (VNNI) multiply unsigned activations by signed weights; int8 x int8
     # and uint8 x uint8 fall back to slower paths. Per-channel weights keep the accuracy.
     speed_target={"dtype": "uint8", "weight_dtype": "int8", "per_channel": True},
+    speed_by_default=True,
     learned_rounding=True,  # refine_rounding: GPTQ codes and bias correction on the QDQ model
     # Running: its exact u8 x s8 kernels have a session switch.
     int8_kernels_vary=True, reaches_int8_path=lambda overflow_fix, int8_path: True, int8_basis=_int8_basis,

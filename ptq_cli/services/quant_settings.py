@@ -57,9 +57,9 @@ def make_settings(
     rounding: str | None = None,
     max_flash_kb: float | None = None,
 ) -> QuantizationSettings:
-    """Validated settings. Without a target the defaults are the seed study's, the weights following the
-    activations' type; a target's preset fills in what the options leave open; the backend's row adds
-    its own rules and defaults."""
+    """Validated settings. Without a type or target, the backend's speed target where it runs as faithfully
+    (onnxruntime); with a type and no target, the weights follow the activations' type; a target's preset fills
+    in what the options leave open; the backend's row adds its own rules and defaults."""
     row = backends.backend(backend)
     if row.quantize is None:
         raise PtqError(f"--backend {backend}: runs models but does not quantize them (quantizers: {', '.join(backends.quantizers())})")
@@ -68,6 +68,8 @@ def make_settings(
     _backend_options(backend, {"nncf_preset": nncf_preset, "bias_correction": bias_correction, "subset_size": subset_size,
                                "float_nodes": tuple(float_nodes) or None, "io": io, "ranges_from": ranges_from, "space_to_depth": space_to_depth,
                                "max_flash_kb": max_flash_kb})
+    if target is None and dtype is None and weight_dtype is None and row.speed_by_default:
+        target = "speed"
     targeted = row.speed_target if target else {}
     dtype, weight_dtype = _types(dtype or targeted.get("dtype") or DEFAULT_DTYPE, weight_dtype or targeted.get("weight_dtype"))
     if weight_dtype == INT4 and not row.int4_weights:
