@@ -5,7 +5,7 @@
 
 Every model is quantized from the same FP32 ONNX model with the same calibration photographs and judged on the
 same held-out photographs against FP32's outputs (top-1 agreement, top-5 containment, SQNR of the scores):
-- ptq: `ptq quantize` as a user runs it (default, `--rounding nearest`, `--cpus vnni`, `--target speed`);
+- ptq: `ptq quantize` as a user runs it (default, which is `--target speed`, `--dtype int8`, `--cpus vnni`, `--rounding nearest`);
 - plain onnxruntime: quant_pre_process, then quantize_static (QDQ, per-channel, MinMax: its own defaults otherwise);
 - NNCF on ONNX, with full bias correction (`fast_bias_correction=False`);
 - AIMET-ONNX 2.42 (QuantSim, then AdaRound), exported to QDQ and run in onnxruntime: its own virtual environment
@@ -40,8 +40,8 @@ from ptq_cli.metrics import sqnr_db  # noqa: E402
 from ptq_cli.services.measure import emulate  # noqa: E402
 from ptq_cli.services.models import load_model  # noqa: E402
 
-PTQ_CONFIGS = {"ptq default": [], "ptq --rounding nearest": ["--rounding", "nearest"], "ptq --cpus vnni": ["--cpus", "vnni"],
-               "ptq --target speed": ["--target", "speed"]}
+PTQ_CONFIGS = {"ptq default": [], "ptq --dtype int8": ["--dtype", "int8"], "ptq --cpus vnni": ["--cpus", "vnni"],
+               "ptq --rounding nearest": ["--rounding", "nearest"]}
 FLAGS = PreprocessingFlags(preset="imagenet")
 
 
