@@ -85,4 +85,4 @@ def test_the_report_keeps_the_file_names_on_one_line_at_80_columns(lite0, defaul
     result = ptq("report", cwd=lite0, columns=80)
     assert result.returncode == 0, result.stderr
     assert "Models: efficientnet_lite0*" in " ".join(result.stdout.split())
-    assert any(line.startswith("*_int8.onnx ") for line in result.stdout.splitlines())
+    assert any(line.startswith("*_default.onnx ") for line in result.stdout.splitlines())
