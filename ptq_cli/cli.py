@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import inspect
 import math
@@ -46,6 +47,7 @@ from ptq_cli.services.measure import evaluate as evaluate_service
 from ptq_cli.services.measure import report as report_service
 from ptq_cli.services.measure import sensitivity as sensitivity_service
 from ptq_cli.services.measure import validation as validation_service
+from ptq_cli.services.quant_settings import QuantizationSettings
 from ptq_cli.services.study import pipeline as pipeline_service
 from ptq_cli.services.study import sweep as sweep_service
 from ptq_cli.services.study import tune as tune_service
@@ -207,9 +209,6 @@ Method = _choices("Method", backends.methods())
 Preset = _choices("Preset", inputs_service.PRESETS)
 Asset = _choices("Asset", fetch_service.ASSETS)
 Scope = _choices("Scope", prune_service.SCOPES)
-NncfPreset = _choices("NncfPreset", backends.choices("nncf_preset"))
-BiasCorrection = _choices("BiasCorrection", backends.choices("bias_correction"))
-IoType = _choices("IoType", backends.choices("io"))
 Runtime = _choices("Runtime", backends.runtimes())
 Precision = _choices("Precision", backends.precisions())
 Cpus = _choices("Cpus", cpu_info.CPU_TARGETS)
@@ -334,8 +333,8 @@ def _data(data: Path | None, calibration_data: Path | None, preset, scale: float
     return DataChoice(data or settings.cifar_dir(), calibration_data, flags, calibration_size, data is not None)
 
 
-def _option(name: str, annotation: Any) -> inspect.Parameter:
-    return inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None, annotation=annotation)
+def _option(name: str, annotation: Any, default: Any = None) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=annotation)
 
 
 # The data block's options, as parameters a command takes through `_with_data`.
@@ -367,6 +366,83 @@ def _with_data(calibration: bool = True, preprocessing: bool = True) -> Callable
         return with_choice
 
     return decorate
+
+
+TargetOption = Annotated[Target | None, typer.Option(help="speed: the fast x86 configuration (onnxruntime: uint8 activations, int8 per-channel weights); other options still override it. onnxruntime's default when neither --dtype nor --weight-dtype is given: it follows FP32 as closely as int8 activations do, about twice as fast (README).", show_default=False)]
+GraphPreprocessOption = Annotated[bool, typer.Option("--graph-preprocess/--no-graph-preprocess", help="Run onnxruntime's quant_pre_process first (shape inference, folds batch-norm Mul/Add into Conv).")]
+# One option block for how a model is quantized, shared by the commands that quantize: the command's `quantization`
+# parameter becomes these options, and the backend table's --backend choices and each quantizer's own options
+# (its module's Options, in its --help panel), read when typer builds the command (a backend registered later shows
+# too); the command gets the validated QuantizationSettings.
+QUANTIZATION_PARAMETERS = (
+    _option("dtype", DTypeOption), _option("target", TargetOption), _option("weight_dtype", WeightDTypeOption),
+    _option("per_channel", PerChannelOption), _option("method", MethodOption), _option("percentile", PercentileOption),
+    _option("graph_preprocess", GraphPreprocessOption, True), _option("cpus", CpusOption, Cpus("all")), _option("overflow_fix", OverflowFixOption),
+    _option("stem", StemOption, Stem(stem_service.AUTO)), _option("rounding", RoundingOption, Rounding(AUTO_ROUNDING)),
+)
+COMMON_QUANTIZATION = ("dtype", "weight_dtype", "per_channel", "method", "percentile")  # what sweep and sensitivity take
+NO_QUANTIZATION: Any = None  # a command's `quantization` before `_with_quantization` fills it in
+
+
+def _backend_option_parameter(name: str, owner: backends.Backend) -> inspect.Parameter:
+    item = next(item for item in dataclasses.fields(owner.options) if item.name == name)
+    meta = item.metadata
+    kind = _choices(f"{owner.name}_{name}", meta["choices"]) if meta["choices"] else meta["cli"]
+    bounded_number = {"min": meta["minimum"]} if meta["minimum"] is not None and kind in (int, float) else {}
+    option = typer.Option(*meta["flags"], help=meta["help"], show_default=False, rich_help_panel=owner.options.panel or None, **bounded_number)
+    return _option(name, Annotated[kind | None, option])
+
+
+def _backend_parameter() -> inspect.Parameter:
+    names = _choices("Backend", backends.quantizers())
+    help_text = ". ".join(f"{row.name}: {row.summary}" for row in backends.TABLE.values() if row.quantize is not None) + "."
+    return _option("backend", Annotated[names, typer.Option(help=help_text)], names(backends.DEFAULT))
+
+
+class _WithQuantization:
+    """A command whose `quantization` parameter is the quantization block (`names` of it, with the command's own
+    `defaults`; with the backend's, all of it)."""
+
+    def __init__(self, command: Callable[..., None], names: tuple[str, ...], defaults: dict[str, Any]) -> None:
+        self.command, self.names, self.defaults = command, names, defaults
+        self.__name__, self.__qualname__, self.__doc__, self.__module__ = command.__name__, command.__qualname__, command.__doc__, command.__module__
+
+    def _block(self) -> list[inspect.Parameter]:
+        chosen = [parameter.replace(default=self.defaults.get(parameter.name, parameter.default))
+                  for parameter in QUANTIZATION_PARAMETERS if parameter.name in self.names]
+        if "backend" not in self.names:
+            return chosen
+        own = [_backend_option_parameter(name, owners[0]) for name, owners in backends.private_options().items()]
+        deployment = [parameter.name for parameter in chosen].index("cpus")  # the backends' panels before the Deployment one
+        return [_backend_parameter(), *chosen[:deployment], *own, *chosen[deployment:]]
+
+    def _parameters(self) -> list[inspect.Parameter]:
+        parameters: list[inspect.Parameter] = []
+        for parameter in inspect.signature(self.command, eval_str=True).parameters.values():
+            parameters += self._block() if parameter.name == "quantization" else (parameter,)
+        return parameters
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.Signature(self._parameters())
+
+    @property
+    def __annotations__(self) -> dict[str, Any]:  # type: ignore[override]  # typer reads the types through typing.get_type_hints
+        return {parameter.name: parameter.annotation for parameter in self._parameters()}
+
+    def __call__(self, **given: Any) -> None:
+        block = {parameter.name: given.pop(parameter.name) for parameter in self._block() if parameter.name in given}
+        values: dict[str, Any] = {name: value.value if isinstance(value, Enum) else str(value) if isinstance(value, Path) else value
+                                  for name, value in block.items()}
+        preprocess = bool(values.pop("graph_preprocess", True))
+        return self.command(**given, quantization=quant_settings.make_settings(preprocess=preprocess, **values))
+
+
+WHOLE_QUANTIZATION = ("backend", *[parameter.name for parameter in QUANTIZATION_PARAMETERS])
+
+
+def _with_quantization(names: tuple[str, ...] = WHOLE_QUANTIZATION, **defaults: Any) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    return lambda command: _WithQuantization(command, names, defaults)
 
 
 CalibrationFile = Annotated[
@@ -503,31 +579,13 @@ def calibrate(
 
 
 @app.command()
+@_with_quantization()
 @_with_data()
 def quantize(
     model: Annotated[Path, typer.Option(help="FP32 ONNX model to quantize (the PyTorch backend converts it with onnx2torch first; LiteRT starts from the Keras model `ptq convert --keras` made it from).")] = settings.FP32_ONNX,
-    backend: Annotated[Backend, typer.Option(help=BACKENDS_HELP)] = Backend(backends.DEFAULT),
-    dtype: DTypeOption = None,
-    target: Annotated[Target | None, typer.Option(help="speed: the fast x86 configuration (onnxruntime: uint8 activations, int8 per-channel weights); other options still override it. onnxruntime's default when neither --dtype nor --weight-dtype is given: it follows FP32 as closely as int8 activations do, about twice as fast (README).", show_default=False)] = None,
-    weight_dtype: WeightDTypeOption = None,
-    per_channel: PerChannelOption = None,
-    method: MethodOption = None,
-    percentile: PercentileOption = None,
+    quantization: QuantizationSettings = NO_QUANTIZATION,
     calibration: CalibrationFile = None,
-    graph_preprocess: Annotated[bool, typer.Option("--graph-preprocess/--no-graph-preprocess", help="Run onnxruntime's quant_pre_process first (shape inference, folds batch-norm Mul/Add into Conv).")] = True,
-    space_to_depth: Annotated[bool | None, typer.Option("--space-to-depth/--no-space-to-depth", help="Regroup convolutions the fast x86 int8 kernel handles poorly (input channels not a multiple of 4, like the RGB stem; fewer than 32 output channels) over blocks of pixels along the width; same products, more zeros in the file. (default: on for uint8 activations with int8 weights, where that kernel runs)", show_default=False)] = None,
     output: Annotated[Path | None, typer.Option(help="Where to write the quantized model. (default: beside the model, <model>_<dtype>.onnx, <model>_pytorch_<dtype>.pt, <model>_openvino_<dtype>.xml or <model>_<dtype>.tflite)", show_default=False)] = None,
-    nncf_preset: Annotated[NncfPreset | None, typer.Option("--nncf-preset", "--preset", help="NNCF's preset (--backend openvino; --preset is its older name): performance (symmetric activations) or mixed (asymmetric). (default: performance)", show_default=False, rich_help_panel="NNCF (--backend openvino)")] = None,
-    bias_correction: Annotated[BiasCorrection | None, typer.Option(help="NNCF bias correction: fast, full (slower, often more accurate) or none. (default: fast)", show_default=False, rich_help_panel="NNCF (--backend openvino)")] = None,
-    subset_size: Annotated[int | None, typer.Option(min=1, help="Calibration samples NNCF uses. (default: the whole calibration set)", show_default=False, rich_help_panel="NNCF (--backend openvino)")] = None,
-    ignored_scope: Annotated[list[str] | None, typer.Option(help="A layer (node name) NNCF leaves in float; repeat for several.", show_default=False, rich_help_panel="NNCF (--backend openvino)")] = None,
-    io: Annotated[IoType | None, typer.Option(help="Type of the .tflite's input and output tensors: int8 (what TFLite Micro wants), uint8, or float around the int8 body. (default: int8)", show_default=False, rich_help_panel="LiteRT (--backend litert)")] = None,
-    ranges_from: Annotated[Path | None, typer.Option(help="An onnxruntime QDQ model ptq quantized from the same FP32 model: its activation ranges (scale, zero point) replace the converter's calibration, tensor by tensor, so both models compute on the same grid.", show_default=False, rich_help_panel="LiteRT (--backend litert)")] = None,
-    max_flash_kb: Annotated[float | None, typer.Option(help="With --weight-dtype int4: the flash the .tflite may take, in KB (1,024 bytes). The 4-bit layers whose 4 bits cost most (output SQNR against the float model on calibration images, measured layer by layer) go back to 8 bits while the file stays within it. (default: none go back)", show_default=False, rich_help_panel="LiteRT (--backend litert)")] = None,
-    cpus: CpusOption = Cpus("all"),
-    overflow_fix: OverflowFixOption = None,
-    stem: StemOption = Stem(stem_service.AUTO),
-    rounding: RoundingOption = Rounding(AUTO_ROUNDING),
     results_dir: Annotated[Path, typer.Option(help="Records of earlier evaluations and benchmarks: the models made from the same FP32 model that they measured are named after quantizing, as the other choices.")] = settings.RESULTS_DIR,
     portability_cost: Annotated[bool, typer.Option("--portability-cost/--no-portability-cost", help="On a CPU with VNNI, for a model made for all CPUs with an overflow fix: quantize it again for VNNI CPUs alone (--cpus vnni) and say what running right on every x86 CPU costs, both measured against FP32 on the calibration images. Takes one more quantization. (env: PTQ_PORTABILITY_COST=0 turns the default off)", envvar="PTQ_PORTABILITY_COST", show_envvar=False, rich_help_panel="Quantization")] = True,
     choice: DataChoice = NO_CHOICE,
@@ -539,20 +597,15 @@ def quantize(
     from --preprocess/--scale/--mean/--std/--bgr and is stored in the quantized model, so evaluating it
     needs no flags. Models below opset 10 (13 for per-channel) are upgraded first.
     """
-    quantization_settings = quant_settings.make_settings(
-        dtype and dtype.value, backend.value, weight_dtype and weight_dtype.value, per_channel, method and method.value, percentile, graph_preprocess,
-        target and target.value, space_to_depth, nncf_preset and nncf_preset.value, bias_correction and bias_correction.value, subset_size,
-        tuple(ignored_scope or ()), io and io.value, str(ranges_from) if ranges_from else None, cpus=cpus.value, overflow_fix=overflow_fix and overflow_fix.value,
-        stem=stem.value, rounding=rounding.value, max_flash_kb=max_flash_kb,
-    )
+    quantization_settings = quantization
     # Loaded once, before any calibration work: a bad model (its input, its output on one image) fails first.
     source = quantize_service.load_source(model, choice.flags, quantization_settings.per_channel is not False)
-    if ranges_from is not None:
-        check_model(ranges_from)
+    for read in quantization_settings.options.input_files():
+        check_model(read)
     destination = output or quantize_service.default_output(model, quantization_settings)
     check_writable(destination)
     calibration_set = _calibration_set(calibration, choice, model)
-    with _progress_bar(f"Calibrating ({quantization_settings.method}) and quantizing with {backend.value}") as progress:
+    with _progress_bar(f"Calibrating ({quantization_settings.method}) and quantizing with {quantization_settings.backend}") as progress:
         result = quantize_service.quantize(model, destination, quantization_settings, calibration_set, choice.flags, progress, portability_cost,
                                            results_dir, source)
     _emit(as_json, result, render.quantization(result))
@@ -597,15 +650,12 @@ def prune(
 
 
 @app.command()
+@_with_quantization(COMMON_QUANTIZATION, dtype=DType("int8"), per_channel=True, method=Method("percentile"))
 @_with_data()
 def sweep(
     sparsity: Annotated[str, typer.Option(help="Comma-separated sparsities to try, each in [0, 1).")] = "0,0.3,0.5,0.7",
     model: Annotated[Path, typer.Option(help="FP32 ONNX model.")] = settings.FP32_ONNX,
-    dtype: DTypeOption = DType("int8"),
-    weight_dtype: WeightDTypeOption = None,
-    per_channel: PerChannelOption = True,
-    method: MethodOption = Method("percentile"),
-    percentile: PercentileOption = None,
+    quantization: QuantizationSettings = NO_QUANTIZATION,
     scope: ScopeOption = Scope("global"),
     exclude_first: ExcludeFirst = False,
     exclude_classifier: ExcludeClassifier = False,
@@ -623,9 +673,7 @@ def sweep(
     """
     sparsities = sweep_service.parse_sparsities(sparsity)
     pruning_check = prune_service.make_settings(0.0, scope.value, exclude_first, exclude_classifier, reconstruct)  # checked before any work
-    quantization_settings = quant_settings.make_settings(
-        dtype and dtype.value, weight_dtype=weight_dtype and weight_dtype.value, per_channel=per_channel, method=method and method.value, percentile=percentile
-    )
+    quantization_settings = quantization
     check_model(model)
     calibration_set = _calibration_set(calibration, choice, model)
     with _progress_bar("Prune, quantize, evaluate") as progress:
@@ -654,14 +702,11 @@ def _calibration_and_validation(calibration: Path | None, choice: DataChoice, mo
 
 
 @app.command()
+@_with_quantization(COMMON_QUANTIZATION, dtype=DType("int8"), per_channel=False, method=Method("minmax"))
 @_with_data()
 def sensitivity(
     model: Annotated[Path, typer.Option(help="FP32 ONNX model.")] = settings.FP32_ONNX,
-    dtype: DTypeOption = DType("int8"),
-    weight_dtype: WeightDTypeOption = None,
-    per_channel: PerChannelOption = False,
-    method: MethodOption = Method("minmax"),
-    percentile: PercentileOption = None,
+    quantization: QuantizationSettings = NO_QUANTIZATION,
     calibration: CalibrationFile = None,
     validation_per_class: ValidationPerClass = settings.VALIDATION_PER_CLASS,
     results_dir: Annotated[Path, typer.Option(help="The record goes to RESULTS_DIR/sensitivity/<model>_<dtype>.json.")] = settings.RESULTS_DIR,
@@ -673,9 +718,7 @@ def sensitivity(
     Measured on the validation split (training images not in the calibration set), never the test set;
     sorted worst first. The layer names are what `ptq tune` leaves in float.
     """
-    quantization_settings = quant_settings.make_settings(
-        dtype and dtype.value, weight_dtype=weight_dtype and weight_dtype.value, per_channel=per_channel, method=method and method.value, percentile=percentile
-    )
+    quantization_settings = quantization
     check_model(model)
     calibration_set, validation_set = _calibration_and_validation(calibration, choice, model, validation_per_class)
     with _progress_bar("Quantizing one layer at a time") as progress:

@@ -36,6 +36,8 @@ from ptq_cli.transforms.rounding import describe_rounding
 
 
 def plain(value: Any) -> Any:
+    if hasattr(value, "as_dict"):  # a dataclass that gives its stored form (the settings, with the backend's options beside the rest)
+        return plain(value.as_dict())
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {field.name: plain(getattr(value, field.name)) for field in dataclasses.fields(value)}
     if isinstance(value, dict):
@@ -121,9 +123,6 @@ def calibration(calibration_set: CalibrationSet, output: Path) -> Group:
 
 def quantization(result: QuantizeResult) -> Table:
     settings = result.settings
-    method = describe_method(settings.method, settings.percentile, settings.method_sqnr_db)
-    if settings.ranges_from:
-        method = f"the converter's min/max, then the activation ranges of {settings.ranges_from}"
     return _key_value_table(
         "Quantization",
         [
@@ -133,13 +132,13 @@ def quantization(result: QuantizeResult) -> Table:
             ("backend", f"{settings.backend} ({settings.format})"),
             ("activations / weights", f"{settings.dtype} / {settings.weight_dtype}"),
             ("granularity", "per-channel" if settings.per_channel else "per-tensor"),
-            ("CPUs", describe_cpus(dataclasses.asdict(settings)) or "-"),
+            ("CPUs", describe_cpus(settings.as_dict()) or "-"),
             ("stem", describe_stem(settings.stem, settings.stem_sqnr_db)),
             ("rounding", describe_rounding(settings.rounding, settings.rounding_nearest_db, settings.rounding_learned_db)),
             *((("portability", describe_portability(result.portability)),) if result.portability else ()),
             ("other choices", describe_choices(result.measured_choices)),
-            *((("input / output tensors", settings.io),) if settings.io else ()),
-            ("calibration method", method),
+            *(((f"{settings.backend} options", settings.options.describe()),) if settings.options.describe() else ()),
+            ("calibration method", describe_method(settings.method, settings.percentile, settings.method_sqnr_db)),
             ("calibration samples", f"{settings.calibration_samples} (seed {settings.calibration_seed}, {settings.calibration_source})"),
             *(
                 ("space-to-depth", f"{rewrite.node}: {rewrite.input_channels}->{rewrite.output_channels} channels as "
@@ -781,11 +780,10 @@ def sensitivity(result: SensitivityResult, record_file: Path) -> Group:
 
 def _short_configuration(settings) -> str:
     floats = f" float:{','.join(short_node(name) for name in settings.float_nodes)}" if settings.float_nodes else ""
-    if settings.nncf_preset:
-        return f"{settings.nncf_preset} bias:{settings.bias_correction} n={settings.subset_size or settings.calibration_samples}{floats}"
+    own = f" {settings.options.describe()}" if settings.options.describe() else ""
     granularity = "channel" if settings.per_channel else "tensor"
     method = f"p{settings.percentile:g}" if settings.method == "percentile" else settings.method
-    return f"w:{settings.weight_dtype} {granularity} {method} n={settings.calibration_samples}{floats}"
+    return f"w:{settings.weight_dtype} {granularity} {method} n={settings.calibration_samples}{own}{floats}"
 
 
 def tuning(result: TuneResult) -> Group:

@@ -4,7 +4,9 @@ registered in the table goes through quantize, evaluate, benchmark and report wi
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import onnx
@@ -16,10 +18,12 @@ from ptq_cli import backends, settings
 from ptq_cli.backends.base import (
     QUANTIZATION_METADATA_KEY,
     Backend,
+    BackendOptions,
     QuantizationSettings,
     QuantizedFile,
     RunOptions,
     finish_load,
+    option,
 )
 from ptq_cli.backends.model_file import read_bytes
 from ptq_cli.errors import PtqError
@@ -37,17 +41,38 @@ def _toy_file(model: onnx.ModelProto, stored: dict[str, str]) -> bytes:
     return MAGIC + len(header).to_bytes(4, "little") + header + model.SerializeToString()
 
 
+@dataclass(frozen=True)
+class ToyOptions(BackendOptions):
+    """The toy quantizer's two options of its own: all a new backend declares for them to reach make_settings,
+    the command line's --help and its checks, and the model's stored settings."""
+
+    panel: ClassVar[str] = "Toy (--backend toy)"
+    word: ClassVar[str] = "a toy option"
+
+    grid_bits: int | None = option(None, minimum=2, cli=int, help="Bits of the toy's weight grid. (default: 8)")
+    rounding_mode: str | None = option(None, "--rounding-mode", choices=("nearest", "down"), help="How the toy rounds onto its grid.")
+
+    def settle(self, common):
+        if self.rounding_mode == "down" and common.per_channel:
+            raise PtqError("--rounding-mode down: the toy rounds down per tensor only")
+        return ToyOptions(self.grid_bits or 8, self.rounding_mode or "nearest"), common
+
+    def describe(self) -> str:
+        return f"{self.grid_bits}-bit grid, rounded {self.rounding_mode}"
+
+
 def _quantize(model: onnx.ModelProto, output: Path, settings: QuantizationSettings, calibration: np.ndarray,
-              stored: dict[str, str]) -> QuantizedFile:
-    """Weights on a symmetric 8-bit grid, one scale per tensor (simulated: the graph stays float)."""
+              stored: dict[str, str], progress=None) -> QuantizedFile:
+    """Weights on a symmetric grid of the options' bits, one scale per tensor (simulated: the graph stays float)."""
+    options = settings.options
+    assert isinstance(options, ToyOptions) and options.grid_bits is not None
     quantized = onnx.ModelProto.FromString(model.SerializeToString())
     for initializer in quantized.graph.initializer:
         weights = numpy_helper.to_array(initializer).astype(np.float32)
-        scale = float(np.abs(weights).max()) / 127 or 1.0
-        initializer.CopyFrom(numpy_helper.from_array((np.round(weights / scale) * scale).astype(np.float32), initializer.name))
-    made = {**json.loads(stored.get(QUANTIZATION_METADATA_KEY, "{}")), "backend": settings.backend, "format": settings.format,
-            "dtype": settings.dtype, "weight_dtype": settings.weight_dtype, "calibration_samples": settings.calibration_samples,
-            "per_channel": settings.per_channel, "method": settings.method}
+        scale = float(np.abs(weights).max()) / (2 ** (options.grid_bits - 1) - 1) or 1.0
+        codes = np.floor(weights / scale) if options.rounding_mode == "down" else np.round(weights / scale)
+        initializer.CopyFrom(numpy_helper.from_array((codes * scale).astype(np.float32), initializer.name))
+    made = {**json.loads(stored.get(QUANTIZATION_METADATA_KEY, "{}")), **settings.as_dict()}
     data = _toy_file(quantized, {**stored, QUANTIZATION_METADATA_KEY: json.dumps(made)})
     output.write_bytes(data)
     return QuantizedFile(len(data))
@@ -75,15 +100,19 @@ def _load(path: Path, options: RunOptions):
 
 
 TOY = Backend(name="toy", suffixes=(".toy",), sniff=lambda head: head.startswith(MAGIC), load=_load, quantize=_quantize, format="TOY",
-              methods=("minmax",), per_channel=False, runtime_settings="onnxruntime session, simulated int8 weights")
+              methods=("minmax",), per_channel=False, runtime_settings="onnxruntime session, simulated int8 weights", options=ToyOptions)
 
 
 @pytest.fixture
 def toy_table(monkeypatch):
-    """The table with the toy backend as one more row, for this test only."""
+    """The table with the toy backend as one more row, for this test only (the command line built from it too)."""
+    import typer.testing
+
     monkeypatch.setattr(backends, "TABLE", {**backends.TABLE})
     backends.register(TOY)
-    return TOY
+    typer.testing._get_command.cache_clear()  # synthetic.py caches the click command; it is built from the table
+    yield TOY
+    typer.testing._get_command.cache_clear()
 
 
 @pytest.fixture
@@ -148,3 +177,29 @@ def test_a_file_is_told_by_its_content_and_a_pt_file_by_its_name(tmp_path):
     assert backends.loads_code(broken) and backends.for_file(broken).name == "pytorch"  # so its error says TorchScript
     # What --runtime offers: ONNX files on onnxruntime or OpenVINO, TFLite files on LiteRT or TFLite Micro.
     assert backends.runtimes() == ("onnxruntime", "openvino", "litert", "tflm")
+
+
+def test_a_backends_own_options_reach_the_command_line_its_checks_and_the_stored_settings(toy_table, project):
+    shown = invoke("quantize", "--help", cwd=project)
+    assert shown.exit_code == 0, shown.output
+    panel = shown.output[shown.output.index("Toy (--backend toy)"):]
+    assert "--grid-bits" in panel and "--rounding-mode" in panel and "nearest|down" in panel and "toy:" in shown.output  # --backend offers it
+    made = invoke("quantize", "--model", "models/m.onnx", "--data", "colours.npz", "--backend", "toy", "--grid-bits", 3, "--rounding-mode", "down",
+                  "--output", "m3.toy", "--json", cwd=project)
+    assert made.exit_code == 0, made.output
+    stored = json.loads(made.stdout)["settings"]
+    assert (stored["grid_bits"], stored["rounding_mode"], stored["backend"]) == (3, "down", "toy")
+    data = (project / "m3.toy").read_bytes()
+    graph = onnx.load_from_string(data[8 + int.from_bytes(data[4:8], "little"):])
+    weights = [numpy_helper.to_array(initializer) for initializer in graph.graph.initializer if initializer.dims]
+    assert all(len(np.unique(np.round(w / (np.abs(w).max() / 3), 3))) <= 8 for w in weights if np.abs(w).max() > 0)  # on a 3-bit grid
+    assert json.loads(data[8 : 8 + int.from_bytes(data[4:8], "little")])[QUANTIZATION_METADATA_KEY].count('"grid_bits": 3') == 1
+    one_line_error(invoke("quantize", "--model", "models/m.onnx", "--data", "colours.npz", "--grid-bits", 4, cwd=project),
+                   "--grid-bits: a toy option; applies to --backend toy")
+    one_line_error(invoke("quantize", "--model", "models/m.onnx", "--data", "colours.npz", "--backend", "toy", "--grid-bits", 1, cwd=project),
+                   "--grid-bits")
+    one_line_error(invoke("quantize", "--model", "models/m.onnx", "--data", "colours.npz", "--backend", "toy", "--rounding-mode", "down",
+                          "--per-channel", cwd=project), "--rounding-mode down: the toy rounds down per tensor only")
+    assert quant_settings.make_settings(backend="toy").options == ToyOptions(8, "nearest")  # a Python caller gets the same defaults and checks
+    with pytest.raises(PtqError, match="--rounding-mode: 'up' is not one of nearest, down"):
+        quant_settings.make_settings(backend="toy", rounding_mode="up")

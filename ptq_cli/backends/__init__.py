@@ -6,6 +6,7 @@ table and never test a backend's name. A test (or a plugin) adds a row with `reg
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 
 from ptq_cli.atomic import declare_companions
@@ -51,9 +52,13 @@ def methods() -> tuple[str, ...]:
     return tuple(dict.fromkeys(method for row in TABLE.values() for method in row.methods))
 
 
-def choices(setting: str) -> tuple[str, ...]:
-    """The accepted values of a backend's own setting (NNCF's preset, LiteRT's I/O type), from its row."""
-    return tuple(dict.fromkeys(value for row in TABLE.values() for value in row.choices.get(setting, ())))
+def private_options() -> dict[str, tuple[Backend, ...]]:
+    """Each setting only some quantizers take (a field of their Options) and those quantizers, in table order."""
+    owners: dict[str, tuple[Backend, ...]] = {}
+    for row in TABLE.values():
+        for item in fields(row.options) if row.quantize is not None else ():
+            owners[item.name] = (*owners.get(item.name, ()), row)
+    return owners
 
 
 def suffixes() -> tuple[str, ...]:

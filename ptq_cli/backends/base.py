@@ -8,9 +8,9 @@ test a backend's name. This module imports no backend module and no service (mod
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -106,6 +106,82 @@ class QuantizedFile:
     settings: QuantizationSettings | None = None  # the settings as it applied them, where it decided some (the rounding)
 
 
+def option(default: Any, *flags: str, help: str, choices: tuple[str, ...] = (), minimum: float | None = None, cli: Any = str) -> Any:
+    """A field of a backend's Options: its default (None: the backend decides), its command-line flags (default
+    --<name>), its help, its accepted values or lower bound, and the type the command line parses (str, bool,
+    int, float, Path, or list[str] for a repeated option)."""
+    return field(default=default, metadata={"flags": flags, "help": help, "choices": choices, "minimum": minimum, "cli": cli})
+
+
+@dataclass(frozen=True)
+class CommonChoices:
+    """The choices every backend shares, as given (before the defaults): what a backend's Options may settle."""
+
+    dtype: str
+    weight_dtype: str
+    per_channel: bool | None
+    method: str | None  # None: the backend's first method, unless its options say which
+    rounding: str | None
+    overflow_fix: str | None = None  # a backend's own say (else the --cpus rules)
+    float_nodes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """The settings only one backend takes. Each backend module subclasses it with its own fields (`option`),
+    its rules on the common choices (`settle`) and its words (`describe`): the command line, the checks and the
+    stored settings all come from here, so nothing outside the module names them."""
+
+    panel: ClassVar[str] = ""  # the --help panel of its options, e.g. "NNCF (--backend openvino)"
+    word: ClassVar[str] = ""  # what its options are called in a message, e.g. "an NNCF option"
+
+    @classmethod
+    def flag(cls, name: str) -> str:
+        """The command-line option that sets field `name`."""
+        flags = next(item for item in fields(cls) if item.name == name).metadata["flags"]
+        return flags[0].split("/")[0] if flags else "--" + name.replace("_", "-")
+
+    @classmethod
+    def from_given(cls, given: dict[str, Any]) -> BackendOptions:
+        """The options from the values given (None: not given), each checked against its choices and bound."""
+        values = {item.name: given[item.name] for item in fields(cls) if given.get(item.name) is not None}
+        for item in fields(cls):
+            value, meta = values.get(item.name), item.metadata
+            if value is None:
+                continue
+            if meta["choices"] and value not in meta["choices"]:
+                raise PtqError(f"{cls.flag(item.name)}: '{value}' is not one of {', '.join(meta['choices'])}")
+            if meta["minimum"] is not None and not value >= meta["minimum"]:
+                raise PtqError(f"{cls.flag(item.name)}: must be at least {meta['minimum']:g}, got {value}")
+            if isinstance(value, list):
+                values[item.name] = tuple(value)
+        return cls(**values)
+
+    def given(self) -> list[str]:
+        """The options set away from their defaults, as their flags."""
+        return [self.flag(item.name) for item in fields(self) if getattr(self, item.name) not in (item.default, None, ())]
+
+    def settle(self, common: CommonChoices) -> tuple[BackendOptions, CommonChoices]:
+        """Its rules: (its options with their defaults filled in, the common choices as it changes them);
+        a PtqError for a combination it does not take."""
+        return self, common
+
+    def describe(self) -> str:
+        """Its options in a few words for the quantize table ("" when there is nothing to say)."""
+        return ""
+
+    def input_files(self) -> tuple[Path, ...]:
+        """Files its options make quantize read (never to be overwritten by the output)."""
+        return ()
+
+    def stored(self) -> dict[str, Any]:
+        """Its fields as the model's stored settings hold them: beside the common ones, as ptq 0.4 wrote them."""
+        return asdict(self)
+
+
+NO_OPTIONS = BackendOptions()
+
+
 @dataclass(frozen=True)
 class QuantizationSettings:
     """Everything that decides the quantized model; stored inside it and in its evaluation record."""
@@ -124,18 +200,7 @@ class QuantizationSettings:
     calibration_source: str | None = None
     target: str | None = None  # the preset the settings came from, if any
     float_nodes: tuple[str, ...] = ()  # nodes left in float (names in the preprocessed graph)
-    # Regroup the convolutions onnxruntime's fast x86 int8 kernel handles poorly (the RGB stem, 16-channel
-    # layers) over blocks of pixels (transforms/space_to_depth.py); same products.
-    space_to_depth: bool = False
-    # NNCF (OpenVINO) only: its preset, its bias correction, and how many calibration samples it uses.
-    nncf_preset: str | None = None
-    bias_correction: str | None = None
-    subset_size: int | None = None
-    # LiteRT only: the input/output tensors' type, and the onnxruntime model whose activation ranges it copies.
-    io: str | None = None
-    ranges_from: str | None = None
-    # LiteRT int4 only: the flash the file may take (KB of 1,024 bytes); layers whose 4 bits cost most go back to 8 bits within it.
-    max_flash_kb: float | None = None
+    options: BackendOptions = NO_OPTIONS  # the backend's own (its module's Options)
     # Which CPUs the model is for (cpu.CPU_TARGETS) and how it is kept exact on those without VNNI.
     cpus: str = ALL
     overflow_fix: str | None = NO_FIX  # None until the model decides (quantize.resolve_model_defaults)
@@ -151,6 +216,12 @@ class QuantizationSettings:
     # `--method auto`: each activation range tried (method, percentile) and the output SQNR it gave on held-out
     # calibration images; `method` and `percentile` then hold the one kept.
     method_sqnr_db: tuple[tuple[str, float | None, float | None], ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        """The settings as a model and its records store them: the backend's options beside the common fields."""
+        stored = asdict(self)
+        stored.pop("options")
+        return {**stored, **self.options.stored()}
 
 
 def held_out_mask(count: int) -> np.ndarray:
@@ -188,10 +259,6 @@ def chosen_method(measured: tuple[tuple[str, float | None, float | None], ...]) 
     return kept[0], kept[1]
 
 
-def _no_check(settings: dict[str, Any]) -> dict[str, Any]:
-    return settings
-
-
 def _fast_when_u8s8(settings: QuantizationSettings) -> bool:
     return settings.dtype == "uint8" and settings.weight_dtype == "int8"
 
@@ -215,10 +282,7 @@ class Backend:
     clamped_overflow_fix: str | None = None  # its default instead for a model with clamped activations (ReLU6)
     speed_target: dict[str, Any] = field(default_factory=dict)  # what `--target speed` sets for it
     speed_by_default: bool = False  # a plain `quantize` (no type or target given) gets the speed target: measured as faithful (README)
-    options: dict[str, str] = field(default_factory=dict)  # settings only it takes -> the option that sets them
-    options_word: str = ""  # what its options are called in a message ("an NNCF option")
-    choices: dict[str, tuple[str, ...]] = field(default_factory=dict)  # those settings' accepted values, where they are a list
-    check_settings: Callable[[dict[str, Any]], dict[str, Any]] = _no_check  # its own rules and defaults, on make_settings' fields
+    options: type[BackendOptions] = BackendOptions  # the settings only it takes, with its rules on the common ones
     describe: Callable[[dict[str, Any]], str] | None = None  # its settings in a few words (else the common description)
     overflow_words: Callable[[dict[str, Any]], dict[str, str]] = lambda settings: {}  # how a model's settings keep each fix, if not the common words
     output_name: Callable[[str, QuantizationSettings], str] | None = None  # default output file name for a model's stem
@@ -268,7 +332,8 @@ class Backend:
 
 
 def _bare(backend: Backend, dtype: str) -> QuantizationSettings:
-    return QuantizationSettings(backend.name, backend.format, dtype, dtype, backend.per_channel, backend.methods[0], None, True)
+    return QuantizationSettings(backend.name, backend.format, dtype, dtype, backend.per_channel, backend.methods[0], None, True,
+                                options=backend.options())
 
 
 READ_FROM_METADATA: Any = object()  # finish_load's quantization: the settings stored in the model

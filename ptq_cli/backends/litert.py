@@ -19,8 +19,9 @@ import io
 import json
 import os
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
@@ -572,19 +573,21 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     if output.suffix != SUFFIX:
         raise PtqError(f"--output: {output} must end in {SUFFIX}")
     keras_path = keras_source(model)
-    qdq = _ranges_model(Path(settings.ranges_from), stored.get(base.SOURCE_METADATA_KEY)) if settings.ranges_from else None
+    options = _options(settings)
+    ranges_from = Path(options.ranges_from) if options.ranges_from else None
+    qdq = _ranges_model(ranges_from, stored.get(base.SOURCE_METADATA_KEY)) if ranges_from else None
     calibration = calibration.astype(np.float32, copy=False)
-    io_type = getattr(_tensorflow(), IO_DTYPES[settings.io or "int8"])
+    io_type = getattr(_tensorflow(), IO_DTYPES[options.io or "int8"])
     if settings.method == AUTO_METHOD:
         settings = _choose_method(keras_path, calibration, settings, io_type)
     calibrated = _calibrated(keras_path, calibration, progress)
     from tensorflow.lite.tools import flatbuffer_utils
 
     notes: list[str] = []
-    if settings.ranges_from:
+    if ranges_from:
         tensors = _ranged_tensors(flatbuffer_utils.convert_bytearray_to_object(calibrated))
-        ranges, unmatched = _transferred_ranges(Path(settings.ranges_from), qdq, calibrated, tensors, calibration)
-        notes.append(f"activation ranges of {len(ranges)} of {len(tensors)} tensors from {Path(settings.ranges_from).name}"
+        ranges, unmatched = _transferred_ranges(ranges_from, qdq, calibrated, tensors, calibration)
+        notes.append(f"activation ranges of {len(ranges)} of {len(tensors)} tensors from {ranges_from.name}"
                      + (f"; {len(unmatched)} kept the converter's min/max" if unmatched else ""))
         calibrated = _with_ranges(calibrated, ranges)
     else:
@@ -602,8 +605,8 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     if layout.changes:
         notes.append(f"laid out for a microcontroller (same outputs): {'; '.join(layout.changes)}")
     data = _entries(quantized, settings, stored, keras_path)
-    if settings.max_flash_kb is not None and len(data) > settings.max_flash_kb * 1024:
-        notes.append(f"{len(data):,} bytes: over --max-flash-kb {settings.max_flash_kb:g} ({settings.max_flash_kb * 1024:,.0f} bytes) with every "
+    if options.max_flash_kb is not None and len(data) > options.max_flash_kb * 1024:
+        notes.append(f"{len(data):,} bytes: over --max-flash-kb {options.max_flash_kb:g} ({options.max_flash_kb * 1024:,.0f} bytes) with every "
                      "layer that can be 4-bit in 4 bits")
     with atomic_output(output) as tmp:
         tmp.write_bytes(data)
@@ -612,7 +615,7 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
 
 def _entries(quantized: bytes, settings: QuantizationSettings, stored: dict[str, str], keras_path: Path) -> bytes:
     """The model with ptq's metadata: only the settings that were set (the file is what a microcontroller stores)."""
-    described = {key: value for key, value in asdict(settings).items() if value is not None and value != ()}
+    described = {key: value for key, value in settings.as_dict().items() if value is not None and value != ()}
     extra = json.loads(stored.get(base.QUANTIZATION_METADATA_KEY, "{}"))
     return _with_metadata(quantized, {**stored, base.QUANTIZATION_METADATA_KEY: json.dumps({**described, **extra, "keras_source": keras_path.name},
                                                                                              separators=(",", ":"))})
@@ -629,11 +632,11 @@ def _four_bit(quantized: bytes, calibrated: bytes, calibration: np.ndarray, sett
     from ptq_cli.metrics import sqnr_db
 
     image = _interpreter_class()(model_content=quantized).get_input_details()[0]
-    mixed = None
-    if settings.max_flash_kb is not None:
+    mixed, max_flash_kb = None, _options(settings).max_flash_kb
+    if max_flash_kb is not None:
         judged_images = held_out_split(calibration)[0]
         reference = _judged_scores(calibrated, judged_images)
-        budget = settings.max_flash_kb * 1024 - FLASH_SLACK
+        budget = max_flash_kb * 1024 - FLASH_SLACK
         mixed = Mixed(fits=lambda data: len(written(microcontroller_layout(data).data)) <= budget,
                       judge=lambda data: sqnr_db(reference, _judged_scores(data, judged_images)))
     int4 = to_int4(quantized, as_input(calibration, image), mixed=mixed, held=held_out_mask(len(calibration)))
@@ -654,23 +657,50 @@ def _tflm_arena():
 IO_TYPES = ("int8", "uint8", "float")  # the first is TFLite Micro's; float keeps float I/O around the int8 body
 
 
-def _check_settings(settings: dict) -> dict:
-    if "uint8" in (settings["dtype"], settings["weight_dtype"]):
-        raise PtqError("--dtype uint8: a full-integer TFLite model computes in int8; --io uint8 gives it uint8 input and output")
-    settings["io"] = settings["io"] or IO_TYPES[0]
-    if settings["io"] not in IO_TYPES:
-        raise PtqError(f"--io: '{settings['io']}' is not one of {', '.join(IO_TYPES)}")
-    if settings["ranges_from"] is not None:
-        if settings["method_given"] not in (None, AUTO_METHOD, "minmax"):
-            raise PtqError(f"--method {settings['method_given']}: --ranges-from takes the activation ranges from {settings['ranges_from']} instead")
-        settings["ranges_from"] = str(settings["ranges_from"])
-        settings["method_given"] = "minmax"  # the converter's min/max, then replaced by the other model's ranges
-    if settings["max_flash_kb"] is not None:
-        if settings["weight_dtype"] != INT4:
-            raise PtqError("--max-flash-kb: a flash budget chooses which layers keep 8-bit weights in a 4-bit model (--weight-dtype int4)")
-        if not settings["max_flash_kb"] > 0:
-            raise PtqError(f"--max-flash-kb: {settings['max_flash_kb']} is not a positive size in KB")
-    return settings
+@dataclass(frozen=True)
+class Options(base.BackendOptions):
+    panel: ClassVar[str] = "LiteRT (--backend litert)"
+    word: ClassVar[str] = "a LiteRT option"
+
+    io: str | None = base.option(
+        None, choices=IO_TYPES,
+        help="Type of the .tflite's input and output tensors: int8 (what TFLite Micro wants), uint8, or float around the int8 body. (default: int8)")
+    ranges_from: str | None = base.option(
+        None, cli=Path,
+        help="An onnxruntime QDQ model ptq quantized from the same FP32 model: its activation ranges (scale, zero point) replace the converter's "
+             "calibration, tensor by tensor, so both models compute on the same grid.")
+    max_flash_kb: float | None = base.option(
+        None, cli=float,
+        help="With --weight-dtype int4: the flash the .tflite may take, in KB (1,024 bytes). The 4-bit layers whose 4 bits cost most (output SQNR "
+             "against the float model on calibration images, measured layer by layer) go back to 8 bits while the file stays within it. "
+             "(default: none go back)")
+
+    def settle(self, common: base.CommonChoices) -> tuple[Options, base.CommonChoices]:
+        if "uint8" in (common.dtype, common.weight_dtype):
+            raise PtqError("--dtype uint8: a full-integer TFLite model computes in int8; --io uint8 gives it uint8 input and output")
+        settled = replace(self, io=self.io or IO_TYPES[0], ranges_from=str(self.ranges_from) if self.ranges_from is not None else None)
+        if self.ranges_from is not None:
+            if common.method not in (None, AUTO_METHOD, "minmax"):
+                raise PtqError(f"--method {common.method}: --ranges-from takes the activation ranges from {self.ranges_from} instead")
+            common = replace(common, method="minmax")  # the converter's min/max, then replaced by the other model's ranges
+        if self.max_flash_kb is not None:
+            if common.weight_dtype != INT4:
+                raise PtqError("--max-flash-kb: a flash budget chooses which layers keep 8-bit weights in a 4-bit model (--weight-dtype int4)")
+            if not self.max_flash_kb > 0:
+                raise PtqError(f"--max-flash-kb: {self.max_flash_kb} is not a positive size in KB")
+        return settled, common
+
+    def describe(self) -> str:
+        ranges = f", activation ranges from {self.ranges_from}" if self.ranges_from else ""
+        budget = f", within {self.max_flash_kb:g} KB of flash" if self.max_flash_kb is not None else ""
+        return f"input / output tensors {self.io}{ranges}{budget}"
+
+    def input_files(self) -> tuple[Path, ...]:
+        return (Path(self.ranges_from),) if self.ranges_from else ()
+
+
+def _options(settings: QuantizationSettings) -> Options:
+    return settings.options if isinstance(settings.options, Options) else Options()
 
 
 def _describe(settings: dict) -> str:
@@ -689,7 +719,7 @@ def _describe(settings: dict) -> str:
 
 
 def _output_name(stem: str, settings: QuantizationSettings) -> str:
-    return f"{stem}_{settings.dtype}{'_ranges' if settings.ranges_from else ''}{'_w4' if settings.weight_dtype == INT4 else ''}{SUFFIX}"
+    return f"{stem}_{settings.dtype}{'_ranges' if _options(settings).ranges_from else ''}{'_w4' if settings.weight_dtype == INT4 else ''}{SUFFIX}"
 
 
 BACKEND = Backend(
@@ -700,8 +730,7 @@ BACKEND = Backend(
     methods=(AUTO_METHOD, "minmax", "percentile"), per_channel=True, overflow_fixes=(NO_FIX,), float_stem=False,  # full-integer: every layer int8
     int4_weights=True,  # TFLite's INT4 filters (transforms/int4.py)
     learned_rounding=True,  # _refined: GPTQ int8 codes and bias correction (transforms/tflite_rounding.py)
-    options={"io": "--io", "ranges_from": "--ranges-from", "max_flash_kb": "--max-flash-kb"}, options_word="a LiteRT option", choices={"io": IO_TYPES},
-    check_settings=_check_settings, describe=_describe, output_name=_output_name,
+    options=Options, describe=_describe, output_name=_output_name,
     tune_refused="--backend litert: tune searches onnxruntime, pytorch and openvino; for TFLite use ptq quantize --backend litert "
                  "(--method, --per-tensor, --ranges-from a tuned onnxruntime model)",
     runtime_settings="ai-edge-litert Interpreter with its default XNNPACK delegate, num_threads threads, a fixed batch run that many images per invoke",

@@ -10,9 +10,9 @@ import logging
 import os
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -404,7 +404,7 @@ def _graph_to_quantize(model, settings: QuantizationSettings, workdir: Path) -> 
     if missing:
         raise PtqError(f"{model.graph.name or 'model'}: no node named '{missing[0]}' to leave in float")
     rewrites: list[Rewrite] = []
-    if settings.space_to_depth:
+    if _options(settings).space_to_depth:
         graph, rewrites = space_to_depth_convs(graph, skip=set(float_nodes))  # a float conv gains nothing
     source = str(workdir / "to_quantize.onnx")
     onnx.save(graph, source)
@@ -660,7 +660,7 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
                     after_calibration = (lambda images, total: progress(calibrated + images, calibrated + total)) if progress else None
                     quantized, settings, refined_notes = refine_rounding(quantized, source, calibration, described.name, settings, after_calibration)
                     notes += refined_notes
-            described_settings = {**asdict(settings), "space_to_depth_convs": [asdict(rewrite) for rewrite in rewrites]}
+            described_settings = {**settings.as_dict(), "space_to_depth_convs": [asdict(rewrite) for rewrite in rewrites]}
             extra = bounded.json_loads(stored.pop(base.QUANTIZATION_METADATA_KEY, "{}"))
             props = {base.QUANTIZATION_METADATA_KEY: json.dumps({**described_settings, **extra}), **stored}
             props.update({key: value for key, value in metadata(model).items() if key == base.PRUNING_METADATA_KEY})  # a pruned source stays described
@@ -669,12 +669,28 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
             return QuantizedFile(tmp.stat().st_size, tuple(rewrites), tuple(notes + _warning_notes(warnings)), settings)
 
 
-def _check_settings(settings: dict) -> dict:
-    if settings["space_to_depth"] is None:  # on where it speeds the model up: uint8 activations x int8 weights
-        settings["space_to_depth"] = (settings["dtype"], settings["weight_dtype"]) == ("uint8", "int8")
-    if settings["weight_dtype"] == "uint8":
-        settings["overflow_fix"] = overflow.NO_FIX  # u8 x u8 runs on a kernel that widens to 16 bits first: nothing to fix
-    return settings
+@dataclass(frozen=True)
+class Options(base.BackendOptions):
+    panel: ClassVar[str] = "onnxruntime (--backend onnxruntime)"
+    word: ClassVar[str] = "an onnxruntime option"
+
+    space_to_depth: bool | None = base.option(
+        None, "--space-to-depth/--no-space-to-depth", cli=bool,
+        help="Regroup convolutions the fast x86 int8 kernel handles poorly (input channels not a multiple of 4, like the RGB stem; fewer than 32 "
+             "output channels) over blocks of pixels along the width; same products, more zeros in the file. (default: on for uint8 activations "
+             "with int8 weights, where that kernel runs)")
+
+    def settle(self, common: base.CommonChoices) -> tuple[Options, base.CommonChoices]:
+        settled = self
+        if self.space_to_depth is None:  # on where it speeds the model up: uint8 activations x int8 weights
+            settled = replace(self, space_to_depth=(common.dtype, common.weight_dtype) == ("uint8", "int8"))
+        if common.weight_dtype == "uint8":
+            common = replace(common, overflow_fix=overflow.NO_FIX)  # u8 x u8 runs on a kernel that widens to 16 bits first: nothing to fix
+        return settled, common
+
+
+def _options(settings: QuantizationSettings) -> Options:
+    return settings.options if isinstance(settings.options, Options) else Options(space_to_depth=False)
 
 
 def _output_name(stem: str, settings: QuantizationSettings) -> str:
@@ -700,8 +716,8 @@ BACKEND = Backend(
     # Entropy is not tuned: quantize_static does not pass a histogram size to it, and with its default 128 bins
     # equal to its 128 quantized bins the KL search has a single candidate, the full range (the MinMax model).
     methods=(AUTO_METHOD, "minmax", "entropy", "percentile"), tune_methods=("minmax", "percentile"), per_channel=False,
-    overflow_fixes=(overflow.FIRST_LAYER, overflow.ALL_LAYERS), clamped_overflow_fix=overflow.ALL_LAYERS, options={"space_to_depth": "--space-to-depth"},
-    check_settings=_check_settings, output_name=_output_name,
+    overflow_fixes=(overflow.FIRST_LAYER, overflow.ALL_LAYERS), clamped_overflow_fix=overflow.ALL_LAYERS, options=Options,
+    output_name=_output_name,
     # onnxruntime's x86 int8 kernels (VNNI) multiply unsigned activations by signed weights; int8 x int8
     # and uint8 x uint8 fall back to slower paths. Per-channel weights keep the accuracy.
     speed_target={"dtype": "uint8", "weight_dtype": "int8", "per_channel": True},

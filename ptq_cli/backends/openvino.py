@@ -17,9 +17,9 @@ import os
 import re
 import sys
 import tempfile
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -46,7 +46,6 @@ WEIGHTED_OPS = ("Convolution", "GroupConvolution", "ConvolutionBackpropData", "G
 # one conversion to the next, so such layers are renamed by their place in the graph.
 GENERATED_NAME = re.compile(r"^[A-Z][A-Za-z0-9]*_\d+$")
 NNCF = "nncf"  # --method nncf: NNCF's own quantization; the other methods are onnxruntime's calibration, converted to IR
-NNCF_OPTIONS = {"nncf_preset": "--nncf-preset", "bias_correction": "--bias-correction", "subset_size": "--subset-size", "float_nodes": "--ignored-scope"}
 
 
 def sniff(head: bytes) -> bool:
@@ -250,14 +249,15 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     if settings.float_nodes:
         raise PtqError(f"--ignored-scope: NNCF's ignored scope; applies to --backend openvino --method {NNCF}")
     ov = _openvino()
-    as_qdq = replace(settings, backend=qdq.NAME, format=qdq.BACKEND.format)
+    # onnxruntime's route without its space-to-depth (a regrouping for onnxruntime's own fast kernel).
+    as_qdq = replace(settings, backend=qdq.NAME, format=qdq.BACKEND.format, options=qdq.Options(space_to_depth=False))
     with tempfile.TemporaryDirectory(prefix="ptq-openvino-") as workdir:
         written = qdq.quantize(model, Path(workdir) / f"quantized{qdq.SUFFIX}", as_qdq, calibration, dict(stored), progress=progress)
         try:
             converted = ov.convert_model(str(Path(workdir) / f"quantized{qdq.SUFFIX}"))
         except Exception as error:  # noqa: BLE001  the converter's own exception types
             raise PtqError(f"{model.graph.name or 'model'}: openvino.convert_model failed on the QDQ model ({_first_line(error)})") from error
-    applied = replace(written.settings or as_qdq, backend=NAME, format=BACKEND.format)
+    applied = replace(written.settings or as_qdq, backend=NAME, format=BACKEND.format, options=settings.options)
     extra = {"space_to_depth_convs": [asdict(rewrite) for rewrite in written.space_to_depth]} if written.space_to_depth else {}
     return QuantizedFile(_save_ir(ov, converted, output, stored, applied, extra), written.space_to_depth, written.notes, applied)
 
@@ -285,7 +285,8 @@ def _quantize_nncf(model, output: Path, settings: QuantizationSettings, calibrat
     from nncf.quantization.advanced_parameters import OverflowFix
 
     overflow_fix = {FIRST_LAYER: OverflowFix.FIRST_LAYER, ALL_LAYERS: OverflowFix.ENABLE}.get(settings.overflow_fix or "", OverflowFix.DISABLE)
-    advanced = nncf.AdvancedQuantizationParameters(disable_bias_correction=settings.bias_correction == "none", overflow_fix=overflow_fix)
+    options = settings.options if isinstance(settings.options, Options) else Options(NNCF_PRESETS[0], BIAS_CORRECTIONS[0])
+    advanced = nncf.AdvancedQuantizationParameters(disable_bias_correction=options.bias_correction == "none", overflow_fix=overflow_fix)
     try:
         # NNCF draws its progress bars on stdout, which is for ptq's results (--json): they go to a terminal's stderr,
         # and nowhere when stderr is a log or a pipe (a bar redrawn as lines is noise there).
@@ -293,9 +294,9 @@ def _quantize_nncf(model, output: Path, settings: QuantizationSettings, calibrat
             quantized = nncf.quantize(
                 converted,
                 nncf.Dataset(samples),
-                preset=nncf.QuantizationPreset.MIXED if settings.nncf_preset == "mixed" else nncf.QuantizationPreset.PERFORMANCE,
-                subset_size=settings.subset_size or len(samples),
-                fast_bias_correction=settings.bias_correction != "full",
+                preset=nncf.QuantizationPreset.MIXED if options.nncf_preset == "mixed" else nncf.QuantizationPreset.PERFORMANCE,
+                subset_size=options.subset_size or len(samples),
+                fast_bias_correction=options.bias_correction != "full",
                 ignored_scope=nncf.IgnoredScope(names=list(dict.fromkeys(ignored))) if ignored else None,
                 advanced_parameters=advanced,
             )
@@ -308,7 +309,7 @@ def _save_ir(ov, quantized, output: Path, stored: dict[str, str], settings: Quan
     """The IR written with ptq's metadata (the settings beside `stored`) in its rt_info, through temporary
     names, the .bin first; its size in bytes (.xml + .bin)."""
     extra = json.loads(stored.get(base.QUANTIZATION_METADATA_KEY, "{}"))
-    contents = {**stored, base.QUANTIZATION_METADATA_KEY: json.dumps({**asdict(settings), **(described or {}), **extra})}
+    contents = {**stored, base.QUANTIZATION_METADATA_KEY: json.dumps({**settings.as_dict(), **(described or {}), **extra})}
     for key, value in contents.items():
         quantized.set_rt_info(value, [RT_INFO_SECTION, key])
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -333,31 +334,48 @@ NNCF_PRESETS = ("performance", "mixed")  # NNCF's: symmetric activations, or asy
 BIAS_CORRECTIONS = ("fast", "full", "none")
 
 
-def _check_settings(settings: dict) -> dict:
-    given = [option for name, option in NNCF_OPTIONS.items() if settings[name] not in (None, ())]
-    if given and settings["method_given"] is None:
-        settings["method_given"] = NNCF  # an NNCF option says which quantizer is meant
-    if settings["method_given"] != NNCF:
-        if given:
-            raise PtqError(f"{given[0]}: an NNCF option; applies to --backend openvino --method {NNCF}")
-        # onnxruntime's rules, less its space-to-depth (a regrouping for onnxruntime's own fast kernel).
-        return {**qdq.BACKEND.check_settings(settings), "space_to_depth": False}
-    if "uint8" in (settings["dtype"], settings["weight_dtype"]):
-        raise PtqError("--dtype uint8: NNCF quantizes to int8 (its presets choose symmetric or asymmetric activations: --nncf-preset)")
-    if settings["per_channel"] is False:
-        raise PtqError("--per-tensor: NNCF quantizes weights per channel on the CPU")
-    if settings["rounding"] == LEARNED:
-        raise PtqError(f"--rounding learned: --method {NNCF} rounds NNCF's way (learned rounding: --backend openvino without --method {NNCF})")
-    settings["per_channel"], settings["rounding"] = True, NEAREST
-    settings["nncf_preset"] = settings["nncf_preset"] or NNCF_PRESETS[0]
-    settings["bias_correction"] = settings["bias_correction"] or BIAS_CORRECTIONS[0]
-    if settings["nncf_preset"] not in NNCF_PRESETS:
-        raise PtqError(f"--nncf-preset: '{settings['nncf_preset']}' is not one of {', '.join(NNCF_PRESETS)}")
-    if settings["bias_correction"] not in BIAS_CORRECTIONS:
-        raise PtqError(f"--bias-correction: '{settings['bias_correction']}' is not one of {', '.join(BIAS_CORRECTIONS)}")
-    if settings["subset_size"] is not None and settings["subset_size"] < 1:
-        raise PtqError(f"--subset-size: must be at least 1, got {settings['subset_size']}")
-    return settings
+@dataclass(frozen=True)
+class Options(base.BackendOptions):
+    """NNCF's own settings (`--method nncf`); given alone, they ask for it."""
+
+    panel: ClassVar[str] = "NNCF (--backend openvino)"
+    word: ClassVar[str] = "an NNCF option"
+
+    nncf_preset: str | None = base.option(
+        None, "--nncf-preset", "--preset", choices=NNCF_PRESETS,
+        help="NNCF's preset (--backend openvino; --preset is its older name): performance (symmetric activations) or mixed (asymmetric). "
+             "(default: performance)")
+    bias_correction: str | None = base.option(
+        None, choices=BIAS_CORRECTIONS, help="NNCF bias correction: fast, full (slower, often more accurate) or none. (default: fast)")
+    subset_size: int | None = base.option(None, minimum=1, cli=int, help="Calibration samples NNCF uses. (default: the whole calibration set)")
+    ignored_scope: tuple[str, ...] = base.option((), cli=list[str], help="A layer (node name) NNCF leaves in float; repeat for several.")
+
+    def settle(self, common: base.CommonChoices) -> tuple[Options, base.CommonChoices]:
+        given = self.given()
+        method = common.method or (NNCF if given else None)  # an NNCF option says which quantizer is meant
+        if method != NNCF:
+            if given:
+                raise PtqError(f"{given[0]}: an NNCF option; applies to --backend openvino --method {NNCF}")
+            # onnxruntime's rules, less its space-to-depth (a regrouping for onnxruntime's own fast kernel).
+            return self, qdq.Options(space_to_depth=False).settle(common)[1]
+        if "uint8" in (common.dtype, common.weight_dtype):
+            raise PtqError("--dtype uint8: NNCF quantizes to int8 (its presets choose symmetric or asymmetric activations: --nncf-preset)")
+        if common.per_channel is False:
+            raise PtqError("--per-tensor: NNCF quantizes weights per channel on the CPU")
+        if common.rounding == LEARNED:
+            raise PtqError(f"--rounding learned: --method {NNCF} rounds NNCF's way (learned rounding: --backend openvino without --method {NNCF})")
+        # Its ignored scope is the common list of float layers (tune fills it too).
+        settled = replace(self, nncf_preset=self.nncf_preset or NNCF_PRESETS[0], bias_correction=self.bias_correction or BIAS_CORRECTIONS[0],
+                          ignored_scope=())
+        return settled, replace(common, method=NNCF, per_channel=True, rounding=NEAREST, float_nodes=(*common.float_nodes, *self.ignored_scope))
+
+    def describe(self) -> str:
+        if self.nncf_preset is None:
+            return ""
+        return f"NNCF {self.nncf_preset} preset, {self.bias_correction} bias correction" + (f", {self.subset_size} samples" if self.subset_size else "")
+
+    def stored(self) -> dict[str, Any]:
+        return {name: value for name, value in asdict(self).items() if name != "ignored_scope"}  # held as float_nodes
 
 
 def _describe(settings: dict) -> str:
@@ -380,7 +398,7 @@ def _tune_grid(dtype: str, methods: tuple[str, ...]) -> list[dict]:
 
 def _fast_on_x86(settings: QuantizationSettings) -> bool:
     # The CPU plugin runs every QDQ model on its int8 kernels; NNCF's fast preset has symmetric activations.
-    return settings.method != NNCF or settings.nncf_preset == "performance"
+    return settings.method != NNCF or (isinstance(settings.options, Options) and settings.options.nncf_preset == "performance")
 
 
 BACKEND = Backend(
@@ -391,9 +409,7 @@ BACKEND = Backend(
     # its preset, then bias correction, weights per channel. Tune searches NNCF's settings.
     methods=(*qdq.BACKEND.methods, NNCF), tune_methods=(NNCF,), per_channel=False, granularities=(True,),
     overflow_fixes=(FIRST_LAYER, ALL_LAYERS), clamped_overflow_fix=ALL_LAYERS, learned_rounding=True,
-    options=NNCF_OPTIONS,
-    options_word="an NNCF option", choices={"nncf_preset": NNCF_PRESETS, "bias_correction": BIAS_CORRECTIONS},
-    check_settings=_check_settings, describe=_describe, tune_grid=_tune_grid, float_layers=layers, fast_on_x86=_fast_on_x86,
+    options=Options, describe=_describe, tune_grid=_tune_grid, float_layers=layers, fast_on_x86=_fast_on_x86,
     overflow_words=_overflow_words,
     # Running: ONNX files too (`--runtime openvino`), always with a precision hint.
     runs_suffixes=(".onnx",), precisions=PRECISIONS,

@@ -8,7 +8,7 @@ import io
 import json
 import tempfile
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -297,7 +297,7 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
             prepared(torch.from_numpy(batch))  # observers keep running statistics: one batch held at a time
     quantized = convert_fx(prepared)
     extra = bounded.json_loads(stored.pop(base.QUANTIZATION_METADATA_KEY, "{}"))
-    contents = {**stored, base.QUANTIZATION_METADATA_KEY: json.dumps({**asdict(settings), **extra})}
+    contents = {**stored, base.QUANTIZATION_METADATA_KEY: json.dumps({**settings.as_dict(), **extra})}
     with atomic_output(output) as tmp:
         save_torchscript(quantized, tmp, batches[0][: 8 if fixed is None else fixed], contents, described)
         size = tmp.stat().st_size
@@ -381,14 +381,18 @@ def _probe_input(path: Path, predict, candidates: tuple[inputs.ModelInput, ...])
     raise PtqError(f"{path}: does not take a float32 batch of {shapes} ({cause})")
 
 
-def _check_settings(settings: dict) -> dict:
-    if "uint8" in (settings["dtype"], settings["weight_dtype"]):
-        option = "--dtype" if settings["dtype"] == "uint8" else "--weight-dtype"
-        raise PtqError(
-            f"{option} uint8: PyTorch's x86/fbgemm quantized convolutions need signed int8 weights "
-            "(their activations are uint8 already); use --dtype int8, or --backend onnxruntime for uint8"
-        )
-    return settings
+@dataclass(frozen=True)
+class Options(base.BackendOptions):
+    """No options of its own; its rule on the common types."""
+
+    def settle(self, common: base.CommonChoices) -> tuple[Options, base.CommonChoices]:
+        if "uint8" in (common.dtype, common.weight_dtype):
+            option = "--dtype" if common.dtype == "uint8" else "--weight-dtype"
+            raise PtqError(
+                f"{option} uint8: PyTorch's x86/fbgemm quantized convolutions need signed int8 weights "
+                "(their activations are uint8 already); use --dtype int8, or --backend onnxruntime for uint8"
+            )
+        return self, common
 
 
 def _describe(settings: dict) -> str:
@@ -418,7 +422,7 @@ BACKEND = Backend(
     methods=("histogram", "minmax"), per_channel=True, leaves_layers_float=False,
     overflow_fixes=(overflow.FIRST_LAYER, overflow.ALL_LAYERS), clamped_overflow_fix=overflow.ALL_LAYERS,
     overflow_words=lambda settings: {overflow.ALL_LAYERS: "7-bit activations"},
-    check_settings=_check_settings, describe=_describe,
+    options=Options, describe=_describe,
     # Running: fbgemm's kernels differ by CPU, with no switch; its OpenMP threads spin after a run.
     int8_kernels_vary=True, reaches_int8_path=_reaches_int8_path, int8_basis=_int8_basis, spins_when_idle=True,
     runtime_settings="torch.set_num_threads(threads), chunks of 64 images",

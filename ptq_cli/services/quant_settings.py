@@ -3,8 +3,10 @@ describer of a model's quantization (report, tune, sweep and render all use it).
 
 from __future__ import annotations
 
+from typing import Any
+
 from ptq_cli import backends
-from ptq_cli.backends.base import INT4, QuantizationSettings, describe_settings, short_node
+from ptq_cli.backends.base import INT4, CommonChoices, QuantizationSettings, describe_settings, short_node
 from ptq_cli.cpu import ALL, CPU_TARGETS, VNNI
 from ptq_cli.errors import PtqError
 from ptq_cli.services.stem import check_stem
@@ -23,16 +25,17 @@ TARGETS = ("speed",)
 COMMON_OVERFLOW_WORDS = {FIRST_LAYER: "first-layer pair rule", ALL_LAYERS: "all-layer pair rule"}
 
 
-def _backend_options(backend: str, given: dict) -> None:
+def _refuse_foreign_options(row: backends.Backend, given: dict[str, Any]) -> None:
     """An option only another backend takes is refused, naming the backends it applies to."""
-    row = backends.backend(backend)
+    owners = backends.private_options()
     for name, value in given.items():
-        if value in (None, False, ()) or name in row.options:
+        if name not in owners:
+            raise TypeError(f"make_settings: no backend takes an option '{name}'")
+        if value in (None, False, ()) or row in owners[name]:
             continue
-        owners = [other.name for other in backends.TABLE.values() if name in other.options]
-        if owners:
-            owner = backends.TABLE[owners[0]]
-            raise PtqError(f"{owner.options[name]}: {owner.options_word or 'an option of ' + owner.name}; applies to --backend {' or '.join(owners)}")
+        first = owners[name][0].options
+        raise PtqError(f"{first.flag(name)}: {first.word or 'an option of ' + owners[name][0].name}; "
+                       f"applies to --backend {' or '.join(owner.name for owner in owners[name])}")
 
 
 def make_settings(
@@ -44,30 +47,22 @@ def make_settings(
     percentile: float | None = None,
     preprocess: bool = True,
     target: str | None = None,
-    space_to_depth: bool | None = None,
-    nncf_preset: str | None = None,
-    bias_correction: str | None = None,
-    subset_size: int | None = None,
     float_nodes: tuple[str, ...] = (),
-    io: str | None = None,
-    ranges_from: str | None = None,
     cpus: str | None = None,
     overflow_fix: str | None = None,
     stem: str | None = None,
     rounding: str | None = None,
-    max_flash_kb: float | None = None,
+    **options: Any,
 ) -> QuantizationSettings:
     """Validated settings. Without a type or target, the backend's speed target where it runs as faithfully
     (onnxruntime); with a type and no target, the weights follow the activations' type; a target's preset fills
-    in what the options leave open; the backend's row adds its own rules and defaults."""
+    in what the options leave open; `options` are the backend's own (its Options' fields), which settle the rest."""
     row = backends.backend(backend)
     if row.quantize is None:
         raise PtqError(f"--backend {backend}: runs models but does not quantize them (quantizers: {', '.join(backends.quantizers())})")
     if target is not None and target not in TARGETS:
         raise PtqError(f"--target: '{target}' is not one of {', '.join(TARGETS)}")
-    _backend_options(backend, {"nncf_preset": nncf_preset, "bias_correction": bias_correction, "subset_size": subset_size,
-                               "float_nodes": tuple(float_nodes) or None, "io": io, "ranges_from": ranges_from, "space_to_depth": space_to_depth,
-                               "max_flash_kb": max_flash_kb})
+    _refuse_foreign_options(row, options)
     if target is None and dtype is None and weight_dtype is None and row.speed_by_default:
         target = "speed"
     targeted = row.speed_target if target else {}
@@ -75,29 +70,23 @@ def make_settings(
     if weight_dtype == INT4 and not row.int4_weights:
         raise PtqError(f"--weight-dtype int4: 4-bit weights are written by --backend "
                        f"{' or '.join(other.name for other in backends.TABLE.values() if other.int4_weights)}")
-    per_channel = targeted.get("per_channel") if per_channel is None else per_channel
-    method_given = method or targeted.get("method")
-    fields = row.check_settings({
-        "dtype": dtype, "weight_dtype": weight_dtype, "per_channel": per_channel, "method_given": method_given, "nncf_preset": nncf_preset,
-        "bias_correction": bias_correction, "subset_size": subset_size, "io": io, "ranges_from": ranges_from, "max_flash_kb": max_flash_kb,
-        "space_to_depth": space_to_depth if space_to_depth is not None else targeted.get("space_to_depth"), "overflow_fix": None,
-        "float_nodes": tuple(float_nodes), "rounding": rounding,
-    })
+    given = CommonChoices(dtype, weight_dtype, targeted.get("per_channel") if per_channel is None else per_channel, method or targeted.get("method"),
+                          rounding, float_nodes=tuple(float_nodes))
+    own, common = row.options.from_given(options).settle(given)
     # The backend may infer the method from its own options; a percentile alone asks for percentile calibration.
-    method = fields["method_given"] or ("percentile" if percentile is not None and "percentile" in row.methods else row.methods[0])
+    method = common.method or ("percentile" if percentile is not None and "percentile" in row.methods else row.methods[0])
     if method not in row.methods:
         raise PtqError(f"--method: '{method}' is not a {backend} calibration method ({', '.join(row.methods)})")
     cpus, overflow_fix = _cpus(row, cpus, overflow_fix)
     return QuantizationSettings(
         # A backend whose default is per-tensor leaves it to the model (quantize.resolve_model_defaults).
         backend=backend, format=row.format, dtype=dtype, weight_dtype=weight_dtype,
-        per_channel=(row.per_channel or None) if fields["per_channel"] is None else fields["per_channel"],
-        method=method, percentile=_percentile(method, percentile), preprocess=preprocess, target=target, float_nodes=tuple(float_nodes),
-        space_to_depth=bool(fields["space_to_depth"]), cpus=cpus,
-        overflow_fix=fields["overflow_fix"] or overflow_fix,  # the backend's own say first (onnxruntime's u8 x u8 kernel needs no fix)
+        per_channel=(row.per_channel or None) if common.per_channel is None else common.per_channel,
+        method=method, percentile=_percentile(method, percentile), preprocess=preprocess, target=target, float_nodes=common.float_nodes, cpus=cpus,
+        overflow_fix=common.overflow_fix or overflow_fix,  # the backend's own say first (onnxruntime's u8 x u8 kernel needs no fix)
         stem=check_stem(stem, backend),  # None: measured when quantizing (services/stem.py)
-        rounding=check_rounding(fields["rounding"], row),  # None: measured when quantizing (transforms/rounding.py)
-        **{name: fields[name] for name in ("nncf_preset", "bias_correction", "subset_size", "io", "ranges_from", "max_flash_kb")},
+        rounding=check_rounding(common.rounding, row),  # None: measured when quantizing (transforms/rounding.py)
+        options=own,
     )
 
 

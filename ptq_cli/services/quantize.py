@@ -146,8 +146,7 @@ def quantize(model_path: Path, output: Path, settings: QuantizationSettings, cal
     so it is loaded once."""
     model_path, output = Path(model_path), Path(output)
     calibration_file = Path(calibration.source.split(" (")[0]) if calibration.source else None
-    ranges_from = Path(settings.ranges_from) if settings.ranges_from else None
-    check_outputs([("--output", output, (backends.backend(settings.backend).suffix,))], [model_path, ranges_from, calibration_file])
+    check_outputs([("--output", output, (backends.backend(settings.backend).suffix,))], [model_path, *settings.options.input_files(), calibration_file])
     if source is None or Path(source.path) != model_path:
         source = load_source(model_path, flags or inputs.PreprocessingFlags(), settings.per_channel is not False)
     prepared = calibration_inputs(source, calibration)

@@ -28,6 +28,8 @@ def finite(value: Any) -> Any:
     """`value` with NaN and infinities as None (null): JSON has no NaN, and a reader must not see one."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
+    if hasattr(value, "as_dict"):  # a dataclass that gives its stored form (the settings)
+        return finite(value.as_dict())
     if is_dataclass(value) and not isinstance(value, type):
         return finite(asdict(value))
     if isinstance(value, dict):

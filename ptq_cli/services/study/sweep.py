@@ -8,7 +8,7 @@ compressed size (gzip -9 of the file) is the point of pruning before int8: zeros
 from __future__ import annotations
 
 import gzip
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 from ptq_cli import backends
@@ -91,7 +91,7 @@ def sweep(
     result = SweepResult(
         source=str(model_path), dtype=quantization.dtype, scope=pruning.scope, exclude_first=pruning.exclude_first,
         exclude_classifier=pruning.exclude_classifier, reconstruct=pruning.reconstruct,
-        quantization=describe_quantization(asdict(quantization) | {"calibration_samples": len(calibration.labels)}),
+        quantization=describe_quantization(quantization.as_dict() | {"calibration_samples": len(calibration.labels)}),
         points=points, record=str(record), fp32_accuracy=reference, dataset=str(dataset.root),
     )
     write_record(record, result)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +82,7 @@ class TuneResult:
 
 
 def describe(settings: QuantizationSettings) -> str:
-    return describe_quantization(asdict(settings))
+    return describe_quantization(settings.as_dict())
 
 
 def weight_dtypes(dtype: str) -> tuple[str, ...]:
