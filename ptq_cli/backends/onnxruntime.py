@@ -39,7 +39,7 @@ from ptq_cli.backends.model_file import describe_input, in_fixed_batches, metada
 from ptq_cli.cpu import EXACT
 from ptq_cli.errors import PtqError
 from ptq_cli.transforms import overflow, rounding
-from ptq_cli.transforms.graph import keep_float_layers, symbolic_batch
+from ptq_cli.transforms.graph import keep_float_layers, preprocess, symbolic_batch
 from ptq_cli.transforms.space_to_depth import Rewrite, quantized_pads, space_to_depth_convs
 
 NAME = "onnxruntime"
@@ -147,26 +147,6 @@ def load(path: Path, options: RunOptions) -> LoadedModel:
 def sniff(head: bytes) -> bool:
     """Anything that is not another backend's file is tried as ONNX (which then says if it is not)."""
     return True
-
-
-def preprocess(model, output: Path | str) -> None:
-    """onnxruntime's recommended pre-quantization step: shape inference plus its basic graph optimizer,
-    which folds the batch-norm Mul/Add after each Conv into the Conv."""
-    from onnxruntime.quantization import quant_pre_process
-
-    try:
-        quant_pre_process(model, str(output))
-    except Exception as error:  # shape inference and the optimizer raise many types
-        raise PtqError(f"{model.graph.name or 'model'}: onnxruntime's quant_pre_process failed ({str(error).splitlines()[0]})") from error
-
-
-def preprocessed(model, workdir: Path):
-    """`preprocess` into workdir/preprocessed.onnx, loaded (the graph quantize_static will see)."""
-    import onnx
-
-    path = Path(workdir) / "preprocessed.onnx"
-    preprocess(model, path)
-    return onnx.load(str(path))
 
 
 # What one image's activations cost, as a multiple of their bytes, while onnxruntime calibrates: the

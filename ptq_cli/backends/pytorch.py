@@ -32,7 +32,7 @@ from ptq_cli.backends.model_file import describe_input, in_fixed_batches, metada
 from ptq_cli.cpu import SATURATING
 from ptq_cli.errors import PtqError
 from ptq_cli.transforms import overflow
-from ptq_cli.transforms.graph import static_reshape_targets
+from ptq_cli.transforms.graph import preprocess, static_reshape_targets
 from ptq_cli.transforms.torch_compat import import_onnx2torch, quiet_torch_quantization_warnings
 
 NAME = "pytorch"
@@ -67,7 +67,7 @@ def onnx_to_graph_module(model, fold: bool = True):
     if fold:
         with tempfile.TemporaryDirectory(prefix="ptq-torch-") as workdir:
             folded = Path(workdir) / "folded.onnx"
-            ort_backend.preprocess(model, folded)
+            preprocess(model, folded)
             model = onnx.load(str(folded))
     try:
         return onnx2torch.convert(static_reshape_targets(model)).eval()

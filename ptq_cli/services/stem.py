@@ -72,9 +72,9 @@ def stem_cost_db(model, images: np.ndarray, settings: QuantizationSettings) -> f
     import onnx
     from onnx import numpy_helper
 
-    from ptq_cli.backends.onnxruntime import preprocessed
     from ptq_cli.metrics import sqnr_db
     from ptq_cli.services.models import load_model
+    from ptq_cli.transforms.graph import preprocessed
 
     with tempfile.TemporaryDirectory(prefix="ptq-stem-") as workdir:
         reference_path, stem_path = Path(workdir) / "preprocessed.onnx", Path(workdir) / "stem.onnx"

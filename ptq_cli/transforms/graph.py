@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import numpy as np
+
+from ptq_cli.errors import PtqError
 
 
 def static_reshape_targets(model):
@@ -237,3 +240,23 @@ def keep_float_layers(model, float_nodes) -> int:
         node.input[0] = prefix
         kept += 1
     return kept
+
+
+def preprocess(model, output: Path | str) -> None:
+    """onnxruntime's recommended pre-quantization step: shape inference plus its basic graph optimizer,
+    which folds the batch-norm Mul/Add after each Conv into the Conv."""
+    from onnxruntime.quantization import quant_pre_process
+
+    try:
+        quant_pre_process(model, str(output))
+    except Exception as error:  # shape inference and the optimizer raise many types
+        raise PtqError(f"{model.graph.name or 'model'}: onnxruntime's quant_pre_process failed ({str(error).splitlines()[0]})") from error
+
+
+def preprocessed(model, workdir: Path):
+    """`preprocess` into workdir/preprocessed.onnx, loaded (the graph quantize_static will see)."""
+    import onnx
+
+    path = Path(workdir) / "preprocessed.onnx"
+    preprocess(model, path)
+    return onnx.load(str(path))

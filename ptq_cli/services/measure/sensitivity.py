@@ -9,7 +9,6 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ptq_cli.backends.onnxruntime import preprocessed
 from ptq_cli.inputs import PreprocessingFlags
 from ptq_cli.metrics import sqnr_db
 from ptq_cli.services.calibration import CalibrationSet
@@ -20,6 +19,7 @@ from ptq_cli.services.progress import ProgressCallback
 from ptq_cli.services.quant_settings import QuantizationSettings
 from ptq_cli.services.quantize import SourceModel, calibration_inputs, load_source, quantize_source, with_calibration
 from ptq_cli.services.stem import INT8
+from ptq_cli.transforms.graph import preprocessed
 from ptq_cli.transforms.rounding import NEAREST
 
 # The layers that compute: onnxruntime quantizes these (Relu folds into the preceding layer's output

@@ -25,7 +25,6 @@ from typing import Any
 
 from ptq_cli import backends
 from ptq_cli.atomic import check_outputs
-from ptq_cli.backends.onnxruntime import preprocessed
 from ptq_cli.errors import PtqError
 from ptq_cli.inputs import PreprocessingFlags
 from ptq_cli.metrics import sqnr_db
@@ -38,6 +37,7 @@ from ptq_cli.services.progress import ProgressCallback, Steps
 from ptq_cli.services.quant_settings import QuantizationSettings, describe_quantization, make_settings
 from ptq_cli.services.quantize import SourceModel, calibration_inputs, load_source, quantize_source, resolve_settings, with_calibration
 from ptq_cli.services.stem import check_stem
+from ptq_cli.transforms.graph import preprocessed
 
 PERCENTILES = (99.9, 99.95, 99.99, 99.999)
 CALIBRATION_SUBSETS = (25, 50)  # per class, besides the full set
