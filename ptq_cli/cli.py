@@ -218,7 +218,7 @@ Rounding = _choices("Rounding", ROUNDING_CHOICES)
 # Each backend's own words, from the table.
 BACKENDS_HELP = ". ".join(f"{row.name}: {row.summary}" for row in backends.TABLE.values() if row.quantize is not None) + "."
 MODELS_HELP = f"Model file ({', '.join(backends.suffixes())}); repeat for several. (default: every model in models/)"
-Int8Path = _choices("Int8Path", ("native", *cpu_info.INT8_PATHS, "both"))
+Int8Path = _choices("Int8Path", evaluate_service.INT8_PATH_CHOICES)
 # Which CPUs a quantized model is for, and how it stays exact on those without VNNI (one block, shared).
 CpusOption = Annotated[
     Cpus,
@@ -807,32 +807,20 @@ def evaluate(
     measure. Records go to RESULTS_DIR/<model file>-<folder>@<dataset>.json, one per model file,
     runtime and dataset.
     """
-    dataset = choice.dataset()
-    models = model or _default_models()
-    if label is not None and len(models) != 1:
-        raise PtqError(f"--label: names one model, but {len(models)} are being evaluated")
-    paths = {"native": (None,), "both": cpu_info.INT8_PATHS}.get(int8_path.value, (int8_path.value,))
-    for model_path in models:
-        for path in paths:
-            check_writable(evaluate_service.record_path(results_dir, model_path, dataset, evaluate_service.runtime_tag(
-                model_path, runtime and runtime.value, precision and precision.value) + evaluate_service.requested_tag(path)))
+    request = evaluate_service.EvaluationRequest(
+        tuple(model or _default_models()), choice.dataset(), results_dir, int8_path.value, batch_size, threads, choice.flags, runtime and runtime.value,
+        precision and precision.value, label, emulated_images, against_fp32)
     records = []
-    for model_path in models:
-        for path in evaluate_service.int8_paths_for(model_path, paths):
-            with _progress_bar(f"Evaluating {model_path.name}" + (f" ({path} int8 path)" if path else "")) as progress:
-                evaluated = evaluate_service.evaluate_and_save(
-                    model_path, dataset, results_dir, progress, batch_size=batch_size, threads=threads, flags=choice.flags,
-                    runtime=runtime and runtime.value, precision=precision and precision.value, label=label, int8_path=path, subset=emulated_images,
-                    against=against_fp32)
-            records.append(evaluated.record)
-            warning = evaluate_service.outside_target(model_path, (evaluated.record.quantization or {}).get("cpus"))
-            if warning:
-                err.print(f"warning: {warning}", soft_wrap=True)
-            if not as_json:
-                if evaluated.source_evaluated is not None:
-                    out.print(Text(f"Evaluated its FP32 source {evaluated.source_evaluated} too (no record of it on this dataset).", style="dim"))
-                shown = evaluate_service.classes_to_show(evaluated.record, evaluated.reference) if per_class and evaluated.record.accuracy is not None else None
-                out.print(render.evaluation(evaluated.record, evaluated.reference, shown, evaluated.path, evaluated.reference_status))
+    for evaluated in evaluate_service.evaluate(request, _progress_bar):
+        records.append(evaluated.record)
+        warning = evaluate_service.outside_target(evaluated.record.model_path, (evaluated.record.quantization or {}).get("cpus"))
+        if warning:
+            err.print(f"warning: {warning}", soft_wrap=True)
+        if not as_json:
+            if evaluated.source_evaluated is not None:
+                out.print(Text(f"Evaluated its FP32 source {evaluated.source_evaluated} too (no record of it on this dataset).", style="dim"))
+            shown = evaluate_service.classes_to_show(evaluated.record, evaluated.reference) if per_class and evaluated.record.accuracy is not None else None
+            out.print(render.evaluation(evaluated.record, evaluated.reference, shown, evaluated.path, evaluated.reference_status))
     if as_json:
         out.print(render.as_json(records if len(records) > 1 else records[0]), soft_wrap=True)
 

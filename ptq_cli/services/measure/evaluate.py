@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -15,6 +17,7 @@ import numpy as np
 import ptq_cli
 from ptq_cli import backends, bounded, hardstop, settings
 from ptq_cli import cpu as cpu_info
+from ptq_cli.atomic import check_writable
 from ptq_cli.backends.base import EMULATE, LoadedModel
 from ptq_cli.backends.model_file import file_sha256, resolve_threads
 from ptq_cli.datasets import Dataset, LabelledImages, open_dataset
@@ -180,6 +183,7 @@ def evaluate_model(
     int8_path: str | None = None,
     subset: int = emulate.DEFAULT_SUBSET,
     against: Path | None = None,
+    loaded: LoadedModel | None = None,
 ) -> EvaluationRecord:
     """Top-1 on the dataset's evaluation split, and fidelity to the FP32 model (`against`, else the source it
     was made from while that file is at hand) on the same images: the only measure where the labels are not
@@ -187,14 +191,15 @@ def evaluate_model(
     "openvino" runs an ONNX file on OpenVINO with the `precision` hint; `label` names the model in the report. `int8_path` ("exact" or "saturating",
     default this CPU's) says which x86 int8 path the figure is for: the other path than this CPU's own
     comes from onnxruntime's exact-kernel option, a proof that the model cannot saturate, or emulation
-    of an AVX2 CPU on `subset` images of the split (stratified)."""
+    of an AVX2 CPU on `subset` images of the split (stratified). `loaded`: the model already loaded with these
+    options, where the path needs no other session."""
     if batch_size < 1:
         raise PtqError(f"--batch-size: must be at least 1, got {batch_size}")
     if int8_path not in (None, *cpu_info.INT8_PATHS):
         raise PtqError(f"--int8-path: '{int8_path}' is not one of {', '.join(cpu_info.INT8_PATHS)}")
     cpu = cpu_info.current()
     exact_int8 = int8_path == cpu_info.EXACT and cpu.int8_path == cpu_info.SATURATING
-    model = load_model(model_path, threads, flags, runtime, precision, exact_int8=exact_int8)
+    model = loaded if loaded is not None and not exact_int8 else load_model(model_path, threads, flags, runtime, precision, exact_int8=exact_int8)
     path_measured, basis = _int8_plan(model, int8_path, cpu, Path(model_path))
     split = dataset.evaluation_split()
     test = dataset.load(split, model.input.size, model.input.channels)
@@ -203,6 +208,8 @@ def evaluate_model(
     reference_path, labels_fit = _what_to_measure(model, test, dataset.root, against)
     chosen, scores, inference_seconds, exact_same, basis = _measure(model, test, basis, batch_size, Path(model_path), f"{dataset.root} ({split})",
                                                                     threads, subset, progress, labels_fit)
+    if model.info.dtype == "fp32" and runtime is None and precision is None and np.array_equal(chosen, np.arange(len(test.labels))):
+        _keep_reference_scores(_reference_key(model.info.sha256, test, model), scores)  # the models made from it compare with these
     fidelity = None
     if reference_path is not None:
         reference = _reference_scores(reference_path, test, model, batch_size, threads, f"{dataset.root} ({split})")
@@ -265,22 +272,35 @@ def fp32_model_for(model: LoadedModel, against: Path | None) -> Path | None:
 
 
 # FP32 scores by (model sha256, images, preprocessing): each model of a study is compared with the same
-# source on the same images, which runs once per process.
+# source on the same images, which runs once per process; and the source as loaded for them, by (sha256,
+# threads, preprocessing), which evaluating the source itself then uses.
 _REFERENCE_SCORES: dict[tuple, np.ndarray] = {}
+_REFERENCE_MODEL: dict[tuple, LoadedModel] = {}
 
 
 def _reference_scores(path: Path, test: LabelledImages, model: LoadedModel, batch_size: int, threads: int | None, where: str) -> np.ndarray:
     """The FP32 model's scores on every image of the split, fed as `model` is."""
-    key = (file_sha256(path), test.content_sha256, test.images.shape, model.preprocessing.to_json())
+    sha256 = file_sha256(path)
+    key = _reference_key(sha256, test, model)
     if key not in _REFERENCE_SCORES:
         reference = load_model(path, threads, as_flags(asdict(model.preprocessing)))
+        _REFERENCE_MODEL.clear()
+        _REFERENCE_MODEL[(sha256, threads, model.preprocessing.to_json())] = reference
         if reference.info.dtype != "fp32":
             raise PtqError(f"--against-fp32: {path} is a {reference.info.dtype} model; fidelity is measured against a float model")
-        if reference.num_classes != model.num_classes:
-            raise PtqError(f"{path}: gives {reference.num_classes} class scores, {model.info.path} gives {model.num_classes}: not its FP32 model")
-        _REFERENCE_SCORES.clear()  # one source at a time: a 1000-class split's scores are tens of MB
-        _REFERENCE_SCORES[key] = _predict(reference, test.images, batch_size, path, where)[0]
+        _keep_reference_scores(key, _predict(reference, test.images, batch_size, path, where)[0])
+    if _REFERENCE_SCORES[key].shape[1] != model.num_classes:
+        raise PtqError(f"{path}: gives {_REFERENCE_SCORES[key].shape[1]} class scores, {model.info.path} gives {model.num_classes}: not its FP32 model")
     return _REFERENCE_SCORES[key]
+
+
+def _reference_key(sha256: str, test: LabelledImages, fed_as: LoadedModel) -> tuple:
+    return (sha256, test.content_sha256, test.images.shape, fed_as.preprocessing.to_json())
+
+
+def _keep_reference_scores(key: tuple, scores: np.ndarray) -> None:
+    _REFERENCE_SCORES.clear()  # one source at a time: a 1000-class split's scores are tens of MB
+    _REFERENCE_SCORES[key] = scores
 
 
 def _model_fields(model: LoadedModel) -> dict:
@@ -594,14 +614,67 @@ def evaluate_and_save(model_path: Path, dataset: Dataset, results_dir: Path, pro
     records = load_records(results_dir).records
     source = source_to_evaluate(record, records)
     if source is not None:  # without labels of its classes, the source is measured against itself: the reference row
-        source_record = evaluate_model(source, dataset, how.get("batch_size", settings.EVALUATION_BATCH), how.get("threads"), None, flags_of(record),
-                                       against=source if record.accuracy is None else None)
+        fed = flags_of(record)
+        threads = how.get("threads")
+        loaded = next((model for (sha256, at, feeding), model in _REFERENCE_MODEL.items()
+                       if sha256 == record.source_sha256 and at == threads and feeding == json.dumps(record.preprocessing_settings)), None)
+        source_record = evaluate_model(source, dataset, how.get("batch_size", settings.EVALUATION_BATCH), threads, None, fed,
+                                       against=source if record.accuracy is None else None, loaded=loaded)
         save_record(source_record, results_dir, dataset)
         records.append(source_record)
     reference = fp32_reference(records, record) if record.dtype != "fp32" or record.source_sha256 else None
     if reference is not None and reference.model_sha256 == record.model_sha256:
         reference = None
     return Evaluated(record, path, reference, source, record_status(reference) if reference is not None else OK)
+
+
+NATIVE_PATH, BOTH_PATHS = "native", "both"
+INT8_PATH_CHOICES = (NATIVE_PATH, *cpu_info.INT8_PATHS, BOTH_PATHS)  # what `evaluate --int8-path` takes
+ProgressBar = Callable[[str], AbstractContextManager[ProgressCallback | None]]
+
+
+@dataclass(frozen=True)
+class EvaluationRequest:
+    """What `ptq evaluate` asks: these models on the dataset's evaluation split, on these int8 paths."""
+
+    models: tuple[Path, ...]
+    dataset: Dataset
+    results_dir: Path
+    int8_path: str = NATIVE_PATH  # one of INT8_PATH_CHOICES
+    batch_size: int = settings.EVALUATION_BATCH
+    threads: int | None = None
+    flags: PreprocessingFlags | None = None
+    runtime: str | None = None
+    precision: str | None = None
+    label: str | None = None
+    subset: int = emulate.DEFAULT_SUBSET
+    against: Path | None = None
+
+
+@contextmanager
+def _no_bar(description: str) -> Iterator[None]:
+    yield None
+
+
+def evaluate(request: EvaluationRequest, progress_bar: ProgressBar = _no_bar) -> Iterator[Evaluated]:
+    """Each model of the request evaluated and its record written, on each int8 path asked for that its runtime
+    has here (both only where they differ by CPU and can be reached), each model loaded once (the exact path on a
+    CPU without VNNI needs its own session); `progress_bar(description)` gives each evaluation's progress callback."""
+    if request.label is not None and len(request.models) != 1:
+        raise PtqError(f"--label: names one model, but {len(request.models)} are being evaluated")
+    if request.int8_path not in INT8_PATH_CHOICES:
+        raise PtqError(f"--int8-path: '{request.int8_path}' is not one of {', '.join(INT8_PATH_CHOICES)}")
+    wanted = {NATIVE_PATH: (None,), BOTH_PATHS: cpu_info.INT8_PATHS}.get(request.int8_path, (request.int8_path,))
+    for model_path in request.models:
+        # Its record's folder must take files: said before the evaluation, not after it.
+        check_writable(record_path(request.results_dir, model_path, request.dataset, runtime_tag(model_path, request.runtime, request.precision)))
+        model = load_model(model_path, request.threads, request.flags, request.runtime, request.precision)
+        for int8_path in _int8_paths(model, wanted):
+            with progress_bar(f"Evaluating {Path(model_path).name}" + (f" ({int8_path} int8 path)" if int8_path else "")) as progress:
+                evaluated = evaluate_and_save(model_path, request.dataset, request.results_dir, progress, batch_size=request.batch_size,
+                                              threads=request.threads, flags=request.flags, runtime=request.runtime, precision=request.precision,
+                                              label=request.label, int8_path=int8_path, subset=request.subset, against=request.against, loaded=model)
+            yield evaluated
 
 
 def outside_target(model_path: Path | str, target: str | None) -> str | None:
@@ -614,12 +687,11 @@ def outside_target(model_path: Path | str, target: str | None) -> str | None:
             "is not among them: its figures here are not the ones it gives there")
 
 
-def int8_paths_for(model_path: Path, paths: tuple[str | None, ...]) -> tuple[str | None, ...]:
+def _int8_paths(model: LoadedModel, paths: tuple[str | None, ...]) -> tuple[str | None, ...]:
     """The int8 paths to evaluate a model on: both only where they differ by CPU (8-bit onnxruntime and
     PyTorch models) and can be reached here; one evaluation otherwise."""
     if len(paths) < 2:
         return paths
-    model = load_model(model_path, 1)
     if model.info.dtype == "fp32" or not backends.backend(model.info.runtime).int8_kernels_vary:
         return (None,)
     fix = (model.info.quantization or {}).get("overflow_fix")
