@@ -597,17 +597,9 @@ def quantize(
     from --preprocess/--scale/--mean/--std/--bgr and is stored in the quantized model, so evaluating it
     needs no flags. Models below opset 10 (13 for per-channel) are upgraded first.
     """
-    quantization_settings = quantization
-    # Loaded once, before any calibration work: a bad model (its input, its output on one image) fails first.
-    source = quantize_service.load_source(model, choice.flags, quantization_settings.per_channel is not False)
-    for read in quantization_settings.options.input_files():
-        check_model(read)
-    destination = output or quantize_service.default_output(model, quantization_settings)
-    check_writable(destination)
-    calibration_set = _calibration_set(calibration, choice, model)
-    with _progress_bar(f"Calibrating ({quantization_settings.method}) and quantizing with {quantization_settings.backend}") as progress:
-        result = quantize_service.quantize(model, destination, quantization_settings, calibration_set, choice.flags, progress, portability_cost,
-                                           results_dir, source)
+    request = quantize_service.QuantizeRequest(model, quantization, choice.data, choice.calibration_data, calibration, choice.calibration_size, choice.flags,
+                                               output, results_dir, portability_cost)
+    result = quantize_service.run(request, _progress_bar)
     _emit(as_json, result, render.quantization(result))
 
 

@@ -212,10 +212,10 @@ def calibration_dataset(data: Path, calibration_data: Path | None = None, valida
 
 def for_model(model: Path | None, data: Path, calibration_data: Path | None = None, samples_per_class: int | None = None,
               seed: int = settings.SEED, saved: Path | None = None, reuse_default: bool = False,
-              flags: PreprocessingFlags | None = None, count: int | None = None) -> CalibrationSet:
+              flags: PreprocessingFlags | None = None, count: int | None = None, size: tuple[int, int] | None = None) -> CalibrationSet:
     """The calibration set for a model: the `saved` file; else, with `reuse_default`, the default file if
     `ptq calibrate` wrote it from the same dataset; else drawn now at the model's input size (the
-    images' own without a model). The one way every command and `ptq run` get their calibration set."""
+    images' own without a model; `size`: the model's, already read). The one way every command and `ptq run` get their calibration set."""
     if saved is not None:
         if count is not None:
             raise PtqError(f"--calibration-size: {saved} is a calibration set already drawn; give one or the other")
@@ -225,7 +225,7 @@ def for_model(model: Path | None, data: Path, calibration_data: Path | None = No
         found = load_calibration_set(settings.CALIBRATION_FILE)
         if Path(found.dataset).resolve() == dataset.root.resolve():
             return found
-    size = models_service.input_of(model, flags).size if model is not None else None
+    size = size or (models_service.input_of(model, flags).size if model is not None else None)
     drawn = build_calibration_set(dataset, samples_per_class, seed, size, count)
     return replace(drawn, judged_on=True) if calibration_data is None and dataset.single_set else drawn
 

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 
 ProgressCallback = Callable[[int, int], None]  # (steps done, steps total)
+# A request's long phases each get a callback from this, given what the phase does (the CLI draws a bar for it).
+ProgressBar = Callable[[str], AbstractContextManager[ProgressCallback | None]]
+
+
+@contextmanager
+def no_progress_bar(description: str) -> Iterator[ProgressCallback | None]:  # noqa: ARG001  the ProgressBar signature
+    yield None
 
 
 class Steps:

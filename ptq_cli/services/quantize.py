@@ -9,15 +9,15 @@ from pathlib import Path
 import numpy as np
 
 from ptq_cli import backends, inputs
-from ptq_cli.atomic import check_outputs
+from ptq_cli.atomic import check_outputs, check_writable
 from ptq_cli.backends.base import QUANTIZATION_METADATA_KEY, SOURCE_METADATA_KEY, LoadedModel, QuantizationSettings, QuantizedFile
 from ptq_cli.backends.model_file import file_sha256, read_onnx
 from ptq_cli.errors import PtqError
 from ptq_cli.services import portability
-from ptq_cli.services.calibration import CalibrationSet
+from ptq_cli.services.calibration import CalibrationSet, for_model
 from ptq_cli.services.measure.report import DatasetGroup, measured_from
 from ptq_cli.services.models import load_model
-from ptq_cli.services.progress import ProgressCallback
+from ptq_cli.services.progress import ProgressBar, ProgressCallback, no_progress_bar
 from ptq_cli.services.stem import resolve_stem
 from ptq_cli.transforms.graph import clamped_activations, depthwise_convs, upgrade_opset
 
@@ -134,6 +134,39 @@ def default_output(model: Path, settings: QuantizationSettings, models_dir: Path
     resnet8_openvino_int8.xml or resnet8_int8.tflite (beside the model, or in `models_dir`): the backend's name."""
     model = Path(model)
     return backends.backend(settings.backend).default_output(model, settings, Path(models_dir) if models_dir is not None else model.parent)
+
+
+@dataclass(frozen=True)
+class QuantizeRequest:
+    """What `ptq quantize` asks: the FP32 model, how to quantize it, the images that calibrate it (a set `ptq
+    calibrate` drew, else drawn from `data` or `calibration_data`) and where the model goes."""
+
+    model: Path
+    settings: QuantizationSettings
+    data: Path
+    calibration_data: Path | None = None
+    calibration_file: Path | None = None
+    calibration_size: int | None = None
+    flags: inputs.PreprocessingFlags = field(default_factory=inputs.PreprocessingFlags)
+    output: Path | None = None  # default_output's name, beside the model
+    results_dir: Path | None = None  # names what its records measured of the other models made from the same FP32 model
+    portability_cost: bool = False
+
+
+def run(request: QuantizeRequest, progress_bar: ProgressBar = no_progress_bar) -> QuantizeResult:
+    """The request checked (the model loaded once, the files it reads, the output writable) before any
+    calibration work, then quantize; `progress_bar(description)` gives each long phase's progress callback."""
+    settings = request.settings
+    source = load_source(request.model, request.flags, settings.per_channel is not False)
+    for path in settings.options.input_files():
+        read_onnx(path)
+    output = request.output or default_output(request.model, settings)
+    check_writable(output)
+    with progress_bar("Loading the calibration set"):
+        calibration = for_model(request.model, request.data, request.calibration_data, saved=request.calibration_file, reuse_default=True,
+                                flags=request.flags, count=request.calibration_size, size=source.loaded.input.size)
+    with progress_bar(f"Calibrating ({settings.method}) and quantizing with {settings.backend}") as progress:
+        return quantize(request.model, output, settings, calibration, request.flags, progress, request.portability_cost, request.results_dir, source)
 
 
 def quantize(model_path: Path, output: Path, settings: QuantizationSettings, calibration: CalibrationSet,

@@ -6,7 +6,6 @@ import json
 import math
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -28,7 +27,7 @@ from ptq_cli.services.measure.fidelity import check as check_fidelity
 from ptq_cli.services.measure.fidelity import compare
 from ptq_cli.services.measure.records import MeasurementKey, from_dict, model_key, record_files, write_record
 from ptq_cli.services.models import load_model
-from ptq_cli.services.progress import ProgressCallback
+from ptq_cli.services.progress import ProgressBar, ProgressCallback, no_progress_bar
 from ptq_cli.services.quant_settings import describe_model
 
 RECORD_SCHEMA = 2
@@ -630,7 +629,6 @@ def evaluate_and_save(model_path: Path, dataset: Dataset, results_dir: Path, pro
 
 NATIVE_PATH, BOTH_PATHS = "native", "both"
 INT8_PATH_CHOICES = (NATIVE_PATH, *cpu_info.INT8_PATHS, BOTH_PATHS)  # what `evaluate --int8-path` takes
-ProgressBar = Callable[[str], AbstractContextManager[ProgressCallback | None]]
 
 
 @dataclass(frozen=True)
@@ -651,12 +649,7 @@ class EvaluationRequest:
     against: Path | None = None
 
 
-@contextmanager
-def _no_bar(description: str) -> Iterator[None]:
-    yield None
-
-
-def evaluate(request: EvaluationRequest, progress_bar: ProgressBar = _no_bar) -> Iterator[Evaluated]:
+def evaluate(request: EvaluationRequest, progress_bar: ProgressBar = no_progress_bar) -> Iterator[Evaluated]:
     """Each model of the request evaluated and its record written, on each int8 path asked for that its runtime
     has here (both only where they differ by CPU and can be reached), each model loaded once (the exact path on a
     CPU without VNNI needs its own session); `progress_bar(description)` gives each evaluation's progress callback."""
