@@ -28,7 +28,7 @@ from rich.text import Text
 from ptq_cli import atomic, backends, bounded, hardstop, render, settings, trust
 from ptq_cli import cpu as cpu_info
 from ptq_cli import inputs as inputs_service
-from ptq_cli.atomic import check_outputs, check_writable, write_text
+from ptq_cli.atomic import check_outputs, write_text
 from ptq_cli.backends.model_file import read_onnx as check_model
 from ptq_cli.datasets import Dataset, open_dataset
 from ptq_cli.errors import Interrupted, PtqError, Terminated, TerminateSignal
@@ -841,21 +841,14 @@ def benchmark(
     Without --data (and without the study's CIFAR-10), the models are fed seeded random pixels of their input's
     size: speed needs no real images, and the output says what was fed.
     """
-    models = model or _default_models()
     dataset = choice.dataset() if choice.data_given or choice.data.exists() else None
-    for model_path in models:
-        check_writable(benchmark_service.benchmark_path(results_dir, model_path, evaluate_service.runtime_tag(
-            model_path, runtime and runtime.value, precision and precision.value)))
-    with _progress_bar(f"Benchmarking {len(models)} model{'s' if len(models) > 1 else ''} in turns") as progress:
-        records = benchmark_service.benchmark_models(models, dataset, batch_size, threads, runs, progress=progress, flags=choice.flags,
-                                                     runtime=runtime and runtime.value, precision=precision and precision.value)
-    for record in records:
-        benchmark_service.save_benchmark(record, results_dir)
-        warning = evaluate_service.outside_target(record.model_path, record.target_cpus)
-        if warning:
-            err.print(f"warning: {warning}", soft_wrap=True)
-    ratios = benchmark_service.speedups(records, benchmark_service.load_benchmarks(results_dir))
-    _emit(as_json, [{**render.plain(record), "speedup_vs_fp32": ratios[benchmark_service.run_key(record)]} for record in records], render.benchmarks(records, ratios))
+    request = benchmark_service.BenchmarkRequest(tuple(model or _default_models()), dataset, results_dir, batch_size, threads, runs, choice.flags,
+                                                 runtime and runtime.value, precision and precision.value)
+    result = benchmark_service.run(request, _progress_bar)
+    for warning in result.warnings:
+        err.print(f"warning: {warning}", soft_wrap=True)
+    _emit(as_json, [{**render.plain(record), "speedup_vs_fp32": result.speedups[benchmark_service.run_key(record)]} for record in result.records],
+          render.benchmarks(result.records, result.speedups))
 
 
 @app.command()

@@ -13,15 +13,16 @@ import numpy as np
 import ptq_cli
 from ptq_cli import backends, bounded
 from ptq_cli import cpu as cpu_info
+from ptq_cli.atomic import check_writable
 from ptq_cli.backends.base import LoadedModel
 from ptq_cli.backends.model_file import resolve_threads
 from ptq_cli.datasets import Dataset
 from ptq_cli.errors import PtqError
 from ptq_cli.inputs import PreprocessingFlags
-from ptq_cli.services.measure.evaluate import runtime_tag
+from ptq_cli.services.measure.evaluate import outside_target, runtime_tag
 from ptq_cli.services.measure.records import MeasurementKey, from_dict, model_key, record_files, write_record
 from ptq_cli.services.models import load_model
-from ptq_cli.services.progress import ProgressCallback, Steps
+from ptq_cli.services.progress import ProgressBar, ProgressCallback, Steps, no_progress_bar
 
 BENCHMARK_DIR = "benchmarks"  # under the results directory, beside the evaluation records
 
@@ -228,3 +229,39 @@ def speedups(records: list[BenchmarkRecord], saved: dict[MeasurementKey, Benchma
         ratio = record.images_per_second / reference.images_per_second if reference and record.dtype != "fp32" else None
         result[run_key(record)] = None if ratio is None else round(ratio, 3)
     return result
+
+
+@dataclass(frozen=True)
+class BenchmarkRequest:
+    """What `ptq benchmark` asks: these models timed in turns (fed `dataset`'s images, else random pixels)."""
+
+    models: tuple[Path, ...]
+    dataset: Dataset | None
+    results_dir: Path
+    batch_size: int | None = None
+    threads: int | None = None
+    runs: int = 100
+    flags: PreprocessingFlags | None = None
+    runtime: str | None = None
+    precision: str | None = None
+
+
+@dataclass(frozen=True)
+class Benchmarked:
+    records: list[BenchmarkRecord]
+    speedups: dict[tuple, float | None]  # by run_key: throughput against the FP32 source, from these and the saved records
+    warnings: tuple[str, ...] = ()  # a model timed on a CPU outside those it was quantized for
+
+
+def run(request: BenchmarkRequest, progress_bar: ProgressBar = no_progress_bar) -> Benchmarked:
+    """The records' folder checked before the timing, the models timed in turns, their records written."""
+    for model_path in request.models:
+        check_writable(benchmark_path(request.results_dir, model_path, runtime_tag(model_path, request.runtime, request.precision)))
+    count = len(request.models)
+    with progress_bar(f"Benchmarking {count} model{'s' if count > 1 else ''} in turns") as progress:
+        records = benchmark_models(list(request.models), request.dataset, request.batch_size, request.threads, request.runs, progress=progress,
+                                   flags=request.flags, runtime=request.runtime, precision=request.precision)
+    for record in records:
+        save_benchmark(record, request.results_dir)
+    warnings = tuple(warning for record in records if (warning := outside_target(record.model_path, record.target_cpus)))
+    return Benchmarked(records, speedups(records, load_benchmarks(request.results_dir)), warnings)
