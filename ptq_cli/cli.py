@@ -929,12 +929,8 @@ def run_pipeline(
     results/ and reports/ under the current directory. `ptq run --model yours.onnx --data DIR` runs it on
     your model and images.
     """
-    if model is not None and keras is not None:
-        raise PtqError("--model and --keras: give one source model, not both")
-    if model is not None:
-        check_model(model)
     options = pipeline_service.StudyOptions(
-        keras_model=None if model is not None else (keras or settings.keras_model_path()), data_dir=choice.data, model=model,
+        keras_model=keras, data_dir=choice.data, model=model,
         calibration_data=choice.calibration_data, flags=choice.flags, samples_per_class=samples_per_class, calibration_size=choice.calibration_size,
         without=frozenset(name for name, wanted in ((pipeline_service.PYTORCH, pytorch), (pipeline_service.OPENVINO, openvino),
                                                     (pipeline_service.LITERT, litert)) if not wanted),

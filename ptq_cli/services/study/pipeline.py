@@ -27,7 +27,7 @@ import ptq_cli
 from ptq_cli import backends, bounded, settings
 from ptq_cli import cpu as cpu_info
 from ptq_cli.atomic import check_outside, check_writable, companions, write_text
-from ptq_cli.backends.model_file import resolve_threads
+from ptq_cli.backends.model_file import read_onnx, resolve_threads
 from ptq_cli.datasets import Dataset, open_dataset
 from ptq_cli.errors import PtqError
 from ptq_cli.inputs import PreprocessingFlags
@@ -66,7 +66,7 @@ RUN_EMULATED_IMAGES = 500
 
 @dataclass(frozen=True)
 class StudyOptions:
-    keras_model: Path | None  # the study's source; None when `model` is given
+    keras_model: Path | None  # the study's source (None: the MLPerf Tiny ResNet8's); not with `model`
     data_dir: Path
     model: Path | None = None  # a user's FP32 ONNX model: no Keras step, outputs named after it
     calibration_data: Path | None = None
@@ -458,12 +458,18 @@ def _manifest(options: StudyOptions, last_run: dict, stages: list[dict]) -> dict
     }
 
 
-def _check_options(options: StudyOptions) -> None:
+def _checked(options: StudyOptions) -> StudyOptions:
+    """The options checked before any stage runs, the study's Keras model filled in where no model is given."""
+    if options.model is not None and options.keras_model is not None:
+        raise PtqError("--model and --keras: give one source model, not both")
+    if options.model is not None:
+        read_onnx(options.model)
     calibration_service.check_seed(options.seed)
     for option, value in (("--samples-per-class", options.samples_per_class or 1), ("--runs", options.benchmark_runs)):
         if value < 1:
             raise PtqError(f"{option}: must be at least 1, got {value}")
     resolve_threads(options.threads)
+    return options if options.model is not None else replace(options, keras_model=options.keras_model or settings.keras_model_path())
 
 
 def run(
@@ -479,7 +485,7 @@ def run(
     entries: dict[str, dict] = {entry["name"]: entry for entry in previous.get("stages", [])}
     hashes = _Hashes()
     outcomes: list[StageOutcome] = []
-    _check_options(options)
+    options = _checked(options)
     stages = plan(options, render_markdown)
     content_keys: dict[tuple[str, str], str] = {}
 
