@@ -215,8 +215,6 @@ Cpus = _choices("Cpus", cpu_info.CPU_TARGETS)
 OverflowFix = _choices("OverflowFix", overflow.OVERFLOW_FIXES)
 Stem = _choices("Stem", stem_service.STEM_CHOICES)
 Rounding = _choices("Rounding", ROUNDING_CHOICES)
-# Each backend's own words, from the table.
-BACKENDS_HELP = ". ".join(f"{row.name}: {row.summary}" for row in backends.TABLE.values() if row.quantize is not None) + "."
 MODELS_HELP = f"Model file ({', '.join(backends.suffixes())}); repeat for several. (default: every model in models/)"
 Int8Path = _choices("Int8Path", evaluate_service.INT8_PATH_CHOICES)
 # Which CPUs a quantized model is for, and how it stays exact on those without VNNI (one block, shared).
@@ -385,17 +383,18 @@ NO_QUANTIZATION: Any = None  # a command's `quantization` before `_with_quantiza
 
 
 def _backend_option_parameter(name: str, owner: backends.Backend) -> inspect.Parameter:
-    item = next(item for item in dataclasses.fields(owner.options) if item.name == name)
+    options = owner.quantizes.options
+    item = next(item for item in dataclasses.fields(options) if item.name == name)
     meta = item.metadata
     kind = _choices(f"{owner.name}_{name}", meta["choices"]) if meta["choices"] else meta["cli"]
     bounded_number = {"min": meta["minimum"]} if meta["minimum"] is not None and kind in (int, float) else {}
-    option = typer.Option(*meta["flags"], help=meta["help"], show_default=False, rich_help_panel=owner.options.panel or None, **bounded_number)
+    option = typer.Option(*meta["flags"], help=meta["help"], show_default=False, rich_help_panel=options.panel or None, **bounded_number)
     return _option(name, Annotated[kind | None, option])
 
 
 def _backend_parameter() -> inspect.Parameter:
     names = _choices("Backend", backends.quantizers())
-    help_text = ". ".join(f"{row.name}: {row.summary}" for row in backends.TABLE.values() if row.quantize is not None) + "."
+    help_text = ". ".join(f"{row.name}: {row.summary}" for row in backends.TABLE.values() if row.quantizer is not None) + "."
     return _option("backend", Annotated[names, typer.Option(help=help_text)], names(backends.DEFAULT))
 
 

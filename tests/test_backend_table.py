@@ -21,7 +21,9 @@ from ptq_cli.backends.base import (
     BackendOptions,
     QuantizationSettings,
     QuantizedFile,
+    Quantizer,
     RunOptions,
+    Runtime,
     finish_load,
     option,
 )
@@ -99,8 +101,9 @@ def _load(path: Path, options: RunOptions):
                        sha256=hashlib.sha256(data).hexdigest(), stored=stored, declared_classes=classes)
 
 
-TOY = Backend(name="toy", suffixes=(".toy",), sniff=lambda head: head.startswith(MAGIC), load=_load, quantize=_quantize, format="TOY",
-              methods=("minmax",), per_channel=False, runtime_settings="onnxruntime session, simulated int8 weights", options=ToyOptions)
+TOY = Backend(name="toy", suffixes=(".toy",), sniff=lambda head: head.startswith(MAGIC), format="TOY",
+              quantizer=Quantizer(_quantize, methods=("minmax",), per_channel=False, options=ToyOptions),
+              runtime=Runtime(_load, settings="onnxruntime session, simulated int8 weights"))
 
 
 @pytest.fixture
@@ -147,7 +150,7 @@ def test_a_backend_registered_in_a_test_goes_through_quantize_evaluate_benchmark
                          "--json", cwd=project)
     assert benchmarked.exit_code == 0, benchmarked.output
     runs = {record["runtime"]: record for record in json.loads(benchmarked.stdout)}
-    assert runs["toy"]["runtime_settings"] == TOY.runtime_settings and runs["toy"]["speedup_vs_fp32"] is None  # no FP32 on its runtime
+    assert runs["toy"]["runtime_settings"] == TOY.runtime.settings and runs["toy"]["speedup_vs_fp32"] is None  # no FP32 on its runtime
     reported = invoke("report", "--json", cwd=project)
     assert reported.exit_code == 0, reported.output
     rows = {row["model"]: row for row in json.loads(reported.stdout)["groups"][0]["rows"]}

@@ -182,9 +182,9 @@ def test_quantize_loads_the_users_model_once(newcomer, monkeypatch):
 
     def counted(path, options):
         loads[str(path)] += 1
-        return row.load(path, options)
+        return row.runtime.load(path, options)
 
-    monkeypatch.setitem(backends.TABLE, "onnxruntime", dataclasses.replace(row, load=counted))
+    monkeypatch.setitem(backends.TABLE, "onnxruntime", dataclasses.replace(row, runtime=dataclasses.replace(row.runtime, load=counted)))
     for backend, suffix in (("onnxruntime", ".onnx"), ("pytorch", ".pt")):
         loads.clear()
         made = invoke("quantize", "--model", "yours.onnx", "--data", "my_images", "--backend", backend, "--output", f"q{suffix}", cwd=newcomer)

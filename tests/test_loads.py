@@ -20,11 +20,11 @@ def loads(monkeypatch, tmp_path) -> collections.Counter:
     counted: collections.Counter = collections.Counter()
     monkeypatch.setattr(backends, "TABLE", {**backends.TABLE})
     for name, row in list(backends.TABLE.items()):
-        def load(path, options, original=row.load):
+        def load(path, options, original=row.runtime.load):
             if Path(path).resolve().is_relative_to(tmp_path.resolve()):
                 counted[Path(path).name] += 1
             return original(path, options)
-        backends.TABLE[name] = dataclasses.replace(row, load=load)
+        backends.TABLE[name] = dataclasses.replace(row, runtime=dataclasses.replace(row.runtime, load=load))
     return counted
 
 

@@ -35,28 +35,28 @@ DEFAULT = onnxruntime.NAME
 
 
 def quantizers() -> tuple[str, ...]:
-    return tuple(name for name, row in TABLE.items() if row.quantize is not None)
+    return tuple(name for name, row in TABLE.items() if row.quantizer is not None)
 
 
 def runtimes() -> tuple[str, ...]:
     """Runtimes that run another backend's files when asked (`--runtime`), with the backends whose files they run."""
-    taken = {suffix for row in TABLE.values() for suffix in row.runs_suffixes}
-    return tuple(name for name, row in TABLE.items() if row.runs_suffixes or set(row.suffixes) & taken)
+    taken = {suffix for row in TABLE.values() for suffix in row.runtime.runs_suffixes}
+    return tuple(name for name, row in TABLE.items() if row.runtime.runs_suffixes or set(row.suffixes) & taken)
 
 
 def precisions() -> tuple[str, ...]:
-    return tuple(dict.fromkeys(precision for row in TABLE.values() for precision in row.precisions))
+    return tuple(dict.fromkeys(precision for row in TABLE.values() for precision in row.runtime.precisions))
 
 
 def methods() -> tuple[str, ...]:
-    return tuple(dict.fromkeys(method for row in TABLE.values() for method in row.methods))
+    return tuple(dict.fromkeys(method for row in TABLE.values() if row.quantizer is not None for method in row.quantizer.methods))
 
 
 def private_options() -> dict[str, tuple[Backend, ...]]:
     """Each setting only some quantizers take (a field of their Options) and those quantizers, in table order."""
     owners: dict[str, tuple[Backend, ...]] = {}
     for row in TABLE.values():
-        for item in fields(row.options) if row.quantize is not None else ():
+        for item in fields(row.quantizer.options) if row.quantizer is not None else ():
             owners[item.name] = (*owners.get(item.name, ()), row)
     return owners
 
@@ -108,7 +108,7 @@ def for_file(path: Path, runtime: str | None = None) -> Backend:
     if runtime not in runtimes():
         raise PtqError(f"--runtime: '{runtime}' is not one of {', '.join(runtimes())}")
     chosen = TABLE[runtime]
-    if found.suffix in chosen.runs_suffixes:
+    if found.suffix in chosen.runtime.runs_suffixes:
         return chosen
-    kinds = ", ".join(dict.fromkeys(chosen.suffixes + chosen.runs_suffixes))
+    kinds = ", ".join(dict.fromkeys(chosen.suffixes + chosen.runtime.runs_suffixes))
     raise PtqError(f"--runtime {runtime}: {path} is a model of {found.name}; {runtime} runs {kinds} files only")

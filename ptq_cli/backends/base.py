@@ -30,8 +30,8 @@ from ptq_cli.transforms.overflow import FIRST_LAYER, NO_FIX, OVERFLOW_FIXES
 
 ProgressCallback = Callable[[int, int], None]  # (images done, images in all): a backend's calibration progress
 
-EMULATE = "emulate"  # an int8 path reached by emulating a CPU of the other kind (Backend.int8_basis)
-INT4 = "int4"  # 4-bit weights (`--weight-dtype int4`), for a backend whose format holds them (Backend.int4_weights)
+EMULATE = "emulate"  # an int8 path reached by emulating a CPU of the other kind (Int8Paths.basis)
+INT4 = "int4"  # 4-bit weights (`--weight-dtype int4`), for a backend whose format holds them (Quantizer.int4_weights)
 # `--method auto`: the activation ranges each of these gives (method, percentile) are judged by the output on held-out
 # calibration images and the best kept (the percentiles clip the rare activations MinMax spends codes on).
 AUTO_METHOD = "auto"
@@ -264,18 +264,10 @@ def _fast_when_u8s8(settings: QuantizationSettings) -> bool:
 
 
 @dataclass(frozen=True)
-class Backend:
-    """One row of the backend table. A runtime-only row leaves `quantize` None; a quantizer whose models run
-    elsewhere does not exist (each backend runs what it writes)."""
+class Quantizer:
+    """A backend's quantizing side: how it quantizes, what it takes and decides, and how it is tuned."""
 
-    name: str
-    suffixes: tuple[str, ...]  # model files it writes (the first) and reads
-    sniff: Callable[[bytes], bool]  # whether a file's first bytes are this backend's
-    load: Callable[[Path, RunOptions], LoadedModel]
-    quantize: Callable[..., QuantizedFile] | None = None  # (onnx model, output, settings, calibration inputs, stored metadata, progress=)
-    read_input: Callable[[Path], ModelInput] | None = None  # the declared input without running the model, where that is cheap
-    format: str = ""  # what its quantized models are, in a word (QDQ, FX, IR, TFLite)
-    summary: str = ""  # how it quantizes and what it writes, for --backend's help
+    quantize: Callable[..., QuantizedFile]  # (onnx model, output, settings, calibration inputs, stored metadata, progress=)
     methods: tuple[str, ...] = ("minmax",)  # its calibration methods; the first is the default
     per_channel: bool = True  # its default weight granularity
     overflow_fixes: tuple[str, ...] = (FIRST_LAYER, *[fix for fix in OVERFLOW_FIXES if fix != FIRST_LAYER])  # the first is the default
@@ -286,6 +278,10 @@ class Backend:
     describe: Callable[[dict[str, Any]], str] | None = None  # its settings in a few words (else the common description)
     overflow_words: Callable[[dict[str, Any]], dict[str, str]] = lambda settings: {}  # how a model's settings keep each fix, if not the common words
     output_name: Callable[[str, QuantizationSettings], str] | None = None  # default output file name for a model's stem
+    float_stem: bool = True  # whether it can leave the stem in float (`QuantizationSettings.stem`)
+    learned_rounding: bool = False  # whether its quantize refines the weights' rounding (`QuantizationSettings.rounding`)
+    int4_weights: bool = False  # whether it writes 4-bit weights (`--weight-dtype int4`)
+    fast_on_x86: Callable[[QuantizationSettings], bool] = _fast_when_u8s8  # its x86 fast configuration
     # Tuning: `tune_refused` says why tune does not search it (and what to use instead); `tune_grid` gives
     # its own first-stage candidates (make_settings' options), else the common grid of `tune_methods` x
     # `granularities` x weight types; float layers come from `float_layers` (each tried alone) if it has
@@ -295,23 +291,46 @@ class Backend:
     tune_methods: tuple[str, ...] | None = None  # searched by default (else all its methods)
     granularities: tuple[bool, ...] = (True, False)  # per-channel, per-tensor: what it can do
     leaves_layers_float: bool = True
-    float_stem: bool = True  # whether it can leave the stem in float (`QuantizationSettings.stem`)
-    learned_rounding: bool = False  # whether its quantize refines the weights' rounding (`QuantizationSettings.rounding`)
-    int4_weights: bool = False  # whether it writes 4-bit weights (`--weight-dtype int4`)
     float_layers: Callable[[Any], list[str]] | None = None
-    fast_on_x86: Callable[[QuantizationSettings], bool] = _fast_when_u8s8  # its x86 fast configuration
-    # Runtime side.
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """A backend's running side: how it loads a model and how it runs."""
+
+    load: Callable[[Path, RunOptions], LoadedModel]
+    settings: str = ""  # how ptq runs it, for benchmark records
     runs_suffixes: tuple[str, ...] = ()  # other backends' files it also runs when asked (`--runtime`)
     precisions: tuple[str, ...] = ()  # its inference precision hints; the first is the default
-    int8_kernels_vary: bool = False  # whether its x86 int8 kernels differ between CPUs with and without VNNI
-    # Where int8 kernels vary: whether the path this CPU does not take can be scored here, for a model
-    # made with an overflow fix (`reaches_int8_path(overflow_fix, path)`), and how (`int8_basis(model
-    # file, its settings, path)`: words for the record, or "emulate"; a PtqError where it cannot).
-    reaches_int8_path: Callable[[str | None, str], bool] = lambda overflow_fix, path: False
-    int8_basis: Callable[[Path, dict | None, str], str] | None = None
     spins_when_idle: bool = False  # its idle threads spin after a run: benchmarked apart from the others
     microcontroller: bool = False  # runs the kernels a microcontroller runs: `ptq run` scores every file it takes on it too
-    runtime_settings: str = ""  # how ptq runs it, for benchmark records
+
+
+@dataclass(frozen=True)
+class Int8Paths:
+    """A runtime whose x86 int8 kernels differ between CPUs with and without VNNI: whether the path this CPU does
+    not take can be scored here for a model made with an overflow fix (`reaches(overflow_fix, path)`), and how
+    (`basis(model file, its settings, path)`: words for the record, or EMULATE; a PtqError where it cannot)."""
+
+    reaches: Callable[[str | None, str], bool]
+    basis: Callable[[Path, dict | None, str], str]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One row of the backend table: a file kind, its runtime, and, for most, its quantizer and int8 paths. A
+    runtime-only row has no quantizer; a quantizer whose models run elsewhere does not exist (each backend runs
+    what it writes)."""
+
+    name: str
+    suffixes: tuple[str, ...]  # model files it writes (the first) and reads
+    sniff: Callable[[bytes], bool]  # whether a file's first bytes are this backend's
+    runtime: Runtime
+    quantizer: Quantizer | None = None
+    int8_paths: Int8Paths | None = None  # where its x86 int8 kernels differ by CPU
+    format: str = ""  # what its models are, in a word (QDQ, FX, IR, TFLite)
+    summary: str = ""  # what it does, for --backend's help
+    read_input: Callable[[Path], ModelInput] | None = None  # the declared input without running the model, where that is cheap
     available: Callable[[], bool] = lambda: True
     companion_suffixes: tuple[str, ...] = ()  # files kept beside its model file, part of the model (an IR's .bin)
     catch_all: bool = False  # takes any file no other backend claims (and then says if it is not its kind)
@@ -321,9 +340,16 @@ class Backend:
     def suffix(self) -> str:
         return self.suffixes[0]
 
+    @property
+    def quantizes(self) -> Quantizer:
+        """Its quantizer; a PtqError for a runtime-only row."""
+        if self.quantizer is None:
+            raise PtqError(f"--backend {self.name}: runs models but does not quantize them")
+        return self.quantizer
+
     def default_output(self, model: Path, settings: QuantizationSettings, directory: Path) -> Path:
-        stem = Path(model).stem
-        name = self.output_name(stem, settings) if self.output_name else f"{stem}_{self.name}_{settings.dtype}{self.suffix}"
+        stem, output_name = Path(model).stem, self.quantizes.output_name
+        name = output_name(stem, settings) if output_name else f"{stem}_{self.name}_{settings.dtype}{self.suffix}"
         return Path(directory) / name
 
     def tuned_output(self, model: Path, dtype: str) -> Path:
@@ -332,8 +358,9 @@ class Backend:
 
 
 def _bare(backend: Backend, dtype: str) -> QuantizationSettings:
-    return QuantizationSettings(backend.name, backend.format, dtype, dtype, backend.per_channel, backend.methods[0], None, True,
-                                options=backend.options())
+    quantizer = backend.quantizes
+    return QuantizationSettings(backend.name, backend.format, dtype, dtype, quantizer.per_channel, quantizer.methods[0], None, True,
+                                options=quantizer.options())
 
 
 READ_FROM_METADATA: Any = object()  # finish_load's quantization: the settings stored in the model

@@ -36,7 +36,9 @@ from ptq_cli.backends.base import (
     ProgressCallback,
     QuantizationSettings,
     QuantizedFile,
+    Quantizer,
     RunOptions,
+    Runtime,
     chosen_method,
     finish_load,
     held_out_mask,
@@ -723,15 +725,18 @@ def _output_name(stem: str, settings: QuantizationSettings) -> str:
 
 
 BACKEND = Backend(
-    NAME, (SUFFIX,), sniff, load, quantize, format=FORMAT, available=available,
-    summary="the TFLite converter, full-integer int8 .tflite for TFLite Micro",
-    # Quantizing: the TFLite converter's min/max, or ptq's percentile rule (onnxruntime's histogram collector) on
-    # the same tensors, by default whichever measures best (_choose_method); XNNPACK widens to int16 before adding, so no overflow fix.
-    methods=(AUTO_METHOD, "minmax", "percentile"), per_channel=True, overflow_fixes=(NO_FIX,), float_stem=False,  # full-integer: every layer int8
-    int4_weights=True,  # TFLite's INT4 filters (transforms/int4.py)
-    learned_rounding=True,  # _refined: GPTQ int8 codes and bias correction (transforms/tflite_rounding.py)
-    options=Options, describe=_describe, output_name=_output_name,
-    tune_refused="--backend litert: tune searches onnxruntime, pytorch and openvino; for TFLite use ptq quantize --backend litert "
-                 "(--method, --per-tensor, --ranges-from a tuned onnxruntime model)",
-    runtime_settings="ai-edge-litert Interpreter with its default XNNPACK delegate, num_threads threads, a fixed batch run that many images per invoke",
+    NAME, (SUFFIX,), sniff, format=FORMAT, available=available, summary="the TFLite converter, full-integer int8 .tflite for TFLite Micro",
+    quantizer=Quantizer(
+        # The TFLite converter's min/max, or ptq's percentile rule (onnxruntime's histogram collector) on the same tensors, by
+        # default whichever measures best (_choose_method); XNNPACK widens to int16 before adding, so no overflow fix.
+        quantize, methods=(AUTO_METHOD, "minmax", "percentile"), per_channel=True, overflow_fixes=(NO_FIX,),
+        float_stem=False,  # full-integer: every layer int8
+        int4_weights=True,  # TFLite's INT4 filters (transforms/int4.py)
+        learned_rounding=True,  # _refined: GPTQ int8 codes and bias correction (transforms/tflite_rounding.py)
+        options=Options, describe=_describe, output_name=_output_name,
+        tune_refused="--backend litert: tune searches onnxruntime, pytorch and openvino; for TFLite use ptq quantize --backend litert "
+                     "(--method, --per-tensor, --ranges-from a tuned onnxruntime model)",
+    ),
+    runtime=Runtime(load, settings="ai-edge-litert Interpreter with its default XNNPACK delegate, num_threads threads, a fixed batch run that "
+                                   "many images per invoke"),
 )

@@ -24,11 +24,14 @@ from ptq_cli.backends.base import (
     EMULATE,
     METHOD_CANDIDATES,
     Backend,
+    Int8Paths,
     LoadedModel,
     ProgressCallback,
     QuantizationSettings,
     QuantizedFile,
+    Quantizer,
     RunOptions,
+    Runtime,
     chosen_method,
     finish_load,
     held_out_split,
@@ -690,20 +693,22 @@ def read_input(path: Path) -> inputs.ModelInput:
 
 
 BACKEND = Backend(
-    NAME, (SUFFIX,), sniff, load, quantize, format="QDQ", catch_all=True, read_input=read_input,
-    summary="quantize_static, QDQ",
-    # Quantizing: the seed study's per-tensor default, its activation ranges chosen by measurement (choose_method).
-    # Entropy is not tuned: quantize_static does not pass a histogram size to it, and with its default 128 bins
-    # equal to its 128 quantized bins the KL search has a single candidate, the full range (the MinMax model).
-    methods=(AUTO_METHOD, "minmax", "entropy", "percentile"), tune_methods=("minmax", "percentile"), per_channel=False,
-    overflow_fixes=(overflow.FIRST_LAYER, overflow.ALL_LAYERS), clamped_overflow_fix=overflow.ALL_LAYERS, options=Options,
-    output_name=_output_name,
-    # onnxruntime's x86 int8 kernels (VNNI) multiply unsigned activations by signed weights; int8 x int8
-    # and uint8 x uint8 fall back to slower paths. Per-channel weights keep the accuracy.
-    speed_target={"dtype": "uint8", "weight_dtype": "int8", "per_channel": True},
-    speed_by_default=True,
-    learned_rounding=True,  # refine_rounding: GPTQ codes and bias correction on the QDQ model
-    # Running: its exact u8 x s8 kernels have a session switch.
-    int8_kernels_vary=True, reaches_int8_path=lambda overflow_fix, int8_path: True, int8_basis=_int8_basis,
-    runtime_settings="CPUExecutionProvider, 1 intra-op thread per run, allow_spinning 0, one shard per thread",
+    NAME, (SUFFIX,), sniff, format="QDQ", catch_all=True, read_input=read_input, summary="quantize_static, QDQ",
+    quantizer=Quantizer(
+        quantize,
+        # The seed study's per-tensor default, its activation ranges chosen by measurement (choose_method).
+        # Entropy is not tuned: quantize_static does not pass a histogram size to it, and with its default 128 bins
+        # equal to its 128 quantized bins the KL search has a single candidate, the full range (the MinMax model).
+        methods=(AUTO_METHOD, "minmax", "entropy", "percentile"), tune_methods=("minmax", "percentile"), per_channel=False,
+        overflow_fixes=(overflow.FIRST_LAYER, overflow.ALL_LAYERS), clamped_overflow_fix=overflow.ALL_LAYERS, options=Options,
+        output_name=_output_name,
+        # onnxruntime's x86 int8 kernels (VNNI) multiply unsigned activations by signed weights; int8 x int8
+        # and uint8 x uint8 fall back to slower paths. Per-channel weights keep the accuracy.
+        speed_target={"dtype": "uint8", "weight_dtype": "int8", "per_channel": True},
+        speed_by_default=True,
+        learned_rounding=True,  # refine_rounding: GPTQ codes and bias correction on the QDQ model
+    ),
+    runtime=Runtime(load, settings="CPUExecutionProvider, 1 intra-op thread per run, allow_spinning 0, one shard per thread"),
+    # Its exact u8 x s8 kernels have a session switch: the other path is always reached.
+    int8_paths=Int8Paths(reaches=lambda overflow_fix, int8_path: True, basis=_int8_basis),
 )

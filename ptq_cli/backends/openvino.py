@@ -26,7 +26,18 @@ import numpy as np
 from ptq_cli import inputs
 from ptq_cli.backends import base
 from ptq_cli.backends import onnxruntime as qdq
-from ptq_cli.backends.base import Backend, LoadedModel, ProgressCallback, QuantizationSettings, QuantizedFile, RunOptions, finish_load, float_parts
+from ptq_cli.backends.base import (
+    Backend,
+    LoadedModel,
+    ProgressCallback,
+    QuantizationSettings,
+    QuantizedFile,
+    Quantizer,
+    RunOptions,
+    Runtime,
+    finish_load,
+    float_parts,
+)
 from ptq_cli.backends.base import describe_settings as describe_qdq_settings
 from ptq_cli.backends.model_file import in_fixed_batches, metadata_object, model_input, num_classes, read_bytes, read_onnx, resolve_threads
 from ptq_cli.errors import PtqError
@@ -402,16 +413,18 @@ def _fast_on_x86(settings: QuantizationSettings) -> bool:
 
 
 BACKEND = Backend(
-    NAME, (SUFFIX,), sniff, load, quantize, format="IR", available=available, companion_suffixes=(".bin",),
+    NAME, (SUFFIX,), sniff, format="IR", available=available, companion_suffixes=(".bin",),
     summary="onnxruntime QDQ (learned rounding) or, with --method nncf, nncf.quantize; saved as OpenVINO IR (.xml + .bin)",
-    # Quantizing: ptq's onnxruntime route with its calibration methods and defaults (per-tensor unless the
-    # model has depthwise convolutions, the pair rule, learned rounding), or NNCF: min/max statistics of
-    # its preset, then bias correction, weights per channel. Tune searches NNCF's settings.
-    methods=(*qdq.BACKEND.methods, NNCF), tune_methods=(NNCF,), per_channel=False, granularities=(True,),
-    overflow_fixes=(FIRST_LAYER, ALL_LAYERS), clamped_overflow_fix=ALL_LAYERS, learned_rounding=True,
-    options=Options, describe=_describe, tune_grid=_tune_grid, float_layers=layers, fast_on_x86=_fast_on_x86,
-    overflow_words=_overflow_words,
-    # Running: ONNX files too (`--runtime openvino`), always with a precision hint.
-    runs_suffixes=(".onnx",), precisions=PRECISIONS,
-    runtime_settings="CPU plugin, INFERENCE_NUM_THREADS threads, one synchronous infer request, compiled for each batch size",
+    quantizer=Quantizer(
+        # ptq's onnxruntime route with its calibration methods and defaults (per-tensor unless the model has depthwise
+        # convolutions, the pair rule, learned rounding), or NNCF: min/max statistics of its preset, then bias correction,
+        # weights per channel. Tune searches NNCF's settings.
+        quantize, methods=(*qdq.BACKEND.quantizes.methods, NNCF), tune_methods=(NNCF,), per_channel=False, granularities=(True,),
+        overflow_fixes=(FIRST_LAYER, ALL_LAYERS), clamped_overflow_fix=ALL_LAYERS, learned_rounding=True,
+        options=Options, describe=_describe, tune_grid=_tune_grid, float_layers=layers, fast_on_x86=_fast_on_x86,
+        overflow_words=_overflow_words,
+    ),
+    # ONNX files too (`--runtime openvino`), always with a precision hint.
+    runtime=Runtime(load, runs_suffixes=(".onnx",), precisions=PRECISIONS,
+                    settings="CPU plugin, INFERENCE_NUM_THREADS threads, one synchronous infer request, compiled for each batch size"),
 )

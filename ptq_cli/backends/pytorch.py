@@ -20,11 +20,14 @@ from ptq_cli.backends import onnxruntime as ort_backend
 from ptq_cli.backends.base import (
     EMULATE,
     Backend,
+    Int8Paths,
     LoadedModel,
     ProgressCallback,
     QuantizationSettings,
     QuantizedFile,
+    Quantizer,
     RunOptions,
+    Runtime,
     describe_settings,
     finish_load,
 )
@@ -416,14 +419,15 @@ def _int8_basis(path: Path, settings: dict | None, int8_path: str) -> str:
 
 
 BACKEND = Backend(
-    NAME, (SUFFIX,), sniff, load, quantize, format="FX", suffix_decides=True,
-    summary="torch.ao FX graph mode, x86 engine, saved as TorchScript",
-    # Quantizing: PyTorch's x86 default is per-channel; FX quantizes every layer it can.
-    methods=("histogram", "minmax"), per_channel=True, leaves_layers_float=False,
-    overflow_fixes=(overflow.FIRST_LAYER, overflow.ALL_LAYERS), clamped_overflow_fix=overflow.ALL_LAYERS,
-    overflow_words=lambda settings: {overflow.ALL_LAYERS: "7-bit activations"},
-    options=Options, describe=_describe,
-    # Running: fbgemm's kernels differ by CPU, with no switch; its OpenMP threads spin after a run.
-    int8_kernels_vary=True, reaches_int8_path=_reaches_int8_path, int8_basis=_int8_basis, spins_when_idle=True,
-    runtime_settings="torch.set_num_threads(threads), chunks of 64 images",
+    NAME, (SUFFIX,), sniff, format="FX", suffix_decides=True, summary="torch.ao FX graph mode, x86 engine, saved as TorchScript",
+    quantizer=Quantizer(
+        # PyTorch's x86 default is per-channel; FX quantizes every layer it can.
+        quantize, methods=("histogram", "minmax"), per_channel=True, leaves_layers_float=False,
+        overflow_fixes=(overflow.FIRST_LAYER, overflow.ALL_LAYERS), clamped_overflow_fix=overflow.ALL_LAYERS,
+        overflow_words=lambda settings: {overflow.ALL_LAYERS: "7-bit activations"},
+        options=Options, describe=_describe,
+    ),
+    # fbgemm's kernels differ by CPU, with no switch; its OpenMP threads spin after a run.
+    runtime=Runtime(load, settings="torch.set_num_threads(threads), chunks of 64 images", spins_when_idle=True),
+    int8_paths=Int8Paths(reaches=_reaches_int8_path, basis=_int8_basis),
 )

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ptq_cli.backends import litert, tflm_kernels
-from ptq_cli.backends.base import Backend, LoadedModel, RunOptions, finish_load
+from ptq_cli.backends.base import Backend, LoadedModel, RunOptions, Runtime, finish_load
 from ptq_cli.backends.model_file import model_input, num_classes, read_bytes, resolve_threads
 from ptq_cli.backends.tflm_interpreter import arena_bytes, available, fitted_interpreter
 from ptq_cli.errors import PtqError
@@ -149,10 +149,10 @@ def load(path: Path, options: RunOptions) -> LoadedModel:
 
 
 BACKEND = Backend(
-    NAME, (litert.SUFFIX,), lambda head: False, load, available=available, format=litert.FORMAT,
+    NAME, (litert.SUFFIX,), lambda head: False, available=available, format=litert.FORMAT,
     summary="TensorFlow Lite Micro's reference kernels (what a microcontroller runs): runs .tflite files",
-    runs_suffixes=(litert.SUFFIX,), microcontroller=True,
-    runtime_settings="TFLM reference kernels: ptq's numpy copy where it has the model's ops (the tflite-micro Python interpreter checks the first "
-                     f"{VERIFIED_IMAGES} images of every call byte for byte, and runs the model where they differ), else the interpreter, "
-                     "one image per invoke, calls split across threads worker processes",
+    runtime=Runtime(load, runs_suffixes=(litert.SUFFIX,), microcontroller=True,
+                    settings="TFLM reference kernels: ptq's numpy copy where it has the model's ops (the tflite-micro Python interpreter checks the "
+                             f"first {VERIFIED_IMAGES} images of every call byte for byte, and runs the model where they differ), else the "
+                             "interpreter, one image per invoke, calls split across threads worker processes"),
 )

@@ -67,7 +67,7 @@ def measure_arena(model: Path) -> int | None:
     as it measures it; None where none is installed. A model it cannot run is refused in one line."""
     from ptq_cli.services.models import load_model
 
-    rows = [row for row in backends.TABLE.values() if row.microcontroller and row.available()]
+    rows = [row for row in backends.TABLE.values() if row.runtime.microcontroller and row.available()]
     return load_model(model, 1, runtime=rows[0].name).info.arena_bytes if rows else None
 
 

@@ -48,11 +48,12 @@ def load_model(path: Path, threads: int | None = None, flags: inputs.Preprocessi
     a file on another runtime that takes it (an ONNX file on OpenVINO), with the `precision` hint;
     `exact_int8` asks a runtime with a switch for its exact u8 x s8 kernels on a CPU without VNNI."""
     backend = backends.for_file(path, runtime)
-    if precision is not None and precision not in backend.precisions:
-        takes = f"one of {', '.join(backend.precisions)}" if backend.precisions else f"none: {path} runs on {backend.name}"
+    precisions = backend.runtime.precisions
+    if precision is not None and precision not in precisions:
+        takes = f"one of {', '.join(precisions)}" if precisions else f"none: {path} runs on {backend.name}"
         raise PtqError(f"--precision: '{precision}' is not a precision hint of {backend.name} (it takes {takes})")
     bound = bounded.CALL_SECONDS.value()
     # Loading runs the model once on a probe image: a graph that never ends is reported, not waited on.
     stuck = f"{path}: loading it and running one image did not finish within {bound:,} s (raise {bounded.CALL_SECONDS.env} if it is only slow)"
     with hardstop.deadline(bound, stuck):
-        return backend.load(Path(path), RunOptions(threads, flags or inputs.PreprocessingFlags(), precision, exact_int8))
+        return backend.runtime.load(Path(path), RunOptions(threads, flags or inputs.PreprocessingFlags(), precision, exact_int8))

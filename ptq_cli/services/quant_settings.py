@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ptq_cli import backends
-from ptq_cli.backends.base import INT4, CommonChoices, QuantizationSettings, describe_settings, short_node
+from ptq_cli.backends.base import INT4, CommonChoices, QuantizationSettings, Quantizer, describe_settings, short_node
 from ptq_cli.cpu import ALL, CPU_TARGETS, VNNI
 from ptq_cli.errors import PtqError
 from ptq_cli.services.stem import check_stem
@@ -33,7 +33,7 @@ def _refuse_foreign_options(row: backends.Backend, given: dict[str, Any]) -> Non
             raise TypeError(f"make_settings: no backend takes an option '{name}'")
         if value in (None, False, ()) or row in owners[name]:
             continue
-        first = owners[name][0].options
+        first = owners[name][0].quantizes.options
         raise PtqError(f"{first.flag(name)}: {first.word or 'an option of ' + owners[name][0].name}; "
                        f"applies to --backend {' or '.join(owner.name for owner in owners[name])}")
 
@@ -58,30 +58,31 @@ def make_settings(
     (onnxruntime); with a type and no target, the weights follow the activations' type; a target's preset fills
     in what the options leave open; `options` are the backend's own (its Options' fields), which settle the rest."""
     row = backends.backend(backend)
-    if row.quantize is None:
+    if row.quantizer is None:
         raise PtqError(f"--backend {backend}: runs models but does not quantize them (quantizers: {', '.join(backends.quantizers())})")
+    quantizer = row.quantizer
     if target is not None and target not in TARGETS:
         raise PtqError(f"--target: '{target}' is not one of {', '.join(TARGETS)}")
     _refuse_foreign_options(row, options)
-    if target is None and dtype is None and weight_dtype is None and row.speed_by_default:
+    if target is None and dtype is None and weight_dtype is None and quantizer.speed_by_default:
         target = "speed"
-    targeted = row.speed_target if target else {}
+    targeted = quantizer.speed_target if target else {}
     dtype, weight_dtype = _types(dtype or targeted.get("dtype") or DEFAULT_DTYPE, weight_dtype or targeted.get("weight_dtype"))
-    if weight_dtype == INT4 and not row.int4_weights:
+    if weight_dtype == INT4 and not quantizer.int4_weights:
         raise PtqError(f"--weight-dtype int4: 4-bit weights are written by --backend "
-                       f"{' or '.join(other.name for other in backends.TABLE.values() if other.int4_weights)}")
+                       f"{' or '.join(other.name for other in backends.TABLE.values() if other.quantizer and other.quantizer.int4_weights)}")
     given = CommonChoices(dtype, weight_dtype, targeted.get("per_channel") if per_channel is None else per_channel, method or targeted.get("method"),
                           rounding, float_nodes=tuple(float_nodes))
-    own, common = row.options.from_given(options).settle(given)
+    own, common = quantizer.options.from_given(options).settle(given)
     # The backend may infer the method from its own options; a percentile alone asks for percentile calibration.
-    method = common.method or ("percentile" if percentile is not None and "percentile" in row.methods else row.methods[0])
-    if method not in row.methods:
-        raise PtqError(f"--method: '{method}' is not a {backend} calibration method ({', '.join(row.methods)})")
+    method = common.method or ("percentile" if percentile is not None and "percentile" in quantizer.methods else quantizer.methods[0])
+    if method not in quantizer.methods:
+        raise PtqError(f"--method: '{method}' is not a {backend} calibration method ({', '.join(quantizer.methods)})")
     cpus, overflow_fix = _cpus(row, cpus, overflow_fix)
     return QuantizationSettings(
         # A backend whose default is per-tensor leaves it to the model (quantize.resolve_model_defaults).
         backend=backend, format=row.format, dtype=dtype, weight_dtype=weight_dtype,
-        per_channel=(row.per_channel or None) if common.per_channel is None else common.per_channel,
+        per_channel=(quantizer.per_channel or None) if common.per_channel is None else common.per_channel,
         method=method, percentile=_percentile(method, percentile), preprocess=preprocess, target=target, float_nodes=common.float_nodes, cpus=cpus,
         overflow_fix=common.overflow_fix or overflow_fix,  # the backend's own say first (onnxruntime's u8 x u8 kernel needs no fix)
         stem=check_stem(stem, backend),  # None: measured when quantizing (services/stem.py)
@@ -108,10 +109,10 @@ def check_rounding(rounding: str | None, row: backends.Backend) -> str | None:
     for a backend that does not refine its weights."""
     if rounding not in (None, *ROUNDING_CHOICES):
         raise PtqError(f"--rounding: '{rounding}' is not one of {', '.join(ROUNDING_CHOICES)}")
-    if not row.learned_rounding:
+    if not row.quantizes.learned_rounding:
         if rounding == LEARNED:
-            raise PtqError(f"--rounding learned: --backend {row.name} rounds its weights to nearest (learned rounding: --backend "
-                           f"{' or '.join(other.name for other in backends.TABLE.values() if other.learned_rounding)})")
+            learns = [other.name for other in backends.TABLE.values() if other.quantizer and other.quantizer.learned_rounding]
+            raise PtqError(f"--rounding learned: --backend {row.name} rounds its weights to nearest (learned rounding: --backend {' or '.join(learns)})")
         return NEAREST
     return None if rounding in (None, AUTO_ROUNDING) else rounding
 
@@ -147,11 +148,12 @@ def _cpus(row: backends.Backend, cpus: str | None, overflow_fix: str | None) -> 
         if overflow_fix not in (None, NO_FIX):
             raise PtqError(f"--overflow-fix {overflow_fix}: --cpus vnni keeps the full 8-bit range; the fix is for --cpus all")
         return cpus, NO_FIX
-    if overflow_fix is None and row.clamped_overflow_fix is not None:
+    quantizer = row.quantizes
+    if overflow_fix is None and quantizer.clamped_overflow_fix is not None:
         return cpus, None
-    overflow_fix = overflow_fix or row.overflow_fixes[0]
-    if overflow_fix not in row.overflow_fixes:
-        raise PtqError(f"--overflow-fix: {row.name} takes {', '.join(row.overflow_fixes)}")
+    overflow_fix = overflow_fix or quantizer.overflow_fixes[0]
+    if overflow_fix not in quantizer.overflow_fixes:
+        raise PtqError(f"--overflow-fix: {row.name} takes {', '.join(quantizer.overflow_fixes)}")
     return cpus, overflow_fix
 
 
@@ -164,9 +166,9 @@ def describe_pruning(pruning: dict | None) -> str:
     return f"pruned {pruning['sparsity']:.0%} {pruning['scope']}{refit}" + (f" (dense: {', '.join(kept)})" if kept else "")
 
 
-def _row_of(settings: dict) -> backends.Backend | None:
-    """The backend whose models have this format (settings are stored with the format, not always the backend)."""
-    return next((row for row in backends.TABLE.values() if row.format == settings.get("format")), None)
+def _quantizer_of(settings: dict) -> Quantizer | None:
+    """The quantizer whose models have this format (settings are stored with the format, not always the backend)."""
+    return next((row.quantizer for row in backends.TABLE.values() if row.quantizer and row.format == settings.get("format")), None)
 
 
 def describe_cpus(settings: dict | None) -> str:
@@ -174,8 +176,8 @@ def describe_cpus(settings: dict | None) -> str:
     if not settings or "cpus" not in settings:
         return ""
     fix = settings.get("overflow_fix") or NO_FIX
-    row = _row_of(settings)
-    how = {**COMMON_OVERFLOW_WORDS, **(row.overflow_words(settings) if row else {})}
+    quantizer = _quantizer_of(settings)
+    how = {**COMMON_OVERFLOW_WORDS, **(quantizer.overflow_words(settings) if quantizer else {})}
     target = "all CPUs" if settings["cpus"] == ALL else f"{settings['cpus']} CPUs"
     return f"{target} ({how[fix]})" if fix in how else target
 
@@ -184,8 +186,8 @@ def describe_quantization(settings: dict | None) -> str:
     """How a model was quantized, in a few words, from its stored settings (a dict: records hold JSON)."""
     if not settings:
         return "float"
-    row = _row_of(settings)
-    described = row.describe(settings) if row is not None and row.describe is not None else describe_settings(settings)
+    quantizer = _quantizer_of(settings)
+    described = quantizer.describe(settings) if quantizer is not None and quantizer.describe is not None else describe_settings(settings)
     return ", ".join(part for part in (described, describe_cpus(settings)) if part)
 
 

@@ -77,9 +77,9 @@ def resolve_model_defaults(settings: QuantizationSettings, model) -> Quantizatio
     if settings.per_channel is None:
         settings = replace(settings, per_channel=bool(depthwise_convs(model)))
     if settings.overflow_fix is None:
-        row = backends.backend(settings.backend)
-        clamped = row.clamped_overflow_fix is not None and bool(clamped_activations(model))
-        settings = replace(settings, overflow_fix=row.clamped_overflow_fix if clamped else row.overflow_fixes[0])
+        quantizer = backends.backend(settings.backend).quantizes
+        clamped = quantizer.clamped_overflow_fix is not None and bool(clamped_activations(model))
+        settings = replace(settings, overflow_fix=quantizer.clamped_overflow_fix if clamped else quantizer.overflow_fixes[0])
     return settings
 
 
@@ -109,11 +109,9 @@ def quantize_source(source: SourceModel, output: Path, settings: QuantizationSet
         inputs.INPUT_METADATA_KEY: source.loaded.preprocessing.to_json(),
         SOURCE_METADATA_KEY: source.loaded.info.sha256,
     }
-    row = backends.backend(settings.backend)
-    if row.quantize is None:
-        raise PtqError(f"--backend {row.name}: runs models but does not quantize them")
+    quantize_with = backends.backend(settings.backend).quantizes.quantize
     # A backend reports its calibration's progress if it takes a `progress` callback (a plugin's may not).
-    return row.quantize(source.model, Path(output), settings, prepared, stored, **({"progress": progress} if progress else {}))
+    return quantize_with(source.model, Path(output), settings, prepared, stored, **({"progress": progress} if progress else {}))
 
 
 def with_calibration(settings: QuantizationSettings, calibration: CalibrationSet) -> QuantizationSettings:

@@ -34,7 +34,7 @@ def check_stem(stem: str | None, backend: str) -> str | None:
         return None
     if stem not in STEM_CHOICES:
         raise PtqError(f"--stem: '{stem}' is not one of {', '.join(STEM_CHOICES)}")
-    if stem == FLOAT and not backends.backend(backend).float_stem:
+    if stem == FLOAT and not backends.backend(backend).quantizes.float_stem:
         raise PtqError(f"--stem float: --backend {backend} quantizes every layer to int8")
     return stem
 
@@ -112,7 +112,7 @@ def resolve_stem(settings: QuantizationSettings, model, images: np.ndarray, cost
     else measured (`costs` caches the measurement per granularity, weight type and fix)."""
     if settings.stem is not None:
         return settings
-    if not backends.backend(settings.backend).float_stem:
+    if not backends.backend(settings.backend).quantizes.float_stem:
         return replace(settings, stem=INT8)
     costs = {} if costs is None else costs
     key = (bool(settings.per_channel), settings.weight_dtype, settings.overflow_fix in overflow.OVERFLOW_FIXES, settings.preprocess)

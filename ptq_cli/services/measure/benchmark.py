@@ -138,7 +138,7 @@ def _timed_in_turns(models: list[LoadedModel], batches: list[np.ndarray], warmup
                 step()
 
     runtimes = [model.info.runtime for model in models]
-    spinning = {runtime for runtime in runtimes if backends.backend(runtime).spins_when_idle}
+    spinning = {runtime for runtime in runtimes if backends.backend(runtime).runtime.spins_when_idle}
     quiet = [index for index, runtime in enumerate(runtimes) if runtime not in spinning]
     # Batch 1: each runtime's models in turns among themselves. Between another runtime's runs a
     # runtime's worker threads fall asleep, and each call would pay their wake-up, which a model serving
@@ -176,7 +176,7 @@ def _record(model: LoadedModel, latency: list[float], seconds: list[float], thre
         images_per_second=round(batch_size / float(np.median(seconds)), 1),
         timestamp=timestamp,
         tool_version=ptq_cli.__version__,
-        runtime_settings=backends.backend(model.info.runtime).runtime_settings
+        runtime_settings=backends.backend(model.info.runtime).runtime.settings
         + (f", precision hint {model.info.precision}" if model.info.precision else ""),
         precision=model.info.precision,
         cpu=cpu_info.current().as_record(),

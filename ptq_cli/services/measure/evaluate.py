@@ -150,8 +150,8 @@ def _predict(model: LoadedModel, images: np.ndarray, batch_size: int, model_path
 
 def _int8_plan(model: LoadedModel, wanted: str | None, cpu: cpu_info.Cpu, model_path: Path) -> tuple[str | None, str]:
     """(int8 path the figure holds for, how it is reached) for a model on this CPU."""
-    row = backends.backend(model.info.runtime)
-    if model.info.dtype == "fp32" or not row.int8_kernels_vary or row.int8_basis is None:
+    paths = backends.backend(model.info.runtime).int8_paths
+    if model.info.dtype == "fp32" or paths is None:
         if wanted not in (None, cpu.int8_path):
             raise PtqError(f"--int8-path {wanted}: {model_path} is not an 8-bit model of a runtime whose kernels differ by x86 CPU "
                            "(its figures hold on every x86 CPU)")
@@ -159,14 +159,14 @@ def _int8_plan(model: LoadedModel, wanted: str | None, cpu: cpu_info.Cpu, model_
     wanted = wanted or cpu.int8_path
     if wanted == cpu.int8_path:
         return wanted, NATIVE
-    return wanted, row.int8_basis(model_path, model.info.quantization, wanted)
+    return wanted, paths.basis(model_path, model.info.quantization, wanted)
 
 
 def other_path_measurable(runtime: str, overflow_fix: str | None, int8_path: str) -> bool:
     """Whether an 8-bit model of `runtime` made with `overflow_fix` can be scored on `int8_path` on this
     CPU (PyTorch's exact path away from a VNNI CPU only by proof)."""
-    row = backends.backend(runtime)
-    return row.int8_kernels_vary and row.reaches_int8_path(overflow_fix, int8_path)
+    paths = backends.backend(runtime).int8_paths
+    return paths is not None and paths.reaches(overflow_fix, int8_path)
 
 
 def evaluate_model(
@@ -392,8 +392,8 @@ def runtime_tag(model_path: Path | str, runtime: str | None, precision: str | No
     runtime (an ONNX file on OpenVINO), "~bf16" for another precision hint, so each run keeps its record."""
     if runtime is None:
         return ""
-    row = backends.backend(runtime)
-    default = row.precisions[0] if row.precisions else None
+    precisions = backends.backend(runtime).runtime.precisions
+    default = precisions[0] if precisions else None
     if _own_backend(Path(model_path)) != runtime:
         return f"~{runtime}" + (f"-{precision or default}" if default else "")
     return f"~{precision}" if precision not in (None, default) else ""
@@ -685,7 +685,7 @@ def _int8_paths(model: LoadedModel, paths: tuple[str | None, ...]) -> tuple[str 
     PyTorch models) and can be reached here; one evaluation otherwise."""
     if len(paths) < 2:
         return paths
-    if model.info.dtype == "fp32" or not backends.backend(model.info.runtime).int8_kernels_vary:
+    if model.info.dtype == "fp32" or backends.backend(model.info.runtime).int8_paths is None:
         return (None,)
     fix = (model.info.quantization or {}).get("overflow_fix")
     return tuple(path for path in paths if path == cpu_info.current().int8_path or (path is not None and other_path_measurable(model.info.runtime, fix, path)))

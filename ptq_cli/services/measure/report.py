@@ -273,7 +273,7 @@ def _int8_fields(record: EvaluationRecord, saturating: EvaluationRecord | None, 
     if record.int8_path == SATURATING:  # no exact-path figure: the row's own is the saturating one
         saturating = record
     row = backends.TABLE.get(record.runtime)
-    fields: dict = {"int8_path": record.int8_path, "int8_kernels_vary": bool(row and row.int8_kernels_vary), "cpus": (record.quantization or {}).get("cpus"),
+    fields: dict = {"int8_path": record.int8_path, "int8_kernels_vary": bool(row and row.int8_paths), "cpus": (record.quantization or {}).get("cpus"),
                     "measured_on": cpu_info.describe_record(record.cpu),
                     "other_cpu": bool(record.cpu) and (record.cpu or {}).get("int8_path") != cpu_info.current().int8_path}
     if saturating is not None:

@@ -220,8 +220,8 @@ class _Study:
         """(model, runtime, label): every file a microcontroller runtime takes (the TFLite models, the MLPerf
         reference), scored on that runtime's kernels too."""
         files = [(path, None) for path, _ in self.quantized] + [(path, settings.MLPERF_REFERENCE_LABEL) for path in _references(self)]
-        return tuple((path, row.name, label) for row in backends.TABLE.values() if row.microcontroller and row.available()
-                     for path, label in files if path.suffix in row.runs_suffixes)
+        return tuple((path, row.name, label) for row in backends.TABLE.values() if row.runtime.microcontroller and row.available()
+                     for path, label in files if path.suffix in row.runtime.runs_suffixes)
 
     def evaluate(self, model: Path, label: str | None = None, runtime: str | None = None, precision: str | None = None,
                  int8_path: str | None = None, subset: int = emulate.DEFAULT_SUBSET) -> Path:

@@ -25,6 +25,7 @@ from typing import Any
 
 from ptq_cli import backends
 from ptq_cli.atomic import check_outputs
+from ptq_cli.backends.base import Quantizer
 from ptq_cli.errors import PtqError
 from ptq_cli.inputs import PreprocessingFlags
 from ptq_cli.metrics import sqnr_db
@@ -92,14 +93,14 @@ def weight_dtypes(dtype: str) -> tuple[str, ...]:
 
 def fast_on_x86(settings: QuantizationSettings) -> bool:
     """The backend's x86 fast configuration (onnxruntime's VNNI kernels: uint8 activations x int8 weights)."""
-    return backends.backend(settings.backend).fast_on_x86(settings)
+    return backends.backend(settings.backend).quantizes.fast_on_x86(settings)
 
 
 def calibration_grid(backend: str, dtype: str, methods: tuple[str, ...], granularities: tuple[bool, ...]) -> list[QuantizationSettings]:
     """The first stage's candidates: each library's own calibration choices."""
-    row = backends.backend(backend)
-    if row.tune_grid is not None:
-        return [make_settings(dtype, backend, **options) for options in row.tune_grid(dtype, methods)]
+    quantizer = backends.backend(backend).quantizes
+    if quantizer.tune_grid is not None:
+        return [make_settings(dtype, backend, **options) for options in quantizer.tune_grid(dtype, methods)]
     return [
         make_settings(dtype, backend, weight_dtype=weights, per_channel=per_channel, method=method, percentile=percentile)
         for weights in weight_dtypes(dtype)
@@ -128,9 +129,9 @@ def choose(candidates: list[Candidate], max_drop: float) -> tuple[Candidate, boo
 
 
 def check_backend(backend: str) -> None:
-    row = backends.backend(backend)
-    if row.tune_refused or row.quantize is None:
-        raise PtqError(row.tune_refused or f"--backend {backend}: runs models but does not quantize them")
+    quantizer = backends.backend(backend).quantizes
+    if quantizer.tune_refused:
+        raise PtqError(quantizer.tune_refused)
 
 
 @dataclass
@@ -182,12 +183,12 @@ class _Search:
         top = max(keep, key=lambda candidate: (candidate.output_sqnr_db, candidate.validation_accuracy))
         return top, self.calibration_sets[top.settings.calibration_samples]
 
-    def float_stage(self, row: backends.Backend, layers: list[Any], max_float_layers: int, flags: PreprocessingFlags | None) -> None:
+    def float_stage(self, quantizer: Quantizer, layers: list[Any], max_float_layers: int, flags: PreprocessingFlags | None) -> None:
         """Layers left in float, one more at a time, from the best candidate so far."""
         leader, calibration = self.best()
         worst: list[str]
         first = 1
-        if row.float_layers is not None:
+        if quantizer.float_layers is not None:
             # A backend with no per-layer sensitivity of its own (NNCF, outside its accuracy-control loop):
             # each layer is left in float in turn, and the best of those are then left in float together.
             alone = [self.try_candidate("float", replace(leader.settings, float_nodes=(str(layer),)), calibration, leader.size_bytes)
@@ -200,25 +201,25 @@ class _Search:
             self.try_candidate("float", replace(leader.settings, float_nodes=tuple(worst[:count])), calibration, leader.size_bytes)
 
 
-def _float_layers(row: backends.Backend, model: Any, workdir: Path, max_float_layers: int) -> tuple[list[Any], int]:
+def _float_layers(quantizer: Quantizer, model: Any, workdir: Path, max_float_layers: int) -> tuple[list[Any], int]:
     """(the layers the float stage may leave in float, the steps it takes)."""
     if not max_float_layers:
         return [], 0
-    if row.float_layers is not None:
-        named: list[Any] = row.float_layers(model)
+    if quantizer.float_layers is not None:
+        named: list[Any] = quantizer.float_layers(model)
         return named, len(named) - 1
     ranked: list[Any] = quantizable_layers(preprocessed(model, workdir))
     return ranked, len(ranked)
 
 
-def _checked_search_space(row: backends.Backend, methods: tuple[str, ...] | None, granularities: tuple[bool, ...], max_drop: float,
+def _checked_search_space(quantizer: Quantizer, methods: tuple[str, ...] | None, granularities: tuple[bool, ...], max_drop: float,
                           max_float_layers: int) -> tuple[tuple[str, ...], tuple[bool, ...], int]:
     if max_drop < 0:
         raise PtqError(f"--max-drop: must be at least 0 points, got {max_drop}")
     if max_float_layers < 0:
         raise PtqError(f"--max-float-layers: must be at least 0, got {max_float_layers}")
-    granularities = tuple(granularity for granularity in granularities if granularity in row.granularities) or row.granularities
-    return methods or row.tune_methods or row.methods, granularities, max_float_layers if row.leaves_layers_float else 0
+    granularities = tuple(granularity for granularity in granularities if granularity in quantizer.granularities) or quantizer.granularities
+    return methods or quantizer.tune_methods or quantizer.methods, granularities, max_float_layers if quantizer.leaves_layers_float else 0
 
 
 def tune(
@@ -243,7 +244,7 @@ def tune(
     model_path, output = Path(model_path), Path(output)
     check_backend(backend)
     row = backends.backend(backend)
-    methods, granularities, max_float_layers = _checked_search_space(row, methods, granularities, max_drop, max_float_layers)
+    methods, granularities, max_float_layers = _checked_search_space(row.quantizes, methods, granularities, max_drop, max_float_layers)
     record = Path(results_dir) / TUNING_DIR / f"{model_key(output)}.json"
     check_outputs([("--output", output, (row.suffix,)), ("--results-dir", record, (".json",))], [model_path])
     source = load_source(model_path, flags or PreprocessingFlags())
@@ -254,7 +255,7 @@ def tune(
     subsets = [size for size in CALIBRATION_SUBSETS if size < calibration.samples_per_class]
 
     with tempfile.TemporaryDirectory(prefix="ptq-tune-") as workdir:
-        layers, float_steps = _float_layers(row, source.model, Path(workdir), max_float_layers)
+        layers, float_steps = _float_layers(row.quantizes, source.model, Path(workdir), max_float_layers)
         search = _Search(source, validation, fp32, model_path.stat().st_size, max_drop, Path(workdir),
                          Steps(len(grid) + len(subsets) + max_float_layers + float_steps, progress), {len(calibration.labels): calibration})
         for settings in grid:
@@ -263,7 +264,7 @@ def tune(
         for per_class in subsets:
             search.try_candidate("size", leader.settings, stratified_subset(calibration, per_class))
         if max_float_layers:
-            search.float_stage(row, layers, max_float_layers, flags)
+            search.float_stage(row.quantizes, layers, max_float_layers, flags)
         chosen, met_budget, reason = choose(search.candidates, max_drop)
         validation_summary = {**validation.describe(), "accuracy": chosen.validation_accuracy, "fp32_accuracy": fp32.accuracy}
         quantize_source(source, output, chosen.settings, search.calibration_sets[chosen.settings.calibration_samples],
