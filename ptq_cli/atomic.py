@@ -215,10 +215,10 @@ def check_outputs(outputs: list[tuple[str, Path | None, tuple[str, ...]]], input
             if path.exists() and not path.is_dir():
                 read[_identity(path)] = given
     written: dict[tuple, tuple[str, Path]] = {}
-    for option, given, suffixes in outputs:
-        if given is None:
+    for option, named, suffixes in outputs:
+        if named is None:
             continue
-        given = Path(given)
+        given = Path(named)
         check_writable(given)
         if suffixes and given.suffix.lower() not in suffixes:
             raise PtqError(f"{option}: {given} does not end in {' or '.join(suffixes)}; ptq writes only that kind of file there")

@@ -150,7 +150,7 @@ def _tolerant_streams() -> None:
 def _terminate_as_interrupt() -> Iterator[None]:
     """SIGTERM (kill, a CI timeout, systemd) ends ptq the way Ctrl-C does: temporary files removed."""
 
-    def interrupt(signum: int, frame: Any) -> None:
+    def interrupt(_signum: int, _frame: Any) -> None:
         raise TerminateSignal
 
     try:
@@ -786,7 +786,7 @@ def evaluate(
     int8_path: Annotated[Int8Path, typer.Option(help="Which x86 int8 path to score 8-bit onnxruntime and PyTorch models on: native (this CPU's), exact (VNNI/AMX, ARM), saturating (AVX2 without VNNI) or both. The path this CPU does not take comes from onnxruntime's exact kernels, a proof that the model cannot saturate, or emulation of an AVX2 CPU (qemu-x86_64 -cpu Haswell) on --emulated-images images.", rich_help_panel="Runtime")] = Int8Path("native"),
     emulated_images: Annotated[int, typer.Option(min=10, help="Images (the first of each class) scored under emulation, which runs about 100 images/s on ResNet8.", rich_help_panel="Runtime")] = emulate_service.DEFAULT_SUBSET,
     against_fp32: Annotated[Path | None, typer.Option("--against-fp32", help="The FP32 model to measure fidelity against (top-1 agreement, top-5 containment, SQNR and KL of the scores, on the same images; no labels needed). (default: the FP32 source a ptq-made model names, while that file is unchanged)", show_default=False)] = None,
-    trust_remote_code: TrustOption = False,
+    trust_remote_code: TrustOption = False,  # noqa: ARG001  taken by its callback while parsing
     as_json: JsonFlag = False,
 ) -> None:
     """Top-1 accuracy on the dataset's test split (val if it has no test), and fidelity to the FP32 model.
@@ -827,7 +827,7 @@ def benchmark(
     choice: DataChoice = NO_CHOICE,
     runtime: RuntimeOption = None,
     precision: PrecisionOption = None,
-    trust_remote_code: TrustOption = False,
+    trust_remote_code: TrustOption = False,  # noqa: ARG001  taken by its callback while parsing
     as_json: JsonFlag = False,
 ) -> None:
     """Latency at batch 1 (p50/p95/p99) and throughput at --batch-size, after warm-up, for ONNX, TorchScript, OpenVINO IR and TFLite models.
@@ -876,7 +876,7 @@ def report(
     plot: Annotated[bool, typer.Option("--plot", help="Also draw PNG charts (per-class accuracy; accuracy vs compressed size of `ptq sweep`) beside the Markdown report, linked from it; implies --markdown.")] = False,
     refresh: Annotated[bool, typer.Option("--refresh", help="First evaluate again every model whose file changed since its record (rows otherwise marked stale).")] = False,
     threads: ThreadsOption = None,
-    trust_remote_code: TrustOption = False,
+    trust_remote_code: TrustOption = False,  # noqa: ARG001  taken by its callback while parsing
     as_json: JsonFlag = False,
 ) -> None:
     """Compare every evaluated model: accuracy, delta, size, size reduction, speed.

@@ -35,7 +35,7 @@ from ptq_cli.services.study.tune import TuneResult, describe
 from ptq_cli.transforms.rounding import describe_rounding
 
 
-def plain(value: Any) -> Any:
+def plain(value: Any) -> Any:  # noqa: PLR0911  one return per kind of value
     if hasattr(value, "as_dict"):  # a dataclass that gives its stored form (the settings, with the backend's options beside the rest)
         return plain(value.as_dict())
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -469,10 +469,11 @@ def _main_table(group: DatasetGroup) -> Group:
         table.add_column(header, justify="left" if column in columns[:2] else "right", no_wrap=True,
                          min_width=min(room, max(len(name) for name in [header, *names])) if column == "Model" else None)
     for name, row_cells in zip(names, cells, strict=True):
+        shown = name
         if len(name) > room:
             mark = keys.setdefault(name, f" ({chr(ord('a') + len(keys) % 26)})")
-            name = shortened(name, room - len(mark)) + mark
-        table.add_row(Text(name), *(Text(cell) for cell in row_cells))
+            shown = shortened(name, room - len(mark)) + mark
+        table.add_row(Text(shown), *(Text(cell) for cell in row_cells))
     return Group(table, *(Text(f"{mark.strip()} {name}", style="dim") for name, mark in keys.items()))
 
 

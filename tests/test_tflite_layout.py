@@ -43,6 +43,7 @@ def _residual_int8() -> bytes:
     """A full-integer .tflite of: stem conv -> identity block (two convs) -> strided block whose 1x1 shortcut
     convolution is written last -> Flatten -> Dense, as the TFLite converter writes it."""
     keras = tf.keras
+    keras.backend.clear_session()  # layer names (and with them the converter's op order) as in a fresh process, whatever ran before
     rng = np.random.default_rng(5)
     image = keras.Input((16, 16, 3))
     stem = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(image)

@@ -276,7 +276,7 @@ class Quantizer:
     speed_by_default: bool = False  # a plain `quantize` (no type or target given) gets the speed target: measured as faithful (README)
     options: type[BackendOptions] = BackendOptions  # the settings only it takes, with its rules on the common ones
     describe: Callable[[dict[str, Any]], str] | None = None  # its settings in a few words (else the common description)
-    overflow_words: Callable[[dict[str, Any]], dict[str, str]] = lambda settings: {}  # how a model's settings keep each fix, if not the common words
+    overflow_words: Callable[[dict[str, Any]], dict[str, str]] = lambda _settings: {}  # how a model's settings keep each fix, if not the common words
     output_name: Callable[[str, QuantizationSettings], str] | None = None  # default output file name for a model's stem
     float_stem: bool = True  # whether it can leave the stem in float (`QuantizationSettings.stem`)
     learned_rounding: bool = False  # whether its quantize refines the weights' rounding (`QuantizationSettings.rounding`)
@@ -366,7 +366,7 @@ def _bare(backend: Backend, dtype: str) -> QuantizationSettings:
 READ_FROM_METADATA: Any = object()  # finish_load's quantization: the settings stored in the model
 
 
-def finish_load(path: Path, backend: Backend, options: RunOptions, *, described: ModelInput, predict: Callable[[np.ndarray], np.ndarray],
+def finish_load(path: Path, backend: Backend, options: RunOptions, *, described: ModelInput, predict: Callable[[np.ndarray], np.ndarray],  # noqa: PLR0913  keyword-only: what each backend's load read, by name
                 dtype: str, size_bytes: int, sha256: str, stored: dict[str, str], declared_classes: int | None,
                 quantization: dict | None = READ_FROM_METADATA, note: str | None = None, arena_bytes: int | None = None) -> LoadedModel:
     """Every backend's load ends here: the model run once on a probe image (its output checked against the

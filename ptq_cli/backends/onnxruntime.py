@@ -147,7 +147,7 @@ def load(path: Path, options: RunOptions) -> LoadedModel:
                        sha256=hashlib.sha256(data).hexdigest(), stored=metadata(model), declared_classes=classes, quantization=quantization, note=note)
 
 
-def sniff(head: bytes) -> bool:
+def sniff(_head: bytes) -> bool:
     """Anything that is not another backend's file is tried as ONNX (which then says if it is not)."""
     return True
 
@@ -512,7 +512,7 @@ QUANT_TYPES = {"int8": "QInt8", "uint8": "QUInt8"}
 CALIBRATION_METHODS = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile"}
 
 
-def _quantize_static(source: str, target: Path, images: np.ndarray, input_name: str, fixed_batch: int | None, settings: QuantizationSettings,
+def _quantize_static(source: str, target: Path, images: np.ndarray, input_name: str, fixed_batch: int | None, settings: QuantizationSettings,  # noqa: PLR0913,PLR0917  quantize_static's own arguments, passed through
                      float_nodes: list[str], overrides: dict | None, output: Path, model_name: str, progress: ProgressCallback | None) -> list[str]:
     """onnxruntime's quantize_static (QDQ) of `source` into `target`, calibrated on `images` with the settings'
     method; returns the library's warnings. Calibration is chunked to the memory budget."""
@@ -551,7 +551,7 @@ def _quantize_static(source: str, target: Path, images: np.ndarray, input_name: 
     return warnings
 
 
-def choose_method(source: str, calibration: np.ndarray, input_name: str, settings: QuantizationSettings, float_nodes: list[str],
+def choose_method(source: str, calibration: np.ndarray, input_name: str, settings: QuantizationSettings, float_nodes: list[str],  # noqa: PLR0913,PLR0917  quantize_static's own arguments, passed through
                   overrides: dict | None, finish, workdir: Path, output: Path, model_name: str,
                   progress: ProgressCallback | None) -> tuple[QuantizationSettings, list[str]]:
     """(settings with the activation ranges chosen, notes): each METHOD_CANDIDATES range calibrated on 3/4 of the
@@ -574,7 +574,7 @@ def choose_method(source: str, calibration: np.ndarray, input_name: str, setting
     for index, (method, percentile) in enumerate(METHOD_CANDIDATES):
         candidate = replace(settings, method=method, percentile=percentile)
         target = workdir / f"candidate_{index}.onnx"
-        step = (lambda done, total, index=index: progress(index * len(rest) + done, len(METHOD_CANDIDATES) * len(rest))) if progress else None
+        step = (lambda done, _total, index=index: progress(index * len(rest) + done, len(METHOD_CANDIDATES) * len(rest))) if progress else None
         try:
             _quantize_static(source, target, rest, input_name, None, candidate, float_nodes, overrides, output, model_name, step)
         except PtqError:
@@ -680,7 +680,7 @@ def _output_name(stem: str, settings: QuantizationSettings) -> str:
     return f"{stem}_{settings.dtype}{'_' + settings.target if settings.target else ''}{SUFFIX}"
 
 
-def _int8_basis(path: Path, settings: dict | None, int8_path: str) -> str:
+def _int8_basis(path: Path, _settings: dict | None, int8_path: str) -> str:
     """The exact path through the session option; the saturating one proven equal, or emulated."""
     if int8_path == EXACT:
         return f"onnxruntime {EXACT_PATH_CONFIG}=1"
@@ -710,5 +710,5 @@ BACKEND = Backend(
     ),
     runtime=Runtime(load, settings="CPUExecutionProvider, 1 intra-op thread per run, allow_spinning 0, one shard per thread"),
     # Its exact u8 x s8 kernels have a session switch: the other path is always reached.
-    int8_paths=Int8Paths(reaches=lambda overflow_fix, int8_path: True, basis=_int8_basis),
+    int8_paths=Int8Paths(reaches=lambda _overflow_fix, _int8_path: True, basis=_int8_basis),
 )

@@ -88,7 +88,7 @@ def _decline_telemetry() -> None:
         from openvino_telemetry.utils.opt_in_checker import ConsentCheckResult, OptInChecker
     except ImportError:
         return
-    OptInChecker.check = lambda self, *args, **kwargs: ConsentCheckResult.DECLINED
+    OptInChecker.check = lambda _self, *_args, **_kwargs: ConsentCheckResult.DECLINED
 
 
 def _files(path: Path) -> list[Path]:
@@ -402,7 +402,7 @@ def _overflow_words(settings: dict) -> dict[str, str]:
     return {FIRST_LAYER: "NNCF overflow fix, first layer", ALL_LAYERS: "NNCF overflow fix, all layers"} if settings.get("method") == NNCF else {}
 
 
-def _tune_grid(dtype: str, methods: tuple[str, ...]) -> list[dict]:
+def _tune_grid(_dtype: str, _methods: tuple[str, ...]) -> list[dict]:
     """NNCF's own calibration choices: its preset x its bias correction."""
     return [{"method": NNCF, "nncf_preset": preset, "bias_correction": correction} for preset in NNCF_PRESETS for correction in BIAS_CORRECTIONS]
 

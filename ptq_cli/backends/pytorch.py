@@ -424,7 +424,7 @@ BACKEND = Backend(
         # PyTorch's x86 default is per-channel; FX quantizes every layer it can.
         quantize, methods=("histogram", "minmax"), per_channel=True, leaves_layers_float=False,
         overflow_fixes=(overflow.FIRST_LAYER, overflow.ALL_LAYERS), clamped_overflow_fix=overflow.ALL_LAYERS,
-        overflow_words=lambda settings: {overflow.ALL_LAYERS: "7-bit activations"},
+        overflow_words=lambda _settings: {overflow.ALL_LAYERS: "7-bit activations"},
         options=Options, describe=_describe,
     ),
     # fbgemm's kernels differ by CPU, with no switch; its OpenMP threads spin after a run.

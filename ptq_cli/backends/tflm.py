@@ -82,7 +82,7 @@ _worker: _Scorer | None = None
 
 
 def _start_worker(data: bytes, path: str, arena_size: int) -> None:
-    global _worker
+    global _worker  # noqa: PLW0603  a worker process's one scorer, set by the pool's initializer
     _worker = _Scorer(data, Path(path), arena_size)
 
 
@@ -149,7 +149,7 @@ def load(path: Path, options: RunOptions) -> LoadedModel:
 
 
 BACKEND = Backend(
-    NAME, (litert.SUFFIX,), lambda head: False, available=available, format=litert.FORMAT,
+    NAME, (litert.SUFFIX,), lambda _head: False, available=available, format=litert.FORMAT,
     summary="TensorFlow Lite Micro's reference kernels (what a microcontroller runs): runs .tflite files",
     runtime=Runtime(load, runs_suffixes=(litert.SUFFIX,), microcontroller=True,
                     settings="TFLM reference kernels: ptq's numpy copy where it has the model's ops (the tflite-micro Python interpreter checks the "

@@ -265,7 +265,7 @@ class _Model:
 
         return run
 
-    def _fully_connected(self, operator, kind: str):
+    def _fully_connected(self, operator, _kind: str):
         inputs = [int(index) for index in operator.inputs]
         self._int8(inputs[0])
         weights = self.constant(inputs[1])
@@ -284,7 +284,7 @@ class _Model:
 
         return run
 
-    def _add(self, operator, kind: str):
+    def _add(self, operator, _kind: str):
         first, second = (int(index) for index in operator.inputs)
         output = int(operator.outputs[0])
         (scale_1,), (zero_1,) = self.quantization(first)
@@ -333,7 +333,7 @@ class _Model:
 
         return run
 
-    def _reshape(self, operator, kind: str):
+    def _reshape(self, operator, _kind: str):
         source, output = int(operator.inputs[0]), int(operator.outputs[0])
         shape = [int(dim) for dim in self.tensor(output).shape]
 
@@ -342,7 +342,7 @@ class _Model:
 
         return run
 
-    def _softmax(self, operator, kind: str):
+    def _softmax(self, operator, _kind: str):
         source, output = int(operator.inputs[0]), int(operator.outputs[0])
         (scale_in,), _ = self.quantization(source)
         (scale_out,), (zero_out,) = self.quantization(output)

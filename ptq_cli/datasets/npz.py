@@ -51,13 +51,13 @@ class NpzDataset(Dataset):
     def class_names(self) -> tuple[str, ...]:
         return self._classes
 
-    def source_files(self, split: str) -> list[Path]:
+    def source_files(self, _split: str) -> list[Path]:
         return [self.root]
 
     def content_key(self, split: str) -> str:
         return file_digest([self.root]) + f":{split}"
 
-    def _decode(self, split: str, size: tuple[int, int] | None) -> tuple[np.ndarray, np.ndarray]:
+    def _decode(self, split: str, _size: tuple[int, int] | None) -> tuple[np.ndarray, np.ndarray]:
         prefix = self._prefixes[split]
         arrays = bounded.npz_arrays(self.root, (f"{prefix}images", f"{prefix}labels"))
         images, labels = arrays[f"{prefix}images"], arrays[f"{prefix}labels"]

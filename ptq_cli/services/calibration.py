@@ -210,7 +210,7 @@ def calibration_dataset(data: Path, calibration_data: Path | None = None, valida
     return dataset
 
 
-def for_model(model: Path | None, data: Path, calibration_data: Path | None = None, samples_per_class: int | None = None,
+def for_model(model: Path | None, data: Path, calibration_data: Path | None = None, samples_per_class: int | None = None,  # noqa: PLR0913,PLR0917  every way a command names its calibration images
               seed: int = settings.SEED, saved: Path | None = None, reuse_default: bool = False,
               flags: PreprocessingFlags | None = None, count: int | None = None, size: tuple[int, int] | None = None) -> CalibrationSet:
     """The calibration set for a model: the `saved` file; else, with `reuse_default`, the default file if

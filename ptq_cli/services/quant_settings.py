@@ -38,7 +38,7 @@ def _refuse_foreign_options(row: backends.Backend, given: dict[str, Any]) -> Non
                        f"applies to --backend {' or '.join(owner.name for owner in owners[name])}")
 
 
-def make_settings(
+def make_settings(  # noqa: PLR0913,PLR0917  the common settings vocabulary, one keyword each
     dtype: str | None = None,
     backend: str = backends.DEFAULT,
     weight_dtype: str | None = None,

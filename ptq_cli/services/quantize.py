@@ -167,7 +167,7 @@ def run(request: QuantizeRequest, progress_bar: ProgressBar = no_progress_bar) -
         return quantize(request.model, output, settings, calibration, request.flags, progress, request.portability_cost, request.results_dir, source)
 
 
-def quantize(model_path: Path, output: Path, settings: QuantizationSettings, calibration: CalibrationSet,
+def quantize(model_path: Path, output: Path, settings: QuantizationSettings, calibration: CalibrationSet,  # noqa: PLR0913,PLR0917  QuantizeRequest's fields once the model and calibration set are loaded
              flags: inputs.PreprocessingFlags | None = None, progress: ProgressCallback | None = None,
              portability_cost: bool = False, results_dir: Path | None = None, source: SourceModel | None = None) -> QuantizeResult:
     """Quantize the FP32 ONNX model with the settings' backend; the output is written atomically. With

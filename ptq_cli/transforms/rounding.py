@@ -321,7 +321,7 @@ def _moments(layer: Layer, quantized, float_model, quantized_batches: Activation
     return moments
 
 
-def _correct_bias(layer: Layer, initializers: dict, float_node, float_initializers: dict, matrix: np.ndarray, learned: np.ndarray,
+def _correct_bias(layer: Layer, initializers: dict, float_node, float_initializers: dict, matrix: np.ndarray, learned: np.ndarray,  # noqa: PLR0913,PLR0917  one layer's float and quantized tensors, fitted together
                   scale: np.ndarray, zero: np.ndarray, moments: Moments) -> bool:
     """b' = b + W mu_fp32 - Q mu_int8 per output channel, written back as int32 codes of the bias's own scale."""
     from onnx import numpy_helper

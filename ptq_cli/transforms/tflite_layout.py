@@ -98,10 +98,11 @@ def _short_names(model_object) -> None:
     first = [bytes(tensor.name or b"").split(b";")[0] for tensor in graph.tensors]
     seen: dict[bytes, int] = {}
     for tensor, name in zip(graph.tensors, first, strict=True):
+        unique = name
         if first.count(name) > 1:
             seen[name] = seen.get(name, 0) + 1
-            name = b"%s:%d" % (name, seen[name])
-        tensor.name = name
+            unique = b"%s:%d" % (name, seen[name])
+        tensor.name = unique
 
 
 def microcontroller_layout(data: bytes, arena: Callable[[bytes], int | None] | None = None) -> Layout:

@@ -68,7 +68,7 @@ def default_batch(height: int, width: int) -> int:
     return max(MIN_BATCH, min(DEFAULT_BATCH, DEFAULT_BATCH * 32 * 32 // max(1, height * width)))
 
 
-def benchmark_models(
+def benchmark_models(  # noqa: PLR0913,PLR0917  BenchmarkRequest's fields, for ptq run's stage
     model_paths: list[Path],
     dataset: Dataset | None,
     batch_size: int | None = None,

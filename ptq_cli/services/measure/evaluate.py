@@ -169,7 +169,7 @@ def other_path_measurable(runtime: str, overflow_fix: str | None, int8_path: str
     return paths is not None and paths.reaches(overflow_fix, int8_path)
 
 
-def evaluate_model(
+def evaluate_model(  # noqa: PLR0913,PLR0917  EvaluationRequest's fields for one model, for ptq run's stages
     model_path: Path,
     dataset: Dataset,
     batch_size: int = settings.EVALUATION_BATCH,
@@ -313,7 +313,7 @@ def _model_fields(model: LoadedModel) -> dict:
     }
 
 
-def _measure(model: LoadedModel, test: LabelledImages, basis: str, batch_size: int, model_path: Path, where: str, threads: int | None,
+def _measure(model: LoadedModel, test: LabelledImages, basis: str, batch_size: int, model_path: Path, where: str, threads: int | None,  # noqa: PLR0913,PLR0917  evaluate_model's state, split out of it
              subset: int, progress: ProgressCallback | None, labels_fit: bool = True) -> tuple[np.ndarray, np.ndarray, float, float | None, str]:
     """(the images measured, their scores, inference seconds, the exact path's top-1 on an emulated subset, basis):
     the whole split, or under emulation its `subset` (the first images of each class; the first ones

@@ -24,7 +24,7 @@ Record = TypeVar("Record", bound="DataclassInstance")
 RENAMED_FIELDS = {"framework": "runtime"}
 
 
-def finite(value: Any) -> Any:
+def finite(value: Any) -> Any:  # noqa: PLR0911  one return per kind of value
     """`value` with NaN and infinities as None (null): JSON has no NaN, and a reader must not see one."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
@@ -66,7 +66,7 @@ def from_dict(cls: type[Record], data: dict) -> Record:
     return cls(**{key: value for key, value in data.items() if key in known})
 
 
-def _fits(value: Any, hint: Any) -> bool:
+def _fits(value: Any, hint: Any) -> bool:  # noqa: PLR0911  one return per kind of type hint
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint is Any:
         return True

@@ -43,7 +43,7 @@ def gzip_size(path: Path) -> int:
     return len(gzip.compress(Path(path).read_bytes(), compresslevel=9, mtime=0))
 
 
-def sweep(
+def sweep(  # noqa: PLR0913,PLR0917  the options of `ptq sweep`, one each
     model_path: Path,
     sparsities: tuple[float, ...],
     quantization: quantize_service.QuantizationSettings,

@@ -222,7 +222,7 @@ def _checked_search_space(quantizer: Quantizer, methods: tuple[str, ...] | None,
     return methods or quantizer.tune_methods or quantizer.methods, granularities, max_float_layers if quantizer.leaves_layers_float else 0
 
 
-def tune(
+def tune(  # noqa: PLR0913,PLR0917  the options of `ptq tune`, one each
     model_path: Path,
     dtype: str,
     max_drop: float,
