@@ -13,7 +13,7 @@ from synthetic import CLASSES, channel_mean_classifier, colour_images, invoke, o
 
 from ptq_cli import settings
 from ptq_cli.backends import litert
-from ptq_cli.backends.base import METHOD_CANDIDATES, chosen_method
+from ptq_cli.backends.base import METHOD_CANDIDATES, chosen_method, held_out_mask
 from ptq_cli.errors import PtqError
 from ptq_cli.services import quant_settings
 from ptq_cli.services.models import load_model
@@ -269,7 +269,7 @@ def _tensor_types(data: bytes) -> dict[str, tuple[int, int]]:
     return found
 
 
-def test_int4_filters_are_int4_in_the_file_and_tflm_runs_them_as_their_codes(study):
+def test_int4_filters_are_int4_in_the_file_and_tflm_runs_them_as_their_codes(study, monkeypatch):
     """`--weight-dtype int4`: the body's convolution filter is an INT4 tensor (two codes a byte), the stem and the
     fully-connected layer stay int8 (TFLite Micro has no int4 FULLY_CONNECTED); TFLite Micro gives the scores of
     the same codes held in int8, and the model still predicts what the float model does."""
@@ -280,9 +280,20 @@ def test_int4_filters_are_int4_in_the_file_and_tflm_runs_them_as_their_codes(stu
     _keras_two_conv_classifier(study / "two.h5", pooled=True)
     assert invoke("convert", "--keras", "two.h5", "--output", "two.onnx", "--data", "colours.npz", "--check-images", "30", "--scale",
                   str(SCALE), cwd=study).exit_code == 0
+    calls = []
+
+    def spied(*args, **kwargs):
+        calls.append(kwargs)
+        return original(*args, **kwargs)
+
+    original = litert.to_int4
+    monkeypatch.setattr(litert, "to_int4", spied)
     made = invoke("quantize", "--model", "two.onnx", "--backend", "litert", "--weight-dtype", "int4", "--data", "colours.npz", "--json", cwd=study)
     assert made.exit_code == 0, made.output
     settings = json.loads(made.stdout)["settings"]
+    # The layers choose whether to compensate on the held-out calibration images: the quantize path passes them.
+    held = calls[0]["held"]
+    assert len(held) == settings["calibration_samples"] and np.array_equal(held, held_out_mask(len(held))) and held.any()
     assert (settings["weight_dtype"], settings["rounding"], json.loads(made.stdout)["output"]) == ("int4", "learned", "two_int8_w4.tflite")
     data = (study / "two_int8_w4.tflite").read_bytes()
     filters = sorted(_tensor_types(data).values(), key=lambda kind: kind[1])
