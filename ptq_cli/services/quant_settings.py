@@ -20,7 +20,7 @@ DTYPES = ("int8", "uint8")
 WEIGHT_DTYPES = (*DTYPES, INT4)
 DEFAULT_PERCENTILE = 99.999
 DEFAULT_DTYPE = "int8"
-# `--target speed`: the fast configuration on x86, each backend's own (Backend.speed_target). See README.
+# `--target speed`: the fast configuration on x86, each backend's own (Quantizer.speed_target). See README.
 TARGETS = ("speed",)
 COMMON_OVERFLOW_WORDS = {FIRST_LAYER: "first-layer pair rule", ALL_LAYERS: "all-layer pair rule"}
 

@@ -319,7 +319,7 @@ def _group(records: list[EvaluationRecord], benchmarks: dict[MeasurementKey, Ben
     first = records[0]
     # The reference as a microcontroller scores it, where it was run on such kernels: the comparison a device user reads.
     mlperf = min((row for row in rows if row.label == settings.MLPERF_REFERENCE_LABEL),
-                 key=lambda row: not getattr(backends.TABLE.get(row.runtime), "microcontroller", False), default=None)
+                 key=lambda row: not (row.runtime in backends.TABLE and backends.TABLE[row.runtime].runtime.microcontroller), default=None)
     # Several studies on one dataset: each table says which source it holds, by the path it was evaluated at.
     source_path = next((record.model_path for record in records if record.model_sha256 == root), None)
     label = first.dataset_label + (f", models made from {source_path}" if several and source_path else "")
