@@ -61,16 +61,9 @@ def make_settings(  # noqa: PLR0913,PLR0917  the common settings vocabulary, one
     if row.quantizer is None:
         raise PtqError(f"--backend {backend}: runs models but does not quantize them (quantizers: {', '.join(backends.quantizers())})")
     quantizer = row.quantizer
-    if target is not None and target not in TARGETS:
-        raise PtqError(f"--target: '{target}' is not one of {', '.join(TARGETS)}")
     _refuse_foreign_options(row, options)
-    if target is None and dtype is None and weight_dtype is None and quantizer.speed_by_default:
-        target = "speed"
-    targeted = quantizer.speed_target if target else {}
-    dtype, weight_dtype = _types(dtype or targeted.get("dtype") or DEFAULT_DTYPE, weight_dtype or targeted.get("weight_dtype"))
-    if weight_dtype == INT4 and not quantizer.int4_weights:
-        raise PtqError(f"--weight-dtype int4: 4-bit weights are written by --backend "
-                       f"{' or '.join(other.name for other in backends.TABLE.values() if other.quantizer and other.quantizer.int4_weights)}")
+    target, targeted = _target(quantizer, target, dtype is None and weight_dtype is None)
+    dtype, weight_dtype = _types(dtype or targeted.get("dtype") or DEFAULT_DTYPE, weight_dtype or targeted.get("weight_dtype"), quantizer)
     given = CommonChoices(dtype, weight_dtype, targeted.get("per_channel") if per_channel is None else per_channel, method or targeted.get("method"),
                           rounding, float_nodes=tuple(float_nodes))
     own, common = quantizer.options.from_given(options).settle(given)
@@ -117,13 +110,25 @@ def check_rounding(rounding: str | None, row: backends.Backend) -> str | None:
     return None if rounding in (None, AUTO_ROUNDING) else rounding
 
 
-def _types(dtype: str, weight_dtype: str | None) -> tuple[str, str]:
+def _target(quantizer: Quantizer, target: str | None, no_types: bool) -> tuple[str | None, dict[str, Any]]:
+    """(the target, what it presets): the quantizer's speed target where it is its default and no type is given."""
+    if target is not None and target not in TARGETS:
+        raise PtqError(f"--target: '{target}' is not one of {', '.join(TARGETS)}")
+    if target is None and no_types and quantizer.speed_by_default:
+        target = "speed"
+    return target, (quantizer.speed_target if target else {})
+
+
+def _types(dtype: str, weight_dtype: str | None, quantizer: Quantizer) -> tuple[str, str]:
     """(activation type, weight type): the weights follow the activations unless told."""
     if dtype not in DTYPES:
         raise PtqError(f"--dtype: '{dtype}' is not one of {', '.join(DTYPES)}")
     weight_dtype = weight_dtype or dtype
     if weight_dtype not in WEIGHT_DTYPES:
         raise PtqError(f"--weight-dtype: '{weight_dtype}' is not one of {', '.join(WEIGHT_DTYPES)}")
+    if weight_dtype == INT4 and not quantizer.int4_weights:
+        writers = [row.name for row in backends.TABLE.values() if row.quantizer and row.quantizer.int4_weights]
+        raise PtqError(f"--weight-dtype int4: 4-bit weights are written by --backend {' or '.join(writers)}")
     return dtype, weight_dtype
 
 

@@ -214,24 +214,12 @@ def evaluate_model(  # noqa: PLR0913,PLR0917  EvaluationRequest's fields for one
         reference = _reference_scores(reference_path, test, model, batch_size, threads, f"{dataset.root} ({split})")
         fidelity = compare(reference[chosen], scores, str(reference_path), file_sha256(reference_path))
     return EvaluationRecord(
-        **_model_fields(model),
-        dataset=str(dataset.root),
-        images=len(chosen),
+        **_model_fields(model), dataset=str(dataset.root), images=len(chosen),
         **_accuracy_fields(test.labels[chosen], scores.argmax(axis=1), test.class_names if labels_fit else None),
-        images_per_second=round(len(chosen) / max(inference_seconds, 1e-9), 1),
-        batch_size=batch_size,
-        threads=resolve_threads(threads),
-        timestamp=datetime.now(UTC).isoformat(timespec="seconds"),
-        tool_version=ptq_cli.__version__,
-        dataset_format=dataset.format,
-        split=split,
-        dataset_sha256=test.content_sha256,
-        label=label,
-        cpu=cpu.as_record(),
-        int8_path=path_measured,
-        int8_basis=basis,
-        exact_accuracy_same_images=exact_same,
-        fidelity=asdict(fidelity) if fidelity is not None else None,
+        images_per_second=round(len(chosen) / max(inference_seconds, 1e-9), 1), batch_size=batch_size, threads=resolve_threads(threads),
+        timestamp=datetime.now(UTC).isoformat(timespec="seconds"), tool_version=ptq_cli.__version__, dataset_format=dataset.format, split=split,
+        dataset_sha256=test.content_sha256, label=label, cpu=cpu.as_record(), int8_path=path_measured, int8_basis=basis,
+        exact_accuracy_same_images=exact_same, fidelity=asdict(fidelity) if fidelity is not None else None,
     )
 
 
