@@ -405,6 +405,7 @@ class _WithQuantization:
     def __init__(self, command: Callable[..., None], names: tuple[str, ...], defaults: dict[str, Any]) -> None:
         self.command, self.names, self.defaults = command, names, defaults
         self.__name__, self.__qualname__, self.__doc__, self.__module__ = command.__name__, command.__qualname__, command.__doc__, command.__module__
+        self._built: tuple[tuple[int, ...], list[inspect.Parameter], list[str]] | None = None
 
     def _block(self) -> list[inspect.Parameter]:
         chosen = [parameter.replace(default=self.defaults.get(parameter.name, parameter.default))
@@ -415,22 +416,28 @@ class _WithQuantization:
         deployment = [parameter.name for parameter in chosen].index("cpus")  # the backends' panels before the Deployment one
         return [_backend_parameter(), *chosen[:deployment], *own, *chosen[deployment:]]
 
-    def _parameters(self) -> list[inspect.Parameter]:
-        parameters: list[inspect.Parameter] = []
-        for parameter in inspect.signature(self.command, eval_str=True).parameters.values():
-            parameters += self._block() if parameter.name == "quantization" else (parameter,)
-        return parameters
+    def _built_for_table(self) -> tuple[list[inspect.Parameter], list[str]]:
+        """(the command's parameters, the block's names), built once for the table as it stands: the signature,
+        the annotations and the call share one set of choices."""
+        table = tuple(id(row) for row in backends.TABLE.values())
+        if self._built is None or self._built[0] != table:
+            block = self._block()
+            parameters: list[inspect.Parameter] = []
+            for parameter in inspect.signature(self.command, eval_str=True).parameters.values():
+                parameters += block if parameter.name == "quantization" else (parameter,)
+            self._built = (table, parameters, [parameter.name for parameter in block])
+        return self._built[1], self._built[2]
 
     @property
     def __signature__(self) -> inspect.Signature:
-        return inspect.Signature(self._parameters())
+        return inspect.Signature(self._built_for_table()[0])
 
     @property
     def __annotations__(self) -> dict[str, Any]:  # type: ignore[override]  # typer reads the types through typing.get_type_hints
-        return {parameter.name: parameter.annotation for parameter in self._parameters()}
+        return {parameter.name: parameter.annotation for parameter in self._built_for_table()[0]}
 
     def __call__(self, **given: Any) -> None:
-        block = {parameter.name: given.pop(parameter.name) for parameter in self._block() if parameter.name in given}
+        block = {name: given.pop(name) for name in self._built_for_table()[1] if name in given}
         values: dict[str, Any] = {name: value.value if isinstance(value, Enum) else str(value) if isinstance(value, Path) else value
                                   for name, value in block.items()}
         preprocess = bool(values.pop("graph_preprocess", True))
@@ -664,12 +671,11 @@ def sweep(
     """
     sparsities = sweep_service.parse_sparsities(sparsity)
     pruning_check = prune_service.make_settings(0.0, scope.value, exclude_first, exclude_classifier, reconstruct)  # checked before any work
-    quantization_settings = quantization
     check_model(model)
     calibration_set = _calibration_set(calibration, choice, model)
     with _progress_bar("Prune, quantize, evaluate") as progress:
         result = sweep_service.sweep(
-            model, sparsities, quantization_settings, calibration_set, choice.dataset(), models_dir, results_dir,
+            model, sparsities, quantization, calibration_set, choice.dataset(), models_dir, results_dir,
             pruning_check, progress, choice.flags,
         )
     _emit(as_json, result, render.sweep(result))
@@ -709,11 +715,10 @@ def sensitivity(
     Measured on the validation split (training images not in the calibration set), never the test set;
     sorted worst first. The layer names are what `ptq tune` leaves in float.
     """
-    quantization_settings = quantization
     check_model(model)
     calibration_set, validation_set = _calibration_and_validation(calibration, choice, model, validation_per_class)
     with _progress_bar("Quantizing one layer at a time") as progress:
-        result = sensitivity_service.layer_sensitivity(model, quantization_settings, calibration_set, validation_set, progress, choice.flags)
+        result = sensitivity_service.layer_sensitivity(model, quantization, calibration_set, validation_set, progress, choice.flags)
     record_file = sensitivity_service.save_result(result, results_dir)
     _emit(as_json, result, render.sensitivity(result, record_file))
 

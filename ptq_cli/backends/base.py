@@ -171,7 +171,7 @@ class BackendOptions:
         return ""
 
     def input_files(self) -> tuple[Path, ...]:
-        """Files its options make quantize read (never to be overwritten by the output)."""
+        """ONNX models its options make quantize read: checked before any calibration work, never overwritten by the output."""
         return ()
 
     def stored(self) -> dict[str, Any]:

@@ -272,7 +272,7 @@ def _reference_scores(path: Path, test: LabelledImages, model: LoadedModel, batc
     if key not in _REFERENCE_SCORES:
         reference = load_model(path, threads, as_flags(asdict(model.preprocessing)))
         _REFERENCE_MODEL.clear()
-        _REFERENCE_MODEL[(sha256, threads, model.preprocessing.to_json())] = reference
+        _REFERENCE_MODEL[_reference_model_key(sha256, threads, asdict(model.preprocessing))] = reference
         if reference.info.dtype != "fp32":
             raise PtqError(f"--against-fp32: {path} is a {reference.info.dtype} model; fidelity is measured against a float model")
         _keep_reference_scores(key, _predict(reference, test.images, batch_size, path, where)[0])
@@ -283,6 +283,11 @@ def _reference_scores(path: Path, test: LabelledImages, model: LoadedModel, batc
 
 def _reference_key(sha256: str, test: LabelledImages, fed_as: LoadedModel) -> tuple:
     return (sha256, test.content_sha256, test.images.shape, fed_as.preprocessing.to_json())
+
+
+def _reference_model_key(sha256: str | None, threads: int | None, preprocessing: dict | None) -> tuple:
+    """The FP32 source as loaded for fidelity: its bytes, threads, and how it was fed (Preprocessing as a dict)."""
+    return (sha256, threads, json.dumps(preprocessing, sort_keys=True))
 
 
 def _keep_reference_scores(key: tuple, scores: np.ndarray) -> None:
@@ -601,11 +606,9 @@ def evaluate_and_save(model_path: Path, dataset: Dataset, results_dir: Path, pro
     records = load_records(results_dir).records
     source = source_to_evaluate(record, records)
     if source is not None:  # without labels of its classes, the source is measured against itself: the reference row
-        fed = flags_of(record)
         threads = how.get("threads")
-        loaded = next((model for (sha256, at, feeding), model in _REFERENCE_MODEL.items()
-                       if sha256 == record.source_sha256 and at == threads and feeding == json.dumps(record.preprocessing_settings)), None)
-        source_record = evaluate_model(source, dataset, how.get("batch_size", settings.EVALUATION_BATCH), threads, None, fed,
+        loaded = _REFERENCE_MODEL.get(_reference_model_key(record.source_sha256, threads, record.preprocessing_settings))
+        source_record = evaluate_model(source, dataset, how.get("batch_size", settings.EVALUATION_BATCH), threads, None, flags_of(record),
                                        against=source if record.accuracy is None else None, loaded=loaded)
         save_record(source_record, results_dir, dataset)
         records.append(source_record)
