@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ptq_cli.errors import PtqError
+from ptq_cli.errors import PtqError, first_line
 
 UNBOUNDED = 2**62  # a limit raised past this is no limit; larger numbers overflow the indexes they are compared with
 
@@ -205,7 +205,7 @@ def npz_arrays(path: Path, names: tuple[str, ...] | None = None, what: str = ".n
         hint = " (a .npy renamed .npz?)" if _is_npy(path) else ""
         raise PtqError(f"{path}: not a readable {what} ({error}){hint}") from error
     except (OSError, EOFError, ValueError, RuntimeError, NotImplementedError) as error:
-        raise PtqError(f"{path}: not a readable {what} ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from error
+        raise PtqError(f"{path}: not a readable {what} ({first_line(error)})") from error
 
 
 def _is_npy(path: Path) -> bool:

@@ -29,3 +29,8 @@ class CheckFailed(PtqError):
     """A verification (e.g. converted model vs source) did not pass: the input was fine, the result is not."""
 
     exit_code = 1
+
+
+def first_line(error: BaseException, otherwise: str | None = None) -> str:
+    """A library error's first line, for a one-line message (its type's name, or `otherwise`, when it has none)."""
+    return str(error).splitlines()[0] if str(error) else (type(error).__name__ if otherwise is None else otherwise)

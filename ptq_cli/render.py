@@ -654,6 +654,36 @@ def _save(figure, path: Path) -> Path:
     return path
 
 
+def _group_markdown(group: DatasetGroup) -> list[str]:
+    """One group's section: its table, how each model was configured, the classes that lose most, the
+    comparison with the reference, the recommendation."""
+    lines = ["", f"## {_group_title(group)[0].upper()}{_group_title(group)[1:]}", ""]
+    lines += _markdown_table(REPORT_COLUMNS, [_report_cells(row) for row in group.rows])
+    lines += ["", "### How each model was configured", "",
+              "Validation: the training-image split `ptq tune` decided on (FP32 in brackets); '-' for models not tuned.", ""]
+    lines += _markdown_table(
+        ("Model", "Input", "Preprocessing", "Configuration", "Validation top-1", "Test top-1"),
+        [[row.model, row.model_input or "-", row.preprocessing or "-", row.configuration,
+          "-" if row.validation_accuracy is None else f"{row.validation_accuracy:.2f}% (FP32 {row.validation_fp32_accuracy:.2f}%)",
+          top1(row.accuracy)] for row in group.rows],
+    )
+    if group.class_losses:
+        lines += ["", "### Classes that lose the most", ""]
+        lines += _markdown_table(
+            ("Model", "Class", "Accuracy", "FP32", "Delta"),
+            [[loss.model, loss.class_name, f"{loss.accuracy:.1f}%", f"{loss.reference_accuracy:.1f}%", signed(loss.delta)] for loss in group.class_losses],
+        )
+    if group.versus_reference and group.reference is not None:
+        lines += ["", f"### TFLite models vs the {group.reference.label}, both on {_runtime(group.reference)}", "",
+                  "Points and bytes against the reference; latency at batch 1 from `ptq benchmark`, as a ratio to the reference's "
+                  "(below 1: faster).", ""]
+        lines += _markdown_table(VERSUS_REFERENCE_COLUMNS, _versus_reference_cells(group))
+    recommendation = _recommendation_lines(group)
+    if recommendation:
+        lines += ["", "### Recommendation", ""] + [f"- {line}" for line in recommendation]
+    return lines
+
+
 def report_markdown(report: Report, charts: list[Path] | None = None) -> str:
     lines = [
         "# Quantization analysis",
@@ -671,30 +701,7 @@ def report_markdown(report: Report, charts: list[Path] | None = None) -> str:
     if status:
         lines += [""] + [f"**{line}**" for line in status]
     for group in report.groups:
-        lines += ["", f"## {_group_title(group)[0].upper()}{_group_title(group)[1:]}", ""]
-        lines += _markdown_table(REPORT_COLUMNS, [_report_cells(row) for row in group.rows])
-        lines += ["", "### How each model was configured", "",
-                  "Validation: the training-image split `ptq tune` decided on (FP32 in brackets); '-' for models not tuned.", ""]
-        lines += _markdown_table(
-            ("Model", "Input", "Preprocessing", "Configuration", "Validation top-1", "Test top-1"),
-            [[row.model, row.model_input or "-", row.preprocessing or "-", row.configuration,
-              "-" if row.validation_accuracy is None else f"{row.validation_accuracy:.2f}% (FP32 {row.validation_fp32_accuracy:.2f}%)",
-              top1(row.accuracy)] for row in group.rows],
-        )
-        if group.class_losses:
-            lines += ["", "### Classes that lose the most", ""]
-            lines += _markdown_table(
-                ("Model", "Class", "Accuracy", "FP32", "Delta"),
-                [[loss.model, loss.class_name, f"{loss.accuracy:.1f}%", f"{loss.reference_accuracy:.1f}%", signed(loss.delta)] for loss in group.class_losses],
-            )
-        if group.versus_reference and group.reference is not None:
-            lines += ["", f"### TFLite models vs the {group.reference.label}, both on {_runtime(group.reference)}", "",
-                      "Points and bytes against the reference; latency at batch 1 from `ptq benchmark`, as a ratio to the reference's "
-                      "(below 1: faster).", ""]
-            lines += _markdown_table(VERSUS_REFERENCE_COLUMNS, _versus_reference_cells(group))
-        recommendation = _recommendation_lines(group)
-        if recommendation:
-            lines += ["", "### Recommendation", ""] + [f"- {line}" for line in recommendation]
+        lines += _group_markdown(group)
     for result in report.sweeps:
         lines += ["", f"## {_sweep_title(result)}", "",
                   "'FP32 pruned' is what pruning alone leaves (no fine-tuning); 'Quantized' is that model after quantization, "

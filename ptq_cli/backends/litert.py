@@ -47,7 +47,7 @@ from ptq_cli.backends.base import (
     sqnr_figure,
 )
 from ptq_cli.backends.model_file import file_sha256, in_fixed_batches, metadata_object, model_input, num_classes, read_bytes, read_onnx, resolve_threads
-from ptq_cli.errors import PtqError
+from ptq_cli.errors import PtqError, first_line
 from ptq_cli.library_noise import native_stderr_silenced
 from ptq_cli.transforms.int4 import Mixed, to_int4
 from ptq_cli.transforms.overflow import NO_FIX
@@ -119,7 +119,25 @@ def verify(data: bytes, path: Path) -> None:
     try:
         Interpreter(model_content=data)
     except (ValueError, RuntimeError) as error:
-        raise PtqError(f"{path}: LiteRT cannot load it ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from error
+        raise PtqError(f"{path}: LiteRT cannot load it ({first_line(error)})") from error
+
+
+
+def _allocated(path: Path, data: bytes, threads: int):
+    """LiteRT's interpreter on the model, its tensors allocated."""
+    Interpreter = _interpreter_class()
+    try:
+        with native_stderr_silenced():  # XNNPACK's "Created ... delegate" line; failures still raise with their reason
+            interpreter = Interpreter(model_content=data, num_threads=threads)
+            interpreter.allocate_tensors()
+    except (ValueError, RuntimeError) as error:
+        raise PtqError(f"{path}: LiteRT cannot load it ({first_line(error)})") from error
+    input_details, output_details = interpreter.get_input_details(), interpreter.get_output_details()
+    if len(input_details) != 1:
+        raise PtqError(f"{path}: {len(input_details)} inputs; ptq takes image classifiers with one image input")
+    if not output_details:
+        raise PtqError(f"{path}: the model has no outputs")
+    return interpreter
 
 
 def load(path: Path, options: RunOptions) -> LoadedModel:
@@ -127,20 +145,8 @@ def load(path: Path, options: RunOptions) -> LoadedModel:
     resized to each batch, a fixed one runs that many images at a time."""
     path = Path(path)
     data = read_bytes(path)
-    threads = resolve_threads(options.threads)
-    Interpreter = _interpreter_class()
-    try:
-        with native_stderr_silenced():  # XNNPACK's "Created ... delegate" line; failures still raise with their reason
-            interpreter = Interpreter(model_content=data, num_threads=threads)
-            interpreter.allocate_tensors()
-    except (ValueError, RuntimeError) as error:
-        raise PtqError(f"{path}: LiteRT cannot load it ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from error
-    input_details, output_details = interpreter.get_input_details(), interpreter.get_output_details()
-    if len(input_details) != 1:
-        raise PtqError(f"{path}: {len(input_details)} inputs; ptq takes image classifiers with one image input")
-    if not output_details:
-        raise PtqError(f"{path}: the model has no outputs")
-    image, scores = input_details[0], output_details[0]
+    interpreter = _allocated(path, data, resolve_threads(options.threads))
+    image, scores = interpreter.get_input_details()[0], interpreter.get_output_details()[0]
     signature = [int(dim) for dim in image.get("shape_signature", image["shape"])]
     described = model_input(path, image["name"], [dim if dim > 0 else None for dim in signature])
     classes = num_classes(path, [int(dim) for dim in scores["shape"]])
@@ -161,7 +167,7 @@ def load(path: Path, options: RunOptions) -> LoadedModel:
             interpreter.invoke()
             result = interpreter.get_tensor(scores["index"])
         except (ValueError, RuntimeError) as error:
-            raise PtqError(f"{path}: LiteRT failed to run it ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from error
+            raise PtqError(f"{path}: LiteRT failed to run it ({first_line(error)})") from error
         result = result.reshape(len(batch), -1).astype(np.float32)
         if output_quantization is not None:
             scale, zero_point = output_quantization

@@ -14,7 +14,7 @@ import numpy as np
 
 from ptq_cli import bounded, inputs
 from ptq_cli.atomic import companions
-from ptq_cli.errors import PtqError
+from ptq_cli.errors import PtqError, first_line
 from ptq_cli.inputs import ModelInput
 
 # Quantize records how a model was made inside the model file itself, under this metadata key.
@@ -67,7 +67,7 @@ def read_onnx(path: Path, data: bytes | None = None):
         _read_external_data(path, model)
         onnx.checker.check_model(model)
     except (DecodeError, onnx.checker.ValidationError, ValueError, RuntimeError, OSError) as error:
-        raise PtqError(f"{path}: not a valid ONNX model ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from error
+        raise PtqError(f"{path}: not a valid ONNX model ({first_line(error)})") from error
     if not model.graph.input or not model.graph.node:
         raise PtqError(f"{path}: not a valid ONNX model (empty graph)")
     return model

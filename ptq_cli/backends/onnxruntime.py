@@ -11,6 +11,7 @@ import os
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -40,7 +41,7 @@ from ptq_cli.backends.base import (
 )
 from ptq_cli.backends.model_file import describe_input, in_fixed_batches, metadata, quantized_dtype, read_bytes, read_onnx, resolve_threads
 from ptq_cli.cpu import EXACT
-from ptq_cli.errors import PtqError
+from ptq_cli.errors import PtqError, first_line
 from ptq_cli.transforms import overflow, rounding
 from ptq_cli.transforms.graph import keep_float_layers, preprocess, symbolic_batch
 from ptq_cli.transforms.space_to_depth import Rewrite, quantized_pads, space_to_depth_convs
@@ -93,6 +94,18 @@ def free_batch(path: Path, model, described: inputs.ModelInput):
     return candidate if got.shape == (len(probe), *expected[0].shape[1:]) and np.allclose(np.concatenate(expected), got, rtol=1e-4, atol=1e-5) else None
 
 
+def _batch_session(path: Path, model, whole: bytes, described, exact_int8: bool):
+    """(session, chunk, note): a fixed batch made symbolic where that computes the same (chunk 0), else the
+    session tied to it and run `chunk` images at a time."""
+    if described.batch is None:
+        return _session(path, whole, exact_int8=exact_int8), 0, None
+    freed = free_batch(path, model, described)
+    if freed is not None:
+        return _session(path, freed.SerializeToString(), exact_int8=exact_int8), 0, f"fixed batch {described.batch} made symbolic (same outputs)"
+    images = f"{described.batch} image{'s' if described.batch > 1 else ''}"
+    return _session(path, whole, exact_int8=exact_int8), described.batch, f"fixed batch {described.batch}: run {images} at a time"
+
+
 def load(path: Path, options: RunOptions) -> LoadedModel:
     """One onnxruntime session for the model's whole life, run data-parallel over `threads` threads.
 
@@ -108,17 +121,7 @@ def load(path: Path, options: RunOptions) -> LoadedModel:
     whole = data if model.ByteSize() == len(data) else model.SerializeToString()  # external weights read in
     threads, exact_int8 = resolve_threads(options.threads), options.exact_int8
     described, classes = describe_input(path, model)
-    note, chunk = None, 0  # chunk: a fixed batch the graph is tied to, or 0
-    if described.batch is not None:
-        freed = free_batch(path, model, described)
-        if freed is not None:
-            session = _session(path, freed.SerializeToString(), exact_int8=exact_int8)
-            note = f"fixed batch {described.batch} made symbolic (same outputs)"
-        else:
-            session, chunk = _session(path, whole, exact_int8=exact_int8), described.batch
-            note = f"fixed batch {described.batch}: run {described.batch} image{'s' if described.batch > 1 else ''} at a time"
-    else:
-        session = _session(path, whole, exact_int8=exact_int8)
+    session, chunk, note = _batch_session(path, model, whole, described, exact_int8)
     pool = ThreadPoolExecutor(threads, thread_name_prefix="ptq-ort") if threads > 1 else None
 
     def run(batch: np.ndarray) -> np.ndarray:
@@ -463,8 +466,7 @@ def refine_rounding(quantized, float_path: str, calibration: np.ndarray, input_n
         refined, layers = rounding.refine(quantized, float_model, _tensor_batches(input_name, refining, threads),
                                           _tensor_batches(input_name, refining, threads), len(refining), progress=progress)
     except Exception as error:  # noqa: BLE001  onnxruntime's and numpy's own errors: the user keeps the nearest-rounded model
-        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
-        return nearest_model, replace(settings, rounding=NEAREST), [f"learned rounding: not applied ({first_line}); weights rounded to nearest"]
+        return nearest_model, replace(settings, rounding=NEAREST), [f"learned rounding: not applied ({first_line(error)}); weights rounded to nearest"]
     changed = sum(layer.codes_changed for layer in layers)
     notes = [f"learned rounding: {len(layers)} layers, {changed:,} of {sum(layer.codes for layer in layers):,} weight codes moved off nearest, "
              f"{sum(layer.bias_corrected for layer in layers)} biases corrected, from {len(refining)} calibration images"]
@@ -545,8 +547,7 @@ def _quantize_static(source: str, target: Path, images: np.ndarray, input_name: 
                 raise PtqError(f"{output}: cannot write ({error.strerror})") from error  # the output's disk, not the model
             raise PtqError(f"{model_name}: onnxruntime.quantization failed (OSError: {error.strerror or error})") from error
         except Exception as error:  # onnxruntime.quantization raises many types for graphs it cannot handle
-            first_line = str(error).splitlines()[0] if str(error) else ""
-            raise PtqError(f"{model_name}: onnxruntime.quantization failed ({type(error).__name__}: {first_line})") from error
+            raise PtqError(f"{model_name}: onnxruntime.quantization failed ({type(error).__name__}: {first_line(error, '')})") from error
     reader.finished()
     return warnings
 
@@ -591,6 +592,34 @@ def choose_method(source: str, calibration: np.ndarray, input_name: str, setting
     return replace(settings, method=method, percentile=percentile, method_sqnr_db=tuple(scores)), []
 
 
+def _finish(quantized, rewrites: list, float_nodes) -> None:
+    """ptq's edits to what quantize_static wrote."""
+    if rewrites:
+        quantized_pads(quantized)
+    keep_float_layers(quantized, float_nodes)
+
+
+def _after(progress: ProgressCallback | None, done: int) -> ProgressCallback | None:
+    """The progress of a phase, shown after the `done` steps of the phases before it on the same bar."""
+    return (lambda steps, total: progress(done + steps, done + total)) if progress else None
+
+
+def _learned_rounding(quantized, source, calibration: np.ndarray, input_name: str, settings: QuantizationSettings,  # noqa: PLR0913,PLR0917  refine_rounding's arguments and the fixed batch that rules it out
+                      fixed_batch: int | None, progress: ProgressCallback | None) -> tuple[Any, QuantizationSettings, list[str]]:
+    if fixed_batch is not None:
+        return quantized, replace(settings, rounding=NEAREST), [f"learned rounding: not applied (the graph is tied to its fixed batch of {fixed_batch})"]
+    return refine_rounding(quantized, source, calibration, input_name, settings, progress)
+
+
+def _stored_props(settings: QuantizationSettings, rewrites, stored: dict[str, str], source) -> dict[str, str]:
+    """The quantized model's metadata: its settings and rewrites, what the caller keeps in it, and the source's pruning."""
+    described_settings = {**settings.as_dict(), "space_to_depth_convs": [asdict(rewrite) for rewrite in rewrites]}
+    extra = bounded.json_loads(stored.pop(base.QUANTIZATION_METADATA_KEY, "{}"))
+    props = {base.QUANTIZATION_METADATA_KEY: json.dumps({**described_settings, **extra}), **stored}
+    props.update({key: value for key, value in metadata(source).items() if key == base.PRUNING_METADATA_KEY})  # a pruned source stays described
+    return props
+
+
 def quantize(model, output: Path, settings: QuantizationSettings, calibration: np.ndarray, stored: dict[str, str],
              progress: ProgressCallback | None = None) -> QuantizedFile:
     """onnxruntime.quantization.quantize_static in QDQ format, written atomically.
@@ -603,20 +632,15 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     model_name = model.graph.name or "model"
     notes: list[str] = []
     fixed_batch = described.batch
-    if described.batch is not None:
-        freed = free_batch(Path(model_name), model, described)
-        if freed is not None:
-            model, fixed_batch = freed, None
-            notes.append(f"fixed batch {described.batch} made symbolic in the quantized model (same outputs)")
+    freed = free_batch(Path(model_name), model, described) if described.batch is not None else None
+    if freed is not None:
+        model, fixed_batch = freed, None
+        notes.append(f"fixed batch {described.batch} made symbolic in the quantized model (same outputs)")
 
     with tempfile.TemporaryDirectory(prefix="ptq-quantize-") as workdir:
         source, rewrites, overrides, float_nodes = _graph_to_quantize(model, settings, Path(workdir))
 
-        def finish(quantized) -> None:  # ptq's edits to what quantize_static wrote
-            if rewrites:
-                quantized_pads(quantized)
-            keep_float_layers(quantized, float_nodes)
-
+        finish = partial(_finish, rewrites=rewrites, float_nodes=float_nodes)
         done = 0  # images already shown on the progress bar, before this phase
         if settings.method == AUTO_METHOD:
             if fixed_batch is not None:
@@ -627,27 +651,17 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
                                                  output, model_name, progress)
                 notes += chosen
                 done = len(METHOD_CANDIDATES) * len(held_out_split(calibration)[1])
-        shifted = (lambda images, total: progress(done + images, done + total)) if progress else None
         with atomic_output(output) as tmp:
             warnings = _quantize_static(source, tmp, calibration, described.name, fixed_batch, settings, float_nodes, overrides, output, model_name,
-                                        shifted)
+                                        _after(progress, done))
             quantized = onnx.load(str(tmp))
             finish(quantized)
             if settings.rounding != NEAREST:
-                if fixed_batch is not None:
-                    notes.append(f"learned rounding: not applied (the graph is tied to its fixed batch of {fixed_batch})")
-                    settings = replace(settings, rounding=NEAREST)
-                else:
-                    # The same bar goes on: past the calibration images, one step per refined layer.
-                    calibrated = done + len(calibration)
-                    after_calibration = (lambda images, total: progress(calibrated + images, calibrated + total)) if progress else None
-                    quantized, settings, refined_notes = refine_rounding(quantized, source, calibration, described.name, settings, after_calibration)
-                    notes += refined_notes
-            described_settings = {**settings.as_dict(), "space_to_depth_convs": [asdict(rewrite) for rewrite in rewrites]}
-            extra = bounded.json_loads(stored.pop(base.QUANTIZATION_METADATA_KEY, "{}"))
-            props = {base.QUANTIZATION_METADATA_KEY: json.dumps({**described_settings, **extra}), **stored}
-            props.update({key: value for key, value in metadata(model).items() if key == base.PRUNING_METADATA_KEY})  # a pruned source stays described
-            onnx.helper.set_model_props(quantized, props)
+                # The same bar goes on: past the calibration images, one step per refined layer.
+                quantized, settings, refined_notes = _learned_rounding(quantized, source, calibration, described.name, settings, fixed_batch,
+                                                                       _after(progress, done + len(calibration)))
+                notes += refined_notes
+            onnx.helper.set_model_props(quantized, _stored_props(settings, rewrites, stored, model))
             onnx.save(quantized, str(tmp))
             return QuantizedFile(tmp.stat().st_size, tuple(rewrites), tuple(notes + _warning_notes(warnings)), settings)
 

@@ -40,7 +40,7 @@ from ptq_cli.backends.base import (
 )
 from ptq_cli.backends.base import describe_settings as describe_qdq_settings
 from ptq_cli.backends.model_file import in_fixed_batches, metadata_object, model_input, num_classes, read_bytes, read_onnx, resolve_threads
-from ptq_cli.errors import PtqError
+from ptq_cli.errors import PtqError, first_line
 from ptq_cli.transforms.overflow import ALL_LAYERS, FIRST_LAYER
 from ptq_cli.transforms.rounding import LEARNED, NEAREST
 
@@ -114,9 +114,6 @@ def _dims(partial_shape) -> list:
     return [dim.get_length() if dim.is_static else None for dim in partial_shape]
 
 
-def _first_line(error: Exception) -> str:
-    return str(error).splitlines()[0] if str(error) else type(error).__name__
-
 
 def _read(core, path: Path) -> tuple[Any, int, str]:
     """(the model read by OpenVINO, its files' size and sha256), or a one-line error."""
@@ -128,7 +125,7 @@ def _read(core, path: Path) -> tuple[Any, int, str]:
     try:
         model = core.read_model(str(path))
     except Exception as error:  # OpenVINO raises RuntimeError subclasses for unreadable models
-        raise PtqError(f"{path}: OpenVINO cannot read it ({_first_line(error)})") from error
+        raise PtqError(f"{path}: OpenVINO cannot read it ({first_line(error)})") from error
     if len(model.inputs) != 1:
         raise PtqError(f"{path}: {len(model.inputs)} inputs; ptq takes image classifiers with one image input")
     if not model.outputs:
@@ -145,7 +142,7 @@ class _Compiled:
         try:
             compiled = self.core.compile_model(model, "CPU", config)
         except Exception as error:  # noqa: BLE001
-            raise PtqError(f"{path}: OpenVINO cannot compile it ({_first_line(error)})") from error
+            raise PtqError(f"{path}: OpenVINO cannot compile it ({first_line(error)})") from error
         self.dynamic = (compiled, compiled.create_infer_request())
         self.static: dict[int, tuple | None] = {}
 
@@ -169,7 +166,7 @@ class _Compiled:
             outputs = request.infer({0: np.ascontiguousarray(batch)}, share_inputs=True, share_outputs=True)
             return np.array(outputs[chosen.output(0)]).reshape(len(batch), -1)
         except Exception as error:  # noqa: BLE001  OpenVINO's own exception types
-            raise PtqError(f"{self.path}: OpenVINO failed to run it ({_first_line(error)})") from error
+            raise PtqError(f"{self.path}: OpenVINO failed to run it ({first_line(error)})") from error
 
     def predict(self, batch: np.ndarray) -> np.ndarray:
         return self.run(batch) if self.chunk is None else in_fixed_batches(self.run, batch, self.chunk)
@@ -267,7 +264,7 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
         try:
             converted = ov.convert_model(str(Path(workdir) / f"quantized{qdq.SUFFIX}"))
         except Exception as error:  # noqa: BLE001  the converter's own exception types
-            raise PtqError(f"{model.graph.name or 'model'}: openvino.convert_model failed on the QDQ model ({_first_line(error)})") from error
+            raise PtqError(f"{model.graph.name or 'model'}: openvino.convert_model failed on the QDQ model ({first_line(error)})") from error
     applied = replace(written.settings or as_qdq, backend=NAME, format=BACKEND.format, options=settings.options)
     extra = {"space_to_depth_convs": [asdict(rewrite) for rewrite in written.space_to_depth]} if written.space_to_depth else {}
     return QuantizedFile(_save_ir(ov, converted, output, stored, applied, extra), written.space_to_depth, written.notes, applied)
@@ -312,7 +309,7 @@ def _quantize_nncf(model, output: Path, settings: QuantizationSettings, calibrat
                 advanced_parameters=advanced,
             )
     except Exception as error:  # noqa: BLE001  NNCF raises its own types (e.g. for an unknown ignored layer)
-        raise PtqError(f"nncf.quantize failed ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})") from error
+        raise PtqError(f"nncf.quantize failed ({type(error).__name__}: {first_line(error, '')})") from error
     return QuantizedFile(_save_ir(ov, quantized, output, stored, settings))
 
 
@@ -329,7 +326,7 @@ def _save_ir(ov, quantized, output: Path, stored: dict[str, str], settings: Quan
         try:
             ov.save_model(quantized, str(staging / output.name), compress_to_fp16=False)
         except RuntimeError as error:  # OpenVINO's C++ stream error on a full disk, with no errno to tell
-            raise PtqError(f"{output}: cannot write the IR ({str(error).splitlines()[0] if str(error) else 'OpenVINO failed'}; is the disk full?)") from error
+            raise PtqError(f"{output}: cannot write the IR ({first_line(error, 'OpenVINO failed')}; is the disk full?)") from error
         weights = output.with_suffix(".bin")
         # The .bin first: an .xml on disk always has its weights beside it.
         os.replace(staging / weights.name, weights)

@@ -33,7 +33,7 @@ from ptq_cli.backends.base import (
 )
 from ptq_cli.backends.model_file import describe_input, in_fixed_batches, metadata_object, read_bytes, resolve_threads
 from ptq_cli.cpu import SATURATING
-from ptq_cli.errors import PtqError
+from ptq_cli.errors import PtqError, first_line
 from ptq_cli.transforms import overflow
 from ptq_cli.transforms.graph import preprocess, static_reshape_targets
 from ptq_cli.transforms.torch_compat import import_onnx2torch, quiet_torch_quantization_warnings
@@ -75,8 +75,7 @@ def onnx_to_graph_module(model, fold: bool = True):
     try:
         return onnx2torch.convert(static_reshape_targets(model)).eval()
     except Exception as error:  # onnx2torch raises NotImplementedError and others for ops it lacks
-        first_line = str(error).splitlines()[0] if str(error) else ""
-        raise PtqError(f"{model.graph.name or 'model'}: onnx2torch cannot convert it ({type(error).__name__}: {first_line})") from error
+        raise PtqError(f"{model.graph.name or 'model'}: onnx2torch cannot convert it ({type(error).__name__}: {first_line(error, '')})") from error
 
 
 def torch_ready(model, path: Path):
@@ -332,7 +331,7 @@ def load(path: Path, options: RunOptions) -> LoadedModel:
     try:
         module = torch.jit.load(io.BytesIO(data), map_location="cpu", _extra_files=extra_files)
     except Exception as error:  # torch raises RuntimeError, ValueError or zip errors for a damaged archive
-        raise PtqError(f"{path}: not a loadable TorchScript model ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from error
+        raise PtqError(f"{path}: not a loadable TorchScript model ({first_line(error)})") from error
     module.eval()
     stored = _read_metadata(extra_files[TORCHSCRIPT_METADATA_FILE])
     quantization = metadata_object(path, stored, base.QUANTIZATION_METADATA_KEY)

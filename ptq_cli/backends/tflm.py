@@ -24,7 +24,7 @@ from ptq_cli.backends import litert, tflm_kernels
 from ptq_cli.backends.base import Backend, LoadedModel, RunOptions, Runtime, finish_load
 from ptq_cli.backends.model_file import model_input, num_classes, read_bytes, resolve_threads
 from ptq_cli.backends.tflm_interpreter import arena_bytes, available, fitted_interpreter
-from ptq_cli.errors import PtqError
+from ptq_cli.errors import PtqError, first_line
 
 NAME = "tflm"
 PARALLEL_FROM = 64  # images in one call from which the call is split across worker processes
@@ -74,7 +74,7 @@ class _Scorer:
                 self.interpreter.invoke()
                 results.append(np.array(self.interpreter.get_output(0)).reshape(self.batch, -1)[: len(part)])
             except (RuntimeError, ValueError) as error:
-                raise PtqError(f"{self.path}: TFLite Micro failed to run it ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from error
+                raise PtqError(f"{self.path}: TFLite Micro failed to run it ({first_line(error)})") from error
         return np.concatenate(results)
 
 
@@ -91,6 +91,49 @@ def _score_in_worker(batch: np.ndarray) -> np.ndarray:
     return _worker.run(batch)
 
 
+class _Calls:
+    """How a call is scored: on ptq's copy of TFLM's kernels where it has them (and they give the
+    interpreter's bytes on the first images), else by the interpreter, split across worker processes
+    for large calls."""
+
+    def __init__(self, scorer: _Scorer, data: bytes, path: Path, threads: int, kernels) -> None:
+        self.scorer, self.data, self.path, self.threads, self.kernels = scorer, data, path, threads, kernels
+        self.pool: concurrent.futures.ProcessPoolExecutor | None = None
+
+    def __call__(self, batch: np.ndarray) -> np.ndarray:
+        copied = self._on_copied_kernels(batch)
+        if copied is not None:
+            return copied
+        if self.threads < 2 or len(batch) < PARALLEL_FROM:
+            return self.scorer.run(batch)
+        return self._in_workers(batch)
+
+    def _on_copied_kernels(self, batch: np.ndarray) -> np.ndarray | None:
+        if not callable(self.kernels) or len(batch) < PARALLEL_FROM:
+            return None
+        codes = self.scorer.codes(batch)
+        try:
+            result = self.kernels(codes)
+        except Exception:  # noqa: BLE001  a gap in ptq's copy: the interpreter is the reference, and it runs the call
+            result = None
+        checked = self.scorer.raw(codes[:VERIFIED_IMAGES])
+        if result is None or not np.array_equal(result.reshape(len(codes), -1)[:VERIFIED_IMAGES], checked.reshape(len(checked), -1)):
+            self.kernels = None
+            return None
+        return self.scorer.dequantized(result.reshape(len(codes), -1))
+
+    def _in_workers(self, batch: np.ndarray) -> np.ndarray:
+        if self.pool is None:
+            # fork: the workers inherit the loaded modules; TFLM itself starts no threads.
+            self.pool = concurrent.futures.ProcessPoolExecutor(self.threads, mp_context=multiprocessing.get_context("fork"), initializer=_start_worker,
+                                                               initargs=(self.data, str(self.path), self.scorer.arena_size))
+            weakref.finalize(self, self.pool.shutdown, wait=False, cancel_futures=True)
+        try:
+            return np.concatenate(list(self.pool.map(_score_in_worker, np.array_split(batch, self.threads))))
+        except concurrent.futures.process.BrokenProcessPool as error:
+            raise PtqError(f"{self.path}: TFLite Micro crashed running it") from error
+
+
 def load(path: Path, options: RunOptions) -> LoadedModel:
     """The model in TFLM's interpreter; with more than one thread, calls of PARALLEL_FROM images or more are
     split across that many worker processes."""
@@ -104,41 +147,7 @@ def load(path: Path, options: RunOptions) -> LoadedModel:
     image = scorer.image
     described = model_input(path, image.get("name", "input"), [int(dim) for dim in image["shape"]])
     classes = num_classes(path, [int(dim) for dim in scorer.scores["shape"]])
-    state: dict = {"pool": None, "kernels": tflm_kernels.covers(data) if scorer.batch == 1 else None}
-
-    def copied_kernels(batch: np.ndarray) -> np.ndarray | None:
-        """The call on ptq's copy of TFLM's kernels, if it has them and they give the interpreter's bytes on the first images."""
-        kernels = state["kernels"]
-        if not callable(kernels) or len(batch) < PARALLEL_FROM:
-            return None
-        codes = scorer.codes(batch)
-        try:
-            result = kernels(codes)
-        except Exception:  # noqa: BLE001  a gap in ptq's copy: the interpreter is the reference, and it runs the call
-            result = None
-        checked = scorer.raw(codes[:VERIFIED_IMAGES])
-        if result is None or not np.array_equal(result.reshape(len(codes), -1)[:VERIFIED_IMAGES], checked.reshape(len(checked), -1)):
-            state["kernels"] = None
-            return None
-        return scorer.dequantized(result.reshape(len(codes), -1))
-
-    def predict(batch: np.ndarray) -> np.ndarray:
-        copied = copied_kernels(batch)
-        if copied is not None:
-            return copied
-        if threads < 2 or len(batch) < PARALLEL_FROM:
-            return scorer.run(batch)
-        pool = state["pool"]
-        if pool is None:
-            # fork: the workers inherit the loaded modules; TFLM itself starts no threads.
-            pool = state["pool"] = concurrent.futures.ProcessPoolExecutor(
-                threads, mp_context=multiprocessing.get_context("fork"), initializer=_start_worker, initargs=(data, str(path), scorer.arena_size))
-            weakref.finalize(predict, pool.shutdown, wait=False, cancel_futures=True)
-        try:
-            return np.concatenate(list(pool.map(_score_in_worker, np.array_split(batch, threads))))
-        except concurrent.futures.process.BrokenProcessPool as error:
-            raise PtqError(f"{path}: TFLite Micro crashed running it") from error
-
+    predict = _Calls(scorer, data, path, threads, tflm_kernels.covers(data) if scorer.batch == 1 else None)
     stored = litert.metadata(data)
     dtype, quantization = litert.made(path, litert.tensor_types(data), stored, scorer.input["dtype"], litert.describe_io(scorer.input),
                                       litert.describe_io(scorer.output))

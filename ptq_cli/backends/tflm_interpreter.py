@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ptq_cli.errors import PtqError
+from ptq_cli.errors import PtqError, first_line
 
 ARENA_START = 1 << 20  # bytes of tensor arena tried first; doubled while TFLM says it is too small
 ARENA_LIMIT = 1 << 30
@@ -70,7 +70,7 @@ def fitted_interpreter(data: bytes, path: Path, arena_size: int | None = None):
         if too_small and arena_size is None and size < ARENA_LIMIT:
             size *= 2
             continue
-        why = next((line.strip() for line in said if line.strip()), str(failure).splitlines()[0] if str(failure) else type(failure).__name__)
+        why = next((line.strip() for line in said if line.strip()), first_line(failure))
         raise PtqError(f"{path}: TFLite Micro cannot run it ({why})") from failure
 
 

@@ -17,7 +17,7 @@ try:  # numpy 2 pickles name numpy._core; the official batches, numpy 1's numpy.
 except ImportError:  # pragma: no cover
     from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
 from ptq_cli.datasets.base import TEST, TRAIN, Dataset, file_digest
-from ptq_cli.errors import PtqError
+from ptq_cli.errors import PtqError, first_line
 
 TRAIN_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6))
 TEST_BATCH = "test_batch"
@@ -85,7 +85,7 @@ def _unpickle(path: Path) -> object:
         return _CifarUnpickler(io.BytesIO(data), encoding="bytes").load()
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError, ImportError, MemoryError,
             RecursionError, OverflowError, UnicodeDecodeError) as error:
-        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        reason = first_line(error)
         raise PtqError(f"{path}: not a readable CIFAR-10 pickle ({reason})" if isinstance(error, _Refused)
                        else f"{path}: not a readable CIFAR-10 pickle (truncated or corrupt: {reason})") from error
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from ptq_cli import bounded
 from ptq_cli.datasets.base import SPLITS, TEST, UNLABELLED, Dataset
-from ptq_cli.errors import PtqError
+from ptq_cli.errors import PtqError, first_line
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 CLASSES_FILE = "classes.txt"
@@ -134,7 +134,7 @@ class ImageFolder(Dataset):
             except (Image.DecompressionBombWarning, Image.DecompressionBombError) as error:
                 raise bounded.IMAGE_PIXELS.refuse(path, "declares over twice as many pixels") from error
             except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError, MemoryError) as error:
-                raise PtqError(f"{path}: not a readable image ({str(error).splitlines()[0] if str(error) else type(error).__name__})") from error
+                raise PtqError(f"{path}: not a readable image ({first_line(error)})") from error
             if size is not None and converted.size != (size[1], size[0]):
                 converted = converted.resize((size[1], size[0]), Image.Resampling.BILINEAR)
             pixels = np.asarray(converted, dtype=np.uint8)

@@ -16,7 +16,7 @@ from ptq_cli.atomic import atomic_output, check_outputs
 from ptq_cli.backends.base import KERAS_SOURCE_METADATA_KEY, SOURCE_METADATA_KEY
 from ptq_cli.backends.model_file import file_sha256, read_onnx
 from ptq_cli.datasets import Dataset
-from ptq_cli.errors import CheckFailed, PtqError
+from ptq_cli.errors import CheckFailed, PtqError, first_line
 from ptq_cli.library_noise import native_stderr_silenced
 from ptq_cli.services.models import load_model
 from ptq_cli.transforms.graph import canonical
@@ -93,7 +93,7 @@ class _WarningCollector(logging.Handler):
         message = record.getMessage()
         if record.exc_info and record.exc_info[1] is not None:
             error = record.exc_info[1]
-            message += f" ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
+            message += f" ({type(error).__name__}: {first_line(error, '')})"
         self.messages.append(message)
 
 

@@ -263,6 +263,42 @@ def _back_to_8_bits(model_object, states: dict[str, tuple[tuple, tuple]], mixed:
         chosen[best[2]] = best[1]
 
 
+def _stays_int8(graph, position: int, kind: str, operator) -> str:
+    """Why a weighted layer cannot take int4 filters ("" where it can)."""
+    weight = graph.tensors[int(operator.inputs[1])]
+    return ("the stem" if position == 0 else f"TFLite Micro has no int4 {kind}" if kind not in INT4_KERNELS
+            else "not an int8 filter with a bias" if weight.type != schema_module().TensorType.INT8 or len(operator.inputs) < 3 or operator.inputs[2] < 0
+            else "")
+
+
+def _layer_to_int4(data: bytes, model_object, operator, kind: str, images: np.ndarray, held: np.ndarray) -> bool:  # noqa: PLR0913,PLR0917  the model, the layer and the images that fit it
+    """The layer's filter rewritten in int4 in `model_object`, fitted on the images, its bias following; whether
+    the fit compensates for the earlier 4-bit layers."""
+    graph = model_object.subgraphs[0]
+    input_tensor, weight_tensor, bias_tensor = (int(index) for index in operator.inputs[:3])
+    weight, bias = graph.tensors[weight_tensor], graph.tensors[bias_tensor]
+    shape = [int(dim) for dim in weight.shape]
+    int8_scales = np.asarray(weight.quantization.scale, np.float64)
+    per_tensor = len(int8_scales) == 1
+    codes8 = np.frombuffer(bytes(model_object.buffers[weight.buffer].data), np.int8).astype(np.float64).reshape(shape[0], -1)
+    weights = codes8 * np.broadcast_to(int8_scales, (shape[0],))[:, None]
+    input_scale = float(graph.tensors[input_tensor].quantization.scale[0])
+    int8_bias = np.frombuffer(bytes(model_object.buffers[bias.buffer].data), np.int32).astype(np.float64) * input_scale * np.broadcast_to(
+        int8_scales, (shape[0],))
+    compensate, (codes, scales, float_bias) = _chosen_fit(weights, int8_bias, layer_moments(data, pack_model(model_object), operator, kind, shape,
+                                                                                            images, held), per_tensor)
+    # The bias's scale follows the weights' (TFLite: input scale x weight scale).
+    bias_codes = np.clip(np.rint(float_bias / (input_scale * scales)), np.iinfo(np.int32).min, np.iinfo(np.int32).max).astype(np.int32)
+    model_object.buffers[bias.buffer].data = np.frombuffer(bias_codes.tobytes(), np.uint8)
+    stored_scales = scales[:1] if per_tensor else scales
+    bias.quantization.scale = list(input_scale * stored_scales)
+    model_object.buffers[weight.buffer].data = pack_int4(codes.reshape(shape))
+    weight.type = schema_module().TensorType.INT4
+    weight.quantization.scale = list(stored_scales)
+    weight.quantization.zeroPoint = [0] * len(stored_scales)
+    return compensate
+
+
 def to_int4(data: bytes, images: np.ndarray, progress: Callable[[int, int], None] | None = None, mixed: Mixed | None = None,
             held: np.ndarray | None = None, eight_bit: dict[int, str] | None = None) -> Int4Result:
     """The model (`data`, a full-integer .tflite) with its filters in int4, refined on `images` (its int8 input);
@@ -278,43 +314,17 @@ def to_int4(data: bytes, images: np.ndarray, progress: Callable[[int, int], None
     positions: dict[str, int] = {}  # a 4-bit layer's name -> its place among the weighted layers
     eight_bit = eight_bit or {}
 
-    def reason(position: int, kind: str, operator) -> str:
-        weight = graph.tensors[int(operator.inputs[1])]
-        return ("the stem" if position == 0 else f"TFLite Micro has no int4 {kind}" if kind not in INT4_KERNELS
-                else "not an int8 filter with a bias" if weight.type != schema.TensorType.INT8 or len(operator.inputs) < 3 or operator.inputs[2] < 0
-                else "")
-
-    fits = arena_neutral(model_object, [operator for position, (kind, operator) in enumerate(layers) if not reason(position, kind, operator)])
+    fits = arena_neutral(model_object, [operator for position, (kind, operator) in enumerate(layers) if not _stays_int8(graph, position, kind, operator)])
     for position, (kind, operator) in enumerate(layers):
-        input_tensor, weight_tensor, bias_tensor = (int(index) for index in operator.inputs[:3])
-        weight = graph.tensors[weight_tensor]
-        shape = [int(dim) for dim in weight.shape]
+        shape = [int(dim) for dim in graph.tensors[int(operator.inputs[1])].shape]
         name = f"{kind} {'x'.join(map(str, shape))}"
-        why = reason(position, kind, operator) or ("unpacked to int8 while it runs, it would enlarge TFLite Micro's tensor arena"
+        why = _stays_int8(graph, position, kind, operator) or ("unpacked to int8 while it runs, it would enlarge TFLite Micro's tensor arena"
                                                    if id(operator) not in fits else eight_bit.get(position, ""))
         if why:
             kept.append(f"{name} ({why})")
             continue
         int8_state = _state(model_object, operator)
-        int8_scales = np.asarray(weight.quantization.scale, np.float64)
-        per_tensor = len(int8_scales) == 1
-        codes8 = np.frombuffer(bytes(model_object.buffers[weight.buffer].data), np.int8).astype(np.float64).reshape(shape[0], -1)
-        weights = codes8 * np.broadcast_to(int8_scales, (shape[0],))[:, None]
-        input_scale = float(graph.tensors[input_tensor].quantization.scale[0])
-        bias = graph.tensors[bias_tensor]
-        int8_bias = np.frombuffer(bytes(model_object.buffers[bias.buffer].data), np.int32).astype(np.float64) * input_scale * np.broadcast_to(
-            int8_scales, (shape[0],))
-        compensate, (codes, scales, float_bias) = _chosen_fit(weights, int8_bias, layer_moments(data, pack_model(model_object), operator, kind, shape,
-                                                                                                images, held), per_tensor)
-        # The bias's scale follows the weights' (TFLite: input scale x weight scale).
-        bias_codes = np.clip(np.rint(float_bias / (input_scale * scales)), np.iinfo(np.int32).min, np.iinfo(np.int32).max).astype(np.int32)
-        model_object.buffers[bias.buffer].data = np.frombuffer(bias_codes.tobytes(), np.uint8)
-        stored_scales = scales[:1] if per_tensor else scales
-        bias.quantization.scale = list(input_scale * stored_scales)
-        model_object.buffers[weight.buffer].data = pack_int4(codes.reshape(shape))
-        weight.type = schema.TensorType.INT4
-        weight.quantization.scale = list(stored_scales)
-        weight.quantization.zeroPoint = [0] * len(stored_scales)
+        compensate = _layer_to_int4(data, model_object, operator, kind, images, held)
         name = f"{name} #{position}" if name in states else name
         states[name], positions[name] = (int8_state, _state(model_object, operator)), position
         made.append(name)

@@ -103,22 +103,25 @@ def benchmark_models(  # noqa: PLR0913,PLR0917  BenchmarkRequest's fields, for p
     if batch_size * per_image > bounded.CALL_ELEMENTS.value():
         raise PtqError(f"--batch-size {batch_size:,}: {batch_size * per_image:,} input values in one call, over the limit of "
                        f"{bounded.CALL_ELEMENTS.value():,} (raise {bounded.CALL_ELEMENTS.env} to allow more)")
-    if dataset is None:
-        height, width = models[0].input.size
-        pixels = np.random.default_rng(0).integers(0, 256, (batch_size, height, width, max(models[0].input.channels, 1)), dtype=np.uint8)
-        inputs = SYNTHETIC_INPUTS
-    else:
-        loaded = dataset.load(dataset.evaluation_split(), models[0].input.size)
-        pixels = loaded.images[:batch_size]
-        if len(pixels) < batch_size:  # a small dataset: its images again, to fill the batch
-            pixels = np.resize(pixels, (batch_size, *pixels.shape[1:]))
-        inputs = f"{dataset.root} ({loaded.split})"
+    pixels, inputs = _pixels(dataset, models[0], batch_size)
     # Each model's own input (size, layout, preprocessing), prepared before any timing.
     batches = [model.prepare(pixels) for model in models]
     latencies, batch_seconds = _timed_in_turns(models, batches, warmup, runs, Steps(2 * (warmup + runs) * len(models), progress))
     timestamp = datetime.now(UTC).isoformat(timespec="seconds")
     return [replace(_record(model, latency, seconds, threads, warmup, runs, batch_size, timestamp), inputs=inputs)
             for model, latency, seconds in zip(models, latencies, batch_seconds, strict=True)]
+
+
+def _pixels(dataset: Dataset | None, model: LoadedModel, batch_size: int) -> tuple[np.ndarray, str]:
+    """(one batch of pixels at the model's input size, what they are): the dataset's first images, else seeded random pixels."""
+    if dataset is None:
+        height, width = model.input.size
+        return np.random.default_rng(0).integers(0, 256, (batch_size, height, width, max(model.input.channels, 1)), dtype=np.uint8), SYNTHETIC_INPUTS
+    loaded = dataset.load(dataset.evaluation_split(), model.input.size)
+    pixels = loaded.images[:batch_size]
+    if len(pixels) < batch_size:  # a small dataset: its images again, to fill the batch
+        pixels = np.resize(pixels, (batch_size, *pixels.shape[1:]))
+    return pixels, f"{dataset.root} ({loaded.split})"
 
 
 def _timed_in_turns(models: list[LoadedModel], batches: list[np.ndarray], warmup: int, runs: int,

@@ -192,10 +192,7 @@ def evaluate_model(  # noqa: PLR0913,PLR0917  EvaluationRequest's fields for one
     comes from onnxruntime's exact-kernel option, a proof that the model cannot saturate, or emulation
     of an AVX2 CPU on `subset` images of the split (stratified). `loaded`: the model already loaded with these
     options, where the path needs no other session."""
-    if batch_size < 1:
-        raise PtqError(f"--batch-size: must be at least 1, got {batch_size}")
-    if int8_path not in (None, *cpu_info.INT8_PATHS):
-        raise PtqError(f"--int8-path: '{int8_path}' is not one of {', '.join(cpu_info.INT8_PATHS)}")
+    _check_options(batch_size, int8_path)
     cpu = cpu_info.current()
     exact_int8 = int8_path == cpu_info.EXACT and cpu.int8_path == cpu_info.SATURATING
     model = loaded if loaded is not None and not exact_int8 else load_model(model_path, threads, flags, runtime, precision, exact_int8=exact_int8)
@@ -212,15 +209,22 @@ def evaluate_model(  # noqa: PLR0913,PLR0917  EvaluationRequest's fields for one
     fidelity = None
     if reference_path is not None:
         reference = _reference_scores(reference_path, test, model, batch_size, threads, f"{dataset.root} ({split})")
-        fidelity = compare(reference[chosen], scores, str(reference_path), file_sha256(reference_path))
+        fidelity = asdict(compare(reference[chosen], scores, str(reference_path), file_sha256(reference_path)))
     return EvaluationRecord(
         **_model_fields(model), dataset=str(dataset.root), images=len(chosen),
         **_accuracy_fields(test.labels[chosen], scores.argmax(axis=1), test.class_names if labels_fit else None),
         images_per_second=round(len(chosen) / max(inference_seconds, 1e-9), 1), batch_size=batch_size, threads=resolve_threads(threads),
         timestamp=datetime.now(UTC).isoformat(timespec="seconds"), tool_version=ptq_cli.__version__, dataset_format=dataset.format, split=split,
         dataset_sha256=test.content_sha256, label=label, cpu=cpu.as_record(), int8_path=path_measured, int8_basis=basis,
-        exact_accuracy_same_images=exact_same, fidelity=asdict(fidelity) if fidelity is not None else None,
+        exact_accuracy_same_images=exact_same, fidelity=fidelity,
     )
+
+
+def _check_options(batch_size: int, int8_path: str | None) -> None:
+    if batch_size < 1:
+        raise PtqError(f"--batch-size: must be at least 1, got {batch_size}")
+    if int8_path not in (None, *cpu_info.INT8_PATHS):
+        raise PtqError(f"--int8-path: '{int8_path}' is not one of {', '.join(cpu_info.INT8_PATHS)}")
 
 
 def _what_to_measure(model: LoadedModel, test: LabelledImages, root: Path, against: Path | None) -> tuple[Path | None, bool]:

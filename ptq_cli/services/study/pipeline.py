@@ -140,9 +140,10 @@ StageCallback = Callable[[int, int, Stage, "StageOutcome | None"], None]
 
 @dataclass
 class _Hashes:
-    """sha256 of files, remembered by (size, mtime) so the 180 MB of CIFAR are read once per run."""
+    """sha256 of files, remembered by (size, mtime) so the 180 MB of CIFAR are read once per run, and dataset splits' content keys."""
 
     known: dict[tuple[str, int, int], str] = field(default_factory=dict)
+    splits: dict[tuple[str, str], str] = field(default_factory=dict)  # (dataset root, split) -> content key
 
     def __call__(self, path: Path) -> str:
         stat = path.stat()
@@ -154,6 +155,13 @@ class _Hashes:
                     digest.update(block)
             self.known[key] = digest.hexdigest()
         return self.known[key]
+
+    def content_key(self, dataset: Dataset, split: str) -> str:
+        """A dataset split's content key, computed once per run."""
+        key = (str(dataset.root), split)
+        if key not in self.splits:
+            self.splits[key] = dataset.content_key(split)
+        return self.splits[key]
 
 
 def _flag_arguments(flags: PreprocessingFlags) -> tuple[str, ...]:
@@ -472,6 +480,23 @@ def _checked(options: StudyOptions) -> StudyOptions:
     return options if options.model is not None else replace(options, keras_model=options.keras_model or settings.keras_model_path())
 
 
+def _run_stage(stage: Stage, entry: dict | None, hashes: _Hashes, force: bool) -> tuple[StageOutcome, dict | None]:
+    """(what the stage did, its new manifest entry if it ran): run unless up to date (always with `force`)."""
+    started = time.perf_counter()
+    _check_inputs(stage)
+    inputs = {str(path): hashes(path) for path in stage.inputs}
+    inputs.update({f"{dataset.root} ({split})": hashes.content_key(dataset, split) for dataset, split in stage.data_inputs})
+    ran = force or not _up_to_date(entry, stage, inputs, hashes)
+    if ran:
+        stage.action()
+    outputs = {str(path): hashes(path) for path in stage.outputs}
+    outcome = StageOutcome(stage.name, stage.command_line, ran, round(time.perf_counter() - started, 3), inputs, outputs)
+    if not ran:
+        return outcome, None
+    return outcome, {"name": stage.name, "command": stage.command_line, "options": stage.options, "inputs": inputs, "outputs": outputs,
+                     "tool_version": ptq_cli.__version__, "seconds": outcome.seconds, "finished_at": datetime.now(UTC).isoformat(timespec="seconds")}
+
+
 def run(
     options: StudyOptions,
     render_markdown: Callable[[report_service.Report], str],
@@ -483,40 +508,19 @@ def run(
     manifest_file = manifest_path(options.results_dir)
     previous = read_manifest(manifest_file)
     entries: dict[str, dict] = {entry["name"]: entry for entry in previous.get("stages", [])}
-    hashes = _Hashes()
-    outcomes: list[StageOutcome] = []
     options = _checked(options)
     stages = plan(options, render_markdown)
-    content_keys: dict[tuple[str, str], str] = {}
-
-    def content_key(dataset: Dataset, split: str) -> str:
-        key = (str(dataset.root), split)
-        if key not in content_keys:
-            content_keys[key] = dataset.content_key(split)
-        return content_keys[key]
-
     to_write = [manifest_file, *(output for stage in stages for output in stage.outputs)]
     check_outside(to_write, [options.data_dir, options.calibration_data])
     for path in to_write:
         check_writable(path)  # a read-only directory fails now, not after minutes of work
+    hashes, outcomes = _Hashes(), []
     for index, stage in enumerate(stages):
         if on_stage:
             on_stage(index, len(stages), stage, None)
-        started = time.perf_counter()
-        _check_inputs(stage)
-        inputs = {str(path): hashes(path) for path in stage.inputs}
-        inputs.update({f"{dataset.root} ({split})": content_key(dataset, split) for dataset, split in stage.data_inputs})
-        ran = options.force or not _up_to_date(entries.get(stage.name), stage, inputs, hashes)
-        if ran:
-            stage.action()
-        outputs = {str(path): hashes(path) for path in stage.outputs}
-        outcome = StageOutcome(stage.name, stage.command_line, ran, round(time.perf_counter() - started, 3), inputs, outputs)
-        if ran:
-            entries[stage.name] = {
-                "name": stage.name, "command": stage.command_line, "options": stage.options, "inputs": inputs, "outputs": outputs,
-                "tool_version": ptq_cli.__version__,
-                "seconds": outcome.seconds, "finished_at": datetime.now(UTC).isoformat(timespec="seconds"),
-            }
+        outcome, entry = _run_stage(stage, entries.get(stage.name), hashes, options.force)
+        if entry is not None:
+            entries[stage.name] = entry
         outcomes.append(outcome)
         if on_stage:
             on_stage(index, len(stages), stage, outcome)

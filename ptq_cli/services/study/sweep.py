@@ -43,6 +43,22 @@ def gzip_size(path: Path) -> int:
     return len(gzip.compress(Path(path).read_bytes(), compresslevel=9, mtime=0))
 
 
+class _Accuracies:
+    """Top-1 of each model file on the dataset, each evaluated once."""
+
+    def __init__(self, dataset: Dataset, flags: PreprocessingFlags | None) -> None:
+        self.dataset, self.flags = dataset, flags
+        self.evaluations: dict[Path, evaluate_service.EvaluationRecord] = {}
+
+    def __call__(self, path: Path) -> float:
+        if path not in self.evaluations:
+            self.evaluations[path] = evaluate_service.evaluate_model(path, self.dataset, flags=self.flags)
+        measured = self.evaluations[path].accuracy
+        if measured is None:
+            raise PtqError(f"{self.dataset.root}: its labels are not the classes of {path}; the sweep compares top-1, which needs them")
+        return measured
+
+
 def sweep(  # noqa: PLR0913,PLR0917  the options of `ptq sweep`, one each
     model_path: Path,
     sparsities: tuple[float, ...],
@@ -62,16 +78,7 @@ def sweep(  # noqa: PLR0913,PLR0917  the options of `ptq sweep`, one each
         raise PtqError(f"--backend: the sweep quantizes with {backends.DEFAULT} (pruned ONNX models in, ONNX out)")
     record = Path(results_dir) / SWEEP_DIR / f"{model_path.stem}_{quantization.dtype}_{pruning.scope}.json"
     check_writable(record)
-    evaluations: dict[Path, evaluate_service.EvaluationRecord] = {}
-
-    def accuracy(path: Path) -> float:
-        if path not in evaluations:
-            evaluations[path] = evaluate_service.evaluate_model(path, dataset, flags=flags)
-        measured = evaluations[path].accuracy
-        if measured is None:
-            raise PtqError(f"{dataset.root}: its labels are not the classes of {path}; the sweep compares top-1, which needs them")
-        return measured
-
+    accuracy = _Accuracies(dataset, flags)
     points = []
     step = Steps(2 * len(sparsities) + sum(1 for value in sparsities if value > 0), progress)
     reference = accuracy(model_path)

@@ -150,6 +150,18 @@ class _Search:
     prepared: dict[int, Any] = field(default_factory=dict)
     candidates: list[Candidate] = field(default_factory=list)
 
+    def stages(self, grid: list[QuantizationSettings], calibration: CalibrationSet, subsets: list[int], quantizer: Quantizer,  # noqa: PLR0913,PLR0917  the search space, one part each
+               layers, max_float_layers: int, flags: PreprocessingFlags | None) -> None:
+        """The search in its stages: each setting of the grid, the leader's on smaller calibration subsets, then
+        the most sensitive layers left in float, one more at a time."""
+        for settings in grid:
+            self.try_candidate("method", settings, calibration)
+        leader, _ = self.best()
+        for per_class in subsets:
+            self.try_candidate("size", leader.settings, stratified_subset(calibration, per_class))
+        if max_float_layers:
+            self.float_stage(quantizer, layers, max_float_layers, flags)
+
     def try_candidate(self, stage: str, settings: QuantizationSettings, calibration_set: CalibrationSet,
                       quantized_size: int | None = None) -> Candidate:
         """`quantized_size`: for a candidate with float layers, the size of its settings with none."""
@@ -258,13 +270,7 @@ def tune(  # noqa: PLR0913,PLR0917  the options of `ptq tune`, one each
         layers, float_steps = _float_layers(row.quantizes, source.model, Path(workdir), max_float_layers)
         search = _Search(source, validation, fp32, model_path.stat().st_size, max_drop, Path(workdir),
                          Steps(len(grid) + len(subsets) + max_float_layers + float_steps, progress), {len(calibration.labels): calibration})
-        for settings in grid:
-            search.try_candidate("method", settings, calibration)
-        leader, _ = search.best()
-        for per_class in subsets:
-            search.try_candidate("size", leader.settings, stratified_subset(calibration, per_class))
-        if max_float_layers:
-            search.float_stage(row.quantizes, layers, max_float_layers, flags)
+        search.stages(grid, calibration, subsets, row.quantizes, layers, max_float_layers, flags)
         chosen, met_budget, reason = choose(search.candidates, max_drop)
         validation_summary = {**validation.describe(), "accuracy": chosen.validation_accuracy, "fp32_accuracy": fp32.accuracy}
         quantize_source(source, output, chosen.settings, search.calibration_sets[chosen.settings.calibration_samples],
