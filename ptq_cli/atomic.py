@@ -168,17 +168,30 @@ def check_writable(path: Path) -> None:
     path = Path(path)
     _refuse_directory(path)
     _refuse_input(path)
-    existing = path.parent
+    _probe(path.parent, path)
+
+
+def check_folder_writable(folder: Path) -> None:
+    """As check_writable, for a folder files will be written into under names decided by the work (records)."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise PtqError(f"{folder}: cannot write files into it (it is not a directory)")
+    _probe(folder, folder)
+
+
+def _probe(folder: Path, named: Path) -> None:
+    """A temporary file created and deleted in `folder`, or the nearest existing directory above it."""
+    existing = folder
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        raise PtqError(f"{path}: cannot write ({existing} is not a directory)")
+        raise PtqError(f"{named}: cannot write ({existing} is not a directory)")
     try:
         fd, probe = tempfile.mkstemp(dir=existing, prefix=".ptq-write-check-")
         os.close(fd)
         os.unlink(probe)
     except OSError as error:
-        raise PtqError(f"{path}: cannot write ({existing}: {error.strerror or error})") from error
+        raise PtqError(f"{named}: cannot write ({existing}: {error.strerror or error})") from error
 
 
 # The files that stand with a model file of a suffix (an OpenVINO IR's .xml and its .bin), as the backend

@@ -7,6 +7,7 @@ import contextvars
 import dataclasses
 import functools
 import inspect
+import io
 import math
 import os
 import signal
@@ -342,12 +343,12 @@ PREPROCESSING_PARAMETERS = (_option("preprocess", PresetOption), _option("scale"
 NO_CHOICE: Any = None  # a command's `choice` before `_with_data` fills it in
 
 
-def _with_data(calibration: bool = True, preprocessing: bool = True) -> Callable[[Callable[..., None]], Callable[..., None]]:
+def _with_data(calibration: bool = True, preprocessing: bool = True) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """The data and preprocessing options defined once: the command's `choice` parameter becomes --data
     (and --calibration-data) and the preprocessing options, parsed into one validated DataChoice."""
     block = DATA_PARAMETERS[: 3 if calibration else 1] + (PREPROCESSING_PARAMETERS if preprocessing else ())
 
-    def decorate(command: Callable[..., None]) -> Callable[..., None]:
+    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
         signature = inspect.signature(command, eval_str=True)
         parameters: list[inspect.Parameter] = []
         for parameter in signature.parameters.values():
@@ -402,7 +403,7 @@ class _WithQuantization:
     """A command whose `quantization` parameter is the quantization block (`names` of it, with the command's own
     `defaults`; with the backend's, all of it)."""
 
-    def __init__(self, command: Callable[..., None], names: tuple[str, ...], defaults: dict[str, Any]) -> None:
+    def __init__(self, command: Callable[..., Any], names: tuple[str, ...], defaults: dict[str, Any]) -> None:
         self.command, self.names, self.defaults = command, names, defaults
         self.__name__, self.__qualname__, self.__doc__, self.__module__ = command.__name__, command.__qualname__, command.__doc__, command.__module__
         self._built: tuple[tuple[int, ...], list[inspect.Parameter], list[str]] | None = None
@@ -447,7 +448,7 @@ class _WithQuantization:
 WHOLE_QUANTIZATION = ("backend", *[parameter.name for parameter in QUANTIZATION_PARAMETERS])
 
 
-def _with_quantization(names: tuple[str, ...] = WHOLE_QUANTIZATION, **defaults: Any) -> Callable[[Callable[..., None]], Callable[..., None]]:
+def _with_quantization(names: tuple[str, ...] = WHOLE_QUANTIZATION, **defaults: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     return lambda command: _WithQuantization(command, names, defaults)
 
 
@@ -536,7 +537,7 @@ def convert(
     check_images: Annotated[int, typer.Option(min=0, help="Test images on which source and converted outputs must agree within 1e-4.")] = 1000,
     choice: DataChoice = NO_CHOICE,
     as_json: JsonFlag = False,
-) -> None:
+) -> list[convert_service.ConversionResult]:
     """Convert Keras -> ONNX (tf2onnx) and/or ONNX -> PyTorch TorchScript (onnx2torch), checking each on real test images.
 
     Each conversion runs the source and the converted model on the same test images and prints the
@@ -557,6 +558,7 @@ def convert(
         with _working("Converting ONNX -> PyTorch with onnx2torch and checking against onnxruntime…"):
             results.append(convert_service.onnx_to_torchscript(onnx_source or output, torch_output, dataset, check_images, choice.flags))
     _emit(as_json, results if len(results) > 1 else results[0], Group(*map(render.conversion, results)))
+    return results
 
 
 @app.command()
@@ -568,20 +570,18 @@ def calibrate(
     output: Annotated[Path, typer.Option(help="Where to write the calibration set (.npz).")] = settings.CALIBRATION_FILE,
     choice: DataChoice = NO_CHOICE,
     as_json: JsonFlag = False,
-) -> None:
+) -> calibration_service.SavedCalibration:
     """Draw a seeded, class-stratified calibration set from the dataset's train split (never its test split).
 
     The set holds the images as uint8 pixels; each model's own preprocessing is applied when quantizing.
     """
-    calibration_service.check_seed(seed)
-    check_outputs([("--output", output, (".npz",))], [model, choice.data, choice.calibration_data])
     with _working("Sampling the training images…"):
-        calibration_set = calibration_service.for_model(model, choice.data, choice.calibration_data, samples_per_class, seed,
-                                                        count=choice.calibration_size)
-        calibration_service.save_calibration_set(calibration_set, output)
+        saved = calibration_service.draw_and_save(model, choice.data, choice.calibration_data, output, samples_per_class, seed, choice.calibration_size)
+    calibration_set = saved.calibration
     summary = {"output": output, "samples": len(calibration_set.labels), "seed": seed, "per_class": calibration_set.per_class_counts,
                "dataset": calibration_set.dataset, "split": calibration_set.split, "pixel_range": calibration_set.pixel_range}
     _emit(as_json, summary, render.calibration(calibration_set, output))
+    return saved
 
 
 @app.command()
@@ -596,7 +596,7 @@ def quantize(
     portability_cost: Annotated[bool, typer.Option("--portability-cost/--no-portability-cost", help="On a CPU with VNNI, for a model made for all CPUs with an overflow fix: quantize it again for VNNI CPUs alone (--cpus vnni) and say what running right on every x86 CPU costs, both measured against FP32 on the calibration images. Takes one more quantization. (env: PTQ_PORTABILITY_COST=0 turns the default off)", envvar="PTQ_PORTABILITY_COST", show_envvar=False, rich_help_panel="Quantization")] = True,
     choice: DataChoice = NO_CHOICE,
     as_json: JsonFlag = False,
-) -> None:
+) -> quantize_service.QuantizeResult:
     """Static post-training quantization, calibrated on the calibration set: ONNX Runtime (QDQ), PyTorch (FX), OpenVINO (NNCF) or LiteRT (full-integer TFLite).
 
     The model's input (layout, channels, size, batch) is read from the model; its preprocessing comes
@@ -607,6 +607,7 @@ def quantize(
                                                output, results_dir, portability_cost)
     result = quantize_service.run(request, _progress_bar)
     _emit(as_json, result, render.quantization(result))
+    return result
 
 
 ExcludeFirst = Annotated[bool, typer.Option("--exclude-first/--prune-first", help="Leave the first convolution (3 input channels, 432 weights) dense.")]
@@ -793,7 +794,7 @@ def evaluate(
     against_fp32: Annotated[Path | None, typer.Option("--against-fp32", help="The FP32 model to measure fidelity against (top-1 agreement, top-5 containment, SQNR and KL of the scores, on the same images; no labels needed). (default: the FP32 source a ptq-made model names, while that file is unchanged)", show_default=False)] = None,
     trust_remote_code: TrustOption = False,  # noqa: ARG001  taken by its callback while parsing
     as_json: JsonFlag = False,
-) -> None:
+) -> list[evaluate_service.Evaluated]:
     """Top-1 accuracy on the dataset's test split (val if it has no test), and fidelity to the FP32 model.
 
     A quantized model's delta is against its FP32 source model measured on the same images: the source
@@ -806,9 +807,9 @@ def evaluate(
     request = evaluate_service.EvaluationRequest(
         tuple(model or _default_models()), choice.dataset(), results_dir, int8_path.value, batch_size, threads, choice.flags, runtime and runtime.value,
         precision and precision.value, label, emulated_images, against_fp32)
-    records = []
+    done = []
     for evaluated in evaluate_service.evaluate(request, _progress_bar):
-        records.append(evaluated.record)
+        done.append(evaluated)
         warning = evaluate_service.outside_target(evaluated.record.model_path, (evaluated.record.quantization or {}).get("cpus"))
         if warning:
             err.print(f"warning: {warning}", soft_wrap=True)
@@ -818,7 +819,8 @@ def evaluate(
             shown = evaluate_service.classes_to_show(evaluated.record, evaluated.reference) if per_class and evaluated.record.accuracy is not None else None
             out.print(render.evaluation(evaluated.record, evaluated.reference, shown, evaluated.path, evaluated.reference_status))
     if as_json:
-        out.print(render.as_json(records if len(records) > 1 else records[0]), soft_wrap=True)
+        out.print(render.as_json([evaluated.record for evaluated in done] if len(done) > 1 else done[0].record), soft_wrap=True)
+    return done
 
 
 @app.command()
@@ -832,9 +834,10 @@ def benchmark(
     choice: DataChoice = NO_CHOICE,
     runtime: RuntimeOption = None,
     precision: PrecisionOption = None,
+    also: Annotated[list[str] | None, typer.Option(help="Also time this model on another runtime in the same turns, as MODEL@RUNTIME[:PRECISION] (e.g. models/resnet8.onnx@openvino:f32: the ONNX file on OpenVINO at f32 beside its onnxruntime run); repeat for several.", show_default=False, rich_help_panel="Runtime")] = None,
     trust_remote_code: TrustOption = False,  # noqa: ARG001  taken by its callback while parsing
     as_json: JsonFlag = False,
-) -> None:
+) -> benchmark_service.Benchmarked:
     """Latency at batch 1 (p50/p95/p99) and throughput at --batch-size, after warm-up, for ONNX, TorchScript, OpenVINO IR and TFLite models.
 
     The models are measured in turns, one run of each at a time, so that the machine's ups and downs reach
@@ -847,12 +850,14 @@ def benchmark(
     """
     dataset = choice.dataset() if choice.data_given or choice.data.exists() else None
     request = benchmark_service.BenchmarkRequest(tuple(model or _default_models()), dataset, results_dir, batch_size, threads, runs, choice.flags,
-                                                 runtime and runtime.value, precision and precision.value)
+                                                 runtime and runtime.value, precision and precision.value,
+                                                 tuple(map(benchmark_service.parse_also, also or ())))
     result = benchmark_service.run(request, _progress_bar)
     for warning in result.warnings:
         err.print(f"warning: {warning}", soft_wrap=True)
     _emit(as_json, [{**render.plain(record), "speedup_vs_fp32": result.speedups[benchmark_service.run_key(record)]} for record in result.records],
           render.benchmarks(result.records, result.speedups))
+    return result
 
 
 @app.command()
@@ -883,19 +888,21 @@ def report(
     threads: ThreadsOption = None,
     trust_remote_code: TrustOption = False,  # noqa: ARG001  taken by its callback while parsing
     as_json: JsonFlag = False,
-) -> None:
+) -> report_service.Reported:
     """Compare every evaluated model: accuracy, delta, size, size reduction, speed.
 
     Reads the records, never re-evaluates (unless --refresh); each row is checked against the model file now on disk, and marked stale when the file changed since it was measured, or missing."""
+    refreshed: list[Path] = []
     if refresh:
         with _working("Evaluating the models that changed since their records…"):
-            evaluate_service.refresh_stale(results_dir, threads)
+            refreshed = evaluate_service.refresh_stale(results_dir, threads)
     result = report_service.report_from_results(results_dir)
     if not result.rows:
         reason = f" ({result.skipped[0]})" if result.skipped else " (run `ptq evaluate` first)"
         raise PtqError(f"{results_dir}: no readable evaluation records{reason}")
     if plot and markdown is None:
         markdown = settings.MARKDOWN_REPORT
+    charts: list[Path] = []
     if markdown is not None:
         chart_paths = report_service.chart_paths(markdown) if plot else {}
         check_outputs([("--markdown", markdown, (".md",)), *(("--plot", path, (".png",)) for path in chart_paths.values())],
@@ -905,6 +912,7 @@ def report(
     _emit(as_json, result, render.report(result))
     if markdown is not None and not as_json:
         out.print(f"Markdown report written to {markdown}" + (f"; charts: {', '.join(str(path) for path in charts)}" if charts else ""))
+    return report_service.Reported(result, (*refreshed, *((markdown,) if markdown is not None else ()), *charts))
 
 
 @app.command(name="run")
@@ -954,8 +962,23 @@ def run_pipeline(
             else:
                 display.update(tasks[index], completed=1, description=label if outcome.ran else f"[dim]{label} (up to date)[/dim]")
 
-        result = pipeline_service.run(options, render.report_markdown, list(COMMAND_LINE.get()), on_stage)
+        result = pipeline_service.run(options, run_stage_command, list(COMMAND_LINE.get()), on_stage)
     _emit(as_json, result, render.pipeline_run(result))
+
+
+def run_stage_command(command: str, arguments: tuple[str, ...]) -> Any:
+    """One stage of `ptq run`: the ptq command it is, parsed and run in this process as typed, its tables and
+    progress kept off the terminal (the run shows its stages); returns the command's result. Its errors are
+    the run's, said once by the run's own handler."""
+    global out, err  # noqa: PLW0603  each command prints through these; a stage's go nowhere
+    shown = out, err
+    out = err = Console(file=io.StringIO(), markup=False)
+    try:
+        group = typer.main.get_command(app)
+        with group.make_context("ptq", _fill_optional_values([command, *arguments])) as context:
+            return group.invoke(context)
+    finally:
+        out, err = shown
 
 
 def _reflow(text: str) -> str:
@@ -988,11 +1011,11 @@ def _read_paths(arguments: dict[str, Any]) -> list[Path]:
     return paths
 
 
-def _guarding_inputs(command: Callable[..., None]) -> Callable[..., None]:
+def _guarding_inputs(command: Callable[..., Any]) -> Callable[..., Any]:
     """The command's input paths held for its duration: no output may be one of them (atomic.reading)."""
 
     @functools.wraps(command)
-    def guarded(**arguments: Any) -> None:
+    def guarded(**arguments: Any) -> Any:
         with atomic.reading(_read_paths(arguments)):
             return command(**arguments)
 

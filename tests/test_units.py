@@ -309,7 +309,7 @@ def test_pipeline_stage_made_by_another_ptq_version_is_not_up_to_date(tmp_path):
     output = tmp_path / "model.onnx"
     output.write_bytes(b"made")
     hashes = _Hashes()
-    stage = Stage("quantize", "quantize", ("--target", "speed"), (), (output,), {"target": "speed"}, lambda: None)
+    stage = Stage("quantize", "quantize", ("--target", "speed"), (), (output,), {"target": "speed"})
     entry = {"options": {"target": "speed"}, "inputs": {}, "outputs": {str(output): hashes(output)}, "tool_version": ptq_cli.__version__}
     assert _up_to_date(entry, stage, {}, hashes)
     assert not _up_to_date({**entry, "tool_version": "0.0.1"}, stage, {}, hashes)
@@ -319,9 +319,8 @@ def test_pipeline_stage_made_by_another_ptq_version_is_not_up_to_date(tmp_path):
 def test_a_pipeline_stage_renders_the_command_it_stands_for():
     from ptq_cli.services.study.pipeline import Stage
 
-    stage = Stage("evaluate ref", "evaluate", ("--model", "models/ref.tflite", "--label", "MLPerf Tiny reference int8"), (), (), {}, lambda: None,
-                  note="and one more model in the same process")
-    assert stage.command_line == "ptq evaluate --model models/ref.tflite --label 'MLPerf Tiny reference int8' (and one more model in the same process)"
+    stage = Stage("evaluate ref", "evaluate", ("--model", "models/ref.tflite", "--label", "MLPerf Tiny reference int8"), (), (), {})
+    assert stage.command_line == "ptq evaluate --model models/ref.tflite --label 'MLPerf Tiny reference int8'"
 
 
 def test_report_sets_each_tflite_model_against_the_mlperf_reference():

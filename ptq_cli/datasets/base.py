@@ -93,10 +93,7 @@ class Dataset(ABC):
         raise PtqError(f"{self.root}: no train split to draw calibration images from (give --calibration-data)")
 
     def slug(self, split: str) -> str:
-        """A file-name-safe name of this dataset split, unique per location: `cifar-10-batches-py-test-1a2b3c`."""
-        where = hashlib.sha256(os.fsencode(self.root.resolve())).hexdigest()[:6]
-        stem = re.sub(r"[^A-Za-z0-9._-]+", "_", self.root.stem or "data")[:60]  # the digest tells long names apart
-        return f"{stem}-{split}-{where}"
+        return split_slug(self.root, split)
 
     def load(self, split: str, size: tuple[int, int] | None = None, channels: int | None = None) -> LabelledImages:
         """The split's images, resized to `size` (H, W) and converted to `channels` (1 or 3) when given.
@@ -196,3 +193,10 @@ def convert_channels(images: np.ndarray, channels: int, where: Path | str) -> np
         grey = images.astype(np.float32) @ np.array([0.299, 0.587, 0.114], dtype=np.float32)
         return np.clip(np.rint(grey), 0, 255).astype(np.uint8)[..., None]
     raise PtqError(f"{where}: images have {have} channels; the model takes {channels}")
+
+
+def split_slug(root: Path, split: str) -> str:
+    """A file-name-safe name of a dataset split, unique per location: `cifar-10-batches-py-test-1a2b3c`."""
+    where = hashlib.sha256(os.fsencode(Path(root).resolve())).hexdigest()[:6]
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(root).stem or "data")[:60]  # the digest tells long names apart
+    return f"{stem}-{split}-{where}"

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from ptq_cli import bounded, settings
-from ptq_cli.atomic import atomic_output
+from ptq_cli.atomic import atomic_output, check_outputs
 from ptq_cli.datasets import Dataset, open_dataset
 from ptq_cli.datasets.base import UNLABELLED
 from ptq_cli.errors import PtqError
@@ -137,6 +137,28 @@ def build_calibration_set(dataset: Dataset, samples_per_class: int | None, seed:
         class_names=images.class_names,
         source="built in memory",
     )
+
+
+@dataclass(frozen=True)
+class SavedCalibration:
+    """What `ptq calibrate` made: the set, and the file it went to."""
+
+    calibration: CalibrationSet
+    output: Path
+
+    @property
+    def written(self) -> tuple[Path, ...]:
+        return (self.output,)
+
+
+def draw_and_save(model: Path | None, data: Path, calibration_data: Path | None, output: Path,  # noqa: PLR0913,PLR0917  `ptq calibrate`'s options, one each
+                  samples_per_class: int | None = None, seed: int = settings.SEED, count: int | None = None) -> SavedCalibration:
+    """A seeded, stratified calibration set drawn from the training images (at `model`'s input size), saved to `output`."""
+    check_seed(seed)
+    check_outputs([("--output", output, (".npz",))], [model, data, calibration_data])
+    calibration = for_model(model, data, calibration_data, samples_per_class, seed, count=count)
+    save_calibration_set(calibration, output)
+    return SavedCalibration(calibration, Path(output))
 
 
 def save_calibration_set(calibration: CalibrationSet, path: Path) -> None:

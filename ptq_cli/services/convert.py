@@ -46,6 +46,10 @@ class ConversionResult:
     # above still decides whether the file is right, these say why it may be larger or slower.
     warnings: tuple[str, ...] = ()
 
+    @property
+    def written(self) -> tuple[Path, ...]:
+        return (self.output,)
+
 
 def compare_outputs(reference: np.ndarray, converted: np.ndarray, tolerance: float = TOLERANCE) -> ConversionCheck:
     return ConversionCheck(

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from ptq_cli import backends, inputs
-from ptq_cli.atomic import check_outputs, check_writable
+from ptq_cli.atomic import check_outputs, check_writable, companions
 from ptq_cli.backends.base import QUANTIZATION_METADATA_KEY, SOURCE_METADATA_KEY, LoadedModel, QuantizationSettings, QuantizedFile
 from ptq_cli.backends.model_file import file_sha256, read_onnx
 from ptq_cli.errors import PtqError
@@ -43,6 +43,11 @@ class QuantizeResult:
     @property
     def size_ratio(self) -> float:
         return self.output_size_bytes / self.source_size_bytes
+
+    @property
+    def written(self) -> tuple[Path, ...]:
+        """The files it wrote: the model and those that stand with it (an IR's .bin)."""
+        return tuple(companions(self.output))
 
 
 @dataclass(frozen=True)

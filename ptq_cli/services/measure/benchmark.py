@@ -13,14 +13,14 @@ import numpy as np
 import ptq_cli
 from ptq_cli import backends, bounded
 from ptq_cli import cpu as cpu_info
-from ptq_cli.atomic import check_writable
+from ptq_cli.atomic import check_folder_writable
 from ptq_cli.backends.base import LoadedModel
 from ptq_cli.backends.model_file import resolve_threads
 from ptq_cli.datasets import Dataset
 from ptq_cli.errors import PtqError
 from ptq_cli.inputs import PreprocessingFlags
-from ptq_cli.services.measure.evaluate import outside_target, runtime_tag
-from ptq_cli.services.measure.records import MeasurementKey, from_dict, model_key, record_files, write_record
+from ptq_cli.services.measure.evaluate import outside_target, record_file
+from ptq_cli.services.measure.records import MeasurementKey, from_dict, record_files, write_record
 from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressBar, ProgressCallback, Steps, no_progress_bar
 
@@ -188,13 +188,9 @@ def _record(model: LoadedModel, latency: list[float], seconds: list[float], thre
     )
 
 
-def benchmark_path(results_dir: Path, model_path: Path | str, tag: str = "") -> Path:
-    """RESULTS/benchmarks/<model key><runtime tag>.json (the tag as evaluate.runtime_tag makes it)."""
-    return Path(results_dir) / BENCHMARK_DIR / f"{model_key(model_path)}{tag}.json"
-
-
 def save_benchmark(record: BenchmarkRecord, results_dir: Path) -> Path:
-    return write_record(benchmark_path(results_dir, record.model_path, runtime_tag(record.model_path, record.runtime, record.precision)), record)
+    """RESULTS/benchmarks/<model key><runtime tag>.json: speed is not tied to a dataset."""
+    return write_record(record_file(Path(results_dir) / BENCHMARK_DIR, record), record)
 
 
 def load_benchmarks(results_dir: Path) -> dict[MeasurementKey, BenchmarkRecord]:
@@ -247,6 +243,7 @@ class BenchmarkRequest:
     flags: PreprocessingFlags | None = None
     runtime: str | None = None
     precision: str | None = None
+    also: tuple[tuple[Path, str, str | None], ...] = ()  # more runs in the same turns, each (model, runtime, precision): see parse_also
 
 
 @dataclass(frozen=True)
@@ -254,17 +251,25 @@ class Benchmarked:
     records: list[BenchmarkRecord]
     speedups: dict[tuple, float | None]  # by run_key: throughput against the FP32 source, from these and the saved records
     warnings: tuple[str, ...] = ()  # a model timed on a CPU outside those it was quantized for
+    written: tuple[Path, ...] = ()  # the records
+
+
+def parse_also(text: str) -> tuple[Path, str, str | None]:
+    """`models/resnet8.onnx@openvino:f32` -> (the model, the runtime, the precision hint or None)."""
+    model, at, run = text.rpartition("@")
+    runtime, _, precision = run.partition(":")
+    if not at or not model or runtime not in backends.TABLE:
+        raise PtqError(f"--also: '{text}' is not MODEL@RUNTIME[:PRECISION] with a runtime among {', '.join(backends.TABLE)}")
+    return Path(model), runtime, precision or None
 
 
 def run(request: BenchmarkRequest, progress_bar: ProgressBar = no_progress_bar) -> Benchmarked:
     """The records' folder checked before the timing, the models timed in turns, their records written."""
-    for model_path in request.models:
-        check_writable(benchmark_path(request.results_dir, model_path, runtime_tag(model_path, request.runtime, request.precision)))
-    count = len(request.models)
+    check_folder_writable(Path(request.results_dir) / BENCHMARK_DIR)
+    count = len(request.models) + len(request.also)
     with progress_bar(f"Benchmarking {count} model{'s' if count > 1 else ''} in turns") as progress:
         records = benchmark_models(list(request.models), request.dataset, request.batch_size, request.threads, request.runs, progress=progress,
-                                   flags=request.flags, runtime=request.runtime, precision=request.precision)
-    for record in records:
-        save_benchmark(record, request.results_dir)
+                                   flags=request.flags, runtime=request.runtime, precision=request.precision, also=request.also)
+    written = tuple(save_benchmark(record, request.results_dir) for record in records)
     warnings = tuple(warning for record in records if (warning := outside_target(record.model_path, record.target_cpus)))
-    return Benchmarked(records, speedups(records, load_benchmarks(request.results_dir)), warnings)
+    return Benchmarked(records, speedups(records, load_benchmarks(request.results_dir)), warnings, written)

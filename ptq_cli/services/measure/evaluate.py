@@ -16,10 +16,11 @@ import numpy as np
 import ptq_cli
 from ptq_cli import backends, bounded, hardstop, settings
 from ptq_cli import cpu as cpu_info
-from ptq_cli.atomic import check_writable
+from ptq_cli.atomic import check_folder_writable
 from ptq_cli.backends.base import EMULATE, LoadedModel
 from ptq_cli.backends.model_file import file_sha256, resolve_threads
 from ptq_cli.datasets import Dataset, LabelledImages, open_dataset
+from ptq_cli.datasets.base import split_slug
 from ptq_cli.errors import PtqError
 from ptq_cli.inputs import Preprocessing, PreprocessingFlags
 from ptq_cli.services.measure import emulate
@@ -379,11 +380,6 @@ def path_tag(int8_path: str | None, int8_basis: str = "") -> str:
     return f"~{int8_path}" if int8_path and int8_basis and int8_basis != NATIVE else ""
 
 
-def requested_tag(int8_path: str | None) -> str:
-    """The path tag a record of `int8_path` (as asked for) will have on this CPU."""
-    return path_tag(int8_path, "other" if int8_path not in (None, cpu_info.current().int8_path) else NATIVE)
-
-
 def runtime_tag(model_path: Path | str, runtime: str | None, precision: str | None) -> str:
     """"" for a model on its own runtime at its default precision; "~openvino-f32" for a file run on another
     runtime (an ONNX file on OpenVINO), "~bf16" for another precision hint, so each run keeps its record."""
@@ -404,14 +400,19 @@ def _own_backend(path: Path) -> str | None:
         return next((row.name for row in backends.TABLE.values() if path.suffix in row.suffixes), None)
 
 
-def record_path(results_dir: Path, model_path: Path | str, dataset: Dataset, tag: str = "") -> Path:
-    """results/resnet8.onnx-4d5e6f@cifar-10-batches-py-test-1a2b3c.json: one record per model file, runtime and dataset."""
-    return Path(results_dir) / f"{model_key(model_path)}{tag}@{dataset.slug(dataset.evaluation_split())}.json"
+def record_file(folder: Path, record: Any) -> Path:
+    """The one place a record (an evaluation's or a benchmark's) is named, once it is measured, from what it
+    measured (its MeasurementKey) and the model file's name and folder: FOLDER/resnet8.onnx-4d5e6f~openvino-f32@cifar-10-batches-py-test-1a2b3c.json.
+    A figure on the int8 path the CPU took natively, on the file's own runtime at its default precision, carries no tag."""
+    key = MeasurementKey.of(record)
+    tag = runtime_tag(record.model_path, key.runtime, key.precision or None) + path_tag(key.int8_path or None, getattr(record, "int8_basis", ""))
+    split = getattr(record, "split", "")
+    images = f"@{split_slug(Path(record.dataset), split)}" if split else ""
+    return Path(folder) / f"{model_key(record.model_path)}{tag}{images}.json"
 
 
-def save_record(record: EvaluationRecord, results_dir: Path, dataset: Dataset) -> Path:
-    tag = runtime_tag(record.model_path, record.runtime, record.precision) + path_tag(record.int8_path, record.int8_basis)
-    return write_record(record_path(results_dir, record.model_path, dataset, tag), record)
+def save_record(record: EvaluationRecord, results_dir: Path) -> Path:
+    return write_record(record_file(results_dir, record), record)
 
 
 def read_record(path: Path) -> EvaluationRecord:
@@ -532,7 +533,7 @@ def refresh_stale(results_dir: Path, threads: int | None = None, progress_for: C
         progress = progress_for(record.name) if progress_for else None
         fresh = evaluate_model(Path(record.model_path), dataset, record.batch_size or settings.EVALUATION_BATCH, threads, progress, flags_of(record),
                                record.runtime, record.precision, int8_path=record.int8_path if path_tag(record.int8_path, record.int8_basis) else None)
-        rewritten.append(save_record(fresh, results_dir, dataset))
+        rewritten.append(save_record(fresh, results_dir))
     return rewritten
 
 
@@ -599,6 +600,11 @@ class Evaluated:
     reference: EvaluationRecord | None  # the FP32 model it is compared with, if any record has it
     source_evaluated: Path | None = None  # the FP32 source, evaluated too because its record was missing
     reference_status: str = OK  # whether the reference's file is still the one its record measured
+    source_record: Path | None = None  # where the source's record was written, if it was evaluated
+
+    @property
+    def written(self) -> tuple[Path, ...]:
+        return (self.path, *((self.source_record,) if self.source_record is not None else ()))
 
 
 def evaluate_and_save(model_path: Path, dataset: Dataset, results_dir: Path, progress: ProgressCallback | None = None, **how: Any) -> Evaluated:
@@ -606,20 +612,20 @@ def evaluate_and_save(model_path: Path, dataset: Dataset, results_dir: Path, pro
     too when its record on this dataset is missing (fed exactly as the model was), so the delta is always
     against a measurement."""
     record = evaluate_model(model_path, dataset, progress=progress, **how)
-    path = save_record(record, results_dir, dataset)
+    path = save_record(record, results_dir)
     records = load_records(results_dir).records
-    source = source_to_evaluate(record, records)
+    source, source_path = source_to_evaluate(record, records), None
     if source is not None:  # without labels of its classes, the source is measured against itself: the reference row
         threads = how.get("threads")
         loaded = _REFERENCE_MODEL.get(_reference_model_key(record.source_sha256, threads, record.preprocessing_settings))
         source_record = evaluate_model(source, dataset, how.get("batch_size", settings.EVALUATION_BATCH), threads, None, flags_of(record),
                                        against=source if record.accuracy is None else None, loaded=loaded)
-        save_record(source_record, results_dir, dataset)
         records.append(source_record)
+        source_path = save_record(source_record, results_dir)
     reference = fp32_reference(records, record) if record.dtype != "fp32" or record.source_sha256 else None
     if reference is not None and reference.model_sha256 == record.model_sha256:
         reference = None
-    return Evaluated(record, path, reference, source, record_status(reference) if reference is not None else OK)
+    return Evaluated(record, path, reference, source, record_status(reference) if reference is not None else OK, source_path)
 
 
 NATIVE_PATH, BOTH_PATHS = "native", "both"
@@ -653,9 +659,8 @@ def evaluate(request: EvaluationRequest, progress_bar: ProgressBar = no_progress
     if request.int8_path not in INT8_PATH_CHOICES:
         raise PtqError(f"--int8-path: '{request.int8_path}' is not one of {', '.join(INT8_PATH_CHOICES)}")
     wanted = {NATIVE_PATH: (None,), BOTH_PATHS: cpu_info.INT8_PATHS}.get(request.int8_path, (request.int8_path,))
+    check_folder_writable(request.results_dir)  # said before the evaluations, not after them
     for model_path in request.models:
-        # Its record's folder must take files: said before the evaluation, not after it.
-        check_writable(record_path(request.results_dir, model_path, request.dataset, runtime_tag(model_path, request.runtime, request.precision)))
         model = load_model(model_path, request.threads, request.flags, request.runtime, request.precision)
         for int8_path in _int8_paths(model, wanted):
             with progress_bar(f"Evaluating {Path(model_path).name}" + (f" ({int8_path} int8 path)" if int8_path else "")) as progress:

@@ -163,6 +163,14 @@ class Report:
         return [row for group in self.groups for row in group.rows]
 
 
+@dataclass(frozen=True)
+class Reported:
+    """What `ptq report` did: the report, and the files it wrote (records evaluated again, the Markdown, its charts)."""
+
+    report: Report
+    written: tuple[Path, ...] = ()
+
+
 def _speed(record: EvaluationRecord, benchmarks: dict[MeasurementKey, BenchmarkRecord]) -> tuple[float, str]:
     benchmark = benchmarks.get(MeasurementKey.of(record, with_dataset=False))
     if benchmark is not None:

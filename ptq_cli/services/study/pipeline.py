@@ -8,7 +8,6 @@ which versions, and how long its stage took. A run where every stage is up to da
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import platform
@@ -18,7 +17,6 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
-from functools import partial
 from importlib import metadata as package_metadata
 from pathlib import Path
 from typing import Any
@@ -26,18 +24,15 @@ from typing import Any
 import ptq_cli
 from ptq_cli import backends, bounded, settings
 from ptq_cli import cpu as cpu_info
-from ptq_cli.atomic import check_outside, check_writable, companions, write_text
+from ptq_cli.atomic import check_folder_writable, check_outside, check_writable, companions, write_text
 from ptq_cli.backends.model_file import read_onnx, resolve_threads
 from ptq_cli.datasets import Dataset, open_dataset
 from ptq_cli.errors import PtqError
 from ptq_cli.inputs import PreprocessingFlags
 from ptq_cli.services import calibration as calibration_service
-from ptq_cli.services import convert as convert_service
 from ptq_cli.services import models as models_service
 from ptq_cli.services import quant_settings
 from ptq_cli.services import quantize as quantize_service
-from ptq_cli.services.measure import benchmark as benchmark_service
-from ptq_cli.services.measure import emulate
 from ptq_cli.services.measure import evaluate as evaluate_service
 from ptq_cli.services.measure import report as report_service
 
@@ -90,25 +85,28 @@ class StudyOptions:
 
 @dataclass(frozen=True)
 class Stage:
-    """One step of the study: the ptq command it is (its name and arguments, which render its command line)
-    and the service call that does the same, with what it reads and writes."""
+    """One step of the study, written once: the ptq command it is, with its arguments as a user would type
+    them; what runs is that command (`RunCommand`), in this process. Its records are named by the command,
+    from what it measured: the stage learns them from what the command returns."""
 
     name: str
     command: str  # the ptq command, e.g. "quantize"
-    arguments: tuple[str, ...]  # its options as a user would type them
+    arguments: tuple[str, ...]
     inputs: tuple[Path, ...]
-    outputs: tuple[Path, ...]
+    outputs: tuple[Path, ...]  # the files it is asked to write by name (a model, the calibration set, the report); not its records
     options: dict  # what decides its outputs besides its inputs (the manifest compares them)
-    action: Callable[[], object]
     # Dataset splits read, hashed by content as one input each (a folder of 10,000 images is one entry).
     data_inputs: tuple[tuple[Dataset, str], ...] = ()
-    note: str = ""  # what the command line does not say
+    reads_written_by: tuple[str, ...] = ()  # stages whose files are inputs of this one (the report reads the records)
 
     @property
     def command_line(self) -> str:
         """The equivalent single ptq command, for people reading the manifest."""
-        line = " ".join(["ptq", self.command, *(shlex.quote(argument) for argument in self.arguments)])
-        return f"{line} ({self.note})" if self.note else line
+        return " ".join(["ptq", self.command, *(shlex.quote(argument) for argument in self.arguments)])
+
+
+# Runs one ptq command in this process (cli.run_stage_command): its result, which names the files it wrote (`written`).
+RunCommand = Callable[[str, tuple[str, ...]], Any]
 
 
 @dataclass(frozen=True)
@@ -180,8 +178,14 @@ def _flag_arguments(flags: PreprocessingFlags) -> tuple[str, ...]:
     return tuple(arguments)
 
 
-def _option_arguments(chosen: dict) -> tuple[str, ...]:
-    return tuple(token for key, value in chosen.items() for token in (f"--{key.replace('_', '-')}", str(value)))
+def _arguments(**options: Any) -> tuple[str, ...]:
+    """Options as a user types them: `--name value`, a repeated option once per value, None left out."""
+    tokens: list[str] = []
+    for name, value in options.items():
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            if item is not None:
+                tokens += [f"--{name.replace('_', '-')}", str(item)]
+    return tuple(tokens)
 
 
 @dataclass(frozen=True)
@@ -194,6 +198,9 @@ class _Study:
     fp32: Path
     calibration: Path
     quantized: list[tuple[Path, dict[str, Any]]]  # each quantized model and its quantize options
+    # The FP32 model every model is measured against, where the test images' labels are not its classes (or there
+    # are none); None where each is measured against its own source, as `evaluate` does. Known once the FP32 model exists.
+    against: Path | None = None
 
     @property
     def results(self) -> Path:
@@ -203,10 +210,14 @@ class _Study:
     def test(self) -> tuple[tuple[Dataset, str], ...]:
         return ((self.dataset, self.dataset.evaluation_split()),)
 
+    def data_arguments(self, calibration: bool = False, preprocessing: bool = True) -> tuple[str, ...]:
+        """--data, and --calibration-data and the preprocessing options for the commands that take them."""
+        chosen = self.options.calibration_data if calibration else None
+        return (*_arguments(data=self.options.data_dir, calibration_data=chosen), *(_flag_arguments(self.options.flags) if preprocessing else ()))
+
     @property
-    def data_arguments(self) -> tuple[str, ...]:
-        calibration = ("--calibration-data", str(self.options.calibration_data)) if self.options.calibration_data else ()
-        return ("--data", str(self.options.data_dir), *calibration, *_flag_arguments(self.options.flags))
+    def results_arguments(self) -> tuple[str, ...]:
+        return _arguments(results_dir=self.results if self.results != settings.RESULTS_DIR else None)
 
     @property
     def flag_options(self) -> dict:
@@ -231,22 +242,21 @@ class _Study:
         return tuple((path, row.name, label) for row in backends.TABLE.values() if row.runtime.microcontroller and row.available()
                      for path, label in files if path.suffix in row.runtime.runs_suffixes)
 
-    def evaluate(self, model: Path, label: str | None = None, runtime: str | None = None, precision: str | None = None,
-                 int8_path: str | None = None, subset: int = emulate.DEFAULT_SUBSET) -> Path:
-        record = evaluate_service.evaluate_model(model, self.dataset, threads=self.options.threads, flags=self.options.flags, runtime=runtime,
-                                                 precision=precision, label=label, int8_path=int8_path, subset=subset, against=self.against)
-        return evaluate_service.save_record(record, self.results, self.dataset)
+    def evaluation(self, name: str, model: Path, options: dict, **chosen: Any) -> Stage:
+        """The stage evaluating `model` with these evaluate options (int8_path, runtime, precision, label, emulated_images)."""
+        arguments = _arguments(model=model, **chosen, threads=self.options.threads, against_fp32=self.against)
+        return Stage(name, "evaluate", (*arguments, *self.data_arguments(), *self.results_arguments), (model,), (),
+                     {**self.run_options, **options}, self.test)
 
-    @functools.cached_property
-    def against(self) -> Path | None:
-        """Read once the FP32 model exists (at the first evaluation). Where the test images' labels are not the
-        FP32 model's classes (or there are none), every model is measured against the FP32 model (fidelity);
-        else each against its own source, as `evaluate` does."""
-        if self.dataset.labelled:
-            classes = len(self.dataset.class_names())
-            if models_service.load_model(self.fp32, 1, self.options.flags).num_classes == classes:
-                return None
-        return Path(self.fp32)
+
+def _against(study: _Study) -> Path | None:
+    """Where the test images' labels are not the FP32 model's classes (or there are none), every model is
+    measured against the FP32 model (fidelity); else each against its own source."""
+    if study.dataset.labelled and Path(study.fp32).is_file():
+        classes = len(study.dataset.class_names())
+        if models_service.load_model(study.fp32, 1, study.options.flags).num_classes == classes:
+            return None
+    return Path(study.fp32)
 
 
 def _study(options: StudyOptions) -> tuple[_Study, StudyOptions]:
@@ -275,20 +285,17 @@ def _source_stages(study: _Study) -> list[Stage]:
     stages = []
     if options.model is None and options.keras_model is not None:
         keras = options.keras_model
-        stages.append(Stage("convert keras -> onnx", "convert", ("--keras", str(keras), *study.data_arguments), (keras,), (fp32,),
-                            {"opset": 13, **study.flag_options},
-                            lambda: convert_service.keras_to_onnx(keras, fp32, study.dataset, flags=options.flags), study.test))
+        stages.append(Stage("convert keras -> onnx", "convert", (*_arguments(keras=keras, output=fp32), *study.data_arguments()), (keras,), (fp32,),
+                            {"opset": 13, **study.flag_options}, study.test))
     if options.uses(PYTORCH):
         torch_fp32 = _torch_fp32(study)
-        stages.append(Stage("convert onnx -> pytorch", "convert", ("--onnx", str(fp32), "--torch", str(torch_fp32), *study.data_arguments),
-                            (fp32,), (torch_fp32,), study.flag_options,
-                            lambda: convert_service.onnx_to_torchscript(fp32, torch_fp32, study.dataset, flags=options.flags), study.test))
+        stages.append(Stage("convert onnx -> pytorch", "convert", (*_arguments(onnx=fp32, torch=torch_fp32), *study.data_arguments()),
+                            (fp32,), (torch_fp32,), study.flag_options, study.test))
     train = ((study.calibration_dataset, study.calibration_dataset.calibration_split()),)
     sizing = {"samples_per_class": options.samples_per_class} if options.samples_per_class else {"calibration_size": options.calibration_size}
-    size_arguments = tuple(argument for name, value in sizing.items() if value for argument in (f"--{name.replace('_', '-')}", str(value)))
-    stages.append(Stage("calibrate", "calibrate", ("--model", str(fp32), *size_arguments, "--seed", str(options.seed), *study.data_arguments),
-                        (fp32,), (study.calibration,), {**sizing, "seed": options.seed},
-                        partial(_calibrate, options, fp32, study.calibration), train))
+    stages.append(Stage("calibrate", "calibrate", (*_arguments(model=fp32, **sizing, seed=options.seed, output=study.calibration),
+                                                   *study.data_arguments(calibration=True, preprocessing=False)),
+                        (fp32,), (study.calibration,), {**sizing, "seed": options.seed}, train))
     return stages
 
 
@@ -299,11 +306,10 @@ def _quantize_stages(study: _Study) -> list[Stage]:
         # LiteRT also reads the Keras source and, for its ranges, the onnxruntime model they come from.
         reads_keras = made.format == backends.backend(LITERT).format
         extra_inputs = tuple(Path(path) for path in (study.options.keras_model if reads_keras else None, choice.get("ranges_from")) if path)
-        stages.append(Stage(f"quantize {output.name}", "quantize", ("--model", str(study.fp32), *_option_arguments(choice),
-                                                                     *_flag_arguments(study.options.flags)),
-                            (study.fp32, study.calibration, *extra_inputs), tuple(companions(output)),
-                            {**choice, **study.flag_options, "cpus": made.cpus, "overflow_fix": made.overflow_fix, "stem": made.stem or "auto"},
-                            partial(_quantize, study.fp32, output, study.calibration, choice, study.options.flags)))
+        arguments = (*_arguments(model=study.fp32, **choice, calibration=study.calibration, output=output), "--no-portability-cost",
+                     *study.data_arguments(calibration=True), *study.results_arguments)
+        stages.append(Stage(f"quantize {output.name}", "quantize", arguments, (study.fp32, study.calibration, *extra_inputs), tuple(companions(output)),
+                            {**choice, **study.flag_options, "cpus": made.cpus, "overflow_fix": made.overflow_fix, "stem": made.stem or "auto"}))
     return stages
 
 
@@ -317,89 +323,53 @@ def _references(study: _Study) -> list[Path]:
 
 
 def _evaluate_stages(study: _Study) -> list[Stage]:
-    run_options, flag_options, arguments = study.run_options, study.flag_options, study.data_arguments
-    stages = [Stage(f"evaluate {model.name}", "evaluate", ("--model", str(model), *arguments), (model,),
-                    (evaluate_service.record_path(study.results, model, study.dataset),), {**run_options, **flag_options},
-                    partial(study.evaluate, model), study.test) for model in _models(study)]
+    flag_options = study.flag_options
+    stages = [study.evaluation(f"evaluate {model.name}", model, flag_options) for model in _models(study)]
     # Both x86 int8 paths of the 8-bit models whose runtime's kernels differ by CPU: the one this CPU does
     # not take, from the exact kernels' switch, a proof, or emulation (records "~exact" / "~saturating").
     other_path = next(path for path in cpu_info.INT8_PATHS if path != cpu_info.current().int8_path)
     emulated = study.options.emulated_images
     for output, choice in study.quantized:
         made = quant_settings.make_settings(**choice)
-        if not evaluate_service.other_path_measurable(made.backend, made.overflow_fix, other_path):
-            continue
-        record = evaluate_service.record_path(study.results, output, study.dataset, evaluate_service.requested_tag(other_path))
-        stages.append(Stage(f"evaluate {output.name} on the {other_path} int8 path", "evaluate",
-                            ("--model", str(output), "--int8-path", other_path, "--emulated-images", str(emulated), *arguments),
-                            (output,), (record,), {**run_options, **flag_options, "int8_path": other_path, "emulated_images": emulated},
-                            partial(study.evaluate, output, int8_path=other_path, subset=emulated), study.test))
+        if evaluate_service.other_path_measurable(made.backend, made.overflow_fix, other_path):
+            stages.append(study.evaluation(f"evaluate {output.name} on the {other_path} int8 path", output,
+                                           {**flag_options, "int8_path": other_path, "emulated_images": emulated},
+                                           int8_path=other_path, emulated_images=emulated))
     for model, runtime, precision in study.openvino_fp32:
-        record = evaluate_service.record_path(study.results, model, study.dataset, evaluate_service.runtime_tag(model, runtime, precision))
-        stages.append(Stage(f"evaluate {model.name} on {runtime}", "evaluate",
-                            ("--model", str(model), "--runtime", runtime, "--precision", precision, *arguments),
-                            (model,), (record,), {**run_options, **flag_options, "runtime": runtime, "precision": precision},
-                            partial(study.evaluate, model, runtime=runtime, precision=precision),
-                            study.test))
+        stages.append(study.evaluation(f"evaluate {model.name} on {runtime}", model, {**flag_options, "runtime": runtime, "precision": precision},
+                                       runtime=runtime, precision=precision))
     for model, runtime, named in study.microcontroller_runs:
-        record = evaluate_service.record_path(study.results, model, study.dataset, evaluate_service.runtime_tag(model, runtime, None))
-        stages.append(Stage(f"evaluate {named or model.name} on {runtime}", "evaluate",
-                            ("--model", str(model), "--runtime", runtime, *(("--label", named) if named else ()), *arguments),
-                            (model,), (record,), {**run_options, **flag_options, "runtime": runtime, **({"label": named} if named else {})},
-                            partial(study.evaluate, model, label=named, runtime=runtime), study.test))
+        stages.append(study.evaluation(f"evaluate {named or model.name} on {runtime}", model,
+                                       {**flag_options, "runtime": runtime, **({"label": named} if named else {})}, runtime=runtime, label=named))
     label = settings.MLPERF_REFERENCE_LABEL
-    for model in _references(study):
-        stages.append(Stage(f"evaluate {label}", "evaluate", ("--model", str(model), "--label", label, *arguments), (model,),
-                            (evaluate_service.record_path(study.results, model, study.dataset),), {**run_options, "label": label},
-                            partial(study.evaluate, model, label=label), study.test))
+    stages += [study.evaluation(f"evaluate {label}", model, {"label": label}, label=label) for model in _references(study)]
     return stages
 
 
-def _report_stages(study: _Study, evaluations: list[Stage], render_markdown: Callable[[report_service.Report], str]) -> list[Stage]:
+def _report_stages(study: _Study, evaluations: list[Stage]) -> list[Stage]:
     options, stages = study.options, []
-    records = tuple(path for stage in evaluations for path in stage.outputs)
+    measured = tuple(stage.name for stage in evaluations)
     if options.benchmark:
         # One stage for all models: they are measured in turns, so their speed-ups come from one measurement.
-        # With OpenVINO, the FP32 model also runs on it, in the same process (`ptq benchmark --runtime openvino` alone).
+        # With OpenVINO, the FP32 model also runs on it, in the same process.
         models = [*_models(study), *_references(study)]
-        also = study.openvino_fp32
-        benchmarks = tuple(benchmark_service.benchmark_path(study.results, model) for model in models) \
-            + tuple(benchmark_service.benchmark_path(study.results, model, evaluate_service.runtime_tag(model, runtime, precision))
-                    for model, runtime, precision in also)
-        note = "; ".join(f"and --model {model} --runtime {runtime} --precision {precision} in the same process" for model, runtime, precision in also)
-        stages.append(Stage("benchmark", "benchmark", (*(token for model in models for token in ("--model", str(model))),
-                                                       "--runs", str(options.benchmark_runs), *study.data_arguments),
-                            tuple(models), benchmarks, {"runs": options.benchmark_runs, "openvino_fp32": bool(also), **study.run_options},
-                            lambda: _benchmark(models, also, study.dataset, options), study.test, note))
-        records += benchmarks
-    results = study.results
-    stages.append(Stage("report", "report", ("--markdown", str(options.markdown)), records, (options.markdown,), {},
-                        lambda: write_text(options.markdown, render_markdown(report_service.report_from_results(results)))))
+        also = [f"{model}@{runtime}:{precision}" for model, runtime, precision in study.openvino_fp32]
+        arguments = _arguments(model=models, also=also, runs=options.benchmark_runs, threads=options.threads)
+        stages.append(Stage("benchmark", "benchmark", (*arguments, *study.data_arguments(), *study.results_arguments), tuple(models), (),
+                            {"runs": options.benchmark_runs, "openvino_fp32": bool(also), **study.run_options}, study.test))
+        measured += ("benchmark",)
+    stages.append(Stage("report", "report", (*_arguments(markdown=options.markdown), *study.results_arguments), (), (options.markdown,), {},
+                        reads_written_by=measured))
     return stages
 
 
-def plan(options: StudyOptions, render_markdown: Callable[[report_service.Report], str]) -> list[Stage]:
-    """The stages of `make run`, in order; each reads only files earlier stages (or the user) provide."""
+def plan(options: StudyOptions, against: Path | None = None) -> list[Stage]:
+    """The stages of `make run`, in order; each reads only files earlier stages (or the user) provide. `against`:
+    the FP32 model every model is measured against (_against), once it exists."""
     study, options = _study(options)
+    study = replace(study, against=against)
     evaluations = _evaluate_stages(study)
-    return _source_stages(study) + _quantize_stages(study) + evaluations + _report_stages(study, evaluations, render_markdown)
-
-
-def _benchmark(models: list[Path], also, dataset: Dataset, options: StudyOptions) -> None:
-    for record in benchmark_service.benchmark_models(models, dataset, threads=options.threads, runs=options.benchmark_runs, flags=options.flags,
-                                                     also=also):
-        benchmark_service.save_benchmark(record, options.results_dir)
-
-
-def _calibrate(options: StudyOptions, model: Path, output: Path) -> None:
-    calibration = calibration_service.for_model(model, options.data_dir, options.calibration_data, options.samples_per_class, options.seed,
-                                                flags=options.flags, count=options.calibration_size)
-    calibration_service.save_calibration_set(calibration, output)
-
-
-def _quantize(model: Path, output: Path, calibration: Path, options: dict, flags: PreprocessingFlags) -> None:
-    quantization_settings = quant_settings.make_settings(**options)
-    quantize_service.quantize(model, output, quantization_settings, calibration_service.load_calibration_set(calibration), flags)
+    return _source_stages(study) + _quantize_stages(study) + evaluations + _report_stages(study, evaluations)
 
 
 def manifest_path(results_dir: Path) -> Path:
@@ -431,8 +401,8 @@ def _up_to_date(entry: dict | None, stage: Stage, inputs: dict[str, str], hashes
     if not entry or entry.get("tool_version") != ptq_cli.__version__ or entry.get("options") != stage.options or entry.get("inputs") != inputs:
         return False
     recorded = entry.get("outputs") or {}
-    return set(recorded) == {str(path) for path in stage.outputs} and all(
-        path.is_file() and hashes(path) == recorded[str(path)] for path in stage.outputs
+    return bool(recorded) and {str(path) for path in stage.outputs} <= set(recorded) and all(
+        Path(path).is_file() and hashes(Path(path)) == digest for path, digest in recorded.items()
     )
 
 
@@ -480,16 +450,28 @@ def _checked(options: StudyOptions) -> StudyOptions:
     return options if options.model is not None else replace(options, keras_model=options.keras_model or settings.keras_model_path())
 
 
-def _run_stage(stage: Stage, entry: dict | None, hashes: _Hashes, force: bool) -> tuple[StageOutcome, dict | None]:
-    """(what the stage did, its new manifest entry if it ran): run unless up to date (always with `force`)."""
+def _written(result: Any) -> tuple[Path, ...]:
+    """The files a command wrote, as its result names them (a list of results: each one's)."""
+    if isinstance(result, (list, tuple)):
+        return tuple(path for item in result for path in _written(item))
+    return tuple(Path(path) for path in result.written)
+
+
+def _run_stage(stage: Stage, entry: dict | None, hashes: _Hashes, run: _Run) -> tuple[StageOutcome, dict | None]:
+    """(what the stage did, its new manifest entry if it ran): its command run unless up to date (always with --force)."""
     started = time.perf_counter()
     _check_inputs(stage)
-    inputs = {str(path): hashes(path) for path in stage.inputs}
+    read = [Path(path) for name in stage.reads_written_by for path in run.written.get(name, {})]
+    inputs = {str(path): hashes(path) for path in (*stage.inputs, *read)}
     inputs.update({f"{dataset.root} ({split})": hashes.content_key(dataset, split) for dataset, split in stage.data_inputs})
-    ran = force or not _up_to_date(entry, stage, inputs, hashes)
+    ran = run.force or not _up_to_date(entry, stage, inputs, hashes)
+    written = dict.fromkeys(map(str, stage.outputs))
     if ran:
-        stage.action()
-    outputs = {str(path): hashes(path) for path in stage.outputs}
+        written.update(dict.fromkeys(map(str, _written(run.command(stage.command, stage.arguments)))))
+    else:
+        written.update(dict.fromkeys((entry or {}).get("outputs", {})))
+    outputs = {path: hashes(Path(path)) for path in written}
+    run.written[stage.name] = outputs
     outcome = StageOutcome(stage.name, stage.command_line, ran, round(time.perf_counter() - started, 3), inputs, outputs)
     if not ran:
         return outcome, None
@@ -497,28 +479,43 @@ def _run_stage(stage: Stage, entry: dict | None, hashes: _Hashes, force: bool) -
                      "tool_version": ptq_cli.__version__, "seconds": outcome.seconds, "finished_at": datetime.now(UTC).isoformat(timespec="seconds")}
 
 
+@dataclass
+class _Run:
+    """What the stages of one run share: the command runner, --force, and the files each stage wrote (or had written)."""
+
+    command: RunCommand
+    force: bool
+    written: dict[str, dict[str, str]] = field(default_factory=dict)  # stage name -> path -> sha256
+
+
 def run(
     options: StudyOptions,
-    render_markdown: Callable[[report_service.Report], str],
+    run_command: RunCommand,
     command_line: list[str],
     on_stage: StageCallback | None = None,
 ) -> RunResult:
-    """Run every stage that is not up to date (all of them with `force`); write the manifest if any ran."""
+    """Run every stage that is not up to date (all of them with `force`), each as the ptq command it is
+    (`run_command`); write the manifest if any ran."""
     began, started_at = time.perf_counter(), datetime.now(UTC).isoformat(timespec="seconds")
     manifest_file = manifest_path(options.results_dir)
     previous = read_manifest(manifest_file)
     entries: dict[str, dict] = {entry["name"]: entry for entry in previous.get("stages", [])}
     options = _checked(options)
-    stages = plan(options, render_markdown)
+    stages = plan(options)
+    sources = len(_source_stages(_study(options)[0]))
     to_write = [manifest_file, *(output for stage in stages for output in stage.outputs)]
-    check_outside(to_write, [options.data_dir, options.calibration_data])
+    check_outside([*to_write, options.results_dir], [options.data_dir, options.calibration_data])
     for path in to_write:
         check_writable(path)  # a read-only directory fails now, not after minutes of work
-    hashes, outcomes = _Hashes(), []
-    for index, stage in enumerate(stages):
+    check_folder_writable(options.results_dir)
+    hashes, outcomes, shared = _Hashes(), [], _Run(run_command, options.force)
+    for index in range(len(stages)):
+        if index == sources:  # the FP32 model exists now: what each model is measured against is known
+            stages = plan(options, _against(_study(options)[0]))
+        stage = stages[index]
         if on_stage:
             on_stage(index, len(stages), stage, None)
-        outcome, entry = _run_stage(stage, entries.get(stage.name), hashes, options.force)
+        outcome, entry = _run_stage(stage, entries.get(stage.name), hashes, shared)
         if entry is not None:
             entries[stage.name] = entry
         outcomes.append(outcome)

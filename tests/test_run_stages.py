@@ -1,0 +1,90 @@
+"""`ptq run`'s stages are ptq commands, written once: the manifest's command lines are what ran, and the
+records each wrote are named by the command from what it measured. In-process, on tests/synthetic.py's project."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+from pathlib import Path
+
+import pytest
+from synthetic import colours_project, invoke, one_line_error
+
+from ptq_cli import settings
+from ptq_cli.services.measure import benchmark as benchmark_service
+from ptq_cli.services.measure import evaluate as evaluate_service
+from ptq_cli.services.measure.records import from_dict, record_files
+
+STUDY = ("run", "--model", "models/m.onnx", "--data", "colours.npz", "--no-pytorch", "--no-openvino", "--runs", "2")
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv(settings.CACHE_ENV, str(tmp_path / "cache"))
+    (tmp_path / "study").mkdir()
+    return colours_project(tmp_path / "study")
+
+
+def ok(*args, cwd: Path):
+    result = invoke(*args, cwd=cwd)
+    assert result.exit_code == 0, (result.exit_code, result.output)
+    return result
+
+
+def _measured(results: Path) -> dict[tuple, tuple]:
+    """(model file, runtime, precision, int8 path) -> (model sha256, top-1, images) of each evaluation record."""
+    records = [evaluate_service.read_record(path) for path in record_files(results)]
+    return {(record.name, record.runtime, record.precision, record.int8_path): (record.model_sha256, record.accuracy, record.images) for record in records}
+
+
+def test_replaying_the_manifest_command_by_command_makes_the_same_files(project, tmp_path):
+    ok(*STUDY, cwd=project)
+    manifest = json.loads((project / "results" / "manifest.json").read_text())
+    replay = tmp_path / "replay"
+    (replay / "models").mkdir(parents=True)
+    for name in ("models/m.onnx", "colours.npz"):
+        shutil.copy(project / name, replay / name)
+    for stage in manifest["stages"]:
+        program, command, *arguments = shlex.split(stage["command"])
+        assert program == "ptq" and command in stage["name"].split()[0]
+        ok(command, *arguments, cwd=replay)
+        for path in stage["outputs"]:
+            if Path(path).suffix in (".onnx", ".npz", ".md"):  # models, the calibration set and the report, by the names given
+                assert (replay / path).is_file(), (stage["name"], path)
+            if Path(path).suffix in (".onnx", ".npz"):  # byte for byte
+                assert (replay / path).read_bytes() == (project / path).read_bytes(), path
+    # The same measurements, with the same figures (not the times; record names hold the images' folder, which differs).
+    ran, replayed = _measured(project / "results"), _measured(replay / "results")
+    assert ran == replayed and len(ran) >= 4
+    benchmarks = sorted(path.name.split("-")[0] for path in (project / "results" / "benchmarks").glob("*.json"))
+    assert benchmarks and benchmarks == sorted(path.name.split("-")[0] for path in (replay / "results" / "benchmarks").glob("*.json"))
+
+
+def test_each_record_is_named_from_what_it_measured_and_the_report_reads_every_one(project, monkeypatch):
+    result = json.loads(ok(*STUDY, "--json", cwd=project).stdout)
+    monkeypatch.chdir(project)  # names hold the model's and the images' folders, relative to where ptq ran
+    results = Path("results")
+    for path in record_files(results):
+        assert path == evaluate_service.record_file(results, evaluate_service.read_record(path))
+    for path in sorted((results / "benchmarks").glob("*.json")):
+        record = from_dict(benchmark_service.BenchmarkRecord, json.loads(path.read_text()))
+        assert path == evaluate_service.record_file(results / "benchmarks", record)
+    stages = {stage["name"]: stage for stage in result["stages"]}
+    written = {path for name, stage in stages.items() if name.startswith(("evaluate", "benchmark")) for path in stage["outputs"]}
+    assert written == set(stages["report"]["inputs"]) and written
+    # A record that goes missing is written again by the stage that wrote it; the report reads it again.
+    missing = next(path for path in written if "m_int8.onnx" in path and "benchmarks" not in path)
+    Path(missing).unlink()
+    again = json.loads(ok(*STUDY, "--json", cwd=project).stdout)
+    assert [stage["name"] for stage in again["stages"] if stage["ran"]] == [next(name for name, stage in stages.items() if missing in stage["outputs"]),
+                                                                           "report"]
+    assert Path(missing).is_file()
+
+
+def test_benchmark_times_a_file_on_a_second_runtime_in_the_same_turns(project):
+    pytest.importorskip("openvino")
+    ok("benchmark", "--model", "models/m.onnx", "--also", "models/m.onnx@openvino:f32", "--runs", "2", "--data", "colours.npz", cwd=project)
+    names = sorted(path.name for path in (project / "results" / "benchmarks").glob("*.json"))
+    assert len(names) == 2 and any("~openvino-f32" in name for name in names)
+    one_line_error(invoke("benchmark", "--model", "models/m.onnx", "--also", "models/m.onnx", cwd=project), "--also: 'models/m.onnx' is not MODEL@RUNTIME")
