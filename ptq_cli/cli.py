@@ -26,32 +26,33 @@ from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TransferSpeedColumn
 from rich.text import Text
 
-from ptq_cli import atomic, backends, bounded, hardstop, render, settings, trust
+from ptq_cli import backends, render, settings
 from ptq_cli import cpu as cpu_info
 from ptq_cli import inputs as inputs_service
-from ptq_cli.atomic import check_outputs, write_text
 from ptq_cli.backends.model_file import read_onnx as check_model
 from ptq_cli.datasets import Dataset, open_dataset
 from ptq_cli.errors import Interrupted, PtqError, Terminated, TerminateSignal
-from ptq_cli.services import calibration as calibration_service
-from ptq_cli.services import convert as convert_service
-from ptq_cli.services import export as export_service
+from ptq_cli.guards import atomic, bounded, hardstop, trust
+from ptq_cli.guards.atomic import check_outputs, write_text
 from ptq_cli.services import fetch as fetch_service
 from ptq_cli.services import models as models_service
-from ptq_cli.services import prune as prune_service
 from ptq_cli.services import quant_settings
-from ptq_cli.services import quantize as quantize_service
-from ptq_cli.services import stem as stem_service
+from ptq_cli.services.make import calibration as calibration_service
+from ptq_cli.services.make import convert as convert_service
+from ptq_cli.services.make import export as export_service
+from ptq_cli.services.make import prune as prune_service
+from ptq_cli.services.make import quantize as quantize_service
+from ptq_cli.services.make import stem as stem_service
 from ptq_cli.services.measure import benchmark as benchmark_service
 from ptq_cli.services.measure import emulate as emulate_service
 from ptq_cli.services.measure import evaluate as evaluate_service
 from ptq_cli.services.measure import report as report_service
-from ptq_cli.services.measure import sensitivity as sensitivity_service
-from ptq_cli.services.measure import validation as validation_service
 from ptq_cli.services.quant_settings import QuantizationSettings
 from ptq_cli.services.study import pipeline as pipeline_service
+from ptq_cli.services.study import sensitivity as sensitivity_service
 from ptq_cli.services.study import sweep as sweep_service
 from ptq_cli.services.study import tune as tune_service
+from ptq_cli.services.study import validation as validation_service
 from ptq_cli.transforms import overflow
 from ptq_cli.transforms.rounding import AUTO as AUTO_ROUNDING
 from ptq_cli.transforms.rounding import ROUNDING_CHOICES
@@ -214,7 +215,7 @@ Runtime = _choices("Runtime", backends.runtimes())
 Precision = _choices("Precision", backends.precisions())
 Cpus = _choices("Cpus", cpu_info.CPU_TARGETS)
 OverflowFix = _choices("OverflowFix", overflow.OVERFLOW_FIXES)
-Stem = _choices("Stem", stem_service.STEM_CHOICES)
+Stem = _choices("Stem", quant_settings.STEM_CHOICES)
 Rounding = _choices("Rounding", ROUNDING_CHOICES)
 MODELS_HELP = f"Model file ({', '.join(backends.suffixes())}); repeat for several. (default: every model in models/)"
 Int8Path = _choices("Int8Path", evaluate_service.INT8_PATH_CHOICES)
@@ -377,7 +378,7 @@ QUANTIZATION_PARAMETERS = (
     _option("dtype", DTypeOption), _option("target", TargetOption), _option("weight_dtype", WeightDTypeOption),
     _option("per_channel", PerChannelOption), _option("method", MethodOption), _option("percentile", PercentileOption),
     _option("graph_preprocess", GraphPreprocessOption, True), _option("cpus", CpusOption, Cpus("all")), _option("overflow_fix", OverflowFixOption),
-    _option("stem", StemOption, Stem(stem_service.AUTO)), _option("rounding", RoundingOption, Rounding(AUTO_ROUNDING)),
+    _option("stem", StemOption, Stem(quant_settings.AUTO)), _option("rounding", RoundingOption, Rounding(AUTO_ROUNDING)),
 )
 COMMON_QUANTIZATION = ("dtype", "weight_dtype", "per_channel", "method", "percentile")  # what sweep and sensitivity take
 NO_QUANTIZATION: Any = None  # a command's `quantization` before `_with_quantization` fills it in
@@ -738,7 +739,7 @@ def tune(
     validation_per_class: ValidationPerClass = settings.VALIDATION_PER_CLASS,
     output: Annotated[Path | None, typer.Option(help="Where to write the chosen model. (default: beside the model, <model>_<dtype>_tuned.onnx, <model>_pytorch_int8_tuned.pt or <model>_openvino_int8_tuned.xml)", show_default=False)] = None,
     results_dir: Annotated[Path, typer.Option(help="The record of the search goes to RESULTS_DIR/tuning/<output>.json.")] = settings.RESULTS_DIR,
-    stem: StemOption = Stem(stem_service.AUTO),
+    stem: StemOption = Stem(quant_settings.AUTO),
     choice: DataChoice = NO_CHOICE,
     as_json: JsonFlag = False,
 ) -> None:

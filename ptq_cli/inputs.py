@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ptq_cli import bounded
 from ptq_cli.errors import PtqError
+from ptq_cli.guards import bounded
 
 NHWC, NCHW = "NHWC", "NCHW"
 # Written into every model ptq makes (ONNX metadata; TorchScript extra file), so the model's

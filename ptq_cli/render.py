@@ -13,24 +13,24 @@ from rich.table import Table
 from rich.text import Text
 
 from ptq_cli import settings
-from ptq_cli.atomic import atomic_output
 from ptq_cli.cpu import describe_record
-from ptq_cli.services.calibration import CalibrationSet
-from ptq_cli.services.convert import ConversionResult
-from ptq_cli.services.export import CArrayExport
+from ptq_cli.guards.atomic import atomic_output
 from ptq_cli.services.fetch import FetchResult
+from ptq_cli.services.make.calibration import CalibrationSet
+from ptq_cli.services.make.convert import ConversionResult
+from ptq_cli.services.make.export import CArrayExport
+from ptq_cli.services.make.prune import PruneResult
+from ptq_cli.services.make.quantize import QuantizeResult
+from ptq_cli.services.make.stem import describe_stem
 from ptq_cli.services.measure.benchmark import BenchmarkRecord, run_key
 from ptq_cli.services.measure.evaluate import EvaluationRecord
-from ptq_cli.services.measure.records import to_json
+from ptq_cli.services.measure.portability import describe as describe_portability
 from ptq_cli.services.measure.report import AGREEMENT_BUDGET, BASE_RUNTIME, TOP5_BUDGET, DatasetGroup, Report, ReportRow
-from ptq_cli.services.measure.sensitivity import SensitivityResult
 from ptq_cli.services.measure.sweep_records import SweepResult
-from ptq_cli.services.portability import describe as describe_portability
-from ptq_cli.services.prune import PruneResult
 from ptq_cli.services.quant_settings import describe_cpus, describe_method, short_node
-from ptq_cli.services.quantize import QuantizeResult
-from ptq_cli.services.stem import describe_stem
+from ptq_cli.services.records import to_json
 from ptq_cli.services.study.pipeline import RunResult, StageOutcome
+from ptq_cli.services.study.sensitivity import SensitivityResult
 from ptq_cli.services.study.tune import TuneResult, describe
 from ptq_cli.transforms.rounding import describe_rounding
 

@@ -117,7 +117,7 @@ def test_a_plain_onnxruntime_quantize_gets_the_speed_target_and_a_type_given_kee
     int8 per-channel weights, named so); a type given, or another backend, keeps the weights following the type."""
     from pathlib import Path
 
-    from ptq_cli.services.quantize import default_output
+    from ptq_cli.services.make.quantize import default_output
 
     plain = make_settings()
     assert (plain.target, plain.dtype, plain.weight_dtype, plain.per_channel) == ("speed", "uint8", "int8", True)

@@ -29,9 +29,9 @@ from ptq_cli.backends.base import (
 )
 from ptq_cli.backends.model_file import read_bytes
 from ptq_cli.errors import PtqError
-from ptq_cli.services import calibration as calibration_service
 from ptq_cli.services import quant_settings
-from ptq_cli.services import quantize as quantize_service
+from ptq_cli.services.make import calibration as calibration_service
+from ptq_cli.services.make import quantize as quantize_service
 from ptq_cli.services.measure import evaluate as evaluate_service
 
 MAGIC = b"TOYQ"

@@ -9,7 +9,7 @@ import pytest
 from conftest import CIFAR, assert_clean_failure, cifar_split, ptq, ptq_ok
 
 from ptq_cli.datasets import cifar10 as cifar
-from ptq_cli.services.calibration import build_calibration_set, load_calibration_set
+from ptq_cli.services.make.calibration import build_calibration_set, load_calibration_set
 
 
 @pytest.fixture(scope="module")

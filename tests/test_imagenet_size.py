@@ -16,7 +16,7 @@ import pytest
 from synthetic import channel_mean_classifier, colour_images, depthwise_classifier, image_folder, invoke, one_line_error, photo_folder
 
 from ptq_cli.datasets import open_dataset
-from ptq_cli.services.calibration import build_calibration_set, sized_indices
+from ptq_cli.services.make.calibration import build_calibration_set, sized_indices
 from ptq_cli.services.measure.evaluate import read_record
 from ptq_cli.services.measure.fidelity import compare
 from ptq_cli.transforms import overflow
@@ -322,7 +322,7 @@ def test_a_record_without_accuracy_must_carry_its_fidelity(mobile, tmp_path):
 def test_tuning_without_labels_scores_agreement_with_fp32(tmp_path):
     """Validation images without labels take the FP32 model's top-1 classes: FP32 scores 100% and any other
     model its top-1 agreement with FP32."""
-    from ptq_cli.services.measure.validation import ValidationScore, ValidationSet, build_validation_set, labels_from_fp32
+    from ptq_cli.services.study.validation import ValidationScore, ValidationSet, build_validation_set, labels_from_fp32
 
     dataset = open_dataset(photo_folder(tmp_path / "photos", 15, size=16))
     calibration = build_calibration_set(dataset, None, seed=0, count=5)

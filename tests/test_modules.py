@@ -16,17 +16,17 @@ import numpy as np
 import pytest
 from synthetic import CLASSES, colours_npz, conv_classifier, image_folder
 
-from ptq_cli import bounded, cache, hardstop, library_noise, settings, trust
+from ptq_cli import settings
 from ptq_cli.datasets.base import convert_channels, resize
 from ptq_cli.datasets.folder import ImageFolder
 from ptq_cli.datasets.npz import NpzDataset
 from ptq_cli.errors import PtqError
-from ptq_cli.services import calibration as calibration_service
-from ptq_cli.services import quant_settings
-from ptq_cli.services.export import c_symbol, export_c_array
-from ptq_cli.services.measure import records, sensitivity, validation
+from ptq_cli.guards import bounded, cache, hardstop, library_noise, trust
+from ptq_cli.services import quant_settings, records
+from ptq_cli.services.make import calibration as calibration_service
+from ptq_cli.services.make.export import c_symbol, export_c_array
 from ptq_cli.services.progress import Steps
-from ptq_cli.services.study import sweep
+from ptq_cli.services.study import sensitivity, sweep, validation
 
 
 @pytest.fixture
@@ -83,7 +83,7 @@ def test_ptq_trusts_the_torchscript_it_wrote_and_nothing_else(private_cache):
 
 
 def test_a_deadline_ends_the_process_with_its_message():
-    code = "import time\nfrom ptq_cli import hardstop\nwith hardstop.deadline(0.5, 'one call did not return'):\n    time.sleep(30)\n"
+    code = "import time\nfrom ptq_cli.guards import hardstop\nwith hardstop.deadline(0.5, 'one call did not return'):\n    time.sleep(30)\n"
     began = time.monotonic()
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "one call did not return" in done.stderr and time.monotonic() - began < 20

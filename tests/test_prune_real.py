@@ -11,7 +11,7 @@ import pytest
 from conftest import assert_clean_failure, ptq, ptq_ok, read_json
 from onnx import numpy_helper
 
-from ptq_cli.services.prune import weight_layers
+from ptq_cli.services.make.prune import weight_layers
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -14,7 +14,7 @@ from synthetic import colours_project, invoke, one_line_error
 from ptq_cli import settings
 from ptq_cli.services.measure import benchmark as benchmark_service
 from ptq_cli.services.measure import evaluate as evaluate_service
-from ptq_cli.services.measure.records import from_dict, record_files
+from ptq_cli.services.records import from_dict, record_files
 
 STUDY = ("run", "--model", "models/m.onnx", "--data", "colours.npz", "--no-pytorch", "--no-openvino", "--runs", "2")
 

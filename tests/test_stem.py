@@ -1,5 +1,5 @@
 """The stem (the layers the image enters first) left in float where its 8-bit weights alone ruin the output:
-measured per model and settings (services/stem.py), on every backend that can keep a layer in float."""
+measured per model and settings (services/make/stem.py), on every backend that can keep a layer in float."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from onnx import numpy_helper
 from synthetic import cancelling_stem_classifier, grey_folder, invoke, one_line_error
 
 from ptq_cli.backends import openvino
-from ptq_cli.services import stem
+from ptq_cli.services.make import stem
 
 
 @pytest.fixture(scope="module")
@@ -166,8 +166,8 @@ def test_a_float_layer_inside_the_graph_stays_float_when_onnxruntime_loads_it(pr
 
     from ptq_cli import inputs
     from ptq_cli.services import quant_settings
-    from ptq_cli.services import quantize as quantize_service
-    from ptq_cli.services.calibration import for_model
+    from ptq_cli.services.make import quantize as quantize_service
+    from ptq_cli.services.make.calibration import for_model
 
     model = _two_convolutions(tmp_path / "two.onnx")
     flags = inputs.PreprocessingFlags()

@@ -24,8 +24,8 @@ from PIL import Image
 from synthetic import CLASSES, channel_mean_classifier, colour_images, image_folder, invoke, one_line_error
 
 from ptq_cli import settings
-from ptq_cli.atomic import atomic_output, remove_stale_temporaries
 from ptq_cli.errors import PtqError
+from ptq_cli.guards.atomic import atomic_output, remove_stale_temporaries
 
 
 def snapshot(directory: Path) -> dict[str, bytes | tuple]:

@@ -11,8 +11,8 @@ import pytest
 from conftest import CIFAR, cifar_split, ptq, ptq_ok, read_json
 
 from ptq_cli.datasets import cifar10 as cifar
-from ptq_cli.services.calibration import build_calibration_set
-from ptq_cli.services.measure.validation import build_validation_set
+from ptq_cli.services.make.calibration import build_calibration_set
+from ptq_cli.services.study.validation import build_validation_set
 
 # ResNet8 (MLPerf Tiny): 9 convolutions (7 on the main path, 2 shortcut projections), 3 residual adds,
 # the average pool, the dense layer (a Gemm once batch norm is folded) and the softmax.

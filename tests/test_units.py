@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 from ptq_cli import settings
-from ptq_cli.atomic import atomic_output, write_text
 from ptq_cli.cli import _fill_optional_values
 from ptq_cli.datasets import cifar10 as cifar
 from ptq_cli.datasets import open_dataset
 from ptq_cli.errors import CheckFailed, PtqError
-from ptq_cli.services.calibration import stratified_indices
-from ptq_cli.services.convert import _checked_write, compare_outputs
+from ptq_cli.guards.atomic import atomic_output, write_text
+from ptq_cli.services.make.calibration import stratified_indices
+from ptq_cli.services.make.convert import _checked_write, compare_outputs
 from ptq_cli.services.measure.evaluate import EvaluationRecord, newest_per_measurement
 from ptq_cli.services.measure.report import build_report
 
@@ -209,7 +209,7 @@ def test_only_the_newest_record_of_one_measurement_is_kept():
 
 
 def test_stratified_subset_keeps_classes_balanced_and_within_the_set():
-    from ptq_cli.services.calibration import CalibrationSet, stratified_subset
+    from ptq_cli.services.make.calibration import CalibrationSet, stratified_subset
 
     labels = np.repeat(np.arange(10), 6)
     full = CalibrationSet(
@@ -326,7 +326,7 @@ def test_a_pipeline_stage_renders_the_command_it_stands_for():
 def test_report_sets_each_tflite_model_against_the_mlperf_reference():
     from ptq_cli.render import report_markdown
     from ptq_cli.services.measure.benchmark import BenchmarkRecord
-    from ptq_cli.services.measure.records import MeasurementKey
+    from ptq_cli.services.records import MeasurementKey
 
     reference = replace(_record("ref.tflite", "litert", "int8", 86.97, 98_496, 900.0, [85.0, 89.0]), label=settings.MLPERF_REFERENCE_LABEL,
                         source_sha256=None)

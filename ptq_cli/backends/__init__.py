@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import fields
 from pathlib import Path
 
-from ptq_cli.atomic import declare_companions
 from ptq_cli.backends import litert, onnxruntime, openvino, pytorch, tflm
 from ptq_cli.backends.base import Backend
 from ptq_cli.backends.model_file import require_file
 from ptq_cli.errors import PtqError
+from ptq_cli.guards.atomic import declare_companions
 
 # In the order the report lists them; the first is the default backend and the runtime every speed-up
 # is also given against.

@@ -204,7 +204,7 @@ class QuantizationSettings:
     # Which CPUs the model is for (cpu.CPU_TARGETS) and how it is kept exact on those without VNNI.
     cpus: str = ALL
     overflow_fix: str | None = NO_FIX  # None until the model decides (quantize.resolve_model_defaults)
-    # The stem (the layers the image enters): "float" or "int8"; None until measured (services/stem.py),
+    # The stem (the layers the image enters): "float" or "int8"; None until measured (services/make/stem.py),
     # with the output SQNR its int8 weights alone gave.
     stem: str | None = None
     stem_sqnr_db: float | None = None

@@ -25,7 +25,6 @@ from typing import ClassVar
 
 import numpy as np
 
-from ptq_cli.atomic import atomic_output
 from ptq_cli.backends import base
 from ptq_cli.backends.base import (
     AUTO_METHOD,
@@ -48,7 +47,8 @@ from ptq_cli.backends.base import (
 )
 from ptq_cli.backends.model_file import file_sha256, in_fixed_batches, metadata_object, model_input, num_classes, read_bytes, read_onnx, resolve_threads
 from ptq_cli.errors import PtqError, first_line
-from ptq_cli.library_noise import native_stderr_silenced
+from ptq_cli.guards.atomic import atomic_output
+from ptq_cli.guards.library_noise import native_stderr_silenced
 from ptq_cli.transforms.int4 import Mixed, to_int4
 from ptq_cli.transforms.overflow import NO_FIX
 from ptq_cli.transforms.rounding import LEARNED, NEAREST

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ptq_cli import bounded, inputs
-from ptq_cli.atomic import companions
+from ptq_cli import inputs
 from ptq_cli.errors import PtqError, first_line
+from ptq_cli.guards import bounded
+from ptq_cli.guards.atomic import companions
 from ptq_cli.inputs import ModelInput
 
 # Quantize records how a model was made inside the model file itself, under this metadata key.

@@ -17,8 +17,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ptq_cli import bounded, inputs
-from ptq_cli.atomic import WRITE_FAILURES, atomic_output
+from ptq_cli import inputs
 from ptq_cli.backends import base
 from ptq_cli.backends.base import (
     AUTO_METHOD,
@@ -42,6 +41,8 @@ from ptq_cli.backends.base import (
 from ptq_cli.backends.model_file import describe_input, in_fixed_batches, metadata, quantized_dtype, read_bytes, read_onnx, resolve_threads
 from ptq_cli.cpu import EXACT
 from ptq_cli.errors import PtqError, first_line
+from ptq_cli.guards import bounded
+from ptq_cli.guards.atomic import WRITE_FAILURES, atomic_output
 from ptq_cli.transforms import overflow, rounding
 from ptq_cli.transforms.graph import keep_float_layers, preprocess, symbolic_batch
 from ptq_cli.transforms.space_to_depth import Rewrite, quantized_pads, space_to_depth_convs
@@ -190,7 +191,7 @@ def activation_bytes(source) -> int:
 def calibration_chunk(source, images: np.ndarray, fixed_batch: int | None, where: str) -> int:
     """How many images onnxruntime may calibrate on at once within bounded.CALIBRATION_BYTES (the process's
     memory now included), or a one-line error when not even one image (one fixed batch) fits."""
-    from ptq_cli import bounded
+    from ptq_cli.guards import bounded
 
     budget = bounded.CALIBRATION_BYTES.value()
     per_image = ACTIVATION_COPIES * activation_bytes(source)

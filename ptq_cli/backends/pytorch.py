@@ -13,8 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ptq_cli import bounded, inputs, trust
-from ptq_cli.atomic import atomic_output
+from ptq_cli import inputs
 from ptq_cli.backends import base
 from ptq_cli.backends import onnxruntime as ort_backend
 from ptq_cli.backends.base import (
@@ -34,6 +33,8 @@ from ptq_cli.backends.base import (
 from ptq_cli.backends.model_file import describe_input, in_fixed_batches, metadata_object, read_bytes, resolve_threads
 from ptq_cli.cpu import SATURATING
 from ptq_cli.errors import PtqError, first_line
+from ptq_cli.guards import bounded, trust
+from ptq_cli.guards.atomic import atomic_output
 from ptq_cli.transforms import overflow
 from ptq_cli.transforms.graph import preprocess, static_reshape_targets
 from ptq_cli.transforms.torch_compat import import_onnx2torch, quiet_torch_quantization_warnings

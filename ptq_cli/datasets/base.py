@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ptq_cli import bounded, cache
-from ptq_cli.atomic import atomic_output
 from ptq_cli.errors import PtqError
+from ptq_cli.guards import bounded, cache
+from ptq_cli.guards.atomic import atomic_output
 
 TRAIN, VAL, TEST = "train", "val", "test"
 SPLITS = (TRAIN, VAL, TEST)

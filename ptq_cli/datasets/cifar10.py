@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ptq_cli import bounded
+from ptq_cli.guards import bounded
 
 try:  # numpy 2 pickles name numpy._core; the official batches, numpy 1's numpy.core
     from numpy._core.multiarray import _reconstruct

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ptq_cli import bounded
 from ptq_cli.datasets.base import SPLITS, TEST, UNLABELLED, Dataset
 from ptq_cli.errors import PtqError, first_line
+from ptq_cli.guards import bounded
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 CLASSES_FILE = "classes.txt"

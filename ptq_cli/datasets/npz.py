@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ptq_cli import bounded
 from ptq_cli.datasets.base import SPLITS, TEST, Dataset, file_digest
 from ptq_cli.errors import PtqError
+from ptq_cli.guards import bounded
 
 
 class NpzDataset(Dataset):

@@ -20,10 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ptq_cli import bounded
-from ptq_cli.atomic import atomic_output
 from ptq_cli.datasets import cifar10 as cifar
 from ptq_cli.errors import PtqError
+from ptq_cli.guards import bounded
+from ptq_cli.guards.atomic import atomic_output
 
 CIFAR = "cifar"
 MODEL = "model"

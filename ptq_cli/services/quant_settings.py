@@ -9,7 +9,6 @@ from ptq_cli import backends
 from ptq_cli.backends.base import INT4, CommonChoices, QuantizationSettings, Quantizer, describe_settings, short_node
 from ptq_cli.cpu import ALL, CPU_TARGETS, VNNI
 from ptq_cli.errors import PtqError
-from ptq_cli.services.stem import check_stem
 from ptq_cli.transforms.overflow import ALL_LAYERS, FIRST_LAYER, NO_FIX
 from ptq_cli.transforms.rounding import AUTO as AUTO_ROUNDING
 from ptq_cli.transforms.rounding import LEARNED, NEAREST, ROUNDING_CHOICES
@@ -23,6 +22,20 @@ DEFAULT_DTYPE = "int8"
 # `--target speed`: the fast configuration on x86, each backend's own (Quantizer.speed_target). See README.
 TARGETS = ("speed",)
 COMMON_OVERFLOW_WORDS = {FIRST_LAYER: "first-layer pair rule", ALL_LAYERS: "all-layer pair rule"}
+# `--stem`: the layers the image enters first in float or int8, or auto (measured when quantizing: services/make/stem.py).
+FLOAT, INT8, AUTO = "float", "int8", "auto"
+STEM_CHOICES = (AUTO, FLOAT, INT8)
+
+
+def check_stem(stem: str | None, backend: str) -> str | None:
+    """`--stem` as the settings hold it: None for auto (measured when quantizing)."""
+    if stem in (None, AUTO):
+        return None
+    if stem not in STEM_CHOICES:
+        raise PtqError(f"--stem: '{stem}' is not one of {', '.join(STEM_CHOICES)}")
+    if stem == FLOAT and not backends.backend(backend).quantizes.float_stem:
+        raise PtqError(f"--stem float: --backend {backend} quantizes every layer to int8")
+    return stem
 
 
 def _refuse_foreign_options(row: backends.Backend, given: dict[str, Any]) -> None:
@@ -78,7 +91,7 @@ def make_settings(  # noqa: PLR0913,PLR0917  the common settings vocabulary, one
         per_channel=(quantizer.per_channel or None) if common.per_channel is None else common.per_channel,
         method=method, percentile=_percentile(method, percentile), preprocess=preprocess, target=target, float_nodes=common.float_nodes, cpus=cpus,
         overflow_fix=common.overflow_fix or overflow_fix,  # the backend's own say first (onnxruntime's u8 x u8 kernel needs no fix)
-        stem=check_stem(stem, backend),  # None: measured when quantizing (services/stem.py)
+        stem=check_stem(stem, backend),  # None: measured when quantizing (services/make/stem.py)
         rounding=check_rounding(common.rounding, row),  # None: measured when quantizing (transforms/rounding.py)
         options=own,
     )

@@ -1,1 +1,1 @@
-"""Measurement: evaluation, benchmarks, their records and the report read from them."""
+"""Measurement: evaluation, benchmarks, what running on every x86 CPU costs (portability), and the report read from their records."""

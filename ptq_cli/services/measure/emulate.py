@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ptq_cli import trust
 from ptq_cli.errors import PtqError
+from ptq_cli.guards import trust
 
 QEMU = "qemu-x86_64"
 QEMU_CPU = "Haswell"  # AVX2 and FMA, no AVX-512, no VNNI: what onnxruntime's CPU dispatch then picks is the saturating kernel

@@ -14,22 +14,23 @@ from typing import Any
 import numpy as np
 
 import ptq_cli
-from ptq_cli import backends, bounded, hardstop, settings
+from ptq_cli import backends, settings
 from ptq_cli import cpu as cpu_info
-from ptq_cli.atomic import check_folder_writable
 from ptq_cli.backends.base import EMULATE, LoadedModel
 from ptq_cli.backends.model_file import file_sha256, resolve_threads
 from ptq_cli.datasets import Dataset, LabelledImages, open_dataset
 from ptq_cli.datasets.base import split_slug
 from ptq_cli.errors import PtqError
+from ptq_cli.guards import bounded, hardstop
+from ptq_cli.guards.atomic import check_folder_writable
 from ptq_cli.inputs import Preprocessing, PreprocessingFlags
 from ptq_cli.services.measure import emulate
 from ptq_cli.services.measure.fidelity import check as check_fidelity
 from ptq_cli.services.measure.fidelity import compare
-from ptq_cli.services.measure.records import MeasurementKey, from_dict, model_key, record_files, write_record
 from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressBar, ProgressCallback, no_progress_bar
 from ptq_cli.services.quant_settings import describe_model
+from ptq_cli.services.records import MeasurementKey, from_dict, model_key, record_files, write_record
 
 RECORD_SCHEMA = 2
 

@@ -53,7 +53,7 @@ def compare(reference: np.ndarray, scores: np.ndarray, reference_path: str, refe
 
 def check(data: dict) -> Fidelity:
     """A record's stored fidelity, its figures in range; ValueError otherwise."""
-    from ptq_cli.services.measure.records import from_dict
+    from ptq_cli.services.records import from_dict
 
     fidelity = from_dict(Fidelity, data)
     if not (0 <= fidelity.top1_agreement <= 100 and 0 <= fidelity.top5_containment <= 100 and fidelity.images > 0 and fidelity.kl_divergence >= 0):

@@ -8,13 +8,13 @@ from pathlib import Path
 from ptq_cli import backends, settings
 from ptq_cli import cpu as cpu_info
 from ptq_cli.cpu import ALL, EXACT, SATURATING
-from ptq_cli.services import portability
+from ptq_cli.services.measure import portability
 from ptq_cli.services.measure.benchmark import BenchmarkRecord, load_benchmarks
 from ptq_cli.services.measure.evaluate import OK, EvaluationRecord, fp32_reference, load_records, measured_classes, record_status, reference_for
-from ptq_cli.services.measure.records import MeasurementKey
+from ptq_cli.services.measure.portability import PortabilityCost
 from ptq_cli.services.measure.sweep_records import SweepResult, load_sweeps
-from ptq_cli.services.portability import PortabilityCost
 from ptq_cli.services.quant_settings import describe_model
+from ptq_cli.services.records import MeasurementKey
 
 DTYPE_ORDER = {"fp32": 0, "int8": 1, "uint8": 2}
 # The recommendation's "fastest" is the fastest model at most this many points below its FP32 source.

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ptq_cli import bounded
 from ptq_cli.errors import PtqError
-from ptq_cli.services.measure.records import from_dict, record_files
+from ptq_cli.guards import bounded
+from ptq_cli.services.records import from_dict, record_files
 
 SWEEP_DIR = "sweep"  # under the results directory
 

@@ -1,1 +1,1 @@
-"""Orchestration: the study pipeline (`ptq run`), sweeps and tuning, made of the other services."""
+"""Orchestration: the study pipeline (`ptq run`), sweeps, tuning and per-layer sensitivity, made of the other services."""

@@ -22,17 +22,18 @@ from pathlib import Path
 from typing import Any
 
 import ptq_cli
-from ptq_cli import backends, bounded, settings
+from ptq_cli import backends, settings
 from ptq_cli import cpu as cpu_info
-from ptq_cli.atomic import check_folder_writable, check_outside, check_writable, companions, write_text
 from ptq_cli.backends.model_file import read_onnx, resolve_threads
 from ptq_cli.datasets import Dataset, open_dataset
 from ptq_cli.errors import PtqError
+from ptq_cli.guards import bounded
+from ptq_cli.guards.atomic import check_folder_writable, check_outside, check_writable, companions, write_text
 from ptq_cli.inputs import PreprocessingFlags
-from ptq_cli.services import calibration as calibration_service
 from ptq_cli.services import models as models_service
 from ptq_cli.services import quant_settings
-from ptq_cli.services import quantize as quantize_service
+from ptq_cli.services.make import calibration as calibration_service
+from ptq_cli.services.make import quantize as quantize_service
 from ptq_cli.services.measure import evaluate as evaluate_service
 from ptq_cli.services.measure import report as report_service
 

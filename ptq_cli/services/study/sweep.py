@@ -12,18 +12,18 @@ from dataclasses import replace
 from pathlib import Path
 
 from ptq_cli import backends
-from ptq_cli.atomic import check_writable
 from ptq_cli.datasets import Dataset
 from ptq_cli.errors import PtqError
+from ptq_cli.guards.atomic import check_writable
 from ptq_cli.inputs import PreprocessingFlags
-from ptq_cli.services import prune as prune_service
-from ptq_cli.services import quantize as quantize_service
-from ptq_cli.services.calibration import CalibrationSet
+from ptq_cli.services.make import prune as prune_service
+from ptq_cli.services.make import quantize as quantize_service
+from ptq_cli.services.make.calibration import CalibrationSet
 from ptq_cli.services.measure import evaluate as evaluate_service
-from ptq_cli.services.measure.records import write_record
 from ptq_cli.services.measure.sweep_records import SWEEP_DIR, SweepPoint, SweepResult
 from ptq_cli.services.progress import ProgressCallback, Steps
 from ptq_cli.services.quant_settings import describe_quantization
+from ptq_cli.services.records import write_record
 
 
 def parse_sparsities(text: str) -> tuple[float, ...]:

@@ -24,20 +24,19 @@ from pathlib import Path
 from typing import Any
 
 from ptq_cli import backends
-from ptq_cli.atomic import check_outputs
 from ptq_cli.backends.base import Quantizer
 from ptq_cli.errors import PtqError
+from ptq_cli.guards.atomic import check_outputs
 from ptq_cli.inputs import PreprocessingFlags
 from ptq_cli.metrics import sqnr_db
-from ptq_cli.services.calibration import CalibrationSet, stratified_subset
-from ptq_cli.services.measure.records import model_key, write_record
-from ptq_cli.services.measure.sensitivity import layer_sensitivity, quantizable_layers
-from ptq_cli.services.measure.validation import ValidationSet, labels_from_fp32, score
+from ptq_cli.services.make.calibration import CalibrationSet, stratified_subset
+from ptq_cli.services.make.quantize import SourceModel, calibration_inputs, load_source, quantize_source, resolve_settings, with_calibration
 from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressCallback, Steps
-from ptq_cli.services.quant_settings import QuantizationSettings, describe_quantization, make_settings
-from ptq_cli.services.quantize import SourceModel, calibration_inputs, load_source, quantize_source, resolve_settings, with_calibration
-from ptq_cli.services.stem import check_stem
+from ptq_cli.services.quant_settings import QuantizationSettings, check_stem, describe_quantization, make_settings
+from ptq_cli.services.records import model_key, write_record
+from ptq_cli.services.study.sensitivity import layer_sensitivity, quantizable_layers
+from ptq_cli.services.study.validation import ValidationSet, labels_from_fp32, score
 from ptq_cli.transforms.graph import preprocessed
 
 PERCENTILES = (99.9, 99.95, 99.99, 99.999)

@@ -101,7 +101,7 @@ def sealed(expected: str, *parts: str | bytes) -> bool:
 
 def remember_written(sha256: str) -> None:
     """Record that ptq wrote the file of this sha256 (a format whose loading runs code)."""
-    from ptq_cli.atomic import write_text
+    from ptq_cli.guards.atomic import write_text
 
     root = directory()
     if root is not None:

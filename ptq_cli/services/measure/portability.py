@@ -15,15 +15,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ptq_cli import backends, bounded
+from ptq_cli import backends
 from ptq_cli import cpu as cpu_info
 from ptq_cli.backends.base import QuantizationSettings
 from ptq_cli.backends.model_file import file_sha256
 from ptq_cli.errors import PtqError
+from ptq_cli.guards import bounded
 from ptq_cli.metrics import sqnr_db
-from ptq_cli.services.calibration import CalibrationSet
-from ptq_cli.services.measure.records import from_dict, model_key, record_files, write_record
 from ptq_cli.services.models import load_model
+from ptq_cli.services.records import from_dict, model_key, record_files, write_record
 from ptq_cli.transforms.overflow import NO_FIX
 
 MAX_IMAGES = 256  # calibration images both models are measured on, at most
@@ -53,11 +53,11 @@ def applies(settings: QuantizationSettings) -> bool:
     return settings.cpus == cpu_info.ALL and settings.overflow_fix not in (None, NO_FIX)
 
 
-def measure(source, portable: Path, settings: QuantizationSettings, calibration: CalibrationSet, prepared: np.ndarray,
+def measure(source, portable: Path, settings: QuantizationSettings, calibration: object, prepared: np.ndarray,
             quantize_source: Callable[..., object]) -> PortabilityCost:
     """Quantize the model again for VNNI CPUs alone (the same settings, stem and rounding, no overflow fix) with
-    `quantize_source` (services/quantize.py's, passed in: it calls this module) and measure both against FP32 on
-    up to MAX_IMAGES calibration images."""
+    `quantize_source` (services/make/quantize.py's, passed in: it calls this module) and measure both against FP32 on
+    up to MAX_IMAGES calibration images. `calibration`: the CalibrationSet quantize calibrated on, handed back to it."""
     cpu = cpu_info.current()
     if cpu.int8_path != cpu_info.EXACT:
         return PortabilityCost(cpu.model, not_measured=f"this {cpu.model} has no VNNI: the model for all CPUs is the one for it")

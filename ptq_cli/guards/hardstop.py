@@ -12,7 +12,7 @@ import signal
 import threading
 from collections.abc import Iterator
 
-from ptq_cli.atomic import remove_own_temporaries
+from ptq_cli.guards.atomic import remove_own_temporaries
 
 GRACE_SECONDS = 5.0
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ptq_cli import bounded, settings
-from ptq_cli.atomic import atomic_output, check_outputs
+from ptq_cli import settings
 from ptq_cli.datasets import Dataset, open_dataset
 from ptq_cli.datasets.base import UNLABELLED
 from ptq_cli.errors import PtqError
+from ptq_cli.guards import bounded
+from ptq_cli.guards.atomic import atomic_output, check_outputs
 from ptq_cli.inputs import PreprocessingFlags
 from ptq_cli.services import models as models_service
 

@@ -9,16 +9,16 @@ from pathlib import Path
 import numpy as np
 
 from ptq_cli import backends, inputs
-from ptq_cli.atomic import check_outputs, check_writable, companions
 from ptq_cli.backends.base import QUANTIZATION_METADATA_KEY, SOURCE_METADATA_KEY, LoadedModel, QuantizationSettings, QuantizedFile
 from ptq_cli.backends.model_file import file_sha256, read_onnx
 from ptq_cli.errors import PtqError
-from ptq_cli.services import portability
-from ptq_cli.services.calibration import CalibrationSet, for_model
+from ptq_cli.guards.atomic import check_outputs, check_writable, companions
+from ptq_cli.services.make.calibration import CalibrationSet, for_model
+from ptq_cli.services.make.stem import resolve_stem
+from ptq_cli.services.measure import portability
 from ptq_cli.services.measure.report import DatasetGroup, measured_from
 from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressBar, ProgressCallback, no_progress_bar
-from ptq_cli.services.stem import resolve_stem
 from ptq_cli.transforms.graph import clamped_activations, depthwise_convs, upgrade_opset
 
 # QDQ needs opset 10; per-channel QDQ needs 13. Older models are converted to this opset first.

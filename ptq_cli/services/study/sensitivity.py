@@ -11,14 +11,13 @@ from pathlib import Path
 
 from ptq_cli.inputs import PreprocessingFlags
 from ptq_cli.metrics import sqnr_db
-from ptq_cli.services.calibration import CalibrationSet
-from ptq_cli.services.measure.records import write_record
-from ptq_cli.services.measure.validation import ValidationSet, labels_from_fp32, score
+from ptq_cli.services.make.calibration import CalibrationSet
+from ptq_cli.services.make.quantize import SourceModel, calibration_inputs, load_source, quantize_source, with_calibration
 from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressCallback
-from ptq_cli.services.quant_settings import QuantizationSettings
-from ptq_cli.services.quantize import SourceModel, calibration_inputs, load_source, quantize_source, with_calibration
-from ptq_cli.services.stem import INT8
+from ptq_cli.services.quant_settings import INT8, QuantizationSettings
+from ptq_cli.services.records import write_record
+from ptq_cli.services.study.validation import ValidationSet, labels_from_fp32, score
 from ptq_cli.transforms.graph import preprocessed
 from ptq_cli.transforms.rounding import NEAREST
 

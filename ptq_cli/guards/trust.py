@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from contextvars import ContextVar
 from pathlib import Path
 
-from ptq_cli import cache
 from ptq_cli.errors import PtqError
+from ptq_cli.guards import cache
 
 ENV = "PTQ_TRUST_REMOTE_CODE"
 OPTION = "--trust-remote-code"

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
-from ptq_cli.atomic import is_temporary, write_text
+from ptq_cli.guards.atomic import is_temporary, write_text
 from ptq_cli.settings import MANIFEST_NAME
 
 Record = TypeVar("Record", bound="DataclassInstance")

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ptq_cli import backends
-from ptq_cli.atomic import atomic_output, check_outputs
 from ptq_cli.backends import litert
 from ptq_cli.backends.model_file import read_bytes
 from ptq_cli.errors import PtqError
+from ptq_cli.guards.atomic import atomic_output, check_outputs
 
 # TFLite Micro reads the flatbuffer in place: 16-byte alignment keeps its tensors' data aligned.
 ALIGNMENT = 16

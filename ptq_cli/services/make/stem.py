@@ -17,26 +17,13 @@ import numpy as np
 
 from ptq_cli import backends
 from ptq_cli.backends.base import QuantizationSettings
-from ptq_cli.errors import PtqError
+from ptq_cli.services.quant_settings import FLOAT, INT8
 from ptq_cli.transforms import overflow
 
-FLOAT, INT8, AUTO = "float", "int8", "auto"
-STEM_CHOICES = (AUTO, FLOAT, INT8)
 # An int8 stem that alone leaves less than this SQNR at the output costs about as much as a whole int8
 # model's error (README): it stays in float.
 STEM_FLOAT_BELOW_DB = 25.0
 PROBE_IMAGES = 64  # the first calibration images, enough for a stable SQNR
-
-
-def check_stem(stem: str | None, backend: str) -> str | None:
-    """`--stem` as the settings hold it: None for auto (measured when quantizing)."""
-    if stem in (None, AUTO):
-        return None
-    if stem not in STEM_CHOICES:
-        raise PtqError(f"--stem: '{stem}' is not one of {', '.join(STEM_CHOICES)}")
-    if stem == FLOAT and not backends.backend(backend).quantizes.float_stem:
-        raise PtqError(f"--stem float: --backend {backend} quantizes every layer to int8")
-    return stem
 
 
 def int8_weights(weight: np.ndarray, op_type: str, trans_b: bool, per_channel: bool, pair_rule: bool, unsigned: bool) -> np.ndarray:

@@ -15,7 +15,7 @@ from ptq_cli import settings
 from ptq_cli.backends.base import LoadedModel
 from ptq_cli.datasets import Dataset
 from ptq_cli.errors import PtqError
-from ptq_cli.services.calibration import CalibrationSet, draw_stratified
+from ptq_cli.services.make.calibration import CalibrationSet, draw_stratified
 from ptq_cli.services.models import check_classes
 
 

@@ -1,0 +1,1 @@
+"""Making files: calibration sets, converted and pruned models, quantized models, their C export."""
