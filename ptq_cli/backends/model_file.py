@@ -17,6 +17,7 @@ from ptq_cli.errors import PtqError, first_line
 from ptq_cli.guards import bounded
 from ptq_cli.guards.atomic import companions
 from ptq_cli.inputs import ModelInput
+from ptq_cli.transforms.graph import symbolic_batch
 
 # Quantize records how a model was made inside the model file itself, under this metadata key.
 QUANTIZATION_METADATA_KEY = "ptq.quantization"
@@ -226,3 +227,45 @@ def describe_input(path: Path, model):
     if not model.graph.output:
         raise PtqError(f"{path}: the graph has no outputs; ptq takes classifiers whose first output is the class scores")
     return described, num_classes(path, onnx_dims(model.graph.output[0]))
+
+
+# onnxruntime's session option for its exact (slower) u8 x s8 kernels on x86 CPUs without VNNI.
+EXACT_PATH_CONFIG = "session.x64quantprecision"
+
+
+def ort_session(path: Path, data: bytes, exact_int8: bool = False):
+    """An onnxruntime session on the model's bytes: one thread, not spinning, silent; a graph it cannot load is one PtqError."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    if exact_int8:
+        options.add_session_config_entry(EXACT_PATH_CONFIG, "1")
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 4  # a failure is reported as a one-line PtqError, never as a log line
+    # Idle onnxruntime threads spin, and would slow whatever runs next (another model being timed).
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    ort.set_default_logger_severity(4)
+    try:
+        return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+    except Exception as error:  # onnxruntime raises its own exception types for unloadable graphs
+        raise PtqError(f"{path}: onnxruntime cannot load it ({first_line(error)})") from error
+
+
+def free_batch(path: Path, model, described: inputs.ModelInput):
+    """The model with a symbolic batch dimension if it computes the same as the fixed-batch model image
+    by image (compared on random inputs); None where the graph ties itself to the fixed batch."""
+    if described.batch is None:
+        return model
+    candidate = symbolic_batch(model)
+    rng = np.random.default_rng(0)
+    # A batch other than the fixed one (2 images, or 3 for a fixed 2): the fixed model runs once per image.
+    probe = rng.standard_normal((3 if described.batch == 2 else 2, *described.shape(1)[1:]), dtype=np.float32)
+    try:
+        fixed = ort_session(path, model.SerializeToString())
+        freed = ort_session(path, candidate.SerializeToString())
+        expected = [fixed.run(None, {described.name: np.repeat(probe[i : i + 1], described.batch, axis=0)})[0][:1] for i in range(len(probe))]
+        got = freed.run(None, {described.name: probe})[0]
+    except Exception:  # noqa: BLE001  any failure means the batch cannot be freed
+        return None
+    return candidate if got.shape == (len(probe), *expected[0].shape[1:]) and np.allclose(np.concatenate(expected), got, rtol=1e-4, atol=1e-5) else None

@@ -38,13 +38,24 @@ from ptq_cli.backends.base import (
     rounding_image_count,
     sqnr_figure,
 )
-from ptq_cli.backends.model_file import describe_input, in_fixed_batches, metadata, quantized_dtype, read_bytes, read_onnx, resolve_threads
+from ptq_cli.backends.model_file import (
+    EXACT_PATH_CONFIG,
+    describe_input,
+    free_batch,
+    in_fixed_batches,
+    metadata,
+    ort_session,
+    quantized_dtype,
+    read_bytes,
+    read_onnx,
+    resolve_threads,
+)
 from ptq_cli.cpu import EXACT
 from ptq_cli.errors import PtqError, first_line
 from ptq_cli.guards import bounded
 from ptq_cli.guards.atomic import WRITE_FAILURES, atomic_output
 from ptq_cli.transforms import overflow, rounding
-from ptq_cli.transforms.graph import keep_float_layers, preprocess, symbolic_batch
+from ptq_cli.transforms.graph import keep_float_layers, preprocess
 from ptq_cli.transforms.space_to_depth import Rewrite, quantized_pads, space_to_depth_convs
 
 NAME = "onnxruntime"
@@ -54,57 +65,18 @@ CALIBRATION_BATCH = 100
 MIN_SHARD = 32
 
 
-# onnxruntime's session option for its exact (slower) u8 x s8 kernels on x86 CPUs without VNNI.
-EXACT_PATH_CONFIG = "session.x64quantprecision"
-
-
-def _session(path: Path, data: bytes, exact_int8: bool = False):
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    if exact_int8:
-        options.add_session_config_entry(EXACT_PATH_CONFIG, "1")
-    options.intra_op_num_threads = 1
-    options.inter_op_num_threads = 1
-    options.log_severity_level = 4  # a failure is reported as a one-line PtqError, never as a log line
-    # Idle onnxruntime threads spin, and would slow whatever runs next (another model being timed).
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    ort.set_default_logger_severity(4)
-    try:
-        return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
-    except Exception as error:  # onnxruntime raises its own exception types for unloadable graphs
-        raise PtqError(f"{path}: onnxruntime cannot load it ({str(error).splitlines()[0]})") from error
-
-
-def free_batch(path: Path, model, described: inputs.ModelInput):
-    """The model with a symbolic batch dimension if it computes the same as the fixed-batch model image
-    by image (compared on random inputs); None where the graph ties itself to the fixed batch."""
-    if described.batch is None:
-        return model
-    candidate = symbolic_batch(model)
-    rng = np.random.default_rng(0)
-    # A batch other than the fixed one (2 images, or 3 for a fixed 2): the fixed model runs once per image.
-    probe = rng.standard_normal((3 if described.batch == 2 else 2, *described.shape(1)[1:]), dtype=np.float32)
-    try:
-        fixed = _session(path, model.SerializeToString())
-        freed = _session(path, candidate.SerializeToString())
-        expected = [fixed.run(None, {described.name: np.repeat(probe[i : i + 1], described.batch, axis=0)})[0][:1] for i in range(len(probe))]
-        got = freed.run(None, {described.name: probe})[0]
-    except Exception:  # noqa: BLE001  any failure means the batch cannot be freed
-        return None
-    return candidate if got.shape == (len(probe), *expected[0].shape[1:]) and np.allclose(np.concatenate(expected), got, rtol=1e-4, atol=1e-5) else None
 
 
 def _batch_session(path: Path, model, whole: bytes, described, exact_int8: bool):
     """(session, chunk, note): a fixed batch made symbolic where that computes the same (chunk 0), else the
     session tied to it and run `chunk` images at a time."""
     if described.batch is None:
-        return _session(path, whole, exact_int8=exact_int8), 0, None
+        return ort_session(path, whole, exact_int8=exact_int8), 0, None
     freed = free_batch(path, model, described)
     if freed is not None:
-        return _session(path, freed.SerializeToString(), exact_int8=exact_int8), 0, f"fixed batch {described.batch} made symbolic (same outputs)"
+        return ort_session(path, freed.SerializeToString(), exact_int8=exact_int8), 0, f"fixed batch {described.batch} made symbolic (same outputs)"
     images = f"{described.batch} image{'s' if described.batch > 1 else ''}"
-    return _session(path, whole, exact_int8=exact_int8), described.batch, f"fixed batch {described.batch}: run {images} at a time"
+    return ort_session(path, whole, exact_int8=exact_int8), described.batch, f"fixed batch {described.batch}: run {images} at a time"
 
 
 def load(path: Path, options: RunOptions) -> LoadedModel:

@@ -15,7 +15,6 @@ import numpy as np
 
 from ptq_cli import inputs
 from ptq_cli.backends import base
-from ptq_cli.backends import onnxruntime as ort_backend
 from ptq_cli.backends.base import (
     EMULATE,
     Backend,
@@ -30,7 +29,7 @@ from ptq_cli.backends.base import (
     describe_settings,
     finish_load,
 )
-from ptq_cli.backends.model_file import describe_input, in_fixed_batches, metadata_object, read_bytes, resolve_threads
+from ptq_cli.backends.model_file import describe_input, free_batch, in_fixed_batches, metadata_object, read_bytes, resolve_threads
 from ptq_cli.cpu import SATURATING
 from ptq_cli.errors import PtqError, first_line
 from ptq_cli.guards import bounded, trust
@@ -84,7 +83,7 @@ def torch_ready(model, path: Path):
     described, _ = describe_input(path, model)
     if described.batch is None:
         return model, described, None
-    freed = ort_backend.free_batch(path, model, described)
+    freed = free_batch(path, model, described)
     return (freed, described, None) if freed is not None else (model, described, described.batch)
 
 
