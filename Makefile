@@ -24,7 +24,7 @@ qemu:
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[keras,dev,openvino,litert]'
+	$(BIN)/pip install --quiet -e '.[keras,dev,openvino,litert,ray]'
 	$(BIN)/pip install --quiet --no-deps $(ONNX2TORCH)
 	touch $@
 

@@ -25,6 +25,7 @@ from rich.console import Console, Group
 from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TransferSpeedColumn
 from rich.text import Text
+from typer._click.exceptions import ClickException, UsageError  # typer >= 0.22 vendors click (pyproject: typer>=0.29)
 
 from ptq_cli import backends, render, settings
 from ptq_cli import cpu as cpu_info
@@ -34,6 +35,7 @@ from ptq_cli.datasets import Dataset, open_dataset
 from ptq_cli.errors import Interrupted, PtqError, Terminated, TerminateSignal
 from ptq_cli.guards import atomic, bounded, hardstop, trust
 from ptq_cli.guards.atomic import check_outputs, write_text
+from ptq_cli.services import executor as executor_service
 from ptq_cli.services import fetch as fetch_service
 from ptq_cli.services import models as models_service
 from ptq_cli.services import quant_settings
@@ -56,11 +58,6 @@ from ptq_cli.services.study import validation as validation_service
 from ptq_cli.transforms import overflow
 from ptq_cli.transforms.rounding import AUTO as AUTO_ROUNDING
 from ptq_cli.transforms.rounding import ROUNDING_CHOICES
-
-try:  # typer >= 0.22 vendors click; older typer uses the click package
-    from typer._click.exceptions import ClickException, UsageError
-except ImportError:  # pragma: no cover
-    from click.exceptions import ClickException, UsageError  # type: ignore[no-redef]
 
 # torch's C++ side prints deprecation warnings for quantized tensors straight to stderr; ptq's stderr is
 # for its own messages. Set before torch is first imported (services import it lazily).
@@ -458,6 +455,14 @@ CalibrationFile = Annotated[
     typer.Option(help=f"Calibration set from `ptq calibrate`, the same for every model made. (default: {settings.CALIBRATION_FILE} if it was drawn from the same dataset, else built with the calibrate defaults)", show_default=False),
 ]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout (for scripts) instead of tables.")]
+WorkersOption = Annotated[int | None, typer.Option(min=1, help="Run the independent work (each candidate, each layer) as tasks on a local Ray instance of this many workers, started and stopped by ptq (the ray extra). (default: one after another in this process; Ray is not imported)", show_default=False, rich_help_panel="Workers")]
+RayAddressOption = Annotated[str | None, typer.Option(help="Run the tasks on the Ray cluster at this address (e.g. 10.0.0.5:6379 or auto) instead of a local instance; every node needs ptq installed.", show_default=False, rich_help_panel="Workers")]
+
+
+def _workers(count: int | None, address: str | None) -> executor_service.Workers:
+    if count is not None and address is not None:
+        raise PtqError("--workers and --ray-address: give one (a cluster has its own workers)")
+    return executor_service.Workers(count, address)
 
 
 def _emit(as_json: bool, result: Any, renderable: Any) -> None:
@@ -473,8 +478,12 @@ def _working(message: str) -> Iterator[None]:
 
 
 @contextmanager
-def _progress_bar(description: str) -> Iterator[Callable[[int, int], None]]:
-    """A progress bar on stderr (only on a terminal); yields the (done, total) callback services take."""
+def _progress_bar(description: str, lines: bool = False) -> Iterator[Callable[[int, int], None]]:
+    """A progress bar on stderr (only on a terminal); yields the (done, total) callback services take. With
+    `lines`, where stderr is not a terminal (a log), one line as each step finishes instead."""
+    if lines and not err.is_terminal:
+        yield lambda done, total: err.print(f"{description}: {done}/{total}", highlight=False, soft_wrap=True)
+        return
     columns = (TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task(description, total=None)
@@ -710,6 +719,8 @@ def sensitivity(
     validation_per_class: ValidationPerClass = settings.VALIDATION_PER_CLASS,
     results_dir: Annotated[Path, typer.Option(help="The record goes to RESULTS_DIR/sensitivity/<model>_<dtype>.json.")] = settings.RESULTS_DIR,
     choice: DataChoice = NO_CHOICE,
+    workers: WorkersOption = None,
+    ray_address: RayAddressOption = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Per layer: quantize that layer alone and measure the model's output SQNR and validation accuracy against FP32.
@@ -718,9 +729,10 @@ def sensitivity(
     sorted worst first. The layer names are what `ptq tune` leaves in float.
     """
     check_model(model)
+    where = _workers(workers, ray_address)
     calibration_set, validation_set = _calibration_and_validation(calibration, choice, model, validation_per_class)
-    with _progress_bar("Quantizing one layer at a time") as progress:
-        result = sensitivity_service.layer_sensitivity(model, quantization, calibration_set, validation_set, progress, choice.flags)
+    with _progress_bar(f"Quantizing one layer at a time ({where.describe()})", lines=True) as progress:
+        result = sensitivity_service.sensitivity(model, quantization, calibration_set, validation_set, progress, choice.flags, where)
     record_file = sensitivity_service.save_result(result, results_dir)
     _emit(as_json, result, render.sensitivity(result, record_file))
 
@@ -741,6 +753,8 @@ def tune(
     results_dir: Annotated[Path, typer.Option(help="The record of the search goes to RESULTS_DIR/tuning/<output>.json.")] = settings.RESULTS_DIR,
     stem: StemOption = Stem(quant_settings.AUTO),
     choice: DataChoice = NO_CHOICE,
+    workers: WorkersOption = None,
+    ray_address: RayAddressOption = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Search quantization settings for the smallest, fastest model within --max-drop of FP32.
@@ -752,9 +766,10 @@ def tune(
     """
     check_model(model)
     tune_service.check_backend(backend.value)  # before any data is read
+    where = _workers(workers, ray_address)
     calibration_set, validation_set = _calibration_and_validation(calibration, choice, model, validation_per_class)
     destination = output or tune_service.default_output(model, dtype.value, backend.value)
-    with _progress_bar(f"Tuning {dtype.value} ({backend.value})") as progress:
+    with _progress_bar(f"Tuning {dtype.value} ({backend.value}, {where.describe()})", lines=True) as progress:
         result = tune_service.tune(
             model, dtype.value, max_drop, calibration_set, validation_set, destination, results_dir,
             methods=tuple(m.value for m in method) if method else None,
@@ -764,6 +779,7 @@ def tune(
             backend=backend.value,
             flags=choice.flags,
             stem=stem.value,
+            workers=where,
         )
     _emit(as_json, result, render.tuning(result))
 

@@ -11,12 +11,14 @@ from pathlib import Path
 
 from ptq_cli.inputs import PreprocessingFlags
 from ptq_cli.metrics import sqnr_db
+from ptq_cli.services.executor import HERE, Executor, InProcess, Workers, executor
 from ptq_cli.services.make.calibration import CalibrationSet
-from ptq_cli.services.make.quantize import SourceModel, calibration_inputs, load_source, quantize_source, with_calibration
+from ptq_cli.services.make.quantize import SourceModel, load_source, with_calibration
 from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressCallback
 from ptq_cli.services.quant_settings import INT8, QuantizationSettings
 from ptq_cli.services.records import write_record
+from ptq_cli.services.study.candidates import inputs_for, score_candidate
 from ptq_cli.services.study.validation import ValidationSet, labels_from_fp32, score
 from ptq_cli.transforms.graph import preprocessed
 from ptq_cli.transforms.rounding import NEAREST
@@ -58,36 +60,33 @@ def layer_sensitivity(
     validation: ValidationSet,
     progress: ProgressCallback | None = None,
     flags: PreprocessingFlags | None = None,
+    runs: Executor | None = None,
 ) -> SensitivityResult:
+    """Each layer quantized alone, scored on the validation split; `runs` scores the layers (default: here, one after another)."""
     source = model_path if isinstance(model_path, SourceModel) else load_source(model_path, flags or PreprocessingFlags(), settings.per_channel is not False)
     settings = with_calibration(settings, calibration)
     validation, fp32 = labels_from_fp32(validation, score(load_model(source.path, None, flags), validation))  # no labels: agreement with FP32
-    prepared = calibration_inputs(source, calibration)
     with tempfile.TemporaryDirectory(prefix="ptq-sensitivity-") as workdir:
         graph = preprocessed(source.model, Path(workdir)) if settings.preprocess else source.model
         layers = quantizable_layers(graph)
-        others = {name for name, _ in layers}
-        results = []
-        for done, (name, op_type) in enumerate(layers):
-            # Every other layer stays in float: only this one's error reaches the output.
-            # The stem is measured like any layer, each layer's weights rounded to nearest (the cost of 8 bits, not of the refinement).
-            only_this = replace(settings, stem=INT8, float_nodes=tuple(sorted(others - {name})), rounding=NEAREST)
-            candidate = Path(workdir) / "candidate.onnx"
-            quantize_source(source, candidate, only_this, calibration, prepared=prepared)
-            quantized = score(load_model(candidate), validation)
-            results.append(
-                LayerSensitivity(
-                    node=name,
-                    op_type=op_type,
-                    output_sqnr_db=round(sqnr_db(fp32.outputs, quantized.outputs), 2),
-                    validation_accuracy=quantized.accuracy,
-                    accuracy_drop=round(fp32.accuracy - quantized.accuracy, 4),
-                )
-            )
-            if progress:
-                progress(done + 1, len(layers))
+    others = {name for name, _ in layers}
+    # Every other layer stays in float: only this one's error reaches the output.
+    # The stem is measured like any layer, each layer's weights rounded to nearest (the cost of 8 bits, not of the refinement).
+    jobs = [(replace(settings, stem=INT8, float_nodes=tuple(sorted(others - {name})), rounding=NEAREST), None) for name, _ in layers]
+    runs = runs or InProcess()
+    scored = runs.map(score_candidate, jobs, inputs_for(source, flags, calibration, validation, runs.task_threads), done=progress)
+    results = [LayerSensitivity(node=name, op_type=op_type, output_sqnr_db=round(sqnr_db(fp32.outputs, quantized.outputs), 2),
+                                validation_accuracy=quantized.accuracy, accuracy_drop=round(fp32.accuracy - quantized.accuracy, 4))
+               for (name, op_type), (_, quantized) in zip(layers, scored, strict=True)]
     results.sort(key=lambda layer: (layer.output_sqnr_db, -layer.accuracy_drop))
     return SensitivityResult(source.path, settings, fp32.accuracy, validation.describe(), results)
+
+
+def sensitivity(model_path: Path, settings: QuantizationSettings, calibration: CalibrationSet, validation: ValidationSet,  # noqa: PLR0913,PLR0917  `ptq sensitivity`'s options, one each
+                progress: ProgressCallback | None = None, flags: PreprocessingFlags | None = None, workers: Workers = HERE) -> SensitivityResult:
+    """`ptq sensitivity`: layer_sensitivity with its layers scored by `workers` (here, or as tasks on Ray)."""
+    with executor(workers) as runs:
+        return layer_sensitivity(model_path, settings, calibration, validation, progress, flags, runs)
 
 
 def save_result(result: SensitivityResult, results_dir: Path) -> Path:

@@ -29,12 +29,14 @@ from ptq_cli.errors import PtqError
 from ptq_cli.guards.atomic import check_outputs
 from ptq_cli.inputs import PreprocessingFlags
 from ptq_cli.metrics import sqnr_db
+from ptq_cli.services.executor import HERE, Executor, Workers, executor
 from ptq_cli.services.make.calibration import CalibrationSet, stratified_subset
 from ptq_cli.services.make.quantize import SourceModel, calibration_inputs, load_source, quantize_source, resolve_settings, with_calibration
 from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressCallback, Steps
 from ptq_cli.services.quant_settings import QuantizationSettings, check_stem, describe_quantization, make_settings
 from ptq_cli.services.records import model_key, write_record
+from ptq_cli.services.study.candidates import CandidateInputs, inputs_for, score_candidate
 from ptq_cli.services.study.sensitivity import layer_sensitivity, quantizable_layers
 from ptq_cli.services.study.validation import ValidationSet, labels_from_fp32, score
 from ptq_cli.transforms.graph import preprocessed
@@ -136,40 +138,50 @@ def check_backend(backend: str) -> None:
 @dataclass
 class _Search:
     """One tuning search's state: the source, FP32's validation score, the candidates tried so far, and the
-    calibration sets and prepared inputs each was calibrated on."""
+    calibration sets and prepared inputs each was calibrated on; the candidates of a stage are scored by the executor."""
 
     source: SourceModel
     validation: ValidationSet
     fp32: Any  # FP32's validation score (validation.Score)
     fp32_size: int
     max_drop: float
-    workdir: Path
     step: Callable[[], None]
-    calibration_sets: dict[int, CalibrationSet]
+    executor: Executor
+    inputs: CandidateInputs
+    calibration_sets: dict[int, CalibrationSet] = field(default_factory=dict)
+    subsets: dict[int, int | None] = field(default_factory=dict)  # calibration samples -> per class (None: the whole set)
     prepared: dict[int, Any] = field(default_factory=dict)
     candidates: list[Candidate] = field(default_factory=list)
 
-    def stages(self, grid: list[QuantizationSettings], calibration: CalibrationSet, subsets: list[int], quantizer: Quantizer,  # noqa: PLR0913,PLR0917  the search space, one part each
-               layers, max_float_layers: int, flags: PreprocessingFlags | None) -> None:
+    def stages(self, grid: list[QuantizationSettings], subsets: list[int], quantizer: Quantizer, layers,  # noqa: PLR0913,PLR0917  the search space, one part each
+               max_float_layers: int, flags: PreprocessingFlags | None) -> None:
         """The search in its stages: each setting of the grid, the leader's on smaller calibration subsets, then
         the most sensitive layers left in float, one more at a time."""
-        for settings in grid:
-            self.try_candidate("method", settings, calibration)
+        self.try_candidates("method", grid)
         leader, _ = self.best()
         for per_class in subsets:
-            self.try_candidate("size", leader.settings, stratified_subset(calibration, per_class))
+            self.try_candidates("size", [leader.settings], per_class)
         if max_float_layers:
             self.float_stage(quantizer, layers, max_float_layers, flags)
 
-    def try_candidate(self, stage: str, settings: QuantizationSettings, calibration_set: CalibrationSet,
-                      quantized_size: int | None = None) -> Candidate:
-        """`quantized_size`: for a candidate with float layers, the size of its settings with none."""
+    def try_candidates(self, stage: str, grid: list[QuantizationSettings], per_class: int | None = None,
+                       quantized_size: int | None = None) -> list[Candidate]:
+        """The settings of `grid` on the calibration set (or its subset of `per_class` images a class), scored by
+        the executor. `quantized_size`: for candidates with float layers, the size of their settings with none."""
+        calibration_set = self.inputs.calibration if per_class is None else stratified_subset(self.inputs.calibration, per_class)
         samples = len(calibration_set.labels)
         self.calibration_sets.setdefault(samples, calibration_set)
+        self.subsets.setdefault(samples, per_class)
         if samples not in self.prepared:
             self.prepared[samples] = calibration_inputs(self.source, calibration_set)
-        settings = resolve_settings(self.source, with_calibration(settings, calibration_set), self.prepared[samples])
-        size, quantized = _quantize_and_score(self.source, self.workdir, settings, calibration_set, self.validation, self.prepared[samples])
+        resolved = [resolve_settings(self.source, with_calibration(settings, calibration_set), self.prepared[samples]) for settings in grid]
+        scored = self.executor.map(score_candidate, [(settings, per_class) for settings in resolved], self.inputs, done=lambda *_: self.step())
+        made = [self._candidate(stage, settings, size, quantized, quantized_size) for settings, (size, quantized) in zip(resolved, scored, strict=True)]
+        self.candidates += made
+        return made
+
+    def _candidate(self, stage: str, settings: QuantizationSettings, size: int, quantized: Any,  # noqa: PLR0913,PLR0917  one scored candidate, part by part
+                   quantized_size: int | None) -> Candidate:
         drop = round(self.fp32.accuracy - quantized.accuracy, 4)
         too_large = quantized_size is not None and size > quantized_size * (1 + FLOAT_GROWTH_LIMIT)
         candidate = Candidate(
@@ -184,8 +196,6 @@ class _Search:
             rejected=f"{size / quantized_size - 1:+.0%} over the fully quantized model, limit +{FLOAT_GROWTH_LIMIT:.0%}"
             if too_large and quantized_size else None,
         )
-        self.candidates.append(candidate)
-        self.step()
         return candidate
 
     def best(self) -> tuple[Candidate, CalibrationSet]:
@@ -197,19 +207,20 @@ class _Search:
     def float_stage(self, quantizer: Quantizer, layers: list[Any], max_float_layers: int, flags: PreprocessingFlags | None) -> None:
         """Layers left in float, one more at a time, from the best candidate so far."""
         leader, calibration = self.best()
+        per_class = self.subsets[len(calibration.labels)]
         worst: list[str]
         first = 1
         if quantizer.float_layers is not None:
             # A backend with no per-layer sensitivity of its own (NNCF, outside its accuracy-control loop):
             # each layer is left in float in turn, and the best of those are then left in float together.
-            alone = [self.try_candidate("float", replace(leader.settings, float_nodes=(str(layer),)), calibration, leader.size_bytes)
-                     for layer in layers]
+            alone = self.try_candidates("float", [replace(leader.settings, float_nodes=(str(layer),)) for layer in layers], per_class, leader.size_bytes)
             worst, first = [candidate.settings.float_nodes[0] for candidate in sorted(alone, key=lambda c: -c.output_sqnr_db)], 2
         else:
-            ranking = layer_sensitivity(self.source, leader.settings, calibration, self.validation, progress=lambda *_: self.step(), flags=flags)
+            ranking = layer_sensitivity(self.source, leader.settings, calibration, self.validation, progress=lambda *_: self.step(), flags=flags,
+                                        runs=self.executor)
             worst = [str(layer.node) for layer in ranking.layers]
-        for count in range(first, min(max_float_layers, len(worst)) + 1):
-            self.try_candidate("float", replace(leader.settings, float_nodes=tuple(worst[:count])), calibration, leader.size_bytes)
+        counts = range(first, min(max_float_layers, len(worst)) + 1)
+        self.try_candidates("float", [replace(leader.settings, float_nodes=tuple(worst[:count])) for count in counts], per_class, leader.size_bytes)
 
 
 def _float_layers(quantizer: Quantizer, model: Any, workdir: Path, max_float_layers: int) -> tuple[list[Any], int]:
@@ -248,10 +259,12 @@ def tune(  # noqa: PLR0913,PLR0917  the options of `ptq tune`, one each
     backend: str = backends.DEFAULT,
     flags: PreprocessingFlags | None = None,
     stem: str | None = None,
+    workers: Workers = HERE,
 ) -> TuneResult:
     """Search, choose, write the chosen model and the record. The PyTorch backend searches granularity x
     observer (histogram, minmax) and calibration size; it has no float-layer stage (FX quantizes all).
-    NNCF (openvino) searches preset x bias correction, calibration size and its ignored scope."""
+    NNCF (openvino) searches preset x bias correction, calibration size and its ignored scope. Each stage's
+    candidates are scored by `workers` (here, or as tasks on Ray); the chosen model is written here."""
     model_path, output = Path(model_path), Path(output)
     check_backend(backend)
     row = backends.backend(backend)
@@ -265,11 +278,12 @@ def tune(  # noqa: PLR0913,PLR0917  the options of `ptq tune`, one each
     grid = [replace(settings, stem=stem) for settings in calibration_grid(backend, dtype, methods, granularities)]
     subsets = [size for size in CALIBRATION_SUBSETS if size < calibration.samples_per_class]
 
-    with tempfile.TemporaryDirectory(prefix="ptq-tune-") as workdir:
+    with tempfile.TemporaryDirectory(prefix="ptq-tune-") as workdir, executor(workers) as runs:
+        inputs = inputs_for(source, flags, calibration, validation, runs.task_threads)
         layers, float_steps = _float_layers(row.quantizes, source.model, Path(workdir), max_float_layers)
-        search = _Search(source, validation, fp32, model_path.stat().st_size, max_drop, Path(workdir),
-                         Steps(len(grid) + len(subsets) + max_float_layers + float_steps, progress), {len(calibration.labels): calibration})
-        search.stages(grid, calibration, subsets, row.quantizes, layers, max_float_layers, flags)
+        search = _Search(source, validation, fp32, model_path.stat().st_size, max_drop,
+                         Steps(len(grid) + len(subsets) + max_float_layers + float_steps, progress), runs, inputs)
+        search.stages(grid, subsets, row.quantizes, layers, max_float_layers, flags)
         chosen, met_budget, reason = choose(search.candidates, max_drop)
         validation_summary = {**validation.describe(), "accuracy": chosen.validation_accuracy, "fp32_accuracy": fp32.accuracy}
         quantize_source(source, output, chosen.settings, search.calibration_sets[chosen.settings.calibration_samples],
@@ -279,14 +293,6 @@ def tune(  # noqa: PLR0913,PLR0917  the options of `ptq tune`, one each
                         reason, output, record)
     write_record(record, result)
     return result
-
-
-def _quantize_and_score(source: SourceModel, workdir: Path, settings: QuantizationSettings, calibration: CalibrationSet,
-                        validation: ValidationSet, prepared):
-    """(file size, validation score) of one candidate, quantized with its own backend."""
-    path = workdir / f"candidate{backends.backend(settings.backend).suffix}"
-    written = quantize_source(source, path, settings, calibration, prepared=prepared)
-    return written.size_bytes, score(load_model(path), validation)
 
 
 def default_output(model: Path, dtype: str, backend: str = backends.DEFAULT) -> Path:

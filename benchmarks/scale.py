@@ -1,0 +1,91 @@
+"""`ptq tune` past one process: candidates per minute in this process and on Ray with 1 and 2 workers, and what a
+64-candidate ImageNet-size tune would take on 8 and 32 workers, projected from a measured candidate.
+
+    .venv/bin/python benchmarks/scale.py [--workdir DIR] [--skip-imagenet]
+
+In a scratch directory (or DIR), one process per command, as a user would:
+1. `ptq convert` (the MLPerf Tiny ResNet8), then the same `ptq tune` three times: in this process, `--workers 1`,
+   `--workers 2` (minmax and percentile at four points x both granularities, then two calibration sizes: 12
+   candidates, no float layers); each command's wall time, the candidates it scored, and whether the three
+   chose the same settings and wrote the same bytes;
+2. Ray's start-up and shut-down alone (an empty executor on 2 workers), three times;
+3. the pretrained EfficientNet-Lite0 (224x224) on CIFAR-10 photos upsampled (benchmarks/imagenet_table.py's):
+   one `ptq tune` (minmax, per-channel), its wall time over its candidates as the cost of one (an upper bound:
+   loading the model and scoring FP32 count in); the projection is ceil(64 / workers) x that cost + Ray's
+   start-up and shut-down.
+Timing lives here, never in the unit tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+from pipeline import ptq, setup
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO / "tests"), str(REPO / "benchmarks")]
+
+from ptq_cli import cpu as cpu_info  # noqa: E402
+from ptq_cli.services.executor import Workers, executor  # noqa: E402
+
+TUNE = ["tune", "--max-float-layers", "0", "--method", "minmax", "--method", "percentile", "--validation-per-class", "100", "--json"]
+PROJECTED_CANDIDATES = 64
+
+
+def _ray_start_stop(workers: int) -> float:
+    began = time.perf_counter()
+    with executor(Workers(workers)):
+        pass
+    return time.perf_counter() - began
+
+
+def main() -> None:
+    options, workdir, env, console = setup(__doc__.splitlines()[0], "ptq-scale-")
+    console.print(f"{cpu_info.current().describe()}, {os.cpu_count()} cores; work directory {workdir}")
+    ptq(["convert"], workdir, env)
+    runs = {}
+    for label, extra in (("in this process", []), ("Ray, 1 worker", ["--workers", "1"]), ("Ray, 2 workers", ["--workers", "2"])):
+        output = f"models/scale_{len(runs)}.onnx"
+        seconds, stdout = ptq([*TUNE, *extra, "--output", output, "--results-dir", f"results_{len(runs)}"], workdir, env)
+        result = json.loads(stdout)
+        runs[label] = (seconds, len(result["candidates"]), result["chosen"]["settings"],
+                       hashlib.sha256((workdir / output).read_bytes()).hexdigest())
+    console.print("\n[bold]ResNet8 tune, 12 candidates[/bold] (wall time of the whole command, model loading and FP32 scoring included)")
+    base = runs["in this process"][0]
+    for label, (seconds, count, _, _) in runs.items():
+        console.print(f"  {label:16} {seconds:6.1f} s  {60 * count / seconds:5.1f} candidates/min  x{base / seconds:.2f} against this process")
+    same = len({(json.dumps(chosen, sort_keys=True), digest) for _, _, chosen, digest in runs.values()}) == 1
+    console.print(f"  same choice and byte-identical model in all three: {'yes' if same else 'NO'}")
+    one, two = runs["Ray, 1 worker"][0], runs["Ray, 2 workers"][0]
+    console.print(f"  2 workers against 1: x{one / two:.2f}")
+
+    start_stop = [_ray_start_stop(2) for _ in range(3)]
+    console.print(f"\n[bold]Ray start-up and shut-down[/bold] (2 workers): {', '.join(f'{s:.1f}' for s in start_stop)} s "
+                  f"(target <= 15 s: {'met' if max(start_stop) <= 15 else 'missed'})")
+
+    if "--skip-imagenet" in sys.argv:
+        return
+    import imagenet_table
+
+    imagenet_table.prepare_workdir(workdir / "lite0", None)
+    lite = ["tune", "--model", imagenet_table.MODEL, "--data", "test", "--calibration-data", "calibration", "--method", "minmax", "--per-channel",
+            "--max-float-layers", "0", "--json"]
+    seconds, stdout = ptq([*lite, "--output", "tuned.onnx", "--results-dir", "results"], workdir / "lite0", env)
+    count = len(json.loads(stdout)["candidates"])
+    per_candidate = seconds / count
+    console.print(f"\n[bold]EfficientNet-Lite0 tune[/bold]: {count} candidate(s) in {seconds:.1f} s: {per_candidate:.1f} s a candidate "
+                  "(an upper bound: the command's model loading and FP32 scoring are counted in)")
+    for workers in (8, 32):
+        projected = math.ceil(PROJECTED_CANDIDATES / workers) * per_candidate + max(start_stop)
+        console.print(f"  {PROJECTED_CANDIDATES} candidates on {workers} workers: about {projected / 60:.1f} min "
+                      f"(against {PROJECTED_CANDIDATES * per_candidate / 60:.1f} min in one process)")
+
+
+if __name__ == "__main__":
+    main()

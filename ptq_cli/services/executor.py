@@ -1,0 +1,168 @@
+"""Independent pieces of work (tune's candidates, ...) run one after another in this process, or as tasks on
+Ray: one seam. Without `--workers` or `--ray-address`, Ray is not imported at all.
+
+A task is a module-level function of (item, shared): `shared` goes to the cluster once (Ray's object store)
+and every task reads it from there. A task returns a value; it writes nothing the user sees: the driver
+alone writes models and records (temporary file, then rename), so a worker killed mid-task leaves nothing
+half-written, and Ray runs its task again (RETRIES times) before the command fails in one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+from ptq_cli.errors import PtqError, first_line
+from ptq_cli.guards.library_noise import native_stderr_silenced
+
+Item = TypeVar("Item")
+Result = TypeVar("Result")
+# (tasks done, tasks in all), after each finished task.
+Done = Callable[[int, int], None]
+
+RETRIES = 2  # a task whose worker died runs again this many times
+# Ray's shared-memory store for what tasks share (the model's bytes, the calibration and validation images):
+# bounded, so that a local instance does not claim a third of the machine's memory as Ray's default does.
+OBJECT_STORE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class Workers:
+    """Where independent work runs: here (neither set), on a local Ray instance of `count` workers that ptq
+    starts and stops, or on the Ray cluster at `address`."""
+
+    count: int | None = None
+    address: str | None = None
+
+    @property
+    def on_ray(self) -> bool:
+        return self.count is not None or self.address is not None
+
+    def describe(self) -> str:
+        if self.address is not None:
+            return f"Ray cluster at {self.address}"
+        return f"local Ray instance, {self.count} worker{'s' if self.count != 1 else ''}" if self.count is not None else "in this process"
+
+
+HERE = Workers()  # no Ray: every task in this process
+
+
+class Executor(Protocol):
+    task_threads: int | None  # inference threads a task takes: all of the machine's here, one on a Ray worker (Ray gives a task one CPU)
+
+    def map(self, task: Callable[[Item, Any], Result], items: Sequence[Item], shared: Any = None, done: Done | None = None) -> list[Result]:
+        """`task(item, shared)` for every item, the results in the items' order."""
+        ...
+
+
+class InProcess:
+    """One task after another, here."""
+
+    task_threads: int | None = None
+
+    def map(self, task: Callable[[Item, Any], Result], items: Sequence[Item], shared: Any = None, done: Done | None = None) -> list[Result]:
+        results = []
+        for item in items:
+            results.append(task(item, shared))
+            if done:
+                done(len(results), len(items))
+        return results
+
+
+class OnRay:
+    """Every item a Ray task; results gathered as they finish (each reported to `done`), returned in order."""
+
+    task_threads: int | None = 1
+
+    def __init__(self, ray: Any, where: str) -> None:
+        self.ray, self.where = ray, where
+
+    def map(self, task: Callable[[Item, Any], Result], items: Sequence[Item], shared: Any = None, done: Done | None = None) -> list[Result]:
+        ray = self.ray
+        remote = ray.remote(max_retries=RETRIES, num_cpus=1)(task)
+        shared_ref = ray.put(shared)
+        pending = {remote.remote(item, shared_ref): index for index, item in enumerate(items)}
+        results: dict[int, Result] = {}
+        waiting = list(pending)
+        while waiting:
+            ready, waiting = ray.wait(waiting, num_returns=1)
+            for ref in ready:
+                results[pending[ref]] = self._get(ref)
+                if done:
+                    done(len(results), len(items))
+        return [results[index] for index in range(len(items))]
+
+    def _get(self, ref: Any) -> Any:
+        exceptions = self.ray.exceptions
+        try:
+            return self.ray.get(ref)
+        except exceptions.RayTaskError as error:
+            cause = getattr(error, "cause", None)
+            if isinstance(cause, PtqError):
+                raise cause from None
+            raise PtqError(f"a task failed on the {self.where} ({type(cause).__name__ if cause else 'error'}: "
+                           f"{first_line(cause) if cause else first_line(error)})") from error
+        except (exceptions.WorkerCrashedError, exceptions.NodeDiedError, exceptions.ObjectLostError) as error:
+            raise PtqError(f"a worker of the {self.where} died running a task, {RETRIES + 1} times; nothing was written") from error
+        except exceptions.RaySystemError as error:
+            raise PtqError(f"the {self.where} is gone ({first_line(error)}); nothing was written") from error
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError as error:
+        raise PtqError("--workers/--ray-address: Ray is not installed (pip install 'ptq[ray]', or `make install`)") from error
+    return ray
+
+
+@contextlib.contextmanager
+def executor(workers: Workers) -> Iterator[Executor]:
+    """The executor for `workers`; a local Ray instance is started here and stopped on the way out, whatever happens."""
+    if not workers.on_ray:
+        yield InProcess()
+        return
+    if workers.count is not None and workers.count < 1:
+        raise PtqError(f"--workers: must be at least 1, got {workers.count}")
+    ray = _ray()
+    _start(ray, workers)
+    try:
+        yield OnRay(ray, workers.describe())
+    finally:
+        with native_stderr_silenced():
+            ray.shutdown()
+
+
+# Seconds to wait for a cluster's head to answer: Ray itself waits minutes for one that is not there.
+CONNECT_SECONDS = 10
+
+
+def _check_reachable(address: str) -> None:
+    """A HOST:PORT (or ray://HOST:PORT) address whose port does not answer is refused at once."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return  # "auto", or a form Ray resolves itself
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_SECONDS).close()
+    except OSError as error:
+        raise PtqError(f"--ray-address {address}: Ray did not start (no cluster answers there: {error.strerror or error})") from error
+
+
+def _start(ray: Any, workers: Workers) -> None:
+    # A local instance's workers are this interpreter, with this process's environment: they import ptq_cli as it does.
+    options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "logging_level": logging.ERROR}
+    if workers.address is not None:
+        _check_reachable(workers.address)
+        options["address"] = workers.address
+    else:
+        options.update(num_cpus=workers.count, object_store_memory=OBJECT_STORE_BYTES)
+    try:
+        with native_stderr_silenced():
+            ray.init(**options)
+    except (ConnectionError, RuntimeError, ValueError, TimeoutError) as error:
+        where = f"--ray-address {workers.address}" if workers.address is not None else f"--workers {workers.count}"
+        raise PtqError(f"{where}: Ray did not start ({first_line(error)})") from error

@@ -1,0 +1,143 @@
+"""Independent work as tasks on Ray (issue 38): the same answer as in this process, faults said in one line,
+no Ray process left behind. A local Ray instance of 1 or 2 workers, started and stopped by each test."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from synthetic import colours_npz, colours_project, invoke, one_line_error
+
+from ptq_cli import settings
+from ptq_cli.errors import PtqError
+from ptq_cli.services import executor as executor_service
+
+ray = pytest.importorskip("ray")  # installed by `make install` (the ray extra)
+
+# A calibration set drawn by `ptq calibrate` (10 a class) and 20 validation images a class from the rest of the training images.
+TUNE = ("tune", "--model", "models/m.onnx", "--data", "colours.npz", "--calibration", "cal.npz", "--validation-per-class", "20",
+        "--max-float-layers", "1", "--json")
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv(settings.CACHE_ENV, str(tmp_path / "cache"))
+    (tmp_path / "study").mkdir()
+    project = colours_project(tmp_path / "study")
+    colours_npz(project / "colours.npz", per_class=40)
+    assert invoke("calibrate", "--data", "colours.npz", "--samples-per-class", "10", "--output", "cal.npz", cwd=project).exit_code == 0
+    return project
+
+
+def ok(*args, cwd: Path):
+    result = invoke(*args, cwd=cwd)
+    assert result.exit_code == 0, (result.exit_code, result.output)
+    return result
+
+
+def _figures(result: dict) -> list:
+    """What a tune decided and measured, without the times."""
+    return [result["chosen"]["settings"], result["met_budget"], result["reason"],
+            [(candidate["stage"], candidate["settings"], candidate["validation_accuracy"], candidate["output_sqnr_db"], candidate["size_bytes"])
+             for candidate in result["candidates"]]]
+
+
+def _ray_processes() -> set[int]:
+    """Ray's own processes on this machine (its GCS, raylet and workers)."""
+    listing = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True, check=True).stdout
+    return {int(line.split(None, 1)[0]) for line in listing.splitlines()
+            if any(mark in line for mark in ("gcs_server", "raylet", "ray::", "default_worker.py"))}
+
+
+def test_tune_on_ray_chooses_what_it_chooses_here_and_writes_the_same_bytes(project):
+    here = json.loads(ok(*TUNE, "--output", "models/here.onnx", "--results-dir", "here", cwd=project).stdout)
+    assert len(here["candidates"]) >= 4
+    for workers in ("1", "2"):
+        there = json.loads(ok(*TUNE, "--workers", workers, "--output", f"models/w{workers}.onnx", "--results-dir", f"w{workers}", cwd=project).stdout)
+        assert _figures(there) == _figures(here), workers
+        assert (project / "models" / f"w{workers}.onnx").read_bytes() == (project / "models" / "here.onnx").read_bytes(), workers
+
+
+def test_no_ray_process_outlives_the_command(project):
+    before = _ray_processes()
+    command = [sys.executable, "-m", "ptq_cli", *TUNE, "--workers", "2", "--output", "models/t.onnx"]
+    finished = subprocess.run(command, cwd=project, capture_output=True, text=True, timeout=600, check=False)
+    assert finished.returncode == 0, finished.stderr
+    assert json.loads(finished.stdout)["chosen"]
+    assert _ray_processes() <= before
+
+
+def test_a_worker_killed_mid_task_is_retried_and_the_answer_stands(tmp_path):
+    marker = tmp_path / "killed-once"
+
+    def dies_once(item: int, shared: int) -> int:
+        if item == 1 and not marker.exists():
+            marker.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return item * shared
+
+    with executor_service.executor(executor_service.Workers(2)) as runs:
+        assert runs.map(dies_once, [0, 1, 2, 3], 10) == [0, 10, 20, 30]
+    assert marker.exists()  # it did die
+
+
+def test_a_task_that_kills_its_worker_every_time_fails_in_one_line(tmp_path):
+    done = []
+
+    def always_dies(item: int, _shared: None) -> int:
+        if item == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return item
+
+    with pytest.raises(PtqError, match=r"a worker of the local Ray instance, 1 worker died running a task, 3 times; nothing was written"), \
+            executor_service.executor(executor_service.Workers(1)) as runs:
+        runs.map(always_dies, [0, 1], None, done=lambda finished, total: done.append(finished))
+    assert not ray.is_initialized()  # stopped on the way out
+
+
+def test_a_ptq_error_in_a_task_is_said_in_its_own_words():
+    def refuses(item: int, _shared: None) -> int:
+        raise PtqError(f"item {item}: refused")
+
+    with pytest.raises(PtqError, match=r"^item 0: refused$"), executor_service.executor(executor_service.Workers(1)) as runs:
+        runs.map(refuses, [0], None)
+
+
+def test_without_workers_ray_is_not_imported(project):
+    script = ("import sys; sys.path.insert(0, sys.argv[1]); from synthetic import invoke; from pathlib import Path\n"
+              f"result = invoke(*{list(TUNE)!r}, '--output', 'models/t.onnx', cwd=Path('.'))\n"
+              "assert result.exit_code == 0, result.output\n"
+              "print(sorted(name for name in sys.modules if name == 'ray' or name.startswith('ray.')))")
+    finished = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent)], cwd=project, capture_output=True, text=True,
+                              timeout=600, check=False)
+    assert finished.returncode == 0, finished.stderr
+    assert finished.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_workers_and_a_cluster_address_are_one_choice(project):
+    one_line_error(invoke(*TUNE, "--workers", "2", "--ray-address", "auto", cwd=project), "--workers and --ray-address: give one")
+
+
+def test_a_cluster_that_is_not_there_is_said_in_one_line(project):
+    result = invoke(*TUNE, "--ray-address", "127.0.0.1:9", cwd=project)
+    one_line_error(result, "--ray-address 127.0.0.1:9: Ray did not start")
+    assert not list((project / "models").glob("*tuned*"))
+
+
+def test_piped_progress_is_one_line_per_finished_candidate(project):
+    result = ok(*TUNE, "--workers", "2", "--output", "models/t.onnx", cwd=project)
+    steps = [line for line in result.stderr.splitlines() if line.startswith("Tuning int8 (onnxruntime, local Ray instance, 2 workers): ")]
+    total = int(steps[-1].rsplit("/", 1)[1])
+    assert [int(line.rsplit(": ", 1)[1].split("/")[0]) for line in steps] == list(range(1, total + 1))
+
+
+def test_sensitivity_on_ray_ranks_the_layers_as_it_does_here(project):
+    sensitivity = ("sensitivity", "--model", "models/m.onnx", "--data", "colours.npz", "--calibration", "cal.npz", "--validation-per-class", "20", "--json")
+    here = json.loads(ok(*sensitivity, "--results-dir", "here", cwd=project).stdout)
+    there = json.loads(ok(*sensitivity, "--workers", "2", "--results-dir", "there", cwd=project).stdout)
+    assert here["layers"] and there["layers"] == here["layers"]
