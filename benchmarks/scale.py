@@ -7,12 +7,13 @@ In a scratch directory (or DIR), one process per command, as a user would:
 1. `ptq convert` (the MLPerf Tiny ResNet8), then the same `ptq tune` three times: in this process, `--workers 1`,
    `--workers 2` (minmax and percentile at four points x both granularities, then two calibration sizes: 12
    candidates, no float layers); each command's wall time, the candidates it scored, and whether the three
-   chose the same settings and wrote the same bytes;
+   chose the same settings and wrote the same bytes; then the candidate phase alone (the first stage's 10
+   candidates through the executor, in this process and on 1 and 2 workers), where candidates dominate;
 2. Ray's start-up and shut-down alone (an empty executor on 2 workers), three times;
 3. the pretrained EfficientNet-Lite0 (224x224) on CIFAR-10 photos upsampled (benchmarks/imagenet_table.py's):
-   one `ptq tune` (minmax, per-channel), its wall time over its candidates as the cost of one (an upper bound:
-   loading the model and scoring FP32 count in); the projection is ceil(64 / workers) x that cost + Ray's
-   start-up and shut-down.
+   one `ptq tune` (minmax, per-channel; 100 calibration and 200 validation photos), its wall time over its
+   candidates as the cost of one (an upper bound: loading the model and scoring FP32 count in); the projection
+   is ceil(64 / workers) x that cost + Ray's start-up and shut-down.
 Timing lives here, never in the unit tests.
 """
 
@@ -36,6 +37,32 @@ from ptq_cli.services.executor import Workers, executor  # noqa: E402
 
 TUNE = ["tune", "--max-float-layers", "0", "--method", "minmax", "--method", "percentile", "--validation-per-class", "100", "--json"]
 PROJECTED_CANDIDATES = 64
+
+
+def _candidate_phase(workdir: Path, workers: Workers) -> tuple[float, int]:
+    """(seconds, candidates) of the candidate phase alone: tune's first-stage grid (resolved here, once), scored by
+    the executor; model loading, FP32 scoring and Ray's start-up are outside the timing."""
+    from ptq_cli.datasets import open_dataset
+    from ptq_cli.inputs import PreprocessingFlags
+    from ptq_cli.services.make.calibration import for_model
+    from ptq_cli.services.make.quantize import calibration_inputs, load_source, resolve_settings, with_calibration
+    from ptq_cli.services.study.candidates import inputs_for, score_candidate
+    from ptq_cli.services.study.tune import calibration_grid
+    from ptq_cli.services.study.validation import build_validation_set
+
+    model, data = workdir / "models" / "resnet8.onnx", Path(os.environ["PTQ_ASSETS"]) / "cifar-10-batches-py"
+    source = load_source(model, PreprocessingFlags())
+    calibration = for_model(model, data, samples_per_class=100)
+    validation = build_validation_set(calibration, open_dataset(data), 100)
+    prepared = calibration_inputs(source, calibration)
+    grid = [resolve_settings(source, with_calibration(settings, calibration), prepared)
+            for settings in calibration_grid("onnxruntime", "int8", ("minmax", "percentile"), (True, False))]
+    with executor(workers) as runs:
+        inputs = inputs_for(source, None, calibration, validation, runs.task_threads)
+        runs.map(score_candidate, [(grid[0], None)], inputs)  # each worker's first task loads the model: not a candidate's cost
+        began = time.perf_counter()
+        runs.map(score_candidate, [(settings, None) for settings in grid], inputs)
+        return time.perf_counter() - began, len(grid)
 
 
 def _ray_start_stop(workers: int) -> float:
@@ -64,6 +91,12 @@ def main() -> None:
     console.print(f"  same choice and byte-identical model in all three: {'yes' if same else 'NO'}")
     one, two = runs["Ray, 1 worker"][0], runs["Ray, 2 workers"][0]
     console.print(f"  2 workers against 1: x{one / two:.2f}")
+    console.print("\n[bold]The candidate phase alone[/bold] (tune's first stage, 10 candidates, 1,000 validation images each)")
+    phases = {label: _candidate_phase(workdir, workers) for label, workers in
+              (("in this process", Workers()), ("Ray, 1 worker", Workers(1)), ("Ray, 2 workers", Workers(2)))}
+    for label, (seconds, count) in phases.items():
+        console.print(f"  {label:16} {seconds:6.1f} s  {60 * count / seconds:5.1f} candidates/min")
+    console.print(f"  2 workers against 1: x{phases['Ray, 1 worker'][0] / phases['Ray, 2 workers'][0]:.2f}")
 
     start_stop = [_ray_start_stop(2) for _ in range(3)]
     console.print(f"\n[bold]Ray start-up and shut-down[/bold] (2 workers): {', '.join(f'{s:.1f}' for s in start_stop)} s "
@@ -74,8 +107,8 @@ def main() -> None:
     import imagenet_table
 
     imagenet_table.prepare_workdir(workdir / "lite0", None)
-    lite = ["tune", "--model", imagenet_table.MODEL, "--data", "test", "--calibration-data", "calibration", "--method", "minmax", "--per-channel",
-            "--max-float-layers", "0", "--json"]
+    lite = ["tune", "--model", imagenet_table.MODEL, "--data", "test", "--calibration-data", "calibration", "--calibration-size", "100",
+            "--validation-per-class", "100", "--method", "minmax", "--per-channel", "--max-float-layers", "0", "--json"]
     seconds, stdout = ptq([*lite, "--output", "tuned.onnx", "--results-dir", "results"], workdir / "lite0", env)
     count = len(json.loads(stdout)["candidates"])
     per_candidate = seconds / count
