@@ -455,7 +455,7 @@ CalibrationFile = Annotated[
     typer.Option(help=f"Calibration set from `ptq calibrate`, the same for every model made. (default: {settings.CALIBRATION_FILE} if it was drawn from the same dataset, else built with the calibrate defaults)", show_default=False),
 ]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout (for scripts) instead of tables.")]
-WorkersOption = Annotated[int | None, typer.Option(min=1, help="Run the independent work (each candidate, each layer) as tasks on a local Ray instance of this many workers, started and stopped by ptq (the ray extra). (default: one after another in this process; Ray is not imported)", show_default=False, rich_help_panel="Workers")]
+WorkersOption = Annotated[int | None, typer.Option(min=1, help="Run the independent work (each candidate, each layer; evaluate: shards of the split) as tasks on a local Ray instance of this many workers, started and stopped by ptq (the ray extra). (default: one after another in this process; Ray is not imported)", show_default=False, rich_help_panel="Workers")]
 RayAddressOption = Annotated[str | None, typer.Option(help="Run the tasks on the Ray cluster at this address (e.g. 10.0.0.5:6379 or auto) instead of a local instance; every node needs ptq installed.", show_default=False, rich_help_panel="Workers")]
 
 
@@ -810,6 +810,8 @@ def evaluate(
     emulated_images: Annotated[int, typer.Option(min=10, help="Images (the first of each class) scored under emulation, which runs about 100 images/s on ResNet8.", rich_help_panel="Runtime")] = emulate_service.DEFAULT_SUBSET,
     against_fp32: Annotated[Path | None, typer.Option("--against-fp32", help="The FP32 model to measure fidelity against (top-1 agreement, top-5 containment, SQNR and KL of the scores, on the same images; no labels needed). (default: the FP32 source a ptq-made model names, while that file is unchanged)", show_default=False)] = None,
     trust_remote_code: TrustOption = False,  # noqa: ARG001  taken by its callback while parsing
+    workers: WorkersOption = None,
+    ray_address: RayAddressOption = None,
     as_json: JsonFlag = False,
 ) -> list[evaluate_service.Evaluated]:
     """Top-1 accuracy on the dataset's test split (val if it has no test), and fidelity to the FP32 model.
@@ -823,7 +825,7 @@ def evaluate(
     """
     request = evaluate_service.EvaluationRequest(
         tuple(model or _default_models()), choice.dataset(), results_dir, int8_path.value, batch_size, threads, choice.flags, runtime and runtime.value,
-        precision and precision.value, label, emulated_images, against_fp32)
+        precision and precision.value, label, emulated_images, against_fp32, _workers(workers, ray_address))
     done = []
     for evaluated in evaluate_service.evaluate(request, _progress_bar):
         done.append(evaluated)

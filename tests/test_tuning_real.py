@@ -125,3 +125,15 @@ def test_tune_on_two_ray_workers_chooses_and_writes_what_it_does_in_one_process(
                                                        for c in result["candidates"]], output.read_bytes())
     assert len(runs["here"][1]) >= 8
     assert runs["ray"] == runs["here"]
+
+
+def test_resnet8_evaluated_in_shards_on_two_ray_workers_writes_the_record_of_one_process(pipeline, tmp_path):
+    """Issue 38, sharded evaluation: the 10,000 test images in shards on two workers give the record `ptq run` wrote
+    in one process: counts, confusion matrix and fidelity sums."""
+    pytest.importorskip("ray")
+    here = json.loads(ptq_ok("evaluate", "--model", "models/resnet8_int8.onnx", "--results-dir", tmp_path / "here", "--json", cwd=pipeline).stdout)
+    there = json.loads(ptq_ok("evaluate", "--model", "models/resnet8_int8.onnx", "--results-dir", tmp_path / "there", "--workers", "2", "--json",
+                              cwd=pipeline).stdout)
+    assert here["images"] == 10_000
+    for key in ("correct", "accuracy", "confusion_matrix", "per_class_accuracy", "fidelity", "int8_path", "model_sha256"):
+        assert there[key] == here[key], key

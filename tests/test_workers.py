@@ -141,3 +141,20 @@ def test_sensitivity_on_ray_ranks_the_layers_as_it_does_here(project):
     here = json.loads(ok(*sensitivity, "--results-dir", "here", cwd=project).stdout)
     there = json.loads(ok(*sensitivity, "--workers", "2", "--results-dir", "there", cwd=project).stdout)
     assert here["layers"] and there["layers"] == here["layers"]
+
+
+def _record_figures(record: dict) -> dict:
+    """A record without what differs from run to run (times, where it ran)."""
+    return {key: value for key, value in record.items() if key not in ("images_per_second", "timestamp")}
+
+
+def test_evaluation_in_shards_on_ray_writes_the_record_one_process_writes(project):
+    ok("quantize", "--model", "models/m.onnx", "--data", "colours.npz", "--dtype", "int8", "--output", "models/q.onnx", cwd=project)
+    for model in ("models/m.onnx", "models/q.onnx"):
+        here = json.loads(ok("evaluate", "--model", model, "--data", "colours.npz", "--results-dir", "here", "--batch-size", "7", "--json",
+                             cwd=project).stdout)
+        there = json.loads(ok("evaluate", "--model", model, "--data", "colours.npz", "--results-dir", "there", "--batch-size", "7",
+                              "--workers", "2", "--json", cwd=project).stdout)
+        assert _record_figures(there) == _record_figures(here), model
+        assert here["images"] == 120 and here["confusion_matrix"]
+    assert here["fidelity"] is not None  # the quantized model's fidelity sums, measured in shards too

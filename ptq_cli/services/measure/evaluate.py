@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -17,13 +19,14 @@ import ptq_cli
 from ptq_cli import backends, settings
 from ptq_cli import cpu as cpu_info
 from ptq_cli.backends.base import EMULATE, LoadedModel
-from ptq_cli.backends.model_file import file_sha256, resolve_threads
+from ptq_cli.backends.model_file import file_sha256, read_bytes, resolve_threads
 from ptq_cli.datasets import Dataset, LabelledImages, open_dataset
 from ptq_cli.datasets.base import split_slug
 from ptq_cli.errors import PtqError
 from ptq_cli.guards import bounded, hardstop
-from ptq_cli.guards.atomic import check_folder_writable
+from ptq_cli.guards.atomic import check_folder_writable, companions
 from ptq_cli.inputs import Preprocessing, PreprocessingFlags
+from ptq_cli.services.executor import HERE, Executor, Workers, executor
 from ptq_cli.services.measure import emulate
 from ptq_cli.services.measure.fidelity import check as check_fidelity
 from ptq_cli.services.measure.fidelity import compare
@@ -150,6 +153,57 @@ def _predict(model: LoadedModel, images: np.ndarray, batch_size: int, model_path
     return predictions, inference_seconds
 
 
+@dataclass(frozen=True)
+class ShardedModel:
+    """A model as every shard's task loads it: its files by content (the model and those that stand with it) and
+    the options it was loaded with here, so that each image is computed as it is in one process."""
+
+    files: tuple[tuple[str, bytes], ...]  # (file name, bytes), the model first
+    flags: PreprocessingFlags | None
+    runtime: str | None
+    precision: str | None
+    exact_int8: bool
+    threads: int | None
+    batch_size: int  # images a call, as the one-process evaluation calls the model
+    where: str
+
+
+# Each process's loaded model for its shards, by content: (its folder, kept while the model is, and the model).
+_SHARD_MODELS: dict[str, tuple[tempfile.TemporaryDirectory, LoadedModel]] = {}
+
+
+def predict_shard(images: np.ndarray, shared: ShardedModel) -> tuple[np.ndarray, float]:
+    """One shard's class scores and inference seconds, a task: the model loaded once per process from its bytes."""
+    key = hashlib.sha256(b"".join(data for _, data in shared.files) + repr((shared.flags, shared.runtime, shared.precision,
+                                                                               shared.exact_int8, shared.threads)).encode()).hexdigest()
+    if key not in _SHARD_MODELS:
+        _SHARD_MODELS.clear()
+        folder = tempfile.TemporaryDirectory(prefix="ptq-shard-")
+        for name, data in shared.files:
+            (Path(folder.name) / name).write_bytes(data)
+        model_path = Path(folder.name) / shared.files[0][0]
+        _SHARD_MODELS[key] = folder, load_model(model_path, shared.threads, shared.flags, shared.runtime, shared.precision,
+                                                exact_int8=shared.exact_int8)
+    model = _SHARD_MODELS[key][1]
+    return _predict(model, images, shared.batch_size, Path(shared.files[0][0]), shared.where)
+
+
+def _predict_in_shards(runs: Executor, model: LoadedModel, images: np.ndarray, batch_size: int, how: ShardedModel,  # noqa: PLR0913,PLR0917  the model, its images and how to load it elsewhere
+                       progress: ProgressCallback | None) -> tuple[np.ndarray, float]:
+    """The images in one shard per worker call, cut at whole calls (so that every image is computed as in one
+    process), each scored as a task; (scores, wall seconds)."""
+    calls = bounded.images_per_call(math.prod(model.input.shape(1)), batch_size)
+    per_shard = calls * max(1, math.ceil(math.ceil(len(images) / calls) / SHARDS_PER_RUN))
+    shards = [images[start : start + per_shard] for start in range(0, len(images), per_shard)]
+    began = time.perf_counter()
+    done = (lambda finished, _total: progress(min(finished * per_shard, len(images)), len(images))) if progress else None
+    scored = runs.map(predict_shard, shards, how, done=done)
+    return np.concatenate([scores for scores, _ in scored]), time.perf_counter() - began
+
+
+SHARDS_PER_RUN = 8  # shards of the split: enough for a few workers to finish together
+
+
 def _int8_plan(model: LoadedModel, wanted: str | None, cpu: cpu_info.Cpu, model_path: Path) -> tuple[str | None, str]:
     """(int8 path the figure holds for, how it is reached) for a model on this CPU."""
     paths = backends.backend(model.info.runtime).int8_paths
@@ -185,6 +239,7 @@ def evaluate_model(  # noqa: PLR0913,PLR0917  EvaluationRequest's fields for one
     subset: int = emulate.DEFAULT_SUBSET,
     against: Path | None = None,
     loaded: LoadedModel | None = None,
+    runs: Executor | None = None,
 ) -> EvaluationRecord:
     """Top-1 on the dataset's evaluation split, and fidelity to the FP32 model (`against`, else the source it
     was made from while that file is at hand) on the same images: the only measure where the labels are not
@@ -193,7 +248,8 @@ def evaluate_model(  # noqa: PLR0913,PLR0917  EvaluationRequest's fields for one
     default this CPU's) says which x86 int8 path the figure is for: the other path than this CPU's own
     comes from onnxruntime's exact-kernel option, a proof that the model cannot saturate, or emulation
     of an AVX2 CPU on `subset` images of the split (stratified). `loaded`: the model already loaded with these
-    options, where the path needs no other session."""
+    options, where the path needs no other session. `runs`: an executor that scores the split in shards (Ray's);
+    the record is the one a single process writes, but for the times."""
     _check_options(batch_size, int8_path)
     cpu = cpu_info.current()
     exact_int8 = int8_path == cpu_info.EXACT and cpu.int8_path == cpu_info.SATURATING
@@ -204,8 +260,10 @@ def evaluate_model(  # noqa: PLR0913,PLR0917  EvaluationRequest's fields for one
     if len(test.labels) == 0:
         raise PtqError(f"{dataset.root}: the {split} split has no images")
     reference_path, labels_fit = _what_to_measure(model, test, dataset.root, against)
+    sharded = None if runs is None else ShardedModel(tuple((path.name, read_bytes(path)) for path in companions(Path(model_path))), flags, runtime,
+                                                     precision, exact_int8, threads, batch_size, f"{dataset.root} ({split})")
     chosen, scores, inference_seconds, exact_same, basis = _measure(model, test, basis, batch_size, Path(model_path), f"{dataset.root} ({split})",
-                                                                    threads, subset, progress, labels_fit)
+                                                                    threads, subset, progress, labels_fit, (runs, sharded))
     if model.info.dtype == "fp32" and runtime is None and precision is None and np.array_equal(chosen, np.arange(len(test.labels))):
         _keep_reference_scores(_reference_key(model.info.sha256, test, model), scores)  # the models made from it compare with these
     fidelity = None
@@ -313,12 +371,17 @@ def _model_fields(model: LoadedModel) -> dict:
 
 
 def _measure(model: LoadedModel, test: LabelledImages, basis: str, batch_size: int, model_path: Path, where: str, threads: int | None,  # noqa: PLR0913,PLR0917  evaluate_model's state, split out of it
-             subset: int, progress: ProgressCallback | None, labels_fit: bool = True) -> tuple[np.ndarray, np.ndarray, float, float | None, str]:
+             subset: int, progress: ProgressCallback | None, labels_fit: bool = True,
+             elsewhere: tuple[Executor | None, ShardedModel | None] = (None, None)) -> tuple[np.ndarray, np.ndarray, float, float | None, str]:
     """(the images measured, their scores, inference seconds, the exact path's top-1 on an emulated subset, basis):
     the whole split, or under emulation its `subset` (the first images of each class; the first ones
     where the labels are not the model's)."""
     if basis != EMULATE:
-        scores, seconds = _predict(model, test.images, batch_size, model_path, where, progress)
+        runs, sharded = elsewhere
+        if runs is not None and sharded is not None:
+            scores, seconds = _predict_in_shards(runs, model, test.images, batch_size, sharded, progress)
+        else:
+            scores, seconds = _predict(model, test.images, batch_size, model_path, where, progress)
         return np.arange(len(test.labels)), scores, seconds, None, basis
     chosen = emulate.subset_indices(test.labels, subset) if labels_fit else np.arange(min(subset, len(test.labels)))
     images, labels = test.images[chosen], test.labels[chosen]
@@ -649,6 +712,7 @@ class EvaluationRequest:
     label: str | None = None
     subset: int = emulate.DEFAULT_SUBSET
     against: Path | None = None
+    workers: Workers = HERE  # where the split is scored: here, or in shards as tasks on Ray
 
 
 def evaluate(request: EvaluationRequest, progress_bar: ProgressBar = no_progress_bar) -> Iterator[Evaluated]:
@@ -661,14 +725,16 @@ def evaluate(request: EvaluationRequest, progress_bar: ProgressBar = no_progress
         raise PtqError(f"--int8-path: '{request.int8_path}' is not one of {', '.join(INT8_PATH_CHOICES)}")
     wanted = {NATIVE_PATH: (None,), BOTH_PATHS: cpu_info.INT8_PATHS}.get(request.int8_path, (request.int8_path,))
     check_folder_writable(request.results_dir)  # said before the evaluations, not after them
-    for model_path in request.models:
-        model = load_model(model_path, request.threads, request.flags, request.runtime, request.precision)
-        for int8_path in _int8_paths(model, wanted):
-            with progress_bar(f"Evaluating {Path(model_path).name}" + (f" ({int8_path} int8 path)" if int8_path else "")) as progress:
-                evaluated = evaluate_and_save(model_path, request.dataset, request.results_dir, progress, batch_size=request.batch_size,
-                                              threads=request.threads, flags=request.flags, runtime=request.runtime, precision=request.precision,
-                                              label=request.label, int8_path=int8_path, subset=request.subset, against=request.against, loaded=model)
-            yield evaluated
+    with executor(request.workers) as runs:
+        for model_path in request.models:
+            model = load_model(model_path, request.threads, request.flags, request.runtime, request.precision)
+            for int8_path in _int8_paths(model, wanted):
+                with progress_bar(f"Evaluating {Path(model_path).name}" + (f" ({int8_path} int8 path)" if int8_path else "")) as progress:
+                    evaluated = evaluate_and_save(model_path, request.dataset, request.results_dir, progress, batch_size=request.batch_size,
+                                                  threads=request.threads, flags=request.flags, runtime=request.runtime, precision=request.precision,
+                                                  label=request.label, int8_path=int8_path, subset=request.subset, against=request.against, loaded=model,
+                                                  runs=runs if request.workers.on_ray else None)
+                yield evaluated
 
 
 def outside_target(model_path: Path | str, target: str | None) -> str | None:
