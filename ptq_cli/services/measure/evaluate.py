@@ -260,16 +260,13 @@ def evaluate_model(  # noqa: PLR0913,PLR0917  EvaluationRequest's fields for one
     if len(test.labels) == 0:
         raise PtqError(f"{dataset.root}: the {split} split has no images")
     reference_path, labels_fit = _what_to_measure(model, test, dataset.root, against)
+    where = f"{dataset.root} ({split})"
     sharded = None if runs is None else ShardedModel(tuple((path.name, read_bytes(path)) for path in companions(Path(model_path))), flags, runtime,
-                                                     precision, exact_int8, threads, batch_size, f"{dataset.root} ({split})")
-    chosen, scores, inference_seconds, exact_same, basis = _measure(model, test, basis, batch_size, Path(model_path), f"{dataset.root} ({split})",
+                                                     precision, exact_int8, threads, batch_size, where)
+    chosen, scores, inference_seconds, exact_same, basis = _measure(model, test, basis, batch_size, Path(model_path), where,
                                                                     threads, subset, progress, labels_fit, (runs, sharded))
-    if model.info.dtype == "fp32" and runtime is None and precision is None and np.array_equal(chosen, np.arange(len(test.labels))):
-        _keep_reference_scores(_reference_key(model.info.sha256, test, model), scores)  # the models made from it compare with these
-    fidelity = None
-    if reference_path is not None:
-        reference = _reference_scores(reference_path, test, model, batch_size, threads, f"{dataset.root} ({split})")
-        fidelity = asdict(compare(reference[chosen], scores, str(reference_path), file_sha256(reference_path)))
+    own_runtime = runtime is None and precision is None
+    fidelity = _fidelity(model, test, chosen, scores, reference_path, (batch_size, threads, where), own_runtime)
     return EvaluationRecord(
         **_model_fields(model), dataset=str(dataset.root), images=len(chosen),
         **_accuracy_fields(test.labels[chosen], scores.argmax(axis=1), test.class_names if labels_fit else None),
@@ -278,6 +275,19 @@ def evaluate_model(  # noqa: PLR0913,PLR0917  EvaluationRequest's fields for one
         dataset_sha256=test.content_sha256, label=label, cpu=cpu.as_record(), int8_path=path_measured, int8_basis=basis,
         exact_accuracy_same_images=exact_same, fidelity=fidelity,
     )
+
+
+def _fidelity(model: LoadedModel, test: LabelledImages, chosen: np.ndarray, scores: np.ndarray, reference_path: Path | None,  # noqa: PLR0913,PLR0917  evaluate_model's state, split out of it
+              calls: tuple[int, int | None, str], own_runtime: bool) -> dict | None:
+    """Fidelity to the FP32 model at `reference_path` on the chosen images (None without one); a float model's scores on
+    its own runtime, over the whole split, are kept for the models made from it. `calls`: (batch size, threads, where)."""
+    if model.info.dtype == "fp32" and own_runtime and np.array_equal(chosen, np.arange(len(test.labels))):
+        _keep_reference_scores(_reference_key(model.info.sha256, test, model), scores)  # the models made from it compare with these
+    if reference_path is None:
+        return None
+    batch_size, threads, where = calls
+    reference = _reference_scores(reference_path, test, model, batch_size, threads, where)
+    return asdict(compare(reference[chosen], scores, str(reference_path), file_sha256(reference_path)))
 
 
 def _check_options(batch_size: int, int8_path: str | None) -> None:
