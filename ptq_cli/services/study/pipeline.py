@@ -364,11 +364,8 @@ def _report_stages(study: _Study, evaluations: list[Stage]) -> list[Stage]:
     return stages
 
 
-def plan(options: StudyOptions, against: Path | None = None) -> list[Stage]:
-    """The stages of `make run`, in order; each reads only files earlier stages (or the user) provide. `against`:
-    the FP32 model every model is measured against (_against), once it exists."""
-    study, options = _study(options)
-    study = replace(study, against=against)
+def _stages(study: _Study) -> list[Stage]:
+    """The stages of `make run`, in order; each reads only files earlier stages (or the user) provide."""
     evaluations = _evaluate_stages(study)
     return _source_stages(study) + _quantize_stages(study) + evaluations + _report_stages(study, evaluations)
 
@@ -502,8 +499,9 @@ def run(
     previous = read_manifest(manifest_file)
     entries: dict[str, dict] = {entry["name"]: entry for entry in previous.get("stages", [])}
     options = _checked(options)
-    stages = plan(options)
-    sources = len(_source_stages(_study(options)[0]))
+    study, _ = _study(options)  # the datasets opened once for the whole run
+    stages = _stages(study)
+    sources = len(_source_stages(study))
     to_write = [manifest_file, *(output for stage in stages for output in stage.outputs)]
     check_outside([*to_write, options.results_dir], [options.data_dir, options.calibration_data])
     for path in to_write:
@@ -512,7 +510,7 @@ def run(
     hashes, outcomes, shared = _Hashes(), [], _Run(run_command, options.force)
     for index in range(len(stages)):
         if index == sources:  # the FP32 model exists now: what each model is measured against is known
-            stages = plan(options, _against(_study(options)[0]))
+            stages = _stages(replace(study, against=_against(study)))
         stage = stages[index]
         if on_stage:
             on_stage(index, len(stages), stage, None)
