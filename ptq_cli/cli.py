@@ -455,7 +455,7 @@ CalibrationFile = Annotated[
     typer.Option(help=f"Calibration set from `ptq calibrate`, the same for every model made. (default: {settings.CALIBRATION_FILE} if it was drawn from the same dataset, else built with the calibrate defaults)", show_default=False),
 ]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout (for scripts) instead of tables.")]
-WorkersOption = Annotated[int | None, typer.Option(min=1, help="Run the independent work (each candidate, each layer; evaluate: shards of the split) as tasks on a local Ray instance of this many workers, started and stopped by ptq (the ray extra). (default: one after another in this process; Ray is not imported)", show_default=False, rich_help_panel="Workers")]
+WorkersOption = Annotated[int | None, typer.Option(min=1, help="Run the independent work (each candidate, layer or sweep point; evaluate: shards of the split) as tasks on a local Ray instance of this many workers, started and stopped by ptq (the ray extra). (default: one after another in this process; Ray is not imported)", show_default=False, rich_help_panel="Workers")]
 RayAddressOption = Annotated[str | None, typer.Option(help="Run the tasks on the Ray cluster at this address (e.g. 10.0.0.5:6379 or auto) instead of a local instance; every node needs ptq installed.", show_default=False, rich_help_panel="Workers")]
 
 
@@ -674,20 +674,24 @@ def sweep(
     results_dir: Annotated[Path, typer.Option(help="The sweep record goes to RESULTS_DIR/sweep/<model>_<dtype>_<scope>.json, which `ptq report` shows.")] = settings.RESULTS_DIR,
     choice: DataChoice = NO_CHOICE,
     as_json: JsonFlag = False,
+    workers: WorkersOption = None,
+    ray_address: RayAddressOption = None,
 ) -> None:
     """For each sparsity: prune, quantize (onnxruntime), evaluate both on the test set; accuracy, size and gzipped size.
 
     Sparsity 0 is the unpruned model. Every point uses the same calibration set and settings (default:
-    per-channel weights, percentile calibration).
+    per-channel weights, percentile calibration). With --workers or --ray-address, each point is pruned
+    and quantized as a task and each model evaluated in shards; the models and the record are the same.
     """
+    where = _workers(workers, ray_address)
     sparsities = sweep_service.parse_sparsities(sparsity)
     pruning_check = prune_service.make_settings(0.0, scope.value, exclude_first, exclude_classifier, reconstruct)  # checked before any work
     check_model(model)
     calibration_set = _calibration_set(calibration, choice, model)
-    with _progress_bar("Prune, quantize, evaluate") as progress:
+    with _progress_bar(f"Prune, quantize, evaluate ({where.describe()})", lines=True) as progress:
         result = sweep_service.sweep(
             model, sparsities, quantization, calibration_set, choice.dataset(), models_dir, results_dir,
-            pruning_check, progress, choice.flags,
+            pruning_check, progress, choice.flags, where,
         )
     _emit(as_json, result, render.sweep(result))
 

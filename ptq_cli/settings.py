@@ -38,6 +38,16 @@ def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "ptq")
 
 
+# The CPUs this process may keep busy, where it is given a share of the machine (a Ray worker's task has one):
+# the default thread count of everything ptq runs, instead of every core.
+TASK_CPUS_ENV = "PTQ_TASK_CPUS"
+
+
+def task_cpus() -> int | None:
+    value = os.environ.get(TASK_CPUS_ENV, "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
 # Where the pipeline writes, relative to the working directory.
 MODELS_DIR = Path("models")
 FP32_ONNX = MODELS_DIR / "resnet8.onnx"

@@ -100,8 +100,15 @@ def snapshot(directory: Path) -> dict[str, bytes]:
             if path.is_file() and not str(path.relative_to(directory)).startswith("cache")}
 
 
+_CASES: list[Path] = []  # the folder of the example being run: each holds a copy of the template's 150 MB cache
+
+
 def project(template: Path, tmp_path_factory) -> Path:
+    """A copy of the template for one example; the previous example's copy is removed (the last one stays, for a failure)."""
+    while _CASES:
+        shutil.rmtree(_CASES.pop(), ignore_errors=True)
     work = tmp_path_factory.mktemp("case")
+    _CASES.append(work)
     shutil.copytree(template, work, dirs_exist_ok=True, ignore=shutil.ignore_patterns("cache"))
     shutil.copytree(template / "cache", work / "cache")
     return work

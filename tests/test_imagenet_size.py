@@ -234,13 +234,37 @@ def test_the_threaded_histogram_collector_builds_onnxruntime_s_own_histograms(me
 
 
 def test_percentile_calibration_on_threads_gives_the_same_file(mobile, monkeypatch):
-    from ptq_cli.backends import onnxruntime as ort_backend
+    """On 4 histogram threads and calibration session threads, or on the one CPU a Ray task is given."""
+    from ptq_cli import settings
 
-    monkeypatch.setattr(ort_backend, "HISTOGRAM_THREADS", 4)
+    monkeypatch.setenv(settings.TASK_CPUS_ENV, "4")
     _quantize(mobile, "threads4.onnx", "--calibration-size", "12", "--method", "percentile")
-    monkeypatch.setattr(ort_backend, "HISTOGRAM_THREADS", 1)
+    monkeypatch.setenv(settings.TASK_CPUS_ENV, "1")
     _quantize(mobile, "threads1.onnx", "--calibration-size", "12", "--method", "percentile")
     assert (mobile / "threads4.onnx").read_bytes() == (mobile / "threads1.onnx").read_bytes()
+
+
+@pytest.mark.parametrize("task_cpus", [None, "1"])
+def test_the_calibration_session_keeps_to_the_cpus_a_task_is_given(mobile, monkeypatch, task_cpus):
+    """A Ray task is given one CPU (PTQ_TASK_CPUS): onnxruntime's calibration session, which takes every core
+    by itself, is then made on one thread."""
+    from ptq_cli import settings
+    from ptq_cli.backends import onnxruntime as ort_backend
+
+    if task_cpus:
+        monkeypatch.setenv(settings.TASK_CPUS_ENV, task_cpus)
+    else:
+        monkeypatch.delenv(settings.TASK_CPUS_ENV, raising=False)
+    threads = []
+    real = ort_backend._within_task_cpus
+
+    def spy(calibrator):
+        real(calibrator)
+        threads.append(calibrator.infer_session.get_session_options().intra_op_num_threads)
+
+    monkeypatch.setattr(ort_backend, "_within_task_cpus", spy)
+    _quantize(mobile, f"cpus_{task_cpus}.onnx", "--calibration-size", "12", "--method", "minmax")
+    assert threads and all(count == (1 if task_cpus else 0) for count in threads)  # 0: onnxruntime's default, every core
 
 
 def test_onnxruntime_s_clipped_biases_are_a_note_not_log_lines(tmp_path):

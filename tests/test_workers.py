@@ -6,8 +6,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,8 +20,10 @@ from synthetic import colours_npz, colours_project, invoke, one_line_error
 from ptq_cli import settings
 from ptq_cli.errors import PtqError
 from ptq_cli.services import executor as executor_service
+from ptq_cli.services.study import candidates
 
 ray = pytest.importorskip("ray")  # installed by `make install` (the ray extra)
+ray_version = ray.__version__
 
 # A calibration set drawn by `ptq calibrate` (10 a class) and 20 validation images a class from the rest of the training images.
 TUNE = ("tune", "--model", "models/m.onnx", "--data", "colours.npz", "--calibration", "cal.npz", "--validation-per-class", "20",
@@ -63,13 +69,19 @@ def test_tune_on_ray_chooses_what_it_chooses_here_and_writes_the_same_bytes(proj
         assert (project / "models" / f"w{workers}.onnx").read_bytes() == (project / "models" / "here.onnx").read_bytes(), workers
 
 
-def test_no_ray_process_outlives_the_command(project):
-    before = _ray_processes()
-    command = [sys.executable, "-m", "ptq_cli", *TUNE, "--workers", "2", "--output", "models/t.onnx"]
-    finished = subprocess.run(command, cwd=project, capture_output=True, text=True, timeout=600, check=False)
-    assert finished.returncode == 0, finished.stderr
-    assert json.loads(finished.stdout)["chosen"]
-    assert _ray_processes() <= before
+@pytest.mark.parametrize("scratch_path", ["short", "long"])
+def test_no_ray_process_or_file_outlives_the_command(project, tmp_path, scratch_path):
+    """Ray's session and its workers' temporary files go to the command's temporary folder (TMPDIR), or /tmp
+    where that path is too long for Ray's sockets, and go with the command."""
+    before, sessions = _ray_processes(), set(Path("/tmp").glob("ptq-ray-*"))
+    with tempfile.TemporaryDirectory(dir="/tmp" if scratch_path == "short" else tmp_path) as scratch:
+        command = [sys.executable, "-m", "ptq_cli", *TUNE, "--workers", "2", "--output", "models/t.onnx"]
+        finished = subprocess.run(command, cwd=project, capture_output=True, text=True, timeout=600, check=False, env={**os.environ, "TMPDIR": scratch})
+        assert finished.returncode == 0, finished.stderr
+        assert json.loads(finished.stdout)["chosen"]
+        assert _ray_processes() <= before
+        assert [path.name for path in Path(scratch).iterdir() if path.name != ".ses"] == []  # .ses: onnxruntime's, made as it is imported
+    assert set(Path("/tmp").glob("ptq-ray-*")) <= sessions
 
 
 def test_a_worker_killed_mid_task_is_retried_and_the_answer_stands(tmp_path):
@@ -158,3 +170,88 @@ def test_evaluation_in_shards_on_ray_writes_the_record_one_process_writes(projec
         assert _record_figures(there) == _record_figures(here), model
         assert here["images"] == 120 and here["confusion_matrix"]
     assert here["fidelity"] is not None  # the quantized model's fidelity sums, measured in shards too
+
+
+SWEEP = ("sweep", "--model", "models/m.onnx", "--data", "colours.npz", "--calibration", "cal.npz", "--sparsity", "0,0.3,0.6", "--json")
+
+
+def test_sweep_on_ray_makes_the_models_and_the_record_it_makes_here(project):
+    here = json.loads(ok(*SWEEP, "--models-dir", "made", "--results-dir", "here", cwd=project).stdout)
+    assert [point["sparsity"] for point in here["points"]] == [0.0, 0.3, 0.6]
+    assert here["points"][0]["achieved_sparsity"] == 0 and all(point["achieved_sparsity"] > 0.2 for point in here["points"][1:])
+    (project / "made").rename(project / "made_here")  # the models name their source by its path: made in the same folder
+    there = json.loads(ok(*SWEEP, "--models-dir", "made", "--results-dir", "there", "--workers", "2", cwd=project).stdout)
+    assert {**there, "record": None} == {**here, "record": None}
+    made = sorted(path.name for path in (project / "made_here").glob("*.onnx"))
+    assert len(made) == 5 and made == sorted(path.name for path in (project / "made").glob("*.onnx"))  # two pruned, three quantized
+    for name in made:
+        assert (project / "made" / name).read_bytes() == (project / "made_here" / name).read_bytes(), name
+
+
+def test_candidates_scored_on_ray_are_not_scored_again_here(project, monkeypatch):
+    there = json.loads(ok(*TUNE, "--workers", "2", "--output", "models/ray.onnx", "--results-dir", "shared", cwd=project).stdout)
+
+    def scored_again(job, inputs):
+        raise AssertionError(f"scored again: {job}")
+
+    monkeypatch.setattr(candidates, "score_candidate", scored_again)
+    here = json.loads(ok(*TUNE, "--output", "models/here.onnx", "--results-dir", "shared", cwd=project).stdout)
+    assert _figures(here) == _figures(there)
+    assert (project / "models" / "here.onnx").read_bytes() == (project / "models" / "ray.onnx").read_bytes()
+
+
+def test_a_cluster_gone_mid_run_is_said_in_one_line_and_nothing_is_left():
+    before = _ray_processes()
+
+    def kills_the_cluster(item: int, _shared: None) -> int:
+        """The second task kills the instance's head (its GCS and raylet), as a crashed or stopped cluster."""
+        if item == 1:
+            for entry in Path("/proc").iterdir():
+                try:
+                    args = (entry / "cmdline").read_bytes() if entry.name.isdigit() else b""
+                except OSError:
+                    continue
+                if b"gcs_server" in args or b"raylet" in args:
+                    os.kill(int(entry.name), signal.SIGKILL)
+        time.sleep(1)
+        return item
+
+    with pytest.raises(PtqError, match=r"^local Ray instance, 2 workers: its head at \S+ stopped answering .*the cluster is gone, nothing was written$"), \
+            executor_service.executor(executor_service.Workers(2)) as runs:
+        runs.map(kills_the_cluster, [0, 1, 2, 3])
+    assert not ray.is_initialized()
+    assert _ray_processes() <= before
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[str]:
+    """A Ray cluster started apart from ptq (`ray start --head`, 2 CPUs), as a user's is; its address. Without
+    Ray's token authentication, on both sides (a user's cluster gives its token through Ray's own settings)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with tempfile.TemporaryDirectory(prefix="ptq-cluster-", dir="/tmp") as folder, pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAY_AUTH_MODE", "disabled")
+        command = [str(Path(sys.executable).with_name("ray")), "start", "--head", "--port", str(port),
+                   "--num-cpus", "2", "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", folder]
+        started = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+        assert started.returncode == 0, started.stderr[-2000:]
+        try:
+            yield f"{ray.util.get_node_ip_address()}:{port}"  # where Ray listens: the machine's address
+        finally:
+            executor_service._stop_left_over(folder)
+
+
+def test_a_cluster_started_apart_scores_as_this_process_does(project, cluster):
+    here = json.loads(ok("evaluate", "--model", "models/m.onnx", "--data", "colours.npz", "--results-dir", "here", "--json", cwd=project).stdout)
+    there = json.loads(ok("evaluate", "--model", "models/m.onnx", "--data", "colours.npz", "--results-dir", "there", "--json",
+                          "--ray-address", cluster, cwd=project).stdout)
+    assert _record_figures(there) == _record_figures(here)
+    assert not ray.is_initialized()  # disconnected; the cluster stays up, as it was
+
+
+def test_a_cluster_of_another_ray_version_is_said_in_one_line(project, cluster, monkeypatch):
+    monkeypatch.setattr(ray, "__version__", "2.0.0")
+    result = invoke("evaluate", "--model", "models/m.onnx", "--data", "colours.npz", "--ray-address", cluster, cwd=project)
+    one_line_error(result, f"--ray-address {cluster}: Version mismatch: The cluster was started with: Ray: {ray_version}")
+    assert "Ray: 2.0.0" in result.output

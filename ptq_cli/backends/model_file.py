@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ptq_cli import inputs
+from ptq_cli import inputs, settings
 from ptq_cli.errors import PtqError, first_line
 from ptq_cli.guards import bounded
 from ptq_cli.guards.atomic import companions
@@ -146,7 +146,8 @@ def in_fixed_batches(run: Callable[[np.ndarray], np.ndarray], batch: np.ndarray,
 
 
 def default_threads() -> int:
-    return os.cpu_count() or 1
+    """Every core, or the share this process was given (settings.task_cpus)."""
+    return settings.task_cpus() or os.cpu_count() or 1
 
 
 def resolve_threads(threads: int | None) -> int:

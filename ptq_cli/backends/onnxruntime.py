@@ -7,7 +7,6 @@ import hashlib
 import io
 import json
 import logging
-import os
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
@@ -17,7 +16,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ptq_cli import inputs
+from ptq_cli import inputs, settings
 from ptq_cli.backends import base
 from ptq_cli.backends.base import (
     AUTO_METHOD,
@@ -40,6 +39,7 @@ from ptq_cli.backends.base import (
 )
 from ptq_cli.backends.model_file import (
     EXACT_PATH_CONFIG,
+    default_threads,
     describe_input,
     free_batch,
     in_fixed_batches,
@@ -236,12 +236,14 @@ def _in_chunks(reader, fitting: int, extra_options: dict) -> None:
 
 
 # Threads that build histograms, one tensor each: numpy's sort, which dominates, releases the GIL.
-HISTOGRAM_THREADS = min(4, os.cpu_count() or 1)
+MAX_HISTOGRAM_THREADS = 4
 
 
 def _threaded_collector(calibrator, calibrate):
-    """onnxruntime's own histogram collector for `calibrator`, its tensors spread over HISTOGRAM_THREADS: each
-    tensor's histogram is built by the same code from the same data, and the tensors keep their order."""
+    """onnxruntime's own histogram collector for `calibrator`, its tensors spread over the threads ptq may use (at
+    most MAX_HISTOGRAM_THREADS): each tensor's histogram is built by the same code from the same data, and the
+    tensors keep their order."""
+    threads = min(MAX_HISTOGRAM_THREADS, default_threads())
 
     def flat(values):  # onnxruntime stacks a tensor's batches with np.asarray, which fails on batches of unequal sizes
         return np.concatenate([np.ravel(value) for value in values]) if isinstance(values, list) and values else values
@@ -249,7 +251,7 @@ def _threaded_collector(calibrator, calibrate):
     class ThreadedHistogramCollector(calibrate.HistogramCollector):
         def collect(self, name_to_arr):
             order = [*self.histogram_dict, *(name for name in name_to_arr if name not in self.histogram_dict)]
-            with ThreadPoolExecutor(HISTOGRAM_THREADS, thread_name_prefix="ptq-histogram") as pool:
+            with ThreadPoolExecutor(threads, thread_name_prefix="ptq-histogram") as pool:
                 list(pool.map(lambda item: calibrate.HistogramCollector.collect(self, {item[0]: flat(item[1])}), name_to_arr.items()))
             self.histogram_dict = {name: self.histogram_dict[name] for name in order}
 
@@ -277,10 +279,10 @@ def _histograms(reader, chunked: bool):
 
     def seeded(model, op_types, augmented_model_path="augmented_model.onnx", calibrate_method=None, **options):
         calibrator = real(model, op_types, augmented_model_path=augmented_model_path, calibrate_method=calibrate_method, **options)
+        _within_task_cpus(calibrator)
         if not isinstance(calibrator, calibrate.HistogramCalibrater) or calibrator.method == "distribution":
             return calibrator
-        collector = _threaded_collector(calibrator, calibrate)
-        calibrator.collector = collector
+        calibrator.collector = collector = _threaded_collector(calibrator, calibrate)
         if not chunked:
             return calibrator
         ranges = real(model, op_types, augmented_model_path=str(Path(augmented_model_path).with_suffix(".minmax.onnx")),
@@ -309,6 +311,22 @@ def _histograms(reader, chunked: bool):
         yield
     finally:
         setattr(ort_quantize, "create_calibrator", real)  # noqa: B010
+
+
+def _within_task_cpus(calibrator) -> None:
+    """The calibrator's session on the CPUs this process was given, where it was given a share (a Ray task):
+    onnxruntime's own takes every core, and spins on them between runs."""
+    cpus = settings.task_cpus()
+    if cpus is None:
+        return
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # as onnxruntime makes it
+    options.intra_op_num_threads = cpus
+    options.inter_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    calibrator.infer_session = ort.InferenceSession(calibrator.augmented_model_path, sess_options=options, providers=calibrator.execution_providers)
 
 
 def stem_nodes(graph) -> list[str]:

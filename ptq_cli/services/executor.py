@@ -11,11 +11,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import signal
 import socket
+import tempfile
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from ptq_cli import settings
 from ptq_cli.errors import PtqError, first_line
 from ptq_cli.guards.library_noise import native_stderr_silenced
 
@@ -23,8 +29,12 @@ Item = TypeVar("Item")
 Result = TypeVar("Result")
 # (tasks done, tasks in all), after each finished task.
 Done = Callable[[int, int], None]
+# (the item's position, its result), as each task finishes: what is measured is kept even if a later task fails.
+Each = Callable[[int, Any], None]
 
 RETRIES = 2  # a task whose worker died runs again this many times
+TASK_CPUS = 1  # what Ray gives a task, and what the task keeps to
+HEARTBEAT_SECONDS = 2.0  # while no task finishes, the cluster's head is asked this often whether it is there
 # Ray's shared-memory store for what tasks share (the model's bytes, the calibration and validation images):
 # bounded, so that a local instance does not claim a third of the machine's memory as Ray's default does.
 OBJECT_STORE_BYTES = 1 << 30
@@ -54,7 +64,8 @@ HERE = Workers()  # no Ray: every task in this process
 class Executor(Protocol):
     task_threads: int | None  # inference threads a task takes: all of the machine's here, one on a Ray worker (Ray gives a task one CPU)
 
-    def map(self, task: Callable[[Item, Any], Result], items: Sequence[Item], shared: Any = None, done: Done | None = None) -> list[Result]:
+    def map(self, task: Callable[[Item, Any], Result], items: Sequence[Item], shared: Any = None, done: Done | None = None,  # noqa: PLR0913  the work, and who hears of it
+            each: Each | None = None) -> list[Result]:
         """`task(item, shared)` for every item, the results in the items' order."""
         ...
 
@@ -64,10 +75,13 @@ class InProcess:
 
     task_threads: int | None = None
 
-    def map(self, task: Callable[[Item, Any], Result], items: Sequence[Item], shared: Any = None, done: Done | None = None) -> list[Result]:
+    def map(self, task: Callable[[Item, Any], Result], items: Sequence[Item], shared: Any = None, done: Done | None = None,  # noqa: PLR0913  the work, and who hears of it
+            each: Each | None = None) -> list[Result]:
         results = []
         for item in items:
             results.append(task(item, shared))
+            if each:
+                each(len(results) - 1, results[-1])
             if done:
                 done(len(results), len(items))
         return results
@@ -76,25 +90,43 @@ class InProcess:
 class OnRay:
     """Every item a Ray task; results gathered as they finish (each reported to `done`), returned in order."""
 
-    task_threads: int | None = 1
+    task_threads: int | None = TASK_CPUS
 
     def __init__(self, ray: Any, where: str) -> None:
         self.ray, self.where = ray, where
 
-    def map(self, task: Callable[[Item, Any], Result], items: Sequence[Item], shared: Any = None, done: Done | None = None) -> list[Result]:
+    def map(self, task: Callable[[Item, Any], Result], items: Sequence[Item], shared: Any = None, done: Done | None = None,  # noqa: PLR0913  the work, and who hears of it
+            each: Each | None = None) -> list[Result]:
         ray = self.ray
-        remote = ray.remote(max_retries=RETRIES, num_cpus=1)(task)
+        remote = ray.remote(max_retries=RETRIES, num_cpus=TASK_CPUS)(task)
         shared_ref = ray.put(shared)
         pending = {remote.remote(item, shared_ref): index for index, item in enumerate(items)}
         results: dict[int, Result] = {}
         waiting = list(pending)
         while waiting:
-            ready, waiting = ray.wait(waiting, num_returns=1)
+            ready, waiting = self._wait(waiting)
             for ref in ready:
                 results[pending[ref]] = self._get(ref)
+                if each:
+                    each(pending[ref], results[pending[ref]])
                 if done:
                     done(len(results), len(items))
         return [results[index] for index in range(len(items))]
+
+    def _wait(self, waiting: list) -> tuple[list, list]:
+        """(the next finished task, the others). Ray waits on a cluster whose head is gone for a minute, then ends
+        the whole process: the head is asked every HEARTBEAT_SECONDS while nothing finishes."""
+        while True:
+            ready, waiting = self.ray.wait(waiting, num_returns=1, timeout=HEARTBEAT_SECONDS)
+            if ready:
+                return ready, waiting
+            address = self.ray.get_runtime_context().gcs_address
+            host, _, port = address.rpartition(":")
+            try:
+                socket.create_connection((host, int(port)), timeout=CONNECT_SECONDS).close()
+            except OSError as error:
+                raise PtqError(f"{self.where}: its head at {address} stopped answering ({error.strerror or error}); "
+                               "the cluster is gone, nothing was written") from error
 
     def _get(self, ref: Any) -> Any:
         exceptions = self.ray.exceptions
@@ -129,12 +161,45 @@ def executor(workers: Workers) -> Iterator[Executor]:
     if workers.count is not None and workers.count < 1:
         raise PtqError(f"--workers: must be at least 1, got {workers.count}")
     ray = _ray()
-    _start(ray, workers)
+    # A local instance keeps its sockets, logs and spilled objects in a folder of ptq's, removed with it.
+    session = None if workers.address is not None else tempfile.TemporaryDirectory(prefix="ptq-ray-", dir=_session_parent(), ignore_cleanup_errors=True)
     try:
+        _start(ray, workers, session.name if session else None)
         yield OnRay(ray, workers.describe())
     finally:
         with native_stderr_silenced():
             ray.shutdown()
+        if session:
+            _stop_left_over(session.name)
+            session.cleanup()
+
+
+def _stop_left_over(folder: str) -> None:
+    """Stops what is left of a local instance ptq started: the processes with a file open in its session folder
+    (Ray's agents outlive a head that was killed, and ray.shutdown cannot reach them then)."""
+    stopped = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if any(os.readlink(descriptor).startswith(folder + os.sep) for descriptor in (entry / "fd").iterdir()):
+                os.kill(int(entry.name), signal.SIGKILL)
+                stopped.append(entry)
+        except OSError:  # gone meanwhile, or not ours
+            continue
+    deadline = time.monotonic() + CONNECT_SECONDS
+    while any(entry.exists() for entry in stopped) and time.monotonic() < deadline:  # gone when the command returns
+        time.sleep(0.05)
+
+
+# Ray's sockets lie some 75 characters deep in its session folder, and a socket's path holds at most 107.
+SESSION_PARENT_CHARS = 24
+
+
+def _session_parent() -> str | None:
+    """The temporary folder, if short enough for Ray's sockets; else /tmp."""
+    parent = tempfile.gettempdir()
+    return parent if len(parent) <= SESSION_PARENT_CHARS or not Path("/tmp").is_dir() else "/tmp"
 
 
 # Seconds to wait for a cluster's head to answer: Ray itself waits minutes for one that is not there.
@@ -152,17 +217,25 @@ def _check_reachable(address: str) -> None:
         raise PtqError(f"--ray-address {address}: Ray did not start (no cluster answers there: {error.strerror or error})") from error
 
 
-def _start(ray: Any, workers: Workers) -> None:
+def _start(ray: Any, workers: Workers, folder: str | None) -> None:
     # A local instance's workers are this interpreter, with this process's environment: they import ptq_cli as it does.
+    # A task is given one CPU (num_cpus=1) and keeps to it: every thread count ptq and its libraries choose
+    # follows settings.task_cpus, so the tasks Ray puts side by side on a node do not fight for its cores.
+    environment = {settings.TASK_CPUS_ENV: str(TASK_CPUS)}
     options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "logging_level": logging.ERROR}
     if workers.address is not None:
         _check_reachable(workers.address)
         options["address"] = workers.address
     else:
-        options.update(num_cpus=workers.count, object_store_memory=OBJECT_STORE_BYTES)
+        # The workers' own temporary files (a shard's model, kept while the worker lives) go there too.
+        environment["TMPDIR"] = folder or tempfile.gettempdir()
+        options.update(num_cpus=workers.count, object_store_memory=OBJECT_STORE_BYTES, _temp_dir=folder)
+    options["runtime_env"] = {"env_vars": environment}
     try:
         with native_stderr_silenced():
             ray.init(**options)
     except (ConnectionError, RuntimeError, ValueError, TimeoutError) as error:
         where = f"--ray-address {workers.address}" if workers.address is not None else f"--workers {workers.count}"
+        if str(error).startswith("Version mismatch"):  # Ray's message names both sides' versions over several lines
+            raise PtqError(f"{where}: {' '.join(str(error).split())}; install the cluster's Ray and Python here, or ptq's there") from error
         raise PtqError(f"{where}: Ray did not start ({first_line(error)})") from error

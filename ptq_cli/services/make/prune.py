@@ -223,12 +223,13 @@ def refit(original, pruned, images: np.ndarray, weights: set[str]) -> None:
         tensors[weight].CopyFrom(numpy_helper.from_array(_from_rows(refitted, node.op_type, kept.shape).astype(kept.dtype), weight))
 
 
-def prune(model_path: Path, output: Path, settings: PruningSettings, calibration_images: np.ndarray | None = None,
-          stored: dict[str, str] | None = None) -> PruneResult:
+def prune(model_path: Path, output: Path, settings: PruningSettings, calibration_images: np.ndarray | None = None,  # noqa: PLR0913  the model, its pruning and how it is named
+          stored: dict[str, str] | None = None, named: Path | None = None) -> PruneResult:
     """Prune the ONNX model at `model_path` and write it (atomically) to `output`, settings in its metadata.
 
     With settings.reconstruct, `calibration_images` (training images in the model's input format) drive
-    the re-fit. `stored` is metadata to keep in the pruned model (its input contract, its source's sha256)."""
+    the re-fit. `stored` is metadata to keep in the pruned model (its input contract, its source's sha256).
+    `named`: the path the model is known by where `model_path` is a task's copy of it."""
     import onnx
 
     model_path, output = Path(model_path), Path(output)
@@ -246,7 +247,7 @@ def prune(model_path: Path, output: Path, settings: PruningSettings, calibration
         raise PtqError(f"{model_path}: {error}") from error
     metadata = {prop.key: prop.value for prop in model.metadata_props}
     samples = 0 if calibration_images is None or not settings.reconstruct else len(calibration_images)
-    metadata[PRUNING_METADATA_KEY] = json.dumps({**asdict(settings), "reconstruction_samples": samples, "source": str(model_path)})
+    metadata[PRUNING_METADATA_KEY] = json.dumps({**asdict(settings), "reconstruction_samples": samples, "source": str(named or model_path)})
     metadata.update(stored or {})
     onnx.helper.set_model_props(model, metadata)
     with atomic_output(output) as tmp:
@@ -270,8 +271,8 @@ def default_output(model: Path, sparsity: float, scope: str) -> Path:
     return Path(model).with_name(f"{Path(model).stem}_pruned{round(sparsity * 100):02d}{suffix}{Path(model).suffix}")
 
 
-def prune_calibrated(model_path: Path, output: Path, settings: PruningSettings, calibration_images: np.ndarray | None,
-                     flags=None) -> PruneResult:
+def prune_calibrated(model_path: Path, output: Path, settings: PruningSettings, calibration_images: np.ndarray | None,  # noqa: PLR0913  prune's, and the model's preprocessing
+                     flags=None, named: Path | None = None) -> PruneResult:
     """`prune` with the calibration images (uint8 pixels) put in the model's input format, and the model's
     input contract and sha256 kept in the pruned model, so that it evaluates as its source does and its
     delta is taken against it."""
@@ -284,4 +285,4 @@ def prune_calibrated(model_path: Path, output: Path, settings: PruningSettings, 
         raise PtqError(f"{model_path}: already quantized ({loaded.info.dtype}); prune the FP32 model")
     images = None if calibration_images is None or not settings.reconstruct else loaded.prepare(calibration_images)
     stored = {INPUT_METADATA_KEY: loaded.preprocessing.to_json(), SOURCE_METADATA_KEY: loaded.info.sha256}
-    return prune(model_path, output, settings, images, stored)
+    return prune(model_path, output, settings, images, stored, named)

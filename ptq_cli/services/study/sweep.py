@@ -3,27 +3,33 @@
 Every point uses the same calibration set and quantization settings. Each pruned FP32 model is
 evaluated too, so the table separates what pruning alone costs from what quantization adds. The
 compressed size (gzip -9 of the file) is the point of pruning before int8: zeros compress.
+Each point is pruned and quantized as a task of the executor (here, or on Ray), from the model's bytes.
 """
 
 from __future__ import annotations
 
 import gzip
-from dataclasses import replace
+import tempfile
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ptq_cli import backends
 from ptq_cli.datasets import Dataset
 from ptq_cli.errors import PtqError
-from ptq_cli.guards.atomic import check_writable
+from ptq_cli.guards import bounded
+from ptq_cli.guards.atomic import check_outputs, companions, write_bytes
 from ptq_cli.inputs import PreprocessingFlags
+from ptq_cli.services.executor import HERE, Executor, Workers, executor
 from ptq_cli.services.make import prune as prune_service
 from ptq_cli.services.make import quantize as quantize_service
 from ptq_cli.services.make.calibration import CalibrationSet
+from ptq_cli.services.make.quantize import calibration_inputs, load_source, quantize_source, resolve_settings, with_calibration
 from ptq_cli.services.measure import evaluate as evaluate_service
 from ptq_cli.services.measure.sweep_records import SWEEP_DIR, SweepPoint, SweepResult
 from ptq_cli.services.progress import ProgressCallback, Steps
 from ptq_cli.services.quant_settings import describe_quantization
 from ptq_cli.services.records import write_record
+from ptq_cli.services.study.candidates import source_named
 
 
 def parse_sparsities(text: str) -> tuple[float, ...]:
@@ -46,17 +52,70 @@ def gzip_size(path: Path) -> int:
 class _Accuracies:
     """Top-1 of each model file on the dataset, each evaluated once."""
 
-    def __init__(self, dataset: Dataset, flags: PreprocessingFlags | None) -> None:
-        self.dataset, self.flags = dataset, flags
+    def __init__(self, dataset: Dataset, flags: PreprocessingFlags | None, runs: Executor | None) -> None:
+        self.dataset, self.flags, self.runs = dataset, flags, runs
         self.evaluations: dict[Path, evaluate_service.EvaluationRecord] = {}
 
     def __call__(self, path: Path) -> float:
         if path not in self.evaluations:
-            self.evaluations[path] = evaluate_service.evaluate_model(path, self.dataset, flags=self.flags)
+            self.evaluations[path] = evaluate_service.evaluate_model(path, self.dataset, flags=self.flags, runs=self.runs)
         measured = self.evaluations[path].accuracy
         if measured is None:
             raise PtqError(f"{self.dataset.root}: its labels are not the classes of {path}; the sweep compares top-1, which needs them")
         return measured
+
+
+@dataclass(frozen=True)
+class PointInputs:
+    """What every point's task reads, sent once: the FP32 model by content, and how each point is made."""
+
+    files: tuple[tuple[str, bytes], ...]  # (file name, bytes): the model first, then the files that stand with it
+    model_path: Path  # the user's model, as the made models name their source
+    models_dir: Path
+    pruning: prune_service.PruningSettings  # its sparsity replaced by each point's
+    quantization: quantize_service.QuantizationSettings
+    calibration: CalibrationSet
+    flags: PreprocessingFlags | None
+
+    def fp32_output(self, sparsity: float) -> Path:
+        """The point's FP32 model: the source itself at sparsity 0, else its pruned copy."""
+        return self.model_path if sparsity == 0 else Path(self.models_dir) / prune_service.default_output(self.model_path, sparsity, self.pruning.scope).name
+
+    def int8_output(self, sparsity: float) -> Path:
+        fp32 = self.fp32_output(sparsity)
+        return Path(self.models_dir) / f"{fp32.stem}_{self.quantization.dtype}{fp32.suffix}"
+
+
+@dataclass(frozen=True)
+class MadePoint:
+    """A point's models, made by a task: the pruned FP32 model (None at sparsity 0) and the quantized one."""
+
+    sparsity: float
+    achieved_sparsity: float
+    fp32_bytes: bytes | None
+    int8_bytes: bytes
+
+
+def make_point(sparsity: float, inputs: PointInputs) -> MadePoint:
+    """One point, a task: prune (above sparsity 0), then quantize, in a folder of its own; the files are
+    returned, not written, so the driver alone writes what the user sees."""
+    with tempfile.TemporaryDirectory(prefix="ptq-sweep-") as workdir:
+        folder = Path(workdir)
+        for name, data in inputs.files:
+            (folder / name).write_bytes(data)
+        fp32_path, achieved = folder / inputs.files[0][0], 0.0
+        if sparsity > 0:
+            pruned = folder / inputs.fp32_output(sparsity).name
+            achieved = prune_service.prune_calibrated(fp32_path, pruned, replace(inputs.pruning, sparsity=sparsity), inputs.calibration.images,
+                                                      inputs.flags, named=inputs.model_path).pruned_sparsity
+            fp32_path = pruned
+        source = source_named(load_source(fp32_path, inputs.flags or PreprocessingFlags(), inputs.quantization.per_channel is not False),
+                              inputs.fp32_output(sparsity))
+        prepared = calibration_inputs(source, inputs.calibration)
+        settings = with_calibration(resolve_settings(source, inputs.quantization, prepared), inputs.calibration)
+        quantized = folder / "quantized.onnx"
+        quantize_source(source, quantized, settings, inputs.calibration, prepared=prepared)
+        return MadePoint(sparsity, achieved, fp32_path.read_bytes() if sparsity > 0 else None, quantized.read_bytes())
 
 
 def sweep(  # noqa: PLR0913,PLR0917  the options of `ptq sweep`, one each
@@ -70,34 +129,36 @@ def sweep(  # noqa: PLR0913,PLR0917  the options of `ptq sweep`, one each
     pruning: prune_service.PruningSettings | None = None,
     progress: ProgressCallback | None = None,
     flags: PreprocessingFlags | None = None,
+    workers: Workers = HERE,
 ) -> SweepResult:
-    """`pruning` gives the scope, exclusions and re-fit; its sparsity is replaced by each of `sparsities`."""
-    pruning = pruning or prune_service.make_settings(0.0)
+    """`pruning` gives the scope, exclusions and re-fit; its sparsity is replaced by each of `sparsities`. The
+    points are made by `workers` (here, or as tasks on Ray), and each model is evaluated there in shards."""
     model_path = Path(model_path)
     if quantization.backend != backends.DEFAULT:
         raise PtqError(f"--backend: the sweep quantizes with {backends.DEFAULT} (pruned ONNX models in, ONNX out)")
-    record = Path(results_dir) / SWEEP_DIR / f"{model_path.stem}_{quantization.dtype}_{pruning.scope}.json"
-    check_writable(record)
-    accuracy = _Accuracies(dataset, flags)
-    points = []
-    step = Steps(2 * len(sparsities) + sum(1 for value in sparsities if value > 0), progress)
-    reference = accuracy(model_path)
-
-    for sparsity in sparsities:
-        fp32 = model_path
-        achieved = 0.0
-        if sparsity > 0:
-            fp32 = Path(models_dir) / prune_service.default_output(model_path, sparsity, pruning.scope).name
-            achieved = prune_service.prune_calibrated(model_path, fp32, replace(pruning, sparsity=sparsity), calibration.images, flags).pruned_sparsity
+    inputs = PointInputs(tuple((path.name, bounded.read_bytes(path)) for path in companions(model_path)), model_path, Path(models_dir),
+                         pruning or prune_service.make_settings(0.0), quantization, calibration, flags)
+    record = Path(results_dir) / SWEEP_DIR / f"{model_path.stem}_{quantization.dtype}_{inputs.pruning.scope}.json"
+    outputs: list[tuple[str, Path | None, tuple[str, ...]]] = [("--results-dir", record, (".json",))]
+    outputs += [("--models-dir", path, (".onnx",)) for sparsity in sparsities for path in (inputs.fp32_output(sparsity), inputs.int8_output(sparsity))
+                if path != model_path]
+    check_outputs(outputs, [model_path])
+    step = Steps(2 * len(sparsities), progress)
+    with executor(workers) as runs:
+        made = runs.map(make_point, sparsities, inputs, done=lambda *_: step())
+        accuracy = _Accuracies(dataset, flags, runs if workers.on_ray else None)
+        reference = accuracy(model_path)
+        points = []
+        for point in made:
+            fp32, quantized = inputs.fp32_output(point.sparsity), inputs.int8_output(point.sparsity)
+            if point.fp32_bytes is not None:
+                write_bytes(fp32, point.fp32_bytes)
+            write_bytes(quantized, point.int8_bytes)
+            points.append(_point(point.sparsity, point.achieved_sparsity, fp32, accuracy(fp32), quantized, accuracy(quantized), reference))
             step()
-        quantized = Path(models_dir) / f"{fp32.stem}_{quantization.dtype}{fp32.suffix}"
-        quantize_service.quantize(fp32, quantized, quantization, calibration, flags)
-        step()
-        points.append(_point(sparsity, achieved, fp32, accuracy(fp32), quantized, accuracy(quantized), reference))
-        step()
     result = SweepResult(
-        source=str(model_path), dtype=quantization.dtype, scope=pruning.scope, exclude_first=pruning.exclude_first,
-        exclude_classifier=pruning.exclude_classifier, reconstruct=pruning.reconstruct,
+        source=str(model_path), dtype=quantization.dtype, scope=inputs.pruning.scope, exclude_first=inputs.pruning.exclude_first,
+        exclude_classifier=inputs.pruning.exclude_classifier, reconstruct=inputs.pruning.reconstruct,
         quantization=describe_quantization(quantization.as_dict() | {"calibration_samples": len(calibration.labels)}),
         points=points, record=str(record), fp32_accuracy=reference, dataset=str(dataset.root),
     )

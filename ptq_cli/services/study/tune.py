@@ -36,7 +36,7 @@ from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressCallback, Steps
 from ptq_cli.services.quant_settings import QuantizationSettings, check_stem, describe_quantization, make_settings
 from ptq_cli.services.records import model_key, write_record
-from ptq_cli.services.study.candidates import CandidateInputs, inputs_for, score_candidate
+from ptq_cli.services.study.candidates import CANDIDATES_DIR, CandidateInputs, ScoreStore, inputs_for, score_candidates
 from ptq_cli.services.study.sensitivity import layer_sensitivity, quantizable_layers
 from ptq_cli.services.study.validation import ValidationSet, labels_from_fp32, score
 from ptq_cli.transforms.graph import preprocessed
@@ -148,6 +148,7 @@ class _Search:
     step: Callable[[], None]
     executor: Executor
     inputs: CandidateInputs
+    store: ScoreStore | None  # the candidates scored before, by what they measured
     calibration_sets: dict[int, CalibrationSet] = field(default_factory=dict)
     subsets: dict[int, int | None] = field(default_factory=dict)  # calibration samples -> per class (None: the whole set)
     prepared: dict[int, Any] = field(default_factory=dict)
@@ -175,7 +176,7 @@ class _Search:
         if samples not in self.prepared:
             self.prepared[samples] = calibration_inputs(self.source, calibration_set)
         resolved = [resolve_settings(self.source, with_calibration(settings, calibration_set), self.prepared[samples]) for settings in grid]
-        scored = self.executor.map(score_candidate, [(settings, per_class) for settings in resolved], self.inputs, done=lambda *_: self.step())
+        scored = score_candidates(self.executor, [(settings, per_class) for settings in resolved], self.inputs, self.store, done=lambda *_: self.step())
         made = [self._candidate(stage, settings, size, quantized, quantized_size) for settings, (size, quantized) in zip(resolved, scored, strict=True)]
         self.candidates += made
         return made
@@ -282,7 +283,8 @@ def tune(  # noqa: PLR0913,PLR0917  the options of `ptq tune`, one each
         inputs = inputs_for(source, flags, calibration, validation, runs.task_threads)
         layers, float_steps = _float_layers(row.quantizes, source.model, Path(workdir), max_float_layers)
         search = _Search(source, validation, fp32, model_path.stat().st_size, max_drop,
-                         Steps(len(grid) + len(subsets) + max_float_layers + float_steps, progress), runs, inputs)
+                         Steps(len(grid) + len(subsets) + max_float_layers + float_steps, progress), runs, inputs,
+                         ScoreStore.for_search(record.parent / CANDIDATES_DIR, inputs))
         search.stages(grid, subsets, row.quantizes, layers, max_float_layers, flags)
         chosen, met_budget, reason = choose(search.candidates, max_drop)
         validation_summary = {**validation.describe(), "accuracy": chosen.validation_accuracy, "fp32_accuracy": fp32.accuracy}
