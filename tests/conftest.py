@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -14,8 +15,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-# The decoded-CIFAR cache of this test session, apart from the user's (~/.cache/ptq).
-os.environ.setdefault("PTQ_CACHE_DIR", tempfile.mkdtemp(prefix="ptq-test-cache-"))
+# The decoded-CIFAR cache of this test session, apart from the user's (~/.cache/ptq), removed when the session ends.
+if "PTQ_CACHE_DIR" not in os.environ:
+    os.environ["PTQ_CACHE_DIR"] = tempfile.mkdtemp(prefix="ptq-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["PTQ_CACHE_DIR"], ignore_errors=True)
 # quantize's second quantization (what portability costs, on VNNI CPUs only) would make the suite slower on those
 # CPUs than on others: off unless a test asks for it (--portability-cost).
 os.environ.setdefault("PTQ_PORTABILITY_COST", "0")
