@@ -455,7 +455,7 @@ CalibrationFile = Annotated[
     typer.Option(help=f"Calibration set from `ptq calibrate`, the same for every model made. (default: {settings.CALIBRATION_FILE} if it was drawn from the same dataset, else built with the calibrate defaults)", show_default=False),
 ]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout (for scripts) instead of tables.")]
-WorkersOption = Annotated[int | None, typer.Option(min=1, help="Run the independent work (each candidate, layer or sweep point; evaluate: shards of the split) as tasks on a local Ray instance of this many workers, started and stopped by ptq (the ray extra). (default: one after another in this process; Ray is not imported)", show_default=False, rich_help_panel="Workers")]
+WorkersOption = Annotated[int | None, typer.Option(min=1, help="Run the independent work (each candidate, layer, sweep point or stage of ptq run; evaluate: shards of the split) as tasks on a local Ray instance of this many workers, started and stopped by ptq (the ray extra). (default: one after another in this process; Ray is not imported)", show_default=False, rich_help_panel="Workers")]
 RayAddressOption = Annotated[str | None, typer.Option(help="Run the tasks on the Ray cluster at this address (e.g. 10.0.0.5:6379 or auto) instead of a local instance; every node needs ptq installed.", show_default=False, rich_help_panel="Workers")]
 
 
@@ -955,6 +955,8 @@ def run_pipeline(
     emulated_images: Annotated[int, typer.Option(min=10, help="On a CPU with VNNI: images (the first of each class) of the test split scored under emulation of an AVX2 CPU, for each 8-bit model whose saturating path is not proven equal; about 100 images/s on ResNet8.")] = pipeline_service.RUN_EMULATED_IMAGES,
     choice: DataChoice = NO_CHOICE,
     as_json: JsonFlag = False,
+    workers: WorkersOption = None,
+    ray_address: RayAddressOption = None,
 ) -> None:
     """The whole study: convert, calibrate, quantize (int8, uint8, speed, PyTorch), evaluate, benchmark, report.
 
@@ -962,14 +964,17 @@ def run_pipeline(
     results/manifest.json by the run that made them. The manifest also keeps the tool and library
     versions, the seed and each stage's command and wall time. Outputs go to models/, calibration/,
     results/ and reports/ under the current directory. `ptq run --model yours.onnx --data DIR` runs it on
-    your model and images.
+    your model and images. With --workers or --ray-address, the stages that do not read each other's files
+    (the quantizations; the evaluations) run side by side as tasks, each on one CPU; the benchmark and the
+    report run alone. On a cluster, the run's folder must be on a filesystem every node shares.
     """
+    where = _workers(workers, ray_address)
     options = pipeline_service.StudyOptions(
         keras_model=keras, data_dir=choice.data, model=model,
         calibration_data=choice.calibration_data, flags=choice.flags, samples_per_class=samples_per_class, calibration_size=choice.calibration_size,
         without=frozenset(name for name, wanted in ((pipeline_service.PYTORCH, pytorch), (pipeline_service.OPENVINO, openvino),
                                                     (pipeline_service.LITERT, litert)) if not wanted),
-        seed=seed, benchmark=benchmark, benchmark_runs=runs, threads=threads, force=force, emulated_images=emulated_images,
+        seed=seed, benchmark=benchmark, benchmark_runs=runs, threads=threads, force=force, emulated_images=emulated_images, workers=where,
     )
     columns = (SpinnerColumn(finished_text="[green]✓[/green]"), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, console=err, disable=not err.is_terminal) as display:

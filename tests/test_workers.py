@@ -255,3 +255,34 @@ def test_a_cluster_of_another_ray_version_is_said_in_one_line(project, cluster, 
     result = invoke("evaluate", "--model", "models/m.onnx", "--data", "colours.npz", "--ray-address", cluster, cwd=project)
     one_line_error(result, f"--ray-address {cluster}: Version mismatch: The cluster was started with: Ray: {ray_version}")
     assert "Ray: 2.0.0" in result.output
+
+
+def _measured(results: Path) -> dict[tuple, tuple]:
+    """(model file, runtime, precision, int8 path) -> (model sha256, top-1, images, fidelity) of each evaluation record."""
+    from ptq_cli.services.measure import evaluate as evaluate_service
+    from ptq_cli.services.records import record_files
+
+    records = [evaluate_service.read_record(path) for path in record_files(results)]
+    return {(record.name, record.runtime, record.precision, record.int8_path): (record.model_sha256, record.accuracy, record.images, record.fidelity)
+            for record in records}
+
+
+def test_the_study_s_independent_stages_on_ray_make_what_they_make_here(tmp_path, monkeypatch):
+    monkeypatch.setenv(settings.CACHE_ENV, str(tmp_path / "cache"))
+    study = ("run", "--model", "models/m.onnx", "--data", "colours.npz", "--no-pytorch", "--no-openvino", "--runs", "2", "--json")
+    projects = {}
+    for name, extra in (("here", ()), ("there", ("--workers", "2"))):
+        (tmp_path / name).mkdir()
+        projects[name] = colours_project(tmp_path / name)
+        result = ok(*study, *extra, cwd=projects[name])
+        assert len(json.loads(result.stdout)["stages"]) >= 8
+    here, there = projects["here"], projects["there"]
+    models = sorted(path.name for path in (here / "models").glob("*.onnx"))
+    assert len(models) == 4 and models == sorted(path.name for path in (there / "models").glob("*.onnx"))
+    for name in models:
+        assert (there / "models" / name).read_bytes() == (here / "models" / name).read_bytes(), name
+    assert _measured(there / "results") == _measured(here / "results") and len(_measured(here / "results")) >= 4
+    manifest = json.loads((there / "results" / "manifest.json").read_text())
+    assert [stage["command"] for stage in manifest["stages"]] == [stage["command"] for stage in json.loads((here / "results" / "manifest.json").read_text())["stages"]]
+    again = json.loads(ok(*study, "--workers", "2", cwd=there).stdout)  # up to date: nothing runs again
+    assert not any(stage["ran"] for stage in again["stages"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import shlex
 import sys
@@ -32,6 +33,7 @@ from ptq_cli.guards.atomic import check_folder_writable, check_outside, check_wr
 from ptq_cli.inputs import PreprocessingFlags
 from ptq_cli.services import models as models_service
 from ptq_cli.services import quant_settings
+from ptq_cli.services.executor import HERE, Executor, Workers, executor
 from ptq_cli.services.make import calibration as calibration_service
 from ptq_cli.services.make import quantize as quantize_service
 from ptq_cli.services.measure import evaluate as evaluate_service
@@ -79,6 +81,7 @@ class StudyOptions:
     markdown: Path = settings.MARKDOWN_REPORT
     force: bool = False
     emulated_images: int = RUN_EMULATED_IMAGES  # on a VNNI CPU: images scored under emulation of the saturating path, per model
+    workers: Workers = HERE  # where the independent stages run: one after another here, or side by side as tasks on Ray
 
     def uses(self, backend: str) -> bool:
         return backend not in self.without and backends.backend(backend).available()
@@ -458,16 +461,25 @@ def _written(result: Any) -> tuple[Path, ...]:
 def _run_stage(stage: Stage, entry: dict | None, hashes: _Hashes, run: _Run) -> tuple[StageOutcome, dict | None]:
     """(what the stage did, its new manifest entry if it ran): its command run unless up to date (always with --force)."""
     started = time.perf_counter()
+    inputs, ran = _to_run(stage, entry, hashes, run)
+    return _finished(stage, entry, hashes, run, (inputs, ran, _written(run.command(stage.command, stage.arguments)) if ran else (), started))
+
+
+def _to_run(stage: Stage, entry: dict | None, hashes: _Hashes, run: _Run) -> tuple[dict[str, str], bool]:
+    """(the stage's inputs by sha256, whether it must run)."""
     _check_inputs(stage)
     read = [Path(path) for name in stage.reads_written_by for path in run.written.get(name, {})]
     inputs = {str(path): hashes(path) for path in (*stage.inputs, *read)}
     inputs.update({f"{dataset.root} ({split})": hashes.content_key(dataset, split) for dataset, split in stage.data_inputs})
-    ran = run.force or not _up_to_date(entry, stage, inputs, hashes)
+    return inputs, run.force or not _up_to_date(entry, stage, inputs, hashes)
+
+
+def _finished(stage: Stage, entry: dict | None, hashes: _Hashes, run: _Run,
+              done: tuple[dict[str, str], bool, tuple[Path, ...], float]) -> tuple[StageOutcome, dict | None]:
+    """The outcome and manifest entry of a stage `done`: (its inputs, whether it ran, the files it wrote, when it started)."""
+    inputs, ran, made, started = done
     written = dict.fromkeys(map(str, stage.outputs))
-    if ran:
-        written.update(dict.fromkeys(map(str, _written(run.command(stage.command, stage.arguments)))))
-    else:
-        written.update(dict.fromkeys((entry or {}).get("outputs", {})))
+    written.update(dict.fromkeys(map(str, made)) if ran else dict.fromkeys((entry or {}).get("outputs", {})))
     outputs = {path: hashes(Path(path)) for path in written}
     run.written[stage.name] = outputs
     outcome = StageOutcome(stage.name, stage.command_line, ran, round(time.perf_counter() - started, 3), inputs, outputs)
@@ -484,6 +496,65 @@ class _Run:
     command: RunCommand
     force: bool
     written: dict[str, dict[str, str]] = field(default_factory=dict)  # stage name -> path -> sha256
+
+
+# Stages that run in the driver alone, never beside another: timings (the benchmark), and the report, which reads every record.
+DRIVER_STAGES = ("benchmark", "report")
+
+
+def _wave(stages: list[Stage], first: int, sources: int) -> list[int]:
+    """The stages from `first` on that can run side by side: none reads what another writes, none is the
+    benchmark or the report, and none crosses from the source stages to those that need the FP32 model."""
+    wave = [first]
+    end = sources if first < sources else len(stages)
+    while stages[first].command not in DRIVER_STAGES and first + len(wave) < end:
+        candidate = stages[first + len(wave)]
+        made = {path for position in wave for path in stages[position].outputs}
+        if candidate.command in DRIVER_STAGES or made & set(candidate.inputs) or {stages[position].name for position in wave} & set(candidate.reads_written_by):
+            break
+        wave.append(first + len(wave))
+    return wave
+
+
+@dataclass(frozen=True)
+class _StageTask:
+    command: str
+    arguments: tuple[str, ...]
+    folder: str  # the run's folder: the stage's relative paths are from there
+
+
+def run_stage_task(task: _StageTask, run_command: RunCommand) -> tuple[tuple[str, ...], float]:
+    """One stage as a task, on a worker of the machine (or of a cluster that shares the run's folder): its
+    command run in the run's folder, as in the driver; (the files it wrote, its seconds). The command writes
+    its files as every ptq command does, each to a temporary file renamed when whole."""
+    if not Path(task.folder).is_dir():
+        raise PtqError(f"{task.folder}: not on the worker's machine ({platform.node()}); on a cluster, ptq run needs its folder "
+                       "on a filesystem every node shares")
+    began, before = time.perf_counter(), Path.cwd()
+    os.chdir(task.folder)
+    try:
+        return tuple(str(path) for path in _written(run_command(task.command, task.arguments))), time.perf_counter() - began
+    finally:
+        os.chdir(before)
+
+
+def _run_wave(wave: list[Stage], entries: dict[str, dict], hashes: _Hashes, run: _Run, runs: Executor) -> list[tuple[StageOutcome, dict | None]]:
+    """The stages of a wave: those not up to date run side by side as tasks, then each is finished in order."""
+    started = time.perf_counter()
+    planned = [_to_run(stage, entries.get(stage.name), hashes, run) for stage in wave]
+    running = [stage for stage, (_, ran) in zip(wave, planned, strict=True) if ran]
+    results = dict(zip((stage.name for stage in running),
+                       runs.map(run_stage_task, [_StageTask(stage.command, stage.arguments, str(Path.cwd())) for stage in running], run.command),
+                       strict=True))
+    done = []
+    for stage, (inputs, ran) in zip(wave, planned, strict=True):
+        made, seconds = results.get(stage.name, ((), 0.0))
+        outcome, entry = _finished(stage, entries.get(stage.name), hashes, run, (inputs, ran, tuple(map(Path, made)), started))
+        if ran:  # its own time, not the wave's
+            outcome = replace(outcome, seconds=round(seconds, 3))
+            entry = {**(entry or {}), "seconds": outcome.seconds}
+        done.append((outcome, entry))
+    return done
 
 
 def run(
@@ -508,18 +579,24 @@ def run(
         check_writable(path)  # a read-only directory fails now, not after minutes of work
     check_folder_writable(options.results_dir)
     hashes, outcomes, shared = _Hashes(), [], _Run(run_command, options.force)
-    for index in range(len(stages)):
-        if index == sources:  # the FP32 model exists now: what each model is measured against is known
-            stages = _stages(replace(study, against=_against(study)))
-        stage = stages[index]
-        if on_stage:
-            on_stage(index, len(stages), stage, None)
-        outcome, entry = _run_stage(stage, entries.get(stage.name), hashes, shared)
-        if entry is not None:
-            entries[stage.name] = entry
-        outcomes.append(outcome)
-        if on_stage:
-            on_stage(index, len(stages), stage, outcome)
+    with executor(options.workers) as runs:
+        index = 0
+        while index < len(stages):
+            if index == sources:  # the FP32 model exists now: what each model is measured against is known
+                stages = _stages(replace(study, against=_against(study)))
+            wave = _wave(stages, index, sources) if options.workers.on_ray else [index]
+            for position in wave:
+                if on_stage:
+                    on_stage(position, len(stages), stages[position], None)
+            done = _run_wave([stages[position] for position in wave], entries, hashes, shared, runs) if len(wave) > 1 else \
+                [_run_stage(stages[index], entries.get(stages[index].name), hashes, shared)]
+            for position, (outcome, entry) in zip(wave, done, strict=True):
+                if entry is not None:
+                    entries[outcome.name] = entry
+                outcomes.append(outcome)
+                if on_stage:
+                    on_stage(position, len(stages), stages[position], outcome)
+            index += len(wave)
     wall = round(time.perf_counter() - began, 3)
     written = any(outcome.ran for outcome in outcomes)
     if written:
