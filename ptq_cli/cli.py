@@ -964,18 +964,16 @@ def run_pipeline(
     results/manifest.json by the run that made them. The manifest also keeps the tool and library
     versions, the seed and each stage's command and wall time. Outputs go to models/, calibration/,
     results/ and reports/ under the current directory. `ptq run --model yours.onnx --data DIR` runs it on
-    your model and images. With --workers or --ray-address, the stages that do not read each other's files
-    (the quantizations; the evaluations) run side by side as tasks, each on one CPU; the benchmark and the
-    report run alone. On a cluster, the run's folder must be on a filesystem every node shares.
+    your model and images. With --workers or --ray-address, the stages that do not read each other's files run
+    side by side as tasks, one CPU each (the benchmark and the report alone); a cluster must share the run's folder.
     """
-    where = _workers(workers, ray_address)
     options = pipeline_service.StudyOptions(
         keras_model=keras, data_dir=choice.data, model=model,
         calibration_data=choice.calibration_data, flags=choice.flags, samples_per_class=samples_per_class, calibration_size=choice.calibration_size,
         without=frozenset(name for name, wanted in ((pipeline_service.PYTORCH, pytorch), (pipeline_service.OPENVINO, openvino),
                                                     (pipeline_service.LITERT, litert)) if not wanted),
-        seed=seed, benchmark=benchmark, benchmark_runs=runs, threads=threads, force=force, emulated_images=emulated_images, workers=where,
-    )
+        seed=seed, benchmark=benchmark, benchmark_runs=runs, threads=threads, force=force, emulated_images=emulated_images,
+        workers=_workers(workers, ray_address))
     columns = (SpinnerColumn(finished_text="[green]✓[/green]"), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, console=err, disable=not err.is_terminal) as display:
         tasks: dict[int, Any] = {}
