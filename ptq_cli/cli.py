@@ -721,7 +721,8 @@ def sensitivity(
     quantization: QuantizationSettings = NO_QUANTIZATION,
     calibration: CalibrationFile = None,
     validation_per_class: ValidationPerClass = settings.VALIDATION_PER_CLASS,
-    results_dir: Annotated[Path, typer.Option(help="The record goes to RESULTS_DIR/sensitivity/<model>_<dtype>.json.")] = settings.RESULTS_DIR,
+    results_dir: Annotated[Path, typer.Option(help="The record goes to RESULTS_DIR/sensitivity/<model>_<dtype>.json; each layer's scores to "
+                                                   "RESULTS_DIR/tuning/candidates, shared with `ptq tune` (a layer scored before is not scored again).")] = settings.RESULTS_DIR,
     choice: DataChoice = NO_CHOICE,
     workers: WorkersOption = None,
     ray_address: RayAddressOption = None,
@@ -736,7 +737,7 @@ def sensitivity(
     where = _workers(workers, ray_address)
     calibration_set, validation_set = _calibration_and_validation(calibration, choice, model, validation_per_class)
     with _progress_bar(f"Quantizing one layer at a time ({where.describe()})", lines=True) as progress:
-        result = sensitivity_service.sensitivity(model, quantization, calibration_set, validation_set, progress, choice.flags, where)
+        result = sensitivity_service.sensitivity(model, quantization, calibration_set, validation_set, progress, choice.flags, where, results_dir)
     record_file = sensitivity_service.save_result(result, results_dir)
     _emit(as_json, result, render.sensitivity(result, record_file))
 

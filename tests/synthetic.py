@@ -131,6 +131,17 @@ def colours_project(root: Path) -> Path:
     return root
 
 
+def calibrated_colours_project(root: Path) -> Path:
+    """colours_project in root/study, with 40 images a class in colours.npz and cal.npz drawn from them by
+    `ptq calibrate` (10 a class): what tune, sensitivity and sweep read."""
+    (root / "study").mkdir()
+    project = colours_project(root / "study")
+    colours_npz(project / "colours.npz", per_class=40)
+    result = invoke("calibrate", "--data", "colours.npz", "--samples-per-class", "10", "--output", "cal.npz", cwd=project)
+    assert result.exit_code == 0, result.output
+    return project
+
+
 def depthwise_classifier(path: Path, size: int = 224, classes: int = 1000, seed: int = 0) -> Path:
     """A 224x224 stand-in for a mobile ImageNet classifier: stem Conv 3->8 (stride 4) -> Clip(0, 6) ->
     depthwise 3x3 Conv (one group per channel) -> Clip(0, 6) -> pointwise Conv 8->16 -> global mean ->

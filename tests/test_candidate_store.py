@@ -1,5 +1,6 @@
-"""Tune's candidates are scored once (issue 38): their scores are kept in the results folder by what they
-measured, so a search run again, or cut short and run again, scores only what it has not scored."""
+"""Candidates are measured once (issue 38): tune's and sensitivity's scores, and sweep's points and top-1s, are
+kept in the results folder by what they measured, so a search run again, or cut short and run again, measures
+only what it has not measured."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ import json
 from pathlib import Path
 
 import pytest
-from synthetic import colours_npz, colours_project, invoke
+from synthetic import calibrated_colours_project, invoke
 
 from ptq_cli import settings
-from ptq_cli.services.study import candidates
-from ptq_cli.services.study.tune import TUNING_DIR
+from ptq_cli.services.measure import evaluate as evaluate_service
+from ptq_cli.services.study import candidates, sweep
+from ptq_cli.services.study.candidates import TUNING_DIR
 
 TUNE = ("tune", "--model", "models/m.onnx", "--data", "colours.npz", "--calibration", "cal.npz", "--validation-per-class", "20",
         "--max-float-layers", "1", "--json")
@@ -20,11 +22,7 @@ TUNE = ("tune", "--model", "models/m.onnx", "--data", "colours.npz", "--calibrat
 @pytest.fixture
 def project(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv(settings.CACHE_ENV, str(tmp_path / "cache"))
-    (tmp_path / "study").mkdir()
-    project = colours_project(tmp_path / "study")
-    colours_npz(project / "colours.npz", per_class=40)
-    assert invoke("calibrate", "--data", "colours.npz", "--samples-per-class", "10", "--output", "cal.npz", cwd=project).exit_code == 0
-    return project
+    return calibrated_colours_project(tmp_path)
 
 
 @pytest.fixture
@@ -53,7 +51,7 @@ def figures(result: dict) -> list:
 def test_a_search_run_again_scores_nothing_again_and_decides_the_same(project, scored):
     code, output, first = tune(project, "--output", "models/a.onnx")
     assert code == 0, output
-    assert first and len(scored) == len(first["candidates"]) >= 4
+    assert first and len(scored) > len(first["candidates"]) >= 4  # and the layers of the float stage's sensitivity
     stored = list((project / settings.RESULTS_DIR / TUNING_DIR / candidates.CANDIDATES_DIR).glob("*.npz"))
     assert len(stored) == len(scored)
     scored.clear()
@@ -106,3 +104,56 @@ def test_a_search_cut_short_scores_only_what_is_left_when_run_again(project, sco
     assert code == 0, output
     assert len(scored) == total - 2
     assert (project / "models" / "cut.onnx").read_bytes() == (project / "models" / "whole.onnx").read_bytes()
+
+
+SENSITIVITY = ("sensitivity", "--model", "models/m.onnx", "--data", "colours.npz", "--calibration", "cal.npz", "--validation-per-class", "20", "--json")
+
+
+def test_sensitivity_run_again_scores_no_layer_again_and_ranks_the_same(project, scored):
+    first = json.loads(invoke(*SENSITIVITY, cwd=project).stdout)
+    assert len(scored) == len(first["layers"]) >= 1
+    scored.clear()
+    again = json.loads(invoke(*SENSITIVITY, cwd=project).stdout)
+    assert scored == [] and again["layers"] == first["layers"]
+    scored.clear()
+    other = json.loads(invoke(*SENSITIVITY, "--validation-per-class", "15", cwd=project).stdout)
+    assert len(scored) == len(other["layers"])  # other validation images: other scores
+
+
+SWEEP = ("sweep", "--model", "models/m.onnx", "--data", "colours.npz", "--calibration", "cal.npz", "--sparsity", "0,0.3,0.6", "--json")
+
+
+@pytest.fixture
+def made(monkeypatch) -> list:
+    """The sparsities of the sweep points made from now on, and the models evaluated (their paths)."""
+    calls: list = []
+    make_point, evaluate_model = sweep.make_point, evaluate_service.evaluate_model
+
+    def making(sparsity, inputs):
+        calls.append(sparsity)
+        return make_point(sparsity, inputs)
+
+    def evaluating(path, *args, **kwargs):
+        calls.append(Path(path).name)
+        return evaluate_model(path, *args, **kwargs)
+
+    monkeypatch.setattr(sweep, "make_point", making)
+    monkeypatch.setattr(evaluate_service, "evaluate_model", evaluating)
+    return calls
+
+
+def test_a_sweep_run_again_makes_and_measures_only_what_is_not_in_place(project, made):
+    result = invoke(*SWEEP, cwd=project)
+    assert result.exit_code == 0, result.output
+    first = json.loads(result.stdout)
+    assert sorted(map(str, made)) == sorted(["0.0", "0.3", "0.6", "m.onnx", *(Path(point[key]).name for point in first["points"]
+                                                                                  for key in ("fp32_model", "model") if point[key] != "models/m.onnx")])
+    files = {path: path.read_bytes() for path in (project / "models").glob("*.onnx")}
+    made.clear()
+    assert json.loads(invoke(*SWEEP, cwd=project).stdout) == first and made == []
+    pruned = Path(first["points"][1]["fp32_model"])
+    (project / pruned).unlink()  # a point whose files are gone is made again (its models' top-1s are read)
+    (project / first["points"][2]["model"]).write_bytes(b"not the model")  # and one whose file changed
+    again = json.loads(invoke(*SWEEP, cwd=project).stdout)
+    assert again == first and made == [0.3, 0.6]
+    assert {path: path.read_bytes() for path in (project / "models").glob("*.onnx")} == files

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from synthetic import colours_npz, colours_project, invoke, one_line_error
+from synthetic import calibrated_colours_project, colours_project, invoke, one_line_error
 
 from ptq_cli import settings
 from ptq_cli.errors import PtqError
@@ -33,11 +33,7 @@ TUNE = ("tune", "--model", "models/m.onnx", "--data", "colours.npz", "--calibrat
 @pytest.fixture
 def project(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv(settings.CACHE_ENV, str(tmp_path / "cache"))
-    (tmp_path / "study").mkdir()
-    project = colours_project(tmp_path / "study")
-    colours_npz(project / "colours.npz", per_class=40)
-    assert invoke("calibrate", "--data", "colours.npz", "--samples-per-class", "10", "--output", "cal.npz", cwd=project).exit_code == 0
-    return project
+    return calibrated_colours_project(tmp_path)
 
 
 def ok(*args, cwd: Path):
@@ -82,6 +78,15 @@ def test_no_ray_process_or_file_outlives_the_command(project, tmp_path, scratch_
         assert _ray_processes() <= before
         assert [path.name for path in Path(scratch).iterdir() if path.name != ".ses"] == []  # .ses: onnxruntime's, made as it is imported
     assert set(Path("/tmp").glob("ptq-ray-*")) <= sessions
+
+
+def test_the_environment_is_as_it_was_after_a_local_instance():
+    """Ray's start sets variables in the process's environment (RAY_AUTH_MODE=token): a local instance started
+    afterwards by a child process, with that environment, would not come up."""
+    before = dict(os.environ)
+    with executor_service.executor(executor_service.Workers(1)) as runs:
+        assert runs.map(lambda item, _shared: item + 1, [1]) == [2]
+    assert dict(os.environ) == before
 
 
 def test_a_worker_killed_mid_task_is_retried_and_the_answer_stands(tmp_path):
@@ -286,3 +291,37 @@ def test_the_study_s_independent_stages_on_ray_make_what_they_make_here(tmp_path
     assert [stage["command"] for stage in manifest["stages"]] == [stage["command"] for stage in json.loads((here / "results" / "manifest.json").read_text())["stages"]]
     again = json.loads(ok(*study, "--workers", "2", cwd=there).stdout)  # up to date: nothing runs again
     assert not any(stage["ran"] for stage in again["stages"])
+
+
+def _listing(folder: Path) -> dict[str, tuple[int, int]]:
+    return {str(path.relative_to(folder)): (path.stat().st_size, path.stat().st_mtime_ns) for path in folder.rglob("*") if path.is_file()}
+
+
+@pytest.mark.parametrize("records_outside", [False, True])
+def test_a_stage_task_writes_nothing_in_the_run_folder_and_the_driver_writes_what_it_made(tmp_path, monkeypatch, records_outside):
+    from ptq_cli.cli import run_stage_command
+    from ptq_cli.services.study.stage_task import StageTask, run_stage_task
+
+    monkeypatch.setenv(settings.CACHE_ENV, str(tmp_path / "cache"))
+    project = calibrated_colours_project(tmp_path)
+    records = str(tmp_path / "elsewhere" / "results") if records_outside else "results"
+    monkeypatch.chdir(project)
+    ok("evaluate", "--model", "models/m.onnx", "--data", "colours.npz", "--results-dir", records, cwd=project)  # a record it may read
+    before = _listing(project)
+    arguments = ("--model", "models/m.onnx", "--data", "colours.npz", "--calibration", "cal.npz", "--dtype", "int8", "--output", "models/q.onnx",
+                 "--results-dir", records)
+    made = run_stage_task(StageTask("quantize", arguments, str(project), ("models",), records), run_stage_command)
+    assert _listing(project) == before and Path.cwd() == project
+    evaluated = run_stage_task(StageTask("evaluate", ("--model", "models/m.onnx", "--data", "colours.npz", "--results-dir", records), str(project), (),
+                                         records), run_stage_command)
+    assert _listing(project) == before
+    assert [Path(path) for path, _ in evaluated.files] == [path for path in (project / records).glob("*.json")]  # its record, named as here
+    files = dict(made.files)
+    assert str(project / "models" / "q.onnx") in files and "models/q.onnx" in made.named
+    assert all(Path(path).is_relative_to(project / "models") or Path(path).is_relative_to(project / records) for path in files)
+    made.write()
+    ok("quantize", *arguments[:-4], "--output", "models/direct.onnx", "--results-dir", records, cwd=project)
+    assert (project / "models" / "q.onnx").read_bytes() == files[str(project / "models" / "q.onnx")]
+    direct = json.loads(ok("evaluate", "--model", "models/direct.onnx", "--data", "colours.npz", "--json", "--results-dir", records, cwd=project).stdout)
+    made_there = json.loads(ok("evaluate", "--model", "models/q.onnx", "--data", "colours.npz", "--json", "--results-dir", records, cwd=project).stdout)
+    assert made_there["model_sha256"] == direct["model_sha256"] and made_there["accuracy"] == direct["accuracy"]

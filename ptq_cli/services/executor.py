@@ -163,12 +163,17 @@ def executor(workers: Workers) -> Iterator[Executor]:
     ray = _ray()
     # A local instance keeps its sockets, logs and spilled objects in a folder of ptq's, removed with it.
     session = None if workers.address is not None else tempfile.TemporaryDirectory(prefix="ptq-ray-", dir=_session_parent(), ignore_cleanup_errors=True)
+    # ray.init sets variables in this process's environment (RAY_AUTH_MODE among them), which would reach
+    # whatever this process starts afterwards (a local instance started then would not come up): put back.
+    environment = dict(os.environ)
     try:
         _start(ray, workers, session.name if session else None)
         yield OnRay(ray, workers.describe())
     finally:
         with native_stderr_silenced():
             ray.shutdown()
+        os.environ.clear()
+        os.environ.update(environment)
         if session:
             _stop_left_over(session.name)
             session.cleanup()

@@ -99,9 +99,10 @@ def model_key(model_path: Path | str) -> str:
     """`resnet8.onnx-1a2b3c`: the model's file name and a digest of its folder, so two models of the same
     name in different folders keep their own records. A folder inside the working directory is taken
     relative to it, so a project directory that is moved or copied keeps its record names; one outside it
-    (shared assets) by its absolute path, which the copy shares."""
+    (shared assets) by its absolute path, which the copy shares. Inside, the folder is taken as named, links
+    not followed: a view of the project made of links (a `ptq run` stage on a worker) names records alike."""
     path = Path(model_path)
-    folder = os.path.relpath(path.resolve().parent, Path.cwd().resolve())
+    folder = os.path.relpath(os.path.abspath(path.parent), os.getcwd())
     if folder == os.pardir or folder.startswith(os.pardir + os.sep):
         folder = str(path.resolve().parent)
     folder = hashlib.sha256(folder.encode("utf-8", "surrogateescape")).hexdigest()[:6]

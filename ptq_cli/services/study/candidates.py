@@ -76,7 +76,32 @@ def inputs_for(source: SourceModel, flags: PreprocessingFlags | None, calibratio
     return CandidateInputs(source.model.SerializeToString(), source.path, flags or PreprocessingFlags(), calibration, validation, threads)  # type: ignore[attr-defined]
 
 
-CANDIDATES_DIR = "candidates"  # under the tuning records: each candidate's scores, by what they measured
+TUNING_DIR = "tuning"  # under the results directory; not read as evaluation records
+CANDIDATES_DIR = "candidates"  # under the tuning records: each candidate's scores (tune's, sensitivity's), by what they measured
+
+
+def scores_folder(results_dir: Path) -> Path:
+    """Where every search of a results directory keeps its candidates' scores (tune and sensitivity share them)."""
+    return Path(results_dir) / TUNING_DIR / CANDIDATES_DIR
+
+
+def digest(*parts: bytes) -> str:
+    """sha256 over `parts`, each with its length, so no two lists of parts give the same bytes."""
+    hashed = hashlib.sha256()
+    for part in parts:
+        hashed.update(len(part).to_bytes(8, "little") + part)
+    return hashed.hexdigest()
+
+
+def measured_here() -> tuple[bytes, ...]:
+    """What a stored measurement also depends on besides its inputs: this CPU's int8 path and the versions of
+    ptq and onnxruntime (a figure measured elsewhere or by other code is measured again)."""
+    import onnxruntime
+
+    import ptq_cli
+    from ptq_cli import cpu as cpu_info
+
+    return cpu_info.current().int8_path.encode(), ptq_cli.__version__.encode(), onnxruntime.__version__.encode()
 
 
 @dataclass(frozen=True)
@@ -92,17 +117,8 @@ class ScoreStore:
 
     @classmethod
     def for_search(cls, folder: Path, inputs: CandidateInputs) -> ScoreStore:
-        import onnxruntime
-
-        import ptq_cli
-        from ptq_cli import cpu as cpu_info
-
-        digest = hashlib.sha256()
-        for part in (inputs.model_bytes, repr(inputs.flags).encode(), *_content(inputs.calibration.images, inputs.calibration.labels),
-                     *_content(inputs.validation.images, inputs.validation.labels), cpu_info.current().int8_path.encode(),
-                     ptq_cli.__version__.encode(), onnxruntime.__version__.encode()):
-            digest.update(len(part).to_bytes(8, "little") + part)
-        return cls(Path(folder), digest.hexdigest())
+        return cls(Path(folder), digest(inputs.model_bytes, repr(inputs.flags).encode(), *images_content(inputs.calibration.images, inputs.calibration.labels),
+                                        *images_content(inputs.validation.images, inputs.validation.labels), *measured_here()))
 
     def file(self, job: tuple[QuantizationSettings, int | None]) -> Path:
         settings, per_class = job
@@ -133,7 +149,7 @@ class ScoreStore:
         write_bytes(self.file(job), buffer.getvalue())
 
 
-def _content(images: np.ndarray, labels: np.ndarray) -> tuple[bytes, bytes]:
+def images_content(images: np.ndarray, labels: np.ndarray) -> tuple[bytes, bytes]:
     return repr((images.shape, str(images.dtype))).encode() + np.ascontiguousarray(images).tobytes(), np.ascontiguousarray(labels).astype(np.int64).tobytes()
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
 import shlex
 import sys
@@ -38,6 +37,7 @@ from ptq_cli.services.make import calibration as calibration_service
 from ptq_cli.services.make import quantize as quantize_service
 from ptq_cli.services.measure import evaluate as evaluate_service
 from ptq_cli.services.measure import report as report_service
+from ptq_cli.services.study.stage_task import RunCommand, StageFiles, StageTask, run_stage_task, written_by
 
 MANIFEST_SCHEMA = 1
 LIBRARIES = ("numpy", "onnx", "onnxruntime", "torch", "onnx2torch", "tensorflow-cpu", "tf2onnx", "typer", "rich", "pillow")
@@ -109,8 +109,6 @@ class Stage:
         return " ".join(["ptq", self.command, *(shlex.quote(argument) for argument in self.arguments)])
 
 
-# Runs one ptq command in this process (cli.run_stage_command): its result, which names the files it wrote (`written`).
-RunCommand = Callable[[str, tuple[str, ...]], Any]
 
 
 @dataclass(frozen=True)
@@ -451,18 +449,11 @@ def _checked(options: StudyOptions) -> StudyOptions:
     return options if options.model is not None else replace(options, keras_model=options.keras_model or settings.keras_model_path())
 
 
-def _written(result: Any) -> tuple[Path, ...]:
-    """The files a command wrote, as its result names them (a list of results: each one's)."""
-    if isinstance(result, (list, tuple)):
-        return tuple(path for item in result for path in _written(item))
-    return tuple(Path(path) for path in result.written)
-
-
 def _run_stage(stage: Stage, entry: dict | None, hashes: _Hashes, run: _Run) -> tuple[StageOutcome, dict | None]:
     """(what the stage did, its new manifest entry if it ran): its command run unless up to date (always with --force)."""
     started = time.perf_counter()
     inputs, ran = _to_run(stage, entry, hashes, run)
-    return _finished(stage, entry, hashes, run, (inputs, ran, _written(run.command(stage.command, stage.arguments)) if ran else (), started))
+    return _finished(stage, entry, hashes, run, (inputs, ran, written_by(run.command(stage.command, stage.arguments)) if ran else (), started))
 
 
 def _to_run(stage: Stage, entry: dict | None, hashes: _Hashes, run: _Run) -> tuple[dict[str, str], bool]:
@@ -495,6 +486,7 @@ class _Run:
 
     command: RunCommand
     force: bool
+    records: Path  # the results folder, as given
     written: dict[str, dict[str, str]] = field(default_factory=dict)  # stage name -> path -> sha256
 
 
@@ -516,42 +508,21 @@ def _wave(stages: list[Stage], first: int, sources: int) -> list[int]:
     return wave
 
 
-@dataclass(frozen=True)
-class _StageTask:
-    command: str
-    arguments: tuple[str, ...]
-    folder: str  # the run's folder: the stage's relative paths are from there
-
-
-def run_stage_task(task: _StageTask, run_command: RunCommand) -> tuple[tuple[str, ...], float]:
-    """One stage as a task, on a worker of the machine (or of a cluster that shares the run's folder): its
-    command run in the run's folder, as in the driver; (the files it wrote, its seconds). The command writes
-    its files as every ptq command does, each to a temporary file renamed when whole."""
-    if not Path(task.folder).is_dir():
-        raise PtqError(f"{task.folder}: not on the worker's machine ({platform.node()}); on a cluster, ptq run needs its folder "
-                       "on a filesystem every node shares")
-    began, before = time.perf_counter(), Path.cwd()
-    os.chdir(task.folder)
-    try:
-        return tuple(str(path) for path in _written(run_command(task.command, task.arguments))), time.perf_counter() - began
-    finally:
-        os.chdir(before)
-
-
 def _run_wave(wave: list[Stage], entries: dict[str, dict], hashes: _Hashes, run: _Run, runs: Executor) -> list[tuple[StageOutcome, dict | None]]:
     """The stages of a wave: those not up to date run side by side as tasks, then each is finished in order."""
     started = time.perf_counter()
     planned = [_to_run(stage, entries.get(stage.name), hashes, run) for stage in wave]
     running = [stage for stage, (_, ran) in zip(wave, planned, strict=True) if ran]
-    results = dict(zip((stage.name for stage in running),
-                       runs.map(run_stage_task, [_StageTask(stage.command, stage.arguments, str(Path.cwd())) for stage in running], run.command),
-                       strict=True))
+    tasks = [StageTask(stage.command, stage.arguments, str(Path.cwd()), tuple(sorted({str(Path(output).parent) for output in stage.outputs})),
+                       str(run.records)) for stage in running]
+    # The driver alone writes what the tasks made, each task's files as it finishes.
+    results = dict(zip((stage.name for stage in running), runs.map(run_stage_task, tasks, run.command, each=lambda _, made: made.write()), strict=True))
     done = []
     for stage, (inputs, ran) in zip(wave, planned, strict=True):
-        made, seconds = results.get(stage.name, ((), 0.0))
-        outcome, entry = _finished(stage, entries.get(stage.name), hashes, run, (inputs, ran, tuple(map(Path, made)), started))
+        made = results.get(stage.name, StageFiles((), (), 0.0))
+        outcome, entry = _finished(stage, entries.get(stage.name), hashes, run, (inputs, ran, tuple(map(Path, made.named)), started))
         if ran:  # its own time, not the wave's
-            outcome = replace(outcome, seconds=round(seconds, 3))
+            outcome = replace(outcome, seconds=round(made.seconds, 3))
             entry = {**(entry or {}), "seconds": outcome.seconds}
         done.append((outcome, entry))
     return done
@@ -578,7 +549,7 @@ def run(
     for path in to_write:
         check_writable(path)  # a read-only directory fails now, not after minutes of work
     check_folder_writable(options.results_dir)
-    hashes, outcomes, shared = _Hashes(), [], _Run(run_command, options.force)
+    hashes, outcomes, shared = _Hashes(), [], _Run(run_command, options.force, options.results_dir)
     with executor(options.workers) as runs:
         index = 0
         while index < len(stages):

@@ -18,7 +18,7 @@ from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressCallback
 from ptq_cli.services.quant_settings import INT8, QuantizationSettings
 from ptq_cli.services.records import write_record
-from ptq_cli.services.study.candidates import inputs_for, score_candidate
+from ptq_cli.services.study.candidates import ScoreStore, inputs_for, score_candidates, scores_folder
 from ptq_cli.services.study.validation import ValidationSet, labels_from_fp32, score
 from ptq_cli.transforms.graph import preprocessed
 from ptq_cli.transforms.rounding import NEAREST
@@ -61,8 +61,11 @@ def layer_sensitivity(
     progress: ProgressCallback | None = None,
     flags: PreprocessingFlags | None = None,
     runs: Executor | None = None,
+    scores: Path | None = None,
 ) -> SensitivityResult:
-    """Each layer quantized alone, scored on the validation split; `runs` scores the layers (default: here, one after another)."""
+    """Each layer quantized alone, scored on the validation split; `runs` scores the layers (default: here, one
+    after another). `scores`: the folder of scores kept by what they measured (candidates.ScoreStore): a layer
+    scored there before, by this command, tune or any worker, is not scored again."""
     source = model_path if isinstance(model_path, SourceModel) else load_source(model_path, flags or PreprocessingFlags(), settings.per_channel is not False)
     settings = with_calibration(settings, calibration)
     validation, fp32 = labels_from_fp32(validation, score(load_model(source.path, None, flags), validation))  # no labels: agreement with FP32
@@ -72,9 +75,11 @@ def layer_sensitivity(
     others = {name for name, _ in layers}
     # Every other layer stays in float: only this one's error reaches the output.
     # The stem is measured like any layer, each layer's weights rounded to nearest (the cost of 8 bits, not of the refinement).
-    jobs = [(replace(settings, stem=INT8, float_nodes=tuple(sorted(others - {name})), rounding=NEAREST), None) for name, _ in layers]
+    jobs: list[tuple[QuantizationSettings, int | None]] = [
+        (replace(settings, stem=INT8, float_nodes=tuple(sorted(others - {name})), rounding=NEAREST), None) for name, _ in layers]
     runs = runs or InProcess()
-    scored = runs.map(score_candidate, jobs, inputs_for(source, flags, calibration, validation, runs.task_threads), done=progress)
+    inputs = inputs_for(source, flags, calibration, validation, runs.task_threads)
+    scored = score_candidates(runs, jobs, inputs, ScoreStore.for_search(scores, inputs) if scores else None, done=progress)
     results = [LayerSensitivity(node=name, op_type=op_type, output_sqnr_db=round(sqnr_db(fp32.outputs, quantized.outputs), 2),
                                 validation_accuracy=quantized.accuracy, accuracy_drop=round(fp32.accuracy - quantized.accuracy, 4))
                for (name, op_type), (_, quantized) in zip(layers, scored, strict=True)]
@@ -83,10 +88,12 @@ def layer_sensitivity(
 
 
 def sensitivity(model_path: Path, settings: QuantizationSettings, calibration: CalibrationSet, validation: ValidationSet,  # noqa: PLR0913,PLR0917  `ptq sensitivity`'s options, one each
-                progress: ProgressCallback | None = None, flags: PreprocessingFlags | None = None, workers: Workers = HERE) -> SensitivityResult:
-    """`ptq sensitivity`: layer_sensitivity with its layers scored by `workers` (here, or as tasks on Ray)."""
+                progress: ProgressCallback | None = None, flags: PreprocessingFlags | None = None, workers: Workers = HERE,
+                results_dir: Path | None = None) -> SensitivityResult:
+    """`ptq sensitivity`: layer_sensitivity with its layers scored by `workers` (here, or as tasks on Ray), and
+    kept with tune's candidates in `results_dir` (a layer measured before is read, not measured again)."""
     with executor(workers) as runs:
-        return layer_sensitivity(model_path, settings, calibration, validation, progress, flags, runs)
+        return layer_sensitivity(model_path, settings, calibration, validation, progress, flags, runs, scores_folder(results_dir) if results_dir else None)
 
 
 def save_result(result: SensitivityResult, results_dir: Path) -> Path:

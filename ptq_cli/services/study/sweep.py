@@ -9,6 +9,8 @@ Each point is pruned and quantized as a task of the executor (here, or on Ray), 
 from __future__ import annotations
 
 import gzip
+import hashlib
+import json
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -29,7 +31,7 @@ from ptq_cli.services.measure.sweep_records import SWEEP_DIR, SweepPoint, SweepR
 from ptq_cli.services.progress import ProgressCallback, Steps
 from ptq_cli.services.quant_settings import describe_quantization
 from ptq_cli.services.records import write_record
-from ptq_cli.services.study.candidates import source_named
+from ptq_cli.services.study.candidates import digest, images_content, measured_here, source_named
 
 
 def parse_sparsities(text: str) -> tuple[float, ...]:
@@ -49,20 +51,80 @@ def gzip_size(path: Path) -> int:
     return len(gzip.compress(Path(path).read_bytes(), compresslevel=9, mtime=0))
 
 
-class _Accuracies:
-    """Top-1 of each model file on the dataset, each evaluated once."""
+MEASURED_DIR = "measured"  # under the sweep records: the points made and the top-1s measured, by what they depend on
 
-    def __init__(self, dataset: Dataset, flags: PreprocessingFlags | None, runs: Executor | None) -> None:
-        self.dataset, self.flags, self.runs = dataset, flags, runs
-        self.evaluations: dict[Path, evaluate_service.EvaluationRecord] = {}
+
+@dataclass(frozen=True)
+class Measured:
+    """What sweeps made and measured, kept in RESULTS_DIR/sweep/measured by the digest of what each depends on: a
+    sweep run again, or cut short and resumed, makes and scores only what is new. A point made before is taken
+    only while its files are in place, byte for byte; a damaged entry is made or measured again. The driver
+    alone writes these (temporary file, then rename)."""
+
+    folder: Path
+    points: str  # digest of what every point depends on besides its sparsity
+    scoring: str  # digest of the images top-1 is measured on, how they are fed, and where
+
+    @classmethod
+    def for_sweep(cls, results_dir: Path, inputs: PointInputs, dataset: Dataset) -> Measured:
+        here, fed = measured_here(), repr(inputs.flags).encode()
+        return cls(Path(results_dir) / SWEEP_DIR / MEASURED_DIR,
+                   digest(*(data for _, data in inputs.files), repr(inputs.pruning).encode(), repr(inputs.quantization).encode(), fed,
+                          *images_content(inputs.calibration.images, inputs.calibration.labels), *here),
+                   digest(dataset.content_key(dataset.evaluation_split()).encode(), fed, *here))
+
+    def _entry(self, key: str) -> dict:
+        try:
+            found = bounded.json_loads(bounded.read_text(self.folder / f"{key}.json", "entry"))
+        except (PtqError, OSError, ValueError):
+            return {}
+        return found if isinstance(found, dict) else {}
+
+    def made(self, sparsity: float, inputs: PointInputs) -> float | None:
+        """The achieved sparsity of a point made before whose files are still what it made, else None."""
+        entry = self._entry(digest(self.points.encode(), repr(sparsity).encode()))
+        files = {str(inputs.fp32_output(sparsity)) if sparsity else "", str(inputs.int8_output(sparsity))} - {""}
+        kept = entry.get("files")
+        if not isinstance(kept, dict) or set(kept) != files or not isinstance(entry.get("achieved_sparsity"), float):
+            return None
+        for name, sha256 in kept.items():
+            if not Path(name).is_file() or hashlib.sha256(bounded.read_bytes(Path(name))).hexdigest() != sha256:
+                return None
+        return float(entry["achieved_sparsity"])
+
+    def keep_made(self, point: MadePoint, inputs: PointInputs) -> None:
+        files = {str(inputs.int8_output(point.sparsity)): point.int8_bytes}
+        if point.fp32_bytes is not None:
+            files[str(inputs.fp32_output(point.sparsity))] = point.fp32_bytes
+        write_bytes(self.folder / f"{digest(self.points.encode(), repr(point.sparsity).encode())}.json", json.dumps(
+            {"achieved_sparsity": float(point.achieved_sparsity), "files": {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}}).encode())
+
+    def accuracy(self, sha256: str) -> float | None:
+        found = self._entry(digest(self.scoring.encode(), sha256.encode())).get("accuracy")
+        return float(found) if isinstance(found, (int, float)) and not isinstance(found, bool) and 0 <= found <= 100 else None
+
+    def keep_accuracy(self, sha256: str, accuracy: float) -> None:
+        write_bytes(self.folder / f"{digest(self.scoring.encode(), sha256.encode())}.json", json.dumps({"accuracy": accuracy}).encode())
+
+
+class _Accuracies:
+    """Top-1 of each model file on the dataset, each evaluated once (and not at all when `measured` has it)."""
+
+    def __init__(self, dataset: Dataset, flags: PreprocessingFlags | None, runs: Executor | None, measured: Measured) -> None:
+        self.dataset, self.flags, self.runs, self.measured = dataset, flags, runs, measured
+        self.accuracies: dict[Path, float] = {}
 
     def __call__(self, path: Path) -> float:
-        if path not in self.evaluations:
-            self.evaluations[path] = evaluate_service.evaluate_model(path, self.dataset, flags=self.flags, runs=self.runs)
-        measured = self.evaluations[path].accuracy
-        if measured is None:
-            raise PtqError(f"{self.dataset.root}: its labels are not the classes of {path}; the sweep compares top-1, which needs them")
-        return measured
+        if path not in self.accuracies:
+            sha256 = hashlib.sha256(bounded.read_bytes(path)).hexdigest()
+            known = self.measured.accuracy(sha256)
+            if known is None:
+                known = evaluate_service.evaluate_model(path, self.dataset, flags=self.flags, runs=self.runs).accuracy
+                if known is None:
+                    raise PtqError(f"{self.dataset.root}: its labels are not the classes of {path}; the sweep compares top-1, which needs them")
+                self.measured.keep_accuracy(sha256, known)
+            self.accuracies[path] = known
+        return self.accuracies[path]
 
 
 @dataclass(frozen=True)
@@ -143,18 +205,15 @@ def sweep(  # noqa: PLR0913,PLR0917  the options of `ptq sweep`, one each
     outputs += [("--models-dir", path, (".onnx",)) for sparsity in sparsities for path in (inputs.fp32_output(sparsity), inputs.int8_output(sparsity))
                 if path != model_path]
     check_outputs(outputs, [model_path])
-    step = Steps(2 * len(sparsities), progress)
+    step, measured = Steps(2 * len(sparsities), progress), Measured.for_sweep(results_dir, inputs, dataset)
     with executor(workers) as runs:
-        made = runs.map(make_point, sparsities, inputs, done=lambda *_: step())
-        accuracy = _Accuracies(dataset, flags, runs if workers.on_ray else None)
+        achieved = _made_points(runs, sparsities, inputs, measured, step)
+        accuracy = _Accuracies(dataset, flags, runs if workers.on_ray else None, measured)
         reference = accuracy(model_path)
         points = []
-        for point in made:
-            fp32, quantized = inputs.fp32_output(point.sparsity), inputs.int8_output(point.sparsity)
-            if point.fp32_bytes is not None:
-                write_bytes(fp32, point.fp32_bytes)
-            write_bytes(quantized, point.int8_bytes)
-            points.append(_point(point.sparsity, point.achieved_sparsity, fp32, accuracy(fp32), quantized, accuracy(quantized), reference))
+        for sparsity in sparsities:
+            fp32, quantized = inputs.fp32_output(sparsity), inputs.int8_output(sparsity)
+            points.append(_point(sparsity, achieved[sparsity], fp32, accuracy(fp32), quantized, accuracy(quantized), reference))
             step()
     result = SweepResult(
         source=str(model_path), dtype=quantization.dtype, scope=inputs.pruning.scope, exclude_first=inputs.pruning.exclude_first,
@@ -164,6 +223,21 @@ def sweep(  # noqa: PLR0913,PLR0917  the options of `ptq sweep`, one each
     )
     write_record(record, result)
     return result
+
+
+def _made_points(runs: Executor, sparsities: tuple[float, ...], inputs: PointInputs, measured: Measured, step: Steps) -> dict[float, float]:
+    """Each point's achieved sparsity: the points whose files are in place as made before are taken as they are;
+    the others are made by `runs`, and their files written here."""
+    achieved = {sparsity: measured.made(sparsity, inputs) for sparsity in sparsities}
+    for _ in range(sum(found is not None for found in achieved.values())):
+        step()
+    for point in runs.map(make_point, [sparsity for sparsity, found in achieved.items() if found is None], inputs, done=lambda *_: step()):
+        if point.fp32_bytes is not None:
+            write_bytes(inputs.fp32_output(point.sparsity), point.fp32_bytes)
+        write_bytes(inputs.int8_output(point.sparsity), point.int8_bytes)
+        measured.keep_made(point, inputs)
+        achieved[point.sparsity] = point.achieved_sparsity
+    return {sparsity: found or 0.0 for sparsity, found in achieved.items()}
 
 
 def _point(sparsity: float, achieved: float, fp32: Path, fp32_accuracy: float, quantized: Path, accuracy: float, reference: float) -> SweepPoint:

@@ -36,7 +36,7 @@ from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressCallback, Steps
 from ptq_cli.services.quant_settings import QuantizationSettings, check_stem, describe_quantization, make_settings
 from ptq_cli.services.records import model_key, write_record
-from ptq_cli.services.study.candidates import CANDIDATES_DIR, CandidateInputs, ScoreStore, inputs_for, score_candidates
+from ptq_cli.services.study.candidates import TUNING_DIR, CandidateInputs, ScoreStore, inputs_for, score_candidates, scores_folder
 from ptq_cli.services.study.sensitivity import layer_sensitivity, quantizable_layers
 from ptq_cli.services.study.validation import ValidationSet, labels_from_fp32, score
 from ptq_cli.transforms.graph import preprocessed
@@ -47,7 +47,6 @@ MAX_FLOAT_LAYERS = 2
 # A model with float layers must stay an 8-bit model: at most this much larger than the same settings
 # with every layer quantized (with onnxruntime's int8 ResNet8, about 40% of the FP32 file).
 FLOAT_GROWTH_LIMIT = 0.15
-TUNING_DIR = "tuning"  # under the results directory; not read as evaluation records
 
 
 
@@ -218,7 +217,7 @@ class _Search:
             worst, first = [candidate.settings.float_nodes[0] for candidate in sorted(alone, key=lambda c: -c.output_sqnr_db)], 2
         else:
             ranking = layer_sensitivity(self.source, leader.settings, calibration, self.validation, progress=lambda *_: self.step(), flags=flags,
-                                        runs=self.executor)
+                                        runs=self.executor, scores=self.store.folder if self.store else None)
             worst = [str(layer.node) for layer in ranking.layers]
         counts = range(first, min(max_float_layers, len(worst)) + 1)
         self.try_candidates("float", [replace(leader.settings, float_nodes=tuple(worst[:count])) for count in counts], per_class, leader.size_bytes)
@@ -284,7 +283,7 @@ def tune(  # noqa: PLR0913,PLR0917  the options of `ptq tune`, one each
         layers, float_steps = _float_layers(row.quantizes, source.model, Path(workdir), max_float_layers)
         search = _Search(source, validation, fp32, model_path.stat().st_size, max_drop,
                          Steps(len(grid) + len(subsets) + max_float_layers + float_steps, progress), runs, inputs,
-                         ScoreStore.for_search(record.parent / CANDIDATES_DIR, inputs))
+                         ScoreStore.for_search(scores_folder(results_dir), inputs))
         search.stages(grid, subsets, row.quantizes, layers, max_float_layers, flags)
         chosen, met_budget, reason = choose(search.candidates, max_drop)
         validation_summary = {**validation.describe(), "accuracy": chosen.validation_accuracy, "fp32_accuracy": fp32.accuracy}
