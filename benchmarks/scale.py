@@ -1,7 +1,7 @@
 """`ptq tune` past one process: candidates per minute in this process and on Ray with 1 and 2 workers, and what a
 64-candidate ImageNet-size tune would take on 8 and 32 workers, projected from a measured candidate.
 
-    .venv/bin/python benchmarks/scale.py [--workdir DIR] [--skip-imagenet]
+    .venv/bin/python benchmarks/scale.py [--workdir DIR] [--skip-imagenet] [--ceiling-only]
 
 In a scratch directory (or DIR), one process per command, as a user would:
 1. `ptq convert` (the MLPerf Tiny ResNet8), then the same `ptq tune` three times: in this process, `--workers 1`,
@@ -9,6 +9,9 @@ In a scratch directory (or DIR), one process per command, as a user would:
    candidates, no float layers); each command's wall time, the candidates it scored, and whether the three
    chose the same settings and wrote the same bytes; then the candidate phase alone (the first stage's 10
    candidates through the executor, in this process and on 1 and 2 workers), where candidates dominate;
+1b. the machine's own ceiling for two tasks: the same 4 candidates scored in one plain process (one thread for
+   everything: PTQ_TASK_CPUS, OMP, OpenBLAS), then in two such processes at once; the ratio of the work done is
+   what two independent tasks can get from this machine's two cores, Ray or not (`--ceiling-only` runs this alone);
 2. Ray's start-up and shut-down alone (an empty executor on 2 workers), three times;
 3. the pretrained EfficientNet-Lite0 (224x224) on CIFAR-10 photos upsampled (benchmarks/imagenet_table.py's):
    one `ptq tune` (minmax, per-channel; 100 calibration and 200 validation photos), its wall time over its
@@ -65,6 +68,61 @@ def _candidate_phase(workdir: Path, workers: Workers) -> tuple[float, int]:
         return time.perf_counter() - began, len(grid)
 
 
+ONE_THREAD = {"PTQ_TASK_CPUS": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def _score_four(workdir: Path, start_file: Path | None) -> float:
+    """Seconds to score tune's 4 per-channel percentile candidates on one thread, after a first (unmeasured) one;
+    with `start_file`, the clock starts when that file appears (two processes start together)."""
+    from ptq_cli.datasets import open_dataset
+    from ptq_cli.inputs import PreprocessingFlags
+    from ptq_cli.services.make.calibration import for_model
+    from ptq_cli.services.make.quantize import calibration_inputs, load_source, resolve_settings, with_calibration
+    from ptq_cli.services.study.candidates import inputs_for, score_candidate
+    from ptq_cli.services.study.tune import calibration_grid
+    from ptq_cli.services.study.validation import build_validation_set
+
+    model, data = workdir / "models" / "resnet8.onnx", Path(os.environ["PTQ_ASSETS"]) / "cifar-10-batches-py"
+    source = load_source(model, PreprocessingFlags())
+    calibration = for_model(model, data, samples_per_class=100)
+    validation = build_validation_set(calibration, open_dataset(data), 100)
+    prepared = calibration_inputs(source, calibration)
+    grid = [resolve_settings(source, with_calibration(settings, calibration), prepared)
+            for settings in calibration_grid("onnxruntime", "int8", ("minmax", "percentile"), (True, False))]
+    inputs = inputs_for(source, None, calibration, validation, 1)
+    score_candidate((grid[0], None), inputs)
+    while start_file is not None and not start_file.exists():
+        time.sleep(0.05)
+    began = time.perf_counter()
+    for settings in grid[1:5]:
+        score_candidate((settings, None), inputs)
+    return time.perf_counter() - began
+
+
+def _machine_ceiling(workdir: Path, env: dict) -> tuple[float, list[float]]:
+    """(seconds alone, [seconds of each of two processes at once]) for the same 4 candidates on one thread each."""
+    import subprocess
+    import tempfile
+
+    env = {**env, **ONE_THREAD}
+    command = [sys.executable, __file__, "--score-four", str(workdir)]
+    alone = float(subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout.split()[-1])
+    with tempfile.TemporaryDirectory(prefix="ptq-ceiling-") as folder:
+        start = Path(folder) / "go"
+        pair = [subprocess.Popen([*command, str(start)], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for _ in range(2)]
+        time.sleep(90)  # both loaded (CIFAR decoded, the first candidate scored) before the clock starts
+        start.touch()
+        together = [float(process.communicate()[0].split()[-1]) for process in pair]
+    return alone, together
+
+
+def _print_ceiling(console, workdir: Path, env: dict) -> None:
+    alone, together = _machine_ceiling(workdir, env)
+    ceiling = 2 * alone / max(together)
+    console.print(f"\n[bold]The machine's ceiling for two tasks[/bold] (4 candidates, one thread each): alone {alone:.1f} s; "
+                  f"two processes at once {together[0]:.1f} s and {together[1]:.1f} s: x{ceiling:.2f} the work of one")
+
+
 def _ray_start_stop(workers: int) -> float:
     began = time.perf_counter()
     with executor(Workers(workers)):
@@ -73,9 +131,18 @@ def _ray_start_stop(workers: int) -> float:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--score-four"]:  # one process of the ceiling measurement
+        print(f"{_score_four(Path(sys.argv[2]), Path(sys.argv[3]) if len(sys.argv) > 3 else None):.3f}")
+        return
+    flags = {flag for flag in ("--skip-imagenet", "--ceiling-only") if flag in sys.argv}
+    sys.argv = [argument for argument in sys.argv if argument not in flags]
     options, workdir, env, console = setup(__doc__.splitlines()[0], "ptq-scale-")
     console.print(f"{cpu_info.current().describe()}, {os.cpu_count()} cores; work directory {workdir}")
-    ptq(["convert"], workdir, env)
+    if not (workdir / "models" / "resnet8.onnx").is_file():
+        ptq(["convert"], workdir, env)
+    if "--ceiling-only" in flags:
+        _print_ceiling(console, workdir, env)
+        return
     runs = {}
     for label, extra in (("in this process", []), ("Ray, 1 worker", ["--workers", "1"]), ("Ray, 2 workers", ["--workers", "2"])):
         output = f"models/scale_{len(runs)}.onnx"
@@ -97,12 +164,13 @@ def main() -> None:
     for label, (seconds, count) in phases.items():
         console.print(f"  {label:16} {seconds:6.1f} s  {60 * count / seconds:5.1f} candidates/min")
     console.print(f"  2 workers against 1: x{phases['Ray, 1 worker'][0] / phases['Ray, 2 workers'][0]:.2f}")
+    _print_ceiling(console, workdir, env)
 
     start_stop = [_ray_start_stop(2) for _ in range(3)]
     console.print(f"\n[bold]Ray start-up and shut-down[/bold] (2 workers): {', '.join(f'{s:.1f}' for s in start_stop)} s "
                   f"(target <= 15 s: {'met' if max(start_stop) <= 15 else 'missed'})")
 
-    if "--skip-imagenet" in sys.argv:
+    if "--skip-imagenet" in flags:
         return
     import imagenet_table
 
