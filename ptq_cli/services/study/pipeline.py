@@ -109,8 +109,6 @@ class Stage:
         return " ".join(["ptq", self.command, *(shlex.quote(argument) for argument in self.arguments)])
 
 
-
-
 @dataclass(frozen=True)
 class StageOutcome:
     name: str
