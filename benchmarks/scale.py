@@ -29,6 +29,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from pipeline import ptq, setup
 
@@ -42,14 +43,12 @@ TUNE = ["tune", "--max-float-layers", "0", "--method", "minmax", "--method", "pe
 PROJECTED_CANDIDATES = 64
 
 
-def _candidate_phase(workdir: Path, workers: Workers) -> tuple[float, int]:
-    """(seconds, candidates) of the candidate phase alone: tune's first-stage grid (resolved here, once), scored by
-    the executor; model loading, FP32 scoring and Ray's start-up are outside the timing."""
+def _first_stage(workdir: Path) -> tuple[Any, Any, Any, list]:
+    """(the source, calibration set, validation set, tune's first-stage grid resolved) of ResNet8 in `workdir`."""
     from ptq_cli.datasets import open_dataset
     from ptq_cli.inputs import PreprocessingFlags
     from ptq_cli.services.make.calibration import for_model
     from ptq_cli.services.make.quantize import calibration_inputs, load_source, resolve_settings, with_calibration
-    from ptq_cli.services.study.candidates import inputs_for, score_candidate
     from ptq_cli.services.study.tune import calibration_grid
     from ptq_cli.services.study.validation import build_validation_set
 
@@ -60,6 +59,15 @@ def _candidate_phase(workdir: Path, workers: Workers) -> tuple[float, int]:
     prepared = calibration_inputs(source, calibration)
     grid = [resolve_settings(source, with_calibration(settings, calibration), prepared)
             for settings in calibration_grid("onnxruntime", "int8", ("minmax", "percentile"), (True, False))]
+    return source, calibration, validation, grid
+
+
+def _candidate_phase(workdir: Path, workers: Workers) -> tuple[float, int]:
+    """(seconds, candidates) of the candidate phase alone: tune's first-stage grid (resolved here, once), scored by
+    the executor; model loading, FP32 scoring and Ray's start-up are outside the timing."""
+    from ptq_cli.services.study.candidates import inputs_for, score_candidate
+
+    source, calibration, validation, grid = _first_stage(workdir)
     with executor(workers) as runs:
         inputs = inputs_for(source, None, calibration, validation, runs.task_threads)
         runs.map(score_candidate, [(grid[0], None)], inputs)  # each worker's first task loads the model: not a candidate's cost
@@ -74,21 +82,9 @@ ONE_THREAD = {"PTQ_TASK_CPUS": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREAD
 def _score_four(workdir: Path, start_file: Path | None) -> float:
     """Seconds to score tune's 4 per-channel percentile candidates on one thread, after a first (unmeasured) one;
     with `start_file`, the clock starts when that file appears (two processes start together)."""
-    from ptq_cli.datasets import open_dataset
-    from ptq_cli.inputs import PreprocessingFlags
-    from ptq_cli.services.make.calibration import for_model
-    from ptq_cli.services.make.quantize import calibration_inputs, load_source, resolve_settings, with_calibration
     from ptq_cli.services.study.candidates import inputs_for, score_candidate
-    from ptq_cli.services.study.tune import calibration_grid
-    from ptq_cli.services.study.validation import build_validation_set
 
-    model, data = workdir / "models" / "resnet8.onnx", Path(os.environ["PTQ_ASSETS"]) / "cifar-10-batches-py"
-    source = load_source(model, PreprocessingFlags())
-    calibration = for_model(model, data, samples_per_class=100)
-    validation = build_validation_set(calibration, open_dataset(data), 100)
-    prepared = calibration_inputs(source, calibration)
-    grid = [resolve_settings(source, with_calibration(settings, calibration), prepared)
-            for settings in calibration_grid("onnxruntime", "int8", ("minmax", "percentile"), (True, False))]
+    source, calibration, validation, grid = _first_stage(workdir)
     inputs = inputs_for(source, None, calibration, validation, 1)
     score_candidate((grid[0], None), inputs)
     while start_file is not None and not start_file.exists():

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ptq_cli import backends
+from ptq_cli.backends.model_file import file_sha256
 from ptq_cli.datasets import Dataset
 from ptq_cli.errors import PtqError
 from ptq_cli.guards import bounded
@@ -87,9 +88,11 @@ class Measured:
         kept = entry.get("files")
         if not isinstance(kept, dict) or set(kept) != files or not isinstance(entry.get("achieved_sparsity"), float):
             return None
-        for name, sha256 in kept.items():
-            if not Path(name).is_file() or hashlib.sha256(bounded.read_bytes(Path(name))).hexdigest() != sha256:
+        try:
+            if any(bounded.sha256(Path(name), bounded.MODEL_BYTES).hex() != sha256 for name, sha256 in kept.items()):
                 return None
+        except PtqError:  # gone, or no longer a regular file: made again
+            return None
         return float(entry["achieved_sparsity"])
 
     def keep_made(self, point: MadePoint, inputs: PointInputs) -> None:
@@ -116,7 +119,7 @@ class _Accuracies:
 
     def __call__(self, path: Path) -> float:
         if path not in self.accuracies:
-            sha256 = hashlib.sha256(bounded.read_bytes(path)).hexdigest()
+            sha256 = file_sha256(path)
             known = self.measured.accuracy(sha256)
             if known is None:
                 known = evaluate_service.evaluate_model(path, self.dataset, flags=self.flags, runs=self.runs).accuracy
