@@ -49,7 +49,7 @@ sweep: install
 	$(PTQ) report --markdown --plot
 
 test: install
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=40
 
 # Everything but the real-asset tests (no study run, no CIFAR): in-process, synthetic models and data;
 # the fuzz harness runs a quarter of its cases.
