@@ -72,16 +72,20 @@ bench-int8: install
 	$(BIN)/python benchmarks/int8_paths.py
 
 # ptq against plain onnxruntime, NNCF (full bias correction) and AIMET-ONNX (AdaRound) on EfficientNet-Lite0 and photos
-# (benchmarks/peers.py). AIMET-ONNX pulls its own torch (a CUDA build, several GB): it gets its own virtual
-# environment, outside `make test` and CI. STAMPS=DIR measures on Tux Paint's stamp photographs, WORKDIR=DIR keeps the files.
+# (benchmarks/peers.py). AIMET-ONNX gets its own virtual environment (2 GB), outside `make test` and CI. STAMPS=DIR measures on Tux Paint's stamp photographs, WORKDIR=DIR keeps the files.
 PEERS_VENV ?= .venv-peers
 peers: install $(PEERS_VENV)/.installed
 	$(BIN)/python benchmarks/peers.py --aimet-python $(PEERS_VENV)/bin/python $(if $(STAMPS),--stamps $(STAMPS)) $(if $(WORKDIR),--workdir $(WORKDIR))
 
+# AIMET-ONNX leaves torch unpinned: the local CPU build (torch==2.13.0) goes in first, and onnx2torch without its
+# torchvision (as in ptq's own environment); AIMET's other requirements are its wheel's, named here.
+AIMET_REQUIRES := Jinja2 PyYAML 'bokeh>=3.3.0' 'hvplot>=0.10.0' jsonschema numpy onnx 'onnx_ir>=0.1.16' 'onnxruntime>=1.19' \
+	'onnxscript>=0.4.0' osqp pandas psutil pybind11 scikit-learn scipy tqdm
 $(PEERS_VENV)/.installed:
 	$(PYTHON) -m venv $(PEERS_VENV)
 	$(PEERS_VENV)/bin/pip install --quiet --upgrade pip
-	$(PEERS_VENV)/bin/pip install --quiet aimet-onnx==2.42.0
+	$(PEERS_VENV)/bin/pip install --quiet torch==2.13.0 $(AIMET_REQUIRES)
+	$(PEERS_VENV)/bin/pip install --quiet --no-deps aimet-onnx==2.42.0 $(ONNX2TORCH)
 	touch $@
 
 clean:

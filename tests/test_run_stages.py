@@ -82,6 +82,16 @@ def test_each_record_is_named_from_what_it_measured_and_the_report_reads_every_o
     assert Path(missing).is_file()
 
 
+def test_force_runs_every_stage_again_and_makes_the_same_models(project):
+    first = json.loads(ok(*STUDY, "--json", cwd=project).stdout)
+    models = {path.name: path.read_bytes() for path in (project / "models").iterdir()}
+    forced = json.loads(ok(*STUDY, "--force", "--json", cwd=project).stdout)
+    assert [stage["name"] for stage in forced["stages"] if stage["ran"]] == [stage["name"] for stage in first["stages"]]
+    assert {path.name: path.read_bytes() for path in (project / "models").iterdir()} == models
+    again = json.loads(ok(*STUDY, "--json", cwd=project).stdout)
+    assert not [stage["name"] for stage in again["stages"] if stage["ran"]]
+
+
 def test_benchmark_times_a_file_on_a_second_runtime_in_the_same_turns(project):
     pytest.importorskip("openvino")
     ok("benchmark", "--model", "models/m.onnx", "--also", "models/m.onnx@openvino:f32", "--runs", "2", "--data", "colours.npz", cwd=project)
