@@ -100,14 +100,14 @@ def nncf_onnx(workdir: Path, calibration: np.ndarray) -> tuple[Path, float]:
     return output, time.perf_counter() - began
 
 
-def aimet(workdir: Path, python: Path, calibration: np.ndarray, adaround: list[str]) -> list[tuple[str, Path, float]]:
+def aimet(workdir: Path, python: Path, calibration: np.ndarray, iterations: int, first_layers: int) -> list[tuple[str, Path, float]]:
     """AIMET's QuantSim and AdaRound models; one already in `workdir` (with the seconds it took beside it) is measured
     again, not made again: AdaRound takes most of an hour on 2 cores."""
     np.save(workdir / "calibration_inputs.npy", calibration)
     made = []
-    layers = adaround[adaround.index("--first-layers") + 1] if "--first-layers" in adaround else "every"
-    iterations = adaround[adaround.index("--iterations") + 1]
-    for name, extra in (("AIMET default (QuantSim)", []), (f"AIMET AdaRound ({layers} first layers, {iterations} iterations)", ["--adaround", *adaround])):
+    layers = str(first_layers) if first_layers else "every"
+    adaround = ["--adaround", "--iterations", str(iterations), *(["--first-layers", str(first_layers)] if first_layers else [])]
+    for name, extra in (("AIMET default (QuantSim)", []), (f"AIMET AdaRound ({layers} first layers, {iterations} iterations)", adaround)):
         output = workdir / (f"peer_aimet_adaround_{layers}x{iterations}.onnx" if extra else "peer_aimet.onnx")  # named by its settings: reused only for them
         took = output.with_suffix(".seconds")
         if output.is_file() and took.is_file():
@@ -137,7 +137,7 @@ def main() -> None:
     parser.add_argument("--aimet-python", type=Path, default=None, help="the Python of a virtual environment with aimet-onnx (make peers)")
     parser.add_argument("--aimet-iterations", type=int, default=1000, help="AdaRound's optimisation steps a layer")
     parser.add_argument("--aimet-first-layers", type=int, default=6,
-                        help="AdaRound the first N Conv/Gemm layers (0: every layer; with 1,000 iterations a layer, not finished in 74 CPU-minutes)")
+                        help="AdaRound the first N Conv/Gemm/MatMul layers (0: every layer; with 1,000 iterations a layer, not finished in 74 CPU-minutes)")
     parser.add_argument("--emulated", type=int, default=24, help="photographs scored under emulation for the saturating path on a VNNI CPU")
     options = parser.parse_args()
     workdir = prepare_workdir(options.workdir or Path(tempfile.mkdtemp(prefix="ptq-peers-")), options.stamps)
@@ -146,8 +146,7 @@ def main() -> None:
     made.append(("plain onnxruntime (per-channel MinMax)", *plain_onnxruntime(workdir, calibration)))
     made.append(("NNCF on ONNX (full bias correction)", *nncf_onnx(workdir, calibration)))
     if options.aimet_python:
-        adaround = ["--iterations", str(options.aimet_iterations), *(["--first-layers", str(options.aimet_first_layers)] if options.aimet_first_layers else [])]
-        made += aimet(workdir, options.aimet_python, calibration, adaround)
+        made += aimet(workdir, options.aimet_python, calibration, options.aimet_iterations, options.aimet_first_layers)
     reference = load_model(workdir / MODEL).predict(test)
     exact_cpu = cpu_info.current().int8_path == cpu_info.EXACT
     subset = slice(0, options.emulated) if exact_cpu else slice(None)

@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--adaround", action="store_true")
     parser.add_argument("--iterations", type=int, default=1000)
     parser.add_argument("--first-layers", type=int, default=None,
-                        help="AdaRound only the first N Conv/Gemm layers: AIMET samples every image through both models for each layer it rounds")
+                        help="AdaRound only the first N Conv/Gemm/MatMul layers: AIMET samples every image through both models for each layer it rounds")
     options = parser.parse_args()
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
