@@ -32,6 +32,7 @@ from ptq_cli.services.records import to_json
 from ptq_cli.services.study.pipeline import RunResult, StageOutcome
 from ptq_cli.services.study.sensitivity import SensitivityResult
 from ptq_cli.services.study.tune import TuneResult, describe
+from ptq_cli.transforms.ranges import describe_ranges
 from ptq_cli.transforms.rounding import describe_rounding
 
 
@@ -139,6 +140,8 @@ def quantization(result: QuantizeResult) -> Table:
             ("other choices", describe_choices(result.measured_choices)),
             *(((f"{settings.backend} options", settings.options.describe()),) if settings.options.describe() else ()),
             ("calibration method", describe_method(settings.method, settings.percentile, settings.method_sqnr_db)),
+            *((("activation ranges", ranges_row),) if (ranges_row := describe_ranges(settings.ranges, settings.ranges_calibrated_db,
+                                                                                      settings.ranges_searched_db)) else ()),
             ("calibration samples", f"{settings.calibration_samples} (seed {settings.calibration_seed}, {settings.calibration_source})"),
             *(
                 ("space-to-depth", f"{rewrite.node}: {rewrite.input_channels}->{rewrite.output_channels} channels as "

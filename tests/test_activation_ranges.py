@@ -15,6 +15,7 @@ from synthetic import invoke, smooth_photos, two_conv_classifier
 
 from ptq_cli.backends.base import AUTO_METHOD, METHOD_CANDIDATES, METHOD_MARGIN_DB, chosen_method
 from ptq_cli.services.quant_settings import describe_method, make_settings
+from ptq_cli.transforms.ranges import FACTORS
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,11 @@ def test_auto_keeps_the_best_measured_ranges_and_calibrates_them_on_every_image(
     explicit = _quantize(project, f"named_{dtype}.onnx", "--dtype", dtype, *named)["settings"]
     assert explicit["method_sqnr_db"] == [] and (explicit["method"], explicit["percentile"]) == best
     chosen, named_model = _quantization_parameters(project / f"auto_{dtype}.onnx"), _quantization_parameters(project / f"named_{dtype}.onnx")
-    assert chosen.keys() == named_model.keys() and all(np.array_equal(chosen[key], named_model[key]) for key in chosen)
+    assert chosen.keys() == named_model.keys() and all(np.array_equal(chosen[key], named_model[key]) for key in chosen if "zero_point" in key)
+    # Scales: the named method's, or (the range search kept) moved from them by the search's factors.
+    steps = {1.0, *FACTORS, *(first * second for first in FACTORS for second in FACTORS)} if auto["ranges"] == "searched" else {1.0}
+    ratios = [float((chosen[key] / named_model[key]).reshape(-1)[0]) for key in chosen if "zero_point" not in key and chosen[key].size == 1]
+    assert all(any(abs(ratio - step) < 1e-4 for step in steps) for ratio in ratios)
     stored = json.loads({prop.key: prop.value for prop in onnx.load(str(project / f"auto_{dtype}.onnx")).metadata_props}["ptq.quantization"])
     assert stored["method"] == best[0] and len(stored["method_sqnr_db"]) == len(METHOD_CANDIDATES)
 
@@ -125,3 +130,111 @@ def test_a_plain_onnxruntime_quantize_gets_the_speed_target_and_a_type_given_kee
     for given in (make_settings("int8"), make_settings(weight_dtype="int8"), make_settings("uint8")):
         assert given.target is None and given.weight_dtype == given.dtype
     assert make_settings(backend="pytorch").target is None
+
+
+def _scores_before_softmax(model, images: np.ndarray) -> np.ndarray:
+    """What the range search is judged on: the float scores the output Softmax reads, as onnxruntime computes them."""
+    import onnxruntime as ort
+    from onnx import helper
+
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    name = next(node.input[0] for node in model.graph.node if node.op_type == "Softmax")
+    model.graph.output.append(helper.make_empty_tensor_value_info(name))
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run([name], {"image": images})[0]
+
+
+def _images(root: Path) -> np.ndarray:
+    from PIL import Image
+
+    return np.stack([np.asarray(Image.open(path), np.float32).transpose(2, 0, 1) / 255 for path in sorted(root.glob("*.png"))])
+
+
+def test_a_moved_input_scale_re_expresses_every_bias_it_scales(project):
+    """An int32 bias's scale is its input's scale x its weights' scale: moving the input's scale rewrites that
+    scale and the codes, so the bias the Conv adds is the same to within half a new step; weights and zero points stay."""
+    from ptq_cli.transforms import ranges
+
+    _quantize(project, "rescaled.onnx", "--method", "minmax")
+    model = onnx.load(str(project / "rescaled.onnx"))
+    links = ranges.bias_links(model)
+    assert {link.input_scale for link in links} & set(ranges.activation_scales(model))  # conv2's input is an activation
+    before = _quantization_parameters(project / "rescaled.onnx") | {
+        init.name: numpy_helper.to_array(init) for init in model.graph.initializer if init.data_type == onnx.TensorProto.INT32}
+    rescaler = ranges.Rescaler(model)
+    moved = next(link for link in links if link.input_scale in ranges.activation_scales(model))
+    rescaler.set(moved.input_scale, rescaler.get(moved.input_scale) * 1.25)
+    after = {init.name: numpy_helper.to_array(init) for init in model.graph.initializer}
+    new_scale = after[moved.input_scale] * after[moved.weight_scale]
+    assert np.allclose(after[moved.scale], new_scale) and not np.allclose(before[moved.scale], new_scale)
+    old_bias = before[moved.codes] * before[moved.scale].astype(np.float64)
+    assert np.all(np.abs(after[moved.codes] * after[moved.scale].astype(np.float64) - old_bias) <= after[moved.scale] / 2 + 1e-12)
+    untouched = [name for name in before if name not in (moved.input_scale, moved.scale, moved.codes)]
+    assert all(np.array_equal(before[name], after[name]) for name in untouched)
+
+
+def test_the_search_brings_unseen_images_back_from_a_poor_range(project):
+    """Every activation range made 1.6x too wide (codes spent on values that never come): searched on the calibration
+    images, the model comes closer to FP32 on test images it never saw, by moving only scales."""
+    from ptq_cli.metrics import sqnr_db
+    from ptq_cli.transforms import ranges
+
+    _quantize(project, "poor.onnx", "--method", "minmax")
+    model = onnx.load(str(project / "poor.onnx"))
+    calibrated = onnx.ModelProto.FromString(model.SerializeToString())
+    rescaler = ranges.Rescaler(model)
+    names = ranges.activation_scales(model)
+    for name in names:
+        rescaler.set(name, rescaler.get(name) * 1.6)
+    poor_zero_points = {key: value for key, value in _quantization_parameters(project / "poor.onnx").items() if "zero_point" in key}
+    float_model = onnx.load(str(project / "m.onnx"))
+    calibration, test = _images(project / "cal"), _images(project / "test")
+    reference, test_reference = _scores_before_softmax(float_model, calibration), _scores_before_softmax(float_model, test)
+    poor_db = sqnr_db(test_reference, _scores_before_softmax(model, test))
+    searched, result = ranges.search(model, lambda candidate: sqnr_db(reference, _scores_before_softmax(candidate, calibration)), 1000)
+    assert result.scales == len(names) == result.searched and result.moved >= 1
+    calibrated_db, searched_db = (sqnr_db(test_reference, _scores_before_softmax(made, test)) for made in (calibrated, searched))
+    assert calibrated_db > poor_db + 1  # the widened ranges cost the model
+    assert result.end_db > result.start_db + 1 and searched_db > poor_db + 0.5
+    onnx.save(searched, str(project / "searched.onnx"))
+    assert all(np.array_equal(value, _quantization_parameters(project / "searched.onnx")[key]) for key, value in poor_zero_points.items())
+
+
+def test_the_search_stops_at_its_budget():
+    from ptq_cli.transforms import ranges
+
+    calls = []
+    model = onnx.load(str(two_conv_classifier(Path(__import__("tempfile").mkdtemp()) / "m.onnx")))
+    assert ranges.activation_scales(model) == []  # a float model has no activation scales: one call, nothing moved
+    _, result = ranges.search(model, lambda candidate: calls.append(1) or 0.0, 3)
+    assert (result.evaluations, result.moved, len(calls)) == (1, 0, 1)
+
+
+def test_auto_searches_the_ranges_and_keeps_the_search_only_where_held_out_images_measure_it_better(project):
+    made = _quantize(project, "auto_searched.onnx")["settings"]
+    calibrated_db, searched_db = made["ranges_calibrated_db"], made["ranges_searched_db"]
+    assert calibrated_db is not None and searched_db is not None
+    assert made["ranges"] == ("searched" if searched_db >= calibrated_db + METHOD_MARGIN_DB else "calibrated")
+    shown = invoke("quantize", "--model", "m.onnx", "--data", "test", "--calibration-data", "cal", "--preprocess", "unit",
+                   "--rounding", "nearest", "--output", "auto_searched_shown.onnx", cwd=project, columns=200)
+    assert shown.exit_code == 0 and f"{calibrated_db:.1f} dB calibrated, {searched_db:.1f} dB searched" in shown.stdout
+    named = _quantize(project, "named_no_search.onnx", "--method", "minmax")["settings"]
+    assert named["ranges"] is None and "activation ranges" not in invoke(
+        "quantize", "--model", "m.onnx", "--data", "test", "--calibration-data", "cal", "--preprocess", "unit", "--rounding", "nearest",
+        "--method", "minmax", "--output", "named_shown.onnx", cwd=project, columns=200).stdout
+
+
+def test_describe_ranges_names_the_kept_ranges_and_both_figures():
+    from ptq_cli.transforms.ranges import describe_ranges
+
+    assert describe_ranges(None) is None
+    assert describe_ranges("searched", 30.64, 31.55) == (
+        "searched (output SQNR on held-out calibration images: 30.6 dB calibrated, 31.6 dB searched)")
+
+
+def test_a_search_whose_one_sweep_exceeds_the_budget_is_not_run_and_says_so(project, monkeypatch):
+    from ptq_cli.backends import onnxruntime as ort_backend
+
+    monkeypatch.setattr(ort_backend, "RANGE_SEARCH_PIXELS", 16 * 16 * 90 * 10)  # 10 runs of the 90 images not held out: under one sweep
+    made = _quantize(project, "over_budget.onnx")
+    assert made["settings"]["ranges"] is None and made["settings"]["ranges_searched_db"] is None
+    assert any(note.startswith("range search: not run") and "budget of 10" in note for note in made["notes"])

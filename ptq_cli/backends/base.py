@@ -44,6 +44,11 @@ HELD_OUT_MAX = 256
 # Learned rounding reads at most this many image pixels per layer: 512 images at 32x32, 79 at 224x224.
 ROUNDING_PIXELS = 4_000_000
 ROUNDING_IMAGES = (32, 512)
+# `--method auto` then searches each activation scale (transforms/ranges.py) on the images learned rounding reads,
+# for at most this many image pixels run through the model in all, and only where one sweep fits in it: ResNet8's
+# 13 or 14 scales take 85 runs of 512 images a sweep; EfficientNet-Lite2's 80 at 260x260 would take 481 runs of 59 images,
+# against a budget of 100.
+RANGE_SEARCH_PIXELS = 400_000_000
 
 
 @dataclass(frozen=True)
@@ -216,6 +221,11 @@ class QuantizationSettings:
     # `--method auto`: each activation range tried (method, percentile) and the output SQNR it gave on held-out
     # calibration images; `method` and `percentile` then hold the one kept.
     method_sqnr_db: tuple[tuple[str, float | None, float | None], ...] = ()
+    # `--method auto` then searches each activation scale: "searched" where that brought the output closer to FP32 on
+    # held-out calibration images by METHOD_MARGIN_DB, else "calibrated"; None where no search ran. With both figures.
+    ranges: str | None = None
+    ranges_calibrated_db: float | None = None
+    ranges_searched_db: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The settings as a model and its records store them: the backend's options beside the common fields."""
@@ -236,6 +246,11 @@ def held_out_split(calibration: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     every HELD_OUT_EVERY-th image, held out or not)."""
     rest = np.delete(calibration, np.arange(HELD_OUT_EVERY - 1, len(calibration), HELD_OUT_EVERY), axis=0)
     return calibration[held_out_mask(len(calibration))], rest
+
+
+def image_pixels(images: np.ndarray) -> int:
+    """The pixels of one image of a batch, NCHW or NHWC."""
+    return int(np.prod(images.shape[2:] if images.shape[1] in (1, 3, 4) else images.shape[1:3]))
 
 
 def rounding_image_count(pixels: int) -> int:
@@ -411,6 +426,8 @@ def describe_settings(settings: dict, types: str | None = None) -> str:
         f"{settings.get('calibration_samples', '?')} samples",
     ]
     parts += float_parts(settings)
+    if settings.get("ranges") == "searched":
+        parts.append("searched ranges")
     if settings.get("rounding") == "learned":
         parts.append("learned rounding")
     if settings.get("space_to_depth_convs"):

@@ -22,6 +22,8 @@ from ptq_cli.backends.base import (
     AUTO_METHOD,
     EMULATE,
     METHOD_CANDIDATES,
+    METHOD_MARGIN_DB,
+    RANGE_SEARCH_PIXELS,
     Backend,
     Int8Paths,
     LoadedModel,
@@ -34,6 +36,7 @@ from ptq_cli.backends.base import (
     chosen_method,
     finish_load,
     held_out_split,
+    image_pixels,
     rounding_image_count,
     sqnr_figure,
 )
@@ -54,7 +57,7 @@ from ptq_cli.cpu import EXACT
 from ptq_cli.errors import PtqError, first_line
 from ptq_cli.guards import bounded
 from ptq_cli.guards.atomic import WRITE_FAILURES, atomic_output
-from ptq_cli.transforms import overflow, rounding
+from ptq_cli.transforms import overflow, ranges, rounding
 from ptq_cli.transforms.graph import keep_float_layers, preprocess
 from ptq_cli.transforms.space_to_depth import Rewrite, quantized_pads, space_to_depth_convs
 
@@ -63,6 +66,7 @@ SUFFIX = ".onnx"
 CALIBRATION_BATCH = 100
 # Batches smaller than this per thread are run whole: splitting them costs more than it saves.
 MIN_SHARD = 32
+SEARCH_CHUNK_PIXELS = 1 << 20  # the range search runs its images this many pixels at a time (1,024 at 32x32)
 
 
 
@@ -432,8 +436,8 @@ def judged_output(model) -> str:
     return producer.input[0] if producer is not None and producer.op_type in ("Softmax", "LogSoftmax") else output
 
 
-def _outputs(model, name: str, input_name: str, images: np.ndarray, threads: int) -> np.ndarray:
-    return np.concatenate(list(_tensor_batches(input_name, images, threads)(model, name)))
+def _outputs(model, name: str, input_name: str, images: np.ndarray, threads: int, chunk: int = 16) -> np.ndarray:
+    return np.concatenate(list(_tensor_batches(input_name, images, threads, chunk)(model, name)))
 
 
 def refine_rounding(quantized, float_path: str, calibration: np.ndarray, input_name: str, settings: QuantizationSettings,
@@ -447,8 +451,7 @@ def refine_rounding(quantized, float_path: str, calibration: np.ndarray, input_n
     held_out, rest = held_out_split(calibration)
     if settings.rounding == LEARNED or len(held_out) == 0:
         rest = calibration  # nothing to judge with, or nothing to judge: every image refines
-    pixels = int(np.prod(calibration.shape[2:] if calibration.shape[1] in (1, 3, 4) else calibration.shape[1:3]))
-    count = rounding_image_count(pixels)
+    count = rounding_image_count(image_pixels(calibration))
     refining = rest[np.linspace(0, len(rest) - 1, min(count, len(rest))).astype(int)] if len(rest) else rest
     threads = resolve_threads(None)
     float_model = onnx.load(float_path)
@@ -583,6 +586,45 @@ def choose_method(source: str, calibration: np.ndarray, input_name: str, setting
     return replace(settings, method=method, percentile=percentile, method_sqnr_db=tuple(scores)), []
 
 
+def search_ranges(quantized, float_path: str, calibration: np.ndarray, input_name: str, settings: QuantizationSettings,
+                  progress: ProgressCallback | None = None) -> tuple[Any, QuantizationSettings, list[str]]:
+    """(model, settings with `ranges` decided, notes): every activation scale searched (transforms/ranges.py) on
+    the images learned rounding reads, kept where that brings the output closer to FP32 on held-out calibration
+    images by METHOD_MARGIN_DB."""
+    import onnx
+
+    from ptq_cli.metrics import sqnr_db
+
+    held_out, rest = held_out_split(calibration)
+    if len(held_out) == 0 or len(rest) == 0:
+        return quantized, settings, []
+    pixels = image_pixels(calibration)
+    searching = rest[np.linspace(0, len(rest) - 1, min(rounding_image_count(pixels), len(rest))).astype(int)]
+    runs, needed = max(1, RANGE_SEARCH_PIXELS // (pixels * len(searching))), len(ranges.activation_scales(quantized)) * len(ranges.FACTORS) + 1
+    if needed > runs:  # a sweep cut short would search the first layers only: none at all, and said
+        return quantized, settings, [f"range search: not run (one sweep over its activation scales takes {needed} runs of {len(searching)} "
+                                     f"calibration images, over the budget of {runs})"]
+    threads = resolve_threads(None)
+    float_model = onnx.load(float_path)
+    judged = judged_output(float_model)
+    name = judged if judged in {output for node in quantized.graph.node for output in node.output} else quantized.graph.output[0].name
+    reference, held_reference = (_outputs(float_model, judged, input_name, images, threads) for images in (searching, held_out))
+    calibrated = onnx.ModelProto.FromString(quantized.SerializeToString())
+    try:
+        chunk = max(16, SEARCH_CHUNK_PIXELS // pixels)  # small images in few runs: the search calls the model hundreds of times
+        searched, result = ranges.search(quantized, lambda model: sqnr_db(reference, _outputs(model, name, input_name, searching, threads, chunk)),
+                                         runs, progress)
+    except Exception as error:  # noqa: BLE001  onnxruntime's own errors: the user keeps the calibrated ranges
+        return calibrated, settings, [f"range search: not applied ({first_line(error)})"]
+    before, after = (sqnr_db(held_reference, _outputs(model, name, input_name, held_out, threads)) for model in (calibrated, searched))
+    choice = "searched" if after >= before + METHOD_MARGIN_DB else "calibrated"
+    measured = replace(settings, ranges=choice, ranges_calibrated_db=sqnr_figure(before), ranges_searched_db=sqnr_figure(after))
+    note = (f"range search: {result.moved} of {result.scales} activation scales moved ({result.searched} searched, {result.evaluations} runs "
+            f"of {len(searching)} calibration images); output SQNR on {len(held_out)} held-out images {before:.2f} dB calibrated, "
+            f"{after:.2f} dB searched; kept {choice}")
+    return (searched if choice == "searched" else calibrated), measured, [note]
+
+
 def _finish(quantized, rewrites: list, float_nodes) -> None:
     """ptq's edits to what quantize_static wrote."""
     if rewrites:
@@ -595,11 +637,23 @@ def _after(progress: ProgressCallback | None, done: int) -> ProgressCallback | N
     return (lambda steps, total: progress(done + steps, done + total)) if progress else None
 
 
-def _learned_rounding(quantized, source, calibration: np.ndarray, input_name: str, settings: QuantizationSettings,  # noqa: PLR0913,PLR0917  refine_rounding's arguments and the fixed batch that rules it out
-                      fixed_batch: int | None, progress: ProgressCallback | None) -> tuple[Any, QuantizationSettings, list[str]]:
+def _refined(quantized, source, calibration: np.ndarray, input_name: str, settings: QuantizationSettings,  # noqa: PLR0913,PLR0917  the refinements' arguments, the fixed batch that rules them out, and the bar
+             fixed_batch: int | None, search: bool, progress: ProgressCallback | None) -> tuple[Any, QuantizationSettings, list[str]]:
+    """The quantized model after ptq's refinements on the calibration images: learned rounding, then the activation
+    ranges searched (`search`: `--method auto`); each kept where it measures closer to FP32 on held-out images."""
+    notes: list[str] = []
     if fixed_batch is not None:
-        return quantized, replace(settings, rounding=NEAREST), [f"learned rounding: not applied (the graph is tied to its fixed batch of {fixed_batch})"]
-    return refine_rounding(quantized, source, calibration, input_name, settings, progress)
+        if settings.rounding != NEAREST:
+            settings, notes = replace(settings, rounding=NEAREST), [f"learned rounding: not applied (the graph is tied to its fixed batch of {fixed_batch})"]
+        return quantized, settings, notes
+    done = 0
+    if settings.rounding != NEAREST:
+        quantized, settings, notes = refine_rounding(quantized, source, calibration, input_name, settings, progress)
+        done = len(rounding.find_layers(quantized))
+    if search:  # after the rounding: what the weights no longer cost, the ranges can still win back
+        quantized, settings, searched_notes = search_ranges(quantized, source, calibration, input_name, settings, _after(progress, done))
+        notes += searched_notes
+    return quantized, settings, notes
 
 
 def _stored_props(settings: QuantizationSettings, rewrites, stored: dict[str, str], source) -> dict[str, str]:
@@ -633,6 +687,7 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
 
         finish = partial(_finish, rewrites=rewrites, float_nodes=float_nodes)
         done = 0  # images already shown on the progress bar, before this phase
+        search = settings.method == AUTO_METHOD
         if settings.method == AUTO_METHOD:
             if fixed_batch is not None:
                 settings = replace(settings, method=METHOD_CANDIDATES[0][0])
@@ -647,11 +702,10 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
                                         _after(progress, done))
             quantized = onnx.load(str(tmp))
             finish(quantized)
-            if settings.rounding != NEAREST:
-                # The same bar goes on: past the calibration images, one step per refined layer.
-                quantized, settings, refined_notes = _learned_rounding(quantized, source, calibration, described.name, settings, fixed_batch,
-                                                                       _after(progress, done + len(calibration)))
-                notes += refined_notes
+            # The same bar goes on: past the calibration images, one step per refined layer, then per run of the range search.
+            quantized, settings, refined_notes = _refined(quantized, source, calibration, described.name, settings, fixed_batch, search,
+                                                          _after(progress, done + len(calibration)))
+            notes += refined_notes
             onnx.helper.set_model_props(quantized, _stored_props(settings, rewrites, stored, model))
             onnx.save(quantized, str(tmp))
             return QuantizedFile(tmp.stat().st_size, tuple(rewrites), tuple(notes + _warning_notes(warnings)), settings)
