@@ -46,7 +46,7 @@ ROUNDING_PIXELS = 4_000_000
 ROUNDING_IMAGES = (32, 512)
 # `--method auto` then searches each activation scale (transforms/ranges.py) on the images learned rounding reads,
 # for at most this many image pixels run through the model in all, and only where one sweep fits in it: ResNet8's
-# 13 or 14 scales take 85 runs of 512 images a sweep; EfficientNet-Lite2's 80 at 260x260 would take 481 runs of 59 images,
+# 13 or 14 scales take 79 or 85 runs of 512 images a sweep; EfficientNet-Lite2's 80 at 260x260 would take 481 runs of 59 images,
 # against a budget of 100.
 RANGE_SEARCH_PIXELS = 400_000_000
 
