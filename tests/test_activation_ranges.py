@@ -13,7 +13,7 @@ import pytest
 from onnx import numpy_helper
 from synthetic import invoke, smooth_photos, two_conv_classifier
 
-from ptq_cli.backends.base import AUTO_METHOD, METHOD_CANDIDATES, METHOD_MARGIN_DB, chosen_method
+from ptq_cli.backends.base import AUTO_METHOD, METHOD_CANDIDATES, METHOD_MARGIN_DB, chosen_method, describe_settings
 from ptq_cli.services.quant_settings import describe_method, make_settings
 from ptq_cli.transforms.ranges import FACTORS
 
@@ -133,14 +133,19 @@ def test_a_plain_onnxruntime_quantize_gets_the_speed_target_and_a_type_given_kee
 
 
 def _scores_before_softmax(model, images: np.ndarray) -> np.ndarray:
-    """What the range search is judged on: the float scores the output Softmax reads, as onnxruntime computes them."""
+    """What the range search is judged on: the float scores the output Softmax reads, as onnxruntime computes them on
+    its exact int8 path (as ptq's search does), so the same on CPUs with and without VNNI."""
     import onnxruntime as ort
     from onnx import helper
+
+    from ptq_cli.backends.model_file import EXACT_PATH_CONFIG
 
     model = onnx.ModelProto.FromString(model.SerializeToString())
     name = next(node.input[0] for node in model.graph.node if node.op_type == "Softmax")
     model.graph.output.append(helper.make_empty_tensor_value_info(name))
-    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run([name], {"image": images})[0]
+    options = ort.SessionOptions()
+    options.add_session_config_entry(EXACT_PATH_CONFIG, "1")
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run([name], {"image": images})[0]
 
 
 def _images(root: Path) -> np.ndarray:
@@ -199,14 +204,19 @@ def test_the_search_brings_unseen_images_back_from_a_poor_range(project):
     assert all(np.array_equal(value, _quantization_parameters(project / "searched.onnx")[key]) for key, value in poor_zero_points.items())
 
 
-def test_the_search_stops_at_its_budget():
+def test_the_search_stops_at_its_budget(project, tmp_path):
     from ptq_cli.transforms import ranges
 
-    calls = []
-    model = onnx.load(str(two_conv_classifier(Path(__import__("tempfile").mkdtemp()) / "m.onnx")))
+    calls: list[int] = []
+    model = onnx.load(str(two_conv_classifier(tmp_path / "float.onnx")))
     assert ranges.activation_scales(model) == []  # a float model has no activation scales: one call, nothing moved
     _, result = ranges.search(model, lambda candidate: calls.append(1) or 0.0, 3)
     assert (result.evaluations, result.moved, len(calls)) == (1, 0, 1)
+    _quantize(project, "budget.onnx", "--method", "minmax")
+    quantized, calls = onnx.load(str(project / "budget.onnx")), []
+    budget = 1 + 2 * len(FACTORS) + 3  # the first score, two scales, and not enough for a third
+    _, result = ranges.search(quantized, lambda candidate: calls.append(1) or float(len(calls)), budget)  # every move scores better
+    assert len(ranges.activation_scales(quantized)) > 2 and result.searched == 2 and len(calls) == result.evaluations <= budget
 
 
 def test_auto_searches_the_ranges_and_keeps_the_search_only_where_held_out_images_measure_it_better(project):
@@ -214,6 +224,7 @@ def test_auto_searches_the_ranges_and_keeps_the_search_only_where_held_out_image
     calibrated_db, searched_db = made["ranges_calibrated_db"], made["ranges_searched_db"]
     assert calibrated_db is not None and searched_db is not None
     assert made["ranges"] == ("searched" if searched_db >= calibrated_db + METHOD_MARGIN_DB else "calibrated")
+    assert ("searched ranges" in describe_settings(made)) == (made["ranges"] == "searched")
     shown = invoke("quantize", "--model", "m.onnx", "--data", "test", "--calibration-data", "cal", "--preprocess", "unit",
                    "--rounding", "nearest", "--output", "auto_searched_shown.onnx", cwd=project, columns=200)
     assert shown.exit_code == 0 and f"{calibrated_db:.1f} dB calibrated, {searched_db:.1f} dB searched" in shown.stdout

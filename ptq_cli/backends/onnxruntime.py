@@ -436,6 +436,12 @@ def judged_output(model) -> str:
     return producer.input[0] if producer is not None and producer.op_type in ("Softmax", "LogSoftmax") else output
 
 
+def judged_in(quantized, judged: str) -> str:
+    """The tensor of the quantized model compared with the float model's `judged` one: the same name where the quantized
+    graph computes it, else its first output."""
+    return judged if judged in {output for node in quantized.graph.node for output in node.output} else quantized.graph.output[0].name
+
+
 def _outputs(model, name: str, input_name: str, images: np.ndarray, threads: int, chunk: int = 16) -> np.ndarray:
     return np.concatenate(list(_tensor_batches(input_name, images, threads, chunk)(model, name)))
 
@@ -471,7 +477,7 @@ def refine_rounding(quantized, float_path: str, calibration: np.ndarray, input_n
         return refined, replace(settings, rounding=LEARNED), notes
     judged = judged_output(float_model)
     reference = _outputs(float_model, judged, input_name, held_out, threads)
-    quantized_judged = judged if judged in {output for node in refined.graph.node for output in node.output} else refined.graph.output[0].name
+    quantized_judged = judged_in(refined, judged)
     nearest_db = sqnr_db(reference, _outputs(nearest_model, quantized_judged, input_name, held_out, threads))
     learned_db = sqnr_db(reference, _outputs(refined, quantized_judged, input_name, held_out, threads))
     choice = LEARNED if learned_db > nearest_db else NEAREST
@@ -579,7 +585,7 @@ def choose_method(source: str, calibration: np.ndarray, input_name: str, setting
             continue
         quantized = onnx.load(str(target))
         finish(quantized)
-        name = judged if judged in {out for node in quantized.graph.node for out in node.output} else quantized.graph.output[0].name
+        name = judged_in(quantized, judged)
         scores.append((method, percentile, sqnr_figure(sqnr_db(reference, _outputs(quantized, name, input_name, held_out, threads)))))
         target.unlink()
     method, percentile = chosen_method(tuple(scores))
@@ -607,7 +613,7 @@ def search_ranges(quantized, float_path: str, calibration: np.ndarray, input_nam
     threads = resolve_threads(None)
     float_model = onnx.load(float_path)
     judged = judged_output(float_model)
-    name = judged if judged in {output for node in quantized.graph.node for output in node.output} else quantized.graph.output[0].name
+    name = judged_in(quantized, judged)
     reference, held_reference = (_outputs(float_model, judged, input_name, images, threads) for images in (searching, held_out))
     calibrated = onnx.ModelProto.FromString(quantized.SerializeToString())
     try:

@@ -81,30 +81,31 @@ class Rescaler:
     def __init__(self, model) -> None:
         from onnx import numpy_helper
 
+        self._numpy_helper = numpy_helper
         self._initializers = {init.name: init for init in model.graph.initializer}
         self._links = [link for link in bias_links(model) if link.weight_scale in self._initializers]
         self._float_biases = {link.codes: self._array(link.codes).astype(np.float64) * self._array(link.scale).astype(np.float64)
                               for link in self._links}
-        self._to_tensor = numpy_helper.from_array
 
     def _array(self, name: str) -> np.ndarray:
-        from onnx import numpy_helper
+        return self._numpy_helper.to_array(self._initializers[name])
 
-        return numpy_helper.to_array(self._initializers[name])
+    def _write(self, name: str, value: np.ndarray) -> None:
+        self._initializers[name].CopyFrom(self._numpy_helper.from_array(value, name))
 
     def get(self, name: str) -> float:
         return float(self._array(name))
 
     def set(self, name: str, value: float) -> None:
-        self._initializers[name].CopyFrom(self._to_tensor(np.array(value, np.float32), name))
+        self._write(name, np.array(value, np.float32))
         for link in self._links:
             if link.input_scale != name:
                 continue
             scale = (np.float32(value) * self._array(link.weight_scale).astype(np.float32)).astype(np.float32)
             scale = scale.reshape(self._array(link.scale).shape)
             codes = np.clip(np.round(self._float_biases[link.codes] / scale), -(2**31), 2**31 - 1).astype(np.int32)
-            self._initializers[link.scale].CopyFrom(self._to_tensor(scale, link.scale))
-            self._initializers[link.codes].CopyFrom(self._to_tensor(codes, link.codes))
+            self._write(link.scale, scale)
+            self._write(link.codes, codes)
 
 
 def search(model, score: Callable[[Any], float], evaluations: int,
@@ -116,6 +117,7 @@ def search(model, score: Callable[[Any], float], evaluations: int,
     calibrated = {name: rescaler.get(name) for name in names}
     best = start = score(model)
     spent, reached = 1, set()
+    planned = min(evaluations, SWEEPS * len(names) * len(FACTORS) + 1)  # the bar's total: what the search can spend
     for _ in range(SWEEPS):
         improved = False
         for name in names:
@@ -130,7 +132,7 @@ def search(model, score: Callable[[Any], float], evaluations: int,
                     best, improved, kept_value = value, True, start_value * factor
             rescaler.set(name, kept_value)
             if progress:
-                progress(spent, evaluations)
+                progress(spent, planned)
         if not improved:
             break
     moved = sum(rescaler.get(name) != calibrated[name] for name in names)
