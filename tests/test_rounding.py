@@ -189,17 +189,80 @@ def test_learned_rounding_on_a_backend_that_cannot_take_it_is_refused_in_one_lin
     assert not (project / "t.pt").exists()
 
 
-def test_the_output_softmax_stays_float_so_probabilities_are_not_rounded_to_255ths(project):
-    _quantize(project, "softmax.onnx", "--rounding", "nearest")
+def test_the_output_softmax_and_the_scores_it_reads_stay_float_after_8_bit_inputs_and_weights(project):
+    quantized = _quantize(project, "softmax.onnx", "--rounding", "nearest")
     model = onnx.load(str(project / "softmax.onnx"))
     last = next(node for node in model.graph.node if model.graph.output[0].name in node.output)
     assert last.op_type == "Softmax"
     producers = {output: node for node in model.graph.node for output in node.output}
-    assert producers[last.input[0]].op_type == "DequantizeLinear"  # the scores before it are still 8-bit
-    scores = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"image": _test_images(project)})[0]
+    before = producers[last.input[0]]
+    while before.op_type == "Identity":
+        before = producers[before.input[0]]
+    assert before.op_type == "Gemm"  # the scores come straight from the last layer, not through an 8-bit QuantizeLinear
+    assert all(producers[name].op_type == "DequantizeLinear" for name in before.input[:2])  # its input and weights are still 8-bit
+    assert any(note.startswith("output scores: left in float") for note in quantized["notes"])
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    scores = session.run(None, {"image": _test_images(project)})[0]
     steps = scores * 255
     assert np.mean(np.abs(steps - np.rint(steps)) > 1e-3) > 0.5  # most probabilities fall between the codes of a uint8 output
     np.testing.assert_allclose(scores.sum(axis=1), 1.0, rtol=1e-5)
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(project / "softmax_optimized.onnx")
+    ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    assert "QGemm" in {node.op_type for node in onnx.load(options.optimized_model_filepath).graph.node}  # still an integer kernel
+
+
+def _scores_head(bias_as_add: bool) -> onnx.ModelProto:
+    """x -> Q/DQ -> MatMul (8-bit weights) [-> Add of a constant bias] -> Q/DQ -> Reshape -> Q/DQ -> Softmax -> output,
+    and a second output: Relu of the quantized input, through its own Q/DQ."""
+    rng = np.random.default_rng(0)
+    initializers = [numpy_helper.from_array(rng.integers(-127, 128, (8, 5)).astype(np.int8), "w_codes"),
+                    numpy_helper.from_array(np.float32(0.01), "w_scale"), numpy_helper.from_array(np.int8(0), "w_zero"),
+                    numpy_helper.from_array(np.float32(0.05), "s"), numpy_helper.from_array(np.int8(0), "z"),
+                    numpy_helper.from_array(rng.standard_normal(5).astype(np.float32), "bias"),
+                    numpy_helper.from_array(np.array([-1, 5], dtype=np.int64), "shape")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"]), helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"]),
+             helper.make_node("DequantizeLinear", ["w_codes", "w_scale", "w_zero"], ["w"]),
+             helper.make_node("MatMul", ["xd", "w"], ["product"])]
+    if bias_as_add:
+        nodes.append(helper.make_node("Add", ["bias", "product"], ["scores"]))
+    else:
+        nodes.append(helper.make_node("Identity", ["product"], ["scores"]))
+    nodes += [helper.make_node("QuantizeLinear", ["scores", "s", "z"], ["q0"], name="quantize0"),
+              helper.make_node("DequantizeLinear", ["q0", "s", "z"], ["scores_d"], name="dequantize0"),
+              helper.make_node("Reshape", ["scores_d", "shape"], ["flat"]),
+              helper.make_node("QuantizeLinear", ["flat", "s", "z"], ["q1"], name="quantize1"),
+              helper.make_node("DequantizeLinear", ["q1", "s", "z"], ["flat_d"], name="dequantize1"),
+              helper.make_node("Softmax", ["flat_d"], ["probs"], axis=1)]
+    nodes += [helper.make_node("Relu", ["xd"], ["relu"]), helper.make_node("QuantizeLinear", ["relu", "s", "z"], ["rq"]),
+              helper.make_node("DequantizeLinear", ["rq", "s", "z"], ["side"])]
+    graph = helper.make_graph(nodes, "head", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n", 8])],
+                              [helper.make_tensor_value_info("probs", onnx.TensorProto.FLOAT, ["n", 5]),
+                               helper.make_tensor_value_info("side", onnx.TensorProto.FLOAT, ["n", 8])], initializers)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=7)
+
+
+@pytest.mark.parametrize("bias_as_add", [False, True], ids=["matmul", "matmul-add-bias"])
+def test_float_scores_removes_the_roundings_between_the_last_layer_and_the_output_and_nothing_else(bias_as_add):
+    from ptq_cli.transforms.graph import float_scores
+
+    model = _scores_head(bias_as_add)
+    x = np.random.default_rng(1).standard_normal((6, 8)).astype(np.float32) * 3
+    before = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    assert float_scores(model) == 3  # two between the MatMul and the Softmax, one between the Relu and its output
+    onnx.checker.check_model(model)
+    assert [node.input[0] for node in model.graph.node if node.op_type == "QuantizeLinear"] == ["x"]  # the layer's input stays 8-bit
+    probs, side = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_array_equal(side, np.maximum(np.clip(np.rint(x / 0.05), -128, 127) * np.float32(0.05), 0))
+    expected = _scores_head(bias_as_add)
+    for node in list(expected.graph.node):
+        if node.name in ("quantize0", "dequantize0", "quantize1", "dequantize1"):
+            expected.graph.node.remove(node)
+    for node in expected.graph.node:
+        node.input[:] = [{"scores_d": "scores", "flat_d": "flat"}.get(name, name) for name in node.input]
+    reference = ort.InferenceSession(expected.SerializeToString(), providers=["CPUExecutionProvider"]).run(["probs"], {"x": x})[0]
+    np.testing.assert_allclose(probs, reference, rtol=1e-6, atol=1e-7)
+    assert np.abs(probs - before[0]).max() > 1e-4  # the rounded scores differed from these
 
 
 def test_a_refinement_that_fails_leaves_the_nearest_model_and_says_so(project, monkeypatch):

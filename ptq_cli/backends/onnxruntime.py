@@ -58,7 +58,7 @@ from ptq_cli.errors import PtqError, first_line
 from ptq_cli.guards import bounded
 from ptq_cli.guards.atomic import WRITE_FAILURES, atomic_output
 from ptq_cli.transforms import overflow, ranges, rounding
-from ptq_cli.transforms.graph import keep_float_layers, preprocess
+from ptq_cli.transforms.graph import float_scores, keep_float_layers, preprocess
 from ptq_cli.transforms.space_to_depth import Rewrite, quantized_pads, space_to_depth_convs
 
 NAME = "onnxruntime"
@@ -631,11 +631,12 @@ def search_ranges(quantized, float_path: str, calibration: np.ndarray, input_nam
     return (searched if choice == "searched" else calibrated), measured, [note]
 
 
-def _finish(quantized, rewrites: list, float_nodes) -> None:
-    """ptq's edits to what quantize_static wrote."""
+def _finish(quantized, rewrites: list, float_nodes) -> int:
+    """ptq's edits to what quantize_static wrote; how many roundings of the output scores were removed."""
     if rewrites:
         quantized_pads(quantized)
     keep_float_layers(quantized, float_nodes)
+    return float_scores(quantized)
 
 
 def _after(progress: ProgressCallback | None, done: int) -> ProgressCallback | None:
@@ -707,7 +708,8 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
             warnings = _quantize_static(source, tmp, calibration, described.name, fixed_batch, settings, float_nodes, overrides, output, model_name,
                                         _after(progress, done))
             quantized = onnx.load(str(tmp))
-            finish(quantized)
+            if finish(quantized):
+                notes.append("output scores: left in float after the last weighted layer (computed from 8-bit inputs and weights, not rounded again)")
             # The same bar goes on: past the calibration images, one step per refined layer, then per run of the range search.
             quantized, settings, refined_notes = _refined(quantized, source, calibration, described.name, settings, fixed_batch, search,
                                                           _after(progress, done + len(calibration)))

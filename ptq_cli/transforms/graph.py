@@ -242,6 +242,54 @@ def keep_float_layers(model, float_nodes) -> int:
     return kept
 
 
+SCORE_PASS_THROUGH = ("Softmax", "LogSoftmax", "Reshape", "Flatten", "Squeeze", "Identity")  # the scores' values or their order, nothing mixed in
+WEIGHTED_LAYERS = ("Conv", "Gemm", "MatMul")
+
+
+def float_scores(model) -> int:
+    """Remove the QuantizeLinear -> DequantizeLinear pairs between a QDQ model's outputs and the last weighted layer
+    before them (through a final Softmax, shape-only ops and an Add or Mul of a constant, such as a separate bias):
+    the scores are still computed from 8-bit inputs and weights, but no longer rounded to 256 levels before the
+    caller reads them. onnxruntime fuses such a Gemm into a QGemm with a float output, so it costs no speed.
+    Each pair becomes an Identity, so every tensor keeps its name. Returns how many pairs were removed."""
+    from onnx import helper
+
+    graph = model.graph
+    producers = {output: node for node in graph.node for output in node.output}
+    constants = {init.name for init in graph.initializer} | {out for node in graph.node if node.op_type == "Constant" for out in node.output}
+    consumers: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers[name] = consumers.get(name, 0) + 1
+
+    def is_constant(name: str) -> bool:
+        node = producers.get(name)
+        return name in constants or (node is not None and node.op_type == "DequantizeLinear" and node.input[0] in constants)
+
+    pairs = []
+    for output in graph.output:
+        node = producers.get(output.name)
+        while node is not None and node.op_type not in WEIGHTED_LAYERS:
+            if node.op_type == "DequantizeLinear":
+                quantize = producers.get(node.input[0])
+                if quantize is None or quantize.op_type != "QuantizeLinear" or consumers.get(quantize.output[0]) != 1 or is_constant(quantize.input[0]):
+                    break
+                pairs.append((quantize, node))
+                node = producers.get(quantize.input[0])
+            elif node.op_type in SCORE_PASS_THROUGH:
+                node = producers.get(node.input[0])
+            elif node.op_type in ("Add", "Mul") and len(node.input) == 2 and sum(is_constant(name) for name in node.input) == 1:
+                node = producers.get(next(name for name in node.input if not is_constant(name)))
+            else:
+                break
+    for quantize, dequantize in {id(pair[1]): pair for pair in pairs}.values():
+        position = list(graph.node).index(dequantize)
+        graph.node.remove(dequantize)
+        graph.node.remove(quantize)
+        graph.node.insert(position - 1, helper.make_node("Identity", [quantize.input[0]], [dequantize.output[0]], name=f"{dequantize.name}_float_scores"))
+    return len({id(pair[1]) for pair in pairs})
+
+
 def preprocess(model, output: Path | str) -> None:
     """onnxruntime's recommended pre-quantization step: shape inference plus its basic graph optimizer,
     which folds the batch-norm Mul/Add after each Conv into the Conv."""
