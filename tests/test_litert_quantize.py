@@ -361,6 +361,32 @@ def test_a_flash_budget_puts_back_in_8_bits_the_4_bit_layers_that_fit_and_gain(s
     one_line_error(invoke("quantize", "--model", "two.onnx", "--max-flash-kb", "60", "--data", "colours.npz", cwd=study), "--max-flash-kb")
 
 
+def test_the_int8_models_layer_inputs_collected_several_a_pass_are_those_of_one_pass_a_layer(study, monkeypatch):
+    """What 4-bit fitting reads of the unchanged int8 model: every layer's input, from one interpreter pass while they fit
+    in ORIGINAL_BYTES, one pass each when only one does; the same values as a pass for each layer alone."""
+    from ptq_cli.transforms import int4
+
+    _keras_two_conv_classifier(study / "two.h5")
+    assert invoke("convert", "--keras", "two.h5", "--output", "two.onnx", "--data", "colours.npz", "--check-images", "30", "--scale",
+                  str(SCALE), cwd=study).exit_code == 0
+    assert invoke("quantize", "--model", "two.onnx", "--backend", "litert", "--data", "colours.npz", "--output", "eight.tflite", cwd=study).exit_code == 0
+    data = (study / "eight.tflite").read_bytes()
+    schema = int4.schema_module()
+    tensors = [int(operator.inputs[0]) for _, operator in int4.weighted_ops(schema.ModelT.InitFromObj(schema.Model.GetRootAs(data, 0)))]
+    images = np.random.default_rng(3).integers(-128, 128, (130, 8, 8, 3), dtype=np.int8)  # more than one interpreter batch
+    alone = {tensor: int4.layer_inputs(data, tensor, images) for tensor in tensors}
+    passes: list[list[int]] = []
+    collect = int4.tensor_codes
+    monkeypatch.setattr(int4, "tensor_codes", lambda model, wanted, batch: passes.append(list(wanted)) or collect(model, wanted, batch))
+    for budget, expected in ((int4.ORIGINAL_BYTES, [tensors]), (1, [[tensor] for tensor in tensors])):
+        monkeypatch.setattr(int4, "ORIGINAL_BYTES", budget)
+        passes.clear()
+        original = int4.OriginalInputs(data, tensors, images)
+        for tensor in tensors:
+            np.testing.assert_array_equal(original(tensor), alone[tensor])
+        assert passes == expected
+
+
 def test_int4_codes_leave_less_output_error_than_plain_rounding():
     """Per output channel, the chosen clipping and GPTQ codes cost the layer's output no more than nearest 4-bit
     codes at the full range, weighted by the inputs' second moments, on correlated inputs."""

@@ -83,17 +83,17 @@ def unfold_conv(inputs: np.ndarray, kernel: tuple[int, int], strides: tuple[int,
     return windows.transpose(0, 1, 2, 4, 5, 3).reshape(-1, kernel[0] * kernel[1] * inputs.shape[3])
 
 
-def layer_inputs(data: bytes, tensor: int, images: np.ndarray) -> np.ndarray:
-    """The values (dequantized) the model feeds tensor `tensor` on `images` (the model's int8 input), by LiteRT's reference kernels."""
+def tensor_codes(data: bytes, tensors: list[int], images: np.ndarray) -> dict[int, tuple[np.ndarray, float, int]]:
+    """Each of `tensors` as the model (`data`) computes it on `images` (its int8 input) by LiteRT's reference kernels,
+    in one pass: (its integer codes, scale, zero point)."""
     from ai_edge_litert.interpreter import Interpreter, OpResolverType
 
     interpreter = Interpreter(model_content=data, experimental_preserve_all_tensors=True, experimental_op_resolver_type=OpResolverType.BUILTIN_REF)
     image = interpreter.get_input_details()[0]
     interpreter.resize_tensor_input(image["index"], [min(BATCH, len(images)), *images.shape[1:]])
     interpreter.allocate_tensors()
-    detail = next(detail for detail in interpreter.get_tensor_details() if detail["index"] == tensor)
-    scale, zero_point = detail["quantization"]
-    found = []
+    grids = {detail["index"]: detail["quantization"] for detail in interpreter.get_tensor_details() if detail["index"] in tensors}
+    found: dict[int, list[np.ndarray]] = {tensor: [] for tensor in tensors}
     for start in range(0, len(images), BATCH):
         part = images[start : start + BATCH]
         if len(part) != interpreter.get_input_details()[0]["shape"][0]:
@@ -101,8 +101,48 @@ def layer_inputs(data: bytes, tensor: int, images: np.ndarray) -> np.ndarray:
             interpreter.allocate_tensors()
         interpreter.set_tensor(image["index"], part)
         interpreter.invoke()
-        found.append(interpreter.get_tensor(tensor).astype(np.float32))
-    return (np.concatenate(found) - zero_point) * scale
+        for tensor in tensors:
+            found[tensor].append(interpreter.get_tensor(tensor))
+    return {tensor: (np.concatenate(found[tensor]), float(grids[tensor][0]), int(grids[tensor][1])) for tensor in tensors}
+
+
+def dequantized(codes: tuple[np.ndarray, float, int]) -> np.ndarray:
+    values, scale, zero_point = codes
+    return (values.astype(np.float32) - zero_point) * scale
+
+
+def layer_inputs(data: bytes, tensor: int, images: np.ndarray) -> np.ndarray:
+    """The values (dequantized) the model feeds tensor `tensor` on `images` (the model's int8 input), by LiteRT's reference kernels."""
+    return dequantized(tensor_codes(data, [tensor], images)[tensor])
+
+
+ORIGINAL_BYTES = 256 * 2**20  # codes of the int8 model's layer inputs held at once
+
+
+class OriginalInputs:
+    """The unchanged int8 model's input to each layer, in order: one interpreter pass collects the inputs of as many of
+    the coming layers as ORIGINAL_BYTES holds, rather than one pass a layer (the model does not change under them)."""
+
+    def __init__(self, data: bytes, tensors: list[int], images: np.ndarray) -> None:
+        schema = schema_module()
+        graph = schema.ModelT.InitFromObj(schema.Model.GetRootAs(data, 0)).subgraphs[0]
+        widths = {schema.TensorType.INT8: 1, schema.TensorType.UINT8: 1, schema.TensorType.INT16: 2}
+        self.data, self.images, self.tensors = data, images, list(dict.fromkeys(tensors))
+        self.sizes = {tensor: int(np.prod(graph.tensors[tensor].shape[1:])) * len(images) * widths.get(graph.tensors[tensor].type, 4)
+                      for tensor in self.tensors}
+        self.kept: dict[int, tuple[np.ndarray, float, int]] = {}
+
+    def __call__(self, tensor: int) -> np.ndarray:
+        if tensor not in self.kept:
+            coming = self.tensors[self.tensors.index(tensor):] if tensor in self.tensors else [tensor]
+            chosen = [coming[0]]
+            for following in coming[1:]:
+                if sum(self.sizes.get(name, 0) for name in chosen) + self.sizes[following] > ORIGINAL_BYTES:
+                    break
+                chosen.append(following)
+            self.kept = {}  # the earlier layers' inputs go before the next ones are collected
+            self.kept = tensor_codes(self.data, chosen, self.images)
+        return dequantized(self.kept[tensor])
 
 
 def _unfolded(inputs: np.ndarray, operator, kind: str, shape: list[int]) -> np.ndarray:
@@ -122,13 +162,13 @@ def layer_rows(model_object, operator, kind: str, shape: list[int], images: np.n
     return _unfolded(layer_inputs(pack_model(model_object), int(operator.inputs[0]), images), operator, kind, shape)
 
 
-def layer_moments(original: bytes, current: bytes, operator, kind: str, shape: list[int], images: np.ndarray,
+def layer_moments(original: OriginalInputs, current: bytes, operator, kind: str, shape: list[int], images: np.ndarray,
                   held: np.ndarray) -> tuple[tuple[np.ndarray, int], tuple[np.ndarray, int]]:
     """((sum, rows) on the images `held` leaves out, (sum, rows) on those it marks): the sums of z z^T over a
     layer's rows, z = [x; x'; 1], x the row the int8 model (`original`) feeds it and x' the one the model as it is
     now (`current`) feeds it. Summed image batch by image batch, so memory stays that of one batch's rows."""
     tensor = int(operator.inputs[0])
-    original_inputs, current_inputs = (layer_inputs(data, tensor, images) for data in (original, current))
+    original_inputs, current_inputs = original(tensor), layer_inputs(current, tensor, images)
     width = 2 * int(np.prod(shape[1:])) + 1
     sums, counts = [np.zeros((width, width)) for _ in range(2)], [0, 0]
     for start in range(0, len(images), BATCH):
@@ -271,7 +311,7 @@ def _stays_int8(graph, position: int, kind: str, operator) -> str:
             else "")
 
 
-def _layer_to_int4(data: bytes, model_object, operator, kind: str, images: np.ndarray, held: np.ndarray) -> bool:  # noqa: PLR0913,PLR0917  the model, the layer and the images that fit it
+def _layer_to_int4(original: OriginalInputs, model_object, operator, kind: str, images: np.ndarray, held: np.ndarray) -> bool:  # noqa: PLR0913,PLR0917  the model, the layer and the images that fit it
     """The layer's filter rewritten in int4 in `model_object`, fitted on the images, its bias following; whether
     the fit compensates for the earlier 4-bit layers."""
     graph = model_object.subgraphs[0]
@@ -285,7 +325,7 @@ def _layer_to_int4(data: bytes, model_object, operator, kind: str, images: np.nd
     input_scale = float(graph.tensors[input_tensor].quantization.scale[0])
     int8_bias = np.frombuffer(bytes(model_object.buffers[bias.buffer].data), np.int32).astype(np.float64) * input_scale * np.broadcast_to(
         int8_scales, (shape[0],))
-    compensate, (codes, scales, float_bias) = _chosen_fit(weights, int8_bias, layer_moments(data, pack_model(model_object), operator, kind, shape,
+    compensate, (codes, scales, float_bias) = _chosen_fit(weights, int8_bias, layer_moments(original, pack_model(model_object), operator, kind, shape,
                                                                                             images, held), per_tensor)
     # The bias's scale follows the weights' (TFLite: input scale x weight scale).
     bias_codes = np.clip(np.rint(float_bias / (input_scale * scales)), np.iinfo(np.int32).min, np.iinfo(np.int32).max).astype(np.int32)
@@ -315,6 +355,8 @@ def to_int4(data: bytes, images: np.ndarray, progress: Callable[[int, int], None
     eight_bit = eight_bit or {}
 
     fits = arena_neutral(model_object, [operator for position, (kind, operator) in enumerate(layers) if not _stays_int8(graph, position, kind, operator)])
+    original = OriginalInputs(data, [int(operator.inputs[0]) for position, (_, operator) in enumerate(layers)
+                                     if id(operator) in fits and position not in eight_bit], images)
     for position, (kind, operator) in enumerate(layers):
         shape = [int(dim) for dim in graph.tensors[int(operator.inputs[1])].shape]
         name = f"{kind} {'x'.join(map(str, shape))}"
@@ -324,7 +366,7 @@ def to_int4(data: bytes, images: np.ndarray, progress: Callable[[int, int], None
             kept.append(f"{name} ({why})")
             continue
         int8_state = _state(model_object, operator)
-        compensate = _layer_to_int4(data, model_object, operator, kind, images, held)
+        compensate = _layer_to_int4(original, model_object, operator, kind, images, held)
         name = f"{name} #{position}" if name in states else name
         states[name], positions[name] = (int8_state, _state(model_object, operator)), position
         made.append(name)
