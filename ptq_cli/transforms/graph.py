@@ -60,6 +60,9 @@ def drop_dead_nodes(model) -> None:
             model.graph.node.remove(node)
 
 
+WEIGHTED_OPS = ("Conv", "Gemm", "MatMul")  # the ONNX layers with weights that quantization, rounding and the pair rule act on
+
+
 GENERATED_NAME = re.compile(r"^(.*__)(\d+)(:\d+)?$")  # tf2onnx's numbered names, e.g. const_fold_opt__140, conv2d_1/BiasAdd__6:0
 
 
@@ -243,7 +246,6 @@ def keep_float_layers(model, float_nodes) -> int:
 
 
 SCORE_PASS_THROUGH = ("Softmax", "LogSoftmax", "Reshape", "Flatten", "Squeeze", "Identity")  # the scores' values or their order, nothing mixed in
-WEIGHTED_LAYERS = ("Conv", "Gemm", "MatMul")
 
 
 def float_scores(model) -> int:
@@ -257,7 +259,7 @@ def float_scores(model) -> int:
     graph = model.graph
     producers = {output: node for node in graph.node for output in node.output}
     constants = {init.name for init in graph.initializer} | {out for node in graph.node if node.op_type == "Constant" for out in node.output}
-    consumers: dict[str, int] = {}
+    consumers = {output.name: 1 for output in graph.output}  # a graph output is read by the caller
     for node in graph.node:
         for name in node.input:
             consumers[name] = consumers.get(name, 0) + 1
@@ -266,15 +268,15 @@ def float_scores(model) -> int:
         node = producers.get(name)
         return name in constants or (node is not None and node.op_type == "DequantizeLinear" and node.input[0] in constants)
 
-    pairs = []
+    pairs: dict[str, tuple] = {}  # by the DequantizeLinear's output: outputs may share a tail
     for output in graph.output:
         node = producers.get(output.name)
-        while node is not None and node.op_type not in WEIGHTED_LAYERS:
+        while node is not None and node.op_type not in WEIGHTED_OPS:
             if node.op_type == "DequantizeLinear":
                 quantize = producers.get(node.input[0])
                 if quantize is None or quantize.op_type != "QuantizeLinear" or consumers.get(quantize.output[0]) != 1 or is_constant(quantize.input[0]):
                     break
-                pairs.append((quantize, node))
+                pairs[node.output[0]] = (quantize, node)
                 node = producers.get(quantize.input[0])
             elif node.op_type in SCORE_PASS_THROUGH:
                 node = producers.get(node.input[0])
@@ -282,12 +284,12 @@ def float_scores(model) -> int:
                 node = producers.get(next(name for name in node.input if not is_constant(name)))
             else:
                 break
-    for quantize, dequantize in {id(pair[1]): pair for pair in pairs}.values():
-        position = list(graph.node).index(dequantize)
+    for quantize, dequantize in pairs.values():
+        graph.node.insert(list(graph.node).index(dequantize), helper.make_node("Identity", [quantize.input[0]], [dequantize.output[0]],
+                                                                               name=f"{dequantize.output[0]}_float_scores"))
         graph.node.remove(dequantize)
         graph.node.remove(quantize)
-        graph.node.insert(position - 1, helper.make_node("Identity", [quantize.input[0]], [dequantize.output[0]], name=f"{dequantize.name}_float_scores"))
-    return len({id(pair[1]) for pair in pairs})
+    return len(pairs)
 
 
 def preprocess(model, output: Path | str) -> None:

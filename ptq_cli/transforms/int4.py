@@ -135,9 +135,10 @@ class OriginalInputs:
     def __call__(self, tensor: int) -> np.ndarray:
         if tensor not in self.kept:
             coming = self.tensors[self.tensors.index(tensor):] if tensor in self.tensors else [tensor]
-            chosen = [coming[0]]
+            chosen, held_bytes = [tensor], self.sizes.get(tensor, 0)
             for following in coming[1:]:
-                if sum(self.sizes.get(name, 0) for name in chosen) + self.sizes[following] > ORIGINAL_BYTES:
+                held_bytes += self.sizes[following]
+                if held_bytes > ORIGINAL_BYTES:
                     break
                 chosen.append(following)
             self.kept = {}  # the earlier layers' inputs go before the next ones are collected

@@ -19,10 +19,9 @@ from collections.abc import Collection
 
 import numpy as np
 
-from ptq_cli.transforms.graph import depthwise_multiplier
+from ptq_cli.transforms.graph import WEIGHTED_OPS, depthwise_multiplier
 
 PAIR_LIMIT = 128  # 255 * 128 = 32,640 <= 32,767
-WEIGHTED_OPS = ("Conv", "Gemm", "MatMul")
 SHAPE_OPS = ("Shape", "Size")
 # Overflow fixes (`--overflow-fix`): the layers whose weights follow the pair rule.
 FIRST_LAYER, ALL_LAYERS, NO_FIX = "first-layer", "all-layers", "none"

@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 
+from ptq_cli.transforms.graph import WEIGHTED_OPS
 from ptq_cli.transforms.overflow import PAIR_LIMIT, is_depthwise, is_pair_safe, pair_sums, weight_rows
 
 LEARNED, NEAREST, AUTO = "learned", "nearest", "auto"
 ROUNDING_CHOICES = (AUTO, LEARNED, NEAREST)
-WEIGHTED = ("Conv", "Gemm", "MatMul")
 DAMPING = 0.01  # of the mean diagonal of H, as in GPTQ: keeps H invertible where inputs are correlated or dead
 BLOCK = 128  # columns rounded between two full error updates (GPTQ's lazy batch)
 ROW_BUDGET = 8_000_000  # floats of unfolded input rows held at once
@@ -73,7 +73,7 @@ def find_layers(model) -> list[Layer]:
     producers = {output: node for node in model.graph.node for output in node.output}
     layers = []
     for node in model.graph.node:
-        if node.op_type not in WEIGHTED or len(node.input) < 2:
+        if node.op_type not in WEIGHTED_OPS or len(node.input) < 2:
             continue
         attributes = _attributes(node)
         if node.op_type == "Gemm" and (attributes.get("transA") or attributes.get("alpha", 1.0) != 1.0 or attributes.get("beta", 1.0) != 1.0):
