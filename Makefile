@@ -48,8 +48,9 @@ sweep: install
 	$(PTQ) sweep --sparsity 0,0.3,0.5,0.7 --dtype int8
 	$(PTQ) report --markdown --plot
 
+# Two pytest workers (pytest-xdist): the study's `ptq run` on one, the other tests beside it (tests/conftest.py groups them).
 test: install
-	$(BIN)/python -m pytest --durations=40
+	$(BIN)/python -m pytest -n 2 --dist loadgroup --durations=40
 
 # Everything but the real-asset tests (no study run, no CIFAR): in-process, synthetic models and data;
 # the fuzz harness runs a quarter of its cases.
@@ -59,7 +60,7 @@ lint: install
 	$(BIN)/mypy
 
 test-fast: install
-	PTQ_FUZZ_SCALE=0.25 $(BIN)/python -m pytest -m "not real_assets"
+	PTQ_FUZZ_SCALE=0.25 $(BIN)/python -m pytest -n 2 --dist loadgroup -m "not real_assets"
 
 bench: install
 	$(BIN)/python benchmarks/pipeline.py

@@ -22,6 +22,10 @@ if "PTQ_CACHE_DIR" not in os.environ:
 # quantize's second quantization (what portability costs, on VNNI CPUs only) would make the suite slower on those
 # CPUs than on others: off unless a test asks for it (--portability-cost).
 os.environ.setdefault("PTQ_PORTABILITY_COST", "0")
+# pytest-xdist's workers start with COLUMNS=80 and LINES=24; rich fixes a console's size from them when the console is
+# made (ptq's, on import): the tests give the width of each call (`ptq(..., columns=)`) instead.
+for size in ("COLUMNS", "LINES"):
+    os.environ.pop(size, None)
 ASSETS = Path(os.environ.get("PTQ_ASSETS", REPO.parent / "shared" / "assets")).resolve()
 CIFAR = ASSETS / "cifar-10-batches-py"
 KERAS_MODEL = ASSETS / "mlperf-tiny-resnet8" / "pretrainedResnet.h5"
@@ -78,12 +82,24 @@ STUDY_EMULATION = ("--emulated-images", "50")
 REAL_ASSET_FIXTURES = {"assets", "resnet8_onnx", "pipeline", "pipeline_snapshot"}
 
 
-def pytest_collection_modifyitems(items) -> None:
+STUDY_FIXTURES = {"pipeline", "pipeline_snapshot"}
+# Tests that start Ray check that no Ray process or session folder outlives them: they share a worker with the
+# study, whose tune-on-Ray test would otherwise start Ray processes beside them.
+RAY_MODULES = {"test_workers.py"}
+
+
+def pytest_itemcollected(item) -> None:
     """A test on the real assets is marked `real_assets` whether it says so or uses a fixture that reads
-    them: `make test-fast` (-m "not real_assets") must not start the study."""
-    for item in items:
-        if REAL_ASSET_FIXTURES & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.real_assets)
+    them: `make test-fast` (-m "not real_assets") must not start the study.
+
+    Under pytest-xdist (`make test`: `-n 2 --dist loadgroup`) each test is grouped with those that must share its
+    worker (marked as it is collected, before xdist reads the groups): every test of the study (its session fixture
+    is made once, by one worker), with the Ray tests; any other test with its module's (a module's fixtures are made once)."""
+    fixtures = set(getattr(item, "fixturenames", ()))
+    if REAL_ASSET_FIXTURES & fixtures:
+        item.add_marker(pytest.mark.real_assets)
+    module = Path(str(item.fspath)).name
+    item.add_marker(pytest.mark.xdist_group("study" if STUDY_FIXTURES & fixtures or module in RAY_MODULES else module))
 
 
 @pytest.fixture(scope="session")
