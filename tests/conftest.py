@@ -98,7 +98,7 @@ def pytest_itemcollected(item) -> None:
     fixtures = set(getattr(item, "fixturenames", ()))
     if REAL_ASSET_FIXTURES & fixtures:
         item.add_marker(pytest.mark.real_assets)
-    module = Path(str(item.fspath)).name
+    module = item.path.name
     item.add_marker(pytest.mark.xdist_group("study" if STUDY_FIXTURES & fixtures or module in RAY_MODULES else module))
 
 

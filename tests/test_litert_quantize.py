@@ -372,7 +372,8 @@ def test_the_int8_models_layer_inputs_collected_several_a_pass_are_those_of_one_
     assert invoke("quantize", "--model", "two.onnx", "--backend", "litert", "--data", "colours.npz", "--output", "eight.tflite", cwd=study).exit_code == 0
     data = (study / "eight.tflite").read_bytes()
     schema = int4.schema_module()
-    tensors = [int(operator.inputs[0]) for _, operator in int4.weighted_ops(schema.ModelT.InitFromObj(schema.Model.GetRootAs(data, 0)))]
+    model_object = schema.ModelT.InitFromObj(schema.Model.GetRootAs(data, 0))
+    tensors = [int(operator.inputs[0]) for _, operator in int4.weighted_ops(model_object)]
     images = np.random.default_rng(3).integers(-128, 128, (130, 8, 8, 3), dtype=np.int8)  # more than one interpreter batch
     alone = {tensor: int4.layer_inputs(data, tensor, images) for tensor in tensors}
     passes: list[list[int]] = []
@@ -381,7 +382,7 @@ def test_the_int8_models_layer_inputs_collected_several_a_pass_are_those_of_one_
     for budget, expected in ((int4.ORIGINAL_BYTES, [tensors]), (1, [[tensor] for tensor in tensors])):
         monkeypatch.setattr(int4, "ORIGINAL_BYTES", budget)
         passes.clear()
-        original = int4.OriginalInputs(data, tensors, images)
+        original = int4.OriginalInputs(data, model_object.subgraphs[0], tensors, images)
         for tensor in tensors:
             np.testing.assert_array_equal(original(tensor), alone[tensor])
         assert passes == expected

@@ -123,9 +123,9 @@ class OriginalInputs:
     """The unchanged int8 model's input to each layer, in order: one interpreter pass collects the inputs of as many of
     the coming layers as ORIGINAL_BYTES holds, rather than one pass a layer (the model does not change under them)."""
 
-    def __init__(self, data: bytes, tensors: list[int], images: np.ndarray) -> None:
+    def __init__(self, data: bytes, graph, tensors: list[int], images: np.ndarray) -> None:
+        """`graph`: the subgraph of `data`, as the caller parsed it (its activation tensors' shapes and types)."""
         schema = schema_module()
-        graph = schema.ModelT.InitFromObj(schema.Model.GetRootAs(data, 0)).subgraphs[0]
         widths = {schema.TensorType.INT8: 1, schema.TensorType.UINT8: 1, schema.TensorType.INT16: 2}
         self.data, self.images, self.tensors = data, images, list(dict.fromkeys(tensors))
         self.sizes = {tensor: int(np.prod(graph.tensors[tensor].shape[1:])) * len(images) * widths.get(graph.tensors[tensor].type, 4)
@@ -356,8 +356,8 @@ def to_int4(data: bytes, images: np.ndarray, progress: Callable[[int, int], None
     eight_bit = eight_bit or {}
 
     fits = arena_neutral(model_object, [operator for position, (kind, operator) in enumerate(layers) if not _stays_int8(graph, position, kind, operator)])
-    original = OriginalInputs(data, [int(operator.inputs[0]) for position, (_, operator) in enumerate(layers)
-                                     if id(operator) in fits and position not in eight_bit], images)
+    original = OriginalInputs(data, graph, [int(operator.inputs[0]) for position, (_, operator) in enumerate(layers)
+                                            if id(operator) in fits and position not in eight_bit], images)
     for position, (kind, operator) in enumerate(layers):
         shape = [int(dim) for dim in graph.tensors[int(operator.inputs[1])].shape]
         name = f"{kind} {'x'.join(map(str, shape))}"
