@@ -80,6 +80,26 @@ def test_no_ray_process_or_file_outlives_the_command(project, tmp_path, scratch_
     assert set(Path("/tmp").glob("ptq-ray-*")) <= sessions
 
 
+def test_a_process_of_the_instance_that_holds_no_file_in_its_folder_is_stopped_too(tmp_path):
+    """A worker that Ray is still starting has opened nothing in the session folder yet: it is known by its
+    command line or its TMPDIR, and stopped before the command returns. Processes that only look alike stay."""
+    folder = tmp_path / "ptq-ray-session"
+    folder.mkdir()
+    sleep = [sys.executable, "-c", "import time; time.sleep(120)"]
+    instance = [subprocess.Popen([*sleep, f"--temp-dir={folder}"]), subprocess.Popen([*sleep, f"{folder}/sockets/raylet"]),
+                subprocess.Popen(sleep, env={**os.environ, "TMPDIR": str(folder)})]
+    others = [subprocess.Popen([*sleep, f"{folder}-other"]), subprocess.Popen(sleep, env={**os.environ, "TMPDIR": f"{folder}-other"})]
+    try:
+        time.sleep(0.5)  # each has exec'd its interpreter
+        executor_service._stop_left_over(str(folder))
+        assert [Path(f"/proc/{process.pid}").exists() for process in instance] == [False] * 3  # stopped, and reaped
+        assert [process.poll() for process in others] == [None, None]
+    finally:
+        for process in instance + others:
+            process.kill()
+            process.wait()
+
+
 def test_the_environment_is_as_it_was_after_a_local_instance():
     """Ray's start sets variables in the process's environment (RAY_AUTH_MODE=token): a local instance started
     afterwards by a child process, with that environment, would not come up."""

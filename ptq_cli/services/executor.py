@@ -180,21 +180,44 @@ def executor(workers: Workers) -> Iterator[Executor]:
 
 
 def _stop_left_over(folder: str) -> None:
-    """Stops what is left of a local instance ptq started: the processes with a file open in its session folder
-    (Ray's agents outlive a head that was killed, and ray.shutdown cannot reach them then)."""
-    stopped = []
+    """Stops what is left of a local instance ptq started, and waits until it is gone (Ray's agents outlive a
+    head that was killed, and ray.shutdown cannot reach them then). Scanned again after each kill: a raylet
+    that is dying may still be starting a worker."""
+    deadline = time.monotonic() + CONNECT_SECONDS
+    stopped: set[int] = set()
+    while time.monotonic() < deadline:
+        left = _instance_processes(folder)
+        for pid in left:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        stopped |= set(left)
+        for pid in list(stopped):
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(pid, os.WNOHANG)  # reaped here if it is this process's child (the head's), else by its parent
+            if not Path(f"/proc/{pid}").exists():
+                stopped.discard(pid)
+        if not left and not stopped:
+            return
+        time.sleep(0.05)
+
+
+def _instance_processes(folder: str) -> list[int]:
+    """The running processes of the local instance whose session is `folder`: those with a file open in it,
+    naming it on their command line or given it as TMPDIR (a worker still starting has opened nothing yet)."""
+    found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            if any(os.readlink(descriptor).startswith(folder + os.sep) for descriptor in (entry / "fd").iterdir()):
-                os.kill(int(entry.name), signal.SIGKILL)
-                stopped.append(entry)
-        except OSError:  # gone meanwhile, or not ours
+            if (entry / "stat").read_text().rpartition(")")[2].split()[0] == "Z":
+                continue  # ended; waited for above if it was one of the instance's
+            arguments, environment = (entry / "cmdline").read_bytes() + b"\0", b"\0" + (entry / "environ").read_bytes() + b"\0"
+            named = any(folder.encode() + end in arguments for end in (b"/", b"\0")) or b"\0TMPDIR=" + folder.encode() + b"\0" in environment
+            if named or any(os.readlink(descriptor).startswith(folder + os.sep) for descriptor in (entry / "fd").iterdir()):
+                found.append(int(entry.name))
+        except (OSError, IndexError):  # gone meanwhile, or not ours
             continue
-    deadline = time.monotonic() + CONNECT_SECONDS
-    while any(entry.exists() for entry in stopped) and time.monotonic() < deadline:  # gone when the command returns
-        time.sleep(0.05)
+    return found
 
 
 # Ray's sockets lie some 75 characters deep in its session folder, and a socket's path holds at most 107.
