@@ -83,9 +83,6 @@ REAL_ASSET_FIXTURES = {"assets", "resnet8_onnx", "pipeline", "pipeline_snapshot"
 
 
 STUDY_FIXTURES = {"pipeline", "pipeline_snapshot"}
-# Tests that start Ray check that no Ray process or session folder outlives them: they share a worker with the
-# study, whose tune-on-Ray test would otherwise start Ray processes beside them.
-RAY_MODULES = {"test_workers.py"}
 
 
 def pytest_itemcollected(item) -> None:
@@ -94,12 +91,13 @@ def pytest_itemcollected(item) -> None:
 
     Under pytest-xdist (`make test`: `-n 2 --dist loadgroup`) each test is grouped with those that must share its
     worker (marked as it is collected, before xdist reads the groups): every test of the study (its session fixture
-    is made once, by one worker), with the Ray tests; any other test with its module's (a module's fixtures are made once)."""
+    is made once, by one worker); any other test with its module's (a module's fixtures are made once). Two local Ray
+    instances may run at once (the study's tune on Ray, test_workers.py's): each keeps to its own session folder."""
     fixtures = set(getattr(item, "fixturenames", ()))
     if REAL_ASSET_FIXTURES & fixtures:
         item.add_marker(pytest.mark.real_assets)
     module = item.path.name
-    item.add_marker(pytest.mark.xdist_group("study" if STUDY_FIXTURES & fixtures or module in RAY_MODULES else module))
+    item.add_marker(pytest.mark.xdist_group("study" if STUDY_FIXTURES & fixtures else module))
 
 
 @pytest.fixture(scope="session")

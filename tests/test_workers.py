@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -49,11 +50,46 @@ def _figures(result: dict) -> list:
              for candidate in result["candidates"]]]
 
 
-def _ray_processes() -> set[int]:
-    """Ray's own processes on this machine (its GCS, raylet and workers)."""
-    listing = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True, check=True).stdout
-    return {int(line.split(None, 1)[0]) for line in listing.splitlines()
-            if any(mark in line for mark in ("gcs_server", "raylet", "ray::", "default_worker.py"))}
+SESSION_NAME = re.compile(rb"/[^\0\s]*?/ptq-ray-[A-Za-z0-9_]+")
+
+
+def _named_sessions() -> dict[int, set[bytes]]:
+    """Each live process of Ray's (its GCS, raylet, agents and workers) that names a ptq Ray session folder (on its
+    command line, in its environment or as an open file), and the folders it names. Another test's instance may run
+    meanwhile (on the other pytest worker): its processes name its own folder, which exists while they live. (A
+    process that was a driver keeps its Ray log files open after ray.shutdown: not Ray's, not counted.)"""
+    named = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if (entry / "stat").read_text().rpartition(")")[2].split()[0] == "Z":
+                continue  # ended
+            texts = [(entry / "cmdline").read_bytes(), (entry / "environ").read_bytes()]
+            if not (texts[0].startswith(b"ray::") or b"/ray/" in texts[0]):
+                continue
+            texts += [os.readlink(descriptor).encode() for descriptor in (entry / "fd").iterdir()]
+        except OSError:
+            continue
+        folders = {match.group() for text in texts for match in SESSION_NAME.finditer(text)}
+        if folders:
+            named[int(entry.name)] = folders
+    return named
+
+
+def _left_over(sessions_before: set[Path]) -> tuple[dict[int, set[bytes]], set[Path]]:
+    """(the processes that name a session folder that is gone, the session folders in /tmp made since
+    `sessions_before` that no process names): what ended instances left. Asked again for a few seconds, as an
+    instance starting or stopping beside this test may be between making its folder and starting its processes."""
+    deadline = time.monotonic() + 20
+    while True:
+        named = _named_sessions()
+        orphans = {pid: folders for pid, folders in named.items() if not all(Path(folder.decode()).exists() for folder in folders)}
+        in_use = {Path(folder.decode()) for folders in named.values() for folder in folders}
+        unused = set(Path("/tmp").glob("ptq-ray-*")) - sessions_before - in_use
+        if (not orphans and not unused) or time.monotonic() > deadline:
+            return orphans, unused
+        time.sleep(0.5)
 
 
 def test_tune_on_ray_chooses_what_it_chooses_here_and_writes_the_same_bytes(project):
@@ -69,15 +105,14 @@ def test_tune_on_ray_chooses_what_it_chooses_here_and_writes_the_same_bytes(proj
 def test_no_ray_process_or_file_outlives_the_command(project, tmp_path, scratch_path):
     """Ray's session and its workers' temporary files go to the command's temporary folder (TMPDIR), or /tmp
     where that path is too long for Ray's sockets, and go with the command."""
-    before, sessions = _ray_processes(), set(Path("/tmp").glob("ptq-ray-*"))
+    sessions = set(Path("/tmp").glob("ptq-ray-*"))
     with tempfile.TemporaryDirectory(dir="/tmp" if scratch_path == "short" else tmp_path) as scratch:
         command = [sys.executable, "-m", "ptq_cli", *TUNE, "--workers", "2", "--output", "models/t.onnx"]
         finished = subprocess.run(command, cwd=project, capture_output=True, text=True, timeout=600, check=False, env={**os.environ, "TMPDIR": scratch})
         assert finished.returncode == 0, finished.stderr
         assert json.loads(finished.stdout)["chosen"]
-        assert _ray_processes() <= before
+        assert _left_over(sessions) == ({}, set())
         assert [path.name for path in Path(scratch).iterdir() if path.name != ".ses"] == []  # .ses: onnxruntime's, made as it is imported
-    assert set(Path("/tmp").glob("ptq-ray-*")) <= sessions
 
 
 def test_a_process_of_the_instance_that_holds_no_file_in_its_folder_is_stopped_too(tmp_path):
@@ -226,17 +261,19 @@ def test_candidates_scored_on_ray_are_not_scored_again_here(project, monkeypatch
 
 
 def test_a_cluster_gone_mid_run_is_said_in_one_line_and_nothing_is_left():
-    before = _ray_processes()
+    sessions = set(Path("/tmp").glob("ptq-ray-*"))
 
     def kills_the_cluster(item: int, _shared: None) -> int:
-        """The second task kills the instance's head (its GCS and raylet), as a crashed or stopped cluster."""
+        """The second task kills the instance's head (its GCS and raylet: those naming its session folder, the
+        worker's TMPDIR), as a crashed or stopped cluster."""
         if item == 1:
+            session = os.environ["TMPDIR"].encode()
             for entry in Path("/proc").iterdir():
                 try:
                     args = (entry / "cmdline").read_bytes() if entry.name.isdigit() else b""
                 except OSError:
                     continue
-                if b"gcs_server" in args or b"raylet" in args:
+                if (b"gcs_server" in args or b"raylet" in args) and session + b"/" in args:
                     os.kill(int(entry.name), signal.SIGKILL)
         time.sleep(1)
         return item
@@ -245,7 +282,7 @@ def test_a_cluster_gone_mid_run_is_said_in_one_line_and_nothing_is_left():
             executor_service.executor(executor_service.Workers(2)) as runs:
         runs.map(kills_the_cluster, [0, 1, 2, 3])
     assert not ray.is_initialized()
-    assert _ray_processes() <= before
+    assert _left_over(sessions) == ({}, set())
 
 
 @pytest.fixture(scope="module")

@@ -157,10 +157,25 @@ def _unfolded(inputs: np.ndarray, operator, kind: str, shape: list[int]) -> np.n
     return rows.astype(np.float64)
 
 
+def up_to(model_object, tensor: int) -> bytes:
+    """The model as far as the operator that makes `tensor`, which becomes its output: what the operators after
+    it would compute is not needed to read it (each operator's result depends on its inputs alone)."""
+    graph = model_object.subgraphs[0]
+    operators, outputs = graph.operators, graph.outputs
+    last = max((position for position, operator in enumerate(operators) if tensor in list(operator.outputs)), default=None)
+    if last is None:  # a graph input
+        return pack_model(model_object)
+    graph.operators, graph.outputs = operators[: last + 1], [tensor]
+    try:
+        return pack_model(model_object)
+    finally:
+        graph.operators, graph.outputs = operators, outputs
+
+
 def layer_rows(model_object, operator, kind: str, shape: list[int], images: np.ndarray) -> np.ndarray:
     """The rows (float64) a CONV_2D or FULLY_CONNECTED output sums over, in its filter's order, as the model (its
     earlier layers as they are now) feeds the operator on `images`."""
-    return _unfolded(layer_inputs(pack_model(model_object), int(operator.inputs[0]), images), operator, kind, shape)
+    return _unfolded(layer_inputs(up_to(model_object, int(operator.inputs[0])), int(operator.inputs[0]), images), operator, kind, shape)
 
 
 def layer_moments(original: OriginalInputs, current: bytes, operator, kind: str, shape: list[int], images: np.ndarray,
@@ -326,8 +341,8 @@ def _layer_to_int4(original: OriginalInputs, model_object, operator, kind: str, 
     input_scale = float(graph.tensors[input_tensor].quantization.scale[0])
     int8_bias = np.frombuffer(bytes(model_object.buffers[bias.buffer].data), np.int32).astype(np.float64) * input_scale * np.broadcast_to(
         int8_scales, (shape[0],))
-    compensate, (codes, scales, float_bias) = _chosen_fit(weights, int8_bias, layer_moments(original, pack_model(model_object), operator, kind, shape,
-                                                                                            images, held), per_tensor)
+    compensate, (codes, scales, float_bias) = _chosen_fit(weights, int8_bias, layer_moments(original, up_to(model_object, input_tensor), operator, kind,
+                                                                                            shape, images, held), per_tensor)
     # The bias's scale follows the weights' (TFLite: input scale x weight scale).
     bias_codes = np.clip(np.rint(float_bias / (input_scale * scales)), np.iinfo(np.int32).min, np.iinfo(np.int32).max).astype(np.int32)
     model_object.buffers[bias.buffer].data = np.frombuffer(bias_codes.tobytes(), np.uint8)
