@@ -386,6 +386,15 @@ def test_the_int8_models_layer_inputs_collected_several_a_pass_are_those_of_one_
         for tensor in tensors:
             np.testing.assert_array_equal(original(tensor), alone[tensor])
         assert passes == expected
+    # The model cut at a layer's input reads it as the whole model does, in fewer operators, and the model stays whole.
+    monkeypatch.setattr(int4, "tensor_codes", collect)
+    graph, before = model_object.subgraphs[0], int4.pack_model(model_object)
+    for tensor in tensors:
+        cut = int4.up_to(model_object, tensor)
+        np.testing.assert_array_equal(int4.layer_inputs(cut, tensor, images), alone[tensor])
+        operators = schema.Model.GetRootAs(cut, 0).Subgraphs(0).OperatorsLength()
+        assert operators < len(graph.operators) or tensor in list(graph.inputs), tensor
+    assert int4.pack_model(model_object) == before
 
 
 def test_int4_codes_leave_less_output_error_than_plain_rounding():
