@@ -221,8 +221,9 @@ def grey_folder(root: Path, count: int = 24, size: int = 16, seed: int = 0) -> P
     return root
 
 
-def two_conv_classifier(path: Path, size: int = 16) -> Path:
-    """NCHW 3 x 16 x 16 -> Conv 3->16 (3x3) -> Relu -> Conv 16->24 (3x3, stride 2) -> Relu -> mean -> Gemm -> 10 scores -> Softmax."""
+def two_conv_classifier(path: Path, size: int = 16, pool: str = "GlobalAveragePool") -> Path:
+    """NCHW 3 x 16 x 16 -> Conv 3->16 (3x3) -> Relu -> Conv 16->24 (3x3, stride 2) -> Relu -> mean -> Gemm -> 10 scores -> Softmax.
+    The mean is a GlobalAveragePool, or with `pool="AveragePool"` the same mean as an AveragePool over the whole map."""
     rng = np.random.default_rng(3)
     initializers = [numpy_helper.from_array(rng.normal(0, 0.3, (16, 3, 3, 3)).astype(np.float32), "w1"),
                     numpy_helper.from_array(rng.normal(0, 0.05, 16).astype(np.float32), "b1"),
@@ -233,7 +234,7 @@ def two_conv_classifier(path: Path, size: int = 16) -> Path:
              helper.make_node("Relu", ["c1"], ["r1"]),
              helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1], strides=[2, 2], name="conv2"),
              helper.make_node("Relu", ["c2"], ["r2"]),
-             helper.make_node("GlobalAveragePool", ["r2"], ["pooled"]),
+             helper.make_node(pool, ["r2"], ["pooled"], **({"kernel_shape": [size // 2, size // 2]} if pool == "AveragePool" else {})),
              helper.make_node("Flatten", ["pooled"], ["flat"]),
              helper.make_node("Gemm", ["flat", "w3"], ["logits"], name="classifier"),
              helper.make_node("Softmax", ["logits"], ["scores"], axis=1)]

@@ -58,7 +58,7 @@ from ptq_cli.errors import PtqError, first_line
 from ptq_cli.guards import bounded
 from ptq_cli.guards.atomic import WRITE_FAILURES, atomic_output
 from ptq_cli.transforms import overflow, ranges, rounding
-from ptq_cli.transforms.graph import float_scores, keep_float_layers, preprocess
+from ptq_cli.transforms.graph import float_scores, keep_float_layers, preprocess, whole_map_average_pools
 from ptq_cli.transforms.space_to_depth import Rewrite, quantized_pads, space_to_depth_convs
 
 NAME = "onnxruntime"
@@ -333,43 +333,56 @@ def _within_task_cpus(calibrator) -> None:
     calibrator.infer_session = ort.InferenceSession(calibrator.augmented_model_path, sess_options=options, providers=calibrator.execution_providers)
 
 
-def stem_nodes(graph) -> list[str]:
-    """The names of the stem's weighted nodes (`overflow.first_layers`) and of every node between the input and
-    them, unnamed ones named here so that quantize_static can leave them in float. A float stem whose input
-    came from a DequantizeLinear would not stay float: onnxruntime's optimizer quantizes the weights of a
-    float Conv between a DequantizeLinear and a QuantizeLinear when it loads the model."""
+def _named(graph, nodes: list, prefix: str) -> list[str]:
+    """The nodes' names, an unnamed one named here (`prefix`_index, unique in the graph) so that quantize_static
+    can be told to leave it in float."""
     names = {node.name for node in graph.graph.node}
-    stem, before = overflow.walk_to_stem(graph)
-    for index, node in enumerate([*stem, *before]):
+    for index, node in enumerate(nodes):
         if not node.name:
-            node.name = f"ptq_stem_{index}"
+            node.name = f"{prefix}_{index}"
             while node.name in names:
                 node.name += "_"
             names.add(node.name)
-    return [node.name for node in [*stem, *before]]
+    return [node.name for node in nodes]
+
+
+def stem_nodes(graph) -> list[str]:
+    """The names of the stem's weighted nodes (`overflow.first_layers`) and of every node between the input and
+    them, to be left in float. A float stem whose input came from a DequantizeLinear would not stay float:
+    onnxruntime's optimizer quantizes the weights of a float Conv between a DequantizeLinear and a QuantizeLinear
+    when it loads the model."""
+    stem, before = overflow.walk_to_stem(graph)
+    return _named(graph, [*stem, *before], "ptq_stem")
 
 
 def output_softmax_nodes(graph) -> list[str]:
-    """The Softmax / LogSoftmax nodes that give the graph's outputs, named here if unnamed: left in float, so
-    the probabilities are not rounded to multiples of 1/255 (nothing runs after them to gain from int8)."""
+    """The Softmax / LogSoftmax nodes that give the graph's outputs, to be left in float, so the probabilities are
+    not rounded to multiples of 1/255 (nothing runs after them to gain from int8)."""
     outputs = {value.name for value in graph.graph.output}
-    names = {node.name for node in graph.graph.node}
-    found = []
-    for index, node in enumerate(graph.graph.node):
-        if node.op_type in ("Softmax", "LogSoftmax") and outputs.intersection(node.output):
-            if not node.name:
-                node.name = f"ptq_output_softmax_{index}"
-                while node.name in names:
-                    node.name += "_"
-                names.add(node.name)
-            found.append(node.name)
-    return found
+    found = [node for node in graph.graph.node if node.op_type in ("Softmax", "LogSoftmax") and outputs.intersection(node.output)]
+    return _named(graph, found, "ptq_output_softmax")
 
 
-def _graph_to_quantize(model, settings: QuantizationSettings, workdir: Path) -> tuple[Any, list[Rewrite], dict | None, list[str]]:
-    """(what quantize_static takes: the ModelProto or a rewritten graph's path, the space-to-depth rewrites,
-    the weight scale overrides of the overflow fix, the nodes left in float): onnxruntime's pre-processing,
-    then ptq's rewrites."""
+def pooled_feature_nodes(graph) -> list[str]:
+    """The average pools over a whole map (`whole_map_average_pools`), to be left in float: the layer that reads the
+    pooled features then quantizes them on their own calibrated range, as after a GlobalAveragePool (which
+    quantize_static leaves float), not on the scale of the map they average."""
+    return _named(graph, whole_map_average_pools(graph), "ptq_pooled_features")
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """What quantize_static takes, after onnxruntime's pre-processing and ptq's rewrites."""
+
+    source: str  # the rewritten graph's path
+    rewrites: list[Rewrite]  # space-to-depth
+    overrides: dict | None  # the weight scales of the overflow fix
+    float_nodes: list[str]  # the nodes left in float
+    pools: list[str]  # of those, the average pools over a whole map
+
+
+def _graph_to_quantize(model, settings: QuantizationSettings, workdir: Path) -> _Prepared:
+    """onnxruntime's pre-processing, then ptq's rewrites, saved in `workdir` for quantize_static."""
     import onnx
 
     source = model
@@ -379,6 +392,8 @@ def _graph_to_quantize(model, settings: QuantizationSettings, workdir: Path) -> 
     graph = onnx.load(source) if isinstance(source, str) else onnx.ModelProto.FromString(model.SerializeToString())
     float_nodes = list(settings.float_nodes)
     float_nodes += [name for name in output_softmax_nodes(graph) if name not in float_nodes]
+    pools = [name for name in pooled_feature_nodes(graph) if name not in float_nodes]
+    float_nodes += pools
     if settings.stem == "float":
         float_nodes += [name for name in stem_nodes(graph) if name not in float_nodes]
     missing = sorted(set(float_nodes) - {node.name for node in graph.graph.node})
@@ -392,7 +407,7 @@ def _graph_to_quantize(model, settings: QuantizationSettings, workdir: Path) -> 
     overrides = None
     if settings.overflow_fix in overflow.OVERFLOW_FIXES and settings.weight_dtype == "int8":
         overrides = overflow.weight_overrides(graph, settings.overflow_fix, bool(settings.per_channel), set(float_nodes))
-    return source, rewrites, overrides, float_nodes
+    return _Prepared(source, rewrites, overrides, float_nodes, pools)
 
 
 LEARNED, NEAREST = rounding.LEARNED, rounding.NEAREST
@@ -690,8 +705,10 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
         notes.append(f"fixed batch {described.batch} made symbolic in the quantized model (same outputs)")
 
     with tempfile.TemporaryDirectory(prefix="ptq-quantize-") as workdir:
-        source, rewrites, overrides, float_nodes = _graph_to_quantize(model, settings, Path(workdir))
-
+        prepared = _graph_to_quantize(model, settings, Path(workdir))
+        source, rewrites, overrides, float_nodes = prepared.source, prepared.rewrites, prepared.overrides, prepared.float_nodes
+        notes += [f"average pool {name}: left in float, so the layer reading it quantizes the pooled features on their own range "
+                  "(onnxruntime would give them the scale of the whole maps)" for name in prepared.pools]
         finish = partial(_finish, rewrites=rewrites, float_nodes=float_nodes)
         done = 0  # images already shown on the progress bar, before this phase
         search = settings.method == AUTO_METHOD

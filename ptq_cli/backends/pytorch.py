@@ -146,14 +146,50 @@ def first_layer_modules(module) -> list[str]:
     return found
 
 
+def _averages_whole_maps(module) -> bool:
+    """A module that averages over space: torch's average pools, onnx2torch's GlobalAveragePool and ReduceMean."""
+    import torch
+
+    pools = (torch.nn.AvgPool1d, torch.nn.AvgPool2d, torch.nn.AvgPool3d, torch.nn.AdaptiveAvgPool1d, torch.nn.AdaptiveAvgPool2d,
+             torch.nn.AdaptiveAvgPool3d)
+    name = type(module).__name__
+    return isinstance(module, pools) or name.startswith("OnnxGlobalAveragePool") or getattr(module, "operation_type", None) == "ReduceMean"
+
+
+def whole_map_pools(module, example) -> list[str]:
+    """The averaging modules that leave one value per channel on `example` (a global average pool, however written):
+    torch.ao gives a pool's or a mean's output its input's quantization parameters, so the pooled features would
+    keep a few codes of the whole maps' range; left in float, the next layer observes them on their own."""
+    import torch
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    try:
+        with torch.no_grad():
+            ShapeProp(module).propagate(example)
+    except Exception:  # noqa: BLE001  a graph shape propagation cannot run: its pools stay as torch.ao quantizes them
+        return []
+    found = []
+    for node in module.graph.nodes:
+        if node.op != "call_module" or not _averages_whole_maps(module.get_submodule(node.target)) or not node.args:
+            continue
+        source = getattr(node.args[0], "meta", {}).get("tensor_meta")
+        result = node.meta.get("tensor_meta")
+        if source is None or result is None or len(source.shape) < 3:
+            continue
+        values, channels = int(np.prod(result.shape[1:])), {source.shape[1], source.shape[-1]}
+        if values in channels and values < int(np.prod(source.shape[1:])):
+            found.append(node.target)
+    return found
+
+
 def qconfig_mapping(per_channel: bool, method: str, overflow_fix: str = overflow.NO_FIX, first_layers: tuple[str, ...] = (),
-                    float_stem: bool = False):
+                    float_stem: bool = False, float_modules: tuple[str, ...] = ()):
     """Weights: signed int8, symmetric (the x86 quantized kernels need that). Activations: unsigned 8-bit.
 
     fbgemm without VNNI adds pairs of u8 x s8 products into a saturating int16 (`--cpus all`): "all-layers"
     keeps 7-bit activations (torch.ao's own x86 default, `reduce_range`; 2 * 127 * 128 never overflows);
     "first-layer" gives the `first_layers` modules' weights pair-safe scales and keeps 8-bit activations;
-    with `float_stem` they stay in float instead (the image then meets no int8 weights).
+    with `float_stem` they stay in float instead (the image then meets no int8 weights). `float_modules` stay in float.
     """
     import torch
     from torch.ao.quantization import QConfig, get_default_qconfig_mapping
@@ -168,6 +204,8 @@ def qconfig_mapping(per_channel: bool, method: str, overflow_fix: str = overflow
     activation = observer.with_args(dtype=torch.quint8, reduce_range=overflow_fix == overflow.ALL_LAYERS)
     # The x86 mapping keeps its fixed-range settings for ops like softmax; everything else gets ours.
     mapping = get_default_qconfig_mapping(ENGINE).set_global(QConfig(activation=activation, weight=weight))
+    for name in float_modules:
+        mapping.set_module_name(name, None)
     if float_stem:
         for name in first_layers:
             mapping.set_module_name(name, None)
@@ -287,8 +325,9 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     float_module = onnx_to_graph_module(model, fold=settings.preprocess)
     batches = _batches(calibration, fixed)
     example = torch.from_numpy(batches[0][:1] if fixed is None else batches[0])
+    pools = whole_map_pools(float_module, example)
     mapping = qconfig_mapping(bool(settings.per_channel), settings.method, settings.overflow_fix or overflow.NO_FIX,
-                              tuple(first_layer_modules(float_module)), float_stem=settings.stem == "float")
+                              tuple(first_layer_modules(float_module)), float_stem=settings.stem == "float", float_modules=tuple(pools))
     prepared = prepare_fx(float_module, mapping, (example,))
     drop_integer_observers(prepared, example)
     clamp_conv_outputs(prepared, settings.overflow_fix == overflow.ALL_LAYERS)
@@ -303,8 +342,11 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     with atomic_output(output) as tmp:
         save_torchscript(quantized, tmp, batches[0][: 8 if fixed is None else fixed], contents, described)
         size = tmp.stat().st_size
-    notes = () if described.batch is None or fixed is not None else (f"fixed batch {described.batch} made symbolic (same outputs)",)
-    return QuantizedFile(size, (), notes)
+    notes = [f"average pool {name}: left in float, so the layer reading it quantizes the pooled features on their own range "
+             "(torch.ao would give them the scale of the whole maps)" for name in pools]
+    if described.batch is not None and fixed is None:
+        notes.append(f"fixed batch {described.batch} made symbolic (same outputs)")
+    return QuantizedFile(size, (), tuple(notes))
 
 
 def _read_metadata(raw: str) -> dict:

@@ -187,6 +187,26 @@ def depthwise_multiplier(node, weight_dims) -> int:
     return dims[0] // group
 
 
+def whole_map_average_pools(model) -> list:
+    """The AveragePool nodes that leave one value per channel (their output's spatial dimensions are all 1, by shape
+    inference): a global average pool written as AveragePool, as Keras' AveragePooling2D before a classifier exports.
+    onnxruntime's QDQ quantizer gives an AveragePool's output its input's scale; an average over a whole map spans
+    a fraction of that range, so the features the classifier reads would keep a few codes of it."""
+    import onnx
+
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # noqa: BLE001  a model over protobuf's 2 GB, or one the checker rejects: what is annotated
+        inferred = model
+    shapes = {value.name: value.type.tensor_type.shape.dim for value in (*inferred.graph.value_info, *inferred.graph.output)}
+    found = []
+    for node in model.graph.node:
+        dims = shapes.get(node.output[0]) if node.op_type == "AveragePool" else None
+        if dims is not None and len(dims) > 2 and all(dim.HasField("dim_value") and dim.dim_value == 1 for dim in dims[2:]):
+            found.append(node)
+    return found
+
+
 def clamped_activations(model) -> list[str]:
     """The Clip nodes with a finite upper bound (ReLU6 and its kin): their outputs pile up at the top code,
     where pairs of u8 x s8 products overflow on x86 CPUs without VNNI far more often than after a ReLU."""
