@@ -48,13 +48,13 @@ def train_only_data(tmp_path):
 def test_tune_with_an_impossible_budget_keeps_the_best_and_never_reads_the_test_batch(pipeline, train_only_data, tmp_path):
     output = tmp_path / "tuned.onnx"
     run = ptq_ok(
-        "tune", "--dtype", "int8", "--max-drop", "0", "--method", "minmax", "--per-tensor", "--max-float-layers", "0",
+        "tune", "--dtype", "int8", "--max-drop", "0", "--method", "minmax", "--per-tensor", "--max-float-layers", "0", "--stem", "int8",
         "--validation-per-class", "100", "--data-dir", train_only_data, "--output", output, "--results-dir", tmp_path / "results",
         "--json", cwd=pipeline,
     )
     result = json.loads(run.stdout)
     drops = [candidate["accuracy_drop"] for candidate in result["candidates"]]
-    assert min(drops) > 0, drops  # the budget really is out of reach for per-tensor MinMax
+    assert min(drops) > 0, drops  # the budget really is out of reach for per-tensor MinMax with an 8-bit stem
     assert result["met_budget"] is False and "no candidate is within 0 points" in result["reason"]
     assert result["chosen"]["validation_accuracy"] == max(c["validation_accuracy"] for c in result["candidates"])
     assert [c["stage"] for c in result["candidates"]] == ["method", "size", "size"]
@@ -69,7 +69,7 @@ def test_tune_with_an_impossible_budget_keeps_the_best_and_never_reads_the_test_
 
 def test_tune_text_output_says_no_candidate_met_the_budget(pipeline, train_only_data, tmp_path):
     run = ptq(
-        "tune", "--max-drop", "0", "--method", "minmax", "--per-tensor", "--max-float-layers", "0", "--validation-per-class", "50", "--stem", "int8",
+        "tune", "--max-drop", "0", "--method", "minmax", "--per-tensor", "--max-float-layers", "0", "--validation-per-class", "100", "--stem", "int8",
         "--data-dir", train_only_data, "--output", tmp_path / "t.onnx", "--results-dir", tmp_path / "r", cwd=pipeline,
     )
     assert run.returncode == 0, run.stderr
