@@ -259,3 +259,24 @@ def full_integer_tflite(model, rng: np.random.Generator, weight_std: float, samp
     converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
     converter.inference_input_type = converter.inference_output_type = tf.int8
     return converter.convert()
+
+
+def png_images(folder: Path) -> np.ndarray:
+    """The folder's PNG images in name order, as NCHW float32 in [0, 1] (what `--preprocess unit` feeds)."""
+    return np.stack([np.asarray(Image.open(path), np.float32).transpose(2, 0, 1) / 255 for path in sorted(folder.glob("*.png"))])
+
+
+def scores_before_softmax(model, images: np.ndarray) -> np.ndarray:
+    """The float scores a model's output Softmax reads (what quantize's measurements judge), as onnxruntime computes
+    them on its exact int8 path (the same on CPUs with and without VNNI); `model` is an onnx.ModelProto."""
+    import onnxruntime as ort
+
+    from ptq_cli.backends.model_file import EXACT_PATH_CONFIG
+
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    name = next(node.input[0] for node in model.graph.node if node.op_type == "Softmax")
+    model.graph.output.append(helper.make_empty_tensor_value_info(name))
+    options = ort.SessionOptions()
+    options.add_session_config_entry(EXACT_PATH_CONFIG, "1")
+    first = model.graph.input[0].name
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run([name], {first: images})[0]

@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import numpy_helper
-from synthetic import invoke, smooth_photos, two_conv_classifier
+from synthetic import invoke, png_images, scores_before_softmax, smooth_photos, two_conv_classifier
 
 from ptq_cli.backends.base import AUTO_METHOD, METHOD_CANDIDATES, METHOD_MARGIN_DB, chosen_method, describe_settings
 from ptq_cli.services.quant_settings import describe_method, make_settings
@@ -132,28 +132,6 @@ def test_a_plain_onnxruntime_quantize_gets_the_speed_target_and_a_type_given_kee
     assert make_settings(backend="pytorch").target is None
 
 
-def _scores_before_softmax(model, images: np.ndarray) -> np.ndarray:
-    """What the range search is judged on: the float scores the output Softmax reads, as onnxruntime computes them on
-    its exact int8 path (as ptq's search does), so the same on CPUs with and without VNNI."""
-    import onnxruntime as ort
-    from onnx import helper
-
-    from ptq_cli.backends.model_file import EXACT_PATH_CONFIG
-
-    model = onnx.ModelProto.FromString(model.SerializeToString())
-    name = next(node.input[0] for node in model.graph.node if node.op_type == "Softmax")
-    model.graph.output.append(helper.make_empty_tensor_value_info(name))
-    options = ort.SessionOptions()
-    options.add_session_config_entry(EXACT_PATH_CONFIG, "1")
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run([name], {"image": images})[0]
-
-
-def _images(root: Path) -> np.ndarray:
-    from PIL import Image
-
-    return np.stack([np.asarray(Image.open(path), np.float32).transpose(2, 0, 1) / 255 for path in sorted(root.glob("*.png"))])
-
-
 def test_a_moved_input_scale_re_expresses_every_bias_it_scales(project):
     """An int32 bias's scale is its input's scale x its weights' scale: moving the input's scale rewrites that
     scale and the codes, so the bias the Conv adds is the same to within half a new step; weights and zero points stay."""
@@ -192,12 +170,12 @@ def test_the_search_brings_unseen_images_back_from_a_poor_range(project):
         rescaler.set(name, rescaler.get(name) * 1.6)
     poor_zero_points = {key: value for key, value in _quantization_parameters(project / "poor.onnx").items() if "zero_point" in key}
     float_model = onnx.load(str(project / "m.onnx"))
-    calibration, test = _images(project / "cal"), _images(project / "test")
-    reference, test_reference = _scores_before_softmax(float_model, calibration), _scores_before_softmax(float_model, test)
-    poor_db = sqnr_db(test_reference, _scores_before_softmax(model, test))
-    searched, result = ranges.search(model, lambda candidate: sqnr_db(reference, _scores_before_softmax(candidate, calibration)), 1000)
+    calibration, test = png_images(project / "cal"), png_images(project / "test")
+    reference, test_reference = scores_before_softmax(float_model, calibration), scores_before_softmax(float_model, test)
+    poor_db = sqnr_db(test_reference, scores_before_softmax(model, test))
+    searched, result = ranges.search(model, lambda candidate: sqnr_db(reference, scores_before_softmax(candidate, calibration)), 1000)
     assert result.scales == len(names) == result.searched and result.moved >= 1
-    calibrated_db, searched_db = (sqnr_db(test_reference, _scores_before_softmax(made, test)) for made in (calibrated, searched))
+    calibrated_db, searched_db = (sqnr_db(test_reference, scores_before_softmax(made, test)) for made in (calibrated, searched))
     assert calibrated_db > poor_db + 1  # the widened ranges cost the model
     assert result.end_db > result.start_db + 1 and searched_db > poor_db + 0.5
     onnx.save(searched, str(project / "searched.onnx"))

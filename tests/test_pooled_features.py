@@ -8,12 +8,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import onnx
 import pytest
 from onnx import helper, numpy_helper
-from PIL import Image
-from synthetic import invoke, smooth_photos, two_conv_classifier
+from synthetic import invoke, png_images, scores_before_softmax, smooth_photos, two_conv_classifier
 
 from ptq_cli.metrics import sqnr_db
 from ptq_cli.transforms.graph import whole_map_average_pools
@@ -36,24 +34,6 @@ def _quantize(root: Path, model: str, output: str, *extra: str) -> dict:
     return json.loads(result.stdout)
 
 
-def _images(root: Path) -> np.ndarray:
-    return np.stack([np.asarray(Image.open(path), np.float32).transpose(2, 0, 1) / 255 for path in sorted(root.glob("*.png"))])
-
-
-def _scores_before_softmax(path: Path, images: np.ndarray) -> np.ndarray:
-    """The float scores the output Softmax reads, on onnxruntime's exact int8 path (the same on every x86 CPU)."""
-    import onnxruntime as ort
-
-    from ptq_cli.backends.model_file import EXACT_PATH_CONFIG
-
-    model = onnx.load(str(path))
-    name = next(node.input[0] for node in model.graph.node if node.op_type == "Softmax")
-    model.graph.output.append(helper.make_empty_tensor_value_info(name))
-    options = ort.SessionOptions()
-    options.add_session_config_entry(EXACT_PATH_CONFIG, "1")
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run([name], {"image": images})[0]
-
-
 def _maps_and_features_scales(path: Path) -> tuple[float, float]:
     """(the scale of the maps the AveragePool reads, the scale the classifier reads the pooled features at)."""
     model = onnx.load(str(path))
@@ -74,8 +54,8 @@ def test_onnxruntime_quantizes_an_average_pool_over_the_whole_map_as_a_global_av
     assert not any(note.startswith("average pool") for note in global_pool["notes"])
     maps_scale, features_scale = _maps_and_features_scales(project / f"average_{dtype}.onnx")
     assert features_scale < 0.8 * maps_scale  # the mean of a map spans less than the map
-    images = _images(project / "test")
-    averaged, global_scores = (_scores_before_softmax(project / name, images) for name in (f"average_{dtype}.onnx", f"global_{dtype}.onnx"))
+    images = png_images(project / "test")
+    averaged, global_scores = (scores_before_softmax(onnx.load(str(project / name)), images) for name in (f"average_{dtype}.onnx", f"global_{dtype}.onnx"))
     assert sqnr_db(global_scores, averaged) > 60  # the same scores
 
 
@@ -86,7 +66,7 @@ def test_pytorch_leaves_whole_map_averages_in_float_closer_to_fp32_than_torch_ao
     from ptq_cli.backends import pytorch
     from ptq_cli.services.models import load_model
 
-    images = _images(project / "test")
+    images = png_images(project / "test")
     fp32 = ort.InferenceSession(str(project / "global.onnx"), providers=["CPUExecutionProvider"]).run(None, {"image": images})[0]
     measured = {}
     for name in ("global", "average"):

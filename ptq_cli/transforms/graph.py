@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 from pathlib import Path
 
@@ -194,17 +195,21 @@ def whole_map_average_pools(model) -> list:
     a fraction of that range, so the features the classifier reads would keep a few codes of it."""
     import onnx
 
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model)
-    except Exception:  # noqa: BLE001  a model over protobuf's 2 GB, or one the checker rejects: what is annotated
-        inferred = model
-    shapes = {value.name: value.type.tensor_type.shape.dim for value in (*inferred.graph.value_info, *inferred.graph.output)}
-    found = []
-    for node in model.graph.node:
-        dims = shapes.get(node.output[0]) if node.op_type == "AveragePool" else None
-        if dims is not None and len(dims) > 2 and all(dim.HasField("dim_value") and dim.dim_value == 1 for dim in dims[2:]):
-            found.append(node)
-    return found
+    pools = [node for node in model.graph.node if node.op_type == "AveragePool" and node.output]
+    if not pools:
+        return []
+
+    def shapes(graph) -> dict:
+        return {value.name: value.type.tensor_type.shape.dim for value in (*graph.value_info, *graph.output)}
+
+    known = shapes(model.graph)  # quant_pre_process's shape inference annotates the graph it writes
+    if any(pool.output[0] not in known for pool in pools):
+        # A copy of the whole model, so only where the annotations do not tell; a model over protobuf's 2 GB, or one
+        # the checker rejects, keeps what is annotated.
+        with contextlib.suppress(Exception):
+            known = shapes(onnx.shape_inference.infer_shapes(model).graph)
+    return [pool for pool in pools if (dims := known.get(pool.output[0])) is not None and len(dims) > 2
+            and all(dim.HasField("dim_value") and dim.dim_value == 1 for dim in dims[2:])]
 
 
 def clamped_activations(model) -> list[str]:
