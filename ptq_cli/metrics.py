@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
+
+Z_95 = 1.959963984540054  # the two-sided 95% quantile of the standard normal
 
 
 def sqnr_db(reference: np.ndarray, approximation: np.ndarray) -> float:
@@ -10,3 +14,26 @@ def sqnr_db(reference: np.ndarray, approximation: np.ndarray) -> float:
     noise = float(np.sum((reference.astype(np.float64) - approximation) ** 2))
     signal = float(np.sum(reference.astype(np.float64) ** 2))
     return float("inf") if noise == 0 else 10.0 * np.log10(signal / noise)
+
+
+def wilson_interval(successes: int, trials: int, z: float = Z_95) -> tuple[float, float]:
+    """The Wilson score interval of a proportion (`successes` of `trials`), as fractions: where the share would
+    lie, at 95% by default, over other images drawn the same way. Unlike the normal approximation it stays
+    within 0..1 and keeps its width near 0% and 100%. (0, 1) for no trials."""
+    if trials <= 0:
+        return 0.0, 1.0
+    share, spread = successes / trials, z * z / trials
+    centre = (share + spread / 2) / (1 + spread)
+    half = z * math.sqrt(share * (1 - share) / trials + spread / (4 * trials)) / (1 + spread)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def mcnemar_p_value(only_first: int, only_second: int) -> float:
+    """The exact two-sided McNemar test of two classifiers on the same images, from the images only the first got
+    right and those only the second did: the chance of a split at least this uneven were both equally often
+    right (a binomial test at 1/2 on the discordant images). 1.0 when none differ."""
+    discordant = only_first + only_second
+    if discordant == 0:
+        return 1.0
+    tail = sum(math.comb(discordant, count) for count in range(min(only_first, only_second) + 1))
+    return min(1.0, 2 * tail / 2**discordant)

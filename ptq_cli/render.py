@@ -166,6 +166,7 @@ def evaluation(record: EvaluationRecord, reference: EvaluationRecord | None, cla
             f"  delta vs FP32 {reference.name} ({reference.accuracy:.2f}%): ",
             (signed(delta), "green" if delta >= 0 else "red"),
             " pts",
+            paired_text(record.fidelity),
             *(() if reference_status == "ok" else ((f" [FP32 record {reference_status}: {REFERENCE_STATUS[reference_status]}]", "yellow"),)),
         ))
     if record.fidelity is not None:
@@ -210,9 +211,19 @@ def fidelity_text(record: EvaluationRecord) -> tuple:
     if fidelity is None:
         return ()
     sqnr = "identical" if fidelity["sqnr_db"] is None else f"SQNR {fidelity['sqnr_db']:.1f} dB"
+    low, high = fidelity.get("top1_agreement_low"), fidelity.get("top1_agreement_high")
+    interval = "" if low is None or high is None else f" (95% interval {low:.1f}-{high:.1f}%)"
     return (f"  vs FP32 {Path(fidelity['reference_path']).name} on {fidelity['images']:,} images{'' if record.accuracy is not None else ' (no labels of its classes)'}:"
-            "\n  top-1 agreement ", (f"{fidelity['top1_agreement']:.2f}%", "bold"), f", top-5 {fidelity['top5_containment']:.2f}%, {sqnr}, "
+            "\n  top-1 agreement ", (f"{fidelity['top1_agreement']:.2f}%", "bold"), f"{interval}, top-5 {fidelity['top5_containment']:.2f}%, {sqnr}, "
             f"KL {fidelity['kl_divergence']:.4f}")
+
+
+def paired_text(fidelity: dict | None) -> str:
+    """" (FP32 alone right on 31 images, this model alone on 25; McNemar p = 0.50)", "" where not measured."""
+    if not fidelity or fidelity.get("accuracy_delta_p_value") is None:
+        return ""
+    return (f" (FP32 alone right on {fidelity['fp32_only_right']:,} images, this model alone on {fidelity['model_only_right']:,}; "
+            f"McNemar p = {fidelity['accuracy_delta_p_value']:.2f})")
 
 
 def int8_path_text(record: EvaluationRecord) -> str:

@@ -16,6 +16,7 @@ import pytest
 from synthetic import channel_mean_classifier, colour_images, depthwise_classifier, image_folder, invoke, one_line_error, photo_folder
 
 from ptq_cli.datasets import open_dataset
+from ptq_cli.metrics import mcnemar_p_value, wilson_interval
 from ptq_cli.services.make.calibration import build_calibration_set, sized_indices
 from ptq_cli.services.measure.evaluate import read_record
 from ptq_cli.services.measure.fidelity import compare
@@ -52,6 +53,33 @@ def test_fidelity_figures_follow_their_definitions():
     p = np.exp(reference) / np.exp(reference).sum(axis=1, keepdims=True)
     q = np.exp(swapped) / np.exp(swapped).sum(axis=1, keepdims=True)
     assert figures.kl_divergence == pytest.approx(float(np.mean(np.sum(p * np.log(p / q), axis=1))), abs=1e-6)
+
+
+@pytest.mark.parametrize(("successes", "trials"), [(0, 1), (0, 109), (1, 109), (102, 109), (109, 109), (9_874, 10_000), (5, 7)])
+def test_the_agreement_interval_is_scipy_s_wilson_interval(successes, trials):
+    stats = pytest.importorskip("scipy.stats")
+    expected = stats.binomtest(successes, trials).proportion_ci(confidence_level=0.95, method="wilson")
+    assert wilson_interval(successes, trials) == pytest.approx((expected.low, expected.high), abs=1e-9)
+
+
+@pytest.mark.parametrize(("only_first", "only_second"), [(0, 0), (0, 1), (3, 0), (52, 46), (5, 20), (400, 310), (1, 1)])
+def test_the_delta_s_p_value_is_an_exact_binomial_test_on_the_images_one_model_alone_gets_right(only_first, only_second):
+    stats = pytest.importorskip("scipy.stats")
+    expected = 1.0 if only_first + only_second == 0 else stats.binomtest(only_first, only_first + only_second, 0.5).pvalue
+    assert mcnemar_p_value(only_first, only_second) == pytest.approx(expected, rel=1e-9)
+
+
+def test_fidelity_counts_the_images_each_model_alone_classifies_right():
+    reference = np.eye(4, dtype=np.float32)[[0, 1, 2, 3, 0, 1]]  # FP32's classes: 0 1 2 3 0 1
+    scores = np.eye(4, dtype=np.float32)[[0, 2, 2, 1, 1, 1]]  # the model's: 0 2 2 1 1 1
+    labels = np.array([0, 1, 3, 1, 1, 2])  # FP32 right on images 0, 1; the model on 0, 3, 4
+    figures = compare(reference, scores, "fp32.onnx", "0" * 64, labels)
+    assert (figures.fp32_only_right, figures.model_only_right) == (1, 2)
+    assert figures.accuracy_delta_p_value == 1.0  # a 1-2 split is the likeliest there is
+    assert figures.top1_agreement == pytest.approx(100 * 3 / 6, abs=1e-4)
+    assert figures.top1_agreement_low < figures.top1_agreement < figures.top1_agreement_high
+    unlabelled = compare(reference, scores, "fp32.onnx", "0" * 64)
+    assert (unlabelled.fp32_only_right, unlabelled.model_only_right, unlabelled.accuracy_delta_p_value) == (None, None, None)
 
 
 def test_an_unlabelled_folder_is_a_dataset_drawn_uniformly(tmp_path):
@@ -320,10 +348,16 @@ def test_labelled_images_of_the_model_s_classes_give_accuracy_and_fidelity(tmp_p
     result = invoke("evaluate", "--model", "m_int8.onnx", "--data", "d.npz", "--json", cwd=tmp_path)
     record = json.loads(result.stdout)
     assert record["accuracy"] is not None and record["fidelity"]["images"] == 18
+    fidelity = record["fidelity"]
+    assert fidelity["top1_agreement_low"] <= fidelity["top1_agreement"] <= fidelity["top1_agreement_high"]
     # Agreement and accuracy are the same measurement where FP32 is right on every image.
     fp32 = json.loads(invoke("evaluate", "--model", "m.onnx", "--data", "d.npz", "--json", cwd=tmp_path).stdout)
     if fp32["accuracy"] == 100.0:
         assert record["fidelity"]["top1_agreement"] == record["accuracy"]
+    # The delta in points is what the images each model alone gets right make of it; the text says both counts.
+    assert record["accuracy"] - fp32["accuracy"] == pytest.approx(100 * (fidelity["model_only_right"] - fidelity["fp32_only_right"]) / 18, abs=1e-3)
+    text = invoke("evaluate", "--model", "m_int8.onnx", "--data", "d.npz", cwd=tmp_path).stdout
+    assert f"FP32 alone right on {fidelity['fp32_only_right']} images, this model alone on {fidelity['model_only_right']}" in " ".join(text.split())
 
 
 def test_a_record_without_accuracy_must_carry_its_fidelity(mobile, tmp_path):
@@ -341,6 +375,15 @@ def test_a_record_without_accuracy_must_carry_its_fidelity(mobile, tmp_path):
     tampered.write_text(json.dumps(data))
     with pytest.raises(Exception, match="top-5 containment below top-1 agreement"):
         read_record(tampered)
+    data = json.loads(path.read_text())
+    data["fidelity"]["top1_agreement_high"] = data["fidelity"]["top1_agreement"] - 1
+    tampered.write_text(json.dumps(data))
+    with pytest.raises(Exception, match="top-1 agreement interval out of range"):
+        read_record(tampered)
+    data = json.loads(path.read_text())
+    del data["fidelity"]["top1_agreement_low"], data["fidelity"]["top1_agreement_high"]  # a record from before the interval
+    tampered.write_text(json.dumps(data))
+    assert read_record(tampered).agreement == data["fidelity"]["top1_agreement"]
 
 
 def test_tuning_without_labels_scores_agreement_with_fp32(tmp_path):

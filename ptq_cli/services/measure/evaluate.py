@@ -266,7 +266,7 @@ def evaluate_model(  # noqa: PLR0913,PLR0917  EvaluationRequest's fields for one
     chosen, scores, inference_seconds, exact_same, basis = _measure(model, test, basis, batch_size, Path(model_path), where,
                                                                     threads, subset, progress, labels_fit, (runs, sharded))
     own_runtime = runtime is None and precision is None
-    fidelity = _fidelity(model, test, chosen, scores, reference_path, (batch_size, threads, where), own_runtime)
+    fidelity = _fidelity(model, test, chosen, scores, reference_path, (batch_size, threads, where), own_runtime, labels_fit)
     return EvaluationRecord(
         **_model_fields(model), dataset=str(dataset.root), images=len(chosen),
         **_accuracy_fields(test.labels[chosen], scores.argmax(axis=1), test.class_names if labels_fit else None),
@@ -278,16 +278,17 @@ def evaluate_model(  # noqa: PLR0913,PLR0917  EvaluationRequest's fields for one
 
 
 def _fidelity(model: LoadedModel, test: LabelledImages, chosen: np.ndarray, scores: np.ndarray, reference_path: Path | None,  # noqa: PLR0913,PLR0917  evaluate_model's state, split out of it
-              calls: tuple[int, int | None, str], own_runtime: bool) -> dict | None:
-    """Fidelity to the FP32 model at `reference_path` on the chosen images (None without one); a float model's scores on
-    its own runtime, over the whole split, are kept for the models made from it. `calls`: (batch size, threads, where)."""
+              calls: tuple[int, int | None, str], own_runtime: bool, labels_fit: bool) -> dict | None:
+    """Fidelity to the FP32 model at `reference_path` on the chosen images (None without one), with the images each
+    alone classifies right where the labels are the model's classes; a float model's scores on its own runtime, over
+    the whole split, are kept for the models made from it. `calls`: (batch size, threads, where)."""
     if model.info.dtype == "fp32" and own_runtime and np.array_equal(chosen, np.arange(len(test.labels))):
         _keep_reference_scores(_reference_key(model.info.sha256, test, model), scores)  # the models made from it compare with these
     if reference_path is None:
         return None
     batch_size, threads, where = calls
     reference = _reference_scores(reference_path, test, model, batch_size, threads, where)
-    return asdict(compare(reference[chosen], scores, str(reference_path), file_sha256(reference_path)))
+    return asdict(compare(reference[chosen], scores, str(reference_path), file_sha256(reference_path), test.labels[chosen] if labels_fit else None))
 
 
 def _check_options(batch_size: int, int8_path: str | None) -> None:
