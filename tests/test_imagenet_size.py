@@ -358,6 +358,11 @@ def test_labelled_images_of_the_model_s_classes_give_accuracy_and_fidelity(tmp_p
     assert record["accuracy"] - fp32["accuracy"] == pytest.approx(100 * (fidelity["model_only_right"] - fidelity["fp32_only_right"]) / 18, abs=1e-3)
     text = invoke("evaluate", "--model", "m_int8.onnx", "--data", "d.npz", cwd=tmp_path).stdout
     assert f"FP32 alone right on {fidelity['fp32_only_right']} images, this model alone on {fidelity['model_only_right']}" in " ".join(text.split())
+    # The report reads both from the record: the delta with its p-value, the agreement with its interval.
+    assert invoke("report", "--markdown", "report.md", cwd=tmp_path).exit_code == 0
+    row = next(line for line in (tmp_path / "report.md").read_text().splitlines() if line.startswith("| m_int8.onnx |"))
+    assert f"(p = {fidelity['accuracy_delta_p_value']:.2f})" in row
+    assert f"{fidelity['top1_agreement']:.2f}% ({fidelity['top1_agreement_low']:.1f}-{fidelity['top1_agreement_high']:.1f})" in row
 
 
 def test_a_record_without_accuracy_must_carry_its_fidelity(mobile, tmp_path):

@@ -96,7 +96,8 @@ def test_report_markdown_has_one_row_per_record_with_its_numbers(pipeline):
         model, runtime, dtype, _config, accuracy, delta, agreement, no_vnni, size, reduction, speed, _speedup, _vs_onnxruntime, _latency, measured_on = rows[key]
         # Fidelity to the FP32 source, measured wherever the model names its source file and that file is unchanged.
         fidelity = record.get("fidelity")
-        assert agreement == ("-" if fidelity is None else f"{fidelity['top1_agreement']:.2f}% / {fidelity['top5_containment']:.2f}%"), agreement
+        interval = f" ({fidelity['top1_agreement_low']:.1f}-{fidelity['top1_agreement_high']:.1f})" if fidelity else ""
+        assert agreement == ("-" if fidelity is None else f"{fidelity['top1_agreement']:.2f}%{interval} / {fidelity['top5_containment']:.2f}%"), agreement
         saturating = by_path.get((key[0], key[1], "saturating"))
         if record["dtype"] == "fp32" and record["runtime"] in ("onnxruntime", "pytorch"):
             assert no_vnni == "="
@@ -109,7 +110,9 @@ def test_report_markdown_has_one_row_per_record_with_its_numbers(pipeline):
         assert (runtime, dtype) == (record["runtime"] + (f" {record['precision']}" if record.get("precision") else ""), record["dtype"])
         assert accuracy == f"{record['accuracy']:.2f}%"
         # Every model made from another is compared with its measured source (87.19%); the Keras export is the reference.
-        assert delta == ("-" if record["source_sha256"] is None else f"{record['accuracy'] - 87.19:+.2f}")
+        # With McNemar's p of the images it and FP32 alone classify right, where its record measured them.
+        p_value = "" if fidelity is None else f" (p = {fidelity['accuracy_delta_p_value']:.2f})"
+        assert delta == ("-" if record["source_sha256"] is None else f"{record['accuracy'] - 87.19:+.2f}{p_value}"), delta
         assert size == f"{record['model_size_bytes'] / 1024:,.1f} KB"
         assert speed == f"{record['images_per_second']:,.0f} (eval)"  # no benchmark in this directory
         if record["dtype"] != "fp32" and record["runtime"] in fp32_size:

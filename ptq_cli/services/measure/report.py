@@ -66,6 +66,9 @@ class ReportRow:
     int8_kernels_vary: bool = False  # its runtime's x86 int8 kernels differ by CPU (a float model's figure holds on both)
     # Fidelity to the FP32 model (fidelity.Fidelity), on the exact path's figures and the saturating one's.
     agreement: float | None = None  # top-1 agreement, percent
+    agreement_low: float | None = None  # its 95% interval (Wilson), percent
+    agreement_high: float | None = None
+    delta_p_value: float | None = None  # McNemar's, of the images it and its FP32 source alone classify right
     top5: float | None = None  # top-5 containment, percent
     sqnr_db: float | None = None
     saturating_agreement: float | None = None
@@ -270,7 +273,8 @@ def _row(record: EvaluationRecord, records: list[EvaluationRecord], benchmarks: 
 def _fidelity_fields(record: EvaluationRecord, saturating: EvaluationRecord | None) -> dict:
     """The row's fidelity figures, and the saturating path's beside them (the record's own where it is that path's)."""
     own = record.fidelity or {}
-    fields = {"agreement": own.get("top1_agreement"), "top5": own.get("top5_containment"), "sqnr_db": own.get("sqnr_db")}
+    fields = {"agreement": own.get("top1_agreement"), "agreement_low": own.get("top1_agreement_low"), "agreement_high": own.get("top1_agreement_high"),
+              "delta_p_value": own.get("accuracy_delta_p_value"), "top5": own.get("top5_containment"), "sqnr_db": own.get("sqnr_db")}
     other = saturating if saturating is not None else (record if record.int8_path == SATURATING else None)
     if other is not None and other.fidelity:
         fields.update(saturating_agreement=other.fidelity["top1_agreement"], saturating_top5=other.fidelity["top5_containment"])
