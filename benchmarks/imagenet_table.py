@@ -111,7 +111,8 @@ def quantize(workdir: Path, name: str, options: list[str]) -> tuple[str, float, 
 
 
 def fidelity(workdir: Path, model: str) -> str:
-    """"exact / saturating" top-1 agreement, top-5 containment and SQNR from the records `evaluate --int8-path both` wrote."""
+    """"exact / saturating" top-1 agreement (with its 95% interval), top-5 containment and SQNR from the records `evaluate
+    --int8-path both` wrote."""
     done = run(workdir, "evaluate", "--model", model, "--data", "test", "--int8-path", "both", "--results-dir", "results")
     if done.returncode:
         raise SystemExit(f"{model}: ptq evaluate failed: {done.stderr.strip()[-400:]}")
@@ -120,7 +121,7 @@ def fidelity(workdir: Path, model: str) -> str:
         record = json.loads(path.read_text())
         records[record.get("int8_path") or "one path"] = record["fidelity"]
     paths = [path for path in ("exact", "saturating", "one path") if path in records]
-    top1 = " / ".join(f"{records[path]['top1_agreement']:.1f}%" for path in paths)
+    top1 = " / ".join(f"{records[path]['top1_agreement']:.1f}% ({records[path]['top1_agreement_low']:.0f}-{records[path]['top1_agreement_high']:.0f})" for path in paths)
     top5 = " / ".join(f"{records[path]['top5_containment']:.1f}%" for path in paths)
     sqnr = " / ".join(f"{records[path]['sqnr_db']:.1f} dB" for path in paths)
     return f"{top1} | {top5} | {sqnr}" + (" (one path)" if paths == ["one path"] else "")
@@ -146,7 +147,7 @@ def main() -> None:
     speeds = {Path(record["model_path"]).name: record for record in json.loads(done.stdout)}
     count = len(list((workdir / "test").glob("*.jpg")))
     print(f"{cpu_info.current().describe()}, {os.cpu_count()} cores; {count} photos measured, FP32 {speeds[MODEL]['images_per_second']:.1f} images/s\n")
-    print("| `ptq quantize` | time | peak | top-1 agreement exact / saturating | top-5 exact / saturating | SQNR exact / saturating | x FP32 |\n|---|---|---|---|---|---|---|")
+    print("| `ptq quantize` | time | peak | top-1 agreement (95% interval) exact / saturating | top-5 exact / saturating | SQNR exact / saturating | x FP32 |\n|---|---|---|---|---|---|---|")
     for name, model, seconds, peak, figures in rows:
         ratio = speeds[model]["images_per_second"] / speeds[MODEL]["images_per_second"]  # same call, in turns: every runtime against onnxruntime FP32
         print(f"| {' '.join(CONFIGS[name]) or '(default)'} | {seconds:.1f} s | {peak / 1e9:.2f} GB | {figures} | {ratio:.2f}x |")
