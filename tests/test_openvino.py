@@ -5,6 +5,7 @@ openvino script."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,8 @@ import pytest
 from synthetic import CLASSES, channel_mean_classifier, colour_images, invoke, one_line_error
 
 from ptq_cli import settings
-from ptq_cli.backends.base import METHOD_CANDIDATES
+from ptq_cli.backends import reusing_made_files
+from ptq_cli.backends.base import METHOD_CANDIDATES, REUSED_NOTE
 
 pytest.importorskip("openvino", reason="the openvino extra is not installed")
 
@@ -232,3 +234,24 @@ def test_each_new_batch_size_runs_on_its_own_static_compile_up_to_the_limit_with
     static = [shape for shape in compiled_shapes if "?" not in shape]
     assert compiled_shapes[0] == "[?,3,8,8]"  # the fixed batch of 1 made dynamic, compiled at load
     assert static == [f"[{size},3,8,8]" for size in [1, *sizes[: backend.STATIC_SHAPES - 1]]]  # each once, the rest dynamic
+
+
+def test_within_one_run_the_default_ir_is_the_int8_qdq_model_already_made_and_the_same_bytes(project):
+    """`ptq run` quantizes for onnxruntime int8 before OpenVINO; the default IR is that QDQ model converted, so within
+    one run the QDQ model is written again rather than made again, and the IR has the bytes of one made on its own."""
+    ok("quantize", "--model", "m.onnx", "--data", "colours.npz", "--backend", "openvino", "--output", "alone.xml", cwd=project)
+    with reusing_made_files():
+        made = json.loads(ok("quantize", "--model", "m.onnx", "--data", "colours.npz", "--dtype", "int8", "--output", "q.onnx", "--json",
+                             cwd=project).stdout)
+        ok("quantize", "--model", "m.onnx", "--data", "colours.npz", "--target", "speed", "--output", "speed.onnx", cwd=project)  # as the run does
+        reused = json.loads(ok("quantize", "--model", "m.onnx", "--data", "colours.npz", "--backend", "openvino", "--output", "reused.xml", "--json",
+                               cwd=project).stdout)
+    assert REUSED_NOTE not in made["notes"] and REUSED_NOTE in reused["notes"]
+    assert (project / "reused.bin").read_bytes() == (project / "alone.bin").read_bytes()
+    # The graphs are the same but for the numbers OpenVINO gives unnamed nodes, which count up within a process.
+    numbered = re.compile(r'name="([A-Za-z]+)_\d+"')
+    assert numbered.sub(r'name="\1"', (project / "reused.xml").read_text()) == numbered.sub(r'name="\1"', (project / "alone.xml").read_text())
+    # Outside a run nothing is kept: the same command makes its model again.
+    again = json.loads(ok("quantize", "--model", "m.onnx", "--data", "colours.npz", "--backend", "openvino", "--output", "again.xml", "--json",
+                          cwd=project).stdout)
+    assert REUSED_NOTE not in again["notes"]

@@ -98,3 +98,17 @@ def test_benchmark_times_a_file_on_a_second_runtime_in_the_same_turns(project):
     names = sorted(path.name for path in (project / "results" / "benchmarks").glob("*.json"))
     assert len(names) == 2 and any("~openvino-f32" in name for name in names)
     one_line_error(invoke("benchmark", "--model", "models/m.onnx", "--also", "models/m.onnx", cwd=project), "--also: 'models/m.onnx' is not MODEL@RUNTIME")
+
+
+def test_the_openvino_stage_converts_the_int8_qdq_model_the_run_already_made(project, monkeypatch):
+    """OpenVINO's default IR is onnxruntime's int8 QDQ model converted: within one run, that model is quantized once."""
+    pytest.importorskip("openvino")
+    from ptq_cli.backends import onnxruntime as ort_backend
+
+    made: list[str] = []
+    quantize = ort_backend._quantize
+    monkeypatch.setattr(ort_backend, "_quantize", lambda model, output, settings, *rest, **options: (
+        made.append(f"{settings.dtype}/{settings.target}"), quantize(model, output, settings, *rest, **options))[1])
+    ok("run", "--model", "models/m.onnx", "--data", "colours.npz", "--no-pytorch", "--no-benchmark", cwd=project)
+    assert (project / "models" / "m_openvino_int8.xml").is_file() and (project / "models" / "m_openvino_int8.bin").is_file()
+    assert sorted(made) == sorted(set(made)) and len(made) == 3, made  # int8, uint8 and the speed model; not the IR's again

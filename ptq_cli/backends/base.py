@@ -7,8 +7,10 @@ test a backend's name. This module imports no backend module and no service (mod
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+import hashlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -25,6 +27,7 @@ from ptq_cli.backends.model_file import (  # noqa: F401  the metadata keys, name
 from ptq_cli.cpu import ALL
 from ptq_cli.datasets.base import convert_channels, resize
 from ptq_cli.errors import PtqError
+from ptq_cli.guards.atomic import atomic_output
 from ptq_cli.inputs import ModelInput, Preprocessing
 from ptq_cli.transforms.overflow import FIRST_LAYER, NO_FIX, OVERFLOW_FIXES
 
@@ -109,6 +112,60 @@ class QuantizedFile:
     space_to_depth: tuple = ()  # the convolutions regrouped before quantizing (onnxruntime only)
     notes: tuple[str, ...] = ()  # what the backend changed on the way (a fixed batch made symbolic, ...)
     settings: QuantizationSettings | None = None  # the settings as it applied them, where it decided some (the rounding)
+
+
+@dataclass
+class _MadeFiles:
+    """While `reusing_made_files()` is open: the files backends made, by the digest of what each was made from."""
+
+    open: bool = False
+    made: dict[str, tuple[bytes, QuantizedFile]] = field(default_factory=dict)  # oldest first
+
+
+REUSE_BYTES = 512 * 2**20  # the files kept at most: the oldest go first
+_MADE = _MadeFiles()
+REUSED_NOTE = "the same file an earlier stage of this run made from the same model, images and settings: written again, not made again"
+
+
+@contextmanager
+def reusing_made_files() -> Iterator[None]:
+    """Within it, a backend hands back the file it made from the same inputs earlier (`made_once`): `ptq run` makes
+    several models from one FP32 model, and OpenVINO's default IR is onnxruntime's int8 QDQ model converted."""
+    was_open, _MADE.open = _MADE.open, True
+    try:
+        yield
+    finally:
+        _MADE.open = was_open
+        if not was_open:
+            _MADE.made.clear()
+
+
+def inputs_digest(*parts: bytes | str | np.ndarray) -> str:
+    """sha256 over what a file is made from (model bytes, calibration images, settings as text), each part delimited."""
+    digest = hashlib.sha256()
+    for part in parts:
+        data = part.tobytes() + repr((part.shape, str(part.dtype))).encode() if isinstance(part, np.ndarray) else \
+            part.encode() if isinstance(part, str) else part
+        digest.update(len(data).to_bytes(8, "little") + data)
+    return digest.hexdigest()
+
+
+def made_once(key: Callable[[], str], output: Path, make: Callable[[], QuantizedFile]) -> QuantizedFile:
+    """`make()`, which writes `output`; within `reusing_made_files()`, the bytes and result of an earlier `make()` of
+    the same `key()` instead, written to `output`."""
+    if not _MADE.open:
+        return make()
+    digest = key()
+    if digest in _MADE.made:
+        data, result = _MADE.made[digest]
+        with atomic_output(output) as tmp:
+            tmp.write_bytes(data)
+        return replace(result, notes=(*result.notes, REUSED_NOTE))
+    result = make()
+    _MADE.made[digest] = (Path(output).read_bytes(), result)
+    while sum(len(data) for data, _ in _MADE.made.values()) > REUSE_BYTES and len(_MADE.made) > 1:
+        del _MADE.made[next(iter(_MADE.made))]
+    return result
 
 
 def option(default: Any, *flags: str, help: str, choices: tuple[str, ...] = (), minimum: float | None = None, cli: Any = str) -> Any:

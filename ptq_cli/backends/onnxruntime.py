@@ -692,7 +692,14 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     """onnxruntime.quantization.quantize_static in QDQ format, written atomically.
 
     `calibration` is the calibration images in the model's input format; `stored` is metadata to keep
-    in the model (settings, input contract, source sha256, tune's validation scores)."""
+    in the model (settings, input contract, source sha256, tune's validation scores). Within `ptq run`, a
+    model already made from the same inputs is written again rather than made again (base.made_once)."""
+    return base.made_once(lambda: base.inputs_digest(model.SerializeToString(), calibration, repr(settings), repr(sorted(stored.items()))),
+                          Path(output), lambda: _quantize(model, output, settings, calibration, stored, progress))
+
+
+def _quantize(model, output: Path, settings: QuantizationSettings, calibration: np.ndarray, stored: dict[str, str],
+              progress: ProgressCallback | None = None) -> QuantizedFile:
     import onnx
 
     described, _ = describe_input(Path(model.graph.name or "model"), model)

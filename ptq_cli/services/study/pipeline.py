@@ -548,7 +548,7 @@ def run(
         check_writable(path)  # a read-only directory fails now, not after minutes of work
     check_folder_writable(options.results_dir)
     hashes, outcomes, shared = _Hashes(), [], _Run(run_command, options.force, options.results_dir)
-    with executor(options.workers) as runs:
+    with executor(options.workers) as runs, backends.reusing_made_files():
         index = 0
         while index < len(stages):
             if index == sources:  # the FP32 model exists now: what each model is measured against is known
