@@ -107,8 +107,12 @@ def test_the_openvino_stage_converts_the_int8_qdq_model_the_run_already_made(pro
 
     made: list[str] = []
     quantize = ort_backend._quantize
-    monkeypatch.setattr(ort_backend, "_quantize", lambda model, output, settings, *rest, **options: (
-        made.append(f"{settings.dtype}/{settings.target}"), quantize(model, output, settings, *rest, **options))[1])
+
+    def counted(model, output, settings, *rest, **options):
+        made.append(f"{settings.dtype}/{settings.target}")
+        return quantize(model, output, settings, *rest, **options)
+
+    monkeypatch.setattr(ort_backend, "_quantize", counted)
     ok("run", "--model", "models/m.onnx", "--data", "colours.npz", "--no-pytorch", "--no-benchmark", cwd=project)
     assert (project / "models" / "m_openvino_int8.xml").is_file() and (project / "models" / "m_openvino_int8.bin").is_file()
     assert sorted(made) == sorted(set(made)) and len(made) == 3, made  # int8, uint8 and the speed model; not the IR's again

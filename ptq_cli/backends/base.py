@@ -140,14 +140,12 @@ def reusing_made_files() -> Iterator[None]:
             _MADE.made.clear()
 
 
-def inputs_digest(*parts: bytes | str | np.ndarray) -> str:
-    """sha256 over what a file is made from (model bytes, calibration images, settings as text), each part delimited."""
-    digest = hashlib.sha256()
+def digest(*parts: bytes) -> str:
+    """sha256 over `parts`, each with its length, so no two lists of parts give the same bytes."""
+    hashed = hashlib.sha256()
     for part in parts:
-        data = part.tobytes() + repr((part.shape, str(part.dtype))).encode() if isinstance(part, np.ndarray) else \
-            part.encode() if isinstance(part, str) else part
-        digest.update(len(data).to_bytes(8, "little") + data)
-    return digest.hexdigest()
+        hashed.update(len(part).to_bytes(8, "little") + part)
+    return hashed.hexdigest()
 
 
 def made_once(key: Callable[[], str], output: Path, make: Callable[[], QuantizedFile]) -> QuantizedFile:

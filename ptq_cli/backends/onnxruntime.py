@@ -694,7 +694,8 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     `calibration` is the calibration images in the model's input format; `stored` is metadata to keep
     in the model (settings, input contract, source sha256, tune's validation scores). Within `ptq run`, a
     model already made from the same inputs is written again rather than made again (base.made_once)."""
-    return base.made_once(lambda: base.inputs_digest(model.SerializeToString(), calibration, repr(settings), repr(sorted(stored.items()))),
+    return base.made_once(lambda: base.digest(model.SerializeToString(), repr((calibration.shape, str(calibration.dtype))).encode(),
+                                              np.ascontiguousarray(calibration).tobytes(), repr(settings).encode(), repr(sorted(stored.items())).encode()),
                           Path(output), lambda: _quantize(model, output, settings, calibration, stored, progress))
 
 

@@ -46,12 +46,12 @@ def compare(reference: np.ndarray, scores: np.ndarray, reference_path: str, refe
     `labels`: the images' classes, where they are the model's."""
     if reference.shape != scores.shape or reference.ndim != 2 or not len(reference):
         raise ValueError(f"scores {scores.shape} and FP32 scores {reference.shape} differ")
-    expected = reference.argmax(axis=1)
-    agreeing = int(np.sum(scores.argmax(axis=1) == expected))
+    expected, predicted = reference.argmax(axis=1), scores.argmax(axis=1)
+    agreeing = int(np.sum(predicted == expected))
     low, high = wilson_interval(agreeing, len(reference))
     paired: dict[str, Any] = {}
     if labels is not None:
-        fp32_right, model_right = expected == labels, scores.argmax(axis=1) == labels
+        fp32_right, model_right = expected == labels, predicted == labels
         only_fp32, only_model = int(np.sum(fp32_right & ~model_right)), int(np.sum(model_right & ~fp32_right))
         paired = {"fp32_only_right": only_fp32, "model_only_right": only_model, "accuracy_delta_p_value": round(mcnemar_p_value(only_fp32, only_model), 4)}
     k = min(TOP_K, scores.shape[1])
@@ -83,7 +83,8 @@ def check(data: dict) -> Fidelity:
     if fidelity.top5_containment < fidelity.top1_agreement:
         raise ValueError("top-5 containment below top-1 agreement")
     low, high = fidelity.top1_agreement_low, fidelity.top1_agreement_high
-    if (low, high) != (None, None) and (low is None or high is None or not 0 <= low <= fidelity.top1_agreement + 0.01 <= high + 0.02 <= 100.02):
+    agreement = fidelity.top1_agreement  # to 4 decimals, the interval's ends to 2: a hundredth of slack
+    if (low, high) != (None, None) and (low is None or high is None or not (0 <= low <= agreement + 0.01 and agreement - 0.01 <= high <= 100)):
         raise ValueError("top-1 agreement interval out of range")
     only_fp32, only_model, p_value = fidelity.fp32_only_right, fidelity.model_only_right, fidelity.accuracy_delta_p_value
     if (only_fp32, only_model, p_value) != (None, None, None) and (

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from ptq_cli import backends
+from ptq_cli.backends.base import digest
 from ptq_cli.errors import PtqError
 from ptq_cli.guards import bounded
 from ptq_cli.guards.atomic import write_bytes
@@ -83,14 +84,6 @@ CANDIDATES_DIR = "candidates"  # under the tuning records: each candidate's scor
 def scores_folder(results_dir: Path) -> Path:
     """Where every search of a results directory keeps its candidates' scores (tune and sensitivity share them)."""
     return Path(results_dir) / TUNING_DIR / CANDIDATES_DIR
-
-
-def digest(*parts: bytes) -> str:
-    """sha256 over `parts`, each with its length, so no two lists of parts give the same bytes."""
-    hashed = hashlib.sha256()
-    for part in parts:
-        hashed.update(len(part).to_bytes(8, "little") + part)
-    return hashed.hexdigest()
 
 
 def measured_here() -> tuple[bytes, ...]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ptq_cli import backends
+from ptq_cli.backends.base import digest
 from ptq_cli.backends.model_file import file_sha256
 from ptq_cli.datasets import Dataset
 from ptq_cli.errors import PtqError
@@ -32,7 +33,7 @@ from ptq_cli.services.measure.sweep_records import SWEEP_DIR, SweepPoint, SweepR
 from ptq_cli.services.progress import ProgressCallback, Steps
 from ptq_cli.services.quant_settings import describe_quantization
 from ptq_cli.services.records import write_record
-from ptq_cli.services.study.candidates import digest, images_content, measured_here, source_named
+from ptq_cli.services.study.candidates import images_content, measured_here, source_named
 
 
 def parse_sparsities(text: str) -> tuple[float, ...]:
