@@ -993,6 +993,12 @@ def run_pipeline(
     _emit(as_json, result, render.pipeline_run(result))
 
 
+@functools.cache
+def _command_group() -> Any:
+    """The click group typer builds from the app: built once, not once a stage (it takes longer than a small stage)."""
+    return typer.main.get_command(app)
+
+
 def run_stage_command(command: str, arguments: tuple[str, ...]) -> Any:
     """One stage of `ptq run`: the ptq command it is, parsed and run in this process as typed, its tables and
     progress kept off the terminal (the run shows its stages); returns the command's result. Its errors are
@@ -1001,7 +1007,7 @@ def run_stage_command(command: str, arguments: tuple[str, ...]) -> Any:
     shown = out, err
     out = err = Console(file=io.StringIO(), markup=False)
     try:
-        group = typer.main.get_command(app)
+        group = _command_group()
         with group.make_context("ptq", _fill_optional_values([command, *arguments])) as context:
             return group.invoke(context)
     finally:

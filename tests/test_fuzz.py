@@ -100,18 +100,28 @@ def snapshot(directory: Path) -> dict[str, bytes]:
             if path.is_file() and not str(path.relative_to(directory)).startswith("cache")}
 
 
-_CASES: list[Path] = []  # the folder of the example being run: each holds a copy of the template's 150 MB cache
+_CASES: list[Path] = []  # the folder of the example being run
 
 
 def project(template: Path, tmp_path_factory) -> Path:
-    """A copy of the template for one example; the previous example's copy is removed (the last one stays, for a failure)."""
+    """A copy of the template for one example; the previous example's copy is removed (the last one stays, for a failure).
+    The cache's files are hard links to the template's: ptq replaces a cache file (temp file, then rename) and never
+    writes into one, so a case cannot change the template's; a test that damages one first makes it its own (`own_copy`)."""
     while _CASES:
         shutil.rmtree(_CASES.pop(), ignore_errors=True)
     work = tmp_path_factory.mktemp("case")
     _CASES.append(work)
     shutil.copytree(template, work, dirs_exist_ok=True, ignore=shutil.ignore_patterns("cache"))
-    shutil.copytree(template / "cache", work / "cache")
+    shutil.copytree(template / "cache", work / "cache", copy_function=os.link)
     return work
+
+
+def own_copy(path: Path) -> Path:
+    """`path` no longer a hard link to the template's file: a file of its own with the same bytes."""
+    data = path.read_bytes()
+    path.unlink()
+    path.write_bytes(data)
+    return path
 
 
 def check_contract(result, before: dict[str, bytes], after: dict[str, bytes], command) -> None:
@@ -370,7 +380,7 @@ def test_fuzz_cache(template, tmp_path_factory, data):
     """A damaged cache is rebuilt: the result is the one the intact data gives."""
     work = project(template, tmp_path_factory)
     caches = sorted((work / "cache").glob("*.npz"))
-    victim = caches[data.draw(st.integers(0, len(caches) - 1))]
+    victim = own_copy(caches[data.draw(st.integers(0, len(caches) - 1))])
     if data.draw(st.booleans(), label="bytes"):
         victim.write_bytes(mutate_bytes(victim.read_bytes(), data.draw))
     else:

@@ -361,6 +361,30 @@ def test_a_flash_budget_puts_back_in_8_bits_the_4_bit_layers_that_fit_and_gain(s
     one_line_error(invoke("quantize", "--model", "two.onnx", "--max-flash-kb", "60", "--data", "colours.npz", cwd=study), "--max-flash-kb")
 
 
+def test_within_one_run_the_tflite_models_share_the_converters_calibration_and_the_method_comparison(study, monkeypatch):
+    """`ptq run` makes its .tflite models from one Keras model and calibration set: within the run the converter
+    calibrates each image set once and `--method auto` compares once, and the files are those made one by one."""
+    from ptq_cli.backends import base
+
+    calibrated: list[int] = []
+    calibrate = litert._calibrate
+
+    def counted(keras_path, calibration, progress=None):
+        calibrated.append(len(calibration))
+        return calibrate(keras_path, calibration, progress)
+
+    monkeypatch.setattr(litert, "_calibrate", counted)
+    made = {"int8.tflite": (), "int4.tflite": ("--weight-dtype", "int4")}
+    alone = {name: _quantize(study, "--output", name, *options) for name, options in made.items()}
+    one_by_one, calibrated[:] = list(calibrated), []
+    with base.reusing_made_files():
+        within = {name: _quantize(study, "--output", f"run_{name}", *options) for name, options in made.items()}
+    assert len(one_by_one) == 4 and sorted(calibrated) == sorted(set(one_by_one)) and len(calibrated) == 2  # the held-out split's and the whole set's
+    for name in made:
+        assert (study / f"run_{name}").read_bytes() == (study / name).read_bytes(), name
+        assert within[name]["settings"]["method_sqnr_db"] == alone[name]["settings"]["method_sqnr_db"]
+
+
 def test_the_int8_models_layer_inputs_collected_several_a_pass_are_those_of_one_pass_a_layer(study, monkeypatch):
     """What 4-bit fitting reads of the unchanged int8 model: every layer's input, from one interpreter pass while they fit
     in ORIGINAL_BYTES, one pass each when only one does; the same values as a pass for each layer alone."""

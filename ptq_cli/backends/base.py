@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
@@ -115,22 +115,24 @@ class QuantizedFile:
 
 
 @dataclass
-class _MadeFiles:
-    """While `reusing_made_files()` is open: the files backends made, by the digest of what each was made from."""
+class _MadeOnce:
+    """While `reusing_made_files()` is open: what backends made (files, intermediate models, choices), by the digest
+    of what each was made from, with its size in bytes."""
 
     open: bool = False
-    made: dict[str, tuple[bytes, QuantizedFile]] = field(default_factory=dict)  # oldest first
+    made: dict[str, tuple[Any, int]] = field(default_factory=dict)  # oldest first
 
 
-REUSE_BYTES = 512 * 2**20  # the files kept at most: the oldest go first
-_MADE = _MadeFiles()
+REUSE_BYTES = 512 * 2**20  # the bytes kept at most: the oldest go first
+_MADE = _MadeOnce()
 REUSED_NOTE = "the same file an earlier stage of this run made from the same model, images and settings: written again, not made again"
 
 
 @contextmanager
 def reusing_made_files() -> Iterator[None]:
-    """Within it, a backend hands back the file it made from the same inputs earlier (`made_once`): `ptq run` makes
-    several models from one FP32 model, and OpenVINO's default IR is onnxruntime's int8 QDQ model converted."""
+    """Within it, a backend hands back what it made from the same inputs earlier (`made_once`, `computed_once`):
+    `ptq run` makes several models from one FP32 model, and OpenVINO's default IR is onnxruntime's int8 QDQ model
+    converted."""
     was_open, _MADE.open = _MADE.open, True
     try:
         yield
@@ -148,22 +150,40 @@ def digest(*parts: bytes) -> str:
     return hashed.hexdigest()
 
 
+T = TypeVar("T")
+
+
+def computed_once(key: Callable[[], str], compute: Callable[[], T], size: Callable[[T], int] = lambda _: 0) -> T:
+    """`compute()`; within `reusing_made_files()`, what an earlier `compute()` of the same `key()` returned (`size`:
+    the bytes it holds)."""
+    if not _MADE.open:
+        return compute()
+    digest = key()
+    if digest in _MADE.made:
+        return _MADE.made[digest][0]
+    value = compute()
+    _MADE.made[digest] = (value, size(value))
+    while sum(held for _, held in _MADE.made.values()) > REUSE_BYTES and len(_MADE.made) > 1:
+        del _MADE.made[next(iter(_MADE.made))]
+    return value
+
+
 def made_once(key: Callable[[], str], output: Path, make: Callable[[], QuantizedFile]) -> QuantizedFile:
     """`make()`, which writes `output`; within `reusing_made_files()`, the bytes and result of an earlier `make()` of
     the same `key()` instead, written to `output`."""
-    if not _MADE.open:
-        return make()
-    digest = key()
-    if digest in _MADE.made:
-        data, result = _MADE.made[digest]
-        with atomic_output(output) as tmp:
-            tmp.write_bytes(data)
-        return replace(result, notes=(*result.notes, REUSED_NOTE))
-    result = make()
-    _MADE.made[digest] = (Path(output).read_bytes(), result)
-    while sum(len(data) for data, _ in _MADE.made.values()) > REUSE_BYTES and len(_MADE.made) > 1:
-        del _MADE.made[next(iter(_MADE.made))]
-    return result
+    made_now = False
+
+    def make_and_keep() -> tuple[bytes, QuantizedFile]:
+        nonlocal made_now
+        made_now, result = True, make()
+        return Path(output).read_bytes() if _MADE.open else b"", result
+
+    data, result = computed_once(key, make_and_keep, size=lambda kept: len(kept[0]))
+    if made_now:
+        return result
+    with atomic_output(output) as tmp:
+        tmp.write_bytes(data)
+    return replace(result, notes=(*result.notes, REUSED_NOTE))
 
 
 def option(default: Any, *flags: str, help: str, choices: tuple[str, ...] = (), minimum: float | None = None, cli: Any = str) -> Any:

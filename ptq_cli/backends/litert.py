@@ -267,9 +267,19 @@ def _tensorflow():
     return tf
 
 
+def _key(step: str, keras_path: Path, calibration: np.ndarray, *settings: object) -> Callable[[], str]:
+    """What a step's result within one `ptq run` is keyed by (base.computed_once): the Keras file, the images, settings."""
+    return lambda: base.digest(step.encode(), bytes.fromhex(file_sha256(keras_path)), repr((calibration.shape, str(calibration.dtype), settings)).encode(),
+                               np.ascontiguousarray(calibration).tobytes())
+
+
 def _calibrated(keras_path: Path, calibration: np.ndarray, progress: ProgressCallback | None = None) -> bytes:
     """The float TFLite model with the converter's calibration statistics (min/max per tensor) over
-    `calibration`, one image per step, not yet quantized."""
+    `calibration`, one image per step, not yet quantized; within `ptq run`, made once for its TFLite models."""
+    return base.computed_once(_key("calibrated", keras_path, calibration), lambda: _calibrate(keras_path, calibration, progress), size=len)
+
+
+def _calibrate(keras_path: Path, calibration: np.ndarray, progress: ProgressCallback | None = None) -> bytes:
     tf = _tensorflow()
     try:
         with _quiet():
@@ -486,15 +496,20 @@ def _choose_method(keras_path: Path, calibration: np.ndarray, settings: Quantiza
     held_out, rest = held_out_split(calibration)
     if len(held_out) == 0 or len(rest) == 0:
         return replace(settings, method=METHOD_CANDIDATES[0][0])
-    calibrated = _calibrated(keras_path, rest)
-    reference = _judged_scores(calibrated, held_out)
-    scores: list[tuple[str, float | None, float | None]] = []
-    for method, percentile in METHOD_CANDIDATES:
-        quantized = _quantized(_with_method(calibrated, method, percentile, rest), settings, io_type, keras_path)
-        db = sqnr_db(reference, _judged_scores(quantized, held_out))
-        scores.append((method, percentile, sqnr_figure(db)))
-    method, percentile = chosen_method(tuple(scores))
-    return replace(settings, method=method, percentile=percentile, method_sqnr_db=tuple(scores))
+
+    def scored() -> tuple[tuple[str, float | None, float | None], ...]:
+        calibrated = _calibrated(keras_path, rest)
+        reference = _judged_scores(calibrated, held_out)
+        scores: list[tuple[str, float | None, float | None]] = []
+        for method, percentile in METHOD_CANDIDATES:
+            quantized = _quantized(_with_method(calibrated, method, percentile, rest), settings, io_type, keras_path)
+            scores.append((method, percentile, sqnr_figure(sqnr_db(reference, _judged_scores(quantized, held_out)))))
+        return tuple(scores)
+
+    # Within `ptq run`, its TFLite models share the comparison: it reads only these settings.
+    scores = base.computed_once(_key("method scores", keras_path, calibration, settings.per_channel, str(io_type), METHOD_CANDIDATES), scored)
+    method, percentile = chosen_method(scores)
+    return replace(settings, method=method, percentile=percentile, method_sqnr_db=scores)
 
 
 def _quantized(calibrated: bytes, settings: QuantizationSettings, io_type, keras_path: Path) -> bytes:

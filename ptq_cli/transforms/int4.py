@@ -355,12 +355,13 @@ def _layer_to_int4(original: OriginalInputs, model_object, operator, kind: str, 
     return compensate
 
 
-def to_int4(data: bytes, images: np.ndarray, progress: Callable[[int, int], None] | None = None, mixed: Mixed | None = None,
-            held: np.ndarray | None = None, eight_bit: dict[int, str] | None = None) -> Int4Result:
+def to_int4(data: bytes, images: np.ndarray, progress: Callable[[int, int], None] | None = None, mixed: Mixed | None = None,  # noqa: PLR0913,PLR0917
+            held: np.ndarray | None = None, eight_bit: dict[int, str] | None = None, original: OriginalInputs | None = None) -> Int4Result:
     """The model (`data`, a full-integer .tflite) with its filters in int4, refined on `images` (its int8 input);
     `held` marks the images that judge, layer by layer, whether compensating for the earlier 4-bit layers helps;
     with `mixed`, the layers whose 4 bits cost most then go back to 8 bits within its flash budget; `eight_bit`
-    keeps layers (their places among the weighted layers) in 8 bits, for the reason given."""
+    keeps layers (their places among the weighted layers) in 8 bits, for the reason given; `original`: the int8
+    model's layer inputs a first pass over the same `data` and `images` collected."""
     schema = schema_module()
     model_object = schema.ModelT.InitFromObj(schema.Model.GetRootAs(data, 0))
     graph = model_object.subgraphs[0]
@@ -371,8 +372,8 @@ def to_int4(data: bytes, images: np.ndarray, progress: Callable[[int, int], None
     eight_bit = eight_bit or {}
 
     fits = arena_neutral(model_object, [operator for position, (kind, operator) in enumerate(layers) if not _stays_int8(graph, position, kind, operator)])
-    original = OriginalInputs(data, graph, [int(operator.inputs[0]) for position, (_, operator) in enumerate(layers)
-                                            if id(operator) in fits and position not in eight_bit], images)
+    original = original or OriginalInputs(data, graph, [int(operator.inputs[0]) for position, (_, operator) in enumerate(layers)
+                                                        if id(operator) in fits and position not in eight_bit], images)
     for position, (kind, operator) in enumerate(layers):
         shape = [int(dim) for dim in graph.tensors[int(operator.inputs[1])].shape]
         name = f"{kind} {'x'.join(map(str, shape))}"
@@ -394,7 +395,8 @@ def to_int4(data: bytes, images: np.ndarray, progress: Callable[[int, int], None
         back = _back_to_8_bits(model_object, states, mixed)
         if back and compensating:  # the later layers took up the error of layers now back in 8 bits: fit them again without it
             return to_int4(data, images, progress, held=held,
-                           eight_bit={positions[name]: f"+{gain:.2f} dB in 8 bits, within the flash budget" for name, gain in back.items()})
+                           eight_bit={positions[name]: f"+{gain:.2f} dB in 8 bits, within the flash budget" for name, gain in back.items()},
+                           original=original)
         kept += [f"{name} (+{gain:.2f} dB in 8 bits, within the flash budget)" for name, gain in back.items()]
         made = [name for name in made if name not in back]
     return Int4Result(pack_model(model_object), tuple(made), tuple(kept), tuple(name for name in compensating if name in made))
