@@ -385,16 +385,22 @@ def test_within_one_run_the_tflite_models_share_the_converters_calibration_and_t
         assert within[name]["settings"]["method_sqnr_db"] == alone[name]["settings"]["method_sqnr_db"]
 
 
-def test_the_int8_models_layer_inputs_collected_several_a_pass_are_those_of_one_pass_a_layer(study, monkeypatch):
-    """What 4-bit fitting reads of the unchanged int8 model: every layer's input, from one interpreter pass while they fit
-    in ORIGINAL_BYTES, one pass each when only one does; the same values as a pass for each layer alone."""
-    from ptq_cli.transforms import int4
-
+def _two_conv_int8(study) -> bytes:
+    """The two-convolution classifier, converted and quantized by ptq to a full-integer .tflite: its bytes."""
     _keras_two_conv_classifier(study / "two.h5")
     assert invoke("convert", "--keras", "two.h5", "--output", "two.onnx", "--data", "colours.npz", "--check-images", "30", "--scale",
                   str(SCALE), cwd=study).exit_code == 0
     assert invoke("quantize", "--model", "two.onnx", "--backend", "litert", "--data", "colours.npz", "--output", "eight.tflite", cwd=study).exit_code == 0
     data = (study / "eight.tflite").read_bytes()
+    return data
+
+
+def test_the_int8_models_layer_inputs_collected_several_a_pass_are_those_of_one_pass_a_layer(study, monkeypatch):
+    """What 4-bit fitting reads of the unchanged int8 model: every layer's input, from one interpreter pass while they fit
+    in ORIGINAL_BYTES, one pass each when only one does; the same values as a pass for each layer alone."""
+    from ptq_cli.transforms import int4
+
+    data = _two_conv_int8(study)
     schema = int4.schema_module()
     model_object = schema.ModelT.InitFromObj(schema.Model.GetRootAs(data, 0))
     tensors = [int(operator.inputs[0]) for _, operator in int4.weighted_ops(model_object)]
@@ -419,6 +425,37 @@ def test_the_int8_models_layer_inputs_collected_several_a_pass_are_those_of_one_
         operators = schema.Model.GetRootAs(cut, 0).Subgraphs(0).OperatorsLength()
         assert operators < len(graph.operators) or tensor in list(graph.inputs), tensor
     assert int4.pack_model(model_object) == before
+
+
+def test_the_changed_models_layer_inputs_read_stretch_by_stretch_are_those_of_the_model_cut_at_each_layer(study, monkeypatch):
+    """What fitting reads of the model it changes layer by layer (CurrentInputs): each layer's input as the model
+    cut there computes it with the earlier layers' new filters, running each operator once in all; past
+    CURRENT_BYTES, the cut model each time."""
+    from ptq_cli.transforms import int4
+
+    data = _two_conv_int8(study)
+    schema = int4.schema_module()
+    images = np.random.default_rng(4).integers(-128, 128, (130, 8, 8, 3), dtype=np.int8)  # more than one interpreter batch
+    segments: list[int] = []
+    run_segment = int4._segment_codes
+    monkeypatch.setattr(int4, "_segment_codes", lambda model, *rest: segments.append(schema.Model.GetRootAs(model, 0).Subgraphs(0).OperatorsLength())
+                        or run_segment(model, *rest))
+    for budget in (int4.CURRENT_BYTES, 0):
+        monkeypatch.setattr(int4, "CURRENT_BYTES", budget)
+        segments.clear()
+        model_object = schema.ModelT.InitFromObj(schema.Model.GetRootAs(data, 0))
+        graph, current = model_object.subgraphs[0], int4.CurrentInputs(model_object, images)
+        moved = []
+        for _, operator in int4.weighted_ops(model_object):
+            tensor = int(operator.inputs[0])
+            read = current(operator)
+            np.testing.assert_array_equal(read, int4.layer_inputs(int4.up_to(model_object, tensor), tensor, images))
+            moved.append(not np.array_equal(read, int4.layer_inputs(data, tensor, images)))
+            # The layer changes after its input is read, as fitting changes it: the next layers' inputs change with it.
+            filters = model_object.buffers[graph.tensors[int(operator.inputs[1])].buffer]
+            filters.data = np.frombuffer((-np.frombuffer(bytes(filters.data), np.int8).clip(-127, 127)).astype(np.int8).tobytes(), np.uint8)
+        assert (0 < sum(segments) <= len(graph.operators)) if budget else not segments, segments
+        assert moved[0] is False and any(moved), moved  # the first layer reads the image; a later one the changed layers' output
 
 
 def test_int4_codes_leave_less_output_error_than_plain_rounding():

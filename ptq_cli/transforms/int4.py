@@ -23,6 +23,7 @@ weights save flash without asking for more RAM.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -146,6 +147,94 @@ class OriginalInputs:
         return dequantized(self.kept[tensor])
 
 
+CURRENT_BYTES = 512 * 2**20  # codes of the tensors CurrentInputs keeps between layers, at most
+
+
+class _NotFed(Exception):
+    """A stretch of the model reads a tensor CurrentInputs did not keep (or none): it runs the cut model instead."""
+
+
+class CurrentInputs:
+    """Each weighted layer's input, in graph order, as the model (`model_object`, whose layers the caller changes
+    one by one after reading their inputs) computes it now on `images` (its int8 input), by LiteRT's reference
+    kernels. The operators before a layer whose input was read do not change again, so each read runs only the
+    operators since the previous one, from the tensors it kept (those later operators read); the same values as
+    the model cut at the layer's input (`up_to`), in one pass over the model in all. Past CURRENT_BYTES it runs
+    the cut model each time."""
+
+    def __init__(self, model_object, images: np.ndarray) -> None:
+        graph = model_object.subgraphs[0]
+        self.model_object, self.images, self.position = model_object, images, 0
+        self.kept: dict[int, np.ndarray] | None = {int(graph.inputs[0]): images} if len(graph.inputs) == 1 else None
+        self.constant = {index for index, tensor in enumerate(graph.tensors)
+                         if tensor.buffer and model_object.buffers[tensor.buffer].data is not None and len(model_object.buffers[tensor.buffer].data)}
+
+    def __call__(self, operator) -> np.ndarray:
+        """The values (dequantized) the model feeds `operator`'s first input now."""
+        graph, tensor = self.model_object.subgraphs[0], int(operator.inputs[0])
+        position = next(index for index, candidate in enumerate(graph.operators) if candidate is operator)
+        if self.kept is not None and position >= self.position:
+            live = self._live_before(position)
+            sizes = int(self.images.shape[0]) * sum(int(np.prod(graph.tensors[index].shape[1:])) for index in live)
+            if sizes <= CURRENT_BYTES:
+                with contextlib.suppress(_NotFed):
+                    self.kept, self.position = self._run(self.position, position, live), position
+                    scale, zero_point = graph.tensors[tensor].quantization.scale, graph.tensors[tensor].quantization.zeroPoint
+                    return dequantized((self.kept[tensor], float(scale[0]), int(zero_point[0])))
+        self.kept = None
+        return layer_inputs(up_to(self.model_object, tensor), tensor, self.images)
+
+    def _live_before(self, position: int) -> list[int]:
+        """The activations made before operator `position` (or the model's input) that it or a later one reads."""
+        graph = self.model_object.subgraphs[0]
+        made = {int(index) for operator in graph.operators[:position] for index in operator.outputs} | {int(index) for index in graph.inputs}
+        read = {int(index) for operator in graph.operators[position:] for index in operator.inputs if index >= 0}
+        return sorted((made & read) - self.constant)
+
+    def _run(self, start: int, stop: int, live: list[int]) -> dict[int, np.ndarray]:
+        """The `live` tensors' codes, running operators start..stop-1 on the kept tensors they read."""
+        graph = self.model_object.subgraphs[0]
+        assert self.kept is not None
+        segment = graph.operators[start:stop]
+        made = {int(index) for operator in segment for index in operator.outputs}
+        wanted = [index for index in live if index in made]
+        if not wanted:
+            return {index: self.kept[index] for index in live}
+        fed = sorted({int(index) for operator in segment for index in operator.inputs if index >= 0} - made - self.constant)
+        if not fed or not set(fed) <= set(self.kept):
+            raise _NotFed
+        saved = graph.inputs, graph.outputs, graph.operators, self.model_object.signatureDefs
+        graph.inputs, graph.outputs, graph.operators, self.model_object.signatureDefs = fed, wanted, segment, []
+        try:
+            data = pack_model(self.model_object)
+        finally:
+            graph.inputs, graph.outputs, graph.operators, self.model_object.signatureDefs = saved
+        return {**{index: self.kept[index] for index in live if index not in made}, **_segment_codes(data, fed, wanted, self.kept)}
+
+
+def _segment_codes(data: bytes, fed: list[int], wanted: list[int], kept: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+    """The `wanted` tensors' codes from a model (`data`) whose inputs are the `fed` tensors, fed from `kept`, by
+    LiteRT's reference kernels, BATCH images a call."""
+    from ai_edge_litert.interpreter import Interpreter, OpResolverType
+
+    interpreter = Interpreter(model_content=data, experimental_op_resolver_type=OpResolverType.BUILTIN_REF)
+    count, allocated = len(kept[fed[0]]), 0
+    found: dict[int, list[np.ndarray]] = {tensor: [] for tensor in wanted}
+    for start in range(0, count, BATCH):
+        part = {tensor: kept[tensor][start : start + BATCH] for tensor in fed}
+        if len(part[fed[0]]) != allocated:
+            for tensor, values in part.items():
+                interpreter.resize_tensor_input(tensor, list(values.shape))
+            interpreter.allocate_tensors()
+            allocated = len(part[fed[0]])
+        for tensor, values in part.items():
+            interpreter.set_tensor(tensor, values)
+        interpreter.invoke()
+        for tensor in wanted:
+            found[tensor].append(interpreter.get_tensor(tensor))
+    return {tensor: np.concatenate(found[tensor]) for tensor in wanted}
+
+
 def _unfolded(inputs: np.ndarray, operator, kind: str, shape: list[int]) -> np.ndarray:
     """The rows (float64) a CONV_2D or FULLY_CONNECTED output sums over, in its filter's order, from its input values."""
     if kind == "CONV_2D":
@@ -172,19 +261,19 @@ def up_to(model_object, tensor: int) -> bytes:
         graph.operators, graph.outputs = operators, outputs
 
 
-def layer_rows(model_object, operator, kind: str, shape: list[int], images: np.ndarray) -> np.ndarray:
+def layer_rows(current: CurrentInputs, operator, kind: str, shape: list[int]) -> np.ndarray:
     """The rows (float64) a CONV_2D or FULLY_CONNECTED output sums over, in its filter's order, as the model (its
-    earlier layers as they are now) feeds the operator on `images`."""
-    return _unfolded(layer_inputs(up_to(model_object, int(operator.inputs[0])), int(operator.inputs[0]), images), operator, kind, shape)
+    earlier layers as they are now) feeds the operator on the images."""
+    return _unfolded(current(operator), operator, kind, shape)
 
 
-def layer_moments(original: OriginalInputs, current: bytes, operator, kind: str, shape: list[int], images: np.ndarray,
+def layer_moments(original: OriginalInputs, current: CurrentInputs, operator, kind: str, shape: list[int], images: np.ndarray,
                   held: np.ndarray) -> tuple[tuple[np.ndarray, int], tuple[np.ndarray, int]]:
     """((sum, rows) on the images `held` leaves out, (sum, rows) on those it marks): the sums of z z^T over a
     layer's rows, z = [x; x'; 1], x the row the int8 model (`original`) feeds it and x' the one the model as it is
     now (`current`) feeds it. Summed image batch by image batch, so memory stays that of one batch's rows."""
     tensor = int(operator.inputs[0])
-    original_inputs, current_inputs = original(tensor), layer_inputs(current, tensor, images)
+    original_inputs, current_inputs = original(tensor), current(operator)
     width = 2 * int(np.prod(shape[1:])) + 1
     sums, counts = [np.zeros((width, width)) for _ in range(2)], [0, 0]
     for start in range(0, len(images), BATCH):
@@ -327,9 +416,10 @@ def _stays_int8(graph, position: int, kind: str, operator) -> str:
             else "")
 
 
-def _layer_to_int4(original: OriginalInputs, model_object, operator, kind: str, images: np.ndarray, held: np.ndarray) -> bool:  # noqa: PLR0913,PLR0917  the model, the layer and the images that fit it
-    """The layer's filter rewritten in int4 in `model_object`, fitted on the images, its bias following; whether
+def _layer_to_int4(original: OriginalInputs, current: CurrentInputs, operator, kind: str, images: np.ndarray, held: np.ndarray) -> bool:  # noqa: PLR0913,PLR0917  the model, the layer and the images that fit it
+    """The layer's filter rewritten in int4 in the model `current` reads, fitted on the images, its bias following; whether
     the fit compensates for the earlier 4-bit layers."""
+    model_object = current.model_object
     graph = model_object.subgraphs[0]
     input_tensor, weight_tensor, bias_tensor = (int(index) for index in operator.inputs[:3])
     weight, bias = graph.tensors[weight_tensor], graph.tensors[bias_tensor]
@@ -341,7 +431,7 @@ def _layer_to_int4(original: OriginalInputs, model_object, operator, kind: str, 
     input_scale = float(graph.tensors[input_tensor].quantization.scale[0])
     int8_bias = np.frombuffer(bytes(model_object.buffers[bias.buffer].data), np.int32).astype(np.float64) * input_scale * np.broadcast_to(
         int8_scales, (shape[0],))
-    compensate, (codes, scales, float_bias) = _chosen_fit(weights, int8_bias, layer_moments(original, up_to(model_object, input_tensor), operator, kind,
+    compensate, (codes, scales, float_bias) = _chosen_fit(weights, int8_bias, layer_moments(original, current, operator, kind,
                                                                                             shape, images, held), per_tensor)
     # The bias's scale follows the weights' (TFLite: input scale x weight scale).
     bias_codes = np.clip(np.rint(float_bias / (input_scale * scales)), np.iinfo(np.int32).min, np.iinfo(np.int32).max).astype(np.int32)
@@ -374,6 +464,7 @@ def to_int4(data: bytes, images: np.ndarray, progress: Callable[[int, int], None
     fits = arena_neutral(model_object, [operator for position, (kind, operator) in enumerate(layers) if not _stays_int8(graph, position, kind, operator)])
     original = original or OriginalInputs(data, graph, [int(operator.inputs[0]) for position, (_, operator) in enumerate(layers)
                                                         if id(operator) in fits and position not in eight_bit], images)
+    current = CurrentInputs(model_object, images)
     for position, (kind, operator) in enumerate(layers):
         shape = [int(dim) for dim in graph.tensors[int(operator.inputs[1])].shape]
         name = f"{kind} {'x'.join(map(str, shape))}"
@@ -383,7 +474,7 @@ def to_int4(data: bytes, images: np.ndarray, progress: Callable[[int, int], None
             kept.append(f"{name} ({why})")
             continue
         int8_state = _state(model_object, operator)
-        compensate = _layer_to_int4(original, model_object, operator, kind, images, held)
+        compensate = _layer_to_int4(original, current, operator, kind, images, held)
         name = f"{name} #{position}" if name in states else name
         states[name], positions[name] = (int8_state, _state(model_object, operator)), position
         made.append(name)

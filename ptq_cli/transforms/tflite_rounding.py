@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ptq_cli.transforms.int4 import layer_rows, weighted_ops
+from ptq_cli.transforms.int4 import CurrentInputs, layer_rows, weighted_ops
 from ptq_cli.transforms.rounding import gptq
 from ptq_cli.transforms.tflite_graph import pack_model, schema_module
 
@@ -54,6 +54,7 @@ def learned_int8(data: bytes, float_data: bytes, images: np.ndarray, progress: C
     floats = _float_tensors(float_data)
     layers = weighted_ops(model_object)
     refined = changed = total = 0
+    current = CurrentInputs(model_object, images)
     for position, (kind, operator) in enumerate(layers):
         input_tensor, weight_tensor, bias_tensor = (int(index) for index in operator.inputs[:3])
         weight, bias = graph.tensors[weight_tensor], graph.tensors[bias_tensor] if bias_tensor >= 0 else None
@@ -64,7 +65,7 @@ def learned_int8(data: bytes, float_data: bytes, images: np.ndarray, progress: C
         float_weights = floats[weight.name].astype(np.float64).reshape(shape[0], -1)
         scales = np.broadcast_to(np.asarray(weight.quantization.scale, np.float64), (shape[0],))
         nearest = np.frombuffer(bytes(model_object.buffers[weight.buffer].data), np.int8).astype(np.float64).reshape(shape[0], -1)
-        rows64 = layer_rows(model_object, operator, kind, shape, images)
+        rows64 = layer_rows(current, operator, kind, shape)
         codes = gptq(float_weights[None], (rows64.T @ rows64 / len(rows64))[None], scales[None], np.zeros((1, shape[0])), QMIN, QMAX)[0]
         input_scale = float(graph.tensors[input_tensor].quantization.scale[0])
         float_bias = floats[bias.name].astype(np.float64) + (float_weights - codes * scales[:, None]) @ rows64.mean(axis=0)
