@@ -134,13 +134,13 @@ def test_an_ir_without_its_weights_is_refused(project):
 
 
 @pytest.mark.real_assets
-def test_ptq_evaluate_matches_a_plain_openvino_script(resnet8_onnx, tmp_path):
+def test_ptq_evaluate_matches_a_plain_openvino_script(pipeline, tmp_path):
     import openvino as ov
     from conftest import CIFAR, cifar_split
 
     model = tmp_path / "resnet8_openvino_int8.xml"
-    ok("quantize", "--model", resnet8_onnx, "--backend", "openvino", "--output", model, "--data", CIFAR, cwd=tmp_path)
-    ok("evaluate", "--model", model, "--results-dir", tmp_path / "res", "--data", CIFAR, cwd=tmp_path)
+    ok("quantize", "--model", pipeline / "models" / "resnet8.onnx", "--backend", "openvino", "--output", model, "--data", CIFAR, cwd=pipeline)
+    ok("evaluate", "--model", model, "--results-dir", tmp_path / "res", "--data", CIFAR, cwd=pipeline)
     (record,) = [r for r in records(tmp_path / "res").values() if r["model_path"].endswith(".xml")]
     test = cifar_split("test")
     compiled = ov.Core().compile_model(str(model), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
