@@ -120,17 +120,21 @@ def layer_inputs(data: bytes, tensor: int, images: np.ndarray) -> np.ndarray:
 ORIGINAL_BYTES = 256 * 2**20  # codes of the int8 model's layer inputs held at once
 
 
+def held_bytes(graph, tensor: int, images: int) -> int:
+    """The bytes of an activation tensor's codes on `images` images."""
+    schema = schema_module()
+    widths = {schema.TensorType.INT8: 1, schema.TensorType.UINT8: 1, schema.TensorType.INT16: 2}
+    return int(np.prod(graph.tensors[tensor].shape[1:])) * images * widths.get(graph.tensors[tensor].type, 4)
+
+
 class OriginalInputs:
     """The unchanged int8 model's input to each layer, in order: one interpreter pass collects the inputs of as many of
     the coming layers as ORIGINAL_BYTES holds, rather than one pass a layer (the model does not change under them)."""
 
     def __init__(self, data: bytes, graph, tensors: list[int], images: np.ndarray) -> None:
         """`graph`: the subgraph of `data`, as the caller parsed it (its activation tensors' shapes and types)."""
-        schema = schema_module()
-        widths = {schema.TensorType.INT8: 1, schema.TensorType.UINT8: 1, schema.TensorType.INT16: 2}
         self.data, self.images, self.tensors = data, images, list(dict.fromkeys(tensors))
-        self.sizes = {tensor: int(np.prod(graph.tensors[tensor].shape[1:])) * len(images) * widths.get(graph.tensors[tensor].type, 4)
-                      for tensor in self.tensors}
+        self.sizes = {tensor: held_bytes(graph, tensor, len(images)) for tensor in self.tensors}
         self.kept: dict[int, tuple[np.ndarray, float, int]] = {}
 
     def __call__(self, tensor: int) -> np.ndarray:
@@ -175,8 +179,7 @@ class CurrentInputs:
         position = next(index for index, candidate in enumerate(graph.operators) if candidate is operator)
         if self.kept is not None and position >= self.position:
             live = self._live_before(position)
-            sizes = int(self.images.shape[0]) * sum(int(np.prod(graph.tensors[index].shape[1:])) for index in live)
-            if sizes <= CURRENT_BYTES:
+            if sum(held_bytes(graph, index, len(self.images)) for index in live) <= CURRENT_BYTES:
                 with contextlib.suppress(_NotFed):
                     self.kept, self.position = self._run(self.position, position, live), position
                     scale, zero_point = graph.tensors[tensor].quantization.scale, graph.tensors[tensor].quantization.zeroPoint
