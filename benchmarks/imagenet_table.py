@@ -2,8 +2,9 @@
 
     .venv/bin/python benchmarks/imagenet_table.py [--workdir DIR] [--stamps DIR] [--configs default,speed,...]
 
-The model: the pretrained EfficientNet-Lite0 (tests/imagenet_size.py), or with `--lite 2` EfficientNet-Lite2 at 260x260
-(written as efficientnet_lite0.onnx in its own workdir, so that every command line stays the same). The photos, unlabelled folders
+The model: the pretrained EfficientNet-Lite0 (tests/imagenet_size.py), or with `--lite 1` EfficientNet-Lite1 at 240x240
+(no choice of ptq's was tuned on it) or `--lite 2` EfficientNet-Lite2 at 260x260 (written as efficientnet_lite0.onnx in
+its own workdir, so that every command line stays the same). The photos, unlabelled folders
 (ROOT/*.jpg) whose classes are not ImageNet's:
 - by default 300 CIFAR-10 training photos to calibrate and 300 test photos to measure, upsampled to 224x224;
 - with `--stamps DIR`, the photographs of Tux Paint's stamp collection (Debian's tuxpaint-stamps-default:
@@ -132,7 +133,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--stamps", type=Path, default=None, help="Tux Paint's stamps folder (see above); default: CIFAR-10 upsampled")
     parser.add_argument("--configs", default=",".join(CONFIGS))
-    parser.add_argument("--lite", type=int, choices=sorted(imagenet_size.LITE_VARIANTS), default=0, help="EfficientNet-Lite0 (224 px) or -Lite2 (260 px)")
+    parser.add_argument("--lite", type=int, choices=sorted(imagenet_size.LITE_VARIANTS), default=0, help="EfficientNet-Lite0 (224 px), -Lite1 (240 px) or -Lite2 (260 px)")
     options = parser.parse_args()
     workdir = prepare_workdir(options.workdir or Path(tempfile.mkdtemp(prefix="ptq-imagenet-table-")), options.stamps, options.lite)
     rows = []

@@ -1,7 +1,7 @@
 """ptq's models against the best peers on the same model and photographs: fidelity on both x86 int8 paths and speed.
 
     make peers                       # EfficientNet-Lite0 on Tux Paint's stamp photographs (see imagenet_table.py)
-    .venv/bin/python benchmarks/peers.py --workdir DIR [--stamps DIR] [--aimet-python .venv-peers/bin/python]
+    .venv/bin/python benchmarks/peers.py --workdir DIR [--stamps DIR] [--aimet-python .venv-peers/bin/python] [--lite 2]
 
 Every model is quantized from the same FP32 ONNX model with the same calibration photographs and judged on the
 same held-out photographs against FP32's outputs (top-1 agreement, top-5 containment, SQNR of the scores):
@@ -33,6 +33,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "tests"), str(REPO / "benchmarks")]
 
+import imagenet_size  # noqa: E402
 from imagenet_table import MODEL, prepare_workdir  # noqa: E402
 
 from ptq_cli import cpu as cpu_info  # noqa: E402
@@ -42,8 +43,7 @@ from ptq_cli.metrics import sqnr_db  # noqa: E402
 from ptq_cli.services.measure import emulate  # noqa: E402
 from ptq_cli.services.models import load_model  # noqa: E402
 
-PTQ_CONFIGS = {"ptq default": [], "ptq --dtype int8": ["--dtype", "int8"], "ptq --cpus vnni": ["--cpus", "vnni"],
-               "ptq --rounding nearest": ["--rounding", "nearest"]}
+PTQ_CONFIGS = {"default": [], "int8": ["--dtype", "int8"], "vnni": ["--cpus", "vnni"], "nearest": ["--rounding", "nearest"]}  # `--ptq` names
 FLAGS = PreprocessingFlags(preset="imagenet")
 
 
@@ -134,15 +134,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--stamps", type=Path, default=None, help="Tux Paint's stamps folder (imagenet_table.py); default: CIFAR-10 upsampled")
+    parser.add_argument("--lite", type=int, choices=sorted(imagenet_size.LITE_VARIANTS), default=0, help="EfficientNet-Lite0, -Lite1 or -Lite2 (imagenet_table.py)")
+    parser.add_argument("--ptq", default=",".join(PTQ_CONFIGS), help=f"ptq's configurations, comma-separated, of: {', '.join(PTQ_CONFIGS)}")
     parser.add_argument("--aimet-python", type=Path, default=None, help="the Python of a virtual environment with aimet-onnx (make peers)")
     parser.add_argument("--aimet-iterations", type=int, default=1000, help="AdaRound's optimisation steps a layer")
     parser.add_argument("--aimet-first-layers", type=int, default=6,
                         help="AdaRound the first N Conv/Gemm/MatMul layers (0: every layer; with 1,000 iterations a layer, not finished in 74 CPU-minutes)")
     parser.add_argument("--emulated", type=int, default=24, help="photographs scored under emulation for the saturating path on a VNNI CPU")
     options = parser.parse_args()
-    workdir = prepare_workdir(options.workdir or Path(tempfile.mkdtemp(prefix="ptq-peers-")), options.stamps)
+    unknown = set(options.ptq.split(",")) - set(PTQ_CONFIGS)
+    if unknown:
+        parser.error(f"--ptq: unknown configuration {', '.join(sorted(unknown))}")
+    workdir = prepare_workdir(options.workdir or Path(tempfile.mkdtemp(prefix="ptq-peers-")), options.stamps, options.lite)
     calibration, test = photos(workdir, "calibration", workdir / MODEL), photos(workdir, "test", workdir / MODEL)
-    made = [(name, *ptq_model(workdir, name, config)) for name, config in PTQ_CONFIGS.items()]
+    made = [(name, *ptq_model(workdir, name, PTQ_CONFIGS[key])) for key in options.ptq.split(",")
+            for name in [f"ptq {' '.join(PTQ_CONFIGS[key]) or 'default'}"]]
     made.append(("plain onnxruntime (per-channel MinMax)", *plain_onnxruntime(workdir, calibration)))
     made.append(("NNCF on ONNX (full bias correction)", *nncf_onnx(workdir, calibration)))
     if options.aimet_python:

@@ -139,7 +139,7 @@ def quantization(result: QuantizeResult) -> Table:
             *((("portability", describe_portability(result.portability)),) if result.portability else ()),
             ("other choices", describe_choices(result.measured_choices)),
             *(((f"{settings.backend} options", settings.options.describe()),) if settings.options.describe() else ()),
-            ("calibration method", describe_method(settings.method, settings.percentile, settings.method_sqnr_db)),
+            ("calibration method", describe_method(settings.method, settings.percentile, settings.method_sqnr_db, settings.method_rounded_db)),
             *((("activation ranges", ranges_row),) if (ranges_row := describe_ranges(settings.ranges, settings.ranges_calibrated_db,
                                                                                       settings.ranges_searched_db)) else ()),
             ("calibration samples", f"{settings.calibration_samples} (seed {settings.calibration_seed}, {settings.calibration_source})"),

