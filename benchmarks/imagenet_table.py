@@ -79,7 +79,7 @@ def stamp_photos(stamps: Path, calibration: Path, test: Path, smallest: int = 15
 
 def prepare_workdir(workdir: Path, stamps: Path | None, variant: int = 0) -> Path:
     """The model and the two photo folders in `workdir`, made where missing: stamp photographs, or upsampled CIFAR-10.
-    EfficientNet-Lite2 (`variant` 2) is written under the same file name in its own workdir."""
+    EfficientNet-Lite1 or -Lite2 (`variant` 1 or 2) is written under the same file name in its own workdir."""
     workdir.mkdir(parents=True, exist_ok=True)
     if not (workdir / MODEL).is_file():
         imagenet_size.efficientnet_lite_onnx(workdir / MODEL, variant)

@@ -149,6 +149,43 @@ def test_a_percentile_preferred_before_rounding_is_judged_again_after_it(project
     assert auto_codes and auto_codes.keys() == named_codes.keys() and all(np.array_equal(auto_codes[key], named_codes[key]) for key in auto_codes)
 
 
+def test_the_second_rounding_reads_the_float_model_s_inputs_from_the_first(project, monkeypatch):
+    """The percentile model and the MinMax model are rounded from the same float model and images: the second rounding
+    takes the float model's sums from the first instead of running the float model again, and the file is the same
+    bytes as with every sum computed."""
+    from ptq_cli.backends import onnxruntime as ort_backend
+
+    monkeypatch.setattr(ort_backend, "chosen_method", lambda measured: ("percentile", 99.99))
+    real_batches = ort_backend._tensor_batches
+    float_reads: list[str] = []
+
+    def counting(input_name, images, threads, chunk=16):
+        batches = real_batches(input_name, images, threads, chunk)
+
+        def read(model, name):
+            if not any(node.op_type == "QuantizeLinear" for node in model.graph.node):
+                float_reads.append(name)
+            return batches(model, name)
+
+        return read
+
+    monkeypatch.setattr(ort_backend, "_tensor_batches", counting)
+
+    def made(output: str) -> tuple[bytes, int, int]:
+        float_reads.clear()
+        result = invoke("quantize", "--model", "m.onnx", "--data", "test", "--calibration-data", "cal", "--preprocess", "unit",
+                        "--output", output, "--json", "--no-portability-cost", cwd=project)
+        assert result.exit_code == 0, result.output
+        layers = int(next(note for note in json.loads(result.stdout)["notes"] if note.startswith("learned rounding:")).split()[2])
+        return (project / output).read_bytes(), len(float_reads), layers
+
+    shared, shared_reads, layers = made("memo_shared.onnx")
+    monkeypatch.setattr(ort_backend, "_float_memo", lambda float_model, images: None)
+    computed, computed_reads, _ = made("memo_computed.onnx")
+    assert layers > 0 and computed_reads - shared_reads == layers
+    assert shared.replace(b"memo_shared", b"memo_computed") == computed
+
+
 @pytest.mark.parametrize(("percentile_db", "minmax_db", "kept"), [(23.0, 22.0, "percentile"), (21.7, 23.6, "minmax"), (22.2, 22.0, "minmax"),
                                                                   (22.0, None, "percentile")])
 def test_after_rounding_a_percentile_stays_only_where_it_still_wins_by_the_margin(percentile_db, minmax_db, kept):

@@ -51,6 +51,10 @@ def test_unfolded_rows_times_the_weight_matrix_are_onnxruntime_s_conv(attributes
     assert got.shape == expected.shape
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
     assert np.array_equal(rounding.from_matrix(layer, matrix, weight.shape), weight)
+    # A sample of the rows, gathered without unfolding the others, is the same rows as the unfolded ones masked.
+    keep = rng.random(rounding.row_count(layer, x, weight.shape)) < 0.3
+    assert rounding.row_count(layer, x, weight.shape) == len(rows) and 0 < keep.sum() < len(rows)
+    assert np.array_equal(rounding.unfold(layer, x, weight.shape, keep), rows[keep])
 
 
 def _output_error(weights, codes, scale, second) -> float:

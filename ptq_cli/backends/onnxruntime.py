@@ -11,7 +11,7 @@ import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -462,6 +462,21 @@ def _outputs(model, name: str, input_name: str, images: np.ndarray, threads: int
     return np.concatenate(list(_tensor_batches(input_name, images, threads, chunk)(model, name)))
 
 
+def _float_memo(float_model, images: np.ndarray) -> rounding.FloatMemo:
+    """Within one run (base.computed_once), the float model's sums of a layer's input rows, shared by the refinements
+    of every quantized model made from the same float model and images: `--method auto`'s MinMax model, the model
+    for VNNI CPUs that measures portability, and `ptq run`'s other 8-bit models."""
+    @cache
+    def prefix() -> bytes:
+        return base.digest(float_model.SerializeToString(), repr((images.shape, str(images.dtype))).encode(), np.ascontiguousarray(images).tobytes()).encode()
+
+    def memo(key: tuple, compute):
+        return base.computed_once(lambda: base.digest(b"float rows", prefix(), repr(key).encode()), compute,
+                                  size=lambda value: 0 if value[0] is None else value[0].nbytes)
+
+    return memo
+
+
 def refine_rounding(quantized, float_path: str, calibration: np.ndarray, input_name: str, settings: QuantizationSettings,
                     progress: ProgressCallback | None = None) -> tuple[Any, QuantizationSettings, list[str]]:
     """(model, settings with the rounding decided, notes): learned codes and corrected biases where they bring
@@ -480,7 +495,8 @@ def refine_rounding(quantized, float_path: str, calibration: np.ndarray, input_n
     nearest_model = onnx.ModelProto.FromString(quantized.SerializeToString())
     try:
         refined, layers = rounding.refine(quantized, float_model, _tensor_batches(input_name, refining, threads),
-                                          _tensor_batches(input_name, refining, threads), len(refining), progress=progress)
+                                          _tensor_batches(input_name, refining, threads), len(refining), progress=progress,
+                                          float_memo=_float_memo(float_model, refining))
     except Exception as error:  # noqa: BLE001  onnxruntime's and numpy's own errors: the user keeps the nearest-rounded model
         return nearest_model, replace(settings, rounding=NEAREST), [f"learned rounding: not applied ({first_line(error)}); weights rounded to nearest"]
     changed = sum(layer.codes_changed for layer in layers)

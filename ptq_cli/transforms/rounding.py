@@ -116,22 +116,40 @@ def _pads(attributes: dict, in_hw: tuple[int, int], kernel: tuple[int, int], str
     return pads[0], pads[1], pads[2], pads[3]
 
 
-def unfold(layer: Layer, inputs: np.ndarray, weight_shape: tuple[int, ...]) -> np.ndarray:
+def unfold(layer: Layer, inputs: np.ndarray, weight_shape: tuple[int, ...], keep: np.ndarray | None = None) -> np.ndarray:
     """The rows each output of the layer sums over: (positions, groups, inputs per group), in the weight's
-    column order (channel, then kernel row and column for a Conv)."""
+    column order (channel, then kernel row and column for a Conv); with `keep` (a mask over `row_count` rows),
+    only those rows, gathered without unfolding the others."""
     if layer.op_type != "Conv":
-        return inputs.reshape(-1, 1, inputs.shape[-1])
+        rows = inputs.reshape(-1, 1, inputs.shape[-1])
+        return rows if keep is None else rows[keep]
     groups = int(layer.attributes.get("group", 1))
+    windows = _windows(layer, inputs, weight_shape)
+    count, channels, out_h, out_w = windows.shape[:4]
+    columns = (channels // groups) * weight_shape[2] * weight_shape[3]
+    if keep is not None:
+        image, row, column = np.unravel_index(np.flatnonzero(keep), (count, out_h, out_w))
+        return windows[image, :, row, column].reshape(len(image), groups, columns)
+    return windows.transpose(0, 2, 3, 1, 4, 5).reshape(count * out_h * out_w, groups, columns)
+
+
+def row_count(layer: Layer, inputs: np.ndarray, weight_shape: tuple[int, ...]) -> int:
+    """How many rows `unfold` gives for `inputs`, without unfolding them."""
+    if layer.op_type != "Conv":
+        return int(np.prod(inputs.shape[:-1]))
+    count, _, out_h, out_w = _windows(layer, inputs, weight_shape).shape[:4]
+    return count * out_h * out_w
+
+
+def _windows(layer: Layer, inputs: np.ndarray, weight_shape: tuple[int, ...]) -> np.ndarray:
+    """A Conv's input windows, a view: (images, channels, output rows, output columns, kernel rows, kernel columns)."""
     kernel = tuple(weight_shape[2:])
     strides = tuple(layer.attributes.get("strides", [1, 1]))
     dilations = tuple(layer.attributes.get("dilations", [1, 1]))
     top, left, bottom, right = _pads(layer.attributes, inputs.shape[2:], kernel, strides, dilations)  # type: ignore[arg-type]
     padded = np.pad(inputs, ((0, 0), (0, 0), (top, bottom), (left, right)))
     span = ((kernel[0] - 1) * dilations[0] + 1, (kernel[1] - 1) * dilations[1] + 1)
-    windows = np.lib.stride_tricks.sliding_window_view(padded, span, axis=(2, 3))[:, :, ::strides[0], ::strides[1], ::dilations[0], ::dilations[1]]
-    count, channels, out_h, out_w = windows.shape[:4]
-    rows = windows.transpose(0, 2, 3, 1, 4, 5).reshape(count * out_h * out_w, groups, (channels // groups) * kernel[0] * kernel[1])
-    return rows
+    return np.lib.stride_tricks.sliding_window_view(padded, span, axis=(2, 3))[:, :, ::strides[0], ::strides[1], ::dilations[0], ::dilations[1]]
 
 
 def weight_matrix(layer: Layer, weight: np.ndarray) -> np.ndarray:
@@ -149,35 +167,38 @@ def from_matrix(layer: Layer, matrix: np.ndarray, shape: tuple[int, ...]) -> np.
 
 @dataclass
 class Moments:
-    """Sums over sampled rows, per group: x_q x_q^T (H), x_q and x_fp32 (the same rows of both models)."""
+    """Sums over sampled rows, per group: x_q x_q^T (H) and x_q of the quantized model, and x_fp32 of the float model
+    over the same rows."""
 
     second: np.ndarray | None = None
     quantized_sum: np.ndarray | None = None
     float_sum: np.ndarray | None = None
     rows: int = 0
 
-    def add(self, quantized: np.ndarray, floating: np.ndarray) -> None:
+    def add(self, quantized: np.ndarray) -> None:
         grouped = np.ascontiguousarray(quantized.astype(np.float64).transpose(1, 0, 2))  # groups x rows x inputs: batched BLAS
-        parts = (np.matmul(grouped.transpose(0, 2, 1), grouped), grouped.sum(axis=1), floating.astype(np.float64).sum(axis=0))
-        if self.second is None or self.quantized_sum is None or self.float_sum is None:
-            self.second, self.quantized_sum, self.float_sum = parts
+        parts = (np.matmul(grouped.transpose(0, 2, 1), grouped), grouped.sum(axis=1))
+        if self.second is None or self.quantized_sum is None:
+            self.second, self.quantized_sum = parts
         else:
-            self.second, self.quantized_sum, self.float_sum = self.second + parts[0], self.quantized_sum + parts[1], self.float_sum + parts[2]
+            self.second, self.quantized_sum = self.second + parts[0], self.quantized_sum + parts[1]
         self.rows += len(quantized)
 
 
-def _sampled_rows(layer: Layer, quantized: np.ndarray, floating: np.ndarray, weight_shape: tuple[int, ...], fraction: float,
-                  rng: np.random.Generator) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """The layer's unfolded rows for a batch of its quantized and float inputs, the same `fraction` of both,
+def _sampled_rows(layer: Layer, batches: Iterator[np.ndarray], weight_shape: tuple[int, ...], images: int,
+                  rng: np.random.Generator) -> Iterator[np.ndarray]:
+    """The layer's unfolded rows over the batches of its input, a sample of at most about MAX_ROWS of them over
+    `images` images (the rows drawn by `rng`: the same rows of the quantized and the float input for the same state),
     a few images at a time."""
-    per_image = max(1, int(np.prod(quantized.shape[1:])) * (int(np.prod(weight_shape[2:])) if layer.op_type == "Conv" else 1))
-    step = max(1, ROW_BUDGET // per_image)
-    for start in range(0, len(quantized), step):
-        rows_q, rows_f = unfold(layer, quantized[start : start + step], weight_shape), unfold(layer, floating[start : start + step], weight_shape)
-        if fraction < 1.0:
-            keep = rng.random(len(rows_q)) < fraction
-            rows_q, rows_f = rows_q[keep], rows_f[keep]
-        yield rows_q, rows_f
+    fraction = 1.0
+    for index, batch in enumerate(batches):
+        if index == 0:
+            fraction = min(1.0, MAX_ROWS / max(1, row_count(layer, batch[:1], weight_shape) * images))
+        per_image = max(1, int(np.prod(batch.shape[1:])) * (int(np.prod(weight_shape[2:])) if layer.op_type == "Conv" else 1))
+        step = max(1, ROW_BUDGET // per_image)
+        for start in range(0, len(batch), step):
+            part = batch[start : start + step]
+            yield unfold(layer, part, weight_shape, rng.random(row_count(layer, part, weight_shape)) < fraction if fraction < 1.0 else None)
 
 
 def gptq(weights: np.ndarray, second: np.ndarray, scale: np.ndarray, zero: np.ndarray, qmin: int, qmax: int) -> np.ndarray:
@@ -248,9 +269,10 @@ def keep_pair_rule(learned: np.ndarray, rounded: np.ndarray, depthwise: bool) ->
 ActivationSource = Callable[[object, str], Iterator[np.ndarray]]  # (model, tensor name) -> batches of that tensor
 
 
-def refine(quantized, float_model, quantized_batches: ActivationSource, float_batches: ActivationSource, images: int, seed: int = 0,
-           progress: Callable[[int, int], None] | None = None) -> tuple[Any, list[LayerResult]]:
+def refine(quantized, float_model, quantized_batches: ActivationSource, float_batches: ActivationSource, images: int, seed: int = 0,  # noqa: PLR0913  the two models, their sources, and the refinement's own knobs
+           progress: Callable[[int, int], None] | None = None, float_memo: FloatMemo | None = None) -> tuple[Any, list[LayerResult]]:
     """The QDQ model with learned weight codes and corrected biases, in place, layer by layer in graph order.
+    `float_memo` (see `_moments`) shares the float model's sums between refinements of the same float model and images.
 
     `quantized_batches(model, name)` yields the named tensor as the (current) QDQ model computes it on the
     `images` refinement images, `float_batches(float_model, name)` as the float graph does on the same images,
@@ -280,7 +302,7 @@ def refine(quantized, float_model, quantized_batches: ActivationSource, float_ba
             continue  # not one scale per tensor or per output channel, or too wide to hold H
         per_row_scale = np.broadcast_to(scale.reshape(-1) if scale.size > 1 else scale.reshape(1), (groups * rows,)).reshape(groups, rows)
         per_row_zero = np.broadcast_to(zero.reshape(-1) if zero.size > 1 else zero.reshape(1), (groups * rows,)).reshape(groups, rows)
-        moments = _moments(layer, quantized, float_model, quantized_batches, float_batches, codes_now.shape, rng, images)
+        moments = _moments(layer, quantized, float_model, quantized_batches, float_batches, codes_now.shape, rng, images, float_memo)
         if moments.second is None or moments.rows == 0 or not np.all(np.isfinite(moments.second)):
             continue
         try:
@@ -306,18 +328,32 @@ def _float_weight(node, initializers: dict) -> np.ndarray | None:
     return weight if np.issubdtype(weight.dtype, np.floating) and weight.ndim >= 2 else None
 
 
-def _moments(layer: Layer, quantized, float_model, quantized_batches: ActivationSource, float_batches: ActivationSource,
-             weight_shape: tuple[int, ...], rng: np.random.Generator, images: int) -> Moments:
-    """The layer's input statistics over the refinement images, streamed a batch of both models at a time."""
+FloatMemo = Callable[[tuple, Callable[[], tuple[np.ndarray | None, int]]], tuple[np.ndarray | None, int]]
+
+
+def _moments(layer: Layer, quantized, float_model, quantized_batches: ActivationSource, float_batches: ActivationSource,  # noqa: PLR0913,PLR0917  both models and their sources, the layer and the sampling
+             weight_shape: tuple[int, ...], rng: np.random.Generator, images: int, float_memo: FloatMemo | None = None) -> Moments:
+    """The layer's input statistics over the refinement images, streamed a batch at a time: the quantized model's, then
+    the float model's sum over the same rows. `float_memo(key, compute)` may hand back that sum from an earlier
+    refinement of another quantized model of the same float model and images (the float model does not change)."""
+    state = rng.bit_generator.state
+
+    def float_sum() -> tuple[np.ndarray | None, int]:
+        same_rows = np.random.default_rng()
+        same_rows.bit_generator.state = state
+        total, rows = None, 0
+        for part in _sampled_rows(layer, float_batches(float_model, layer.float_input), weight_shape, images, same_rows):
+            summed = part.astype(np.float64).sum(axis=0)
+            total, rows = (summed if total is None else total + summed), rows + len(part)
+        return total, rows
+
     moments = Moments()
-    fraction = 1.0
-    for index, (batch_q, batch_f) in enumerate(zip(quantized_batches(quantized, layer.quantized_input),
-                                                   float_batches(float_model, layer.float_input), strict=True)):
-        if index == 0:
-            per_image = len(unfold(layer, batch_q[:1], weight_shape))
-            fraction = min(1.0, MAX_ROWS / max(1, per_image * images))
-        for rows_q, rows_f in _sampled_rows(layer, batch_q, batch_f, weight_shape, fraction, rng):
-            moments.add(rows_q, rows_f)
+    for part in _sampled_rows(layer, quantized_batches(quantized, layer.quantized_input), weight_shape, images, rng):
+        moments.add(part)
+    key = (layer.name, layer.float_input, tuple(weight_shape), repr(state))
+    moments.float_sum, float_rows = float_sum() if float_memo is None else float_memo(key, float_sum)
+    if float_rows != moments.rows:
+        moments.float_sum = None  # not the same rows (a source that yields other batches): no bias correction
     return moments
 
 

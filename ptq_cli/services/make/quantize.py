@@ -187,9 +187,11 @@ def quantize(model_path: Path, output: Path, settings: QuantizationSettings, cal
         source = load_source(model_path, flags or inputs.PreprocessingFlags(), settings.per_channel is not False)
     prepared = calibration_inputs(source, calibration)
     settings = with_calibration(resolve_settings(source, settings, prepared), calibration)
-    written = quantize_source(source, output, settings, calibration, prepared=prepared, progress=progress)
-    settings = written.settings or settings
-    cost = portability.measure(source, output, settings, calibration, prepared, quantize_source) if portability_cost and portability.applies(settings) else None
+    with backends.reusing_made_files():  # the model for VNNI CPUs shares what it can with this one (its float model's sums)
+        written = quantize_source(source, output, settings, calibration, prepared=prepared, progress=progress)
+        settings = written.settings or settings
+        measured = portability_cost and portability.applies(settings)
+        cost = portability.measure(source, output, settings, calibration, prepared, quantize_source) if measured else None
     if cost is not None and cost.model_sha256 and results_dir is not None:
         portability.save(cost, results_dir)
     choices = measured_from(results_dir, file_sha256(model_path), leaving_out=output) if results_dir is not None else None
