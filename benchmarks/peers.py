@@ -147,8 +147,8 @@ def main() -> None:
         parser.error(f"--ptq: unknown configuration {', '.join(sorted(unknown))}")
     workdir = prepare_workdir(options.workdir or Path(tempfile.mkdtemp(prefix="ptq-peers-")), options.stamps, options.lite)
     calibration, test = photos(workdir, "calibration", workdir / MODEL), photos(workdir, "test", workdir / MODEL)
-    made = [(name, *ptq_model(workdir, name, PTQ_CONFIGS[key])) for key in options.ptq.split(",")
-            for name in [f"ptq {' '.join(PTQ_CONFIGS[key]) or 'default'}"]]
+    names = {key: f"ptq {' '.join(PTQ_CONFIGS[key]) or 'default'}" for key in options.ptq.split(",")}
+    made = [(name, *ptq_model(workdir, name, PTQ_CONFIGS[key])) for key, name in names.items()]
     made.append(("plain onnxruntime (per-channel MinMax)", *plain_onnxruntime(workdir, calibration)))
     made.append(("NNCF on ONNX (full bias correction)", *nncf_onnx(workdir, calibration)))
     if options.aimet_python:

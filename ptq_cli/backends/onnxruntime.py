@@ -606,32 +606,28 @@ def choose_method(source: str, calibration: np.ndarray, input_name: str, setting
     scores: list[tuple[str, float | None, float | None]] = []
     for index, (method, percentile) in enumerate(METHOD_CANDIDATES):
         candidate = replace(settings, method=method, percentile=percentile)
-        target = workdir / f"candidate_{index}.onnx"
         step = (lambda done, _total, index=index: progress(index * len(rest) + done, len(METHOD_CANDIDATES) * len(rest))) if progress else None
         try:
-            _quantize_static(source, target, rest, input_name, None, candidate, float_nodes, overrides, output, model_name, step)
+            quantized = _calibrated_model(source, rest, input_name, candidate, float_nodes, overrides, finish, workdir, output, model_name, step)
         except PtqError:
             if index == 0:
                 raise  # MinMax itself: the model cannot be calibrated, said in onnxruntime's words
             scores.append((method, percentile, None))
             continue
-        quantized = onnx.load(str(target))
-        finish(quantized)
         name = judged_in(quantized, judged)
         scores.append((method, percentile, sqnr_figure(sqnr_db(reference, _outputs(quantized, name, input_name, held_out, threads)))))
-        target.unlink()
     method, percentile = chosen_method(tuple(scores))
     return replace(settings, method=method, percentile=percentile, method_sqnr_db=tuple(scores)), []
 
 
-def _minmax_model(source: str, calibration: np.ndarray, input_name: str, settings: QuantizationSettings, float_nodes: list[str],  # noqa: PLR0913,PLR0917  quantize_static's own arguments, passed through
-                  overrides: dict | None, finish, workdir: Path, output: Path, model_name: str):
-    """The model `--method auto` would have made with MinMax ranges (calibrated on every image, nearest-rounded)."""
+def _calibrated_model(source: str, images: np.ndarray, input_name: str, settings: QuantizationSettings, float_nodes: list[str],  # noqa: PLR0913,PLR0917  quantize_static's own arguments, passed through
+                      overrides: dict | None, finish, workdir: Path, output: Path, model_name: str, progress: ProgressCallback | None = None):
+    """The model quantize_static makes with these settings' ranges, calibrated on `images`, with ptq's edits (`finish`),
+    nearest-rounded: a candidate `--method auto` judges."""
     import onnx
 
-    target = workdir / "minmax.onnx"
-    _quantize_static(source, target, calibration, input_name, None, replace(settings, method=METHOD_CANDIDATES[0][0], percentile=None),
-                     float_nodes, overrides, output, model_name, None)
+    target = workdir / "candidate.onnx"
+    _quantize_static(source, target, images, input_name, None, settings, float_nodes, overrides, output, model_name, progress)
     quantized = onnx.load(str(target))
     finish(quantized)
     target.unlink()
@@ -692,10 +688,10 @@ def _after(progress: ProgressCallback | None, done: int) -> ProgressCallback | N
 
 def _refined(quantized, source, calibration: np.ndarray, input_name: str, settings: QuantizationSettings,  # noqa: PLR0913,PLR0917  the refinements' arguments, the fixed batch that rules them out, and the bar
              fixed_batch: int | None, search: bool, progress: ProgressCallback | None,
-             minmax_model: Callable[[], Any] | None = None) -> tuple[Any, QuantizationSettings, list[str]]:
+             minmax_model: Callable[..., Any] | None = None) -> tuple[Any, QuantizationSettings, list[str]]:
     """The quantized model after ptq's refinements on the calibration images: learned rounding, then the activation
     ranges searched (`search`: `--method auto`); each kept where it measures closer to FP32 on held-out images.
-    `minmax_model()`, where `--method auto` kept a percentile: the model calibrated with MinMax instead, to be rounded too."""
+    `minmax_model(settings=...)`, where `--method auto` kept a percentile: the model calibrated with MinMax instead, to be rounded too."""
     notes: list[str] = []
     if fixed_batch is not None:
         if settings.rounding != NEAREST:
@@ -708,7 +704,7 @@ def _refined(quantized, source, calibration: np.ndarray, input_name: str, settin
         done = len(rounding.find_layers(quantized))
         if minmax_model is not None and _kept_rounding_db(settings) is not None:
             minmax = replace(asked, method=METHOD_CANDIDATES[0][0], percentile=None)
-            rounded = refine_rounding(minmax_model(), source, calibration, input_name, minmax, _after(progress, done))
+            rounded = refine_rounding(minmax_model(settings=minmax), source, calibration, input_name, minmax, _after(progress, done))
             quantized, settings, notes = _rounded_method((quantized, settings, notes), rounded)
             done *= 2
     if search:  # after the rounding: what the weights no longer cost, the ranges can still win back
@@ -736,8 +732,11 @@ def _rounded_method(percentile: tuple[Any, QuantizationSettings, list[str]], min
     def label(made: QuantizationSettings) -> str:
         return f"{made.method} {made.percentile:g}" if made.percentile is not None else made.method
 
-    note = (f"method auto: after weight rounding, output SQNR on held-out calibration images {label(chosen)} {chosen_db} dB, "
-            f"{label(other)} {other_db} dB; kept {label(kept[1])}")
+    def figure(db: float | None) -> str:
+        return "-" if db is None else f"{db:.2f}"
+
+    note = (f"method auto: after weight rounding, output SQNR on held-out calibration images {label(chosen)} {figure(chosen_db)} dB, "
+            f"{label(other)} {figure(other_db)} dB; kept {label(kept[1])}")
     return model, replace(settings, method_sqnr_db=chosen.method_sqnr_db, method_rounded_db=measured), [*notes, note]
 
 
@@ -799,8 +798,8 @@ def _quantize(model, output: Path, settings: QuantizationSettings, calibration: 
             if finish(quantized):
                 notes.append("output scores: left in float after the last weighted layer (computed from 8-bit inputs and weights, not rounded again)")
             # The same bar goes on: past the calibration images, one step per refined layer, then per run of the range search.
-            minmax_model = partial(_minmax_model, source, calibration, described.name, settings, float_nodes, overrides, finish, Path(workdir),
-                                   output, model_name) if search and settings.percentile is not None else None
+            minmax_model = partial(_calibrated_model, source, calibration, described.name, float_nodes=float_nodes, overrides=overrides, finish=finish,
+                                   workdir=Path(workdir), output=output, model_name=model_name) if search and settings.percentile is not None else None
             quantized, settings, refined_notes = _refined(quantized, source, calibration, described.name, settings, fixed_batch, search,
                                                           _after(progress, done + len(calibration)), minmax_model)
             notes += refined_notes
