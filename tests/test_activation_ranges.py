@@ -117,6 +117,33 @@ def test_a_percentile_onnxruntime_cannot_calibrate_leaves_minmax(project, monkey
     assert [db is None for _, _, db in made["method_sqnr_db"]] == [False, True, True]
 
 
+def test_the_percentile_candidates_read_one_collection_of_histograms(project, tmp_path, monkeypatch):
+    """`--method auto`'s percentiles share the histograms the first one collected: the second runs nothing, and its model
+    is the one a calibration of its own makes."""
+    from onnxruntime.quantization import calibrate
+
+    from ptq_cli.backends import onnxruntime as ort_backend
+
+    collected = []
+    real = calibrate.HistogramCalibrater.collect_data
+    monkeypatch.setattr(calibrate.HistogramCalibrater, "collect_data", lambda self, reader: (collected.append(self.percentile), real(self, reader))[1])
+    images = np.random.default_rng(0).uniform(0, 1, (40, 3, 16, 16)).astype(np.float32)
+
+    def calibrated(percentile: float, histograms: dict | None):
+        settings = make_settings("uint8", method="percentile", percentile=percentile)
+        model = ort_backend._calibrated_model(str(project / "m.onnx"), images, "image", settings, [], None, lambda quantized: 0, tmp_path,
+                                              tmp_path / "out.onnx", "m.onnx", histograms=histograms)
+        path = tmp_path / f"{percentile}-{histograms is not None}.onnx"
+        onnx.save(model, str(path))
+        return _quantization_parameters(path)
+
+    shared: dict = {}
+    first, second, alone = calibrated(99.0, shared), calibrated(99.99, shared), calibrated(99.99, None)
+    assert collected == [99.0, 99.99]  # the first and the one alone collected; the second read the first's histograms
+    assert second.keys() == alone.keys() and all(np.array_equal(second[key], alone[key]) for key in second)
+    assert any(not np.array_equal(first[key], second[key]) for key in first)  # its own percentile, not the first's ranges
+
+
 def _weight_codes(path: Path) -> dict[str, np.ndarray]:
     model = onnx.load(str(path))
     weights = {node.input[1] for node in model.graph.node if node.op_type in ("Conv", "Gemm", "MatMul")}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import io
 import json
@@ -265,10 +266,29 @@ def _threaded_collector(calibrator, calibrate):
                                       scenario=calibrator.scenario)
 
 
+def _histogram_key(calibrator) -> tuple:
+    """What a histogram collector's bins depend on besides the model and the images."""
+    return calibrator.method, calibrator.symmetric, calibrator.num_bins, calibrator.num_quantized_bins, calibrator.scenario
+
+
+def _replayed(calibrator, shared: dict | None) -> bool:
+    """Whether `calibrator` (a percentile) took the histograms an earlier percentile calibration collected into `shared`
+    (the caller's scope: the same model and images): it then reads its own percentile off a copy of them and runs
+    nothing (onnxruntime's compute_percentile reads only the histograms and the percentile)."""
+    collected = shared.get(_histogram_key(calibrator)) if shared is not None and calibrator.method == "percentile" else None
+    if collected is None:
+        return False
+    calibrator.collector = copy.copy(collected)
+    calibrator.collector.percentile = calibrator.percentile
+    calibrator.collect_data = lambda _reader: None
+    return True
+
+
 @contextlib.contextmanager
-def _histograms(reader, chunked: bool):
+def _histograms(reader, chunked: bool, shared: dict | None = None):
     """onnxruntime's histogram calibrators (percentile, entropy), with threaded collectors, and over chunks
-    the one-pass histograms, bin for bin.
+    the one-pass histograms, bin for bin; with `shared`, percentile histograms collected once for every percentile
+    (`_replayed`), kept there once the calibration succeeded.
 
     They size each tensor's bins on the first chunk and extend them as later chunks reach further, so
     chunked calibration would find other ranges than one pass over the whole set (ResNet8's speed model:
@@ -281,13 +301,15 @@ def _histograms(reader, chunked: bool):
 
     ort_quantize = importlib.import_module("onnxruntime.quantization.quantize")  # the module: the package exports its function
     real = ort_quantize.create_calibrator
+    collected: list = []
 
     def seeded(model, op_types, augmented_model_path="augmented_model.onnx", calibrate_method=None, **options):
         calibrator = real(model, op_types, augmented_model_path=augmented_model_path, calibrate_method=calibrate_method, **options)
         _within_task_cpus(calibrator)
-        if not isinstance(calibrator, calibrate.HistogramCalibrater) or calibrator.method == "distribution":
+        if not isinstance(calibrator, calibrate.HistogramCalibrater) or calibrator.method == "distribution" or _replayed(calibrator, shared):
             return calibrator
         calibrator.collector = collector = _threaded_collector(calibrator, calibrate)
+        collected.append(collector)
         if not chunked:
             return calibrator
         ranges = real(model, op_types, augmented_model_path=str(Path(augmented_model_path).with_suffix(".minmax.onnx")),
@@ -295,18 +317,7 @@ def _histograms(reader, chunked: bool):
         for start in range(0, len(reader), reader.stride):
             reader.set_range(start, start + reader.stride)
             ranges.collect_data(reader)
-        absolute = collector.method == "percentile" and collector.symmetric  # histograms of |x|, from its smallest to its largest
-        for name, found in ranges.compute_data().data.items():
-            low, high = (np.float32(value) for value in np.asarray(found.range_value, dtype=np.float32).reshape(-1)[:2])
-            lowest, highest = np.array(np.inf, np.float32), np.array(-np.inf, np.float32)  # a chunk's own min/max replace them
-            if absolute:  # the smallest magnitude: 0 where the range crosses it (exact after a ReLU, a hair below it otherwise)
-                edges = np.histogram_bin_edges(np.array([0.0 if low <= 0 <= high else min(abs(low), abs(high)), max(abs(low), abs(high))]),
-                                               bins=collector.num_bins).astype(np.float32)
-                collector.histogram_dict[name] = (np.zeros(collector.num_bins, np.int64), edges, lowest, highest)
-            else:
-                threshold = np.array(max(abs(low), abs(high)), dtype=np.float32)
-                empty, edges = np.histogram(np.zeros(0, np.float32), collector.num_bins, range=(-threshold, threshold))
-                collector.histogram_dict[name] = (empty, edges, lowest, highest, threshold)
+        _empty_bins(collector, ranges.compute_data().data)
         reader.set_range(0, len(reader))
         return calibrator
 
@@ -314,8 +325,27 @@ def _histograms(reader, chunked: bool):
     setattr(ort_quantize, "create_calibrator", seeded)  # noqa: B010  a module attribute the type checker cannot see
     try:
         yield
+        if shared is not None:
+            shared.update((_histogram_key(collector), collector) for collector in collected if collector.method == "percentile")
     finally:
         setattr(ort_quantize, "create_calibrator", real)  # noqa: B010
+
+
+def _empty_bins(collector, ranges: dict) -> None:
+    """`collector`'s histograms, empty, each over the range one pass over every image would give it (`ranges`: a MinMax
+    pass's TensorData by tensor)."""
+    absolute = collector.method == "percentile" and collector.symmetric  # histograms of |x|, from its smallest to its largest
+    for name, found in ranges.items():
+        low, high = (np.float32(value) for value in np.asarray(found.range_value, dtype=np.float32).reshape(-1)[:2])
+        lowest, highest = np.array(np.inf, np.float32), np.array(-np.inf, np.float32)  # a chunk's own min/max replace them
+        if absolute:  # the smallest magnitude: 0 where the range crosses it (exact after a ReLU, a hair below it otherwise)
+            edges = np.histogram_bin_edges(np.array([0.0 if low <= 0 <= high else min(abs(low), abs(high)), max(abs(low), abs(high))]),
+                                           bins=collector.num_bins).astype(np.float32)
+            collector.histogram_dict[name] = (np.zeros(collector.num_bins, np.int64), edges, lowest, highest)
+        else:
+            threshold = np.array(max(abs(low), abs(high)), dtype=np.float32)
+            empty, edges = np.histogram(np.zeros(0, np.float32), collector.num_bins, range=(-threshold, threshold))  # type: ignore[arg-type]  # float32 bounds, as onnxruntime's collector passes them: float ones give other edges
+            collector.histogram_dict[name] = (empty, edges, lowest, highest, threshold)
 
 
 def _within_task_cpus(calibrator) -> None:
@@ -547,9 +577,11 @@ CALIBRATION_METHODS = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "
 
 
 def _quantize_static(source: str, target: Path, images: np.ndarray, input_name: str, fixed_batch: int | None, settings: QuantizationSettings,  # noqa: PLR0913,PLR0917  quantize_static's own arguments, passed through
-                     float_nodes: list[str], overrides: dict | None, output: Path, model_name: str, progress: ProgressCallback | None) -> list[str]:
+                     float_nodes: list[str], overrides: dict | None, output: Path, model_name: str, progress: ProgressCallback | None,
+                     histograms: dict | None = None) -> list[str]:
     """onnxruntime's quantize_static (QDQ) of `source` into `target`, calibrated on `images` with the settings'
-    method; returns the library's warnings. Calibration is chunked to the memory budget."""
+    method; returns the library's warnings. Calibration is chunked to the memory budget. `histograms`: percentile
+    histograms shared by the calls of one scope (the same source and images; see `_histograms`)."""
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     extra_options: dict[str, object] = {"CalibPercentile": settings.percentile} if settings.percentile is not None else {}
@@ -560,7 +592,7 @@ def _quantize_static(source: str, target: Path, images: np.ndarray, input_name: 
     _in_chunks(reader, fitting, extra_options)
     # quantize_static print()s its histogram progress; stdout belongs to ptq's own output (--json).
     warnings: list[str] = []
-    with contextlib.redirect_stdout(io.StringIO()), _histograms(reader, "CalibStridedMinMax" in extra_options), _library_warnings(warnings):
+    with contextlib.redirect_stdout(io.StringIO()), _histograms(reader, "CalibStridedMinMax" in extra_options, histograms), _library_warnings(warnings):
         try:
             quantize_static(
                 source, str(target), reader,
@@ -604,11 +636,13 @@ def choose_method(source: str, calibration: np.ndarray, input_name: str, setting
     judged = judged_output(float_model)
     reference = _outputs(float_model, judged, input_name, held_out, threads)
     scores: list[tuple[str, float | None, float | None]] = []
+    histograms: dict = {}  # the percentiles read off one collection of histograms
     for index, (method, percentile) in enumerate(METHOD_CANDIDATES):
         candidate = replace(settings, method=method, percentile=percentile)
         step = (lambda done, _total, index=index: progress(index * len(rest) + done, len(METHOD_CANDIDATES) * len(rest))) if progress else None
         try:
-            quantized = _calibrated_model(source, rest, input_name, candidate, float_nodes, overrides, finish, workdir, output, model_name, step)
+            quantized = _calibrated_model(source, rest, input_name, candidate, float_nodes, overrides, finish, workdir, output, model_name, step,
+                                          histograms)
         except PtqError:
             if index == 0:
                 raise  # MinMax itself: the model cannot be calibrated, said in onnxruntime's words
@@ -621,13 +655,14 @@ def choose_method(source: str, calibration: np.ndarray, input_name: str, setting
 
 
 def _calibrated_model(source: str, images: np.ndarray, input_name: str, settings: QuantizationSettings, float_nodes: list[str],  # noqa: PLR0913,PLR0917  quantize_static's own arguments, passed through
-                      overrides: dict | None, finish, workdir: Path, output: Path, model_name: str, progress: ProgressCallback | None = None):
+                      overrides: dict | None, finish, workdir: Path, output: Path, model_name: str, progress: ProgressCallback | None = None,
+                      histograms: dict | None = None):
     """The model quantize_static makes with these settings' ranges, calibrated on `images`, with ptq's edits (`finish`),
     nearest-rounded: a candidate `--method auto` judges."""
     import onnx
 
     target = workdir / "candidate.onnx"
-    _quantize_static(source, target, images, input_name, None, settings, float_nodes, overrides, output, model_name, progress)
+    _quantize_static(source, target, images, input_name, None, settings, float_nodes, overrides, output, model_name, progress, histograms)
     quantized = onnx.load(str(target))
     finish(quantized)
     target.unlink()
