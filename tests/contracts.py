@@ -49,15 +49,17 @@ def contract_variant(source: Path, target: Path, preset: str = "cifar10-normaliz
         output.type.tensor_type.shape.dim[0].dim_value = batch
     else:
         output.type.tensor_type.shape.dim[0].dim_param = "N"
-    if fixed_reshape:  # a flatten tied to the batch, as some exporters write it: the batch cannot be freed
-        for node in graph.node:
+    if fixed_reshape:  # a flatten tied to the batch: features x batch, then transposed; the batch cannot be freed
+        for position, node in enumerate(graph.node):
             if node.op_type == "Reshape":
-                shape_name = node.input[1]
+                shape_name, flat = node.input[1], node.output[0]
                 for init in graph.initializer:
                     if init.name == shape_name:
-                        values = numpy_helper.to_array(init).copy()
-                        values[0] = batch
-                        init.CopyFrom(numpy_helper.from_array(values, shape_name))
+                        features = int(numpy_helper.to_array(init)[-1])
+                        init.CopyFrom(numpy_helper.from_array(np.array([features, batch], np.int64), shape_name))
+                node.output[0] = f"{flat}_columns"
+                graph.node.insert(position + 1, helper.make_node("Transpose", [node.output[0]], [flat], perm=[1, 0]))
+                break
     del graph.value_info[:]
     if opset is not None:
         # onnx's version converter has no down-adapters for most ops; these ops mean the same at opset 9

@@ -183,6 +183,57 @@ def test_quantized_model_keeps_its_preprocessing_and_fixed_batch_is_freed(tmp_pa
     assert source_record["model_input"] == "NCHW 3x8x8, batch 1 (fixed batch 1 made symbolic (same outputs))"
 
 
+def _pooled_flatten_classifier(path: Path, target: list[int], constant_node: bool, tied: bool = False) -> Path:
+    """A fixed-batch-1 NCHW classifier: global mean, a Reshape to the constant `target` (an initializer or a Constant
+    node, as tf2onnx writes a Keras Flatten), scores; `tied`: the features reshaped to [3, 1] and transposed instead."""
+    from onnx import helper, numpy_helper
+
+    shape = numpy_helper.from_array(np.array([3, 1] if tied else target, np.int64), "target")
+    nodes = [helper.make_node("GlobalAveragePool", ["image"], ["pooled"]),
+             *([helper.make_node("Constant", [], ["target"], value=shape)] if constant_node else []),
+             helper.make_node("Reshape", ["pooled", "target"], ["columns" if tied else "flat"]),
+             *([helper.make_node("Transpose", ["columns"], ["flat"], perm=[1, 0])] if tied else []),
+             helper.make_node("MatMul", ["flat", "weights"], ["scores"])]
+    weights = numpy_helper.from_array(np.array([[1, 0, 0], [0, 2, 0], [0, 0, 3]], np.float32), "weights")
+    graph = helper.make_graph(nodes, "flatten", [helper.make_tensor_value_info("image", onnx.TensorProto.FLOAT, [1, 3, 8, 8])],
+                              [helper.make_tensor_value_info("scores", onnx.TensorProto.FLOAT, [1, 3])],
+                              [weights, *([] if constant_node else [shape])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=7), str(path))
+    return path
+
+
+@pytest.mark.parametrize(("target", "constant_node"), [([1, 3], False), ([1, -1], True), ([1, 3], True)])
+def test_a_flatten_written_for_the_fixed_batch_is_freed_and_computes_the_same(tmp_path, target, constant_node):
+    """tf2onnx writes a Keras Flatten of a batch-1 export as a Reshape to [1, 1000]: the batch is freed anyway (learned
+    rounding and --method auto need it), and the freed model scores a batch as the fixed one scores each image."""
+    import onnxruntime as ort
+
+    from ptq_cli.backends.model_file import describe_input, free_batch
+
+    path = _pooled_flatten_classifier(tmp_path / "m.onnx", target, constant_node)
+    model = onnx.load(str(path))
+    freed = free_batch(path, model, describe_input(path, model)[0])
+    assert freed is not None
+    images = np.random.default_rng(0).uniform(0, 1, (5, 3, 8, 8)).astype(np.float32)
+    fixed = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    expected = np.concatenate([fixed.run(None, {"image": images[i : i + 1]})[0] for i in range(5)])
+    got = ort.InferenceSession(freed.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"image": images})[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    assert [init.name for init in model.graph.initializer] == [init.name for init in onnx.load(str(path)).graph.initializer]  # the input untouched
+    image_folder(tmp_path / "colours", per_class=12)
+    notes = json.loads(invoke("quantize", "--model", "m.onnx", "--data", "colours", "--preprocess", "unit", "--output", "q.onnx", "--json",
+                              cwd=tmp_path).stdout)["notes"]
+    assert any("fixed batch 1 made symbolic" in note for note in notes) and not any("tied to its fixed batch" in note for note in notes)
+
+
+def test_a_graph_that_mixes_the_batch_into_its_features_keeps_its_fixed_batch(tmp_path):
+    from ptq_cli.backends.model_file import describe_input, free_batch
+
+    path = _pooled_flatten_classifier(tmp_path / "m.onnx", [1, 3], constant_node=False, tied=True)
+    model = onnx.load(str(path))
+    assert free_batch(path, model, describe_input(path, model)[0]) is None
+
+
 def test_records_are_kept_per_dataset_and_the_report_groups_them(tmp_path):
     image_folder(tmp_path / "png")
     image_folder(tmp_path / "jpeg", suffix=".jpg")

@@ -258,7 +258,7 @@ def free_batch(path: Path, model, described: inputs.ModelInput):
     by image (compared on random inputs); None where the graph ties itself to the fixed batch."""
     if described.batch is None:
         return model
-    candidate = symbolic_batch(model)
+    candidate = symbolic_batch(model, described.batch)
     rng = np.random.default_rng(0)
     # A batch other than the fixed one (2 images, or 3 for a fixed 2): the fixed model runs once per image.
     probe = rng.standard_normal((3 if described.batch == 2 else 2, *described.shape(1)[1:]), dtype=np.float32)

@@ -128,9 +128,11 @@ def canonical(model):
     return canonical_names(model)
 
 
-def symbolic_batch(model):
+def symbolic_batch(model, batch: int | None = None):
     """A copy of `model` whose inputs' and outputs' first dimension is the symbolic 'N' and whose inferred
-    intermediate shapes are dropped; whether it still computes the same is for the caller to check."""
+    intermediate shapes are dropped; with the fixed `batch`, each constant Reshape target that starts with it takes
+    its first dimension from the input instead (tf2onnx writes a Keras Flatten as a Reshape to [1, 1000]). Whether
+    the copy still computes the same is for the caller to check."""
     import onnx
 
     copy = onnx.ModelProto()
@@ -141,7 +143,31 @@ def symbolic_batch(model):
             dims[0].Clear()
             dims[0].dim_param = "N"
     del copy.graph.value_info[:]
+    if batch is not None:
+        _free_reshape_batches(copy.graph, batch)
     return copy
+
+
+def _free_reshape_batches(graph, batch: int) -> None:
+    """Each Reshape whose constant target starts with `batch` reads a target of its own starting with -1 (or 0, the
+    input's first dimension, where the target already holds a -1)."""
+    from onnx import numpy_helper
+
+    constants = {init.name: init for init in graph.initializer}
+    constants.update({node.output[0]: attribute.t for node in graph.node if node.op_type == "Constant"
+                      for attribute in node.attribute if attribute.name == "value"})
+    for index, node in enumerate(graph.node):
+        if node.op_type != "Reshape" or len(node.input) < 2 or node.input[1] not in constants:
+            continue
+        target = numpy_helper.to_array(constants[node.input[1]])
+        allow_zero = any(attribute.name == "allowzero" and attribute.i for attribute in node.attribute)
+        if target.ndim != 1 or not len(target) or target[0] != batch or (allow_zero and -1 in target[1:]):
+            continue
+        freed = target.copy()
+        freed[0] = 0 if -1 in target[1:] else -1
+        name = f"{node.input[1]}__batch_free_{index}"
+        graph.initializer.append(numpy_helper.from_array(freed, name))
+        node.input[1] = name
 
 
 def default_opset(model) -> int:
