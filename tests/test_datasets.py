@@ -183,9 +183,10 @@ def test_quantized_model_keeps_its_preprocessing_and_fixed_batch_is_freed(tmp_pa
     assert source_record["model_input"] == "NCHW 3x8x8, batch 1 (fixed batch 1 made symbolic (same outputs))"
 
 
-def _pooled_flatten_classifier(path: Path, target: list[int], constant_node: bool, tied: bool = False) -> Path:
+def _pooled_flatten_classifier(path: Path, target: list[int], constant_node: bool, tied: bool = False, ir_version: int = 7) -> Path:
     """A fixed-batch-1 NCHW classifier: global mean, a Reshape to the constant `target` (an initializer or a Constant
-    node, as tf2onnx writes a Keras Flatten), scores; `tied`: the features reshaped to [3, 1] and transposed instead."""
+    node, as tf2onnx writes a Keras Flatten), scores; `tied`: the features reshaped to [3, 1] and transposed instead.
+    Below IR version 4 (opset 8), every initializer is a graph input too."""
     from onnx import helper, numpy_helper
 
     shape = numpy_helper.from_array(np.array([3, 1] if tied else target, np.int64), "target")
@@ -195,25 +196,33 @@ def _pooled_flatten_classifier(path: Path, target: list[int], constant_node: boo
              *([helper.make_node("Transpose", ["columns"], ["flat"], perm=[1, 0])] if tied else []),
              helper.make_node("MatMul", ["flat", "weights"], ["scores"])]
     weights = numpy_helper.from_array(np.array([[1, 0, 0], [0, 2, 0], [0, 0, 3]], np.float32), "weights")
-    graph = helper.make_graph(nodes, "flatten", [helper.make_tensor_value_info("image", onnx.TensorProto.FLOAT, [1, 3, 8, 8])],
-                              [helper.make_tensor_value_info("scores", onnx.TensorProto.FLOAT, [1, 3])],
-                              [weights, *([] if constant_node else [shape])])
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=7), str(path))
+    initializers = [weights, *([] if constant_node else [shape])]
+    inputs = [helper.make_tensor_value_info("image", onnx.TensorProto.FLOAT, [1, 3, 8, 8])]
+    if ir_version < 4:
+        inputs += [helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)) for init in initializers]
+    graph = helper.make_graph(nodes, "flatten", inputs, [helper.make_tensor_value_info("scores", onnx.TensorProto.FLOAT, [1, 3])], initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13 if ir_version >= 4 else 8)], ir_version=ir_version)
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
     return path
 
 
-@pytest.mark.parametrize(("target", "constant_node"), [([1, 3], False), ([1, -1], True), ([1, 3], True)])
-def test_a_flatten_written_for_the_fixed_batch_is_freed_and_computes_the_same(tmp_path, target, constant_node):
+@pytest.mark.parametrize(("target", "constant_node", "ir_version"), [([1, 3], False, 7), ([1, -1], True, 7), ([1, 3], True, 7), ([1, 3], False, 3)])
+def test_a_flatten_written_for_the_fixed_batch_is_freed_and_computes_the_same(tmp_path, target, constant_node, ir_version):
     """tf2onnx writes a Keras Flatten of a batch-1 export as a Reshape to [1, 1000]: the batch is freed anyway (learned
-    rounding and --method auto need it), and the freed model scores a batch as the fixed one scores each image."""
+    rounding and --method auto need it), and the freed model scores a batch as the fixed one scores each image; the
+    same for an opset-8 model, whose initializers are graph inputs."""
     import onnxruntime as ort
 
     from ptq_cli.backends.model_file import describe_input, free_batch
 
-    path = _pooled_flatten_classifier(tmp_path / "m.onnx", target, constant_node)
+    path = _pooled_flatten_classifier(tmp_path / "m.onnx", target, constant_node, ir_version=ir_version)
     model = onnx.load(str(path))
     freed = free_batch(path, model, describe_input(path, model)[0])
     assert freed is not None
+    onnx.checker.check_model(freed)
+    # The target the fixed batch was written into is gone (no node reads it any more).
+    assert "target" not in {init.name for init in freed.graph.initializer} | {out for node in freed.graph.node for out in node.output}
     images = np.random.default_rng(0).uniform(0, 1, (5, 3, 8, 8)).astype(np.float32)
     fixed = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     expected = np.concatenate([fixed.run(None, {"image": images[i : i + 1]})[0] for i in range(5)])
@@ -224,6 +233,8 @@ def test_a_flatten_written_for_the_fixed_batch_is_freed_and_computes_the_same(tm
     notes = json.loads(invoke("quantize", "--model", "m.onnx", "--data", "colours", "--preprocess", "unit", "--output", "q.onnx", "--json",
                               cwd=tmp_path).stdout)["notes"]
     assert any("fixed batch 1 made symbolic" in note for note in notes) and not any("tied to its fixed batch" in note for note in notes)
+    # IR version 3 (opset 8) lists its initializers among the inputs: upgraded, it takes the IR version opset 13 needs.
+    assert ir_version >= 4 or any("opset 8 upgraded to 13" in note for note in notes)
 
 
 def test_a_graph_that_mixes_the_batch_into_its_features_keeps_its_fixed_batch(tmp_path):

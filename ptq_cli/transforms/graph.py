@@ -144,30 +144,52 @@ def symbolic_batch(model, batch: int | None = None):
             dims[0].dim_param = "N"
     del copy.graph.value_info[:]
     if batch is not None:
-        _free_reshape_batches(copy.graph, batch)
+        _free_reshape_batches(copy, batch)
     return copy
 
 
-def _free_reshape_batches(graph, batch: int) -> None:
-    """Each Reshape whose constant target starts with `batch` reads a target of its own starting with -1 (or 0, the
-    input's first dimension, where the target already holds a -1)."""
+def _constant_arrays(graph) -> dict[str, np.ndarray]:
+    """The graph's constant tensors by name: its initializers and its Constant nodes' values."""
     from onnx import numpy_helper
 
-    constants = {init.name: init for init in graph.initializer}
-    constants.update({node.output[0]: attribute.t for node in graph.node if node.op_type == "Constant"
-                      for attribute in node.attribute if attribute.name == "value"})
+    arrays = {init.name: numpy_helper.to_array(init) for init in graph.initializer}
+    for node in graph.node:
+        for attribute in node.attribute if node.op_type == "Constant" else ():
+            if attribute.name == "value":
+                arrays[node.output[0]] = numpy_helper.to_array(attribute.t)
+            elif attribute.name == "value_ints":
+                arrays[node.output[0]] = np.array(list(attribute.ints), np.int64)
+    return arrays
+
+
+def _free_reshape_batches(model, batch: int) -> None:
+    """Each Reshape whose constant target starts with `batch` reads a target of its own starting with -1 (or 0, the
+    input's first dimension, where the target already holds a -1); the targets no node reads any more are removed."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph, replaced = model.graph, set()
+    constants = _constant_arrays(graph)
     for index, node in enumerate(graph.node):
-        if node.op_type != "Reshape" or len(node.input) < 2 or node.input[1] not in constants:
-            continue
-        target = numpy_helper.to_array(constants[node.input[1]])
+        target = constants.get(node.input[1]) if node.op_type == "Reshape" and len(node.input) > 1 else None
         allow_zero = any(attribute.name == "allowzero" and attribute.i for attribute in node.attribute)
-        if target.ndim != 1 or not len(target) or target[0] != batch or (allow_zero and -1 in target[1:]):
+        if target is None or target.ndim != 1 or not len(target) or target[0] != batch or (allow_zero and -1 in target[1:]):
             continue
-        freed = target.copy()
+        freed = target.astype(np.int64)
         freed[0] = 0 if -1 in target[1:] else -1
         name = f"{node.input[1]}__batch_free_{index}"
         graph.initializer.append(numpy_helper.from_array(freed, name))
+        if model.ir_version < 4:  # an initializer is also a graph input there
+            graph.input.append(helper.make_tensor_value_info(name, TensorProto.INT64, list(freed.shape)))
+        replaced.add(node.input[1])
         node.input[1] = name
+    unused = replaced - {name for node in graph.node for name in node.input} - {value.name for value in graph.output}
+    for kept, field in ((graph.initializer, "name"), (graph.input, "name")):
+        survivors = [entry for entry in kept if getattr(entry, field) not in unused]
+        del kept[:]
+        kept.extend(survivors)
+    survivors = [node for node in graph.node if not (node.op_type == "Constant" and node.output[0] in unused)]
+    del graph.node[:]
+    graph.node.extend(survivors)
 
 
 def default_opset(model) -> int:
@@ -186,10 +208,27 @@ def upgrade_opset(model, minimum: int, target: int):
         return model, None
     try:
         upgraded = version_converter.convert_version(model, target)
+        _raise_ir_version(upgraded)
         onnx.checker.check_model(upgraded)
     except Exception as error:  # the converter raises RuntimeError or its own adapter errors
         raise PtqError(f"{model.graph.name or 'model'}: opset {opset} could not be upgraded to {target} ({str(error).splitlines()[0]})") from error
     return upgraded, f"opset {opset} upgraded to {target} (onnx.version_converter): quantization needs opset {minimum} or later"
+
+
+def _raise_ir_version(model) -> None:
+    """onnx's version converter keeps the IR version, and IR version 3 (opset 8 and before) lists every initializer
+    among the graph's inputs, so the initializers quantization adds would lack theirs: the upgraded model takes the
+    IR version its opsets need, and its initializers stop being inputs (constants again, as quantization needs)."""
+    import onnx
+
+    needed = onnx.helper.find_min_ir_version_for(list(model.opset_import))
+    if model.ir_version >= needed:
+        return
+    model.ir_version = needed
+    initializers = {init.name for init in model.graph.initializer}
+    inputs = [value for value in model.graph.input if value.name not in initializers]
+    del model.graph.input[:]
+    model.graph.input.extend(inputs)
 
 
 def depthwise_convs(model) -> list[str]:
