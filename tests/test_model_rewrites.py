@@ -57,3 +57,32 @@ def test_batch_norm_mul_add_and_same_pads_are_folded_into_the_convolution_before
     got = ort.InferenceSession(str(tmp_path / "q.onnx"), providers=["CPUExecutionProvider"]).run(None, {"image": images})[0]
     assert 10 * np.log10(np.sum(reference**2) / np.sum((reference - got) ** 2)) > 25
     assert json.loads(result.stdout)["settings"]["preprocess"] is True
+
+
+def test_a_tensor_is_read_from_the_nodes_it_depends_on_alone_with_the_values_of_the_whole_graph(tmp_path):
+    """Learned rounding reads each layer's input: onnxruntime runs every node of a graph whatever a call asks for, so
+    the graph is cut to the nodes that tensor depends on; the values are the whole graph's, bit for bit."""
+    from ptq_cli.transforms.graph import computing_only
+
+    rng = np.random.default_rng(0)
+    weights = {name: numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name)
+               for name, shape in (("w1", (4, 3, 3, 3)), ("w2", (4, 4, 3, 3)), ("w3", (4, 4, 1, 1)))}
+    nodes = [helper.make_node("Conv", ["image", "w1"], ["c1"], pads=[1, 1, 1, 1]), helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2"], ["c2"], pads=[1, 1, 1, 1]), helper.make_node("Conv", ["r1", "w3"], ["c3"]),
+             helper.make_node("Add", ["c2", "c3"], ["sum"]), helper.make_node("GlobalAveragePool", ["sum"], ["pooled"]),
+             helper.make_node("Flatten", ["pooled"], ["scores"])]
+    graph = helper.make_graph(nodes, "branches", [helper.make_tensor_value_info("image", onnx.TensorProto.FLOAT, ["N", 3, 8, 8])],
+                              [helper.make_tensor_value_info("scores", onnx.TensorProto.FLOAT, ["N", 4])], list(weights.values()))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=7)
+    images = rng.standard_normal((5, 3, 8, 8)).astype(np.float32)
+    whole = onnx.ModelProto()
+    whole.CopyFrom(model)
+    whole.graph.output.append(helper.make_empty_tensor_value_info("r1"))
+    expected = ort.InferenceSession(whole.SerializeToString(), providers=["CPUExecutionProvider"]).run(["r1"], {"image": images})[0]
+    cut = computing_only(model, "r1")
+    assert [node.output[0] for node in cut.graph.node] == ["c1", "r1"] and [init.name for init in cut.graph.initializer] == ["w1"]
+    got = ort.InferenceSession(cut.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"image": images})[0]
+    assert np.array_equal(got, expected)
+    assert [node.output[0] for node in computing_only(model, "c3").graph.node] == ["c1", "r1", "c3"]  # not the other branch
+    assert computing_only(model, "image") is None  # a graph input: no node makes it
+    assert [output.name for output in model.graph.output] == ["scores"] and len(model.graph.node) == 7  # the model untouched

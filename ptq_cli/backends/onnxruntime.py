@@ -60,7 +60,7 @@ from ptq_cli.errors import PtqError, first_line
 from ptq_cli.guards import bounded
 from ptq_cli.guards.atomic import WRITE_FAILURES, atomic_output
 from ptq_cli.transforms import overflow, ranges, rounding
-from ptq_cli.transforms.graph import float_scores, keep_float_layers, preprocess, whole_map_average_pools
+from ptq_cli.transforms.graph import computing_only, float_scores, keep_float_layers, preprocess, whole_map_average_pools
 from ptq_cli.transforms.space_to_depth import Rewrite, quantized_pads, space_to_depth_convs
 
 NAME = "onnxruntime"
@@ -460,14 +460,18 @@ def _tensor_batches(input_name: str, images: np.ndarray, threads: int, chunk: in
     import onnx
 
     def batches(model, name: str):
-        existing = [output.name for output in model.graph.output]
-        if name not in existing:
-            model.graph.output.append(onnx.helper.make_empty_tensor_value_info(name))
-        try:
-            session = _probe_session(model, threads)
-        finally:
+        cut = computing_only(model, name)  # a layer's input costs only the layers before it
+        if cut is not None:
+            session = _probe_session(cut, threads)
+        else:
+            existing = [output.name for output in model.graph.output]
             if name not in existing:
-                model.graph.output.pop()
+                model.graph.output.append(onnx.helper.make_empty_tensor_value_info(name))
+            try:
+                session = _probe_session(model, threads)
+            finally:
+                if name not in existing:
+                    model.graph.output.pop()
         for start in range(0, len(images), chunk):
             yield session.run([name], {input_name: images[start : start + chunk]})[0]
 

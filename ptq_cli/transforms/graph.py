@@ -61,6 +61,37 @@ def drop_dead_nodes(model) -> None:
             model.graph.node.remove(node)
 
 
+def computing_only(model, name: str):
+    """A copy of `model` whose one output is the tensor `name`, with only the nodes it depends on (onnxruntime runs
+    every node of a graph whatever outputs a call asks for); None where `name` is no node's output or a node holds a
+    subgraph (whose outer-scope reads are not among its inputs)."""
+    import onnx
+
+    graph = model.graph
+    if any(attribute.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for node in graph.node for attribute in node.attribute):
+        return None
+    producers = {output: node for node in graph.node for output in node.output}
+    if name not in producers:
+        return None
+    needed, pending = set(), [name]
+    while pending:
+        node = producers.get(pending.pop())
+        if node is not None and id(node) not in needed:
+            needed.add(id(node))
+            pending.extend(node.input)
+    kept = [node for node in graph.node if id(node) in needed]
+    read = {tensor for node in kept for tensor in node.input}
+    made = {tensor for node in kept for tensor in node.output}
+    cut = onnx.ModelProto()
+    cut.CopyFrom(model)
+    del cut.graph.node[:], cut.graph.output[:], cut.graph.initializer[:], cut.graph.value_info[:]
+    cut.graph.node.extend(kept)
+    cut.graph.output.append(onnx.helper.make_empty_tensor_value_info(name))
+    cut.graph.initializer.extend(init for init in graph.initializer if init.name in read)
+    cut.graph.value_info.extend(value for value in graph.value_info if value.name in made)
+    return cut
+
+
 WEIGHTED_OPS = ("Conv", "Gemm", "MatMul")  # the ONNX layers with weights that quantization, rounding and the pair rule act on
 
 
