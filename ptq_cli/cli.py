@@ -305,6 +305,7 @@ ScaleOption = Annotated[float | None, typer.Option(callback=_finite, help="Pixel
 MeanOption = Annotated[str | None, typer.Option(help="Per-channel mean subtracted after scaling: R,G,B or one value. (default: the preset's)", show_default=False, rich_help_panel="Data and preprocessing")]
 StdOption = Annotated[str | None, typer.Option(help="Per-channel standard deviation divided by after the mean: R,G,B or one value. (default: the preset's)", show_default=False, rich_help_panel="Data and preprocessing")]
 BgrOption = Annotated[bool | None, typer.Option("--bgr/--rgb", help="Channel order the model takes. (default: RGB)", show_default=False, rich_help_panel="Data and preprocessing")]
+InputSizeOption = Annotated[str | None, typer.Option("--input-size", metavar="<size>", help="Height and width (224, or 240x320) to feed a model whose input leaves them open (a dynamic-axes export); stored in the models made from it. (default: the size the model declares)", show_default=False, rich_help_panel="Data and preprocessing")]
 
 
 @dataclass(frozen=True)
@@ -324,9 +325,9 @@ class DataChoice:
 
 
 def _data(data: Path | None, calibration_data: Path | None, preset, scale: float | None, mean: str | None, std: str | None,
-          bgr: bool | None, calibration_size: int | None = None) -> DataChoice:
+          bgr: bool | None, input_size: str | None = None, calibration_size: int | None = None) -> DataChoice:
     """The data and preprocessing options, validated before any work."""
-    flags = inputs_service.make_flags(preset and preset.value, scale, mean, std, bgr)
+    flags = inputs_service.make_flags(preset and preset.value, scale, mean, std, bgr, input_size)
     return DataChoice(data or settings.cifar_dir(), calibration_data, flags, calibration_size, data is not None)
 
 
@@ -337,14 +338,14 @@ def _option(name: str, annotation: Any, default: Any = None) -> inspect.Paramete
 # The data block's options, as parameters a command takes through `_with_data`.
 DATA_PARAMETERS = (_option("data", DataOption), _option("calibration_data", CalibrationDataOption), _option("calibration_size", CalibrationSizeOption))
 PREPROCESSING_PARAMETERS = (_option("preprocess", PresetOption), _option("scale", ScaleOption), _option("mean", MeanOption),
-                            _option("std", StdOption), _option("bgr", BgrOption))
+                            _option("std", StdOption), _option("bgr", BgrOption), _option("input_size", InputSizeOption))
 NO_CHOICE: Any = None  # a command's `choice` before `_with_data` fills it in
 
 
 def _with_data(calibration: bool = True, preprocessing: bool = True) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """The data and preprocessing options defined once: the command's `choice` parameter becomes --data
     (and --calibration-data) and the preprocessing options, parsed into one validated DataChoice."""
-    block = DATA_PARAMETERS[: 3 if calibration else 1] + (PREPROCESSING_PARAMETERS if preprocessing else ())
+    block = DATA_PARAMETERS[: 3 if calibration else 1] + (PREPROCESSING_PARAMETERS if preprocessing else PREPROCESSING_PARAMETERS[-1:])  # the input size, always
 
     def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
         signature = inspect.signature(command, eval_str=True)
@@ -355,7 +356,7 @@ def _with_data(calibration: bool = True, preprocessing: bool = True) -> Callable
         @functools.wraps(command)
         def with_choice(**given: Any) -> None:
             values = {parameter.name: given.pop(parameter.name) for parameter in block}
-            flags = (values.get("preprocess"), values.get("scale"), values.get("mean"), values.get("std"), values.get("bgr"))
+            flags = (values.get("preprocess"), values.get("scale"), values.get("mean"), values.get("std"), values.get("bgr"), values.get("input_size"))
             return command(**given, choice=_data(values["data"], values.get("calibration_data"), *flags, values.get("calibration_size")))
 
         setattr(with_choice, "__signature__", signature.replace(parameters=parameters))  # noqa: B010  typer reads the new signature
@@ -586,7 +587,8 @@ def calibrate(
     The set holds the images as uint8 pixels; each model's own preprocessing is applied when quantizing.
     """
     with _working("Sampling the training images…"):
-        saved = calibration_service.draw_and_save(model, choice.data, choice.calibration_data, output, samples_per_class, seed, choice.calibration_size)
+        saved = calibration_service.draw_and_save(model, choice.data, choice.calibration_data, output, samples_per_class, seed, choice.calibration_size,
+                                                  choice.flags)
     calibration_set = saved.calibration
     summary = {"output": output, "samples": len(calibration_set.labels), "seed": seed, "per_class": calibration_set.per_class_counts,
                "dataset": calibration_set.dataset, "split": calibration_set.split, "pixel_range": calibration_set.pixel_range}

@@ -27,6 +27,7 @@ PRESETS = {
     "cifar10-normalized": (1 / 255, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
 }
 DEFAULT_PRESET = "raw255"
+MAX_SIDE = 16384  # pixels a side of --input-size (the input's element bound applies as well)
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class Preprocessing:
     std: tuple[float, ...] = (1.0, 1.0, 1.0)
     bgr: bool = False
     preset: str | None = DEFAULT_PRESET  # the preset it equals, if any
+    size: tuple[int, int] | None = None  # height, width given for a model whose input does not fix them (--input-size)
 
     def describe(self) -> str:
         name = self.preset or "custom"
@@ -66,7 +68,10 @@ class Preprocessing:
         return name + details + (", BGR" if self.bgr else "")
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        stored = asdict(self)
+        if self.size is None:  # what models made before --input-size store
+            del stored["size"]
+        return json.dumps(stored)
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,7 @@ class PreprocessingFlags:
     mean: tuple[float, ...] | None = None
     std: tuple[float, ...] | None = None
     bgr: bool | None = None
+    size: tuple[int, int] | None = None
 
     @property
     def given(self) -> bool:
@@ -99,7 +105,22 @@ def parse_triple(option: str, text: str | None) -> tuple[float, ...] | None:
     return values * 3 if len(values) == 1 else values
 
 
-def make_flags(preset: str | None, scale: float | None, mean: str | None, std: str | None, bgr: bool | None) -> PreprocessingFlags:
+def parse_size(option: str, text: str | None) -> tuple[int, int] | None:
+    """'224' -> (224, 224); '240x320' -> (240, 320): height x width."""
+    if text is None:
+        return None
+    parts = text.lower().replace(",", "x").split("x")
+    try:
+        values = tuple(int(part) for part in parts)
+    except ValueError as error:
+        raise PtqError(f"{option}: '{text}' is not a size (one number, or HEIGHTxWIDTH such as 240x320)") from error
+    if len(values) not in (1, 2) or min(values) < 1 or max(values) > MAX_SIDE:
+        raise PtqError(f"{option}: give one side or HEIGHTxWIDTH, each 1 to {MAX_SIDE:,} pixels; got '{text}'")
+    return (values[0], values[-1])
+
+
+def make_flags(preset: str | None, scale: float | None, mean: str | None, std: str | None, bgr: bool | None,
+               size: str | None = None) -> PreprocessingFlags:
     """Validated flags, before any work."""
     if preset is not None and preset not in PRESETS:
         raise PtqError(f"--preprocess: '{preset}' is not one of {', '.join(PRESETS)}")
@@ -108,7 +129,7 @@ def make_flags(preset: str | None, scale: float | None, mean: str | None, std: s
     stds = parse_triple("--std", std)
     if stds is not None and any(value <= 0 for value in stds):
         raise PtqError(f"--std: every value must be above 0, got {std}")
-    return PreprocessingFlags(preset, scale, parse_triple("--mean", mean), stds, bgr)
+    return PreprocessingFlags(preset, scale, parse_triple("--mean", mean), stds, bgr, parse_size("--input-size", size))
 
 
 def from_flags(flags: PreprocessingFlags, base: Preprocessing | None = None) -> Preprocessing:
@@ -123,6 +144,7 @@ def from_flags(flags: PreprocessingFlags, base: Preprocessing | None = None) -> 
         mean=base.mean if flags.mean is None else flags.mean,
         std=base.std if flags.std is None else flags.std,
         bgr=base.bgr if flags.bgr is None else flags.bgr,
+        size=base.size if flags.size is None else flags.size,
     )
     return replace(result, preset=preset_of(result))
 
@@ -141,7 +163,7 @@ def from_metadata(text: str | None, where: Path | str = "model") -> Preprocessin
     try:
         data = bounded.json_loads(text)
         stored = Preprocessing(float(data["scale"]), tuple(map(float, data["mean"])), tuple(map(float, data["std"])), bool(data["bgr"]),
-                               None if data.get("preset") is None else str(data["preset"]))
+                               None if data.get("preset") is None else str(data["preset"]), _stored_size(data.get("size")))
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise PtqError(f"{where}: model metadata '{INPUT_METADATA_KEY}' is not readable ({error})") from error
     values = (stored.scale, *stored.mean, *stored.std)
@@ -149,6 +171,15 @@ def from_metadata(text: str | None, where: Path | str = "model") -> Preprocessin
             or stored.scale <= 0 or min(stored.std) <= 0:
         raise PtqError(f"{where}: model metadata '{INPUT_METADATA_KEY}' holds an unusable preprocessing ({text[:80]})")
     return stored
+
+
+def _stored_size(value) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    height, width = (int(side) for side in value)
+    if not (0 < height <= MAX_SIDE and 0 < width <= MAX_SIDE):
+        raise ValueError(f"size {value} out of range")
+    return height, width
 
 
 def resolve(flags: PreprocessingFlags, stored: Preprocessing | None) -> Preprocessing:

@@ -393,11 +393,12 @@ def test_fuzz_cache(template, tmp_path_factory, data):
 
 
 OPTION_VALUES = st.one_of(st.integers(-(2**40), 2**40).map(str), st.floats(allow_nan=True, allow_infinity=True).map(str),
-                          st.sampled_from(["", "nan", "inf", "-0", "1,2", "0,0,0", "1,2,3,4", "abc", "int8", "uint8", "none", "-1"]))
+                          st.sampled_from(["", "nan", "inf", "-0", "1,2", "0,0,0", "1,2,3,4", "abc", "int8", "uint8", "none", "-1",
+                                           "8", "8x8", "8x16", "0x8", "x8", "99999"]))
 COMMAND_OPTIONS = {
-    ("calibrate", "--data", "colours.npz", "--output", "calib_out.npz"): ["--seed", "--samples-per-class", "--model"],
+    ("calibrate", "--data", "colours.npz", "--output", "calib_out.npz"): ["--seed", "--samples-per-class", "--model", "--input-size"],
     ("evaluate", "--model", "models/m.onnx", "--data", "colours.npz", "--results-dir", "res"):
-        ["--batch-size", "--threads", "--scale", "--mean", "--std", "--preprocess"],
+        ["--batch-size", "--threads", "--scale", "--mean", "--std", "--preprocess", "--input-size"],
     ("benchmark", "--model", "models/m.onnx", "--results-dir", "res"): ["--runs", "--batch-size", "--threads"],
     ("quantize", "--model", "models/m.onnx", "--data", "colours.npz", "--output", "q.onnx"):
         ["--dtype", "--weight-dtype", "--method", "--percentile", "--samples-per-class", "--seed", "--mean", "--std", "--scale"],

@@ -423,7 +423,8 @@ class Backend:
     int8_paths: Int8Paths | None = None  # where its x86 int8 kernels differ by CPU
     format: str = ""  # what its models are, in a word (QDQ, FX, IR, TFLite)
     summary: str = ""  # what it does, for --backend's help
-    read_input: Callable[[Path], ModelInput] | None = None  # the declared input without running the model, where that is cheap
+    # The declared input (with the size --input-size gives a model that leaves it open) without running the model, where that is cheap.
+    read_input: Callable[[Path, tuple[int, int] | None], ModelInput] | None = None
     available: Callable[[], bool] = lambda: True
     companion_suffixes: tuple[str, ...] = ()  # files kept beside its model file, part of the model (an IR's .bin)
     catch_all: bool = False  # takes any file no other backend claims (and then says if it is not its kind)

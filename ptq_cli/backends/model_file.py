@@ -103,26 +103,43 @@ def graph_inputs(model) -> list:
     return [value for value in model.graph.input if value.name not in initializers]
 
 
-def model_input(path: Path, name: str, shape: list, elem_float: bool = True) -> ModelInput:
+def model_input(path: Path, name: str, shape: list, elem_float: bool = True, size: tuple[int, int] | None = None,
+                layout: tuple[str, int] | None = None) -> ModelInput:
     """The layout, channels and size of an image classifier's input from its declared shape.
 
     A 4-D input whose second dimension is 1 or 3 (and last is not) is NCHW, PyTorch's layout; one whose
-    last dimension is 1 or 3 is NHWC, TensorFlow's. A fully symbolic N x ? x ? x ? input is taken as
-    NHWC 32 x 32 x 3, the Keras ResNet8's contract."""
+    last dimension is 1 or 3 is NHWC, TensorFlow's; else `layout` (layout, channels), where the graph tells it.
+    A height and width the shape leaves open come from `size` (--input-size); a fully symbolic input the graph
+    says nothing of is taken as NHWC 32 x 32 x 3, the Keras ResNet8's contract."""
     if not elem_float:
         raise PtqError(f"{path}: input '{name}' is not float32; ptq feeds float images (scaled and normalised as told)")
     known = [dim if isinstance(dim, int) and dim > 0 else None for dim in shape]
     if len(known) != 4:
         raise PtqError(f"{path}: input shape {shape} is not an image batch (N x C x H x W or N x H x W x C)")
-    batch = known[0]
-    bounded.check_input(path, [dim or 1 for dim in known])
-    if known[1] in (1, 3) and known[3] not in (1, 3) and known[2] and known[3]:
-        return ModelInput(name, inputs.NCHW, known[1], known[2], known[3], batch)
-    if known[3] in (1, 3) and known[1] and known[2]:
-        return ModelInput(name, inputs.NHWC, known[3], known[1], known[2], batch)
-    if known[1:] == [None, None, None]:
-        return ModelInput(name, inputs.NHWC, 3, 32, 32, batch)
-    raise PtqError(f"{path}: input shape {shape} is neither N x C x H x W nor N x H x W x C with 1 or 3 channels and a fixed size")
+    if known[1] in (1, 3) and known[3] not in (1, 3):
+        layout = (inputs.NCHW, known[1])
+    elif known[3] in (1, 3):
+        layout = (inputs.NHWC, known[3])
+    elif layout is None and known[1:] == [None, None, None]:
+        layout, size = (inputs.NHWC, 3), size or (32, 32)
+    channel_dim = None if layout is None else known[1 if layout[0] == inputs.NCHW else 3]
+    if layout is None or layout[1] not in (1, 3) or channel_dim not in (None, layout[1]):
+        raise PtqError(f"{path}: input shape {shape} is neither N x C x H x W nor N x H x W x C with 1 or 3 channels")
+    sides = known[2:4] if layout[0] == inputs.NCHW else known[1:3]
+    height, width = _sides(path, name, shape, sides, size)
+    described = ModelInput(name, layout[0], layout[1], height, width, known[0])
+    bounded.check_input(path, [known[0] or 1, *described.shape(1)[1:]])
+    return described
+
+
+def _sides(path: Path, name: str, shape: list, sides: list, size: tuple[int, int] | None) -> tuple[int, int]:
+    """(height, width): the declared ones, with those the shape leaves open taken from `size`."""
+    if size is not None and any(side is not None and side != given for side, given in zip(sides, size, strict=True)):
+        raise PtqError(f"--input-size {size[0]}x{size[1]}: {path} declares its input '{name}' as {shape}")
+    if None in sides and size is None:
+        raise PtqError(f"{path}: input '{name}' {shape} leaves its height and width open: give the size the model was trained at "
+                       "with --input-size (e.g. --input-size 224)")
+    return (sides[0] or size[0], sides[1] or size[1]) if size is not None else (sides[0], sides[1])
 
 
 def num_classes(path: Path, output_shape: list) -> int | None:
@@ -215,8 +232,35 @@ def described_from_graph(model, dtype: str) -> dict:
             "weight_dtype": "uint8" if types == {onnx.TensorProto.UINT8} else "int8", "per_channel": per_channel, "made_by": "another tool"}
 
 
-def describe_input(path: Path, model):
-    """(ModelInput, declared class count or None) of an ONNX classifier, or a one-line error."""
+def graph_layout(model, name: str) -> tuple[str, int] | None:
+    """(layout, channels) of input `name` as the graph reads it, where the declared shape leaves that open: fed
+    (through elementwise ops) to a Conv, NCHW with the Conv's input channels; to a Transpose NHWC -> NCHW, NHWC."""
+    initializers = {init.name: init for init in model.graph.initializer}
+    consumers: dict[str, list] = {}
+    for node in model.graph.node:
+        for value in node.input:
+            consumers.setdefault(value, []).append(node)
+    transposed = False
+    for _ in range(8):
+        found = consumers.get(name, [])
+        if len(found) != 1:
+            return None
+        node = found[0]
+        if node.op_type == "Conv" and node.input[0] == name and node.input[1] in initializers and len(initializers[node.input[1]].dims) == 4:
+            group = next((attribute.i for attribute in node.attribute if attribute.name == "group"), 1)
+            return (inputs.NHWC if transposed else inputs.NCHW), int(initializers[node.input[1]].dims[1]) * max(group, 1)
+        perm = next((list(attribute.ints) for attribute in node.attribute if attribute.name == "perm"), None)
+        if node.op_type == "Transpose" and perm == [0, 3, 1, 2] and not transposed:
+            transposed = True
+        elif node.op_type not in ("Sub", "Div", "Mul", "Add", "Cast", "Identity"):
+            return None
+        name = node.output[0]
+    return None
+
+
+def describe_input(path: Path, model, size: tuple[int, int] | None = None):
+    """(ModelInput, declared class count or None) of an ONNX classifier, or a one-line error; `size` gives the
+    height and width a model leaves open (--input-size)."""
     import onnx
 
     found = graph_inputs(model)
@@ -224,7 +268,9 @@ def describe_input(path: Path, model):
         raise PtqError(f"{path}: {len(found)} inputs ({', '.join(value.name for value in found)}); ptq takes image classifiers with one image input")
     value = found[0]
     is_float = value.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
-    described = model_input(path, value.name, onnx_dims(value), is_float)
+    dims = onnx_dims(value)
+    known_channels = len(dims) == 4 and (dims[1] in (1, 3) or dims[3] in (1, 3))
+    described = model_input(path, value.name, dims, is_float, size, None if known_channels else graph_layout(model, value.name))
     if not model.graph.output:
         raise PtqError(f"{path}: the graph has no outputs; ptq takes classifiers whose first output is the class scores")
     return described, num_classes(path, onnx_dims(model.graph.output[0]))

@@ -99,7 +99,7 @@ def load(path: Path, options: RunOptions) -> LoadedModel:
     dtype, quantization = quantized_dtype(model)
     whole = data if model.ByteSize() == len(data) else model.SerializeToString()  # external weights read in
     threads, exact_int8 = resolve_threads(options.threads), options.exact_int8
-    described, classes = describe_input(path, model)
+    described, classes = describe_input(path, model, options.flags.size)
     session, chunk, note = _batch_session(path, model, whole, described, exact_int8)
     pool = ThreadPoolExecutor(threads, thread_name_prefix="ptq-ort") if threads > 1 else None
 
@@ -883,8 +883,8 @@ def _int8_basis(path: Path, _settings: dict | None, int8_path: str) -> str:
     return f"proof ({why}): same as the exact path" if proven else EMULATE
 
 
-def read_input(path: Path) -> inputs.ModelInput:
-    return describe_input(path, read_onnx(path))[0]
+def read_input(path: Path, size: tuple[int, int] | None = None) -> inputs.ModelInput:
+    return describe_input(path, read_onnx(path), size)[0]
 
 
 BACKEND = Backend(

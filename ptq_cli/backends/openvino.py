@@ -115,6 +115,27 @@ def _dims(partial_shape) -> list:
 
 
 
+def _graph_layout(value) -> tuple[str, int] | None:
+    """(layout, channels) of an input as the graph reads it (model_file.graph_layout's rule, on OpenVINO's graph)."""
+    transposed = False
+    for _ in range(8):
+        targets = list(value.get_target_inputs())
+        if len(targets) != 1:
+            return None
+        node = targets[0].get_node()
+        kind = node.get_type_name()
+        if kind in ("Convolution", "GroupConvolution") and targets[0].get_index() == 0:
+            filters = _dims(node.inputs()[1].get_partial_shape())
+            channels = None if None in filters else (filters[0] * filters[2] if kind == "GroupConvolution" else filters[1])  # G x O/G x I/G x ...
+            return ((inputs.NHWC if transposed else inputs.NCHW), channels) if channels else None
+        if kind == "Transpose" and not transposed:
+            transposed = True
+        elif kind not in ("Multiply", "Subtract", "Divide", "Add", "Convert"):
+            return None
+        value = node.outputs()[0]
+    return None
+
+
 def _read(core, path: Path) -> tuple[Any, int, str]:
     """(the model read by OpenVINO, its files' size and sha256), or a one-line error."""
     digest, size = hashlib.sha256(), 0
@@ -185,7 +206,13 @@ def load(path: Path, options: RunOptions) -> LoadedModel:
     model, size, sha256 = _read(core, path)
     stored = _stored(path, model)
     value = model.inputs[0]
-    described = model_input(path, value.get_any_name(), _dims(value.get_partial_shape()), value.get_element_type() == ov.Type.f32)
+    declared = _dims(value.get_partial_shape())
+    described = model_input(path, value.get_any_name(), declared, value.get_element_type() == ov.Type.f32, options.flags.size, _graph_layout(value))
+    if None in declared[1:]:  # a height and width left open: the size --input-size gave
+        try:
+            model.reshape({value.get_any_name(): ov.PartialShape([declared[0] or -1, *described.shape(1)[1:]])})
+        except Exception as error:  # noqa: BLE001  OpenVINO's own exception types
+            raise PtqError(f"{path}: OpenVINO cannot take its input as {described.layout} {described.shape(1)[1:]} ({first_line(error)})") from error
     classes = num_classes(path, _dims(model.outputs[0].get_partial_shape()))
     note, chunk = None, None
     if described.batch is not None:

@@ -78,9 +78,10 @@ def onnx_to_graph_module(model, fold: bool = True):
         raise PtqError(f"{model.graph.name or 'model'}: onnx2torch cannot convert it ({type(error).__name__}: {first_line(error, '')})") from error
 
 
-def torch_ready(model, path: Path):
-    """(model, ModelInput, fixed batch or None): a fixed batch is made symbolic where that computes the same."""
-    described, _ = describe_input(path, model)
+def torch_ready(model, path: Path, size: tuple[int, int] | None = None):
+    """(model, ModelInput, fixed batch or None): a fixed batch is made symbolic where that computes the same; `size`
+    gives the height and width a model leaves open (--input-size)."""
+    described, _ = describe_input(path, model, size)
     if described.batch is None:
         return model, described, None
     freed = free_batch(path, model, described)

@@ -40,7 +40,7 @@ def check_classes(path: Path, model_classes: int, class_names: tuple[str, ...], 
 def input_of(path: Path, flags: inputs.PreprocessingFlags | None = None) -> inputs.ModelInput:
     """What a model takes (layout, channels, size, batch), read from its file where the backend can, else by loading it."""
     row = backends.for_file(path)
-    return row.read_input(Path(path)) if row.read_input is not None else load_model(path, 1, flags).input
+    return row.read_input(Path(path), flags.size if flags else None) if row.read_input is not None else load_model(path, 1, flags).input
 
 
 def load_model(path: Path, threads: int | None = None, flags: inputs.PreprocessingFlags | None = None, runtime: str | None = None,

@@ -223,6 +223,19 @@ def _free_reshape_batches(model, batch: int) -> None:
     graph.node.extend(survivors)
 
 
+def fixed_input_size(model, name: str, shape: tuple[int, ...]):
+    """The model with input `name` declared as `shape` (one image's dimensions, the batch kept) where its declared
+    dimensions are open: a model that takes any height and width, fixed to the size it is used at (--input-size)."""
+    for value in model.graph.input:
+        if value.name != name:
+            continue
+        for dim, size in zip(list(value.type.tensor_type.shape.dim)[1:], shape, strict=True):
+            if not dim.HasField("dim_value") or dim.dim_value <= 0:
+                dim.Clear()
+                dim.dim_value = int(size)
+    return model
+
+
 def default_opset(model) -> int:
     return next((entry.version for entry in model.opset_import if entry.domain in ("", "ai.onnx")), 0)
 

@@ -153,11 +153,13 @@ class SavedCalibration:
 
 
 def draw_and_save(model: Path | None, data: Path, calibration_data: Path | None, output: Path,  # noqa: PLR0913,PLR0917  `ptq calibrate`'s options, one each
-                  samples_per_class: int | None = None, seed: int = settings.SEED, count: int | None = None) -> SavedCalibration:
-    """A seeded, stratified calibration set drawn from the training images (at `model`'s input size), saved to `output`."""
+                  samples_per_class: int | None = None, seed: int = settings.SEED, count: int | None = None,
+                  flags: PreprocessingFlags | None = None) -> SavedCalibration:
+    """A seeded, stratified calibration set drawn from the training images (at `model`'s input size, or the
+    one `flags` gives a model that leaves it open), saved to `output`."""
     check_seed(seed)
     check_outputs([("--output", output, (".npz",))], [model, data, calibration_data])
-    calibration = for_model(model, data, calibration_data, samples_per_class, seed, count=count)
+    calibration = for_model(model, data, calibration_data, samples_per_class, seed, flags=flags, count=count)
     save_calibration_set(calibration, output)
     return SavedCalibration(calibration, Path(output))
 
@@ -237,8 +239,8 @@ def for_model(model: Path | None, data: Path, calibration_data: Path | None = No
               seed: int = settings.SEED, saved: Path | None = None, reuse_default: bool = False,
               flags: PreprocessingFlags | None = None, count: int | None = None, size: tuple[int, int] | None = None) -> CalibrationSet:
     """The calibration set for a model: the `saved` file; else, with `reuse_default`, the default file if
-    `ptq calibrate` wrote it from the same dataset; else drawn now at the model's input size (the
-    images' own without a model; `size`: the model's, already read). The one way every command and `ptq run` get their calibration set."""
+    `ptq calibrate` wrote it from the same dataset; else drawn now at the model's input size (without a model,
+    the size `flags` gives, else the images' own; `size`: the model's, already read). The one way every command and `ptq run` get their calibration set."""
     if saved is not None:
         if count is not None:
             raise PtqError(f"--calibration-size: {saved} is a calibration set already drawn; give one or the other")
@@ -248,7 +250,7 @@ def for_model(model: Path | None, data: Path, calibration_data: Path | None = No
         found = load_calibration_set(settings.CALIBRATION_FILE)
         if Path(found.dataset).resolve() == dataset.root.resolve():
             return found
-    size = size or (models_service.input_of(model, flags).size if model is not None else None)
+    size = size or (models_service.input_of(model, flags).size if model is not None else (flags.size if flags else None))
     drawn = build_calibration_set(dataset, samples_per_class, seed, size, count)
     return replace(drawn, judged_on=True) if calibration_data is None and dataset.single_set else drawn
 

@@ -178,7 +178,7 @@ def onnx_to_torchscript(onnx_path: Path, output: Path, dataset: Dataset, check_c
     pixels = check_images(dataset, check_count, source.input.size)
     images = source.prepare(pixels)
     reference = source.predict(images)
-    model, described, fixed = pytorch.torch_ready(read_onnx(onnx_path), onnx_path)
+    model, described, fixed = pytorch.torch_ready(read_onnx(onnx_path), onnx_path, source.input.size)
     module = pytorch.onnx_to_graph_module(model)
     stored = {inputs.INPUT_METADATA_KEY: source.preprocessing.to_json(), SOURCE_METADATA_KEY: source.info.sha256}
 

@@ -19,7 +19,7 @@ from ptq_cli.services.measure import portability
 from ptq_cli.services.measure.report import DatasetGroup, measured_from
 from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressBar, ProgressCallback, no_progress_bar
-from ptq_cli.transforms.graph import clamped_activations, depthwise_convs, upgrade_opset
+from ptq_cli.transforms.graph import clamped_activations, depthwise_convs, fixed_input_size, upgrade_opset
 
 # QDQ needs opset 10; per-channel QDQ needs 13. Older models are converted to this opset first.
 MIN_OPSET, MIN_OPSET_PER_CHANNEL, UPGRADE_OPSET = 10, 13, 13
@@ -68,6 +68,7 @@ def load_source(model_path: Path, flags: inputs.PreprocessingFlags, per_channel:
     if loaded.info.dtype != "fp32":
         raise PtqError(f"{model_path}: already quantized ({loaded.info.dtype}); give the FP32 model")
     model, note = upgrade_opset(model, MIN_OPSET_PER_CHANNEL if per_channel else MIN_OPSET, UPGRADE_OPSET)
+    model = fixed_input_size(model, loaded.input.name, loaded.input.shape(1)[1:])  # a size the model leaves open, as --input-size gave it
     model.graph.name = str(model_path)  # names the file in the backends' messages
     return SourceModel(model_path, model, loaded, (note,) if note else ())
 

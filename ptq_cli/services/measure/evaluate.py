@@ -665,7 +665,8 @@ def flags_of(record: EvaluationRecord) -> PreprocessingFlags:
 
 def as_flags(stored: dict) -> PreprocessingFlags:
     """Resolved preprocessing (Preprocessing as a dict) as the flags that feed another model the same way."""
-    return PreprocessingFlags(None, stored["scale"], tuple(stored["mean"]), tuple(stored["std"]), stored["bgr"])
+    size = stored.get("size")
+    return PreprocessingFlags(None, stored["scale"], tuple(stored["mean"]), tuple(stored["std"]), stored["bgr"], tuple(size) if size else None)
 
 
 @dataclass(frozen=True)

@@ -175,6 +175,8 @@ def _flag_arguments(flags: PreprocessingFlags) -> tuple[str, ...]:
             arguments += [f"--{name}", ",".join(f"{value:g}" for value in values)]
     if flags.bgr is not None:
         arguments.append("--bgr" if flags.bgr else "--rgb")
+    if flags.size is not None:
+        arguments += ["--input-size", f"{flags.size[0]}x{flags.size[1]}"]
     return tuple(arguments)
 
 
@@ -213,7 +215,8 @@ class _Study:
     def data_arguments(self, calibration: bool = False, preprocessing: bool = True) -> tuple[str, ...]:
         """--data, and --calibration-data and the preprocessing options for the commands that take them."""
         chosen = self.options.calibration_data if calibration else None
-        return (*_arguments(data=self.options.data_dir, calibration_data=chosen), *(_flag_arguments(self.options.flags) if preprocessing else ()))
+        flags = self.options.flags if preprocessing else PreprocessingFlags(size=self.options.flags.size)  # the size, for any command that reads the model
+        return (*_arguments(data=self.options.data_dir, calibration_data=chosen), *_flag_arguments(flags))
 
     @property
     def results_arguments(self) -> tuple[str, ...]:
