@@ -179,13 +179,13 @@ def symbolic_batch(model, batch: int | None = None):
     return copy
 
 
-def _constant_arrays(graph) -> dict[str, np.ndarray]:
-    """The graph's constant tensors by name: its initializers and its Constant nodes' values."""
+def _constant_arrays(graph, names: set[str]) -> dict[str, np.ndarray]:
+    """The constant tensors called `names`, from the graph's initializers and its Constant nodes (the weights are not read)."""
     from onnx import numpy_helper
 
-    arrays = {init.name: numpy_helper.to_array(init) for init in graph.initializer}
+    arrays = {init.name: numpy_helper.to_array(init) for init in graph.initializer if init.name in names}
     for node in graph.node:
-        for attribute in node.attribute if node.op_type == "Constant" else ():
+        for attribute in node.attribute if node.op_type == "Constant" and node.output[0] in names else ():
             if attribute.name == "value":
                 arrays[node.output[0]] = numpy_helper.to_array(attribute.t)
             elif attribute.name == "value_ints":
@@ -199,7 +199,7 @@ def _free_reshape_batches(model, batch: int) -> None:
     from onnx import TensorProto, helper, numpy_helper
 
     graph, replaced = model.graph, set()
-    constants = _constant_arrays(graph)
+    constants = _constant_arrays(graph, {node.input[1] for node in graph.node if node.op_type == "Reshape" and len(node.input) > 1})
     for index, node in enumerate(graph.node):
         target = constants.get(node.input[1]) if node.op_type == "Reshape" and len(node.input) > 1 else None
         allow_zero = any(attribute.name == "allowzero" and attribute.i for attribute in node.attribute)
@@ -214,8 +214,8 @@ def _free_reshape_batches(model, batch: int) -> None:
         replaced.add(node.input[1])
         node.input[1] = name
     unused = replaced - {name for node in graph.node for name in node.input} - {value.name for value in graph.output}
-    for kept, field in ((graph.initializer, "name"), (graph.input, "name")):
-        survivors = [entry for entry in kept if getattr(entry, field) not in unused]
+    for kept in (graph.initializer, graph.input):
+        survivors = [entry for entry in kept if entry.name not in unused]
         del kept[:]
         kept.extend(survivors)
     survivors = [node for node in graph.node if not (node.op_type == "Constant" and node.output[0] in unused)]
