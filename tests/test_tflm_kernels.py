@@ -107,3 +107,36 @@ def test_the_copy_gives_the_interpreter_s_bytes_on_the_mlperf_reference_and_its_
     assert np.array_equal(tflm_kernels.covers(data)(codes).reshape(len(codes), -1), _interpreter_outputs(data, codes))
     four_bit = int4.to_int4(data, codes[:100]).data
     assert np.array_equal(tflm_kernels.covers(four_bit)(codes).reshape(len(codes), -1), _interpreter_outputs(four_bit, codes))
+
+
+def _gemmlowp_high_mul(a: int, b: int) -> int:
+    """SaturatingRoundingDoublingHighMul as gemmlowp writes it in C, on Python integers."""
+    if a == b == tflm_kernels.INT32_MIN:
+        return tflm_kernels.INT32_MAX
+    product = a * b
+    nudge = (1 << 30) if product >= 0 else 1 - (1 << 30)
+    total = product + nudge
+    return -((-total) >> 31) if total < 0 else total >> 31  # C's division by 2^31, toward zero
+
+
+def _gemmlowp_divide_by_pot(x: int, exponent: int) -> int:
+    """RoundingDivideByPOT as gemmlowp writes it in C, on Python integers."""
+    mask = (1 << exponent) - 1
+    threshold = (mask >> 1) + (1 if x < 0 else 0)
+    return (x >> exponent) + (1 if (x & mask) > threshold else 0)
+
+
+def test_the_fixed_point_helpers_compute_gemmlowp_s_own_arithmetic():
+    rng = np.random.default_rng(3)
+    low, high = tflm_kernels.INT32_MIN, tflm_kernels.INT32_MAX
+    edges = [0, 1, -1, low, high, low + 1, 1 << 30, -(1 << 30), (1 << 30) + 1, -(1 << 30) - 1]
+    a = np.array(edges * len(edges) + rng.integers(low, high, 3000, endpoint=True).tolist(), np.int64)
+    b = np.array([edge for edge in edges for _ in edges] + rng.integers(low, high, 3000, endpoint=True).tolist(), np.int64)
+    assert tflm_kernels.doubling_high_mul(a, b).tolist() == [_gemmlowp_high_mul(int(x), int(y)) for x, y in zip(a, b, strict=True)]
+    exponents = rng.integers(0, 32, len(a))
+    assert tflm_kernels.divide_by_pot(a, exponents).tolist() == [_gemmlowp_divide_by_pot(int(x), int(e)) for x, e in zip(a, exponents, strict=True)]
+    # The requantization, its two roundings in one (ties everywhere with a multiplier of 2^30 and odd inputs).
+    values = np.concatenate([np.arange(-3000, 3000), rng.integers(-(2**31), 2**31, 3000)]).astype(np.int64)
+    for multiplier, shift in ((1 << 30, -1), (1 << 30, -7), (int(rng.integers(1 << 30, 1 << 31)), -20), ((1 << 31) - 1, -31), (1 << 30, 2)):
+        expected = [_gemmlowp_divide_by_pot(_gemmlowp_high_mul(int(x) << max(shift, 0), multiplier), max(-shift, 0)) for x in values]
+        assert tflm_kernels.multiply_by_quantized_multiplier(values, multiplier, shift).tolist() == expected, (multiplier, shift)

@@ -285,7 +285,7 @@ def _calibrate(keras_path: Path, calibration: np.ndarray, progress: ProgressCall
         with _quiet():
             keras_model = tf.keras.models.load_model(str(keras_path), compile=False)
     except Exception as error:  # Keras raises many types for a bad file
-        raise PtqError(f"{keras_path}: not a loadable Keras model ({str(error).splitlines()[0]})") from error
+        raise PtqError(f"{keras_path}: not a loadable Keras model ({first_line(error)})") from error
     expected = tuple(keras_model.input_shape[1:])
     if tuple(calibration.shape[1:]) != expected:
         raise PtqError(f"{keras_path}: takes input {expected}, the ONNX model's calibration images are {tuple(calibration.shape[1:])}")
@@ -405,7 +405,7 @@ def _transferred_ranges(ranges_from: Path, qdq, calibrated: bytes, tensors: list
     try:
         session = onnxruntime.InferenceSession(qdq.SerializeToString(), options, providers=["CPUExecutionProvider"])
     except Exception as error:  # noqa: BLE001  onnxruntime's own exception types
-        raise PtqError(f"--ranges-from: {ranges_from}: onnxruntime cannot load it ({str(error).splitlines()[0]})") from error
+        raise PtqError(f"--ranges-from: {ranges_from}: onnxruntime cannot load it ({first_line(error)})") from error
     first = session.get_inputs()[0]
     images = calibration[:MATCH_IMAGES]
     fixed = first.shape[0] if isinstance(first.shape[0], int) and first.shape[0] > 0 else None

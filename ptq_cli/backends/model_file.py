@@ -296,7 +296,8 @@ def ort_session(path: Path, data: bytes, exact_int8: bool = False):
     try:
         return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
     except Exception as error:  # onnxruntime raises its own exception types for unloadable graphs
-        raise PtqError(f"{path}: onnxruntime cannot load it ({first_line(error)})") from error
+        kernels = f" with its exact int8 kernels ({EXACT_PATH_CONFIG}=1; --int8-path saturating runs without them)" if exact_int8 else ""
+        raise PtqError(f"{path}: onnxruntime cannot load it{kernels} ({first_line(error)})") from error
 
 
 def free_batch(path: Path, model, described: inputs.ModelInput):

@@ -107,7 +107,7 @@ def load(path: Path, options: RunOptions) -> LoadedModel:
         try:
             scores = session.run(None, {described.name: batch})[0]
         except Exception as error:  # onnxruntime's own exception types
-            raise PtqError(f"{path}: onnxruntime failed to run it ({str(error).splitlines()[0]})") from error
+            raise PtqError(f"{path}: onnxruntime failed to run it ({first_line(error)})") from error
         if scores.ndim > 2 and all(dim == 1 for dim in scores.shape[2:]):  # N x K x 1 x 1, a conv head's
             scores = scores.reshape(scores.shape[:2])
         return scores
@@ -445,14 +445,25 @@ LEARNED, NEAREST = rounding.LEARNED, rounding.NEAREST
 
 
 def _probe_session(model, threads: int):
+    """A session for quantize's own measurements, on the exact kernels: the same codes on every CPU, VNNI or not.
+    Where onnxruntime cannot build the exact session (1.32 fails on some transformer graphs with "Attempt to replace
+    the existing tensor"), the default kernels measure instead: the choices stay measured, on this CPU's kernels."""
     import onnxruntime as ort
 
-    options = ort.SessionOptions()
-    options.add_session_config_entry(EXACT_PATH_CONFIG, "1")  # the same codes on every CPU, VNNI or not
-    options.intra_op_num_threads = threads
-    options.log_severity_level = 4
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    data = model.SerializeToString()
+    for exact in (True, False):
+        options = ort.SessionOptions()
+        if exact:
+            options.add_session_config_entry(EXACT_PATH_CONFIG, "1")
+        options.intra_op_num_threads = threads
+        options.log_severity_level = 4
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        try:
+            return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+        except Exception:  # noqa: BLE001  onnxruntime's own exception types; the second try raises
+            if not exact:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _tensor_batches(input_name: str, images: np.ndarray, threads: int, chunk: int = 16):

@@ -238,7 +238,7 @@ def _convert(model):
         try:
             converted = ov.convert_model(str(source))
         except Exception as error:  # noqa: BLE001  the converter's own exception types
-            raise PtqError(f"{model.graph.name or 'model'}: openvino.convert_model failed ({str(error).splitlines()[0]})") from error
+            raise PtqError(f"{model.graph.name or 'model'}: openvino.convert_model failed ({first_line(error)})") from error
     for index, op in enumerate(op for op in converted.get_ordered_ops() if op.get_type_name() in WEIGHTED_OPS):
         if GENERATED_NAME.match(op.get_friendly_name()):
             op.set_friendly_name(f"{op.get_type_name().lower()}_layer{index}")

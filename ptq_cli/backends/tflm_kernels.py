@@ -31,11 +31,11 @@ def _truncating_divide(numerator: np.ndarray, denominator: int) -> np.ndarray:
 
 
 def doubling_high_mul(a: np.ndarray | int, b: np.ndarray | int) -> np.ndarray:
-    """gemmlowp's SaturatingRoundingDoublingHighMul."""
+    """gemmlowp's SaturatingRoundingDoublingHighMul. Its nudge (2^30, or 1 - 2^30 below zero) and its division by
+    2^31 truncating toward zero (2^31 - 1 added below zero, then a floor) come to one floor of (a x b + 2^30) / 2^31."""
     a, b = np.asarray(a, np.int64), np.asarray(b, np.int64)
     product = a * b
-    product += (1 << 30) - (product < 0) * ((1 << 31) - 1)  # the nudge: 2^30, or 1 - 2^30 below zero
-    product += (product >> 63) & ((1 << 31) - 1)  # then a division by 2^31 that truncates toward zero
+    product += 1 << 30
     product >>= 31
     if np.any(b == INT32_MIN):
         product = np.where((a == INT32_MIN) & (b == INT32_MIN), INT32_MAX, product)
@@ -43,18 +43,31 @@ def doubling_high_mul(a: np.ndarray | int, b: np.ndarray | int) -> np.ndarray:
 
 
 def divide_by_pot(x: np.ndarray, exponent: np.ndarray | int) -> np.ndarray:
-    """gemmlowp's RoundingDivideByPOT: to nearest, ties away from zero."""
+    """gemmlowp's RoundingDivideByPOT: to nearest, ties away from zero, as one floor of (x + 2^(e-1) - [x < 0]) / 2^e."""
     x, exponent = np.asarray(x, np.int64), np.asarray(exponent, np.int64)
-    mask = (np.int64(1) << exponent) - 1
-    remainder = x & mask
-    threshold = (mask >> 1) + (x < 0)
-    return (x >> exponent) + (remainder > threshold)
+    rounded = x + ((np.int64(1) << exponent) >> 1)
+    below_zero = x < 0
+    rounded -= below_zero if np.all(exponent > 0) else below_zero & (exponent > 0)  # nothing to round at 2^0
+    rounded >>= exponent
+    return rounded
 
 
 def multiply_by_quantized_multiplier(x: np.ndarray, multiplier: np.ndarray | int, shift: np.ndarray | int) -> np.ndarray:
-    shift = np.asarray(shift, np.int64)
+    """TFLite's MultiplyByQuantizedMultiplier: divide_by_pot(doubling_high_mul(x x 2^left, multiplier), right).
+
+    Without a left shift, the two roundings come to one floor, since floor((floor(A / m) + c) / n) = floor((A + c m) / (m n)):
+    with p = x x multiplier and e = right > 0, floor((p + 2^30 + 2^(30+e) - [p < -2^30] 2^31) / 2^(31+e))."""
+    shift, multiplier = np.asarray(shift, np.int64), np.asarray(multiplier, np.int64)
     left, right = np.maximum(shift, 0), np.maximum(-shift, 0)
-    return divide_by_pot(doubling_high_mul(np.asarray(x, np.int64) * (np.int64(1) << left), multiplier), right)
+    x = np.asarray(x, np.int64)
+    if np.any(left) or np.any(multiplier == INT32_MIN) or not np.all(right > 0):
+        return divide_by_pot(doubling_high_mul(x * (np.int64(1) << left), multiplier), right)
+    total = x * multiplier
+    total += (np.int64(1) << 30) + (np.int64(1) << (30 + right))
+    # p < -2^30, read after the offset: below 2^(30+e)
+    np.subtract(total, np.int64(1) << 31, out=total, where=total < (np.int64(1) << (30 + right)))
+    total >>= 31 + right
+    return total
 
 
 def quantize_multiplier(value: float) -> tuple[int, int]:
@@ -220,7 +233,9 @@ class _Model:
         low, high = _activation_range(activation, float(output_scale), int(output_zero))
 
         def requantized(accumulators: np.ndarray) -> np.ndarray:
-            return np.clip(multiply_by_quantized_multiplier(accumulators, multipliers, shifts) + output_zero, low, high).astype(np.int16)
+            codes = multiply_by_quantized_multiplier(accumulators, multipliers, shifts)
+            codes += output_zero
+            return np.clip(codes, low, high, out=codes).astype(np.int16)
 
         return requantized
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ptq_cli.errors import PtqError
+from ptq_cli.errors import PtqError, first_line
 
 
 def static_reshape_targets(model):
@@ -255,7 +255,7 @@ def upgrade_opset(model, minimum: int, target: int):
         _raise_ir_version(upgraded)
         onnx.checker.check_model(upgraded)
     except Exception as error:  # the converter raises RuntimeError or its own adapter errors
-        raise PtqError(f"{model.graph.name or 'model'}: opset {opset} could not be upgraded to {target} ({str(error).splitlines()[0]})") from error
+        raise PtqError(f"{model.graph.name or 'model'}: opset {opset} could not be upgraded to {target} ({first_line(error)})") from error
     return upgraded, f"opset {opset} upgraded to {target} (onnx.version_converter): quantization needs opset {minimum} or later"
 
 
@@ -428,13 +428,23 @@ def float_scores(model) -> int:
 
 def preprocess(model, output: Path | str) -> None:
     """onnxruntime's recommended pre-quantization step: shape inference plus its basic graph optimizer,
-    which folds the batch-norm Mul/Add after each Conv into the Conv."""
+    which folds the batch-norm Mul/Add after each Conv into the Conv. `output` is in a folder of ptq's own."""
+    import onnx
     from onnxruntime.quantization import quant_pre_process
 
+    first = type(model)()
+    first.CopyFrom(model)  # a failed attempt may have moved its weights to a temporary folder's external data
     try:
-        quant_pre_process(model, str(output))
+        quant_pre_process(first, str(output))
+        return
+    except Exception:  # noqa: BLE001  its symbolic shape inference cannot follow every graph (a Reshape to a computed shape, as
+        pass  # transformers export): onnx's own shape inference then, as quant_pre_process offers
+    given = Path(output).with_name(Path(output).stem + ".given.onnx")  # from a file: given a ModelProto, that path strips its weights
+    try:
+        onnx.save(model, str(given))
+        quant_pre_process(str(given), str(output), skip_symbolic_shape=True)
     except Exception as error:  # shape inference and the optimizer raise many types
-        raise PtqError(f"{model.graph.name or 'model'}: onnxruntime's quant_pre_process failed ({str(error).splitlines()[0]})") from error
+        raise PtqError(f"{model.graph.name or 'model'}: onnxruntime's quant_pre_process failed ({first_line(error)})") from error
 
 
 def preprocessed(model, workdir: Path):

@@ -136,7 +136,7 @@ def keras_to_onnx(keras_path: Path, output: Path, dataset: Dataset, opset: int =
     try:
         keras_model = tf.keras.models.load_model(str(keras_path), compile=False)
     except Exception as error:  # Keras raises many types for a bad file; all mean the same to the user
-        raise PtqError(f"{keras_path}: not a loadable Keras model ({str(error).splitlines()[0]})") from error
+        raise PtqError(f"{keras_path}: not a loadable Keras model ({first_line(error)})") from error
     shape = keras_model.input_shape
     if len(shape) != 4 or shape[3] not in (1, 3) or not shape[1] or not shape[2]:
         raise PtqError(f"{keras_path}: Keras model input {shape} is not N x H x W x C images")

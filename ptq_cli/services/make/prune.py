@@ -25,7 +25,7 @@ import numpy as np
 
 from ptq_cli.backends.base import PRUNING_METADATA_KEY
 from ptq_cli.backends.model_file import read_onnx
-from ptq_cli.errors import PtqError
+from ptq_cli.errors import PtqError, first_line
 from ptq_cli.guards.atomic import atomic_output, check_outputs
 
 SCOPES = ("global", "layer")
@@ -175,7 +175,7 @@ def _activations(model, names: list[str], images: np.ndarray) -> dict[str, np.nd
         session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
         return dict(zip(names, session.run(names, {session.get_inputs()[0].name: images}), strict=True))
     except Exception as error:  # onnxruntime's own exception types
-        raise PtqError(f"onnxruntime cannot run the layers for the re-fit ({str(error).splitlines()[0]}); try --no-reconstruct") from error
+        raise PtqError(f"onnxruntime cannot run the layers for the re-fit ({first_line(error)}); try --no-reconstruct") from error
 
 
 def _rows(weights: np.ndarray, op_type: str) -> np.ndarray:
