@@ -98,3 +98,11 @@ def test_the_study_runs_on_it_with_the_size(project):
 @pytest.mark.parametrize("size, mentions", [("0", "--input-size"), ("8x8x8", "--input-size"), ("big", "--input-size"), ("16", "declares")])
 def test_a_size_that_is_not_one_or_contradicts_the_model_is_refused(project, size, mentions):
     one_line_error(invoke("evaluate", "--model", "fixed.onnx", "--data", "photos", "--input-size", size, cwd=project), mentions)
+
+
+def test_a_pruned_copy_keeps_the_open_input_and_the_size_it_was_given(project):
+    # The synthetic Conv has no kernel_shape (optional in ONNX): the re-fit reads it from the weights.
+    pruned = invoke("prune", "--model", "open.onnx", "--data", "photos", "--input-size", "8", "--sparsity", "0.3", "--output", "open_p30.onnx", cwd=project)
+    assert pruned.exit_code == 0, pruned.output
+    assert declared(project / "open_p30.onnx") == OPEN_DIMS  # a float model ptq wrote keeps its contract, and stores the size
+    assert evaluated(project, "open_p30.onnx")["model_input"].startswith("NCHW 3x8x8")

@@ -260,8 +260,12 @@ def graph_layout(model, name: str) -> tuple[str, int] | None:
 
 def describe_input(path: Path, model, size: tuple[int, int] | None = None):
     """(ModelInput, declared class count or None) of an ONNX classifier, or a one-line error; `size` gives the
-    height and width a model leaves open (--input-size)."""
+    height and width a model leaves open (--input-size), else the size a model ptq wrote stores with its preprocessing."""
     import onnx
+
+    if size is None and inputs.INPUT_METADATA_KEY in metadata(model):
+        stored = inputs.from_metadata(metadata(model)[inputs.INPUT_METADATA_KEY], path)
+        size = stored.size if stored is not None else None
 
     found = graph_inputs(model)
     if len(found) != 1:

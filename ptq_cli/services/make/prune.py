@@ -147,12 +147,13 @@ def _attribute(node, name: str, default):
     return next((helper.get_attribute_value(attribute) for attribute in node.attribute if attribute.name == name), default)
 
 
-def _patches(inputs: np.ndarray, node) -> np.ndarray:
-    """im2col of a Conv's NCHW input: one row per output position, columns in the weight's (C, kh, kw) order."""
+def _patches(inputs: np.ndarray, node, kernel: tuple[int, ...]) -> np.ndarray:
+    """im2col of a Conv's NCHW input: one row per output position, columns in the weight's (C, kh, kw) order;
+    `kernel` the weight's kh, kw (kernel_shape is optional in ONNX)."""
     if (_attribute(node, "group", 1) != 1 or _attribute(node, "dilations", [1, 1]) != [1, 1]
             or _attribute(node, "auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET")):
         raise PtqError(f"{node.name}: re-fit supports plain 2-D convolutions only (use --no-reconstruct)")
-    kernel_h, kernel_w = _attribute(node, "kernel_shape", None)
+    kernel_h, kernel_w = _attribute(node, "kernel_shape", None) or kernel
     stride_h, stride_w = _attribute(node, "strides", [1, 1])
     top, left, bottom, right = _attribute(node, "pads", [0, 0, 0, 0])
     padded = np.pad(inputs, ((0, 0), (0, 0), (top, bottom), (left, right)))
@@ -206,7 +207,8 @@ def refit(original, pruned, images: np.ndarray, weights: set[str]) -> None:
         pruned_input = _activations(pruned, [node.input[0]], images)[node.input[0]]
         source_input = original_inputs[node.input[0]]
         if node.op_type == "Conv":
-            pruned_input, source_input = _patches(pruned_input, node), _patches(source_input, node)
+            kernel = tuple(kept.shape[2:])
+            pruned_input, source_input = _patches(pruned_input, node, kernel), _patches(source_input, node, kernel)
         pruned_input = pruned_input.reshape(-1, pruned_input.shape[-1])
         source_input = source_input.reshape(-1, source_input.shape[-1])
         gram = (pruned_input.T @ pruned_input).astype(np.float64)
