@@ -263,9 +263,8 @@ def describe_input(path: Path, model, size: tuple[int, int] | None = None):
     height and width a model leaves open (--input-size), else the size a model ptq wrote stores with its preprocessing."""
     import onnx
 
-    if size is None and inputs.INPUT_METADATA_KEY in metadata(model):
-        stored = inputs.from_metadata(metadata(model)[inputs.INPUT_METADATA_KEY], path)
-        size = stored.size if stored is not None else None
+    stored = inputs.from_metadata(metadata(model).get(inputs.INPUT_METADATA_KEY), path) if size is None else None
+    size = stored.size if stored is not None else size
 
     found = graph_inputs(model)
     if len(found) != 1:

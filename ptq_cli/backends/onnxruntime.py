@@ -450,20 +450,20 @@ def _probe_session(model, threads: int):
     the existing tensor"), the default kernels measure instead: the choices stay measured, on this CPU's kernels."""
     import onnxruntime as ort
 
-    data = model.SerializeToString()
-    for exact in (True, False):
-        options = ort.SessionOptions()
+    def options(exact: bool):
+        chosen = ort.SessionOptions()
         if exact:
-            options.add_session_config_entry(EXACT_PATH_CONFIG, "1")
-        options.intra_op_num_threads = threads
-        options.log_severity_level = 4
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        try:
-            return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
-        except Exception:  # noqa: BLE001  onnxruntime's own exception types; the second try raises
-            if not exact:
-                raise
-    raise AssertionError("unreachable")
+            chosen.add_session_config_entry(EXACT_PATH_CONFIG, "1")
+        chosen.intra_op_num_threads = threads
+        chosen.log_severity_level = 4
+        chosen.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        return chosen
+
+    data = model.SerializeToString()
+    try:
+        return ort.InferenceSession(data, options(exact=True), providers=["CPUExecutionProvider"])
+    except Exception:  # noqa: BLE001  onnxruntime's own exception types
+        return ort.InferenceSession(data, options(exact=False), providers=["CPUExecutionProvider"])
 
 
 def _tensor_batches(input_name: str, images: np.ndarray, threads: int, chunk: int = 16):

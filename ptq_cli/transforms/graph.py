@@ -432,10 +432,8 @@ def preprocess(model, output: Path | str) -> None:
     import onnx
     from onnxruntime.quantization import quant_pre_process
 
-    first = type(model)()
-    first.CopyFrom(model)  # a failed attempt may have moved its weights to a temporary folder's external data
     try:
-        quant_pre_process(first, str(output))
+        quant_pre_process(model, str(output))
         return
     except Exception:  # noqa: BLE001  its symbolic shape inference cannot follow every graph (a Reshape to a computed shape, as
         pass  # transformers export): onnx's own shape inference then, as quant_pre_process offers
