@@ -10,6 +10,7 @@ import os
 import types
 import typing
 from dataclasses import asdict, dataclass, fields, is_dataclass
+from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -58,12 +59,17 @@ def from_dict(cls: type[Record], data: dict) -> Record:
     for old, new in RENAMED_FIELDS.items():
         if old in data and new not in data:
             data = {**data, new: data[old]}
-    hints = typing.get_type_hints(cls)
-    known = {field.name for field in fields(cls)}
+    hints, known = _annotations(cls)
     for key in known & data.keys():
         if not _fits(data[key], hints[key]):
             raise TypeError(f"field '{key}' is {json.dumps(data[key])[:40]}, expected {hints[key]}")
     return cls(**{key: value for key, value in data.items() if key in known})
+
+
+@cache
+def _annotations(cls: type) -> tuple[dict[str, Any], frozenset[str]]:
+    """A record class's resolved type hints and field names (resolving them is most of a small record's reading)."""
+    return typing.get_type_hints(cls), frozenset(field.name for field in fields(cls))
 
 
 def _fits(value: Any, hint: Any) -> bool:  # noqa: PLR0911  one return per kind of type hint

@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 
 FACTORS = (0.8, 0.87, 0.93, 1.07, 1.15, 1.25)  # each scale times these; the best kept
-SWEEPS = 2
 MIN_GAIN_DB = 0.01  # a move is kept only above this (the score's float noise)
 
 
@@ -110,31 +109,29 @@ class Rescaler:
 
 def search(model, score: Callable[[Any], float], evaluations: int,
            progress: Callable[[int, int], None] | None = None) -> tuple[Any, SearchResult]:
-    """The model with its activation scales searched in place: coordinate ascent of `score(model)` (higher is
-    closer to FP32) over FACTORS of each scale, at most SWEEPS sweeps and `evaluations` calls of `score`."""
+    """The model with its activation scales searched in place: one sweep of coordinate ascent of `score(model)`
+    (higher is closer to FP32) over FACTORS of each scale, in graph order, within `evaluations` calls of `score`.
+    One sweep: on every ResNet8 model measured, a second one fit the searched images more tightly and took held-out
+    images further from FP32 than the first left them (README, Activation ranges)."""
     names = activation_scales(model)
     rescaler = Rescaler(model)
     calibrated = {name: rescaler.get(name) for name in names}
     best = start = score(model)
     spent, reached = 1, set()
-    planned = min(evaluations, SWEEPS * len(names) * len(FACTORS) + 1)  # the bar's total: what the search can spend
-    for _ in range(SWEEPS):
-        improved = False
-        for name in names:
-            if spent + len(FACTORS) > evaluations:
-                break
-            reached.add(name)
-            start_value = kept_value = rescaler.get(name)
-            for factor in FACTORS:
-                rescaler.set(name, start_value * factor)
-                value, spent = score(model), spent + 1
-                if value > best + MIN_GAIN_DB:
-                    best, improved, kept_value = value, True, start_value * factor
-            rescaler.set(name, kept_value)
-            if progress:
-                progress(spent, planned)
-        if not improved:
+    planned = min(evaluations, len(names) * len(FACTORS) + 1)  # the bar's total: what the search can spend
+    for name in names:
+        if spent + len(FACTORS) > evaluations:
             break
+        reached.add(name)
+        start_value = kept_value = rescaler.get(name)
+        for factor in FACTORS:
+            rescaler.set(name, start_value * factor)
+            value, spent = score(model), spent + 1
+            if value > best + MIN_GAIN_DB:
+                best, kept_value = value, start_value * factor
+        rescaler.set(name, kept_value)
+        if progress:
+            progress(spent, planned)
     moved = sum(rescaler.get(name) != calibrated[name] for name in names)
     return model, SearchResult(len(names), len(reached), moved, spent, float(start), float(best))
 
