@@ -9,6 +9,7 @@ import hashlib
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -232,30 +233,51 @@ def described_from_graph(model, dtype: str) -> dict:
             "weight_dtype": "uint8" if types == {onnx.TensorProto.UINT8} else "int8", "per_channel": per_channel, "made_by": "another tool"}
 
 
+# What layout_from_consumers' `reader` says of the one node reading a value: a convolution (its input channels,
+# None where unknown), a transpose or an elementwise op (the value it writes), or anything else.
+CONVOLUTION, TRANSPOSE, ELEMENTWISE = "convolution", "transpose", "elementwise"
+
+
+def layout_from_consumers(value, reader: Callable[[Any], tuple[str, Any]]) -> tuple[str, int] | None:
+    """(layout, channels) of an input as a graph reads it, where the declared shape leaves that open: fed, through
+    elementwise ops, to a convolution, NCHW with its input channels; through a transpose first, NHWC. `reader(value)`
+    classifies the one node that reads `value` (ONNX and OpenVINO graphs each have theirs); None if not one."""
+    transposed = False
+    for _ in range(8):
+        kind, found = reader(value)
+        if kind == CONVOLUTION:
+            return ((inputs.NHWC if transposed else inputs.NCHW), int(found)) if found else None
+        if kind == TRANSPOSE and not transposed:
+            transposed = True
+        elif kind != ELEMENTWISE:
+            return None
+        value = found
+    return None
+
+
 def graph_layout(model, name: str) -> tuple[str, int] | None:
-    """(layout, channels) of input `name` as the graph reads it, where the declared shape leaves that open: fed
-    (through elementwise ops) to a Conv, NCHW with the Conv's input channels; to a Transpose NHWC -> NCHW, NHWC."""
+    """layout_from_consumers on an ONNX graph: a Conv with constant 4-D weights, a Transpose NHWC -> NCHW, and
+    the arithmetic a normalisation is written with."""
     initializers = {init.name: init for init in model.graph.initializer}
     consumers: dict[str, list] = {}
     for node in model.graph.node:
         for value in node.input:
             consumers.setdefault(value, []).append(node)
-    transposed = False
-    for _ in range(8):
-        found = consumers.get(name, [])
+
+    def reader(value: str) -> tuple[str, Any]:
+        found = consumers.get(value, [])
         if len(found) != 1:
-            return None
+            return "", None
         node = found[0]
-        if node.op_type == "Conv" and node.input[0] == name and node.input[1] in initializers and len(initializers[node.input[1]].dims) == 4:
+        if node.op_type == "Conv" and node.input[0] == value and node.input[1] in initializers and len(initializers[node.input[1]].dims) == 4:
             group = next((attribute.i for attribute in node.attribute if attribute.name == "group"), 1)
-            return (inputs.NHWC if transposed else inputs.NCHW), int(initializers[node.input[1]].dims[1]) * max(group, 1)
+            return CONVOLUTION, int(initializers[node.input[1]].dims[1]) * max(group, 1)
         perm = next((list(attribute.ints) for attribute in node.attribute if attribute.name == "perm"), None)
-        if node.op_type == "Transpose" and perm == [0, 3, 1, 2] and not transposed:
-            transposed = True
-        elif node.op_type not in ("Sub", "Div", "Mul", "Add", "Cast", "Identity"):
-            return None
-        name = node.output[0]
-    return None
+        if node.op_type == "Transpose" and perm == [0, 3, 1, 2]:
+            return TRANSPOSE, node.output[0]
+        return (ELEMENTWISE if node.op_type in ("Sub", "Div", "Mul", "Add", "Cast", "Identity") else ""), node.output[0]
+
+    return layout_from_consumers(name, reader)
 
 
 def describe_input(path: Path, model, size: tuple[int, int] | None = None):

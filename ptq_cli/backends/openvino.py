@@ -39,7 +39,19 @@ from ptq_cli.backends.base import (
     float_parts,
 )
 from ptq_cli.backends.base import describe_settings as describe_qdq_settings
-from ptq_cli.backends.model_file import in_fixed_batches, metadata_object, model_input, num_classes, read_bytes, read_onnx, resolve_threads
+from ptq_cli.backends.model_file import (
+    CONVOLUTION,
+    ELEMENTWISE,
+    TRANSPOSE,
+    in_fixed_batches,
+    layout_from_consumers,
+    metadata_object,
+    model_input,
+    num_classes,
+    read_bytes,
+    read_onnx,
+    resolve_threads,
+)
 from ptq_cli.errors import PtqError, first_line
 from ptq_cli.transforms.overflow import ALL_LAYERS, FIRST_LAYER
 from ptq_cli.transforms.rounding import LEARNED, NEAREST
@@ -114,26 +126,24 @@ def _dims(partial_shape) -> list:
     return [dim.get_length() if dim.is_static else None for dim in partial_shape]
 
 
-
 def _graph_layout(value) -> tuple[str, int] | None:
-    """(layout, channels) of an input as the graph reads it (model_file.graph_layout's rule, on OpenVINO's graph)."""
-    transposed = False
-    for _ in range(8):
-        targets = list(value.get_target_inputs())
+    """layout_from_consumers (model_file) on OpenVINO's graph."""
+
+    def reader(read) -> tuple[str, Any]:
+        targets = list(read.get_target_inputs())
         if len(targets) != 1:
-            return None
+            return "", None
         node = targets[0].get_node()
         kind = node.get_type_name()
         if kind in ("Convolution", "GroupConvolution") and targets[0].get_index() == 0:
             filters = _dims(node.inputs()[1].get_partial_shape())
-            channels = None if None in filters else (filters[0] * filters[2] if kind == "GroupConvolution" else filters[1])  # G x O/G x I/G x ...
-            return ((inputs.NHWC if transposed else inputs.NCHW), channels) if channels else None
-        if kind == "Transpose" and not transposed:
-            transposed = True
-        elif kind not in ("Multiply", "Subtract", "Divide", "Add", "Convert"):
-            return None
-        value = node.outputs()[0]
-    return None
+            return CONVOLUTION, (None if None in filters else  # G x O/G x I/G x ... for a group convolution
+                                            filters[0] * filters[2] if kind == "GroupConvolution" else filters[1])
+        if kind == "Transpose":
+            return TRANSPOSE, node.outputs()[0]
+        return (ELEMENTWISE if kind in ("Multiply", "Subtract", "Divide", "Add", "Convert") else ""), node.outputs()[0]
+
+    return layout_from_consumers(value, reader)
 
 
 def _read(core, path: Path) -> tuple[Any, int, str]:
