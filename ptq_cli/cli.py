@@ -989,7 +989,7 @@ def run_pipeline(
             if outcome is None:
                 tasks[index] = display.add_task(label, total=1)
             else:
-                display.update(tasks[index], completed=1, description=label if outcome.ran else f"[dim]{label} (up to date)[/dim]")
+                display.update(tasks[index], completed=1, description=render.stage_label(label, outcome))
 
         result = pipeline_service.run(options, run_stage_command, list(COMMAND_LINE.get()), on_stage)
     _emit(as_json, result, render.pipeline_run(result))

@@ -773,7 +773,16 @@ def stage_line(index: int, total: int, name: str, outcome: StageOutcome | None) 
     line = f"[{index + 1}/{total}] {name} ..."
     if outcome is None:
         return line
+    if outcome.left_out is not None:
+        return f"{line} failed, its backend left out: {outcome.left_out}"
     return f"{line} {outcome.seconds:.1f} s" if outcome.ran else f"{line} up to date"
+
+
+def stage_label(label: str, outcome: StageOutcome) -> str:
+    """A finished stage in the terminal's progress display (rich markup; `label` escaped)."""
+    if outcome.left_out is not None:
+        return f"[yellow]{label} (failed: its backend left out)[/yellow]"
+    return label if outcome.ran else f"[dim]{label} (up to date)[/dim]"
 
 
 def pipeline_run(result: RunResult) -> Group:
@@ -781,7 +790,8 @@ def pipeline_run(result: RunResult) -> Group:
     table.add_column("Stage", ratio=1)  # wraps between words; its outputs are in the manifest
     table.add_column("Ran", justify="right", no_wrap=True)
     for stage in result.stages:
-        table.add_row(Text(stage.name), Text(f"{stage.seconds:.1f} s") if stage.ran else Text("up to date", style="dim"))
+        ran_for = Text("failed", style="yellow") if stage.left_out is not None else Text(f"{stage.seconds:.1f} s") if stage.ran else Text("up to date", style="dim")
+        table.add_row(Text(stage.name), ran_for)
     ran = len(result.ran)
     summary = (
         f"{ran} of {len(result.stages)} stages ran in {result.wall_seconds:.1f} s; manifest: {result.manifest}"
@@ -789,6 +799,8 @@ def pipeline_run(result: RunResult) -> Group:
         else f"All {len(result.stages)} stages up to date ({result.wall_seconds:.1f} s); nothing written (--force runs them again)."
     )
     parts: list[Any] = [table, Text(summary)]
+    parts += [Text(f"Left out of the study: {backend} ({why}); --no-{backend} leaves it out without trying.", style="yellow")
+              for backend, why in result.left_out.items()]
     for group in result.report.groups if result.report else []:
         parts += ["", _main_table(group)]  # the study's answer, without asking for `ptq report`
     return Group(*parts)

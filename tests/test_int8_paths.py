@@ -336,3 +336,43 @@ def test_quantize_says_what_portability_costs_against_the_model_for_vnni_cpus_al
     assert json.loads(invoke("quantize", *by_default, "--output", "default.onnx", cwd=tmp_path).stdout)["portability"] is None
     monkeypatch.delenv("PTQ_PORTABILITY_COST")
     assert json.loads(invoke("quantize", *by_default, "--output", "default.onnx", cwd=tmp_path).stdout)["portability"]["not_measured"]
+
+
+def _two_layers_sharing_one_int8_weight() -> onnx.ModelProto:
+    """x -> QDQ -> MatMul(DQ(w)) twice, one weight, scale and zero point for both: as torch's exporter shares equal
+    weights. The codes span the full int8 range, so onnxruntime's exact kernels convert them to uint8."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    codes = np.random.default_rng(0).integers(-127, 128, (12, 5)).astype(np.int8)
+    initializers = [numpy_helper.from_array(codes, "w"), numpy_helper.from_array(np.array(0.01, np.float32), "w_scale"),
+                    numpy_helper.from_array(np.array(0, np.int8), "w_zero"), numpy_helper.from_array(np.array(0.05, np.float32), "x_scale"),
+                    numpy_helper.from_array(np.array(128, np.uint8), "x_zero")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "x_scale", "x_zero"], ["xq"]), helper.make_node("DequantizeLinear", ["xq", "x_scale", "x_zero"], ["xd"]),
+             helper.make_node("DequantizeLinear", ["w", "w_scale", "w_zero"], ["wd"]), helper.make_node("MatMul", ["xd", "wd"], ["a"]),
+             helper.make_node("Relu", ["xd"], ["r"]), helper.make_node("MatMul", ["r", "wd"], ["b"]), helper.make_node("Add", ["a", "b"], ["scores"])]
+    graph = helper.make_graph(nodes, "shared", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 12])],
+                              [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["N", 5])], initializers)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_the_exact_path_loads_layers_that_share_one_int8_weight(tmp_path):
+    from ptq_cli.backends.model_file import ort_session
+    from ptq_cli.transforms.graph import private_weight_dequantizers
+
+    model = _two_layers_sharing_one_int8_weight()
+    private = private_weight_dequantizers(model)
+    dequantizers = [node for node in private.graph.node if node.op_type == "DequantizeLinear" and node.input[0] != "xq"]
+    consumers = [name for node in private.graph.node for name in node.input]
+    # Each layer its own weight, scale and zero point; the model given is left as it was.
+    assert len(dequantizers) == 2 and all(consumers.count(name) == 1 for node in dequantizers for name in (*node.input, node.output[0]))
+    assert [node.op_type for node in model.graph.node].count("DequantizeLinear") == 2 and len(model.graph.initializer) == 5
+    x = np.random.default_rng(1).uniform(-6, 6, (64, 12)).astype(np.float32)
+    default = ort_session(tmp_path / "m.onnx", model.SerializeToString())
+    same = ort_session(tmp_path / "m.onnx", private.SerializeToString())
+    assert np.array_equal(default.run(None, {"x": x})[0], same.run(None, {"x": x})[0])
+    # The exact kernels (onnxruntime 1.32 refuses the shared weight there) compute the dequantized arithmetic.
+    exact = ort_session(tmp_path / "m.onnx", model.SerializeToString(), exact_int8=True).run(None, {"x": x})[0]
+    xd = (np.clip(np.round(x / 0.05) + 128, 0, 255) - 128) * np.float32(0.05)
+    weights = onnx.numpy_helper.to_array(model.graph.initializer[0]).astype(np.float32) * np.float32(0.01)
+    np.testing.assert_allclose(exact, xd @ weights + np.maximum(xd, 0) @ weights, rtol=1e-4, atol=1e-3)
+    assert private_weight_dequantizers(private) is private

@@ -116,3 +116,44 @@ def test_the_openvino_stage_converts_the_int8_qdq_model_the_run_already_made(pro
     ok("run", "--model", "models/m.onnx", "--data", "colours.npz", "--no-pytorch", "--no-benchmark", cwd=project)
     assert (project / "models" / "m_openvino_int8.xml").is_file() and (project / "models" / "m_openvino_int8.bin").is_file()
     assert sorted(made) == sorted(set(made)) and len(made) == 3, made  # int8, uint8 and the speed model; not the IR's again
+
+
+def test_a_backend_that_cannot_take_the_model_is_left_out_and_the_study_goes_on(project, monkeypatch):
+    """onnx2torch lacks an op of the user's model (as it does for a torch.onnx ViT export): the PyTorch stages are
+    left out, said in one line, and every other model is made, measured and reported."""
+    pytest.importorskip("torch")
+    from ptq_cli.transforms.torch_compat import import_onnx2torch
+
+    onnx2torch = import_onnx2torch()
+
+    def lacks_an_op(model):
+        raise KeyError("blocks/layers/1/Add_2")
+
+    monkeypatch.setattr(onnx2torch, "convert", lacks_an_op)
+    study = [argument for argument in STUDY if argument != "--no-pytorch"]
+    result = invoke(*study, "--json", cwd=project)
+    assert result.exit_code == 0, result.output
+    ran = json.loads(result.stdout)
+    assert list(ran["left_out"]) == ["pytorch"] and ran["left_out"]["pytorch"].startswith("models/m.onnx: onnx2torch cannot convert it (KeyError")
+    failed = [stage for stage in ran["stages"] if stage["left_out"]]
+    assert [stage["name"] for stage in failed] == ["convert onnx -> pytorch"] and not failed[0]["outputs"]
+    assert not list((project / "models").glob("*.pt"))
+    assert len(list((project / "models").glob("m_*.onnx"))) == 3 and len(_measured(project / "results")) >= 4
+    manifest = json.loads((project / "results" / "manifest.json").read_text())
+    assert not any("pytorch" in stage["name"] or ".pt" in stage["command"] for stage in manifest["stages"])
+    assert manifest["last_run"]["left_out"] == ran["left_out"]
+    table = invoke(*study, cwd=project, columns=200).stdout  # tried again (the user did not say --no-pytorch), left out again
+    assert "Left out of the study: pytorch (models/m.onnx: onnx2torch cannot convert it" in table
+
+
+def test_a_stage_task_that_may_fail_returns_its_error_and_one_that_may_not_raises_it(project, monkeypatch):
+    from ptq_cli.cli import run_stage_command
+    from ptq_cli.errors import PtqError
+    from ptq_cli.services.study.stage_task import StageTask, run_stage_task
+
+    monkeypatch.chdir(project)
+    arguments = ("--model", "models/absent.onnx", "--data", "colours.npz")
+    failed = run_stage_task(StageTask("evaluate", arguments, str(project), (), "results", may_fail=True), run_stage_command)
+    assert failed.failed is not None and failed.failed.startswith("models/absent.onnx") and not failed.files
+    with pytest.raises(PtqError, match="models/absent.onnx"):
+        run_stage_task(StageTask("evaluate", arguments, str(project), (), "results"), run_stage_command)

@@ -1,7 +1,8 @@
 """A vision transformer as torch.onnx exports one with dynamic axes (patch-embedding Conv, a class token, encoder
 layers with LayerNormalization and attention, Reshapes to computed shapes, LayerNorm weights shared by torch's
 exporter): onnxruntime's symbolic shape inference cannot follow its Reshapes, and onnxruntime 1.32 cannot build
-an exact-kernel session (`session.x64quantprecision`) for its quantized graph. ptq quantizes it all the same."""
+an exact-kernel session (`session.x64quantprecision`) for its quantized graph as it is. ptq quantizes it all the same,
+and measures it on both int8 paths."""
 
 from __future__ import annotations
 
@@ -49,7 +50,10 @@ def test_a_vision_transformer_export_is_quantized_and_follows_fp32(tmp_path, mon
     chosen = json.loads(made.stdout)["settings"]
     # Its measured choices ran (on the default kernels): the calibration method, the rounding, the range search.
     assert len(chosen["method_sqnr_db"]) > 1 and chosen["rounding_learned_db"] is not None and chosen["ranges_searched_db"] is not None
-    evaluated = invoke("evaluate", "--model", "vit_uint8_speed.onnx", "--data", "photos", "--json", cwd=tmp_path)
+    evaluated = invoke("evaluate", "--model", "vit_uint8_speed.onnx", "--data", "photos", "--int8-path", "both", "--emulated-images", "10",
+                       "--json", cwd=tmp_path)
     assert evaluated.exit_code == 0, evaluated.output
+    paths = json.loads(evaluated.stdout)
+    assert sorted(path["int8_path"] for path in paths) == ["exact", "saturating"]
     # Measured 10.7 dB, all 18 images agreeing; a transformer fed raw 0-255 pixels collapses in 8 bits, plain onnxruntime's too.
-    assert json.loads(evaluated.stdout)["fidelity"]["sqnr_db"] > 5
+    assert all(path["fidelity"]["sqnr_db"] > 5 for path in paths)

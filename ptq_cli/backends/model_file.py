@@ -18,7 +18,7 @@ from ptq_cli.errors import PtqError, first_line
 from ptq_cli.guards import bounded
 from ptq_cli.guards.atomic import companions
 from ptq_cli.inputs import ModelInput
-from ptq_cli.transforms.graph import symbolic_batch
+from ptq_cli.transforms.graph import private_weight_dequantizers, symbolic_batch
 
 # Quantize records how a model was made inside the model file itself, under this metadata key.
 QUANTIZATION_METADATA_KEY = "ptq.quantization"
@@ -305,6 +305,20 @@ def describe_input(path: Path, model, size: tuple[int, int] | None = None):
 EXACT_PATH_CONFIG = "session.x64quantprecision"
 
 
+def exact_kernel_bytes(data: bytes) -> bytes:
+    """The model's bytes as onnxruntime's exact kernels load them: shared int8 weights given one copy per node (same
+    arithmetic; transforms.graph.private_weight_dequantizers says why). Bytes that do not parse are left to onnxruntime."""
+    import onnx
+    from google.protobuf.message import DecodeError
+
+    try:
+        model = onnx.load_from_string(data)
+    except (DecodeError, ValueError, RuntimeError):
+        return data
+    private = private_weight_dequantizers(model)
+    return data if private is model else private.SerializeToString()
+
+
 def ort_session(path: Path, data: bytes, exact_int8: bool = False):
     """An onnxruntime session on the model's bytes: one thread, not spinning, silent; a graph it cannot load is one PtqError."""
     import onnxruntime as ort
@@ -312,6 +326,7 @@ def ort_session(path: Path, data: bytes, exact_int8: bool = False):
     options = ort.SessionOptions()
     if exact_int8:
         options.add_session_config_entry(EXACT_PATH_CONFIG, "1")
+        data = exact_kernel_bytes(data)
     options.intra_op_num_threads = 1
     options.inter_op_num_threads = 1
     options.log_severity_level = 4  # a failure is reported as a one-line PtqError, never as a log line

@@ -46,6 +46,7 @@ from ptq_cli.backends.model_file import (
     EXACT_PATH_CONFIG,
     default_threads,
     describe_input,
+    exact_kernel_bytes,
     free_batch,
     in_fixed_batches,
     metadata,
@@ -446,8 +447,8 @@ LEARNED, NEAREST = rounding.LEARNED, rounding.NEAREST
 
 def _probe_session(model, threads: int):
     """A session for quantize's own measurements, on the exact kernels: the same codes on every CPU, VNNI or not.
-    Where onnxruntime cannot build the exact session (1.32 fails on some transformer graphs with "Attempt to replace
-    the existing tensor"), the default kernels measure instead: the choices stay measured, on this CPU's kernels."""
+    Where onnxruntime cannot build the exact session, the default kernels measure instead: the choices stay
+    measured, on this CPU's kernels."""
     import onnxruntime as ort
 
     def options(exact: bool):
@@ -461,7 +462,7 @@ def _probe_session(model, threads: int):
 
     data = model.SerializeToString()
     try:
-        return ort.InferenceSession(data, options(exact=True), providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(exact_kernel_bytes(data), options(exact=True), providers=["CPUExecutionProvider"])
     except Exception:  # noqa: BLE001  onnxruntime's own exception types
         return ort.InferenceSession(data, options(exact=False), providers=["CPUExecutionProvider"])
 

@@ -67,6 +67,7 @@ def onnx_to_graph_module(model, fold: bool = True):
     import onnx
 
     onnx2torch = import_onnx2torch()
+    named = model.graph.name or "model"  # the file, as the services name it
     if fold:
         with tempfile.TemporaryDirectory(prefix="ptq-torch-") as workdir:
             folded = Path(workdir) / "folded.onnx"
@@ -75,7 +76,7 @@ def onnx_to_graph_module(model, fold: bool = True):
     try:
         return onnx2torch.convert(static_reshape_targets(model)).eval()
     except Exception as error:  # onnx2torch raises NotImplementedError and others for ops it lacks
-        raise PtqError(f"{model.graph.name or 'model'}: onnx2torch cannot convert it ({type(error).__name__}: {first_line(error, '')})") from error
+        raise PtqError(f"{named}: onnx2torch cannot convert it ({type(error).__name__}: {first_line(error, '')})") from error
 
 
 def torch_ready(model, path: Path, size: tuple[int, int] | None = None):

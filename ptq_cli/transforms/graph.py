@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -136,6 +138,71 @@ def drop_unused_initializers(model) -> None:
     kept = [init for init in model.graph.initializer if init.name in used]
     del model.graph.initializer[:]
     model.graph.initializer.extend(kept)
+
+
+def private_weight_dequantizers(model):
+    """The model where each int8 weight's DequantizeLinear feeds one node and owns its scale and zero point: the same
+    arithmetic. onnxruntime 1.32's exact-kernel rewrite (session.x64quantprecision) names the uint8 copy of a weight
+    after its source, and fails ("Attempt to replace the existing tensor") on the second node that shares one.
+    The model itself where nothing is shared; else a copy."""
+    import onnx
+
+    uses: dict[str, int] = {}
+    for name in [name for node in model.graph.node for name in node.input] + [value.name for value in model.graph.output]:
+        uses[name] = uses.get(name, 0) + 1
+    weights = {node.output[0]: node for node in _weight_dequantizers(model.graph)}
+    if not any(uses.get(name, 0) > 1 for node in weights.values() for name in (*node.input, node.output[0])):
+        return model
+    private = onnx.ModelProto()
+    private.CopyFrom(model)
+    graph = private.graph
+    initializers = {init.name: init for init in graph.initializer}
+    consumers: dict[str, list[tuple[Any, int]]] = {}
+    for node in graph.node:
+        for slot, name in enumerate(node.input):
+            consumers.setdefault(name, []).append((node, slot))
+    fresh = _fresh_names(set(initializers) | {name for node in graph.node for name in (node.name, *node.output)})
+    outputs, private_nodes = {value.name for value in graph.output}, []
+    for node in graph.node:
+        if node.output[0] not in weights or node.output[0] in outputs:
+            private_nodes.append(node)
+            continue
+        for consumer, slot in consumers.get(node.output[0], []):
+            copy = onnx.NodeProto()
+            copy.CopyFrom(node)
+            copy.name, copy.output[0] = fresh(node.name or node.output[0]), fresh(node.output[0])
+            for position, name in enumerate(node.input):
+                if name in initializers:
+                    tensor = graph.initializer.add()
+                    tensor.CopyFrom(initializers[name])
+                    tensor.name = copy.input[position] = fresh(name)
+            consumer.input[slot] = copy.output[0]
+            private_nodes.append(copy)
+    del graph.node[:]
+    graph.node.extend(private_nodes)
+    drop_unused_initializers(private)
+    return private
+
+
+def _weight_dequantizers(graph) -> list:
+    """The DequantizeLinear nodes of int8 initializers (the weights onnxruntime's exact kernels convert)."""
+    import onnx
+
+    int8 = {init.name for init in graph.initializer if init.data_type == onnx.TensorProto.INT8}
+    return [node for node in graph.node if node.op_type == "DequantizeLinear" and node.input[0] in int8]
+
+
+def _fresh_names(taken: set[str]) -> Callable[[str], str]:
+    """Names not yet in `taken`, each `name__privateN`."""
+
+    def fresh(name: str) -> str:
+        count = 1
+        while f"{name}__private{count}" in taken:
+            count += 1
+        taken.add(f"{name}__private{count}")
+        return f"{name}__private{count}"
+
+    return fresh
 
 
 def canonical(model):

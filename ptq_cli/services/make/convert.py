@@ -178,7 +178,9 @@ def onnx_to_torchscript(onnx_path: Path, output: Path, dataset: Dataset, check_c
     pixels = check_images(dataset, check_count, source.input.size)
     images = source.prepare(pixels)
     reference = source.predict(images)
-    model, described, fixed = pytorch.torch_ready(read_onnx(onnx_path), onnx_path, source.input.size)
+    model = read_onnx(onnx_path)
+    model.graph.name = str(onnx_path)  # names the file in the backend's messages
+    model, described, fixed = pytorch.torch_ready(model, onnx_path, source.input.size)
     module = pytorch.onnx_to_graph_module(model)
     stored = {inputs.INPUT_METADATA_KEY: source.preprocessing.to_json(), SOURCE_METADATA_KEY: source.info.sha256}
 

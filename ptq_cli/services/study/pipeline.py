@@ -26,7 +26,7 @@ from ptq_cli import backends, settings
 from ptq_cli import cpu as cpu_info
 from ptq_cli.backends.model_file import read_onnx, resolve_threads
 from ptq_cli.datasets import Dataset, open_dataset
-from ptq_cli.errors import PtqError
+from ptq_cli.errors import Interrupted, PtqError
 from ptq_cli.guards import bounded
 from ptq_cli.guards.atomic import check_folder_writable, check_outside, check_writable, companions, write_text
 from ptq_cli.inputs import PreprocessingFlags
@@ -56,6 +56,7 @@ MICROCONTROLLER_FLASH_KB = 60
 LITERT_QUANTIZED: tuple[dict[str, Any], ...] = ({"backend": "litert"}, {"backend": "litert", "ranges_from": "speed"},
                                                 {"backend": "litert", "weight_dtype": "int4", "max_flash_kb": MICROCONTROLLER_FLASH_KB})
 # The backends the study names (its recipe above is data; which of them run is the user's and the extras' say).
+# Where one cannot take the model (onnx2torch lacks an op, NNCF fails on a graph), the study goes on without it.
 PYTORCH, OPENVINO, LITERT = "pytorch", "openvino", "litert"
 # On a VNNI CPU the saturating path of a model that cannot be proven exact is emulated (about 35 to 70 s
 # for 1,000 images on 2 cores): the study emulates this many, so that `ptq run` stays within minutes.
@@ -102,6 +103,7 @@ class Stage:
     # Dataset splits read, hashed by content as one input each (a folder of 10,000 images is one entry).
     data_inputs: tuple[tuple[Dataset, str], ...] = ()
     reads_written_by: tuple[str, ...] = ()  # stages whose files are inputs of this one (the report reads the records)
+    backend: str | None = None  # the study's optional backend it serves: where it fails, that backend is left out
 
     @property
     def command_line(self) -> str:
@@ -117,6 +119,7 @@ class StageOutcome:
     seconds: float  # this run's time for the stage (hashing only, when skipped)
     inputs: dict[str, str]  # path -> sha256
     outputs: dict[str, str]
+    left_out: str | None = None  # why its backend was left out of the study (the stage's error); it wrote nothing
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,7 @@ class RunResult:
     manifest: Path
     manifest_written: bool
     report: report_service.Report | None = None  # the comparison of the study's models, from their records
+    left_out: dict[str, str] = field(default_factory=dict)  # backend -> the error that left it out of this run
 
     @property
     def ran(self) -> list[str]:
@@ -245,11 +249,17 @@ class _Study:
         return tuple((path, row.name, label) for row in backends.TABLE.values() if row.runtime.microcontroller and row.available()
                      for path, label in files if path.suffix in row.runtime.runs_suffixes)
 
-    def evaluation(self, name: str, model: Path, options: dict, **chosen: Any) -> Stage:
-        """The stage evaluating `model` with these evaluate options (int8_path, runtime, precision, label, emulated_images)."""
+    def evaluation(self, name: str, model: Path, options: dict, backend: str | None = None, **chosen: Any) -> Stage:
+        """The stage evaluating `model` with these evaluate options (int8_path, runtime, precision, label, emulated_images),
+        for the optional `backend` that made the model or runs it (else the model's own)."""
         arguments = _arguments(model=model, **chosen, threads=self.options.threads, against_fp32=self.against)
         return Stage(name, "evaluate", (*arguments, *self.data_arguments(), *self.results_arguments), (model,), (),
-                     {**self.run_options, **options}, self.test)
+                     {**self.run_options, **options}, self.test, backend=backend or self.backend_of(model))
+
+    def backend_of(self, model: Path) -> str | None:
+        """The optional backend that made `model` (None: the FP32 model, or an onnxruntime one)."""
+        made = {_torch_fp32(self): PYTORCH, **{path: choice.get("backend") for path, choice in self.quantized}}.get(Path(model))
+        return made if made in (PYTORCH, OPENVINO, LITERT) else None
 
 
 def _against(study: _Study) -> Path | None:
@@ -293,7 +303,7 @@ def _source_stages(study: _Study) -> list[Stage]:
     if options.uses(PYTORCH):
         torch_fp32 = _torch_fp32(study)
         stages.append(Stage("convert onnx -> pytorch", "convert", (*_arguments(onnx=fp32, torch=torch_fp32), *study.data_arguments()),
-                            (fp32,), (torch_fp32,), study.flag_options, study.test))
+                            (fp32,), (torch_fp32,), study.flag_options, study.test, backend=PYTORCH))
     train = ((study.calibration_dataset, study.calibration_dataset.calibration_split()),)
     sizing = {"samples_per_class": options.samples_per_class} if options.samples_per_class else {"calibration_size": options.calibration_size}
     stages.append(Stage("calibrate", "calibrate", (*_arguments(model=fp32, **sizing, seed=options.seed, output=study.calibration),
@@ -312,7 +322,8 @@ def _quantize_stages(study: _Study) -> list[Stage]:
         arguments = (*_arguments(model=study.fp32, **choice, calibration=study.calibration, output=output), "--no-portability-cost",
                      *study.data_arguments(calibration=True), *study.results_arguments)
         stages.append(Stage(f"quantize {output.name}", "quantize", arguments, (study.fp32, study.calibration, *extra_inputs), tuple(companions(output)),
-                            {**choice, **study.flag_options, "cpus": made.cpus, "overflow_fix": made.overflow_fix, "stem": made.stem or "auto"}))
+                            {**choice, **study.flag_options, "cpus": made.cpus, "overflow_fix": made.overflow_fix, "stem": made.stem or "auto"},
+                            backend=study.backend_of(output)))
     return stages
 
 
@@ -340,12 +351,12 @@ def _evaluate_stages(study: _Study) -> list[Stage]:
                                            int8_path=other_path, emulated_images=emulated))
     for model, runtime, precision in study.openvino_fp32:
         stages.append(study.evaluation(f"evaluate {model.name} on {runtime}", model, {**flag_options, "runtime": runtime, "precision": precision},
-                                       runtime=runtime, precision=precision))
+                                       OPENVINO, runtime=runtime, precision=precision))
     for model, runtime, named in study.microcontroller_runs:
         stages.append(study.evaluation(f"evaluate {named or model.name} on {runtime}", model,
-                                       {**flag_options, "runtime": runtime, **({"label": named} if named else {})}, runtime=runtime, label=named))
+                                       {**flag_options, "runtime": runtime, **({"label": named} if named else {})}, LITERT, runtime=runtime, label=named))
     label = settings.MLPERF_REFERENCE_LABEL
-    stages += [study.evaluation(f"evaluate {label}", model, {"label": label}, label=label) for model in _references(study)]
+    stages += [study.evaluation(f"evaluate {label}", model, {"label": label}, LITERT, label=label) for model in _references(study)]
     return stages
 
 
@@ -451,10 +462,21 @@ def _checked(options: StudyOptions) -> StudyOptions:
 
 
 def _run_stage(stage: Stage, entry: dict | None, hashes: _Hashes, run: _Run) -> tuple[StageOutcome, dict | None]:
-    """(what the stage did, its new manifest entry if it ran): its command run unless up to date (always with --force)."""
+    """(what the stage did, its new manifest entry if it ran): its command run unless up to date (always with --force).
+    A stage of an optional backend that fails leaves that backend out (an outcome saying why, no entry)."""
     started = time.perf_counter()
     inputs, ran = _to_run(stage, entry, hashes, run)
-    return _finished(stage, entry, hashes, run, (inputs, ran, written_by(run.command(stage.command, stage.arguments)) if ran else (), started))
+    try:
+        made = written_by(run.command(stage.command, stage.arguments)) if ran else ()
+    except PtqError as error:
+        if stage.backend is None or isinstance(error, Interrupted):
+            raise
+        return _left_out(stage, inputs, started, str(error)), None
+    return _finished(stage, entry, hashes, run, (inputs, ran, made, started))
+
+
+def _left_out(stage: Stage, inputs: dict[str, str], started: float, why: str) -> StageOutcome:
+    return StageOutcome(stage.name, stage.command_line, True, round(time.perf_counter() - started, 3), inputs, {}, why)
 
 
 def _to_run(stage: Stage, entry: dict | None, hashes: _Hashes, run: _Run) -> tuple[dict[str, str], bool]:
@@ -515,18 +537,71 @@ def _run_wave(wave: list[Stage], entries: dict[str, dict], hashes: _Hashes, run:
     planned = [_to_run(stage, entries.get(stage.name), hashes, run) for stage in wave]
     running = [stage for stage, (_, ran) in zip(wave, planned, strict=True) if ran]
     tasks = [StageTask(stage.command, stage.arguments, str(Path.cwd()), tuple(sorted({str(Path(output).parent) for output in stage.outputs})),
-                       str(run.records)) for stage in running]
+                       str(run.records), may_fail=stage.backend is not None) for stage in running]
     # The driver alone writes what the tasks made, each task's files as it finishes.
     results = dict(zip((stage.name for stage in running), runs.map(run_stage_task, tasks, run.command, each=lambda _, made: made.write()), strict=True))
-    done = []
+    done: list[tuple[StageOutcome, dict | None]] = []
     for stage, (inputs, ran) in zip(wave, planned, strict=True):
         made = results.get(stage.name, StageFiles((), (), 0.0))
+        if made.failed is not None:
+            done.append((replace(_left_out(stage, inputs, started, made.failed), seconds=round(made.seconds, 3)), None))
+            continue
         outcome, entry = _finished(stage, entries.get(stage.name), hashes, run, (inputs, ran, tuple(map(Path, made.named)), started))
         if ran:  # its own time, not the wave's
             outcome = replace(outcome, seconds=round(made.seconds, 3))
             entry = {**(entry or {}), "seconds": outcome.seconds}
         done.append((outcome, entry))
     return done
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The stages of a study, in order, and how many of them make its sources (the FP32 model, the calibration set)."""
+
+    study: _Study
+    stages: list[Stage]
+    sources: int
+
+    @classmethod
+    def of(cls, study: _Study) -> _Plan:
+        return cls(study, _stages(study), len(_source_stages(study)))
+
+    def without(self, left_out: set[str], done: set[str]) -> tuple[_Plan, int]:
+        """The plan without the backends left out, and where to go on in it (what ran is its beginning)."""
+        options = replace(self.study.options, without=self.study.options.without | left_out)
+        plan = _Plan.of(replace(_study(options)[0], against=self.study.against))
+        return plan, sum(stage.name in done for stage in plan.stages)
+
+
+def _run_plan(plan: _Plan, entries: dict[str, dict], shared: _Run, on_stage: StageCallback | None) -> tuple[list[StageOutcome], dict[str, str], _Plan]:
+    """(each stage's outcome, backend -> why it was left out, the plan as it ended): the stages run in order, side by
+    side in waves on Ray; a stage of an optional backend that fails takes that backend's stages out of the plan."""
+    hashes, outcomes, workers = _Hashes(), [], plan.study.options.workers
+    left_out: dict[str, str] = {}
+    with executor(workers) as runs, backends.reusing_made_files():
+        index = 0
+        while index < len(plan.stages):
+            if index == plan.sources:  # the FP32 model exists now: what each model is measured against is known
+                plan = _Plan.of(replace(plan.study, against=_against(plan.study)))
+            stages = plan.stages
+            wave = _wave(stages, index, plan.sources) if workers.on_ray else [index]
+            for position in wave:
+                if on_stage:
+                    on_stage(position, len(stages), stages[position], None)
+            done = _run_wave([stages[position] for position in wave], entries, hashes, shared, runs) if len(wave) > 1 else \
+                [_run_stage(stages[index], entries.get(stages[index].name), hashes, shared)]
+            for position, (outcome, entry) in zip(wave, done, strict=True):
+                if entry is not None:
+                    entries[outcome.name] = entry
+                outcomes.append(outcome)
+                if outcome.left_out is not None:
+                    left_out.setdefault(str(stages[position].backend), outcome.left_out)
+                if on_stage:
+                    on_stage(position, len(stages), stages[position], outcome)
+            index += len(wave)
+            if set(left_out) - plan.study.options.without:
+                plan, index = plan.without(set(left_out), {outcome.name for outcome in outcomes})
+    return outcomes, left_out, plan
 
 
 def run(
@@ -542,38 +617,19 @@ def run(
     previous = read_manifest(manifest_file)
     entries: dict[str, dict] = {entry["name"]: entry for entry in previous.get("stages", [])}
     options = _checked(options)
-    study, _ = _study(options)  # the datasets opened once for the whole run
-    stages = _stages(study)
-    sources = len(_source_stages(study))
-    to_write = [manifest_file, *(output for stage in stages for output in stage.outputs)]
+    plan = _Plan.of(_study(options)[0])  # the datasets opened once for the whole run
+    to_write = [manifest_file, *(output for stage in plan.stages for output in stage.outputs)]
     check_outside([*to_write, options.results_dir], [options.data_dir, options.calibration_data])
     for path in to_write:
         check_writable(path)  # a read-only directory fails now, not after minutes of work
     check_folder_writable(options.results_dir)
-    hashes, outcomes, shared = _Hashes(), [], _Run(run_command, options.force, options.results_dir)
-    with executor(options.workers) as runs, backends.reusing_made_files():
-        index = 0
-        while index < len(stages):
-            if index == sources:  # the FP32 model exists now: what each model is measured against is known
-                stages = _stages(replace(study, against=_against(study)))
-            wave = _wave(stages, index, sources) if options.workers.on_ray else [index]
-            for position in wave:
-                if on_stage:
-                    on_stage(position, len(stages), stages[position], None)
-            done = _run_wave([stages[position] for position in wave], entries, hashes, shared, runs) if len(wave) > 1 else \
-                [_run_stage(stages[index], entries.get(stages[index].name), hashes, shared)]
-            for position, (outcome, entry) in zip(wave, done, strict=True):
-                if entry is not None:
-                    entries[outcome.name] = entry
-                outcomes.append(outcome)
-                if on_stage:
-                    on_stage(position, len(stages), stages[position], outcome)
-            index += len(wave)
+    outcomes, left_out, plan = _run_plan(plan, entries, _Run(run_command, options.force, options.results_dir), on_stage)
     wall = round(time.perf_counter() - began, 3)
     written = any(outcome.ran for outcome in outcomes)
     if written:
         last_run = {"command": command_line, "started_at": started_at, "wall_seconds": wall,
-                    "ran": [outcome.name for outcome in outcomes if outcome.ran], "up_to_date": [outcome.name for outcome in outcomes if not outcome.ran]}
+                    "ran": [outcome.name for outcome in outcomes if outcome.ran], "up_to_date": [outcome.name for outcome in outcomes if not outcome.ran],
+                    "left_out": left_out}
         # Stages in plan order; a stage that was up to date keeps the entry of the run that made its outputs.
-        write_text(manifest_file, json.dumps(_manifest(options, last_run, [entries[stage.name] for stage in stages]), indent=2) + "\n")
-    return RunResult(outcomes, wall, manifest_file, written, report_service.report_from_results(options.results_dir))
+        write_text(manifest_file, json.dumps(_manifest(options, last_run, [entries[stage.name] for stage in plan.stages]), indent=2) + "\n")
+    return RunResult(outcomes, wall, manifest_file, written, report_service.report_from_results(options.results_dir), left_out)

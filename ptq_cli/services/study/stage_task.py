@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ptq_cli.errors import PtqError
+from ptq_cli.errors import Interrupted, PtqError
 from ptq_cli.guards.atomic import companions, is_temporary, write_bytes
 
 # Runs one ptq command in this process (cli.run_stage_command): its result, which names the files it wrote (`written`).
@@ -42,6 +42,7 @@ class StageTask:
     folder: str  # the run's folder: the stage's relative paths are from there
     writes_in: tuple[str, ...]  # the folders its outputs go to (it writes those files only)
     records_in: str  # the records' folder, as the arguments give it (it writes anywhere under it)
+    may_fail: bool = False  # a stage of an optional backend: its error comes back as StageFiles.failed, the wave goes on
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class StageFiles:
     files: tuple[tuple[str, bytes], ...]
     named: tuple[str, ...]
     seconds: float
+    failed: str | None = None  # the error of a stage that may fail (it made nothing)
 
     def write(self) -> None:
         """The driver's part: each file written (temporary file, then rename)."""
@@ -79,6 +81,10 @@ def run_stage_task(task: StageTask, run_command: RunCommand) -> StageFiles:
         os.chdir(scratch)
         try:
             named = tuple(str(path) for path in written_by(run_command(task.command, arguments)))
+        except PtqError as error:
+            if not task.may_fail or isinstance(error, Interrupted):
+                raise
+            return StageFiles((), (), time.perf_counter() - began, str(error))
         finally:
             os.chdir(before)
         made = _made(scratch, folder, (records_view, records))
