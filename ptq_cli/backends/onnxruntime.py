@@ -46,7 +46,6 @@ from ptq_cli.backends.model_file import (
     EXACT_PATH_CONFIG,
     default_threads,
     describe_input,
-    exact_kernel_bytes,
     free_batch,
     in_fixed_batches,
     metadata,
@@ -61,7 +60,7 @@ from ptq_cli.errors import PtqError, first_line
 from ptq_cli.guards import bounded
 from ptq_cli.guards.atomic import WRITE_FAILURES, atomic_output
 from ptq_cli.transforms import overflow, ranges, rounding
-from ptq_cli.transforms.graph import computing_only, float_scores, keep_float_layers, preprocess, whole_map_average_pools
+from ptq_cli.transforms.graph import computing_only, float_scores, keep_float_layers, preprocess, private_weight_dequantizers, whole_map_average_pools
 from ptq_cli.transforms.space_to_depth import Rewrite, quantized_pads, space_to_depth_convs
 
 NAME = "onnxruntime"
@@ -460,11 +459,11 @@ def _probe_session(model, threads: int):
         chosen.add_session_config_entry("session.intra_op.allow_spinning", "0")
         return chosen
 
-    data = model.SerializeToString()
     try:
-        return ort.InferenceSession(exact_kernel_bytes(data), options(exact=True), providers=["CPUExecutionProvider"])
+        exact = private_weight_dequantizers(model).SerializeToString()
+        return ort.InferenceSession(exact, options(exact=True), providers=["CPUExecutionProvider"])
     except Exception:  # noqa: BLE001  onnxruntime's own exception types
-        return ort.InferenceSession(data, options(exact=False), providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(model.SerializeToString(), options(exact=False), providers=["CPUExecutionProvider"])
 
 
 def _tensor_batches(input_name: str, images: np.ndarray, threads: int, chunk: int = 16):
