@@ -963,12 +963,12 @@ def run_pipeline(
 ) -> None:
     """The whole study: convert, calibrate, quantize (int8, uint8, speed, PyTorch), evaluate, benchmark, report.
 
-    Each stage is skipped when its inputs (by sha256), its options and its outputs are those recorded in
-    results/manifest.json by the run that made them. The manifest also keeps the tool and library
-    versions, the seed and each stage's command and wall time. Outputs go to models/, calibration/,
-    results/ and reports/ under the current directory. `ptq run --model yours.onnx --data DIR` runs it on
-    your model and images. With --workers or --ray-address, the stages that do not read each other's files run
-    side by side as tasks, one CPU each (the benchmark and the report alone); a cluster must share the run's folder.
+    Each stage is skipped when its inputs (by sha256), its options and its outputs are those recorded in results/manifest.json
+    by the run that made them. The manifest also keeps the tool and library versions, the seed and each stage's command and
+    wall time. Outputs go to models/, calibration/, results/ and reports/ under the current directory. `ptq run --model yours.onnx --data DIR` runs it on your model
+    and images; a backend that cannot take it (onnx2torch lacking an op) is left out, and the run says why and goes on.
+    With --workers or --ray-address, the stages that do not read each other's files run side by side as tasks, one CPU
+    each (the benchmark and the report alone); a cluster must share the run's folder.
     """
     options = pipeline_service.StudyOptions(
         keras_model=keras, data_dir=choice.data, model=model,
