@@ -965,8 +965,8 @@ def run_pipeline(
 
     Each stage is skipped when its inputs (by sha256), its options and its outputs are those recorded in results/manifest.json
     by the run that made them. The manifest also keeps the tool and library versions, the seed and each stage's command and
-    wall time. Outputs go to models/, calibration/, results/ and reports/ under the current directory. `ptq run --model yours.onnx --data DIR` runs it on your model
-    and images; a backend that cannot take it (onnx2torch lacking an op) is left out, and the run says why and goes on.
+    wall time. Outputs go to models/, calibration/, results/ and reports/ here. `ptq run --model yours.onnx --data DIR`
+    runs it on your model and images; a backend that cannot take it is left out, and the run says why and goes on.
     With --workers or --ray-address, the stages that do not read each other's files run side by side as tasks, one CPU
     each (the benchmark and the report alone); a cluster must share the run's folder.
     """

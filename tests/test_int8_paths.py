@@ -376,3 +376,5 @@ def test_the_exact_path_loads_layers_that_share_one_int8_weight(tmp_path):
     weights = onnx.numpy_helper.to_array(model.graph.initializer[0]).astype(np.float32) * np.float32(0.01)
     np.testing.assert_allclose(exact, xd @ weights + np.maximum(xd, 0) @ weights, rtol=1e-4, atol=1e-3)
     assert private_weight_dequantizers(private) is private
+    # A graph whose copies would grow past the bound is left as it is (a crafted one could feed one weight to thousands of nodes).
+    assert private_weight_dequantizers(model, max_added_bytes=0) is model

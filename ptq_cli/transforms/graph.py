@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -140,18 +141,25 @@ def drop_unused_initializers(model) -> None:
     model.graph.initializer.extend(kept)
 
 
-def private_weight_dequantizers(model):
+# What giving each layer its own weight copy may add, beyond the model's own initializers: a crafted graph that feeds
+# one large weight to thousands of nodes is left as it is (onnxruntime then refuses it in one line).
+MAX_PRIVATE_COPY_BYTES = 256 << 20
+
+
+def private_weight_dequantizers(model, max_added_bytes: int = MAX_PRIVATE_COPY_BYTES):
     """The model where each int8 weight's DequantizeLinear feeds one node and owns its scale and zero point: the same
     arithmetic. onnxruntime 1.32's exact-kernel rewrite (session.x64quantprecision) names the uint8 copy of a weight
     after its source, and fails ("Attempt to replace the existing tensor") on the second node that shares one.
-    The model itself where nothing is shared; else a copy."""
+    The model itself where nothing is shared, or where the copies would add more than `max_added_bytes`; else a copy."""
     import onnx
 
-    uses: dict[str, int] = {}
-    for name in [name for node in model.graph.node for name in node.input] + [value.name for value in model.graph.output]:
-        uses[name] = uses.get(name, 0) + 1
+    uses = Counter(name for node in model.graph.node for name in node.input) + Counter(value.name for value in model.graph.output)
     weights = {node.output[0]: node for node in _weight_dequantizers(model.graph)}
-    if not any(uses.get(name, 0) > 1 for node in weights.values() for name in (*node.input, node.output[0])):
+    if not any(uses[name] > 1 for node in weights.values() for name in (*node.input, node.output[0])):
+        return model
+    sizes = {init.name: init.ByteSize() for init in model.graph.initializer}
+    copied = sum(uses[node.output[0]] * sizes.get(name, 0) for node in weights.values() for name in node.input)
+    if copied > sum(sizes.values()) + max_added_bytes:
         return model
     private = onnx.ModelProto()
     private.CopyFrom(model)
@@ -194,13 +202,14 @@ def _weight_dequantizers(graph) -> list:
 
 def _fresh_names(taken: set[str]) -> Callable[[str], str]:
     """Names not yet in `taken`, each `name__privateN`."""
+    counts: Counter[str] = Counter()
 
     def fresh(name: str) -> str:
-        count = 1
-        while f"{name}__private{count}" in taken:
-            count += 1
-        taken.add(f"{name}__private{count}")
-        return f"{name}__private{count}"
+        counts[name] += 1
+        while f"{name}__private{counts[name]}" in taken:
+            counts[name] += 1
+        taken.add(f"{name}__private{counts[name]}")
+        return f"{name}__private{counts[name]}"
 
     return fresh
 
