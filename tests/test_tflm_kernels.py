@@ -93,6 +93,33 @@ def test_where_the_copy_disagrees_the_interpreter_scores_the_call_and_every_late
     assert calls == [tflm.PARALLEL_FROM]  # tried once, then left
 
 
+def test_two_threads_share_a_call_on_the_copy_and_give_the_interpreter_s_scores(tmp_path, monkeypatch):
+    """With two threads, a call the copy runs goes to two threads, half the images each (numpy's array work lets go
+    of the GIL), and gives the interpreter's scores."""
+    import threading
+
+    (tmp_path / "model.tflite").write_bytes(_every_op_int8())
+    ran_on: list[tuple[str, int]] = []
+    covers = tflm_kernels.covers
+
+    def recording(data: bytes):
+        runner = covers(data)
+        assert callable(runner), runner
+
+        def run(codes: np.ndarray) -> np.ndarray:
+            ran_on.append((threading.current_thread().name, len(codes)))
+            return runner(codes)
+
+        return run
+
+    monkeypatch.setattr(tflm_kernels, "covers", recording)
+    model = load_model(tmp_path / "model.tflite", 2, runtime="tflm")
+    prepared = model.prepare(np.random.default_rng(15).integers(0, 256, (2 * tflm.PARALLEL_FROM, 12, 12, 3), dtype=np.uint8))
+    assert np.array_equal(model.predict(prepared), _interpreter_scores(tmp_path / "model.tflite", prepared))
+    assert sorted(count for _, count in ran_on) == [tflm.PARALLEL_FROM, tflm.PARALLEL_FROM]
+    assert all(name.startswith("tflm-kernels") for name, _ in ran_on)
+
+
 def _interpreter_scores(path, prepared: np.ndarray) -> np.ndarray:
     """The tflite-micro interpreter's scores, through the runtime's own input and output conversion."""
     return tflm._Scorer(path.read_bytes(), path).run(prepared)

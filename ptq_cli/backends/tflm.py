@@ -3,11 +3,11 @@
 TFLM's reference kernels are what a Cortex-M runs (CMSIS-NN reproduces them bit for bit); LiteRT's default
 XNNPACK kernels, and even its own reference kernels, round some layers differently (README, "TFLite Micro").
 The scores come from TFLM's kernels. Where a model's ops are all in `tflm_kernels` (ptq's numpy copy of
-them, whole batches at once), they run there, and the tflite-micro Python interpreter runs the first
-VERIFIED_IMAGES images of every call too: the output bytes must be identical, else that model goes back to the
-interpreter for good. The interpreter runs one image per invoke, as on the device; large batches are split
-across worker processes (it holds the GIL), each with its own interpreter, which gives the same scores. The
-tensor arena is TFLM's own figure (its allocation recording).
+them, whole batches at once, shared out over `threads` threads), they run there, and the tflite-micro Python
+interpreter runs the first VERIFIED_IMAGES images of every call too: the output bytes must be identical, else that
+model goes back to the interpreter for good. The interpreter runs one image per invoke, as on the device; large
+batches are split across worker processes (it holds the GIL), each with its own interpreter, which gives the same
+scores. The tensor arena is TFLM's own figure (its allocation recording).
 """
 
 from __future__ import annotations
@@ -99,6 +99,7 @@ class _Calls:
     def __init__(self, scorer: _Scorer, data: bytes, path: Path, threads: int, kernels) -> None:
         self.scorer, self.data, self.path, self.threads, self.kernels = scorer, data, path, threads, kernels
         self.pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self.kernel_threads: concurrent.futures.ThreadPoolExecutor | None = None
 
     def __call__(self, batch: np.ndarray) -> np.ndarray:
         copied = self._on_copied_kernels(batch)
@@ -113,7 +114,7 @@ class _Calls:
             return None
         codes = self.scorer.codes(batch)
         try:
-            result = self.kernels(codes)
+            result = self._kernels_on_threads(codes)
         except Exception:  # noqa: BLE001  a gap in ptq's copy: the interpreter is the reference, and it runs the call
             result = None
         checked = self.scorer.raw(codes[:VERIFIED_IMAGES])
@@ -121,6 +122,17 @@ class _Calls:
             self.kernels = None
             return None
         return self.scorer.dequantized(result.reshape(len(codes), -1))
+
+    def _kernels_on_threads(self, codes: np.ndarray) -> np.ndarray:
+        """The copied kernels on `threads` parts of the call at once: numpy lets go of the GIL in its array work, so
+        threads share it out without the processes the interpreter needs; the images stay independent."""
+        assert callable(self.kernels)
+        if self.threads < 2:
+            return self.kernels(codes)
+        if self.kernel_threads is None:
+            self.kernel_threads = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="tflm-kernels")
+            weakref.finalize(self, self.kernel_threads.shutdown, wait=False, cancel_futures=True)
+        return np.concatenate(list(self.kernel_threads.map(self.kernels, np.array_split(codes, self.threads))))
 
     def _in_workers(self, batch: np.ndarray) -> np.ndarray:
         if self.pool is None:
@@ -136,7 +148,7 @@ class _Calls:
 
 def load(path: Path, options: RunOptions) -> LoadedModel:
     """The model in TFLM's interpreter; with more than one thread, calls of PARALLEL_FROM images or more are
-    split across that many worker processes."""
+    split across that many threads (ptq's copy of the kernels) or worker processes (the interpreter)."""
     path = Path(path)
     data = read_bytes(path)
     if not litert.sniff(data[:8]):
@@ -161,7 +173,8 @@ BACKEND = Backend(
     NAME, (litert.SUFFIX,), lambda _head: False, available=available, format=litert.FORMAT,
     summary="TensorFlow Lite Micro's reference kernels (what a microcontroller runs): runs .tflite files",
     runtime=Runtime(load, runs_suffixes=(litert.SUFFIX,), microcontroller=True,
-                    settings="TFLM reference kernels: ptq's numpy copy where it has the model's ops (the tflite-micro Python interpreter checks the "
-                             f"first {VERIFIED_IMAGES} images of every call byte for byte, and runs the model where they differ), else the "
-                             "interpreter, one image per invoke, calls split across threads worker processes"),
+                    settings="TFLM reference kernels: ptq's numpy copy where it has the model's ops, calls split across --threads threads "
+                             f"(the tflite-micro Python interpreter checks the first {VERIFIED_IMAGES} images of every call byte for byte, "
+                             "and runs the model where they differ), else the interpreter, one image per invoke, "
+                             "calls split across --threads worker processes"),
 )
