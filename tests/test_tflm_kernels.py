@@ -118,6 +118,12 @@ def test_two_threads_share_a_call_on_the_copy_and_give_the_interpreter_s_scores(
     assert np.array_equal(model.predict(prepared), _interpreter_scores(tmp_path / "model.tflite", prepared))
     assert sorted(count for _, count in ran_on) == [tflm.PARALLEL_FROM, tflm.PARALLEL_FROM]
     assert all(name.startswith("tflm-kernels") for name, _ in ran_on)
+    # More threads than images: one image a part, never an empty one (the copy keeps the model).
+    ran_on.clear()
+    crowded = load_model(tmp_path / "model.tflite", 3 * tflm.PARALLEL_FROM, runtime="tflm")
+    part = prepared[: tflm.PARALLEL_FROM]
+    assert np.array_equal(crowded.predict(part), _interpreter_scores(tmp_path / "model.tflite", part))
+    assert sorted(count for _, count in ran_on) == [1] * tflm.PARALLEL_FROM
 
 
 def _interpreter_scores(path, prepared: np.ndarray) -> np.ndarray:
