@@ -287,7 +287,7 @@ def test_the_search_brings_unseen_images_back_from_a_poor_range(project):
     calibration, test = png_images(project / "cal"), png_images(project / "test")
     reference, test_reference = scores_before_softmax(float_model, calibration), scores_before_softmax(float_model, test)
     poor_db = sqnr_db(test_reference, scores_before_softmax(model, test))
-    searched, result = ranges.search(model, lambda candidate: sqnr_db(reference, scores_before_softmax(candidate, calibration)), 1000)
+    searched, result = ranges.search(model, lambda candidate, _moved: sqnr_db(reference, scores_before_softmax(candidate, calibration)), 1000)
     assert result.scales == len(names) == result.searched and result.moved >= 1
     calibrated_db, searched_db = (sqnr_db(test_reference, scores_before_softmax(made, test)) for made in (calibrated, searched))
     assert calibrated_db > poor_db + 1  # the widened ranges cost the model
@@ -302,12 +302,12 @@ def test_the_search_stops_at_its_budget(project, tmp_path):
     calls: list[int] = []
     model = onnx.load(str(two_conv_classifier(tmp_path / "float.onnx")))
     assert ranges.activation_scales(model) == []  # a float model has no activation scales: one call, nothing moved
-    _, result = ranges.search(model, lambda candidate: calls.append(1) or 0.0, 3)
+    _, result = ranges.search(model, lambda _candidate, _moved: calls.append(1) or 0.0, 3)
     assert (result.evaluations, result.moved, len(calls)) == (1, 0, 1)
     _quantize(project, "budget.onnx", "--method", "minmax")
     quantized, calls = onnx.load(str(project / "budget.onnx")), []
     budget = 1 + 2 * len(FACTORS) + 3  # the first score, two scales, and not enough for a third
-    _, result = ranges.search(quantized, lambda candidate: calls.append(1) or float(len(calls)), budget)  # every move scores better
+    _, result = ranges.search(quantized, lambda _candidate, _moved: calls.append(1) or float(len(calls)), budget)  # every move scores better
     assert len(ranges.activation_scales(quantized)) > 2 and result.searched == 2 and len(calls) == result.evaluations <= budget
 
 
@@ -317,9 +317,59 @@ def test_the_search_makes_one_sweep_however_large_its_budget(project):
 
     _quantize(project, "sweep.onnx", "--method", "minmax")
     model, calls = onnx.load(str(project / "sweep.onnx")), []
-    _, result = ranges.search(model, lambda candidate: calls.append(1) or float(len(calls)), 10_000)  # every move scores better
-    scales = len(ranges.activation_scales(model))
-    assert scales > 2 and result.searched == result.moved == scales and result.evaluations == len(calls) == 1 + scales * len(FACTORS)
+    _, result = ranges.search(model, lambda _candidate, moved: calls.append(moved) or float(len(calls)), 10_000)  # every move scores better
+    scales = ranges.activation_scales(model)
+    assert len(scales) > 2 and result.searched == result.moved == len(scales) and result.evaluations == len(calls) == 1 + len(scales) * len(FACTORS)
+    assert calls == [None, *(name for name in scales for _ in FACTORS)]  # each score is told the scale that moved, in graph order
+
+
+def _residual_classifier(path: Path) -> Path:
+    """NCHW 3 x 16 x 16 -> Conv 3->8 -> Relu -> (Conv 8->8 -> Relu) + the Relu before -> Relu -> mean -> Gemm -> Softmax."""
+    from onnx import helper
+
+    rng = np.random.default_rng(5)
+    initializers = [numpy_helper.from_array(rng.normal(0, scale, shape).astype(np.float32), name) for name, shape, scale in
+                    (("w1", (8, 3, 3, 3), 0.3), ("b1", (8,), 0.05), ("w2", (8, 8, 3, 3), 0.15), ("b2", (8,), 0.05), ("w3", (8, 10), 0.5))]
+    nodes = [helper.make_node("Conv", ["image", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"), helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1], name="conv2"), helper.make_node("Relu", ["c2"], ["r2"]),
+             helper.make_node("Add", ["r1", "r2"], ["sum"]), helper.make_node("Relu", ["sum"], ["r3"]),
+             helper.make_node("GlobalAveragePool", ["r3"], ["pooled"]), helper.make_node("Flatten", ["pooled"], ["flat"]),
+             helper.make_node("Gemm", ["flat", "w3"], ["logits"], name="classifier"), helper.make_node("Softmax", ["logits"], ["scores"], axis=1)]
+    graph = helper.make_graph(nodes, "residual", [helper.make_tensor_value_info("image", onnx.TensorProto.FLOAT, ["N", 3, 16, 16])],
+                              [helper.make_tensor_value_info("scores", onnx.TensorProto.FLOAT, ["N", 10])], initializers)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=7), str(path))
+    return path
+
+
+def test_the_part_after_a_moved_scale_scores_what_the_whole_model_scores(project):
+    """The search runs only what depends on the moved scale, fed the tensors the rest computes (the skip connection's
+    among them): the same output SQNR as the whole model to within the search's noise floor, for every scale and factor."""
+    from ptq_cli.backends import onnxruntime as ort_backend
+    from ptq_cli.metrics import sqnr_db
+    from ptq_cli.transforms import ranges
+    from ptq_cli.transforms.graph import part_after
+
+    _residual_classifier(project / "residual.onnx")
+    invoke("quantize", "--model", "residual.onnx", "--data", "test", "--calibration-data", "cal", "--preprocess", "unit", "--rounding", "nearest",
+           "--method", "minmax", "--output", "residual_int8.onnx", cwd=project)
+    model = onnx.load(str(project / "residual_int8.onnx"))
+    images, judged = png_images(project / "cal"), ort_backend.judged_in(model, "logits")
+    reference = scores_before_softmax(onnx.load(str(project / "residual.onnx")), images)
+    scores = ort_backend._PartScores(judged, "image", images, 1, 32, reference)
+    scales, producers = ranges.activation_scales(model), {output: node for node in model.graph.node for output in node.output}
+    parts = {name: part_after(model, name, judged) for name in scales}
+    assert parts[scales[0]] is None  # the input's scale: the whole model depends on it
+    assert any(part is not None and len(part[1]) == 2 for part in parts.values())  # conv2's output: it reads the skip connection too
+    assert all(producers[read].op_type == "QuantizeLinear" for part in parts.values() if part is not None for read in part[1] if read != "image")
+    assert part_after(model, scales[1], "no such tensor") is None
+    rescaler = ranges.Rescaler(model)
+    for name in scales:
+        start = rescaler.get(name)
+        for factor in (FACTORS[0], FACTORS[-1]):
+            rescaler.set(name, start * factor)
+            whole = sqnr_db(reference, ort_backend._outputs(model, judged, "image", images, 1))
+            assert abs(scores(model, name) - whole) < ranges.MIN_GAIN_DB, name
+        rescaler.set(name, start)
 
 
 def test_auto_searches_the_ranges_and_keeps_the_search_only_where_held_out_images_measure_it_better(project):

@@ -60,7 +60,15 @@ from ptq_cli.errors import PtqError, first_line
 from ptq_cli.guards import bounded
 from ptq_cli.guards.atomic import WRITE_FAILURES, atomic_output
 from ptq_cli.transforms import overflow, ranges, rounding
-from ptq_cli.transforms.graph import computing_only, float_scores, keep_float_layers, preprocess, private_weight_dequantizers, whole_map_average_pools
+from ptq_cli.transforms.graph import (
+    computing_only,
+    float_scores,
+    keep_float_layers,
+    part_after,
+    preprocess,
+    private_weight_dequantizers,
+    whole_map_average_pools,
+)
 from ptq_cli.transforms.space_to_depth import Rewrite, quantized_pads, space_to_depth_convs
 
 NAME = "onnxruntime"
@@ -69,6 +77,7 @@ CALIBRATION_BATCH = 100
 # Batches smaller than this per thread are run whole: splitting them costs more than it saves.
 MIN_SHARD = 32
 SEARCH_CHUNK_PIXELS = 1 << 20  # the range search runs its images this many pixels at a time (1,024 at 32x32)
+SEARCH_FED_BYTES = 512 << 20  # the tensors the range search keeps to feed the part after a scale, at most; past it, whole runs
 
 
 
@@ -684,6 +693,51 @@ def _calibrated_model(source: str, images: np.ndarray, input_name: str, settings
     return quantized
 
 
+class _PartScores:
+    """`ranges.search`'s score: the output's SQNR against `reference` on `images`, from a run of only the part of the
+    model that depends on the moved scale (transforms/graph.py, part_after), fed the tensors the rest of the model
+    computes, once a scale (they do not depend on it). The whole model where there is no such part, or its tensors would
+    take more than SEARCH_FED_BYTES. The part's scores differ from the whole model's by float rounding alone (a
+    convolution onnxruntime runs in float in one and on integers in the other); what the search keeps is measured on
+    the whole model."""
+
+    def __init__(self, output: str, input_name: str, images: np.ndarray, threads: int, chunk: int, reference: np.ndarray) -> None:
+        self._output, self._input_name, self._images, self._threads, self._chunk = output, input_name, images, threads, chunk
+        self._reference = reference
+        self._fed_for: str | None = None
+        self._fed: dict[str, np.ndarray] | None = None
+
+    def __call__(self, model, moved: str | None) -> float:
+        from ptq_cli.metrics import sqnr_db
+
+        part = None if moved is None else part_after(model, moved, self._output)
+        if part is not None and moved != self._fed_for:
+            self._fed, self._fed_for = self._feeds(model, part[1]), moved
+        if part is None or self._fed is None:
+            return sqnr_db(self._reference, _outputs(model, self._output, self._input_name, self._images, self._threads, self._chunk))
+        session, fed = _probe_session(part[0], self._threads), self._fed
+        scores = [session.run([self._output], {name: values[start : start + self._chunk] for name, values in fed.items()})[0]
+                  for start in range(0, len(self._images), self._chunk)]
+        return sqnr_db(self._reference, np.concatenate(scores))
+
+    def _feeds(self, model, reads: list[str]) -> dict[str, np.ndarray] | None:
+        """The tensors the part reads, over all the images; None past SEARCH_FED_BYTES."""
+        made = [name for name in reads if name != self._input_name]
+        fed = {self._input_name: self._images} if self._input_name in reads else {}
+        before = computing_only(model, *made) if made else None
+        if made and before is None:
+            return None
+        if before is not None:
+            session, parts, held = _probe_session(before, self._threads), [], 0
+            for start in range(0, len(self._images), self._chunk):
+                parts.append(session.run(made, {self._input_name: self._images[start : start + self._chunk]}))
+                held += sum(values.nbytes for values in parts[-1])
+                if held > SEARCH_FED_BYTES:
+                    return None
+            fed.update({name: np.concatenate([part[index] for part in parts]) for index, name in enumerate(made)})
+        return fed
+
+
 def search_ranges(quantized, float_path: str, calibration: np.ndarray, input_name: str, settings: QuantizationSettings,
                   progress: ProgressCallback | None = None) -> tuple[Any, QuantizationSettings, list[str]]:
     """(model, settings with `ranges` decided, notes): every activation scale searched (transforms/ranges.py) on
@@ -710,8 +764,7 @@ def search_ranges(quantized, float_path: str, calibration: np.ndarray, input_nam
     calibrated = onnx.ModelProto.FromString(quantized.SerializeToString())
     try:
         chunk = max(16, SEARCH_CHUNK_PIXELS // pixels)  # small images in few runs: the search calls the model hundreds of times
-        searched, result = ranges.search(quantized, lambda model: sqnr_db(reference, _outputs(model, name, input_name, searching, threads, chunk)),
-                                         runs, progress)
+        searched, result = ranges.search(quantized, _PartScores(name, input_name, searching, threads, chunk, reference), runs, progress)
     except Exception as error:  # noqa: BLE001  onnxruntime's own errors: the user keeps the calibrated ranges
         return calibrated, settings, [f"range search: not applied ({first_line(error)})"]
     before, after = (sqnr_db(held_reference, _outputs(model, name, input_name, held_out, threads)) for model in (calibrated, searched))

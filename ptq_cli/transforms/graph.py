@@ -64,35 +64,105 @@ def drop_dead_nodes(model) -> None:
             model.graph.node.remove(node)
 
 
-def computing_only(model, name: str):
-    """A copy of `model` whose one output is the tensor `name`, with only the nodes it depends on (onnxruntime runs
-    every node of a graph whatever outputs a call asks for); None where `name` is no node's output or a node holds a
-    subgraph (whose outer-scope reads are not among its inputs)."""
-    import onnx
-
+def computing_only(model, name: str, *more: str):
+    """A copy of `model` whose outputs are the tensors `name` (and `more`), with only the nodes they depend on (onnxruntime
+    runs every node of a graph whatever outputs a call asks for); None where one of them is no node's output or a node
+    holds a subgraph (whose outer-scope reads are not among its inputs)."""
     graph = model.graph
-    if any(attribute.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for node in graph.node for attribute in node.attribute):
+    if _holds_subgraphs(graph):
         return None
     producers = {output: node for node in graph.node for output in node.output}
-    if name not in producers:
+    names = (name, *more)
+    if any(wanted not in producers for wanted in names):
         return None
-    needed, pending = set(), [name]
+    needed, pending = set(), list(names)
     while pending:
         node = producers.get(pending.pop())
         if node is not None and id(node) not in needed:
             needed.add(id(node))
             pending.extend(node.input)
-    kept = [node for node in graph.node if id(node) in needed]
+    return _part(model, [node for node in graph.node if id(node) in needed], None, names)
+
+
+def _holds_subgraphs(graph) -> bool:
+    import onnx
+
+    return any(attribute.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for node in graph.node for attribute in node.attribute)
+
+
+def _part(model, kept: list, inputs: list | None, outputs: tuple[str, ...]):
+    """A copy of `model` with only the nodes `kept`, reading `inputs` (ValueInfoProtos; None: the model's own) and
+    computing `outputs`."""
+    import onnx
+
+    graph = model.graph
     read = {tensor for node in kept for tensor in node.input}
     made = {tensor for node in kept for tensor in node.output}
     cut = onnx.ModelProto()
     cut.CopyFrom(model)
-    del cut.graph.node[:], cut.graph.output[:], cut.graph.initializer[:], cut.graph.value_info[:]
+    del cut.graph.node[:], cut.graph.input[:], cut.graph.output[:], cut.graph.initializer[:], cut.graph.value_info[:]
     cut.graph.node.extend(kept)
-    cut.graph.output.append(onnx.helper.make_empty_tensor_value_info(name))
+    cut.graph.input.extend(graph.input if inputs is None else inputs)
+    cut.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in outputs)
     cut.graph.initializer.extend(init for init in graph.initializer if init.name in read)
     cut.graph.value_info.extend(value for value in graph.value_info if value.name in made)
     return cut
+
+
+def part_after(model, initializer: str, output: str):
+    """(part, reads): the nodes of a QDQ `model` whose values depend on `initializer` (an activation's scale), with the
+    float nodes that feed them back to the nearest QuantizeLinear outputs, so that onnxruntime fuses the part as it
+    fuses those nodes in the whole model, as a model of its own computing `output`; `reads`, the tensors it takes from
+    the rest of the model (QuantizeLinear outputs or the model's inputs), which do not depend on `initializer`.
+    None where `output` does not depend on it, a node holds a subgraph, or the part is the whole model or reads nothing."""
+    import onnx
+
+    graph = model.graph
+    if _holds_subgraphs(graph):
+        return None
+    initializers = {init.name: init for init in graph.initializer}
+    producers = {tensor: node for node in graph.node for tensor in node.output}
+    consumers: dict[str, list] = {}
+    for node in graph.node:
+        for tensor in node.input:
+            consumers.setdefault(tensor, []).append(node)
+    depending = _reached(consumers.get(initializer, []), lambda node: [after for tensor in node.output for after in consumers.get(tensor, [])])
+    if output not in {tensor for node in depending.values() for tensor in node.output}:
+        return None
+    kept, reads, pending = dict(depending), [], list(depending.values())
+    while pending:
+        for tensor in pending.pop().input:
+            producer = producers.get(tensor)
+            if not tensor or tensor in initializers or (producer is not None and id(producer) in kept):
+                continue
+            if producer is None or producer.op_type == "QuantizeLinear":
+                if tensor not in reads:
+                    reads.append(tensor)
+            else:
+                kept[id(producer)] = producer
+                pending.append(producer)
+    if len(kept) == len(graph.node) or not reads:
+        return None
+    inputs = {value.name: value for value in graph.input}
+    typed = []
+    for tensor in reads:
+        producer = producers.get(tensor)
+        zero_point = initializers.get(producer.input[2]) if producer is not None and len(producer.input) > 2 else None
+        typed.append(inputs[tensor] if tensor in inputs else
+                     onnx.helper.make_tensor_value_info(tensor, zero_point.data_type if zero_point is not None else onnx.TensorProto.UINT8, None))
+    return _part(model, [node for node in graph.node if id(node) in kept], typed, (output,)), reads
+
+
+def _reached(start: list, following: Callable[[Any], list]) -> dict[int, Any]:
+    """The nodes reached from `start` by `following`, by id."""
+    reached: dict[int, Any] = {}
+    pending = list(start)
+    while pending:
+        node = pending.pop()
+        if id(node) not in reached:
+            reached[id(node)] = node
+            pending.extend(following(node))
+    return reached
 
 
 WEIGHTED_OPS = ("Conv", "Gemm", "MatMul")  # the ONNX layers with weights that quantization, rounding and the pair rule act on

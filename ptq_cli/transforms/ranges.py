@@ -107,16 +107,18 @@ class Rescaler:
             self._write(link.codes, codes)
 
 
-def search(model, score: Callable[[Any], float], evaluations: int,
+def search(model, score: Callable[[Any, str | None], float], evaluations: int,
            progress: Callable[[int, int], None] | None = None) -> tuple[Any, SearchResult]:
-    """The model with its activation scales searched in place: one sweep of coordinate ascent of `score(model)`
-    (higher is closer to FP32) over FACTORS of each scale, in graph order, within `evaluations` calls of `score`.
+    """The model with its activation scales searched in place: one sweep of coordinate ascent of `score(model, moved)`
+    (higher is closer to FP32; `moved`, the scale changed since the last call of the same scale, None for the
+    calibrated model: the scorer may run only what depends on it) over FACTORS of each scale, in graph order, within
+    `evaluations` calls of `score`.
     One sweep: on every ResNet8 model measured, a second one fit the searched images more tightly and took held-out
     images further from FP32 than the first left them (README, Activation ranges)."""
     names = activation_scales(model)
     rescaler = Rescaler(model)
     calibrated = {name: rescaler.get(name) for name in names}
-    best = start = score(model)
+    best = start = score(model, None)
     spent, reached = 1, set()
     planned = min(evaluations, len(names) * len(FACTORS) + 1)  # the bar's total: what the search can spend
     for name in names:
@@ -126,7 +128,7 @@ def search(model, score: Callable[[Any], float], evaluations: int,
         start_value = kept_value = rescaler.get(name)
         for factor in FACTORS:
             rescaler.set(name, start_value * factor)
-            value, spent = score(model), spent + 1
+            value, spent = score(model, name), spent + 1
             if value > best + MIN_GAIN_DB:
                 best, kept_value = value, start_value * factor
         rescaler.set(name, kept_value)
