@@ -183,20 +183,20 @@ def test_the_second_rounding_reads_the_float_model_s_inputs_from_the_first(proje
     from ptq_cli.backends import onnxruntime as ort_backend
 
     monkeypatch.setattr(ort_backend, "chosen_method", lambda measured: ("percentile", 99.99))
-    real_batches = ort_backend._tensor_batches
+    real_batches = ort_backend._collected_batches
     float_reads: list[str] = []
 
-    def counting(input_name, images, threads, chunk=16):
-        batches = real_batches(input_name, images, threads, chunk)
+    def counting(input_name, images, threads, coming, chunk=16):
+        batches = real_batches(input_name, images, threads, coming, chunk)
 
         def read(model, name):
-            if not any(node.op_type == "QuantizeLinear" for node in model.graph.node):
-                float_reads.append(name)
+            assert not any(node.op_type == "QuantizeLinear" for node in model.graph.node)  # the float model's source
+            float_reads.append(name)
             return batches(model, name)
 
         return read
 
-    monkeypatch.setattr(ort_backend, "_tensor_batches", counting)
+    monkeypatch.setattr(ort_backend, "_collected_batches", counting)
 
     def made(output: str) -> tuple[bytes, int, int]:
         float_reads.clear()

@@ -291,3 +291,29 @@ def test_layers_too_wide_to_hold_their_input_moments_keep_nearest_codes(project,
     codes = [{init.name: numpy_helper.to_array(init) for init in onnx.load(str(project / name)).graph.initializer}
              for name in ("wide.onnx", "wide_nearest.onnx")]
     assert all(np.array_equal(codes[0][key], codes[1][key]) for key in codes[0])
+
+
+@pytest.mark.parametrize("budget", [None, 1])
+def test_the_float_model_s_layer_inputs_collected_in_one_pass_are_those_of_a_pass_a_layer(tmp_path, monkeypatch, budget):
+    """The float model does not change while the layers are refined: one pass collects the inputs of the coming layers
+    (as many as the byte budget holds; with a budget of one byte, a pass a layer), batch for batch what a pass a layer gives."""
+    from ptq_cli.backends import onnxruntime as ort_backend
+
+    model = onnx.load(str(two_conv_classifier(tmp_path / "m.onnx")))
+    images = np.random.default_rng(0).random((40, 3, 16, 16), dtype=np.float32)
+    if budget is not None:
+        monkeypatch.setattr(ort_backend, "FLOAT_INPUTS_BYTES", budget)
+    passes: list[list[str]] = []
+    real_session = ort_backend._probe_session
+    monkeypatch.setattr(ort_backend, "_probe_session", lambda cut, threads: passes.append([value.name for value in cut.graph.output]) or real_session(cut, threads))
+    coming = ["r1", "flat", "r1"]  # a tensor two layers read is asked for twice
+    collected = ort_backend._collected_batches("image", images, 1, coming)
+    got = {name: list(collected(model, name)) for name in coming}
+    made = list(passes)
+    for name in dict.fromkeys(coming):
+        expected = list(ort_backend._tensor_batches("image", images, 1)(model, name))
+        assert len(got[name]) == len(expected) == 3 and all(np.array_equal(a, b) for a, b in zip(got[name], expected, strict=True)), name
+    if budget is None:
+        assert made == [["r1", "flat"], ["r1", "flat"]]  # the one-image size probe, then the one pass for both
+    else:
+        assert made[1::2] == [["r1"], ["flat"], ["r1"]]  # after each size probe, a pass for the one layer asked for

@@ -498,6 +498,48 @@ def _tensor_batches(input_name: str, images: np.ndarray, threads: int, chunk: in
     return batches
 
 
+FLOAT_INPUTS_BYTES = 256 << 20  # the float model's layer inputs one pass collects for the layers after, at most
+
+
+def _collected_batches(input_name: str, images: np.ndarray, threads: int, coming: list[str], chunk: int = 16):
+    """A `rounding.ActivationSource` for the float model, which does not change under the refinement: asked for a
+    layer's input, one pass also collects the inputs of the layers `coming` after it, as many as FLOAT_INPUTS_BYTES
+    holds, instead of a pass of the layers before each one. The same batches as `_tensor_batches`."""
+    single = _tensor_batches(input_name, images, threads, chunk)
+    collected: dict[str, list[np.ndarray]] = {}
+
+    def batches(model, name: str):
+        if name not in collected:
+            collected.clear()
+            names = _fitting(model, name, coming[coming.index(name):] if name in coming else [name], input_name, images, threads)
+            cut = computing_only(model, *names) if len(names) > 1 else None
+            if cut is None:
+                yield from single(model, name)
+                return
+            session = _probe_session(cut, threads)
+            parts = [session.run(names, {input_name: images[start : start + chunk]}) for start in range(0, len(images), chunk)]
+            collected.update({tensor: [part[index] for part in parts] for index, tensor in enumerate(names)})
+        yield from collected[name]
+
+    return batches
+
+
+def _fitting(model, name: str, wanted: list[str], input_name: str, images: np.ndarray, threads: int) -> list[str]:
+    """`name` and the tensors after it in `wanted` whose values on all the images fit in FLOAT_INPUTS_BYTES (measured on one image)."""
+    cut = computing_only(model, *dict.fromkeys(wanted))
+    if cut is None or len(wanted) < 2:
+        return [name]
+    sizes = [values.nbytes * len(images) for values in _probe_session(cut, threads).run(list(dict.fromkeys(wanted)), {input_name: images[:1]})]
+    fitting: list[str] = []
+    held = 0
+    for tensor, size in zip(dict.fromkeys(wanted), sizes, strict=True):
+        if fitting and held + size > FLOAT_INPUTS_BYTES:
+            break
+        fitting.append(tensor)
+        held += size
+    return fitting
+
+
 def judged_output(model) -> str:
     """The tensor nearest and learned rounding are compared on: the scores before a final Softmax (its
     probabilities hide most of the difference in a few saturated images), else the first output."""
@@ -548,8 +590,9 @@ def refine_rounding(quantized, float_path: str, calibration: np.ndarray, input_n
     float_model = onnx.load(float_path)
     nearest_model = onnx.ModelProto.FromString(quantized.SerializeToString())
     try:
+        coming = [layer.float_input for layer in rounding.find_layers(quantized)]
         refined, layers = rounding.refine(quantized, float_model, _tensor_batches(input_name, refining, threads),
-                                          _tensor_batches(input_name, refining, threads), len(refining), progress=progress,
+                                          _collected_batches(input_name, refining, threads, coming), len(refining), progress=progress,
                                           float_memo=_float_memo(float_model, refining))
     except Exception as error:  # noqa: BLE001  onnxruntime's and numpy's own errors: the user keeps the nearest-rounded model
         return nearest_model, replace(settings, rounding=NEAREST), [f"learned rounding: not applied ({first_line(error)}); weights rounded to nearest"]
