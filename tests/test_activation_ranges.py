@@ -350,8 +350,9 @@ def test_the_part_after_a_moved_scale_scores_what_the_whole_model_scores(project
     from ptq_cli.transforms.graph import part_after
 
     _residual_classifier(project / "residual.onnx")
-    invoke("quantize", "--model", "residual.onnx", "--data", "test", "--calibration-data", "cal", "--preprocess", "unit", "--rounding", "nearest",
-           "--method", "minmax", "--output", "residual_int8.onnx", cwd=project)
+    made = invoke("quantize", "--model", "residual.onnx", "--data", "test", "--calibration-data", "cal", "--preprocess", "unit", "--rounding", "nearest",
+                  "--method", "minmax", "--output", "residual_int8.onnx", cwd=project)
+    assert made.exit_code == 0, made.output
     model = onnx.load(str(project / "residual_int8.onnx"))
     images, judged = png_images(project / "cal"), ort_backend.judged_in(model, "logits")
     reference = scores_before_softmax(onnx.load(str(project / "residual.onnx")), images)
@@ -402,3 +403,29 @@ def test_a_search_whose_one_sweep_exceeds_the_budget_is_not_run_and_says_so(proj
     made = _quantize(project, "over_budget.onnx")
     assert made["settings"]["ranges"] is None and made["settings"]["ranges_searched_db"] is None
     assert any(note.startswith("range search: not run") and "budget of 10" in note for note in made["notes"])
+
+
+def test_a_part_onnxruntime_cannot_run_alone_leaves_the_candidates_of_that_scale_to_the_whole_model(project, monkeypatch):
+    from onnx import helper
+
+    from ptq_cli.backends import onnxruntime as ort_backend
+    from ptq_cli.metrics import sqnr_db
+    from ptq_cli.transforms import ranges
+    from ptq_cli.transforms.graph import part_after
+
+    _quantize(project, "unrunnable.onnx", "--method", "minmax")
+    model = onnx.load(str(project / "unrunnable.onnx"))
+    images, judged = png_images(project / "cal"), ort_backend.judged_in(model, "logits")
+    reference = scores_before_softmax(onnx.load(str(project / "m.onnx")), images)
+
+    def unrunnable(whole, scale, output):
+        part = part_after(whole, scale, output)
+        if part is not None:
+            part[0].graph.node.append(helper.make_node("NoSuchOp", [output], ["nothing"]))  # onnxruntime refuses to load it
+        return part
+
+    monkeypatch.setattr(ort_backend, "part_after", unrunnable)
+    scores, moved = ort_backend._PartScores(judged, "image", images, 1, 32, reference), ranges.activation_scales(model)[-1]
+    assert part_after(model, moved, judged) is not None
+    whole = sqnr_db(reference, ort_backend._outputs(model, judged, "image", images, 1))
+    assert scores(model, moved) == pytest.approx(whole) and scores(model, moved) == pytest.approx(whole)

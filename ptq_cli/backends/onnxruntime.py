@@ -516,8 +516,8 @@ def _collected_batches(input_name: str, images: np.ndarray, threads: int, coming
             if cut is None:
                 yield from single(model, name)
                 return
-            session = _probe_session(cut, threads)
-            parts = [session.run(names, {input_name: images[start : start + chunk]}) for start in range(0, len(images), chunk)]
+            parts = _chunked_run(cut, names, input_name, images, threads, chunk)
+            assert parts is not None  # no byte bound asked
             collected.update({tensor: [part[index] for part in parts] for index, tensor in enumerate(names)})
         yield from collected[name]
 
@@ -526,18 +526,32 @@ def _collected_batches(input_name: str, images: np.ndarray, threads: int, coming
 
 def _fitting(model, name: str, wanted: list[str], input_name: str, images: np.ndarray, threads: int) -> list[str]:
     """`name` and the tensors after it in `wanted` whose values on all the images fit in FLOAT_INPUTS_BYTES (measured on one image)."""
-    cut = computing_only(model, *dict.fromkeys(wanted))
-    if cut is None or len(wanted) < 2:
+    wanted = list(dict.fromkeys(wanted))
+    cut = computing_only(model, *wanted) if len(wanted) > 1 else None
+    if cut is None:
         return [name]
-    sizes = [values.nbytes * len(images) for values in _probe_session(cut, threads).run(list(dict.fromkeys(wanted)), {input_name: images[:1]})]
+    sizes = [values.nbytes * len(images) for values in _probe_session(cut, threads).run(wanted, {input_name: images[:1]})]
     fitting: list[str] = []
     held = 0
-    for tensor, size in zip(dict.fromkeys(wanted), sizes, strict=True):
+    for tensor, size in zip(wanted, sizes, strict=True):
         if fitting and held + size > FLOAT_INPUTS_BYTES:
             break
         fitting.append(tensor)
         held += size
     return fitting
+
+
+def _chunked_run(cut, names: list[str], input_name: str, images: np.ndarray, threads: int, chunk: int,
+                max_bytes: int | None = None) -> list[list[np.ndarray]] | None:
+    """The tensors `names` as the model `cut` computes them on `images`, a chunk at a time (per chunk, one array a name);
+    None once they hold more than `max_bytes`."""
+    session, parts, held = _probe_session(cut, threads), [], 0
+    for start in range(0, len(images), chunk):
+        parts.append(session.run(names, {input_name: images[start : start + chunk]}))
+        held += sum(values.nbytes for values in parts[-1])
+        if max_bytes is not None and held > max_bytes:
+            return None
+    return parts
 
 
 def judged_output(model) -> str:
@@ -756,29 +770,27 @@ class _PartScores:
         part = None if moved is None else part_after(model, moved, self._output)
         if part is not None and moved != self._fed_for:
             self._fed, self._fed_for = self._feeds(model, part[1]), moved
-        if part is None or self._fed is None:
-            return sqnr_db(self._reference, _outputs(model, self._output, self._input_name, self._images, self._threads, self._chunk))
-        session, fed = _probe_session(part[0], self._threads), self._fed
-        scores = [session.run([self._output], {name: values[start : start + self._chunk] for name, values in fed.items()})[0]
-                  for start in range(0, len(self._images), self._chunk)]
-        return sqnr_db(self._reference, np.concatenate(scores))
+        if part is not None and self._fed is not None:
+            try:
+                session, fed = _probe_session(part[0], self._threads), self._fed
+                scores = [session.run([self._output], {name: values[start : start + self._chunk] for name, values in fed.items()})[0]
+                          for start in range(0, len(self._images), self._chunk)]
+                return sqnr_db(self._reference, np.concatenate(scores))
+            except Exception:  # noqa: BLE001  onnxruntime's own errors on the part alone: this scale's candidates run whole
+                self._fed = None
+        return sqnr_db(self._reference, _outputs(model, self._output, self._input_name, self._images, self._threads, self._chunk))
 
     def _feeds(self, model, reads: list[str]) -> dict[str, np.ndarray] | None:
-        """The tensors the part reads, over all the images; None past SEARCH_FED_BYTES."""
+        """The tensors the part reads, over all the images; None past SEARCH_FED_BYTES or where the rest cannot be cut out."""
         made = [name for name in reads if name != self._input_name]
         fed = {self._input_name: self._images} if self._input_name in reads else {}
-        before = computing_only(model, *made) if made else None
-        if made and before is None:
+        if not made:
+            return fed
+        before = computing_only(model, *made)
+        parts = None if before is None else _chunked_run(before, made, self._input_name, self._images, self._threads, self._chunk, SEARCH_FED_BYTES)
+        if parts is None:
             return None
-        if before is not None:
-            session, parts, held = _probe_session(before, self._threads), [], 0
-            for start in range(0, len(self._images), self._chunk):
-                parts.append(session.run(made, {self._input_name: self._images[start : start + self._chunk]}))
-                held += sum(values.nbytes for values in parts[-1])
-                if held > SEARCH_FED_BYTES:
-                    return None
-            fed.update({name: np.concatenate([part[index] for part in parts]) for index, name in enumerate(made)})
-        return fed
+        return fed | {name: np.concatenate([part[index] for part in parts]) for index, name in enumerate(made)}
 
 
 def search_ranges(quantized, float_path: str, calibration: np.ndarray, input_name: str, settings: QuantizationSettings,

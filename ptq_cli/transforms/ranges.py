@@ -110,9 +110,9 @@ class Rescaler:
 def search(model, score: Callable[[Any, str | None], float], evaluations: int,
            progress: Callable[[int, int], None] | None = None) -> tuple[Any, SearchResult]:
     """The model with its activation scales searched in place: one sweep of coordinate ascent of `score(model, moved)`
-    (higher is closer to FP32; `moved`, the scale changed since the last call of the same scale, None for the
-    calibrated model: the scorer may run only what depends on it) over FACTORS of each scale, in graph order, within
-    `evaluations` calls of `score`.
+    (higher is closer to FP32; `moved`, the scale this call's candidate moved, None for the calibrated model: the
+    scorer may run only what depends on it) over FACTORS of each scale, in graph order, within `evaluations` calls of
+    `score`.
     One sweep: on every ResNet8 model measured, a second one fit the searched images more tightly and took held-out
     images further from FP32 than the first left them (README, Activation ranges)."""
     names = activation_scales(model)
