@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 import pytest
 from PIL import Image
-from synthetic import CLASSES, channel_mean_classifier, colour_images, image_folder, invoke, one_line_error
+from synthetic import CLASSES, channel_mean_classifier, colour_images, colours_npz, image_folder, invoke, one_line_error
 
 from ptq_cli.datasets import open_dataset
 
@@ -68,6 +68,35 @@ def test_images_are_resized_to_the_model_input(tmp_path):
     result = invoke("evaluate", "--model", "m.onnx", "--data", "colours", "--results-dir", "res", cwd=tmp_path)
     assert result.exit_code == 0, result.output
     assert evaluate_record(tmp_path / "res", "m.onnx")["accuracy"] == 100.0
+
+
+def test_photos_of_many_sizes_with_a_train_split_calibrate_at_the_model_s_size(tmp_path):
+    """People's photos differ in size: a labelled folder with splits calibrates and quantizes (its labels come
+    from the class folders, not from decoding every photo at its own size)."""
+    for split, seed in (("train", 1), ("test", 2)):
+        images, labels = colour_images(4, size=40, seed=seed)
+        for index, (image, label) in enumerate(zip(images, labels, strict=True)):
+            folder = tmp_path / "photos" / split / CLASSES[label]
+            folder.mkdir(parents=True, exist_ok=True)
+            height, width = 9 + 3 * index, 31 - 2 * index
+            Image.fromarray(image[:height, :width]).save(folder / f"{index:02d}.png")
+    channel_mean_classifier(tmp_path / "m.onnx")
+    result = invoke("quantize", "--model", "m.onnx", "--data", "photos", "--output", "q.onnx", "--rounding", "nearest", cwd=tmp_path)
+    assert result.exit_code == 0, result.output
+    assert open_dataset(tmp_path / "photos").labels("train").tolist() == [0] * 4 + [1] * 4 + [2] * 4
+
+
+def test_images_drawn_from_an_array_set_are_resized_alone_and_as_they_would_be_all_together(tmp_path, monkeypatch):
+    from ptq_cli.datasets import base
+    from ptq_cli.services.make.calibration import build_calibration_set
+
+    colours_npz(tmp_path / "c.npz", per_class=40)
+    everything = base.resize(open_dataset(tmp_path / "c.npz").load("train").images, (20, 12))
+    resized: list[int] = []
+    monkeypatch.setattr(base, "resize", lambda images, size, resize=base.resize: resized.append(len(images)) or resize(images, size))
+    drawn = build_calibration_set(open_dataset(tmp_path / "c.npz"), 5, 7, (20, 12))
+    assert resized == [15] and drawn.images.shape == (15, 20, 12, 3)
+    assert np.array_equal(drawn.images, everything[drawn.indices])
 
 
 def test_npz_dataset_and_its_bad_forms(tmp_path):

@@ -95,13 +95,22 @@ class Dataset(ABC):
     def slug(self, split: str) -> str:
         return split_slug(self.root, split)
 
-    def load(self, split: str, size: tuple[int, int] | None = None, channels: int | None = None) -> LabelledImages:
-        """The split's images, resized to `size` (H, W) and converted to `channels` (1 or 3) when given.
+    def check_split(self, split: str) -> None:
+        if split not in self.splits():
+            raise PtqError(f"{self.root}: no '{split}' split (it has: {', '.join(self.splits())})")
+
+    def labels(self, split: str) -> np.ndarray:
+        """The split's labels, in the order `load` gives its images (what callers draw indices from)."""
+        return self.load(split).labels
+
+    def load(self, split: str, size: tuple[int, int] | None = None, channels: int | None = None,
+             indices: np.ndarray | None = None) -> LabelledImages:
+        """The split's images (only those at `indices`, positions in the split, when given), resized to `size`
+        (H, W) and converted to `channels` (1 or 3) when given: a few images drawn from many are resized alone.
 
         Decoded (and resized) arrays are cached under the split's content key, with a digest of the
         arrays checked on every load: a changed source or a damaged cache file is never served."""
-        if split not in self.splits():
-            raise PtqError(f"{self.root}: no '{split}' split (it has: {', '.join(self.splits())})")
+        self.check_split(split)
         key = self.content_key(split)
         decode_size = (int(size[0]), int(size[1])) if size is not None and self.resizes_on_decode else None
         shape = f"{decode_size[0]}x{decode_size[1]}" if decode_size else "native"
@@ -117,6 +126,8 @@ class Dataset(ABC):
                 write_cache(entry, sealed_as, images, labels)
         else:
             images, labels = cached
+        if indices is not None:
+            images, labels = images[indices], labels[indices]
         if size is not None and images.shape[1:3] != tuple(size):
             images = resize(images, size)
         names = self.class_names()

@@ -102,6 +102,10 @@ class ImageFolder(Dataset):
             self._files[split] = found
         return self._files[split]
 
+    def labels(self, split: str) -> np.ndarray:
+        """From the class folders, without decoding an image (photos differ in size until resized to a model's input)."""
+        return np.array([label for _, label in self.files(split)], dtype=np.int64)
+
     def source_files(self, split: str) -> list[Path]:
         return [path for path, _ in self.files(split)]
 

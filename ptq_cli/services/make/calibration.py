@@ -96,9 +96,10 @@ def sized_indices(labels: np.ndarray, count: int, seed: int, where: str) -> np.n
     return np.sort(np.concatenate(chosen))
 
 
-def default_samples_per_class(dataset: Dataset) -> int:
-    """settings.SAMPLES_PER_CLASS, or every image of the smallest class the split shows when it has fewer."""
-    labels = dataset.load(dataset.calibration_split()).labels
+def default_samples_per_class(dataset: Dataset, labels: np.ndarray | None = None) -> int:
+    """settings.SAMPLES_PER_CLASS, or every image of the smallest class the split shows when it has fewer
+    (`labels`: the calibration split's, if already read)."""
+    labels = dataset.labels(dataset.calibration_split()) if labels is None else labels
     counts = np.bincount(labels, minlength=len(dataset.class_names()))
     shown = counts[counts > 0]  # classes without images in the split are not drawn from
     return max(1, min(settings.SAMPLES_PER_CLASS, int(shown.min()) if shown.size else 1))
@@ -114,21 +115,21 @@ def build_calibration_set(dataset: Dataset, samples_per_class: int | None, seed:
     if count is not None and samples_per_class is not None:
         raise PtqError("--calibration-size and --samples-per-class: give one of them")
     split = dataset.calibration_split()
-    images = dataset.load(split, size)
+    labels = dataset.labels(split)
     where = f"in {dataset.root} ({split})"
-    if not images.labelled:
+    if not dataset.class_names():
         if samples_per_class is not None:
             raise PtqError(f"--samples-per-class: {dataset.root} has no labels (no class folders); give --calibration-size")
-        count = min(len(images.labels), settings.CALIBRATION_IMAGES) if count is None else count
+        count = min(len(labels), settings.CALIBRATION_IMAGES) if count is None else count
     if count is not None:
-        indices, samples_per_class = sized_indices(images.labels, count, seed, where), 0
+        indices, samples_per_class = sized_indices(labels, count, seed, where), 0
     else:
-        samples_per_class = default_samples_per_class(dataset) if samples_per_class is None else samples_per_class
-        indices = draw_stratified(images.labels, np.arange(len(images.labels)), samples_per_class, seed, "--samples-per-class", where,
-                                  len(images.class_names))
+        samples_per_class = default_samples_per_class(dataset, labels) if samples_per_class is None else samples_per_class
+        indices = draw_stratified(labels, np.arange(len(labels)), samples_per_class, seed, "--samples-per-class", where, len(dataset.class_names()))
+    images = dataset.load(split, size, indices=indices)  # the drawn images alone resized
     return CalibrationSet(
-        images=images.images[indices],
-        labels=images.labels[indices],
+        images=images.images,
+        labels=images.labels,
         indices=indices,
         seed=seed,
         samples_per_class=samples_per_class,

@@ -85,7 +85,8 @@ def check_images(dataset: Dataset, count: int, size: tuple[int, int] | None = No
     """uint8 pixels of the first `count` images of the evaluation split, at `size` and `channels` if given."""
     if count < 1:
         raise PtqError(f"--check-images: must be at least 1, got {count}")
-    return dataset.load(dataset.evaluation_split(), size, channels).images[:count]
+    split = dataset.evaluation_split()
+    return dataset.load(split, size, channels, indices=np.arange(min(count, len(dataset.labels(split))))).images
 
 
 class _WarningCollector(logging.Handler):

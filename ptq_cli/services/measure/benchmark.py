@@ -118,8 +118,9 @@ def _pixels(dataset: Dataset | None, model: LoadedModel, batch_size: int) -> tup
     if dataset is None:
         height, width = model.input.size
         return np.random.default_rng(0).integers(0, 256, (batch_size, height, width, max(model.input.channels, 1)), dtype=np.uint8), SYNTHETIC_INPUTS
-    loaded = dataset.load(dataset.evaluation_split(), model.input.size)
-    pixels = loaded.images[:batch_size]
+    split = dataset.evaluation_split()
+    loaded = dataset.load(split, model.input.size, indices=np.arange(min(batch_size, len(dataset.labels(split)))))
+    pixels = loaded.images
     if len(pixels) < batch_size:  # a small dataset: its images again, to fill the batch
         pixels = np.resize(pixels, (batch_size, *pixels.shape[1:]))
     return pixels, f"{dataset.root} ({loaded.split})"

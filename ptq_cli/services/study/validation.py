@@ -48,25 +48,25 @@ def build_validation_set(
 ) -> ValidationSet:
     """A seeded, class-stratified sample of the split's images the calibration set does not use."""
     split = dataset.calibration_split()
-    source = dataset.load(split, calibration.images.shape[1:3])
-    if calibration.dataset_sha256 and calibration.dataset_sha256 != source.content_sha256:
+    labels = dataset.labels(split)
+    if calibration.dataset_sha256 and calibration.dataset_sha256 != dataset.content_key(split):
         raise PtqError(f"{calibration.source}: drawn from other images than the {split} split of {dataset.root}; "
                        "make the calibration set from this dataset (ptq calibrate) to keep validation disjoint from it")
-    if len(calibration.indices) and int(calibration.indices.max()) >= len(source.labels):
+    if len(calibration.indices) and int(calibration.indices.max()) >= len(labels):
         raise PtqError(f"{calibration.source}: calibration indices do not fit the {split} split of {dataset.root}")
-    available = np.setdiff1d(np.arange(len(source.labels)), calibration.indices)
-    if not source.labelled:  # as many images as ten classes would give, or all that are left; scored against FP32 (labels_from_fp32)
+    available = np.setdiff1d(np.arange(len(labels)), calibration.indices)
+    if not dataset.class_names():  # as many images as ten classes would give, or all that are left; scored against FP32 (labels_from_fp32)
         if not len(available):
             raise PtqError(f"{dataset.root}: no images left for validation after the calibration set (give fewer --calibration-size)")
         rng = np.random.default_rng(seed)
         indices = np.sort(rng.choice(available, size=min(len(available), 10 * samples_per_class), replace=False))
     else:
-        indices = draw_stratified(source.labels, available, samples_per_class, seed, "--validation-per-class",
-                                  f"left in the {split} split after the calibration set", len(source.class_names))
+        indices = draw_stratified(labels, available, samples_per_class, seed, "--validation-per-class",
+                                  f"left in the {split} split after the calibration set", len(dataset.class_names()))
     if np.intersect1d(indices, calibration.indices).size:  # by construction impossible; kept as a guard
         raise PtqError("validation split overlaps the calibration set")
-    return ValidationSet(source.images[indices], source.labels[indices], indices, seed, samples_per_class, str(dataset.root), split,
-                         tuple(source.class_names))
+    source = dataset.load(split, calibration.images.shape[1:3], indices=indices)
+    return ValidationSet(source.images, source.labels, indices, seed, samples_per_class, str(dataset.root), split, tuple(source.class_names))
 
 
 @dataclass(frozen=True)
