@@ -99,6 +99,21 @@ def test_images_drawn_from_an_array_set_are_resized_alone_and_as_they_would_be_a
     assert np.array_equal(drawn.images, everything[drawn.indices])
 
 
+def test_validation_is_drawn_apart_from_the_calibration_set_and_only_from_its_own_images(tmp_path):
+    from ptq_cli.errors import PtqError
+    from ptq_cli.services.make.calibration import build_calibration_set
+    from ptq_cli.services.study.validation import build_validation_set
+
+    dataset = open_dataset(colours_npz(tmp_path / "c.npz", per_class=10))
+    calibration = build_calibration_set(dataset, 4, 7, (12, 12))
+    validation = build_validation_set(calibration, dataset, samples_per_class=3)
+    assert not set(validation.indices) & set(calibration.indices) and validation.images.shape == (9, 12, 12, 3)
+    assert np.array_equal(validation.images, dataset.load("train", (12, 12)).images[validation.indices])
+    other = open_dataset(colours_npz(tmp_path / "other.npz", per_class=10, train_images=colour_images(10, seed=5)[0]))
+    with pytest.raises(PtqError, match="drawn from other images than the train split"):
+        build_validation_set(calibration, other, samples_per_class=3)
+
+
 def test_npz_dataset_and_its_bad_forms(tmp_path):
     images, labels = colour_images(5)
     np.savez(tmp_path / "set.npz", images=images, labels=labels, class_names=np.array(CLASSES))

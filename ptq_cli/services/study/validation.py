@@ -49,9 +49,6 @@ def build_validation_set(
     """A seeded, class-stratified sample of the split's images the calibration set does not use."""
     split = dataset.calibration_split()
     labels = dataset.labels(split)
-    if calibration.dataset_sha256 and calibration.dataset_sha256 != dataset.content_key(split):
-        raise PtqError(f"{calibration.source}: drawn from other images than the {split} split of {dataset.root}; "
-                       "make the calibration set from this dataset (ptq calibrate) to keep validation disjoint from it")
     if len(calibration.indices) and int(calibration.indices.max()) >= len(labels):
         raise PtqError(f"{calibration.source}: calibration indices do not fit the {split} split of {dataset.root}")
     available = np.setdiff1d(np.arange(len(labels)), calibration.indices)
@@ -66,6 +63,9 @@ def build_validation_set(
     if np.intersect1d(indices, calibration.indices).size:  # by construction impossible; kept as a guard
         raise PtqError("validation split overlaps the calibration set")
     source = dataset.load(split, calibration.images.shape[1:3], indices=indices)
+    if calibration.dataset_sha256 and calibration.dataset_sha256 != source.content_sha256:
+        raise PtqError(f"{calibration.source}: drawn from other images than the {split} split of {dataset.root}; "
+                       "make the calibration set from this dataset (ptq calibrate) to keep validation disjoint from it")
     return ValidationSet(source.images, source.labels, indices, seed, samples_per_class, str(dataset.root), split, tuple(source.class_names))
 
 
