@@ -99,6 +99,25 @@ def test_images_drawn_from_an_array_set_are_resized_alone_and_as_they_would_be_a
     assert np.array_equal(drawn.images, everything[drawn.indices])
 
 
+def test_photos_drawn_for_calibration_are_decoded_alone_unless_the_whole_split_is_cached(tmp_path, monkeypatch):
+    from ptq_cli import settings
+    from ptq_cli.datasets import folder
+    from ptq_cli.services.make.calibration import build_calibration_set
+
+    monkeypatch.setenv(settings.CACHE_ENV, str(tmp_path / "cache"))
+    image_folder(tmp_path / "photos", per_class=20, size=16)
+    decoded: list[int] = []
+    original = folder.ImageFolder._decode
+    monkeypatch.setattr(folder.ImageFolder, "_decode", lambda self, split, size, indices=None:
+                        decoded.append(60 if indices is None else len(indices)) or original(self, split, size, indices))
+    drawn = build_calibration_set(open_dataset(tmp_path / "photos"), 2, 7, (12, 12))
+    assert decoded == [6] and drawn.images.shape == (6, 12, 12, 3)
+    everything = open_dataset(tmp_path / "photos").load("train", (12, 12))  # the whole split, decoded and cached
+    again = build_calibration_set(open_dataset(tmp_path / "photos"), 2, 7, (12, 12))
+    assert decoded == [6, 60] and np.array_equal(again.images, everything.images[drawn.indices])
+    assert np.array_equal(drawn.images, again.images) and np.array_equal(drawn.labels, everything.labels[drawn.indices])
+
+
 def test_validation_is_drawn_apart_from_the_calibration_set_and_only_from_its_own_images(tmp_path):
     from ptq_cli.errors import PtqError
     from ptq_cli.services.make.calibration import build_calibration_set

@@ -63,9 +63,10 @@ class Dataset(ABC):
         """sha256 over the bytes of the split's source files (cheap next to decoding them)."""
 
     @abstractmethod
-    def _decode(self, split: str, size: tuple[int, int] | None) -> tuple[np.ndarray, np.ndarray]:
+    def _decode(self, split: str, size: tuple[int, int] | None, indices: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(uint8 N x H x W x C images, int64 labels) of the split, resized to `size` (H, W) if the
-        format cannot hold images of different sizes in one array otherwise."""
+        format cannot hold images of different sizes in one array otherwise; only the images at `indices`
+        (positions in the split) when given (`load` asks so of formats that resize on decode)."""
 
     # A source with one unnamed set of images (an .npz, a folder of class folders): it serves as the
     # evaluation set, and as calibration data only when pointed at by --calibration-data.
@@ -113,21 +114,14 @@ class Dataset(ABC):
         self.check_split(split)
         key = self.content_key(split)
         decode_size = (int(size[0]), int(size[1])) if size is not None and self.resizes_on_decode else None
-        shape = f"{decode_size[0]}x{decode_size[1]}" if decode_size else "native"
-        cache_dir = cache.directory()
-        entry = cache_dir / f"{self.format}-{key[:40]}-{split}-{shape}.npz" if cache_dir is not None else None
-        sealed_as = f"{self.format}:{self.decoding}:{key}:{split}:{shape}"
-        cached = read_cache(entry, sealed_as) if entry is not None else None
-        if cached is None:
-            images, labels = self._decode(split, decode_size)
-            if 0 in images.shape[1:3]:
-                raise PtqError(f"{self.root}: the {split} split's images are {images.shape[1]}x{images.shape[2]} pixels")
-            if entry is not None:
-                write_cache(entry, sealed_as, images, labels)
+        # Where decoding is the cost (photos), drawn images are decoded alone unless the whole split is cached at this size.
+        alone = indices is not None and self.resizes_on_decode and not self._whole_split_cached(split, key, decode_size)
+        if alone:
+            images, labels = self._decoded(split, key, decode_size, indices)
         else:
-            images, labels = cached
-        if indices is not None:
-            images, labels = images[indices], labels[indices]
+            images, labels = self._decoded(split, key, decode_size)
+            if indices is not None:
+                images, labels = images[indices], labels[indices]
         if size is not None and images.shape[1:3] != tuple(size):
             images = resize(images, size)
         names = self.class_names()
@@ -138,6 +132,34 @@ class Dataset(ABC):
         if channels is not None:
             images = convert_channels(images, channels, self.root)
         return LabelledImages(images, labels, names, split, key)
+
+
+    def _entry(self, split: str, key: str, decode_size: tuple[int, int] | None, indices: np.ndarray | None) -> tuple[Path | None, str]:
+        """(the cache file, its seal) of the split decoded at `decode_size`, or of the images at `indices` alone."""
+        shape = f"{decode_size[0]}x{decode_size[1]}" if decode_size else "native"
+        if indices is not None:
+            shape += "-" + hashlib.sha256(np.asarray(indices, np.int64).tobytes()).hexdigest()[:16]
+        cache_dir = cache.directory()
+        entry = cache_dir / f"{self.format}-{key[:40]}-{split}-{shape}.npz" if cache_dir is not None else None
+        return entry, f"{self.format}:{self.decoding}:{key}:{split}:{shape}"
+
+    def _whole_split_cached(self, split: str, key: str, decode_size: tuple[int, int] | None) -> bool:
+        entry, _ = self._entry(split, key, decode_size, None)
+        return entry is not None and entry.is_file()
+
+    def _decoded(self, split: str, key: str, decode_size: tuple[int, int] | None,
+                 indices: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The split's images (those at `indices` alone, when given) from the cache, else decoded and cached."""
+        entry, sealed_as = self._entry(split, key, decode_size, indices)
+        cached = read_cache(entry, sealed_as) if entry is not None else None
+        if cached is not None:
+            return cached
+        images, labels = self._decode(split, decode_size, indices)
+        if 0 in images.shape[1:3]:
+            raise PtqError(f"{self.root}: the {split} split's images are {images.shape[1]}x{images.shape[2]} pixels")
+        if entry is not None:
+            write_cache(entry, sealed_as, images, labels)
+        return images, labels
 
 
 def file_digest(paths: list[Path]) -> str:

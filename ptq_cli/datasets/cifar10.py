@@ -54,9 +54,10 @@ class Cifar10(Dataset):
     def content_key(self, split: str) -> str:
         return file_digest(self.source_files(split))
 
-    def _decode(self, split: str, _size: tuple[int, int] | None) -> tuple[np.ndarray, np.ndarray]:
+    def _decode(self, split: str, _size: tuple[int, int] | None, indices: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         parts = [load_batch(self.root / name) for name in BATCHES[split]]
-        return np.concatenate([images for images, _ in parts]), np.concatenate([labels for _, labels in parts])
+        images, labels = np.concatenate([images for images, _ in parts]), np.concatenate([labels for _, labels in parts])
+        return (images, labels) if indices is None else (images[indices], labels[indices])
 
 
 class _Refused(pickle.UnpicklingError):

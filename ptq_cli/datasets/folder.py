@@ -116,10 +116,10 @@ class ImageFolder(Dataset):
             digest.update(named + bounded.sha256(path, bounded.ARRAY_BYTES, "image file"))
         return digest.hexdigest()
 
-    def _decode(self, split: str, size: tuple[int, int] | None) -> tuple[np.ndarray, np.ndarray]:
+    def _decode(self, split: str, size: tuple[int, int] | None, indices: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         from PIL import Image, UnidentifiedImageError
 
-        files = self.files(split)
+        files = self.files(split) if indices is None else [self.files(split)[int(index)] for index in indices]
         images: list[np.ndarray] = []
         most = bounded.IMAGE_PIXELS.value()
         Image.MAX_IMAGE_PIXELS = most  # Pillow's own check, before it reads the pixels

@@ -57,7 +57,7 @@ class NpzDataset(Dataset):
     def content_key(self, split: str) -> str:
         return file_digest([self.root]) + f":{split}"
 
-    def _decode(self, split: str, _size: tuple[int, int] | None) -> tuple[np.ndarray, np.ndarray]:
+    def _decode(self, split: str, _size: tuple[int, int] | None, indices: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         prefix = self._prefixes[split]
         arrays = bounded.npz_arrays(self.root, (f"{prefix}images", f"{prefix}labels"))
         images, labels = arrays[f"{prefix}images"], arrays[f"{prefix}labels"]
@@ -68,4 +68,5 @@ class NpzDataset(Dataset):
         bounded.check_count(self.root, images.shape[1] * images.shape[2], bounded.IMAGE_PIXELS, f"images of {images.shape[1]}x{images.shape[2]}")
         if labels.dtype.kind not in "iu" or labels.shape != (len(images),):
             raise PtqError(f"{self.root}: '{prefix}labels' is {labels.dtype} {labels.shape}, expected {len(images)} integer labels")
-        return np.ascontiguousarray(images), labels.astype(np.int64)
+        chosen = slice(None) if indices is None else indices
+        return np.ascontiguousarray(images[chosen]), labels.astype(np.int64)[chosen]
