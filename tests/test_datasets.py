@@ -15,6 +15,7 @@ from PIL import Image
 from synthetic import CLASSES, channel_mean_classifier, colour_images, colours_npz, image_folder, invoke, one_line_error
 
 from ptq_cli.datasets import open_dataset
+from ptq_cli.errors import PtqError
 
 
 def evaluate_record(results: Path, model: str) -> dict:
@@ -84,6 +85,8 @@ def test_photos_of_many_sizes_with_a_train_split_calibrate_at_the_model_s_size(t
     result = invoke("quantize", "--model", "m.onnx", "--data", "photos", "--output", "q.onnx", "--rounding", "nearest", cwd=tmp_path)
     assert result.exit_code == 0, result.output
     assert open_dataset(tmp_path / "photos").labels("train").tolist() == [0] * 4 + [1] * 4 + [2] * 4
+    with pytest.raises(PtqError, match="no 'val' split"):
+        open_dataset(tmp_path / "photos").labels("val")
 
 
 def test_images_drawn_from_an_array_set_are_resized_alone_and_as_they_would_be_all_together(tmp_path, monkeypatch):
@@ -119,7 +122,6 @@ def test_photos_drawn_for_calibration_are_decoded_alone_unless_the_whole_split_i
 
 
 def test_validation_is_drawn_apart_from_the_calibration_set_and_only_from_its_own_images(tmp_path):
-    from ptq_cli.errors import PtqError
     from ptq_cli.services.make.calibration import build_calibration_set
     from ptq_cli.services.study.validation import build_validation_set
 

@@ -133,7 +133,6 @@ class Dataset(ABC):
             images = convert_channels(images, channels, self.root)
         return LabelledImages(images, labels, names, split, key)
 
-
     def _entry(self, split: str, key: str, decode_size: tuple[int, int] | None, indices: np.ndarray | None) -> tuple[Path | None, str]:
         """(the cache file, its seal) of the split decoded at `decode_size`, or of the images at `indices` alone."""
         shape = f"{decode_size[0]}x{decode_size[1]}" if decode_size else "native"

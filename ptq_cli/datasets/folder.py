@@ -104,6 +104,7 @@ class ImageFolder(Dataset):
 
     def labels(self, split: str) -> np.ndarray:
         """From the class folders, without decoding an image (photos differ in size until resized to a model's input)."""
+        self.check_split(split)
         return np.array([label for _, label in self.files(split)], dtype=np.int64)
 
     def source_files(self, split: str) -> list[Path]:
@@ -119,7 +120,8 @@ class ImageFolder(Dataset):
     def _decode(self, split: str, size: tuple[int, int] | None, indices: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         from PIL import Image, UnidentifiedImageError
 
-        files = self.files(split) if indices is None else [self.files(split)[int(index)] for index in indices]
+        listed = self.files(split)
+        files = listed if indices is None else [listed[int(index)] for index in indices]
         images: list[np.ndarray] = []
         most = bounded.IMAGE_PIXELS.value()
         Image.MAX_IMAGE_PIXELS = most  # Pillow's own check, before it reads the pixels
