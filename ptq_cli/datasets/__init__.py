@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ptq_cli.datasets.base import TEST, TRAIN, VAL, Dataset, LabelledImages
+from ptq_cli.datasets.base import TEST, TRAIN, VAL, Dataset, LabelledImages, SplitImages
 from ptq_cli.datasets.cifar10 import Cifar10, is_cifar_directory
 from ptq_cli.datasets.folder import ImageFolder, is_image_folder
 from ptq_cli.datasets.npz import NpzDataset
@@ -12,7 +12,7 @@ from ptq_cli.errors import PtqError
 
 FORMATS = {Cifar10.format: Cifar10, ImageFolder.format: ImageFolder, NpzDataset.format: NpzDataset}
 
-__all__ = ["TEST", "TRAIN", "VAL", "Dataset", "LabelledImages", "FORMATS", "open_dataset"]
+__all__ = ["TEST", "TRAIN", "VAL", "Dataset", "LabelledImages", "SplitImages", "FORMATS", "open_dataset"]
 
 
 def open_dataset(path: Path) -> Dataset:

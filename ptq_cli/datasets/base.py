@@ -11,6 +11,7 @@ import hashlib
 import os
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,38 @@ class LabelledImages:
     @property
     def labelled(self) -> bool:
         return bool(self.class_names)
+
+
+@dataclass(frozen=True)
+class SplitImages:
+    """A split whose labels and content key are read and whose images are loaded when asked for, at the size and
+    channels given: a part at a time (`parts`), or those at some positions (`take`)."""
+
+    dataset: Dataset
+    split: str
+    size: tuple[int, int] | None
+    channels: int | None
+    labels: np.ndarray
+    class_names: tuple[str, ...]
+    content_sha256: str
+
+    @property
+    def labelled(self) -> bool:
+        return bool(self.class_names)
+
+    def take(self, indices: np.ndarray | None = None) -> np.ndarray:
+        """The images at `indices` (positions in the split), or all of them."""
+        return self.dataset.load_keyed(self.split, self.content_sha256, self.size, self.channels, indices).images
+
+    def parts(self, images_per_part: int) -> Iterator[tuple[int, np.ndarray]]:
+        """(position of its first image, images) of consecutive parts of at most `images_per_part` images; the
+        split in one part, as `load` gives it, where it fits."""
+        total = len(self.labels)
+        if images_per_part >= total:
+            yield 0, self.take()
+            return
+        for start in range(0, total, images_per_part):
+            yield start, self.take(np.arange(start, min(start + images_per_part, total)))
 
 
 class Dataset(ABC):
@@ -112,10 +145,21 @@ class Dataset(ABC):
         Decoded (and resized) arrays are cached under the split's content key, with a digest of the
         arrays checked on every load: a changed source or a damaged cache file is never served."""
         self.check_split(split)
-        key = self.content_key(split)
+        return self.load_keyed(split, self.content_key(split), size, channels, indices)
+
+    def open_split(self, split: str, size: tuple[int, int] | None = None, channels: int | None = None) -> SplitImages:
+        """The split's labels and content key now, its images (at `size` and `channels`) when asked for: a part at
+        a time, so that what is held is a part and not the split."""
+        self.check_split(split)
+        return SplitImages(self, split, size, channels, self.labels(split), self.class_names(), self.content_key(split))
+
+    def load_keyed(self, split: str, key: str, size: tuple[int, int] | None, channels: int | None,  # noqa: PLR0913,PLR0917  load's options, and the content key read before
+                   indices: np.ndarray | None) -> LabelledImages:
+        """`load` with the split's content key already read (`open_split`'s parts: the files hashed once, not per part)."""
         decode_size = (int(size[0]), int(size[1])) if size is not None and self.resizes_on_decode else None
-        # Where decoding is the cost (photos), drawn images are decoded alone unless the whole split is cached at this size.
-        alone = indices is not None and self.resizes_on_decode and not self._whole_split_cached(split, key, decode_size)
+        # Where decoding is the cost (photos), drawn images are decoded alone unless the whole split is cached at this
+        # size and small enough to hold.
+        alone = indices is not None and self.resizes_on_decode and not self._whole_split_holdable(split, key, decode_size)
         if alone:
             images, labels = self._decoded(split, key, decode_size, indices)
         else:
@@ -142,9 +186,9 @@ class Dataset(ABC):
         entry = cache_dir / f"{self.format}-{key[:40]}-{split}-{shape}.npz" if cache_dir is not None else None
         return entry, f"{self.format}:{self.decoding}:{key}:{split}:{shape}"
 
-    def _whole_split_cached(self, split: str, key: str, decode_size: tuple[int, int] | None) -> bool:
+    def _whole_split_holdable(self, split: str, key: str, decode_size: tuple[int, int] | None) -> bool:
         entry, _ = self._entry(split, key, decode_size, None)
-        return entry is not None and entry.is_file()
+        return entry is not None and entry.is_file() and entry.stat().st_size <= bounded.HELD_IMAGE_BYTES.value()
 
     def _decoded(self, split: str, key: str, decode_size: tuple[int, int] | None,
                  indices: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -62,7 +62,11 @@ CALL_SECONDS = Limit("PTQ_CALL_TIMEOUT", 900, "seconds for one inference call")
 # What calibrating may hold at its peak, ptq itself counted as a fixed allowance: onnxruntime's calibrators keep every
 # activation of every image they are given (tens of MB an image at 224x224), so images go in chunks.
 CALIBRATION_BYTES = Limit("PTQ_CALIBRATION_MEMORY", 2 * 10**9, "bytes of memory for calibrating")
-LIMITS = (MODEL_BYTES, ARRAY_BYTES, IMAGE_PIXELS, CLASSES, INPUT_ELEMENTS, CALL_ELEMENTS, TEXT_BYTES, CALL_SECONDS, CALIBRATION_BYTES)
+# Images at a model's input size an evaluation holds at once (CIFAR-10's test batch at 224x224 is 1.5 GB): a larger
+# split is scored a part at a time.
+HELD_IMAGE_BYTES = Limit("PTQ_IMAGES_MEMORY", 2**28, "bytes of images held at once")
+LIMITS = (MODEL_BYTES, ARRAY_BYTES, IMAGE_PIXELS, CLASSES, INPUT_ELEMENTS, CALL_ELEMENTS, TEXT_BYTES, CALL_SECONDS, CALIBRATION_BYTES,
+          HELD_IMAGE_BYTES)
 
 NPZ_MEMBERS = 1000
 JSON_DEPTH = 64  # ptq's own JSON nests a few levels; a record or metadata deeper than this is not ptq's

@@ -20,7 +20,7 @@ from ptq_cli import backends, settings
 from ptq_cli import cpu as cpu_info
 from ptq_cli.backends.base import EMULATE, LoadedModel
 from ptq_cli.backends.model_file import file_sha256, read_bytes, resolve_threads
-from ptq_cli.datasets import Dataset, LabelledImages, open_dataset
+from ptq_cli.datasets import Dataset, SplitImages, open_dataset
 from ptq_cli.datasets.base import split_slug
 from ptq_cli.errors import PtqError
 from ptq_cli.guards import bounded, hardstop
@@ -153,6 +153,27 @@ def _predict(model: LoadedModel, images: np.ndarray, batch_size: int, model_path
     return predictions, inference_seconds
 
 
+def _predict_split(model: LoadedModel, test: SplitImages, batch_size: int, model_path: Path, where: str,  # noqa: PLR0913,PLR0917  _predict's, for a split
+                   progress: ProgressCallback | None = None) -> tuple[np.ndarray, float]:
+    """(class scores of every image of the split, inference seconds), with a part of the split held at a time, cut
+    at whole calls: every image is computed as when the split is held whole."""
+    total = len(test.labels)
+    scores = np.empty((total, model.num_classes), dtype=np.float32)
+    inference_seconds = 0.0
+    for start, images in test.parts(_images_per_part(model, batch_size)):
+        told = (lambda done, _part, start=start: progress(start + done, total)) if progress else None
+        scores[start : start + len(images)], seconds = _predict(model, images, batch_size, model_path, where, told)
+        inference_seconds += seconds
+    return scores, inference_seconds
+
+
+def _images_per_part(model: LoadedModel, batch_size: int) -> int:
+    """Whole inference calls of images at the model's input size within bounded.HELD_IMAGE_BYTES, at least one call."""
+    calls = bounded.images_per_call(math.prod(model.input.shape(1)), batch_size)
+    image_bytes = model.input.height * model.input.width * model.input.channels
+    return calls * max(1, bounded.HELD_IMAGE_BYTES.value() // image_bytes // calls)
+
+
 @dataclass(frozen=True)
 class ShardedModel:
     """A model as every shard's task loads it: its files by content (the model and those that stand with it) and
@@ -188,15 +209,16 @@ def predict_shard(images: np.ndarray, shared: ShardedModel) -> tuple[np.ndarray,
     return _predict(model, images, shared.batch_size, Path(shared.files[0][0]), shared.where)
 
 
-def _predict_in_shards(runs: Executor, model: LoadedModel, images: np.ndarray, batch_size: int, how: ShardedModel,  # noqa: PLR0913,PLR0917  the model, its images and how to load it elsewhere
+def _predict_in_shards(runs: Executor, model: LoadedModel, test: SplitImages, batch_size: int, how: ShardedModel,  # noqa: PLR0913,PLR0917  the model, its images and how to load it elsewhere
                        progress: ProgressCallback | None) -> tuple[np.ndarray, float]:
-    """The images in one shard per worker call, cut at whole calls (so that every image is computed as in one
-    process), each scored as a task; (scores, wall seconds)."""
+    """The split in one shard per worker call, cut at whole calls (so that every image is computed as in one
+    process), each scored as a task; (scores, wall seconds). The shards are all sent at once: held here together."""
     calls = bounded.images_per_call(math.prod(model.input.shape(1)), batch_size)
-    per_shard = calls * max(1, math.ceil(math.ceil(len(images) / calls) / SHARDS_PER_RUN))
-    shards = [images[start : start + per_shard] for start in range(0, len(images), per_shard)]
+    total = len(test.labels)
+    per_shard = calls * max(1, math.ceil(math.ceil(total / calls) / SHARDS_PER_RUN))
+    shards = [test.take(np.arange(start, min(start + per_shard, total))) for start in range(0, total, per_shard)]
     began = time.perf_counter()
-    done = (lambda finished, _total: progress(min(finished * per_shard, len(images)), len(images))) if progress else None
+    done = (lambda finished, _total: progress(min(finished * per_shard, total), total)) if progress else None
     scored = runs.map(predict_shard, shards, how, done=done)
     return np.concatenate([scores for scores, _ in scored]), time.perf_counter() - began
 
@@ -256,7 +278,7 @@ def evaluate_model(  # noqa: PLR0913,PLR0917  EvaluationRequest's fields for one
     model = loaded if loaded is not None and not exact_int8 else load_model(model_path, threads, flags, runtime, precision, exact_int8=exact_int8)
     path_measured, basis = _int8_plan(model, int8_path, cpu, Path(model_path))
     split = dataset.evaluation_split()
-    test = dataset.load(split, model.input.size, model.input.channels)
+    test = dataset.open_split(split, model.input.size, model.input.channels)
     if len(test.labels) == 0:
         raise PtqError(f"{dataset.root}: the {split} split has no images")
     reference_path, labels_fit = _what_to_measure(model, test, dataset.root, against)
@@ -277,7 +299,7 @@ def evaluate_model(  # noqa: PLR0913,PLR0917  EvaluationRequest's fields for one
     )
 
 
-def _fidelity(model: LoadedModel, test: LabelledImages, chosen: np.ndarray, scores: np.ndarray, reference_path: Path | None,  # noqa: PLR0913,PLR0917  evaluate_model's state, split out of it
+def _fidelity(model: LoadedModel, test: SplitImages, chosen: np.ndarray, scores: np.ndarray, reference_path: Path | None,  # noqa: PLR0913,PLR0917  evaluate_model's state, split out of it
               calls: tuple[int, int | None, str], own_runtime: bool, labels_fit: bool) -> dict | None:
     """Fidelity to the FP32 model at `reference_path` on the chosen images (None without one), with the images each
     alone classifies right where the labels are the model's classes; a float model's scores on its own runtime, over
@@ -298,7 +320,7 @@ def _check_options(batch_size: int, int8_path: str | None) -> None:
         raise PtqError(f"--int8-path: '{int8_path}' is not one of {', '.join(cpu_info.INT8_PATHS)}")
 
 
-def _what_to_measure(model: LoadedModel, test: LabelledImages, root: Path, against: Path | None) -> tuple[Path | None, bool]:
+def _what_to_measure(model: LoadedModel, test: SplitImages, root: Path, against: Path | None) -> tuple[Path | None, bool]:
     """(the FP32 model to measure fidelity against, whether the labels are the model's classes); a model with
     neither is refused in one line, but for a float model on images without labels: it is the reference its
     quantized models are measured against, and its record holds its speed and the images it ran on."""
@@ -340,7 +362,7 @@ _REFERENCE_SCORES: dict[tuple, np.ndarray] = {}
 _REFERENCE_MODEL: dict[tuple, LoadedModel] = {}
 
 
-def _reference_scores(path: Path, test: LabelledImages, model: LoadedModel, batch_size: int, threads: int | None, where: str) -> np.ndarray:
+def _reference_scores(path: Path, test: SplitImages, model: LoadedModel, batch_size: int, threads: int | None, where: str) -> np.ndarray:
     """The FP32 model's scores on every image of the split, fed as `model` is."""
     sha256 = file_sha256(path)
     key = _reference_key(sha256, test, model)
@@ -350,14 +372,14 @@ def _reference_scores(path: Path, test: LabelledImages, model: LoadedModel, batc
         _REFERENCE_MODEL[_reference_model_key(sha256, threads, asdict(model.preprocessing))] = reference
         if reference.info.dtype != "fp32":
             raise PtqError(f"--against-fp32: {path} is a {reference.info.dtype} model; fidelity is measured against a float model")
-        _keep_reference_scores(key, _predict(reference, test.images, batch_size, path, where)[0])
+        _keep_reference_scores(key, _predict_split(reference, test, batch_size, path, where)[0])
     if _REFERENCE_SCORES[key].shape[1] != model.num_classes:
         raise PtqError(f"{path}: gives {_REFERENCE_SCORES[key].shape[1]} class scores, {model.info.path} gives {model.num_classes}: not its FP32 model")
     return _REFERENCE_SCORES[key]
 
 
-def _reference_key(sha256: str, test: LabelledImages, fed_as: LoadedModel) -> tuple:
-    return (sha256, test.content_sha256, test.images.shape, fed_as.preprocessing.to_json())
+def _reference_key(sha256: str, test: SplitImages, fed_as: LoadedModel) -> tuple:
+    return (sha256, test.content_sha256, len(test.labels), test.size, test.channels, fed_as.preprocessing.to_json())
 
 
 def _reference_model_key(sha256: str | None, threads: int | None, preprocessing: dict | None) -> tuple:
@@ -381,7 +403,7 @@ def _model_fields(model: LoadedModel) -> dict:
     }
 
 
-def _measure(model: LoadedModel, test: LabelledImages, basis: str, batch_size: int, model_path: Path, where: str, threads: int | None,  # noqa: PLR0913,PLR0917  evaluate_model's state, split out of it
+def _measure(model: LoadedModel, test: SplitImages, basis: str, batch_size: int, model_path: Path, where: str, threads: int | None,  # noqa: PLR0913,PLR0917  evaluate_model's state, split out of it
              subset: int, progress: ProgressCallback | None, labels_fit: bool = True,
              elsewhere: tuple[Executor | None, ShardedModel | None] = (None, None)) -> tuple[np.ndarray, np.ndarray, float, float | None, str]:
     """(the images measured, their scores, inference seconds, the exact path's top-1 on an emulated subset, basis):
@@ -390,12 +412,12 @@ def _measure(model: LoadedModel, test: LabelledImages, basis: str, batch_size: i
     if basis != EMULATE:
         runs, sharded = elsewhere
         if runs is not None and sharded is not None:
-            scores, seconds = _predict_in_shards(runs, model, test.images, batch_size, sharded, progress)
+            scores, seconds = _predict_in_shards(runs, model, test, batch_size, sharded, progress)
         else:
-            scores, seconds = _predict(model, test.images, batch_size, model_path, where, progress)
+            scores, seconds = _predict_split(model, test, batch_size, model_path, where, progress)
         return np.arange(len(test.labels)), scores, seconds, None, basis
     chosen = emulate.subset_indices(test.labels, subset) if labels_fit else np.arange(min(subset, len(test.labels)))
-    images, labels = test.images[chosen], test.labels[chosen]
+    images, labels = test.take(chosen), test.labels[chosen]
     exact_scores, seconds = _predict(model, images, batch_size, model_path, where)
     scores = emulate.scores_under_emulation(model_path, model.prepare(images), resolve_threads(threads))
     if progress:
