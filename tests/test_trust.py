@@ -111,6 +111,22 @@ def test_a_pickle_payload_in_cifar_batches_never_runs(project, victim, command):
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("suffix", [".h5", ".keras"])
+def test_a_keras_lambda_layer_s_stored_code_never_runs(project, monkeypatch, suffix):
+    keras = pytest.importorskip("keras")
+    build = project / "build"
+    build.mkdir()
+    monkeypatch.chdir(build)  # the function runs as the model is built: its marker lands here, not where ptq loads it
+    inputs = keras.Input((32, 32, 3))
+    touched = keras.layers.Lambda(lambda x: __import__("pathlib").Path("pwned").touch() or x)(inputs)
+    keras.Model(inputs, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(touched))).save(project / f"lambda{suffix}")
+    assert (build / "pwned").exists()
+    result = refused("convert", "--keras", f"lambda{suffix}", "--data", "colours.npz", "--output", "l.onnx", cwd=project, mentions=f"lambda{suffix}")
+    assert not (project / "pwned").exists()
+    # Keras 3 writes some models to .h5 it cannot read back (MobileNetV3's): the line says what loads.
+    assert ("save it as .keras" in result.stderr) == (suffix == ".h5")
+
+
 def test_the_official_cifar_pickles_still_load(project):
     """Python 2's pickles (the official files) and Python 3's protocol 2 both use only what is allowed."""
     cifar_dir(project / "cifar")

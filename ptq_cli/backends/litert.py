@@ -45,7 +45,17 @@ from ptq_cli.backends.base import (
     rounding_image_count,
     sqnr_figure,
 )
-from ptq_cli.backends.model_file import file_sha256, in_fixed_batches, metadata_object, model_input, num_classes, read_bytes, read_onnx, resolve_threads
+from ptq_cli.backends.model_file import (
+    file_sha256,
+    in_fixed_batches,
+    load_keras,
+    metadata_object,
+    model_input,
+    num_classes,
+    read_bytes,
+    read_onnx,
+    resolve_threads,
+)
 from ptq_cli.errors import PtqError, first_line
 from ptq_cli.guards.atomic import atomic_output
 from ptq_cli.guards.library_noise import native_stderr_silenced
@@ -281,11 +291,8 @@ def _calibrated(keras_path: Path, calibration: np.ndarray, progress: ProgressCal
 
 def _calibrate(keras_path: Path, calibration: np.ndarray, progress: ProgressCallback | None = None) -> bytes:
     tf = _tensorflow()
-    try:
-        with _quiet():
-            keras_model = tf.keras.models.load_model(str(keras_path), compile=False)
-    except Exception as error:  # Keras raises many types for a bad file
-        raise PtqError(f"{keras_path}: not a loadable Keras model ({first_line(error)})") from error
+    with _quiet():
+        keras_model = load_keras(tf, keras_path)
     expected = tuple(keras_model.input_shape[1:])
     if tuple(calibration.shape[1:]) != expected:
         raise PtqError(f"{keras_path}: takes input {expected}, the ONNX model's calibration images are {tuple(calibration.shape[1:])}")

@@ -57,6 +57,17 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def load_keras(tf: Any, path: Path) -> Any:
+    """A Keras model file, uncompiled, in Keras' safe mode (a Lambda layer's stored code is refused, not run); one line
+    if Keras cannot load it."""
+    try:
+        return tf.keras.models.load_model(str(path), compile=False, safe_mode=True)
+    except Exception as error:  # Keras raises many types for a bad file; all mean the same to the user
+        # Keras 3 writes some models to .h5 that it cannot read back (MobileNetV3's hard-swish); their .keras loads.
+        hint = "; if Keras saved it, save it as .keras (model.save('model.keras')) and give that" if path.suffix.lower() == ".h5" else ""
+        raise PtqError(f"{path}: not a loadable Keras model ({first_line(error)}){hint}") from error
+
+
 def read_onnx(path: Path, data: bytes | None = None):
     """Parse and check an ONNX file (or its bytes, already read), or raise a one-line PtqError naming it."""
     import onnx

@@ -13,7 +13,7 @@ import numpy as np
 
 from ptq_cli import inputs
 from ptq_cli.backends.base import KERAS_SOURCE_METADATA_KEY, SOURCE_METADATA_KEY
-from ptq_cli.backends.model_file import file_sha256, read_onnx
+from ptq_cli.backends.model_file import file_sha256, load_keras, read_onnx
 from ptq_cli.datasets import Dataset
 from ptq_cli.errors import CheckFailed, PtqError, first_line
 from ptq_cli.guards.atomic import atomic_output, check_outputs
@@ -134,10 +134,7 @@ def keras_to_onnx(keras_path: Path, output: Path, dataset: Dataset, opset: int =
             import tf2onnx
     except ImportError as error:
         raise PtqError(f"--keras: needs tensorflow-cpu and tf2onnx (pip install -e '.[keras]'): {error}") from error
-    try:
-        keras_model = tf.keras.models.load_model(str(keras_path), compile=False)
-    except Exception as error:  # Keras raises many types for a bad file; all mean the same to the user
-        raise PtqError(f"{keras_path}: not a loadable Keras model ({first_line(error)})") from error
+    keras_model = load_keras(tf, keras_path)
     shape = keras_model.input_shape
     if len(shape) != 4 or shape[3] not in (1, 3) or not shape[1] or not shape[2]:
         raise PtqError(f"{keras_path}: Keras model input {shape} is not N x H x W x C images")
