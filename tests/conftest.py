@@ -78,7 +78,7 @@ def ptq_ok(*args: str, cwd: Path, fresh_process: bool = False) -> Run:
 
 
 # Every `ptq run` on the study passes it: a run with other options would not find its stages up to date.
-STUDY_EMULATION = ("--emulated-images", "50")
+STUDY_EMULATION = ("--emulated-images", "20")
 REAL_ASSET_FIXTURES = {"assets", "resnet8_onnx", "pipeline", "pipeline_snapshot"}
 
 

@@ -34,9 +34,10 @@ def test_manifest_has_versions_seed_and_the_hash_of_every_input_and_output(pipel
     assert {f"evaluate {name}" for name in PIPELINE_MODELS} <= set(stages)
     # The other x86 int8 path of each 8-bit model: scored on --emulated-images where it is emulated (a VNNI CPU).
     other_path = [stage for name, stage in stages.items() if name.endswith("int8 path")]
-    assert other_path and all(stage["options"]["emulated_images"] == 50 and "--emulated-images 50" in stage["command"] for stage in other_path)
+    count = int(STUDY_EMULATION[1])
+    assert other_path and all(stage["options"]["emulated_images"] == count and f"--emulated-images {count}" in stage["command"] for stage in other_path)
     emulated = [record for record in map(read_json, (pipeline_snapshot / "results").glob("*~saturating@*.json")) if record["int8_basis"].startswith("emulated")]
-    assert all(record["images"] == 50 for record in emulated)
+    assert all(record["images"] == count for record in emulated)
     assert stages["convert keras -> onnx"]["inputs"][str(KERAS_MODEL)] == hashlib.sha256(KERAS_MODEL.read_bytes()).hexdigest()
     for stage in stages.values():
         assert stage["seconds"] >= 0 and stage["outputs"]
