@@ -128,7 +128,7 @@ def test_a_split_over_the_images_memory_is_scored_a_part_at_a_time_into_the_same
     monkeypatch.setenv(settings.CACHE_ENV, str(tmp_path / "cache"))
     image_folder(tmp_path / "photos", per_class=10, size=16)
     channel_mean_classifier(tmp_path / "m.onnx", size=12)
-    channel_mean_classifier(tmp_path / "fp32.onnx", size=12, opset=14)  # the same scores from other bytes: fidelity is a second pass
+    channel_mean_classifier(tmp_path / "fp32.onnx", size=12, opset=14)  # the same scores from other bytes: fidelity has a second model to run
     evaluate = ("evaluate", "--model", "m.onnx", "--data", "photos", "--against-fp32", "fp32.onnx", "--batch-size", "4")
     assert invoke(*evaluate, "--results-dir", "whole", cwd=tmp_path).exit_code == 0  # the split held whole (and cached so)
     held: list[int] = []
@@ -137,7 +137,8 @@ def test_a_split_over_the_images_memory_is_scored_a_part_at_a_time_into_the_same
     monkeypatch.setenv("PTQ_IMAGES_MEMORY", str(12 * 12 * 3 * 8))  # two calls of 4 images
     result = invoke(*evaluate, "--results-dir", "parts", cwd=tmp_path)
     assert result.exit_code == 0, result.output
-    assert held == [8, 8, 8, 6] * 2  # the model's pass and the FP32 model's, neither slicing the whole split's cache
+    # One pass: each part is decoded once, for the model and its FP32 model, and not sliced from the whole split's cache.
+    assert held == [8, 8, 8, 6]
     whole, parts = evaluate_record(tmp_path / "whole", "m.onnx"), evaluate_record(tmp_path / "parts", "m.onnx")
     assert parts["fidelity"]["images"] == 30 and parts["fidelity"]["top1_agreement"] == 100.0
     assert {key: value for key, value in parts.items() if key not in ("timestamp", "images_per_second")} == \

@@ -154,16 +154,23 @@ def _predict(model: LoadedModel, images: np.ndarray, batch_size: int, model_path
 
 
 def _predict_split(model: LoadedModel, test: SplitImages, batch_size: int, model_path: Path, where: str,  # noqa: PLR0913,PLR0917  _predict's, for a split
-                   progress: ProgressCallback | None = None) -> tuple[np.ndarray, float]:
+                   progress: ProgressCallback | None = None, also: tuple[LoadedModel, Path] | None = None) -> tuple[np.ndarray, float]:
     """(class scores of every image of the split, inference seconds), with a part of the split held at a time, cut
-    at whole calls: every image is computed as when the split is held whole."""
+    at whole calls: every image is computed as when the split is held whole. `also`: a second model (the FP32
+    source) scored on each part while it is held, its scores kept for fidelity: a split decoded part by part is
+    decoded once for both."""
     total = len(test.labels)
     scores = np.empty((total, model.num_classes), dtype=np.float32)
+    also_scores = None if also is None else np.empty((total, also[0].num_classes), dtype=np.float32)
     inference_seconds = 0.0
     for start, images in test.parts(_images_per_part(model, batch_size)):
         told = (lambda done, _part, start=start: progress(start + done, total)) if progress else None
         scores[start : start + len(images)], seconds = _predict(model, images, batch_size, model_path, where, told)
         inference_seconds += seconds
+        if also is not None and also_scores is not None:
+            also_scores[start : start + len(images)] = _predict(also[0], images, batch_size, also[1], where)[0]
+    if also is not None and also_scores is not None:
+        _keep_reference_scores(_reference_key(file_sha256(also[1]), test, model), also_scores)
     return scores, inference_seconds
 
 
@@ -279,14 +286,13 @@ def evaluate_model(  # noqa: PLR0913,PLR0917  EvaluationRequest's fields for one
     path_measured, basis = _int8_plan(model, int8_path, cpu, Path(model_path))
     split = dataset.evaluation_split()
     test = dataset.open_split(split, model.input.size, model.input.channels)
-    if len(test.labels) == 0:
-        raise PtqError(f"{dataset.root}: the {split} split has no images")
     reference_path, labels_fit = _what_to_measure(model, test, dataset.root, against)
     where = f"{dataset.root} ({split})"
     sharded = None if runs is None else ShardedModel(tuple((path.name, read_bytes(path)) for path in companions(Path(model_path))), flags, runtime,
                                                      precision, exact_int8, threads, batch_size, where)
+    alongside = _reference_alongside(reference_path, model, test, batch_size, threads, basis != EMULATE and sharded is None)
     chosen, scores, inference_seconds, exact_same, basis = _measure(model, test, basis, batch_size, Path(model_path), where,
-                                                                    threads, subset, progress, labels_fit, (runs, sharded))
+                                                                    threads, subset, progress, labels_fit, (runs, sharded), alongside)
     own_runtime = runtime is None and precision is None
     fidelity = _fidelity(model, test, chosen, scores, reference_path, (batch_size, threads, where), own_runtime, labels_fit)
     return EvaluationRecord(
@@ -304,13 +310,14 @@ def _fidelity(model: LoadedModel, test: SplitImages, chosen: np.ndarray, scores:
     """Fidelity to the FP32 model at `reference_path` on the chosen images (None without one), with the images each
     alone classifies right where the labels are the model's classes; a float model's scores on its own runtime, over
     the whole split, are kept for the models made from it. `calls`: (batch size, threads, where)."""
+    fidelity = None
+    if reference_path is not None:
+        batch_size, threads, where = calls
+        reference = _reference_scores(reference_path, test, model, batch_size, threads, where)
+        fidelity = asdict(compare(reference[chosen], scores, str(reference_path), file_sha256(reference_path), test.labels[chosen] if labels_fit else None))
     if model.info.dtype == "fp32" and own_runtime and np.array_equal(chosen, np.arange(len(test.labels))):
         _keep_reference_scores(_reference_key(model.info.sha256, test, model), scores)  # the models made from it compare with these
-    if reference_path is None:
-        return None
-    batch_size, threads, where = calls
-    reference = _reference_scores(reference_path, test, model, batch_size, threads, where)
-    return asdict(compare(reference[chosen], scores, str(reference_path), file_sha256(reference_path), test.labels[chosen] if labels_fit else None))
+    return fidelity
 
 
 def _check_options(batch_size: int, int8_path: str | None) -> None:
@@ -324,6 +331,8 @@ def _what_to_measure(model: LoadedModel, test: SplitImages, root: Path, against:
     """(the FP32 model to measure fidelity against, whether the labels are the model's classes); a model with
     neither is refused in one line, but for a float model on images without labels: it is the reference its
     quantized models are measured against, and its record holds its speed and the images it ran on."""
+    if len(test.labels) == 0:
+        raise PtqError(f"{root}: the {test.split} split has no images")
     reference_path = fp32_model_for(model, against)
     labels_fit = test.labelled and model.num_classes == len(test.class_names)
     # Labels of other classes than the model's are a wrong model or wrong data, float or not: refused.
@@ -362,17 +371,32 @@ _REFERENCE_SCORES: dict[tuple, np.ndarray] = {}
 _REFERENCE_MODEL: dict[tuple, LoadedModel] = {}
 
 
+def _reference_model(path: Path, model: LoadedModel, threads: int | None) -> LoadedModel:
+    """The FP32 model at `path`, loaded to be fed as `model` is (kept for evaluating the source itself next)."""
+    reference = load_model(path, threads, as_flags(asdict(model.preprocessing)))
+    _REFERENCE_MODEL.clear()
+    _REFERENCE_MODEL[_reference_model_key(reference.info.sha256, threads, asdict(model.preprocessing))] = reference
+    if reference.info.dtype != "fp32":
+        raise PtqError(f"--against-fp32: {path} is a {reference.info.dtype} model; fidelity is measured against a float model")
+    return reference
+
+
+def _reference_alongside(reference_path: Path | None, model: LoadedModel, test: SplitImages, batch_size: int, threads: int | None,
+                         single_process: bool) -> tuple[LoadedModel, Path] | None:
+    """The FP32 source to score in the model's own pass over the split: where its scores are not at hand yet and the
+    split is decoded a part at a time (else the split is held whole, and scoring the two apart costs nothing more)."""
+    if reference_path is None or not single_process or len(test.labels) <= _images_per_part(model, batch_size):
+        return None
+    if _reference_key(file_sha256(reference_path), test, model) in _REFERENCE_SCORES:
+        return None
+    return _reference_model(reference_path, model, threads), reference_path
+
+
 def _reference_scores(path: Path, test: SplitImages, model: LoadedModel, batch_size: int, threads: int | None, where: str) -> np.ndarray:
     """The FP32 model's scores on every image of the split, fed as `model` is."""
-    sha256 = file_sha256(path)
-    key = _reference_key(sha256, test, model)
+    key = _reference_key(file_sha256(path), test, model)
     if key not in _REFERENCE_SCORES:
-        reference = load_model(path, threads, as_flags(asdict(model.preprocessing)))
-        _REFERENCE_MODEL.clear()
-        _REFERENCE_MODEL[_reference_model_key(sha256, threads, asdict(model.preprocessing))] = reference
-        if reference.info.dtype != "fp32":
-            raise PtqError(f"--against-fp32: {path} is a {reference.info.dtype} model; fidelity is measured against a float model")
-        _keep_reference_scores(key, _predict_split(reference, test, batch_size, path, where)[0])
+        _keep_reference_scores(key, _predict_split(_reference_model(path, model, threads), test, batch_size, path, where)[0])
     if _REFERENCE_SCORES[key].shape[1] != model.num_classes:
         raise PtqError(f"{path}: gives {_REFERENCE_SCORES[key].shape[1]} class scores, {model.info.path} gives {model.num_classes}: not its FP32 model")
     return _REFERENCE_SCORES[key]
@@ -405,16 +429,17 @@ def _model_fields(model: LoadedModel) -> dict:
 
 def _measure(model: LoadedModel, test: SplitImages, basis: str, batch_size: int, model_path: Path, where: str, threads: int | None,  # noqa: PLR0913,PLR0917  evaluate_model's state, split out of it
              subset: int, progress: ProgressCallback | None, labels_fit: bool = True,
-             elsewhere: tuple[Executor | None, ShardedModel | None] = (None, None)) -> tuple[np.ndarray, np.ndarray, float, float | None, str]:
+             elsewhere: tuple[Executor | None, ShardedModel | None] = (None, None),
+             reference: tuple[LoadedModel, Path] | None = None) -> tuple[np.ndarray, np.ndarray, float, float | None, str]:
     """(the images measured, their scores, inference seconds, the exact path's top-1 on an emulated subset, basis):
     the whole split, or under emulation its `subset` (the first images of each class; the first ones
-    where the labels are not the model's)."""
+    where the labels are not the model's). `reference`: the FP32 source, scored on the whole split in the same pass."""
     if basis != EMULATE:
         runs, sharded = elsewhere
         if runs is not None and sharded is not None:
             scores, seconds = _predict_in_shards(runs, model, test, batch_size, sharded, progress)
         else:
-            scores, seconds = _predict_split(model, test, batch_size, model_path, where, progress)
+            scores, seconds = _predict_split(model, test, batch_size, model_path, where, progress, reference)
         return np.arange(len(test.labels)), scores, seconds, None, basis
     chosen = emulate.subset_indices(test.labels, subset) if labels_fit else np.arange(min(subset, len(test.labels)))
     images, labels = test.take(chosen), test.labels[chosen]
