@@ -28,7 +28,7 @@ EXTRAS := '.[keras,dev,openvino,litert,ray]'
 UV_VERSION := uv==0.13.9
 $(VENV)/.installed: pyproject.toml Makefile tools/uv_options.py
 	$(PYTHON) -m venv $(VENV)
-	{ $(BIN)/pip install --quiet $(UV_VERSION) && $(BIN)/uv pip install --quiet --system-certs --python $(BIN)/python \
+	{ $(BIN)/pip install --quiet $(UV_VERSION) && $(BIN)/uv pip install --quiet --system-certs --compile-bytecode --python $(BIN)/python \
 		--index-strategy unsafe-best-match $$($(BIN)/python tools/uv_options.py) -e $(EXTRAS); } || \
 		{ $(BIN)/pip install --quiet --upgrade pip && $(BIN)/pip install --quiet -e $(EXTRAS); }
 	$(BIN)/pip install --quiet --no-deps $(ONNX2TORCH)
