@@ -154,23 +154,23 @@ def _predict(model: LoadedModel, images: np.ndarray, batch_size: int, model_path
 
 
 def _predict_split(model: LoadedModel, test: SplitImages, batch_size: int, model_path: Path, where: str,  # noqa: PLR0913,PLR0917  _predict's, for a split
-                   progress: ProgressCallback | None = None, also: tuple[LoadedModel, Path] | None = None) -> tuple[np.ndarray, float]:
+                   progress: ProgressCallback | None = None, also: tuple[LoadedModel, Path, tuple] | None = None) -> tuple[np.ndarray, float]:
     """(class scores of every image of the split, inference seconds), with a part of the split held at a time, cut
     at whole calls: every image is computed as when the split is held whole. `also`: a second model (the FP32
-    source) scored on each part while it is held, its scores kept for fidelity: a split decoded part by part is
-    decoded once for both."""
+    source: model, path, key of its scores) scored on each part while it is held, its scores kept for fidelity: a
+    split decoded part by part is decoded once for both."""
     total = len(test.labels)
     scores = np.empty((total, model.num_classes), dtype=np.float32)
-    also_scores = None if also is None else np.empty((total, also[0].num_classes), dtype=np.float32)
+    also_parts: list[np.ndarray] = []
     inference_seconds = 0.0
     for start, images in test.parts(_images_per_part(model, batch_size)):
         told = (lambda done, _part, start=start: progress(start + done, total)) if progress else None
         scores[start : start + len(images)], seconds = _predict(model, images, batch_size, model_path, where, told)
         inference_seconds += seconds
-        if also is not None and also_scores is not None:
-            also_scores[start : start + len(images)] = _predict(also[0], images, batch_size, also[1], where)[0]
-    if also is not None and also_scores is not None:
-        _keep_reference_scores(_reference_key(file_sha256(also[1]), test, model), also_scores)
+        if also is not None:
+            also_parts.append(_predict(also[0], images, batch_size, also[1], where)[0])
+    if also is not None:
+        _keep_reference_scores(also[2], np.concatenate(also_parts))
     return scores, inference_seconds
 
 
@@ -371,32 +371,33 @@ _REFERENCE_SCORES: dict[tuple, np.ndarray] = {}
 _REFERENCE_MODEL: dict[tuple, LoadedModel] = {}
 
 
-def _reference_model(path: Path, model: LoadedModel, threads: int | None) -> LoadedModel:
-    """The FP32 model at `path`, loaded to be fed as `model` is (kept for evaluating the source itself next)."""
+def _reference_model(path: Path, sha256: str, model: LoadedModel, threads: int | None) -> LoadedModel:
+    """The FP32 model at `path` (its file_sha256), loaded to be fed as `model` is (kept for evaluating the source itself next)."""
     reference = load_model(path, threads, as_flags(asdict(model.preprocessing)))
     _REFERENCE_MODEL.clear()
-    _REFERENCE_MODEL[_reference_model_key(reference.info.sha256, threads, asdict(model.preprocessing))] = reference
+    _REFERENCE_MODEL[_reference_model_key(sha256, threads, asdict(model.preprocessing))] = reference
     if reference.info.dtype != "fp32":
         raise PtqError(f"--against-fp32: {path} is a {reference.info.dtype} model; fidelity is measured against a float model")
     return reference
 
 
 def _reference_alongside(reference_path: Path | None, model: LoadedModel, test: SplitImages, batch_size: int, threads: int | None,
-                         single_process: bool) -> tuple[LoadedModel, Path] | None:
+                         single_process: bool) -> tuple[LoadedModel, Path, tuple] | None:
     """The FP32 source to score in the model's own pass over the split: where its scores are not at hand yet and the
     split is decoded a part at a time (else the split is held whole, and scoring the two apart costs nothing more)."""
     if reference_path is None or not single_process or len(test.labels) <= _images_per_part(model, batch_size):
         return None
-    if _reference_key(file_sha256(reference_path), test, model) in _REFERENCE_SCORES:
-        return None
-    return _reference_model(reference_path, model, threads), reference_path
+    sha256 = file_sha256(reference_path)
+    key = _reference_key(sha256, test, model)
+    return None if key in _REFERENCE_SCORES else (_reference_model(reference_path, sha256, model, threads), reference_path, key)
 
 
 def _reference_scores(path: Path, test: SplitImages, model: LoadedModel, batch_size: int, threads: int | None, where: str) -> np.ndarray:
     """The FP32 model's scores on every image of the split, fed as `model` is."""
-    key = _reference_key(file_sha256(path), test, model)
+    sha256 = file_sha256(path)
+    key = _reference_key(sha256, test, model)
     if key not in _REFERENCE_SCORES:
-        _keep_reference_scores(key, _predict_split(_reference_model(path, model, threads), test, batch_size, path, where)[0])
+        _keep_reference_scores(key, _predict_split(_reference_model(path, sha256, model, threads), test, batch_size, path, where)[0])
     if _REFERENCE_SCORES[key].shape[1] != model.num_classes:
         raise PtqError(f"{path}: gives {_REFERENCE_SCORES[key].shape[1]} class scores, {model.info.path} gives {model.num_classes}: not its FP32 model")
     return _REFERENCE_SCORES[key]
@@ -430,7 +431,7 @@ def _model_fields(model: LoadedModel) -> dict:
 def _measure(model: LoadedModel, test: SplitImages, basis: str, batch_size: int, model_path: Path, where: str, threads: int | None,  # noqa: PLR0913,PLR0917  evaluate_model's state, split out of it
              subset: int, progress: ProgressCallback | None, labels_fit: bool = True,
              elsewhere: tuple[Executor | None, ShardedModel | None] = (None, None),
-             reference: tuple[LoadedModel, Path] | None = None) -> tuple[np.ndarray, np.ndarray, float, float | None, str]:
+             reference: tuple[LoadedModel, Path, tuple] | None = None) -> tuple[np.ndarray, np.ndarray, float, float | None, str]:
     """(the images measured, their scores, inference seconds, the exact path's top-1 on an emulated subset, basis):
     the whole split, or under emulation its `subset` (the first images of each class; the first ones
     where the labels are not the model's). `reference`: the FP32 source, scored on the whole split in the same pass."""
