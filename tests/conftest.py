@@ -83,6 +83,21 @@ REAL_ASSET_FIXTURES = {"assets", "resnet8_onnx", "pipeline", "pipeline_snapshot"
 
 
 STUDY_FIXTURES = {"pipeline", "pipeline_snapshot"}
+# What bounds a process's threads, for each library the tests run: ptq's own share (as a Ray task's), OpenMP
+# (torch, onnxruntime's emulated runs), the BLAS under numpy, TensorFlow's converter.
+THREAD_LIMITS = ("PTQ_TASK_CPUS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS")
+
+
+def pytest_configure(config) -> None:
+    """Under pytest-xdist each worker is given its share of the cores before it starts (the workers inherit this
+    process's environment): every library otherwise takes every core in each worker, and onnxruntime's threads spin
+    between runs, so that the workers slow each other down."""
+    workers = getattr(config.option, "numprocesses", None)
+    if hasattr(config, "workerinput") or not isinstance(workers, int) or workers < 2:
+        return
+    share = str(max(1, len(os.sched_getaffinity(0)) // workers))
+    for name in THREAD_LIMITS:
+        os.environ.setdefault(name, share)
 
 
 def pytest_itemcollected(item) -> None:
