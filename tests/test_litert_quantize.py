@@ -436,10 +436,10 @@ def test_the_changed_models_layer_inputs_read_stretch_by_stretch_are_those_of_th
     data = _two_conv_int8(study)
     schema = int4.schema_module()
     images = np.random.default_rng(4).integers(-128, 128, (130, 8, 8, 3), dtype=np.int8)  # more than one interpreter batch
-    segments: list[int] = []
-    run_segment = int4._segment_codes
-    monkeypatch.setattr(int4, "_segment_codes", lambda model, *rest: segments.append(schema.Model.GetRootAs(model, 0).Subgraphs(0).OperatorsLength())
-                        or run_segment(model, *rest))
+    segments: list[int] = []  # the operators of each model CurrentInputs runs (a stretch, or the model cut at the layer)
+    reading, run_model = [False], int4.reference_codes
+    monkeypatch.setattr(int4, "reference_codes", lambda model, *rest: (reading[0] and segments.append(schema.Model.GetRootAs(model, 0).Subgraphs(0)
+                                                                                                           .OperatorsLength())) or run_model(model, *rest))
     for budget in (int4.CURRENT_BYTES, 0):
         monkeypatch.setattr(int4, "CURRENT_BYTES", budget)
         segments.clear()
@@ -448,20 +448,23 @@ def test_the_changed_models_layer_inputs_read_stretch_by_stretch_are_those_of_th
         moved = []
         for _, operator in int4.weighted_ops(model_object):
             tensor = int(operator.inputs[0])
+            reading[0] = True
             read = current(operator)
+            reading[0] = False
             np.testing.assert_array_equal(read, int4.layer_inputs(int4.up_to(model_object, tensor), tensor, images))
             moved.append(not np.array_equal(read, int4.layer_inputs(data, tensor, images)))
             # The layer changes after its input is read, as fitting changes it: the next layers' inputs change with it.
             filters = model_object.buffers[graph.tensors[int(operator.inputs[1])].buffer]
             filters.data = np.frombuffer((-np.frombuffer(bytes(filters.data), np.int8).clip(-127, 127)).astype(np.int8).tobytes(), np.uint8)
-        assert (0 < sum(segments) <= len(graph.operators)) if budget else not segments, segments
+        # Within the budget, each operator runs once in all; past it, each read runs the model cut at the layer.
+        assert 0 < sum(segments) <= len(graph.operators) if budget else sum(segments) > len(graph.operators), segments
         assert moved[0] is False and any(moved), moved  # the first layer reads the image; a later one the changed layers' output
 
 
 def test_int4_codes_leave_less_output_error_than_plain_rounding():
     """Per output channel, the chosen clipping and GPTQ codes cost the layer's output no more than nearest 4-bit
-    codes at the full range, weighted by the inputs' second moments, on correlated inputs."""
-    from ptq_cli.transforms import int4
+    codes at the full range, weighted by the inputs' second moments, on correlated inputs; stored two codes a byte."""
+    from ptq_cli.transforms import int4, tflite_graph
 
     rng = np.random.default_rng(0)
     mixing = rng.normal(0, 1, (24, 24))
@@ -478,7 +481,9 @@ def test_int4_codes_leave_less_output_error_than_plain_rounding():
         return np.einsum("ok,kl,ol->o", error, second, error)
 
     assert np.all(cost(codes, scales) <= cost(plain, plain_scales) + 1e-9) and cost(codes, scales).sum() < 0.8 * cost(plain, plain_scales).sum()
-    assert np.array_equal(int4.pack_int4(np.array([1, -1, 7, -8, 3], np.int8)), np.array([0xF1, 0x87, 0x03], np.uint8))
+    packed = tflite_graph.pack_int4(np.array([1, -1, 7, -8, 3], np.int8))
+    assert np.array_equal(packed, np.array([0xF1, 0x87, 0x03], np.uint8))
+    assert tflite_graph.unpack_int4(packed, [5]).tolist() == [1, -1, 7, -8, 3]
 
 
 def _moments(original: np.ndarray, current: np.ndarray) -> tuple[np.ndarray, int]:

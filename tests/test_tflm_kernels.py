@@ -1,4 +1,4 @@
-"""ptq's numpy copy of TensorFlow Lite Micro's int8 reference kernels (backends/tflm_kernels.py) against the
+"""ptq's numpy copy of TensorFlow Lite Micro's int8 reference kernels (transforms/tflm_kernels.py) against the
 tflite-micro interpreter itself: the same output bytes, image by image, on models of every op it covers; and
 `--runtime tflm` going back to the interpreter where the copy disagrees or lacks an op."""
 
@@ -13,9 +13,9 @@ pytest.importorskip("ai_edge_litert", reason="the litert extra is not installed"
 pytest.importorskip("tflite_micro", reason="tflite-micro is not installed")
 tf = pytest.importorskip("tensorflow", reason="the keras extra is not installed")
 
-from ptq_cli.backends import tflm, tflm_kernels  # noqa: E402  (after the skips: they need the litert extra)
+from ptq_cli.backends import tflm  # noqa: E402  (after the skips: they need the litert extra)
 from ptq_cli.services.models import load_model  # noqa: E402
-from ptq_cli.transforms import int4  # noqa: E402
+from ptq_cli.transforms import int4, tflm_kernels  # noqa: E402
 
 ASSETS = CIFAR.parent / "mlperf-tiny-resnet8"
 
@@ -49,6 +49,16 @@ def _every_op_int8(relu=tf.nn.relu6) -> bytes:
     return full_integer_tflite(model, rng, 0.4, 30)
 
 
+def _flatten_free_batch() -> bytes:
+    """A full-integer .tflite with the batch left free, as LiteRT quantization's models: the converter computes its
+    Flatten's RESHAPE target at run time (SHAPE, STRIDED_SLICE, PACK)."""
+    keras = tf.keras
+    image = keras.Input((12, 12, 3))
+    features = keras.layers.Flatten()(keras.layers.Conv2D(8, 3, strides=2, activation="relu")(image))
+    model = keras.Model(image, keras.layers.Softmax()(keras.layers.Dense(5)(features)))
+    return full_integer_tflite(model, np.random.default_rng(17), 0.4, 30)
+
+
 def test_the_copy_gives_the_interpreter_s_bytes_on_every_op_it_covers():
     data = _every_op_int8()
     codes = np.random.default_rng(12).integers(-128, 128, (64, 12, 12, 3), dtype=np.int8)
@@ -60,6 +70,41 @@ def test_the_copy_gives_the_interpreter_s_bytes_on_every_op_it_covers():
     # 4-bit filters (unpacked as TFLite Micro unpacks them): the same again.
     four_bit = int4.to_int4(data, codes[:20]).data
     assert np.array_equal(tflm_kernels.covers(four_bit)(codes).reshape(len(codes), -1), _interpreter_outputs(four_bit, codes))
+
+
+def test_reference_codes_are_tflm_s_inside_the_model_and_litert_s_where_the_copy_lacks_an_op():
+    """What LiteRT quantization reads of a model (its judged scores, learned rounding's and 4-bit's layer inputs):
+    every op's output as TFLM computes it (the interpreter's bytes on the model cut there), over more images than a
+    call takes; on a model with an op the copy lacks, LiteRT's reference kernels' values."""
+    from ai_edge_litert.interpreter import Interpreter, OpResolverType
+
+    data = _every_op_int8()
+    codes = np.random.default_rng(16).integers(-128, 128, (tflm_kernels.REFERENCE_BATCH + 30, 12, 12, 3), dtype=np.int8)
+    schema = int4.schema_module()
+    model_object = schema.ModelT.InitFromObj(schema.Model.GetRootAs(data, 0))
+    graph = model_object.subgraphs[0]
+    made = [int(operator.outputs[0]) for operator in graph.operators]
+    found = tflm_kernels.reference_codes(data, {int(graph.inputs[0]): codes}, made)
+    for tensor in made:
+        assert np.array_equal(found[tensor].reshape(len(codes), -1), _interpreter_outputs(int4.up_to(model_object, tensor), codes)), tensor
+    free_batch = _flatten_free_batch()
+    free_object = schema.ModelT.InitFromObj(schema.Model.GetRootAs(free_batch, 0))
+    free_graph = free_object.subgraphs[0]
+    assert {"SHAPE", "STRIDED_SLICE", "PACK"} <= {int4.op_kind(free_object, operator) for operator in free_graph.operators}
+    assert not isinstance(tflm_kernels.runner(free_batch), str), tflm_kernels.runner(free_batch)
+    output = int(free_graph.outputs[0])
+    found = tflm_kernels.reference_codes(free_batch, {int(free_graph.inputs[0]): codes}, [output])[output]
+    assert np.array_equal(found.reshape(len(codes), -1), _interpreter_outputs(free_batch, codes))
+
+    lacking, one = _every_op_int8(relu=tf.nn.sigmoid), codes[:1]  # its RESHAPE is to batch 1, as the interpreter runs it
+    interpreter = Interpreter(model_content=lacking, experimental_preserve_all_tensors=True, experimental_op_resolver_type=OpResolverType.BUILTIN_REF)
+    image = interpreter.get_input_details()[0]["index"]
+    interpreter.allocate_tensors()
+    interpreter.set_tensor(image, one)
+    interpreter.invoke()
+    made = [int(operator.outputs[0]) for operator in schema.ModelT.InitFromObj(schema.Model.GetRootAs(lacking, 0)).subgraphs[0].operators]
+    found = tflm_kernels.reference_codes(lacking, {image: one}, made)
+    assert all(np.array_equal(found[tensor], interpreter.get_tensor(tensor)) for tensor in made)
 
 
 def test_an_op_the_copy_lacks_is_named_and_the_interpreter_runs_the_model(tmp_path):

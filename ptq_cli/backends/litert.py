@@ -65,6 +65,7 @@ from ptq_cli.transforms.rounding import LEARNED, NEAREST
 from ptq_cli.transforms.tflite_graph import op_kind
 from ptq_cli.transforms.tflite_layout import microcontroller_layout
 from ptq_cli.transforms.tflite_rounding import learned_int8
+from ptq_cli.transforms.tflm_kernels import reference_codes
 
 NAME = "litert"
 SUFFIX = ".tflite"
@@ -460,10 +461,10 @@ def _with_ranges(calibrated: bytes, ranges: dict[int, tuple[float, float]]) -> b
 
 
 def _judged_scores(data: bytes, images: np.ndarray) -> np.ndarray:
-    """What `--method auto` compares, on LiteRT's reference kernels (no XNNPACK, as a microcontroller): the
-    scores before a final SOFTMAX (the probabilities hide most differences), else the first output, in float."""
+    """What `--method auto` compares, on reference kernels (no XNNPACK, as a microcontroller: TFLM's own where ptq's
+    copy covers the model, `tflm_kernels.reference_codes`): the scores before a final SOFTMAX (the probabilities hide
+    most differences), else the first output, in float."""
     from ai_edge_litert import schema_py_generated as schema
-    from ai_edge_litert.interpreter import OpResolverType
 
     model_object = schema.ModelT.InitFromObj(schema.Model.GetRootAs(data, 0))
     graph = model_object.subgraphs[0]
@@ -472,17 +473,12 @@ def _judged_scores(data: bytes, images: np.ndarray) -> np.ndarray:
         if op_kind(model_object, operator) in ("SOFTMAX", "LOG_SOFTMAX") and int(operator.outputs[0]) == judged:
             judged = int(operator.inputs[0])
             break
-    interpreter = _interpreter_class()(model_content=data, experimental_preserve_all_tensors=True,
-                                       experimental_op_resolver_type=OpResolverType.BUILTIN_REF)
-    image = interpreter.get_input_details()[0]
-    interpreter.resize_tensor_input(image["index"], list(images.shape))
-    interpreter.allocate_tensors()
-    interpreter.set_tensor(image["index"], as_input(images, image))
-    interpreter.invoke()
-    detail = next(detail for detail in interpreter.get_tensor_details() if detail["index"] == judged)
-    values = interpreter.get_tensor(judged).astype(np.float64)
-    quantization = io_quantization(detail)
-    return values if quantization is None else (values - quantization[1]) * quantization[0]
+    image = _interpreter_class()(model_content=data).get_input_details()[0]
+    values = reference_codes(data, {image["index"]: as_input(images, image)}, [judged])[judged]
+    grid = graph.tensors[judged].quantization
+    if values.dtype.kind == "f" or grid is None or grid.scale is None or not len(grid.scale):
+        return values.astype(np.float64)
+    return (values.astype(np.float64) - int(grid.zeroPoint[0])) * float(grid.scale[0])
 
 
 def _with_method(calibrated: bytes, method: str, percentile: float | None, calibration: np.ndarray) -> bytes:

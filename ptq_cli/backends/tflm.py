@@ -20,11 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ptq_cli.backends import litert, tflm_kernels
+from ptq_cli.backends import litert
 from ptq_cli.backends.base import Backend, LoadedModel, RunOptions, Runtime, finish_load
 from ptq_cli.backends.model_file import model_input, num_classes, read_bytes, resolve_threads
 from ptq_cli.backends.tflm_interpreter import arena_bytes, available, fitted_interpreter
 from ptq_cli.errors import PtqError, first_line
+from ptq_cli.transforms import tflm_kernels
 
 NAME = "tflm"
 PARALLEL_FROM = 64  # images in one call from which the call is split across worker processes

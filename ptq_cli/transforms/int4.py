@@ -31,11 +31,12 @@ from typing import Any
 import numpy as np
 
 from ptq_cli.transforms.rounding import DAMPING, gptq
-from ptq_cli.transforms.tflite_graph import low_peak_order, op_kind, pack_model, schema_module, step_peaks
+from ptq_cli.transforms.tflite_graph import low_peak_order, op_kind, pack_int4, pack_model, schema_module, step_peaks
+from ptq_cli.transforms.tflm_kernels import reference_codes
 
 QMIN, QMAX = -8, 7  # int4, symmetric scales (zero point 0, as TFLite's weights)
 CLIPPINGS = np.arange(0.6, 1.0001, 0.05)  # fractions of a channel's largest weight tried as its 4-bit range
-BATCH = 100  # images per interpreter call while collecting a layer's inputs
+BATCH = 100  # images a batch while summing a layer's rows
 WEIGHTED = ("CONV_2D", "DEPTHWISE_CONV_2D", "FULLY_CONNECTED")
 INT4_KERNELS = ("CONV_2D",)  # the ops whose int4 filters TFLite Micro runs (checked by a test on its interpreter)
 
@@ -57,21 +58,6 @@ class Int4Result:
     compensating: tuple[str, ...] = ()  # the 4-bit layers aimed at the int8 model's outputs (held-out images chose it)
 
 
-def pack_int4(codes: np.ndarray) -> np.ndarray:
-    """int4 codes (any shape, values -8..7) as TFLite stores them: two a byte, the first in the low nibble."""
-    flat = codes.astype(np.int8).reshape(-1)
-    if len(flat) % 2:
-        flat = np.concatenate([flat, np.zeros(1, np.int8)])
-    return ((flat[0::2].astype(np.uint8) & 0x0F) | ((flat[1::2].astype(np.uint8) & 0x0F) << 4)).astype(np.uint8)
-
-
-def unpack_int4(packed: np.ndarray, shape: list[int]) -> np.ndarray:
-    """The int4 codes (int64, `shape`) a TFLite INT4 buffer holds: pack_int4 undone."""
-    packed = np.asarray(packed, np.uint8)
-    nibbles = np.stack([packed & 0x0F, packed >> 4], axis=1).reshape(-1)[: int(np.prod(shape))].astype(np.int64)
-    return np.where(nibbles > 7, nibbles - 16, nibbles).reshape(shape)
-
-
 def unfold_conv(inputs: np.ndarray, kernel: tuple[int, int], strides: tuple[int, int], dilations: tuple[int, int], same: bool) -> np.ndarray:
     """NHWC inputs -> the rows a CONV_2D output sums over, in its filter's (row, column, channel) order."""
     _, height, width, _ = inputs.shape
@@ -85,26 +71,12 @@ def unfold_conv(inputs: np.ndarray, kernel: tuple[int, int], strides: tuple[int,
 
 
 def tensor_codes(data: bytes, tensors: list[int], images: np.ndarray) -> dict[int, tuple[np.ndarray, float, int]]:
-    """Each of `tensors` as the model (`data`) computes it on `images` (its int8 input) by LiteRT's reference kernels,
-    in one pass: (its integer codes, scale, zero point)."""
-    from ai_edge_litert.interpreter import Interpreter, OpResolverType
-
-    interpreter = Interpreter(model_content=data, experimental_preserve_all_tensors=True, experimental_op_resolver_type=OpResolverType.BUILTIN_REF)
-    image = interpreter.get_input_details()[0]
-    interpreter.resize_tensor_input(image["index"], [min(BATCH, len(images)), *images.shape[1:]])
-    interpreter.allocate_tensors()
-    grids = {detail["index"]: detail["quantization"] for detail in interpreter.get_tensor_details() if detail["index"] in tensors}
-    found: dict[int, list[np.ndarray]] = {tensor: [] for tensor in tensors}
-    for start in range(0, len(images), BATCH):
-        part = images[start : start + BATCH]
-        if len(part) != interpreter.get_input_details()[0]["shape"][0]:
-            interpreter.resize_tensor_input(image["index"], [len(part), *images.shape[1:]])
-            interpreter.allocate_tensors()
-        interpreter.set_tensor(image["index"], part)
-        interpreter.invoke()
-        for tensor in tensors:
-            found[tensor].append(interpreter.get_tensor(tensor))
-    return {tensor: (np.concatenate(found[tensor]), float(grids[tensor][0]), int(grids[tensor][1])) for tensor in tensors}
+    """Each of `tensors` as the model (`data`) computes it on `images` (its int8 input) by the reference kernels
+    (tflm_kernels.reference_codes), in one pass: (its integer codes, scale, zero point)."""
+    graph = schema_module().Model.GetRootAs(data, 0).Subgraphs(0)
+    codes = reference_codes(data, {int(graph.Inputs(0)): images}, tensors)
+    grids = {tensor: graph.Tensors(tensor).Quantization() for tensor in tensors}
+    return {tensor: (codes[tensor], float(grids[tensor].Scale(0)), int(grids[tensor].ZeroPoint(0))) for tensor in tensors}
 
 
 def dequantized(codes: tuple[np.ndarray, float, int]) -> np.ndarray:
@@ -113,7 +85,7 @@ def dequantized(codes: tuple[np.ndarray, float, int]) -> np.ndarray:
 
 
 def layer_inputs(data: bytes, tensor: int, images: np.ndarray) -> np.ndarray:
-    """The values (dequantized) the model feeds tensor `tensor` on `images` (the model's int8 input), by LiteRT's reference kernels."""
+    """The values (dequantized) the model feeds tensor `tensor` on `images` (the model's int8 input), by the reference kernels."""
     return dequantized(tensor_codes(data, [tensor], images)[tensor])
 
 
@@ -160,8 +132,8 @@ class _NotFed(Exception):
 
 class CurrentInputs:
     """Each weighted layer's input, in graph order, as the model (`model_object`, whose layers the caller changes
-    one by one after reading their inputs) computes it now on `images` (its int8 input), by LiteRT's reference
-    kernels. The operators before a layer whose input was read do not change again, so each read runs only the
+    one by one after reading their inputs) computes it now on `images` (its int8 input), by the reference
+    kernels (tflm_kernels.reference_codes). The operators before a layer whose input was read do not change again, so each read runs only the
     operators since the previous one, from the tensors it kept (those later operators read); the same values as
     the model cut at the layer's input (`up_to`), in one pass over the model in all. Past CURRENT_BYTES it runs
     the cut model each time."""
@@ -212,30 +184,8 @@ class CurrentInputs:
             data = pack_model(self.model_object)
         finally:
             graph.inputs, graph.outputs, graph.operators, self.model_object.signatureDefs = saved
-        return {**{index: self.kept[index] for index in live if index not in made}, **_segment_codes(data, fed, wanted, self.kept)}
-
-
-def _segment_codes(data: bytes, fed: list[int], wanted: list[int], kept: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
-    """The `wanted` tensors' codes from a model (`data`) whose inputs are the `fed` tensors, fed from `kept`, by
-    LiteRT's reference kernels, BATCH images a call."""
-    from ai_edge_litert.interpreter import Interpreter, OpResolverType
-
-    interpreter = Interpreter(model_content=data, experimental_op_resolver_type=OpResolverType.BUILTIN_REF)
-    count, allocated = len(kept[fed[0]]), 0
-    found: dict[int, list[np.ndarray]] = {tensor: [] for tensor in wanted}
-    for start in range(0, count, BATCH):
-        part = {tensor: kept[tensor][start : start + BATCH] for tensor in fed}
-        if len(part[fed[0]]) != allocated:
-            for tensor, values in part.items():
-                interpreter.resize_tensor_input(tensor, list(values.shape))
-            interpreter.allocate_tensors()
-            allocated = len(part[fed[0]])
-        for tensor, values in part.items():
-            interpreter.set_tensor(tensor, values)
-        interpreter.invoke()
-        for tensor in wanted:
-            found[tensor].append(interpreter.get_tensor(tensor))
-    return {tensor: np.concatenate(found[tensor]) for tensor in wanted}
+        computed = reference_codes(data, {tensor: self.kept[tensor] for tensor in fed}, wanted)
+        return {**{index: self.kept[index] for index in live if index not in made}, **computed}
 
 
 def _unfolded(inputs: np.ndarray, operator, kind: str, shape: list[int]) -> np.ndarray:

@@ -35,6 +35,21 @@ def _op_names() -> dict[int, str]:
     return {value: name for name, value in vars(schema_module().BuiltinOperator).items() if not name.startswith("_")}
 
 
+def pack_int4(codes: np.ndarray) -> np.ndarray:
+    """int4 codes (any shape, values -8..7) as TFLite stores them: two a byte, the first in the low nibble."""
+    flat = codes.astype(np.int8).reshape(-1)
+    if len(flat) % 2:
+        flat = np.concatenate([flat, np.zeros(1, np.int8)])
+    return ((flat[0::2].astype(np.uint8) & 0x0F) | ((flat[1::2].astype(np.uint8) & 0x0F) << 4)).astype(np.uint8)
+
+
+def unpack_int4(packed: np.ndarray, shape: list[int]) -> np.ndarray:
+    """The int4 codes (int64, `shape`) a TFLite INT4 buffer holds: pack_int4 undone."""
+    packed = np.asarray(packed, np.uint8)
+    nibbles = np.stack([packed & 0x0F, packed >> 4], axis=1).reshape(-1)[: int(np.prod(shape))].astype(np.int64)
+    return np.where(nibbles > 7, nibbles - 16, nibbles).reshape(shape)
+
+
 BYTES = {"INT8": 1, "UINT8": 1, "INT16": 2, "INT32": 4, "FLOAT32": 4, "INT64": 8, "BOOL": 1, "FLOAT16": 2}
 
 

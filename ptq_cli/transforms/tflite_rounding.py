@@ -5,7 +5,8 @@ onnxruntime models', `rounding.gptq`).
 The converter rounds each float weight to its nearest int8 code. Here each CONV_2D and FULLY_CONNECTED filter is
 re-rounded, in graph order, from the float model's weights (the calibrated model the converter quantized, matched
 by tensor name) to the codes that leave the least output error E||(W - Q) x||^2 over the inputs the int8 model
-(its earlier layers already refined) gives the layer, on LiteRT's reference kernels. Each bias then takes up the
+(its earlier layers already refined) gives the layer, on TFLM's reference kernels (LiteRT's where ptq's copy of TFLM's
+kernels does not cover the model: `tflm_kernels.reference_codes`). Each bias then takes up the
 mean output error. Scales and zero points stay the converter's, so the file keeps its size and its kernels.
 Depthwise filters keep their nearest codes.
 """

@@ -15,8 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ptq_cli.transforms.int4 import unpack_int4
-from ptq_cli.transforms.tflite_graph import op_kind, schema_module
+from ptq_cli.transforms.tflite_graph import op_kind, schema_module, unpack_int4
 
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
 WINDOW_VALUES = 1 << 24  # unfolded input values per convolution product (64 MB in float32): the images per product follow
@@ -151,6 +150,13 @@ def _activation_range(activation: int, scale: float, zero_point: int) -> tuple[i
     return low, high
 
 
+TARGET_OPS = ("SHAPE", "STRIDED_SLICE", "PACK")  # how the converter computes a Flatten's RESHAPE target at run time
+
+
+def _nothing(_values: dict[int, np.ndarray]) -> None:
+    """The step of an op whose result nothing here reads."""
+
+
 class _Uncovered(Exception):
     """An op or option these kernels do not reproduce (TFLM itself then runs the model)."""
 
@@ -188,7 +194,25 @@ class _Model:
         if len(self.model.subgraphs) != 1:
             raise _Uncovered("more than one subgraph")
         self.graph = self.model.subgraphs[0]
-        self.steps: list[Callable[[dict[int, np.ndarray]], None]] = [self._step(operator) for operator in self.graph.operators]
+        targets = self._target_ops()
+        self.steps: list[Callable[[dict[int, np.ndarray]], None]] = [_nothing if position in targets else self._step(operator)
+                                                                     for position, operator in enumerate(self.graph.operators)]
+
+    def _target_ops(self) -> set[int]:
+        """The ops (positions) that only compute RESHAPE targets at run time (a Flatten with the batch left free, as the
+        converter writes it): RESHAPE here takes its output's own shape, the batch free, so they need not run."""
+        readers: dict[int, list[tuple[int, int]]] = {}
+        for position, operator in enumerate(self.graph.operators):
+            for slot, index in enumerate(operator.inputs):
+                readers.setdefault(int(index), []).append((position, slot))
+        kinds = [op_kind(self.model, operator) for operator in self.graph.operators]
+        outputs, targets = {int(index) for index in self.graph.outputs}, set()
+        for position in reversed(range(len(kinds))):
+            made = [int(index) for index in self.graph.operators[position].outputs]
+            if kinds[position] in TARGET_OPS and not outputs & set(made) and all(
+                    (kinds[reader] == "RESHAPE" and slot == 1) or reader in targets for index in made for reader, slot in readers.get(index, [])):
+                targets.add(position)
+        return targets
 
     def tensor(self, index: int):
         return self.graph.tensors[int(index)]
@@ -351,6 +375,9 @@ class _Model:
     def _reshape(self, operator, _kind: str):
         source, output = int(operator.inputs[0]), int(operator.outputs[0])
         shape = [int(dim) for dim in self.tensor(output).shape]
+        signature = self.tensor(output).shapeSignature
+        if signature is not None and any(int(dim) < 0 for dim in list(signature)[1:]):
+            raise _Uncovered("a RESHAPE to a shape known only at run time")
 
         def run(values: dict[int, np.ndarray]) -> None:
             values[output] = values[source].reshape(len(values[source]), *shape[1:])
@@ -383,26 +410,82 @@ class _Model:
         return run
 
     def run(self, batch: np.ndarray) -> np.ndarray:
-        values = {int(self.graph.inputs[0]): batch.astype(np.int16)}  # int8 codes, with room for arithmetic
-        for step in self.steps:
+        output = int(self.graph.outputs[0])
+        return self.tensors({int(self.graph.inputs[0]): batch}, [output])[output]
+
+    def tensors(self, feeds: dict[int, np.ndarray], wanted: list[int]) -> dict[int, np.ndarray]:
+        """The int8 codes of the `wanted` tensors, the model's inputs fed their int8 codes (`feeds`, tensor ->
+        batch); a tensor is let go once no later op reads it, unless wanted."""
+        values = {int(index): codes.astype(np.int16) for index, codes in feeds.items()}  # int8 codes, with room for arithmetic
+        last_read = {int(index): position for position, operator in enumerate(self.graph.operators) for index in operator.inputs}
+        for position, step in enumerate(self.steps):
             step(values)
-        return values[int(self.graph.outputs[0])].astype(np.int8)
+            for index in [index for index in values if last_read.get(index, -1) <= position and index not in wanted]:
+                del values[index]
+        return {index: values[index].astype(np.int8) for index in wanted}
+
+
+def runner(data: bytes) -> _Model | str:
+    """The model as these kernels run it (`.tensors`), when its ops are all written here and its inputs are int8,
+    else the name of the first op or option that is not."""
+    try:
+        model = _Model(data)
+        for index in model.graph.inputs:
+            model._int8(int(index))
+    except _Uncovered as missing:
+        return str(missing)
+    except Exception as error:  # noqa: BLE001  a file the interpreter runs but this reading does not follow: the interpreter runs it
+        return f"unread ({type(error).__name__})"
+    return model
+
+
+REFERENCE_BATCH = 100  # images a call in reference_codes
+
+
+def reference_codes(data: bytes, feeds: dict[int, np.ndarray], wanted: list[int]) -> dict[int, np.ndarray]:
+    """The codes of the `wanted` tensors of a model (`data`) whose inputs are fed `feeds` (tensor -> batch),
+    REFERENCE_BATCH images a call: by these kernels where they cover the model (TFLM's own arithmetic, about twice
+    LiteRT's speed), else by LiteRT's reference kernels, which round some ops apart from TFLM's (FULLY_CONNECTED
+    by one code on a few outputs)."""
+    model = runner(data)
+    run = _interpreter_run(data) if isinstance(model, str) else model.tensors
+    count = len(next(iter(feeds.values())))
+    found: dict[int, list[np.ndarray]] = {tensor: [] for tensor in wanted}
+    for start in range(0, count, REFERENCE_BATCH):
+        part = run({tensor: values[start : start + REFERENCE_BATCH] for tensor, values in feeds.items()}, wanted)
+        for tensor in wanted:
+            found[tensor].append(part[tensor])
+    return {tensor: np.concatenate(found[tensor]) for tensor in wanted}
+
+
+def _interpreter_run(data: bytes) -> Callable[[dict[int, np.ndarray], list[int]], dict[int, np.ndarray]]:
+    """LiteRT's reference kernels (no XNNPACK) as `_Model.tensors` runs: feeds in, the wanted tensors out."""
+    from ai_edge_litert.interpreter import Interpreter, OpResolverType
+
+    interpreter = Interpreter(model_content=data, experimental_preserve_all_tensors=True, experimental_op_resolver_type=OpResolverType.BUILTIN_REF)
+    shapes: dict[int, tuple[int, ...]] = {}
+
+    def run(feeds: dict[int, np.ndarray], wanted: list[int]) -> dict[int, np.ndarray]:
+        if {tensor: values.shape for tensor, values in feeds.items()} != shapes:
+            for tensor, values in feeds.items():
+                interpreter.resize_tensor_input(tensor, list(values.shape))
+            interpreter.allocate_tensors()
+            shapes.update({tensor: values.shape for tensor, values in feeds.items()})
+        for tensor, values in feeds.items():
+            interpreter.set_tensor(tensor, values)
+        interpreter.invoke()
+        return {tensor: interpreter.get_tensor(tensor) for tensor in wanted}
+
+    return run
 
 
 def covers(data: bytes) -> Callable[[np.ndarray], np.ndarray] | str:
     """A batch runner (int8 NHWC batch -> int8 outputs) for a model whose ops are all written here, else the
     name of the first op or option that is not."""
-    try:
-        model = _Model(data)
-    except _Uncovered as missing:
-        return str(missing)
-    except Exception as error:  # noqa: BLE001  a file the interpreter runs but this reading does not follow: the interpreter runs it
-        return f"unread ({type(error).__name__})"
+    model = runner(data)
+    if isinstance(model, str):
+        return model
     if len(model.graph.inputs) != 1 or len(model.graph.outputs) != 1:
         return "more than one input or output"
-    try:
-        model._int8(int(model.graph.inputs[0]))
-    except _Uncovered as missing:
-        return str(missing)
     return model.run
 
