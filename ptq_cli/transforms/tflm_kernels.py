@@ -18,7 +18,7 @@ import numpy as np
 from ptq_cli.transforms.tflite_graph import op_kind, schema_module, unpack_int4
 
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
-WINDOW_VALUES = 1 << 24  # unfolded input values per convolution product (64 MB in float32): the images per product follow
+WINDOW_VALUES = 1 << 20  # unfolded input values per convolution product (4 MB in float32): the images per product follow
 
 
 # --- gemmlowp / TFLite fixed point on int64 arrays holding int32 values -------------------------------------------
@@ -62,9 +62,12 @@ def multiply_by_quantized_multiplier(x: np.ndarray, multiplier: np.ndarray | int
     if np.any(left) or np.any(multiplier == INT32_MIN) or not np.all(right > 0):
         return divide_by_pot(doubling_high_mul(x * (np.int64(1) << left), multiplier), right)
     total = x * multiplier
-    total += (np.int64(1) << 30) + (np.int64(1) << (30 + right))
-    # p < -2^30, read after the offset: below 2^(30+e)
-    np.subtract(total, np.int64(1) << 31, out=total, where=total < (np.int64(1) << (30 + right)))
+    total += np.int64(1) << 30
+    # p < -2^30 where p + 2^30 is negative: its sign bit, spread (-1 or 0) and shifted, subtracts 2^31 without a mask.
+    below = total >> 63
+    below <<= 31
+    total += below
+    total += np.int64(1) << (30 + right)
     total >>= 31 + right
     return total
 
@@ -299,7 +302,8 @@ class _Model:
                 else:
                     repeated = np.repeat(windows, multiplier, axis=-1)
                     accumulators = np.einsum("nhwabc,abc->nhwc", repeated, weights[0].astype(exact)).astype(np.int64)
-                results.append(requantized(accumulators + bias))
+                accumulators += bias
+                results.append(requantized(accumulators))
             values[int(operator.outputs[0])] = np.concatenate(results)
 
         return run
