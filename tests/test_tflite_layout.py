@@ -104,3 +104,45 @@ def test_mlcommons_models_laid_out_score_the_same_on_both_runtimes(name):
     for before, after in zip(_outputs(data, images), _outputs(laid_out.data, images), strict=True):
         assert np.array_equal(before, after)
     assert len(laid_out.data) <= len(data) and tflm.arena_of(laid_out.data) <= tflm.arena_of(data)
+
+
+def _dilated_int8(size: int, rate, depthwise: bool, padding: str) -> bytes:
+    """A full-integer .tflite with its batch left free around a dilated convolution, which the converter then writes as
+    SPACE_TO_BATCH_ND, a plain convolution and BATCH_TO_SPACE_ND."""
+    keras = tf.keras
+    image = keras.Input((size, size, 3))
+    layer = (keras.layers.DepthwiseConv2D(3, dilation_rate=rate, padding=padding, activation="relu") if depthwise
+             else keras.layers.Conv2D(8, 3, dilation_rate=rate, padding=padding, activation="relu"))
+    model = keras.Model(image, keras.layers.Dense(5)(keras.layers.Flatten()(layer(image))))
+    return full_integer_tflite(model, np.random.default_rng(3), 0.4, 30)
+
+
+def _reference_outputs(data: bytes, codes: np.ndarray) -> np.ndarray:
+    """LiteRT's reference kernels on a batch, the shapes computed at run time."""
+    from ai_edge_litert.interpreter import Interpreter, OpResolverType
+
+    interpreter = Interpreter(model_content=data, experimental_op_resolver_type=OpResolverType.BUILTIN_REF)
+    image, scores = interpreter.get_input_details()[0]["index"], interpreter.get_output_details()[0]["index"]
+    interpreter.resize_tensor_input(image, list(codes.shape))
+    interpreter.allocate_tensors()
+    interpreter.set_tensor(image, codes)
+    interpreter.invoke()
+    return interpreter.get_tensor(scores).astype(int)
+
+
+@pytest.mark.parametrize(("size", "rate", "depthwise", "padding"), [(13, 2, False, "same"), (12, (2, 3), True, "same"), (13, 3, False, "valid")])
+def test_a_dilated_convolution_runs_on_tflite_micro_as_litert_runs_the_converter_s_file(size, rate, depthwise, padding):
+    """TFLite Micro sizes SPACE_TO_BATCH_ND from the file's batch-1 shapes (1 where the blocks make 4) and pads with 0,
+    not the zero point: on the converter's file it computes another function than LiteRT. Laid out, the convolution is
+    one dilated op, which TFLite Micro computes as LiteRT computes the converter's file, bit for bit."""
+    data = _dilated_int8(size, rate, depthwise, padding)
+    codes = np.random.default_rng(5).integers(-128, 128, (8, size, size, 3), dtype=np.int8)
+    expected = _reference_outputs(data, codes)
+    micro = lambda model: _outputs(model, codes)[0].reshape(len(codes), -1).astype(int)  # noqa: E731
+    assert not np.array_equal(micro(data), expected)
+    laid = microcontroller_layout(data)
+    model_object = tflite_graph.schema_module().ModelT.InitFromObj(tflite_graph.schema_module().Model.GetRootAs(laid.data, 0))
+    kinds = [tflite_graph.op_kind(model_object, operator) for operator in model_object.subgraphs[0].operators]
+    assert "SPACE_TO_BATCH_ND" not in kinds and "BATCH_TO_SPACE_ND" not in kinds and laid.changes[0].startswith("1 dilated convolution")
+    assert np.array_equal(micro(laid.data), expected)
+    assert np.array_equal(_reference_outputs(laid.data, codes), expected)
