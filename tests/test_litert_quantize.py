@@ -438,8 +438,13 @@ def test_the_changed_models_layer_inputs_read_stretch_by_stretch_are_those_of_th
     images = np.random.default_rng(4).integers(-128, 128, (130, 8, 8, 3), dtype=np.int8)  # more than one interpreter batch
     segments: list[int] = []  # the operators of each model CurrentInputs runs (a stretch, or the model cut at the layer)
     reading, run_model = [False], int4.reference_codes
-    monkeypatch.setattr(int4, "reference_codes", lambda model, *rest: (reading[0] and segments.append(schema.Model.GetRootAs(model, 0).Subgraphs(0)
-                                                                                                           .OperatorsLength())) or run_model(model, *rest))
+
+    def counted(model: bytes, *rest):
+        if reading[0]:
+            segments.append(schema.Model.GetRootAs(model, 0).Subgraphs(0).OperatorsLength())
+        return run_model(model, *rest)
+
+    monkeypatch.setattr(int4, "reference_codes", counted)
     for budget in (int4.CURRENT_BYTES, 0):
         monkeypatch.setattr(int4, "CURRENT_BYTES", budget)
         segments.clear()
