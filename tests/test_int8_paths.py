@@ -378,3 +378,65 @@ def test_the_exact_path_loads_layers_that_share_one_int8_weight(tmp_path):
     assert private_weight_dequantizers(private) is private
     # A graph whose copies would grow past the bound is left as it is (a crafted one could feed one weight to thousands of nodes).
     assert private_weight_dequantizers(model, max_added_bytes=0) is model
+
+
+def _residual_classifier(path: Path) -> Path:
+    """NCHW 3 x 8 x 8 -> Conv 3->8 -> Relu, read by two layers (Conv 8->8 -> Relu -> Conv 8->8, and a 1x1 Conv 8->8
+    shortcut) -> Add -> Relu -> mean -> Gemm -> 3 scores: ResNet's block, where one activation has two readers."""
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(5)
+    shapes = {"w1": (8, 3, 3, 3), "w2": (8, 8, 3, 3), "w3": (8, 8, 3, 3), "ws": (8, 8, 1, 1), "wg": (8, 3)}
+    nodes = [helper.make_node("Conv", ["image", "w1"], ["c1"], pads=[1, 1, 1, 1]), helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2"], ["c2"], pads=[1, 1, 1, 1]), helper.make_node("Relu", ["c2"], ["r2"]),
+             helper.make_node("Conv", ["r2", "w3"], ["c3"], pads=[1, 1, 1, 1]), helper.make_node("Conv", ["r1", "ws"], ["cs"]),
+             helper.make_node("Add", ["c3", "cs"], ["sum"]), helper.make_node("Relu", ["sum"], ["r3"]),
+             helper.make_node("GlobalAveragePool", ["r3"], ["pooled"]), helper.make_node("Flatten", ["pooled"], ["flat"]),
+             helper.make_node("Gemm", ["flat", "wg"], ["scores"])]
+    graph = helper.make_graph(nodes, "residual", [helper.make_tensor_value_info("image", onnx.TensorProto.FLOAT, ["N", 3, 8, 8])],
+                              [helper.make_tensor_value_info("scores", onnx.TensorProto.FLOAT, ["N", 3])],
+                              [numpy_helper.from_array(rng.normal(0, 0.3, shape).astype(np.float32), name) for name, shape in shapes.items()])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=7), str(path))
+    return path
+
+
+def _kernels(path: Path, optimized: Path) -> dict[str, int]:
+    """The op types of the graph onnxruntime's CPU session runs for `path` (its QDQ fusions applied)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    options.optimized_model_filepath = str(optimized)
+    ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    ops: dict[str, int] = {}
+    for node in onnx.load(str(optimized)).graph.node:
+        ops[node.op_type] = ops.get(node.op_type, 0) + 1
+    return ops
+
+
+def test_int8_activations_read_by_two_layers_run_on_integer_kernels_in_onnxruntime(tmp_path, monkeypatch):
+    """onnxruntime on x86 runs an int8 layer on integer kernels only where its input's QuantizeLinear has one reader:
+    the quantized model gives each reader its own pair (the same arithmetic), so that its readers leave float."""
+    import onnxruntime as ort
+
+    from ptq_cli.backends import onnxruntime as ort_backend
+
+    _residual_classifier(tmp_path / "r.onnx")
+    image_folder(tmp_path / "data", per_class=8)
+    assert invoke("calibrate", "--data", "data", "--output", "cal.npz", cwd=tmp_path).exit_code == 0
+    common = ("quantize", "--model", "r.onnx", "--calibration", "cal.npz", "--dtype", "int8", "--stem", "int8", "--rounding", "nearest", "--json")
+    made = invoke(*common, "--output", "private.onnx", cwd=tmp_path)
+    assert made.exit_code == 0, made.output
+    assert any("pair(s) added" in note for note in json.loads(made.stdout)["notes"])
+    monkeypatch.setattr(ort_backend, "private_activation_quantizers", lambda model: 0)
+    assert invoke(*common, "--output", "shared.onnx", cwd=tmp_path).exit_code == 0
+    private, shared = _kernels(tmp_path / "private.onnx", tmp_path / "p.onnx"), _kernels(tmp_path / "shared.onnx", tmp_path / "s.onnx")
+    # Both readers of the shared activation move to integer kernels; the layer writing it stays in float either way
+    # (onnxruntime fuses a layer only into one QuantizeLinear; a shared int8 one it never shifts to uint8).
+    assert (private["QLinearConv"], private["Conv"]) == (3, 1) and (shared["QLinearConv"], shared["Conv"]) == (1, 3), (private, shared)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # the graphs as written: their arithmetic
+    images = np.random.default_rng(0).uniform(0, 1, (16, 3, 8, 8)).astype(np.float32)
+    scores = [ort.InferenceSession(str(tmp_path / name), options, providers=["CPUExecutionProvider"]).run(None, {"image": images})[0]
+              for name in ("private.onnx", "shared.onnx")]
+    assert np.array_equal(*scores)

@@ -66,6 +66,7 @@ from ptq_cli.transforms.graph import (
     keep_float_layers,
     part_after,
     preprocess,
+    private_activation_quantizers,
     private_weight_dequantizers,
     whole_map_average_pools,
 )
@@ -839,6 +840,12 @@ def _finish(quantized, rewrites: list, float_nodes) -> int:
     return float_scores(quantized)
 
 
+def _private_int8_pairs(quantized) -> list[str]:
+    added = private_activation_quantizers(quantized)
+    return [f"int8 activations read by several layers: {added} QuantizeLinear/DequantizeLinear pair(s) added, one per reader, the same "
+            "arithmetic (onnxruntime on x86 runs a layer on integer kernels only where its int8 input's pair has one reader)"] if added else []
+
+
 def _after(progress: ProgressCallback | None, done: int) -> ProgressCallback | None:
     """The progress of a phase, shown after the `done` steps of the phases before it on the same bar."""
     return (lambda steps, total: progress(done + steps, done + total)) if progress else None
@@ -960,7 +967,7 @@ def _quantize(model, output: Path, settings: QuantizationSettings, calibration: 
                                    workdir=Path(workdir), output=output, model_name=model_name) if search and settings.percentile is not None else None
             quantized, settings, refined_notes = _refined(quantized, source, calibration, described.name, settings, fixed_batch, search,
                                                           _after(progress, done + len(calibration)), minmax_model)
-            notes += refined_notes
+            notes += refined_notes + _private_int8_pairs(quantized)
             onnx.helper.set_model_props(quantized, _stored_props(settings, rewrites, stored, model))
             onnx.save(quantized, str(tmp))
             return QuantizedFile(tmp.stat().st_size, tuple(rewrites), tuple(notes + _warning_notes(warnings)), settings)

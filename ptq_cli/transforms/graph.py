@@ -234,11 +234,7 @@ def private_weight_dequantizers(model, max_added_bytes: int = MAX_PRIVATE_COPY_B
     private = onnx.ModelProto()
     private.CopyFrom(model)
     graph = private.graph
-    initializers = {init.name: init for init in graph.initializer}
-    consumers: dict[str, list[tuple[Any, int]]] = {}
-    for node in graph.node:
-        for slot, name in enumerate(node.input):
-            consumers.setdefault(name, []).append((node, slot))
+    initializers, consumers = {init.name: init for init in graph.initializer}, _readers(graph)
     fresh = _fresh_names(set(initializers) | {name for node in graph.node for name in (node.name, *node.output)})
     outputs, private_nodes = {value.name for value in graph.output}, []
     for node in graph.node:
@@ -260,6 +256,73 @@ def private_weight_dequantizers(model, max_added_bytes: int = MAX_PRIVATE_COPY_B
     graph.node.extend(private_nodes)
     drop_unused_initializers(private)
     return private
+
+
+def private_activation_quantizers(model) -> int:
+    """In place: each int8 activation's QuantizeLinear -> DequantizeLinear read by several nodes becomes one such pair
+    per reader, each owning its scale and zero point: the same arithmetic. On x86, onnxruntime runs an int8 layer on
+    integer kernels by shifting its activations to uint8 (its QDQS8ToU8 rewrite), which it does only to a pair with one
+    reader, and it merges identical pairs back into one (common subexpression elimination) unless their scales and zero
+    points are distinct initializers. Returns how many pairs were added."""
+    import onnx
+
+    graph = model.graph
+    initializers, readers = {init.name: init for init in graph.initializer}, _readers(graph)
+    outputs = {value.name for value in graph.output}
+    fresh = _fresh_names(set(initializers) | {name for node in graph.node for name in (node.name, *node.output)})
+
+    def copied(node, source: str | None = None):
+        copy = onnx.NodeProto()
+        copy.CopyFrom(node)
+        copy.name, copy.output[0] = fresh(node.name or node.output[0]), fresh(node.output[0])
+        copy.input[0] = source or node.input[0]
+        for position in (1, 2):
+            tensor = graph.initializer.add()
+            tensor.CopyFrom(initializers[node.input[position]])
+            tensor.name = copy.input[position] = fresh(node.input[position])
+        return copy
+
+    nodes, added = [], 0
+    for node in graph.node:
+        nodes.append(node)
+        pairs = _shared_int8_pair(node, initializers, readers, outputs)
+        for dequantize, reader, slot in pairs[1:]:
+            quantize = copied(node)
+            private = copied(dequantize, quantize.output[0])
+            reader.input[slot] = private.output[0]
+            nodes += [quantize, private]
+            added += 1
+    del graph.node[:]
+    graph.node.extend(nodes)
+    drop_dead_nodes(model)
+    drop_unused_initializers(model)
+    return added
+
+
+def _readers(graph) -> dict[str, list[tuple[Any, int]]]:
+    """By tensor name, each node reading it and the input slot it reads it at."""
+    readers: dict[str, list[tuple[Any, int]]] = {}
+    for node in graph.node:
+        for slot, name in enumerate(node.input):
+            readers.setdefault(name, []).append((node, slot))
+    return readers
+
+
+def _shared_int8_pair(node, initializers: dict, readers: dict[str, list[tuple[Any, int]]], outputs: set[str]) -> list[tuple[Any, Any, int]]:
+    """(DequantizeLinear, reader, input slot) for each reader of `node`'s pairs, if `node` quantizes an activation to int8
+    (scale and zero point initializers) and only DequantizeLinear nodes read it, none a graph output; else []."""
+    import onnx
+
+    if node.op_type != "QuantizeLinear" or len(node.input) < 3 or node.input[0] in initializers or node.output[0] in outputs:
+        return []
+    zero_point, scale = initializers.get(node.input[2]), initializers.get(node.input[1])
+    if zero_point is None or scale is None or zero_point.data_type != onnx.TensorProto.INT8:
+        return []
+    dequantizers = [reader for reader, _ in readers.get(node.output[0], [])]
+    if any(reader.op_type != "DequantizeLinear" or reader.output[0] in outputs or len(reader.input) < 3
+           or not all(name in initializers for name in reader.input[1:3]) for reader in dequantizers):
+        return []
+    return [(dequantize, reader, slot) for dequantize in dequantizers for reader, slot in readers.get(dequantize.output[0], [])]
 
 
 def _weight_dequantizers(graph) -> list:
