@@ -78,7 +78,7 @@ def ptq_ok(*args: str, cwd: Path, fresh_process: bool = False) -> Run:
 
 
 # Every `ptq run` on the study passes it: a run with other options would not find its stages up to date. The fewest
-# allowed, one image a class: the default int8 model keeps float convolutions, and qemu computes floats slowly (~0.8 s an image).
+# allowed, one image a class: the int8 model keeps its stem convolution in float, and qemu computes floats slowly.
 STUDY_EMULATION = ("--emulated-images", "10")
 REAL_ASSET_FIXTURES = {"assets", "resnet8_onnx", "pipeline", "pipeline_snapshot"}
 
