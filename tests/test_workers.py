@@ -180,6 +180,64 @@ def test_a_ptq_error_in_a_task_is_said_in_its_own_words():
         runs.map(refuses, [0], None)
 
 
+class _Ref:
+    def __init__(self, task, item, shared) -> None:
+        self.task, self.item, self.shared = task, item, shared
+
+
+class _Reads(list):
+    """Items that log which position is read when: a lazy sequence (evaluation's shards) loads an item then."""
+
+    def __init__(self, items, log: list) -> None:
+        super().__init__(items)
+        self.log = log
+
+    def __getitem__(self, position):
+        self.log.append(("read", position))
+        return super().__getitem__(position)
+
+
+class _Cluster:
+    """The Ray calls OnRay.map makes, on a cluster of `cpus` CPUs that finishes the latest task sent first."""
+
+    exceptions = type("exceptions", (), {name: type(name, (Exception,), {}) for name in
+                                          ("RayTaskError", "WorkerCrashedError", "NodeDiedError", "ObjectLostError", "RaySystemError")})
+
+    def __init__(self, cpus: int, log: list) -> None:
+        self.cpus, self.log = cpus, log
+
+    def remote(self, **_options):
+        return lambda task: type("Remote", (), {"remote": staticmethod(lambda item, shared: _Ref(task, item, shared))})
+
+    def put(self, value):
+        return value
+
+    def cluster_resources(self) -> dict[str, float]:
+        return {"CPU": float(self.cpus)}
+
+    def wait(self, refs: list, num_returns: int, timeout: float) -> tuple[list, list]:
+        return refs[-num_returns:], refs[:-num_returns]
+
+    def get(self, ref: _Ref):
+        self.log.append(("back", ref.item))
+        return ref.task(ref.item, ref.shared)
+
+
+def test_tasks_are_sent_a_few_ahead_of_the_workers_and_come_back_in_order():
+    """The driver reads an item (evaluation loads a shard then) only when fewer than two tasks per CPU are out:
+    what it and Ray's object store hold stays bounded, however many items there are."""
+    log: list = []
+    runs = executor_service.OnRay(_Cluster(cpus=2, log=log), "test cluster")
+    items = _Reads(range(20), log)
+    assert runs.map(lambda item, shared: item * shared, items, 3) == [item * 3 for item in range(20)]
+    assert [position for event, position in log if event == "read"] == list(range(20))  # every item read once, in order
+    out = most = 0
+    for event, _ in log:
+        out += 1 if event == "read" else -1
+        most = max(most, out)
+    assert most == executor_service.AHEAD_PER_CPU * 2 and out == 0
+
+
 def test_without_workers_ray_is_not_imported(project):
     script = ("import sys; sys.path.insert(0, sys.argv[1]); from synthetic import invoke; from pathlib import Path\n"
               f"result = invoke(*{list(TUNE)!r}, '--output', 'models/t.onnx', cwd=Path('.'))\n"

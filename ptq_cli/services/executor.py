@@ -38,6 +38,7 @@ HEARTBEAT_SECONDS = 2.0  # while no task finishes, the cluster's head is asked t
 # Ray's shared-memory store for what tasks share (the model's bytes, the calibration and validation images):
 # bounded, so that a local instance does not claim a third of the machine's memory as Ray's default does.
 OBJECT_STORE_BYTES = 1 << 30
+AHEAD_PER_CPU = 2  # tasks sent per CPU of the cluster before one finishes: each CPU has its next task waiting
 
 
 @dataclass(frozen=True)
@@ -100,15 +101,21 @@ class OnRay:
         ray = self.ray
         remote = ray.remote(max_retries=RETRIES, num_cpus=TASK_CPUS)(task)
         shared_ref = ray.put(shared)
-        pending = {remote.remote(item, shared_ref): index for index, item in enumerate(items)}
+        # Items are read (a lazy sequence loads each then) and sent a few ahead of the workers, not all at once:
+        # the driver and the object store hold those in flight, whatever the number of items.
+        ahead = max(1, AHEAD_PER_CPU * int(ray.cluster_resources().get("CPU", 1)))
+        pending: dict[Any, int] = {}
         results: dict[int, Result] = {}
-        waiting = list(pending)
-        while waiting:
-            ready, waiting = self._wait(waiting)
+        while len(results) < len(items):
+            while len(results) + len(pending) < len(items) and len(pending) < ahead:
+                position = len(results) + len(pending)
+                pending[remote.remote(items[position], shared_ref)] = position
+            ready, _ = self._wait(list(pending))
             for ref in ready:
-                results[pending[ref]] = self._get(ref)
+                position = pending.pop(ref)
+                results[position] = self._get(ref)
                 if each:
-                    each(pending[ref], results[pending[ref]])
+                    each(position, results[position])
                 if done:
                     done(len(results), len(items))
         return [results[index] for index in range(len(items))]

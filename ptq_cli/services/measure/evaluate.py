@@ -7,11 +7,11 @@ import json
 import math
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -219,11 +219,12 @@ def predict_shard(images: np.ndarray, shared: ShardedModel) -> tuple[np.ndarray,
 def _predict_in_shards(runs: Executor, model: LoadedModel, test: SplitImages, batch_size: int, how: ShardedModel,  # noqa: PLR0913,PLR0917  the model, its images and how to load it elsewhere
                        progress: ProgressCallback | None) -> tuple[np.ndarray, float]:
     """The split in one shard per worker call, cut at whole calls (so that every image is computed as in one
-    process), each scored as a task; (scores, wall seconds). The shards are all sent at once: held here together."""
-    calls = bounded.images_per_call(math.prod(model.input.shape(1)), batch_size)
+    process), each scored as a task; (scores, wall seconds). Each shard is read as it is sent (_Shards)."""
+    values = math.prod(model.input.shape(1))
+    calls = bounded.images_per_call(values, batch_size)
     total = len(test.labels)
-    per_shard = calls * max(1, math.ceil(math.ceil(total / calls) / SHARDS_PER_RUN))
-    shards = [test.take(np.arange(start, min(start + per_shard, total))) for start in range(0, total, per_shard)]
+    per_shard = calls * max(1, min(math.ceil(math.ceil(total / calls) / SHARDS_PER_RUN), SHARD_BYTES // (4 * values * calls)))
+    shards = _Shards(test, per_shard)
     began = time.perf_counter()
     done = (lambda finished, _total: progress(min(finished * per_shard, total), total)) if progress else None
     scored = runs.map(predict_shard, shards, how, done=done)
@@ -231,6 +232,32 @@ def _predict_in_shards(runs: Executor, model: LoadedModel, test: SplitImages, ba
 
 
 SHARDS_PER_RUN = 8  # shards of the split: enough for a few workers to finish together
+SHARD_BYTES = 128 << 20  # at most (as float32 values, whole calls apart): a large split is cut finer, not held whole
+
+
+class _Shards(Sequence[np.ndarray]):
+    """The split's images in shards of `per_shard`, each read from the dataset when asked for: the executor holds
+    only those it has sent and not yet had back."""
+
+    def __init__(self, test: SplitImages, per_shard: int) -> None:
+        self.test, self.per_shard, self.total = test, per_shard, len(test.labels)
+
+    def __len__(self) -> int:
+        return math.ceil(self.total / self.per_shard)
+
+    @overload
+    def __getitem__(self, index: int) -> np.ndarray: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[np.ndarray]: ...
+
+    def __getitem__(self, index: int | slice) -> np.ndarray | Sequence[np.ndarray]:
+        if isinstance(index, slice):
+            return [self[position] for position in range(len(self))[index]]
+        if not -len(self) <= index < len(self):
+            raise IndexError(index)
+        start = (index % len(self)) * self.per_shard
+        return self.test.take(np.arange(start, min(start + self.per_shard, self.total)))
 
 
 def _int8_plan(model: LoadedModel, wanted: str | None, cpu: cpu_info.Cpu, model_path: Path) -> tuple[str | None, str]:
