@@ -5,6 +5,7 @@ assertion holds on a CPU with VNNI and on one without."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -408,10 +409,7 @@ def _kernels(path: Path, optimized: Path) -> dict[str, int]:
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
     options.optimized_model_filepath = str(optimized)
     ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    ops: dict[str, int] = {}
-    for node in onnx.load(str(optimized)).graph.node:
-        ops[node.op_type] = ops.get(node.op_type, 0) + 1
-    return ops
+    return Counter(node.op_type for node in onnx.load(str(optimized)).graph.node)
 
 
 def test_int8_activations_read_by_two_layers_run_on_integer_kernels_in_onnxruntime(tmp_path, monkeypatch):
