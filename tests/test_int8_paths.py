@@ -106,8 +106,8 @@ def test_quantize_is_for_all_cpus_by_default_and_stores_its_target(study):
 def test_resnet8_speed_model_for_vnni_saturates_and_the_default_one_does_not(pipeline_snapshot):
     """Real weights: the saturating path as this CPU reaches it (natively, or emulated on a VNNI CPU) against
     the exact one, on 100 test images (emulated, each costs about 35 ms more and the suite is to cost the same on every CPU)."""
-    if cpu_info.current().int8_path == cpu_info.EXACT and emulate.qemu() is None:
-        pytest.fail("a VNNI CPU without qemu-user: `make install` installs it (apt-get install qemu-user)")
+    if cpu_info.current().int8_path == cpu_info.EXACT and not emulate.reachable():
+        pytest.fail("a VNNI CPU that can neither mask CPUID nor run qemu-user: `make install` installs it (apt-get install qemu-user)")
     # The study's own calibration set, and the data named whole: PTQ_ASSETS may be relative to the repository.
     result = invoke("quantize", "--target", "speed", "--cpus", "vnni", "--data", CIFAR, "--calibration", "calibration/cifar10_calib.npz",
                     "--output", "models/speed_vnni.onnx", cwd=pipeline_snapshot)
@@ -154,7 +154,7 @@ def test_saturating_path_on_a_vnni_cpu_is_proven_or_emulated(study, monkeypatch)
     assert proven.exit_code == 0, proven.output
     assert json.loads(proven.stdout)["int8_basis"].startswith("proof")
     emulated = invoke("evaluate", "--model", "vnni.onnx", "--data", "imgs", "--int8-path", "saturating", "--emulated-images", "12", "--json", cwd=study)
-    if emulate.qemu() is None:
+    if not emulate.reachable():
         one_line_error(emulated, "qemu-user")
         return
     assert emulated.exit_code == 0, emulated.output
@@ -251,8 +251,8 @@ def _grouped_qdq_classifier(path: Path, in_per_group: int, channels: int = 64, u
 def test_depthwise_convolutions_cannot_saturate_and_need_no_pair_rule(tmp_path, in_per_group):
     """onnxruntime's depthwise kernel gives the exact sums with full-range weights, so the proof and the
     all-layers fix exempt depthwise convolutions; two input channels per group already saturate."""
-    if cpu_info.current().int8_path == cpu_info.EXACT and emulate.qemu() is None:
-        pytest.fail("a VNNI CPU without qemu-user: `make install` installs it (apt-get install qemu-user)")
+    if cpu_info.current().int8_path == cpu_info.EXACT and not emulate.reachable():
+        pytest.fail("a VNNI CPU that can neither mask CPUID nor run qemu-user: `make install` installs it (apt-get install qemu-user)")
     path = _grouped_qdq_classifier(tmp_path / "grouped.onnx", in_per_group)
     batch = np.ones((1, 3, 8, 8), np.float32)
     if cpu_info.current().int8_path == cpu_info.SATURATING:
@@ -267,8 +267,8 @@ def test_depthwise_convolutions_cannot_saturate_and_need_no_pair_rule(tmp_path, 
 def test_uint8_weights_under_uint8_activations_cannot_saturate_and_are_proven(tmp_path):
     """u8 x u8: every weight at code 255 under activations of code 255, the worst case for int16 pairs, gives the
     exact sums on both paths (onnxruntime's kernel widens first), so the proof takes uint8 weights under uint8 activations."""
-    if cpu_info.current().int8_path == cpu_info.EXACT and emulate.qemu() is None:
-        pytest.fail("a VNNI CPU without qemu-user: `make install` installs it (apt-get install qemu-user)")
+    if cpu_info.current().int8_path == cpu_info.EXACT and not emulate.reachable():
+        pytest.fail("a VNNI CPU that can neither mask CPUID nor run qemu-user: `make install` installs it (apt-get install qemu-user)")
     batch = np.ones((1, 3, 8, 8), np.float32)
 
     def both_paths(path: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -286,6 +286,32 @@ def test_uint8_weights_under_uint8_activations_cannot_saturate_and_are_proven(tm
     assert not np.array_equal(exact, saturating)  # saturates: the measurement sees saturation where there is some
     assert not overflow.saturation_proof(onnx.load(str(signed)))[0]
 
+
+
+def test_masked_cpuid_runs_the_avx2_kernels_qemu_emulates_byte_for_byte(tmp_path, monkeypatch):
+    """The two ways to the saturating path on a VNNI CPU, the AVX2 kernels run natively with CPUID masked and the same
+    kernels under qemu as a Haswell, give the same bytes on a model that saturates; and neither gives the exact sums."""
+    if emulate.masking_shim() is None or emulate.qemu() is None:
+        pytest.skip("this machine cannot mask CPUID (no CPUID faulting or no C compiler) or has no qemu-user: nothing to compare")
+    batch = np.ones((2, 3, 8, 8), np.float32)
+    signed = _grouped_qdq_classifier(tmp_path / "s8.onnx", 64, output_scale=1000.0)  # int8 weights at their worst case: saturates
+    masked = emulate.scores_under_emulation(signed, batch)
+    monkeypatch.setattr(emulate, "masking_shim", lambda: None)
+    assert emulate.describe().startswith("qemu")
+    emulated = emulate.scores_under_emulation(signed, batch)
+    assert masked.tobytes() == emulated.tobytes()
+    exact = load_model(signed, exact_int8=cpu_info.current().int8_path == cpu_info.SATURATING).predict(batch)
+    assert not np.array_equal(masked, exact)
+
+
+def test_a_child_whose_cpuid_is_not_masked_refuses_to_score(tmp_path, monkeypatch):
+    """Started to run the AVX2 kernels with CPUID masked, a child that finds it is not (the shim not loaded, its handler
+    replaced) says so and scores nothing: its figures would be this CPU's own path's."""
+    monkeypatch.setenv(emulate.MASKED_ENV, "1")
+    assert not emulate.masked_here()
+    with pytest.raises(SystemExit, match="CPUID is not masked"):
+        emulate._child(str(tmp_path / "m.onnx"), str(tmp_path / "in.npy"), str(tmp_path / "out.npy"), "1")
+    assert not (tmp_path / "out.npy").exists()
 
 def test_the_all_layers_fix_leaves_depthwise_weights_at_full_precision(tmp_path):
     from synthetic import depthwise_classifier

@@ -1,14 +1,21 @@
-"""The saturating x86 int8 path on a CPU that has VNNI: onnxruntime's or PyTorch's real kernels run under
-user-mode emulation of an AVX2 CPU (`qemu-x86_64 -cpu Haswell`, Debian's qemu-user), in a child process.
+"""The saturating x86 int8 path on a CPU that has VNNI: onnxruntime's or PyTorch's real AVX2 kernels, in a child process
+that sees an AVX2 CPU without VNNI.
 
-Emulation runs about 50-100 images/s on ResNet8 (PyTorch: about 25 s to start), so it scores a
-stratified subset (`subset_indices`).
-Run as `python -m ptq_cli.services.measure.emulate MODEL INPUTS.npy OUTPUT.npy`, it is that child.
+Two ways to it, the first that works on this machine:
+- CPUID masked (Linux on x86-64 with CPUID faulting, and a C compiler): the child starts with ptq's small shim
+  (`avx2_cpuid.c`, compiled once into ptq's cache directory) preloaded, which answers CPUID without AVX-512, VNNI,
+  AMX and AVX10; the libraries' CPU dispatch picks their AVX2 kernels, which run natively, at native speed.
+- `qemu-x86_64 -cpu Haswell` (Debian's qemu-user): user-mode emulation of an AVX2 CPU, about 100x slower.
+Both give the same bytes (tests/test_int8_paths.py). A stratified subset (`subset_indices`) is scored either way.
+Run as `python -m ptq_cli.services.measure.emulate MODEL INPUTS.npy OUTPUT.npy THREADS`, it is that child.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -18,20 +25,93 @@ from pathlib import Path
 import numpy as np
 
 from ptq_cli.errors import PtqError
-from ptq_cli.guards import trust
+from ptq_cli.guards import cache, trust
 
 QEMU = "qemu-x86_64"
 QEMU_CPU = "Haswell"  # AVX2 and FMA, no AVX-512, no VNNI: what onnxruntime's CPU dispatch then picks is the saturating kernel
+SHIM_SOURCE = Path(__file__).with_name("avx2_cpuid.c")
+MASKED_ENV = "PTQ_AVX2_SHIM"  # set in a child started with the shim: it checks that CPUID is masked before it loads a model
+NOT_MASKED = 3  # the child's exit status where CPUID is not masked after all
 DEFAULT_SUBSET = 1000
 TIMEOUT_SECONDS = 1800
+MASK_CHECK = f"import sys; from ptq_cli.services.measure.emulate import masked_here; sys.exit(0 if masked_here() else {NOT_MASKED})"
 
 
 def qemu() -> str | None:
     return shutil.which(QEMU)
 
 
+def reachable() -> bool:
+    """Whether this machine can run the AVX2 kernels one way or the other."""
+    return masking_shim() is not None or qemu() is not None
+
+
+def masking_shim() -> Path | None:
+    """ptq's CPUID shim, compiled once into the cache directory (named by its source's digest), where it masks CPUID in
+    a process here; None where it cannot (not x86-64 Linux, no C compiler, no cache directory, no CPUID faulting)."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if sys.platform != "linux" or platform.machine() != "x86_64" or compiler is None:
+        return None
+    try:
+        root = cache.directory()
+    except PtqError:
+        root = None
+    if root is None:
+        return None
+    shim = root / f"avx2-cpuid-{hashlib.sha256(SHIM_SOURCE.read_bytes()).hexdigest()[:16]}.so"
+    if not shim.is_file() and not _build(compiler, shim):
+        return None
+    return shim if _masks(shim) else None
+
+
+def _build(compiler: str, shim: Path) -> bool:
+    with tempfile.TemporaryDirectory(dir=shim.parent, prefix="ptq-shim-") as workdir:
+        built = Path(workdir) / shim.name
+        try:
+            done = subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", str(built), str(SHIM_SOURCE)], capture_output=True, timeout=120, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        if done.returncode != 0 or not built.is_file():
+            return False
+        os.replace(built, shim)
+    return True
+
+
+@functools.cache
+def _masks(shim: Path) -> bool:
+    """Whether a process started with the shim sees CPUID masked (once per process: the answer is the machine's)."""
+    try:
+        probe = subprocess.run([sys.executable, "-c", MASK_CHECK], env=_environment(shim, 1), capture_output=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return probe.returncode == 0
+
+
+def masked_here() -> bool:
+    """Whether ptq's shim answers CPUID in this process, and leaf 7 shows neither AVX-512 F nor VNNI."""
+    import ctypes
+
+    library = ctypes.CDLL(None)
+    try:
+        status, leaf7 = library.ptq_avx2_status, library.ptq_avx2_leaf7
+    except AttributeError:  # the shim is not loaded
+        return False
+    leaf7.restype = ctypes.c_ulonglong
+    features = leaf7()
+    return status() == 0 and not features & (1 << 16) and not features >> 32 & (1 << 11)
+
+
+def _environment(shim: Path | None, threads: int) -> dict[str, str]:
+    environment = {**os.environ, "OMP_NUM_THREADS": str(threads), **({trust.ENV: "1"} if trust.trusting() else {})}
+    environment.pop("PYTHONFAULTHANDLER", None)  # its SIGSEGV handler would take the faulting CPUID's place
+    if shim is not None:
+        environment |= {"LD_PRELOAD": ":".join(filter(None, (str(shim), os.environ.get("LD_PRELOAD")))), MASKED_ENV: "1"}
+    return environment
+
+
 def describe() -> str:
-    return f"{QEMU} -cpu {QEMU_CPU}"
+    """How this machine reaches the AVX2 kernels."""
+    return "AVX2 kernels run natively, CPUID masked of AVX-512, VNNI and AMX" if masking_shim() else f"{QEMU} -cpu {QEMU_CPU}"
 
 
 def subset_indices(labels: np.ndarray, size: int) -> np.ndarray:
@@ -47,26 +127,29 @@ def subset_indices(labels: np.ndarray, size: int) -> np.ndarray:
 def scores_under_emulation(model_path: Path, batch: np.ndarray, threads: int = 1) -> np.ndarray:
     """The model's scores on `batch` (already in its input format), computed as an AVX2 CPU without VNNI
     computes them, by the model's own runtime (onnxruntime or PyTorch)."""
-    binary = qemu()
-    if binary is None:
-        raise PtqError(f"{model_path}: the saturating int8 path on this CPU (it has VNNI) is measured under {describe()}, "
-                       f"and {QEMU} is not installed (Debian: apt-get install qemu-user; `make install` does it)")
+    shim, binary = masking_shim(), qemu()
+    if shim is None and binary is None:
+        raise PtqError(f"{model_path}: the saturating int8 path on this CPU (it has VNNI) is measured with CPUID masked (needs CPUID faulting "
+                       f"and a C compiler) or under {QEMU} -cpu {QEMU_CPU}, and {QEMU} is not installed (Debian: apt-get install qemu-user; "
+                       "`make install` does it)")
     with tempfile.TemporaryDirectory(prefix="ptq-emulate-") as workdir:
         inputs, outputs = Path(workdir) / "inputs.npy", Path(workdir) / "scores.npy"
         np.save(inputs, batch)
-        command = [binary, "-cpu", QEMU_CPU, sys.executable, "-m", __name__, str(Path(model_path).resolve()), str(inputs), str(outputs), str(threads)]
-        environment = {**os.environ, "OMP_NUM_THREADS": str(threads), **({trust.ENV: "1"} if trust.trusting() else {})}
+        prefix = [] if shim is not None else [str(binary), "-cpu", QEMU_CPU]
+        command = [*prefix, sys.executable, "-m", __name__, str(Path(model_path).resolve()), str(inputs), str(outputs), str(threads)]
         try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_SECONDS, env=environment, check=False)
+            done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_SECONDS, env=_environment(shim, threads), check=False)
         except subprocess.TimeoutExpired as error:
-            raise PtqError(f"{model_path}: emulation under {describe()} took over {TIMEOUT_SECONDS} s") from error
+            raise PtqError(f"{model_path}: emulation ({describe()}) took over {TIMEOUT_SECONDS} s") from error
         if done.returncode != 0 or not outputs.is_file():
             lines = [line for line in done.stderr.splitlines() if line.strip() and "TCG doesn't support" not in line]
-            raise PtqError(f"{model_path}: emulation under {describe()} failed ({(lines or ['exit ' + str(done.returncode)])[-1].strip()})")
+            raise PtqError(f"{model_path}: emulation ({describe()}) failed ({(lines or ['exit ' + str(done.returncode)])[-1].strip()})")
         return np.load(outputs, allow_pickle=False)
 
 
 def _child(model: str, inputs: str, outputs: str, threads: str) -> None:
+    if os.environ.get(MASKED_ENV) and not masked_here():
+        sys.exit("CPUID is not masked in this process: its answers would be this CPU's own")
     from ptq_cli.services.models import load_model
 
     loaded = load_model(Path(model), int(threads))  # qemu runs each guest thread on a host thread

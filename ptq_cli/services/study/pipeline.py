@@ -58,8 +58,8 @@ LITERT_QUANTIZED: tuple[dict[str, Any], ...] = ({"backend": "litert"}, {"backend
 # The backends the study names (its recipe above is data; which of them run is the user's and the extras' say).
 # Where one cannot take the model (onnx2torch lacks an op, NNCF fails on a graph), the study goes on without it.
 PYTORCH, OPENVINO, LITERT = "pytorch", "openvino", "litert"
-# On a VNNI CPU the saturating path of a model that cannot be proven exact is emulated (about 35 to 70 s
-# for 1,000 images on 2 cores): the study emulates this many, so that `ptq run` stays within minutes.
+# On a VNNI CPU the saturating path of a model that cannot be proven exact is emulated (under qemu, where CPUID
+# cannot be masked, about 35 to 70 s for 1,000 images on 2 cores): the study emulates this many, so that `ptq run` stays within minutes.
 RUN_EMULATED_IMAGES = 500
 
 
