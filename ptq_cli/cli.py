@@ -46,7 +46,6 @@ from ptq_cli.services.make import prune as prune_service
 from ptq_cli.services.make import quantize as quantize_service
 from ptq_cli.services.make import stem as stem_service
 from ptq_cli.services.measure import benchmark as benchmark_service
-from ptq_cli.services.measure import emulate as emulate_service
 from ptq_cli.services.measure import evaluate as evaluate_service
 from ptq_cli.services.measure import report as report_service
 from ptq_cli.services.quant_settings import QuantizationSettings
@@ -814,7 +813,7 @@ def evaluate(
     precision: PrecisionOption = None,
     label: Annotated[str | None, typer.Option(help="What the report calls the model, beside its file name (one --model only).", show_default=False)] = None,
     int8_path: Annotated[Int8Path, typer.Option(help="Which x86 int8 path to score 8-bit onnxruntime and PyTorch models on: native (this CPU's), exact (VNNI/AMX, ARM), saturating (AVX2 without VNNI) or both. The path this CPU does not take comes from onnxruntime's exact kernels, a proof that the model cannot saturate, or emulation of an AVX2 CPU on --emulated-images images: its AVX2 kernels run natively with CPUID masked where Linux can fault CPUID (and a C compiler builds ptq's shim), else under qemu-x86_64 -cpu Haswell.", rich_help_panel="Runtime")] = Int8Path("native"),
-    emulated_images: Annotated[int, typer.Option(min=10, help="Images (the first of each class) scored under emulation: at native speed with CPUID masked, about 100 images/s on ResNet8 under qemu.", rich_help_panel="Runtime")] = emulate_service.DEFAULT_SUBSET,
+    emulated_images: Annotated[int | None, typer.Option(min=10, help="Images (the first of each class) scored under emulation. Default: the whole split with CPUID masked (native speed) while the model input it takes stays under 512 MB, else 1,000 (qemu: about 100 images/s on ResNet8).", show_default=False, rich_help_panel="Runtime")] = None,
     against_fp32: Annotated[Path | None, typer.Option("--against-fp32", help="The FP32 model to measure fidelity against (top-1 agreement, top-5 containment, SQNR and KL of the scores, on the same images; no labels needed). (default: the FP32 source a ptq-made model names, while that file is unchanged)", show_default=False)] = None,
     trust_remote_code: TrustOption = False,  # noqa: ARG001  taken by its callback while parsing
     workers: WorkersOption = None,

@@ -304,6 +304,23 @@ def test_masked_cpuid_runs_the_avx2_kernels_qemu_emulates_byte_for_byte(tmp_path
     assert not np.array_equal(masked, exact)
 
 
+
+def test_by_default_cpuid_masked_scores_whole_splits_and_qemu_a_thousand_images(study, monkeypatch):
+    monkeypatch.setattr(emulate, "masking_shim", lambda: None)
+    assert emulate.default_subset(4 * 3 * 32 * 32) == emulate.DEFAULT_SUBSET
+    monkeypatch.setattr(emulate, "masking_shim", lambda: Path("avx2-cpuid.so"))
+    assert emulate.default_subset(4 * 3 * 32 * 32) >= 10_000  # CIFAR-10's whole test set
+    assert emulate.default_subset(4 * 3 * 1024 * 1024) == emulate.DEFAULT_SUBSET  # 12 MB an image: a thousand, not 42
+    monkeypatch.undo()
+    if emulate.masking_shim() is None:
+        return
+    monkeypatch.setattr(cpu_info, "current", lambda: WITH_VNNI)
+    _quantize(study, "vnni.onnx", "--cpus", "vnni")
+    result = invoke("evaluate", "--model", "vnni.onnx", "--data", "imgs", "--int8-path", "saturating", "--json", cwd=study)
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert f"on all {record['images']} images" in record["int8_basis"] and record["exact_accuracy_same_images"] is not None
+
 def test_a_child_whose_cpuid_is_not_masked_refuses_to_score(tmp_path, monkeypatch):
     """Started to run the AVX2 kernels with CPUID masked, a child that finds it is not (the shim not loaded, its handler
     replaced) says so and scores nothing: its figures would be this CPU's own path's."""

@@ -6,7 +6,8 @@ Two ways to it, the first that works on this machine:
   (`avx2_cpuid.c`, compiled once into ptq's cache directory) preloaded, which answers CPUID without AVX-512, VNNI,
   AMX and AVX10; the libraries' CPU dispatch picks their AVX2 kernels, which run natively, at native speed.
 - `qemu-x86_64 -cpu Haswell` (Debian's qemu-user): user-mode emulation of an AVX2 CPU, about 100x slower.
-Both give the same bytes (tests/test_int8_paths.py). A stratified subset (`subset_indices`) is scored either way.
+Both give the same bytes (tests/test_int8_paths.py). A stratified subset (`subset_indices`) is scored either way: by
+default the whole split where it fits MASKED_INPUT_BYTES with CPUID masked, DEFAULT_SUBSET images under qemu.
 Run as `python -m ptq_cli.services.measure.emulate MODEL INPUTS.npy OUTPUT.npy THREADS`, it is that child.
 """
 
@@ -32,7 +33,10 @@ QEMU_CPU = "Haswell"  # AVX2 and FMA, no AVX-512, no VNNI: what onnxruntime's CP
 SHIM_SOURCE = Path(__file__).with_name("avx2_cpuid.c")
 MASKED_ENV = "PTQ_AVX2_SHIM"  # set in a child started with the shim: it checks that CPUID is masked before it loads a model
 NOT_MASKED = 3  # the child's exit status where CPUID is not masked after all
-DEFAULT_SUBSET = 1000
+DEFAULT_SUBSET = 1000  # images scored by default under qemu
+# With CPUID masked, the images scored by default: as many as this much model input holds (float32; it is written
+# to a file for the child, which reads it whole), and at least DEFAULT_SUBSET: CIFAR-10's whole test set (123 MB).
+MASKED_INPUT_BYTES = 512 << 20
 TIMEOUT_SECONDS = 1800
 MASK_CHECK = f"import sys; from ptq_cli.services.measure.emulate import masked_here; sys.exit(0 if masked_here() else {NOT_MASKED})"
 
@@ -112,6 +116,14 @@ def _environment(shim: Path | None, threads: int) -> dict[str, str]:
 def describe() -> str:
     """How this machine reaches the AVX2 kernels."""
     return "AVX2 kernels run natively, CPUID masked of AVX-512, VNNI and AMX" if masking_shim() else f"{QEMU} -cpu {QEMU_CPU}"
+
+
+def default_subset(image_bytes: int) -> int:
+    """The images scored on the saturating path where the user names no count, for a model input of `image_bytes`
+    an image: native speed (CPUID masked) allows whole test sets; qemu, a thousand images."""
+    if masking_shim() is None:
+        return DEFAULT_SUBSET
+    return max(DEFAULT_SUBSET, MASKED_INPUT_BYTES // max(image_bytes, 1))
 
 
 def subset_indices(labels: np.ndarray, size: int) -> np.ndarray:

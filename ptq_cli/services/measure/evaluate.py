@@ -292,7 +292,7 @@ def evaluate_model(  # noqa: PLR0913,PLR0917  EvaluationRequest's fields for one
     precision: str | None = None,
     label: str | None = None,
     int8_path: str | None = None,
-    subset: int = emulate.DEFAULT_SUBSET,
+    subset: int | None = None,  # None: emulate.default_subset
     against: Path | None = None,
     loaded: LoadedModel | None = None,
     runs: Executor | None = None,
@@ -456,7 +456,7 @@ def _model_fields(model: LoadedModel) -> dict:
 
 
 def _measure(model: LoadedModel, test: SplitImages, basis: str, batch_size: int, model_path: Path, where: str, threads: int | None,  # noqa: PLR0913,PLR0917  evaluate_model's state, split out of it
-             subset: int, progress: ProgressCallback | None, labels_fit: bool = True,
+             subset: int | None, progress: ProgressCallback | None, labels_fit: bool = True,
              elsewhere: tuple[Executor | None, ShardedModel | None] = (None, None),
              reference: tuple[LoadedModel, Path, tuple] | None = None) -> tuple[np.ndarray, np.ndarray, float, float | None, str]:
     """(the images measured, their scores, inference seconds, the exact path's top-1 on an emulated subset, basis):
@@ -469,6 +469,8 @@ def _measure(model: LoadedModel, test: SplitImages, basis: str, batch_size: int,
         else:
             scores, seconds = _predict_split(model, test, batch_size, model_path, where, progress, reference)
         return np.arange(len(test.labels)), scores, seconds, None, basis
+    if subset is None:
+        subset = emulate.default_subset(4 * model.input.channels * model.input.height * model.input.width)
     chosen = emulate.subset_indices(test.labels, subset) if labels_fit else np.arange(min(subset, len(test.labels)))
     images, labels = test.take(chosen), test.labels[chosen]
     exact_scores, seconds = _predict(model, images, batch_size, model_path, where)
@@ -477,7 +479,8 @@ def _measure(model: LoadedModel, test: SplitImages, basis: str, batch_size: int,
         progress(len(chosen), len(chosen))
     exact_same = round(100.0 * float(np.mean(exact_scores.argmax(axis=1) == labels)), 4) if labels_fit else None
     on_same = f"exact path on the same images: {exact_same:.2f}%" if exact_same is not None else "no labels"
-    basis = f"emulated ({emulate.describe()}) on {len(chosen):,} of {len(test.labels):,} images (first of each class); {on_same}"
+    which = f"all {len(chosen):,} images" if len(chosen) == len(test.labels) else f"{len(chosen):,} of {len(test.labels):,} images (first of each class)"
+    basis = f"emulated ({emulate.describe()}) on {which}; {on_same}"
     return chosen, scores.astype(np.float32), seconds, exact_same, basis
 
 
@@ -797,7 +800,7 @@ class EvaluationRequest:
     runtime: str | None = None
     precision: str | None = None
     label: str | None = None
-    subset: int = emulate.DEFAULT_SUBSET
+    subset: int | None = None  # None: emulate.default_subset
     against: Path | None = None
     workers: Workers = HERE  # where the split is scored: here, or in shards as tasks on Ray
 
