@@ -78,7 +78,8 @@ def ptq_ok(*args: str, cwd: Path, fresh_process: bool = False) -> Run:
 
 
 # Every `ptq run` on the study passes it: a run with other options would not find its stages up to date. The fewest
-# allowed, one image a class: the int8 model keeps its stem convolution in float, and qemu computes floats slowly.
+# allowed, one image a class: where CPUID cannot be masked, qemu emulates the saturating path (the int8 model keeps its stem
+# convolution in float, and qemu computes floats slowly).
 STUDY_EMULATION = ("--emulated-images", "10")
 REAL_ASSET_FIXTURES = {"assets", "resnet8_onnx", "pipeline", "pipeline_snapshot"}
 
@@ -141,8 +142,8 @@ def pipeline(tmp_path_factory, assets) -> Path:
     work.mkdir()
     # As `make run` does it, in a fresh interpreter: what a study writes is defined run by run (TorchScript
     # names its classes with a counter that lasts as long as the process).
-    # On a VNNI CPU the saturating path of unproven models is emulated (about 100x slower): a few images keep
-    # the suite's cost the same on every CPU.
+    # On a VNNI CPU the saturating path of unproven models is emulated (about 100x slower under qemu, where CPUID
+    # cannot be masked): a few images keep the suite's cost the same on every CPU.
     ptq_ok("run", "--no-benchmark", *STUDY_EMULATION, cwd=work, fresh_process=True)
     shutil.copytree(work, base / "snapshot", symlinks=True)
     return work

@@ -91,7 +91,7 @@ def read_json_report(cwd):
 
 def test_run_on_a_users_model_and_image_folder(tmp_path, resnet8_onnx, test_folders):
     contract_variant(resnet8_onnx, tmp_path / "third.onnx")
-    # On a VNNI CPU the saturating path is emulated (about 100x slower) on a few images, as in the study's run.
+    # On a VNNI CPU the saturating path is emulated (about 100x slower under qemu) on a few images, as in the study's run.
     # 30 calibration images a class (the default 100 is the study's): what is tested is the run over a user's contract and folder.
     ptq_ok("run", "--model", "third.onnx", "--data", test_folders / "png", *NORMALIZED, "--samples-per-class", "30", "--no-benchmark", "--no-pytorch",
            *STUDY_EMULATION, cwd=tmp_path)

@@ -105,7 +105,7 @@ def test_quantize_is_for_all_cpus_by_default_and_stores_its_target(study):
 
 def test_resnet8_speed_model_for_vnni_saturates_and_the_default_one_does_not(pipeline_snapshot):
     """Real weights: the saturating path as this CPU reaches it (natively, or emulated on a VNNI CPU) against
-    the exact one, on 100 test images (emulated, each costs about 35 ms more and the suite is to cost the same on every CPU)."""
+    the exact one, on 100 test images (under qemu each costs about 35 ms more, and the suite is to cost the same on every CPU)."""
     if cpu_info.current().int8_path == cpu_info.EXACT and not emulate.reachable():
         pytest.fail("a VNNI CPU that can neither mask CPUID nor run qemu-user: `make install` installs it (apt-get install qemu-user)")
     # The study's own calibration set, and the data named whole: PTQ_ASSETS may be relative to the repository.
