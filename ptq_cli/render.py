@@ -273,7 +273,7 @@ def delta_with_p(row: ReportRow) -> str:
 
 def no_vnni(row: ReportRow, short: bool = False) -> str:
     """The top-1 on x86 CPUs without VNNI (the saturating int8 path; without labels, the agreement with FP32):
-    "=" where it is the same by proof or for a float model, a figure (* on an emulated subset), "-" where not measured."""
+    "=" where it is the same by proof or for a float model, a figure (* emulated, on the images its own line names), "-" where not measured."""
     if row.dtype == "fp32" and row.int8_kernels_vary:
         return "="
     figure_value = row.saturating_accuracy if row.accuracy is not None else row.saturating_agreement
@@ -418,11 +418,11 @@ def report(report: Report) -> Group:
 
 
 NO_VNNI_NOTE = ("noVNNI: top-1 (without labels, agreement) on x86 CPUs without VNNI (the saturating int8 path); '=' the same by proof (or a float model), "
-                "'*' emulated on a subset, '-' not measured.")
+                "'*' emulated (on the images its line below names), '-' not measured.")
 
 
 def _emulated_lines(rows: list[ReportRow]) -> list[str]:
-    """A subset's figure read against the exact path on the same images, not against the full test set."""
+    """An emulated figure read against the exact path on the same images (a subset, or the whole split)."""
     return [f"* {_name(row)}: {row.saturating_accuracy:.2f}% on the saturating path against {row.saturating_exact_same_images:.2f}% on the exact "
             f"path, on the same {row.saturating_images:,} images" for row in rows
             if row.saturating_basis.startswith("emulated") and row.saturating_exact_same_images is not None]
@@ -718,7 +718,7 @@ def report_markdown(report: Report, charts: list[Path] | None = None) -> str:
         "Agreement with FP32: the share of images whose top-1 class is the FP32 source's, and whose FP32 top-1 class is in the model's top 5 "
         "(no labels needed: where the images' labels are not the model's classes, it is the measure). "
         "Accuracy without VNNI: top-1 on x86 CPUs without VNNI (the saturating int8 path; without labels, its agreement with FP32); "
-        "'=' the same by proof or for a float model, '*' emulated on a subset, '-' not measured.",
+        "'=' the same by proof or for a float model, '*' emulated (on the images its line below names), '-' not measured.",
     ]
     status = _status_lines(report)
     if status:

@@ -157,3 +157,20 @@ def test_a_stage_task_that_may_fail_returns_its_error_and_one_that_may_not_raise
     assert failed.failed is not None and failed.failed.startswith("models/absent.onnx") and not failed.files
     with pytest.raises(PtqError, match="models/absent.onnx"):
         run_stage_task(StageTask("evaluate", arguments, str(project), (), "results"), run_stage_command)
+
+
+def test_the_study_emulates_the_whole_split_with_cpuid_masked_and_500_images_under_qemu(monkeypatch):
+    """On a VNNI CPU the saturating path's stages score evaluate's default (the whole test split) where CPUID is masked
+    (native speed), RUN_EMULATED_IMAGES under qemu (about 100x slower), and always the count the user names."""
+    from dataclasses import replace
+
+    from ptq_cli.services.measure import emulate
+    from ptq_cli.services.study import pipeline
+
+    options = pipeline.StudyOptions(keras_model=None, data_dir=Path("colours.npz"))
+    monkeypatch.setattr(emulate, "masking_shim", lambda: Path("avx2-cpuid.so"))
+    assert pipeline._emulated_images(options) is None
+    assert pipeline._emulated_images(replace(options, emulated_images=20)) == 20
+    monkeypatch.setattr(emulate, "masking_shim", lambda: None)
+    assert pipeline._emulated_images(options) == pipeline.RUN_EMULATED_IMAGES
+    assert pipeline._emulated_images(replace(options, emulated_images=20)) == 20

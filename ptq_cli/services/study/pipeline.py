@@ -35,6 +35,7 @@ from ptq_cli.services import quant_settings
 from ptq_cli.services.executor import HERE, Executor, Workers, executor
 from ptq_cli.services.make import calibration as calibration_service
 from ptq_cli.services.make import quantize as quantize_service
+from ptq_cli.services.measure import emulate
 from ptq_cli.services.measure import evaluate as evaluate_service
 from ptq_cli.services.measure import report as report_service
 from ptq_cli.services.study.stage_task import RunCommand, StageFiles, StageTask, run_stage_task, written_by
@@ -58,8 +59,9 @@ LITERT_QUANTIZED: tuple[dict[str, Any], ...] = ({"backend": "litert"}, {"backend
 # The backends the study names (its recipe above is data; which of them run is the user's and the extras' say).
 # Where one cannot take the model (onnx2torch lacks an op, NNCF fails on a graph), the study goes on without it.
 PYTORCH, OPENVINO, LITERT = "pytorch", "openvino", "litert"
-# On a VNNI CPU the saturating path of a model that cannot be proven exact is emulated (under qemu, where CPUID
-# cannot be masked, about 35 to 70 s for 1,000 images on 2 cores): the study emulates this many, so that `ptq run` stays within minutes.
+# On a VNNI CPU the saturating path of a model that cannot be proven exact is emulated. With CPUID masked (native
+# speed) the study scores what `evaluate` does by default, the whole test split; under qemu (about 35 to 70 s for
+# 1,000 images on 2 cores) this many, so that `ptq run` stays within minutes.
 RUN_EMULATED_IMAGES = 500
 
 
@@ -81,7 +83,7 @@ class StudyOptions:
     results_dir: Path = settings.RESULTS_DIR
     markdown: Path = settings.MARKDOWN_REPORT
     force: bool = False
-    emulated_images: int = RUN_EMULATED_IMAGES  # on a VNNI CPU: images scored under emulation of the saturating path, per model
+    emulated_images: int | None = None  # on a VNNI CPU: images scored under emulation of the saturating path, per model (None: _emulated_images)
     workers: Workers = HERE  # where the independent stages run: one after another here, or side by side as tasks on Ray
 
     def uses(self, backend: str) -> bool:
@@ -336,13 +338,21 @@ def _references(study: _Study) -> list[Path]:
     return [reference] if study.options.uses(LITERT) and study.options.model is None and reference.is_file() else []
 
 
+def _emulated_images(options: StudyOptions) -> int | None:
+    """The images the saturating path's stages score where it is emulated: the user's count, else evaluate's default
+    (None) with CPUID masked, RUN_EMULATED_IMAGES under qemu."""
+    if options.emulated_images is not None:
+        return options.emulated_images
+    return None if emulate.masking_shim() is not None else RUN_EMULATED_IMAGES
+
+
 def _evaluate_stages(study: _Study) -> list[Stage]:
     flag_options = study.flag_options
     stages = [study.evaluation(f"evaluate {model.name}", model, flag_options) for model in _models(study)]
     # Both x86 int8 paths of the 8-bit models whose runtime's kernels differ by CPU: the one this CPU does
     # not take, from the exact kernels' switch, a proof, or emulation (records "~exact" / "~saturating").
     other_path = next(path for path in cpu_info.INT8_PATHS if path != cpu_info.current().int8_path)
-    emulated = study.options.emulated_images
+    emulated = _emulated_images(study.options)
     for output, choice in study.quantized:
         made = quant_settings.make_settings(**choice)
         if evaluate_service.other_path_measurable(made.backend, made.overflow_fix, other_path):
