@@ -352,7 +352,7 @@ def _evaluate_stages(study: _Study) -> list[Stage]:
     # Both x86 int8 paths of the 8-bit models whose runtime's kernels differ by CPU: the one this CPU does
     # not take, from the exact kernels' switch, a proof, or emulation (records "~exact" / "~saturating").
     other_path = next(path for path in cpu_info.INT8_PATHS if path != cpu_info.current().int8_path)
-    emulated = _emulated_images(study.options)
+    emulated = _emulated_images(study.options) if other_path == cpu_info.SATURATING else study.options.emulated_images
     for output, choice in study.quantized:
         made = quant_settings.make_settings(**choice)
         if evaluate_service.other_path_measurable(made.backend, made.overflow_fix, other_path):
