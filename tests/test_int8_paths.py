@@ -4,6 +4,7 @@ assertion holds on a CPU with VNNI and on one without."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import Counter
 from pathlib import Path
@@ -15,6 +16,7 @@ from conftest import CIFAR, cifar_split
 from synthetic import conv_classifier, image_folder, invoke, one_line_error
 
 from ptq_cli import cpu as cpu_info
+from ptq_cli.guards import cache
 from ptq_cli.services.measure import emulate
 from ptq_cli.services.models import load_model
 from ptq_cli.transforms import overflow
@@ -320,6 +322,17 @@ def test_by_default_cpuid_masked_scores_whole_splits_and_qemu_a_thousand_images(
     assert result.exit_code == 0, result.output
     record = json.loads(result.stdout)
     assert f"on all {record['images']} images" in record["int8_basis"] and record["exact_accuracy_same_images"] is not None
+
+
+def test_a_shim_ptq_did_not_write_is_built_again_before_a_child_loads_it():
+    """The shim runs in every emulated child: a file at its name that ptq did not write (edited, or put there) is
+    replaced by a fresh build, as a TorchScript file ptq did not write is refused."""
+    shim = emulate.masking_shim()
+    if shim is None:
+        pytest.skip("this machine cannot mask CPUID (no CPUID faulting or no C compiler)")
+    shim.write_bytes(b"\x7fELF not ptq's")
+    assert emulate.masking_shim() == shim
+    assert shim.read_bytes() != b"\x7fELF not ptq's" and cache.was_written(hashlib.sha256(shim.read_bytes()).hexdigest())
 
 def test_a_child_whose_cpuid_is_not_masked_refuses_to_score(tmp_path, monkeypatch):
     """Started to run the AVX2 kernels with CPUID masked, a child that finds it is not (the shim not loaded, its handler

@@ -63,9 +63,14 @@ def masking_shim() -> Path | None:
     if root is None:
         return None
     shim = root / f"avx2-cpuid-{hashlib.sha256(SHIM_SOURCE.read_bytes()).hexdigest()[:16]}.so"
-    if not shim.is_file() and not _build(compiler, shim):
+    # Code every emulated child loads: used only as ptq wrote it (cache.was_written), else built again.
+    if not (shim.is_file() and cache.was_written(_digest(shim))) and not _build(compiler, shim):
         return None
     return shim if _masks(shim) else None
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _build(compiler: str, shim: Path) -> bool:
@@ -77,6 +82,7 @@ def _build(compiler: str, shim: Path) -> bool:
             return False
         if done.returncode != 0 or not built.is_file():
             return False
+        cache.remember_written(_digest(built))
         os.replace(built, shim)
     return True
 
