@@ -544,14 +544,14 @@ def convert(
     onnx_source: Annotated[Path | None, typer.Option("--onnx", help="Start from this ONNX model instead of Keras (use with --torch).", show_default=False)] = None,
     torch_output: Annotated[Path | None, typer.Option("--torch", help="Also convert the ONNX model to PyTorch (onnx2torch), saved as TorchScript here, e.g. models/resnet8.pt.", show_default=False)] = None,
     opset: Annotated[int, typer.Option(min=10, max=21, help="ONNX opset for tf2onnx.")] = 13,
-    check_images: Annotated[int, typer.Option(min=0, help="Test images on which source and converted outputs must agree within 1e-4.")] = 1000,
+    check_images: Annotated[int, typer.Option(min=0, help="Test images on which source and converted outputs must agree within 0.1% of the largest output.")] = 1000,
     choice: DataChoice = NO_CHOICE,
     as_json: JsonFlag = False,
 ) -> list[convert_service.ConversionResult]:
     """Convert Keras -> ONNX (tf2onnx) and/or ONNX -> PyTorch TorchScript (onnx2torch), checking each on real test images.
 
     Each conversion runs the source and the converted model on the same test images and prints the
-    max absolute output difference and the top-1 agreement; beyond 1e-4 it exits 1 and writes nothing.
+    max absolute output difference and the top-1 agreement; beyond 0.1% of the largest output it exits 1 and writes nothing.
     """
     if onnx_source is not None and keras is not None:
         raise PtqError("--keras and --onnx: give one source model, not both")

@@ -89,7 +89,7 @@ def conversion(result: ConversionResult) -> Table:
             ("source", str(result.source)),
             ("output", f"{result.output} ({size(result.output_size_bytes)})"),
             ("checked on", f"{check.images} test images"),
-            ("max |diff|", f"{check.max_abs_diff:.3g} (limit {check.tolerance:g})"),
+            ("max |diff|", f"{check.max_abs_diff:.3g} (limit {check.tolerance:.3g}, 0.1% of the largest output)"),
             ("top-1 agreement", f"{check.top1_agreement:.2%}"),
             *(("warning", message) for message in result.warnings),
         ],

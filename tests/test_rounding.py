@@ -317,3 +317,73 @@ def test_the_float_model_s_layer_inputs_collected_in_one_pass_are_those_of_a_pas
         assert made == [["r1", "flat"], ["r1", "flat"]]  # the one-image size probe, then the one pass for both
     else:
         assert made[1::2] == [["r1"], ["flat"], ["r1"]]  # after each size probe, a pass for the one layer asked for
+
+
+def _residual_classifier(path: Path) -> Path:
+    """Conv 3->16 -> Relu (r1) -> Conv 16->16 -> Relu -> + r1 -> Conv 16->24 (stride 2) -> Relu -> mean -> Gemm -> Softmax:
+    an activation two layers read (r1), as in every residual network."""
+    rng = np.random.default_rng(5)
+    initializers = [numpy_helper.from_array(rng.normal(0, scale, shape).astype(np.float32), name) for name, shape, scale in
+                    [("w1", (16, 3, 3, 3), 0.3), ("b1", (16,), 0.05), ("w2", (16, 16, 3, 3), 0.1), ("b2", (16,), 0.05),
+                     ("w3", (24, 16, 3, 3), 0.1), ("b3", (24,), 0.05), ("w4", (24, 10), 0.5)]]
+    nodes = [helper.make_node("Conv", ["image", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1], name="conv2"),
+             helper.make_node("Relu", ["c2"], ["r2"]),
+             helper.make_node("Add", ["r1", "r2"], ["sum"]),
+             helper.make_node("Conv", ["sum", "w3", "b3"], ["c3"], pads=[1, 1, 1, 1], strides=[2, 2], name="conv3"),
+             helper.make_node("Relu", ["c3"], ["r3"]),
+             helper.make_node("GlobalAveragePool", ["r3"], ["pooled"]),
+             helper.make_node("Flatten", ["pooled"], ["flat"]),
+             helper.make_node("Gemm", ["flat", "w4"], ["logits"], name="classifier"),
+             helper.make_node("Softmax", ["logits"], ["scores"], axis=1)]
+    graph = helper.make_graph(nodes, "residual", [helper.make_tensor_value_info("image", onnx.TensorProto.FLOAT, ["N", 3, 16, 16])],
+                              [helper.make_tensor_value_info("scores", onnx.TensorProto.FLOAT, ["N", 10])], initializers)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=7), str(path))
+    return path
+
+
+@pytest.mark.parametrize("extra", [(), ("--dtype", "int8"), ("--stem", "float")], ids=["default", "int8", "float-stem"])
+def test_layer_inputs_computed_from_the_earlier_layers_8_bit_activations_learn_the_same_codes(project, monkeypatch, extra):
+    """Each layer's input is computed from the QuantizeLinear outputs of the passes for the layers before it (which no
+    later change alters) instead of from the image: the same model, byte for byte."""
+    from ptq_cli.backends import onnxruntime as ort_backend
+
+    _residual_classifier(project / "residual.onnx")
+    arguments = ("--model", "residual.onnx", "--rounding", "learned", "--method", "minmax", *extra)
+    name = "_".join(extra).replace("-", "") or "default"
+    layer_by_layer = _quantize(project, f"residual_{name}.onnx", *arguments)
+    monkeypatch.setattr(ort_backend, "_layer_by_layer_batches", ort_backend._tensor_batches)
+    from_the_image = _quantize(project, f"residual_{name}_image.onnx", *arguments)
+    assert layer_by_layer["settings"]["rounding"] == from_the_image["settings"]["rounding"] == "learned"
+    assert (project / f"residual_{name}.onnx").read_bytes() == (project / f"residual_{name}_image.onnx").read_bytes()
+
+
+@pytest.mark.parametrize("budget", [None, 1])
+def test_a_layer_s_input_is_computed_from_the_last_8_bit_activations_held(project, monkeypatch, budget):
+    """Asked for the layers' inputs in graph order, each pass after the first starts from the 8-bit activations the
+    passes before computed, batch for batch the values a pass from the image gives; with one held (a budget of one
+    byte), a pass reaches back to the image where it needs an activation let go."""
+    from ptq_cli.backends import onnxruntime as ort_backend
+
+    _residual_classifier(project / "residual.onnx")
+    _quantize(project, "residual_source.onnx", "--model", "residual.onnx", "--rounding", "nearest", "--method", "minmax", "--stem", "int8")
+    model = onnx.load(str(project / "residual_source.onnx"))
+    layers = rounding.find_layers(model)
+    images = np.random.default_rng(0).random((40, 3, 16, 16), dtype=np.float32)
+    if budget is not None:
+        monkeypatch.setattr(ort_backend, "HELD_ACTIVATIONS_BYTES", budget)
+    passes: list[set[str]] = []
+    real_session = ort_backend._probe_session
+    monkeypatch.setattr(ort_backend, "_probe_session", lambda cut, threads: passes.append({node.name for node in cut.graph.node}) or real_session(cut, threads))
+    source = ort_backend._layer_by_layer_batches("image", images, 1)
+    got = {layer.name: list(source(model, layer.quantized_input)) for layer in layers}
+    ran_by_layer = list(passes)
+    assert len(layers) == 4 and len(ran_by_layer) == 4
+    for layer in layers:
+        expected = list(ort_backend._tensor_batches("image", images, 1)(model, layer.quantized_input))
+        assert len(got[layer.name]) == 3 and all(np.array_equal(a, b) for a, b in zip(got[layer.name], expected, strict=True)), layer.name
+    # Layer k's pass runs layer k-1 (its input's producer) and, with the activations held, no layer before it; with one
+    # held, conv3's pass needs the residual input r1 again, computed again from the image through the first layer.
+    assert [[layer.name for layer in layers if layer.name in ran] for ran in ran_by_layer] == \
+        [[], ["conv1"], ["conv2"] if budget is None else ["conv1", "conv2"], ["conv3"]]

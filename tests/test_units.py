@@ -51,9 +51,18 @@ def test_atomic_output_replaces_whole_file(tmp_path):
 def test_failed_conversion_check_writes_nothing(tmp_path):
     reference = np.eye(10, dtype=np.float32)
     with pytest.raises(CheckFailed) as failure:
-        _checked_write(tmp_path / "src", tmp_path / "out.onnx", lambda tmp: tmp.write_bytes(b"x"), reference, lambda tmp: reference + 1e-3)
+        _checked_write(tmp_path / "src", tmp_path / "out.onnx", lambda tmp: tmp.write_bytes(b"x"), reference, lambda tmp: reference + 2e-3)
     assert failure.value.exit_code == 1 and "max |diff|" in str(failure.value)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_conversion_check_allows_float_rounding_in_proportion_to_the_outputs():
+    probabilities = np.full((2, 10), 0.1, dtype=np.float32)
+    logits = probabilities * 400  # outputs up to 40
+    assert compare_outputs(probabilities, probabilities + 5e-5).passed
+    assert not compare_outputs(probabilities, probabilities + 5e-4).passed  # beyond 0.1% of 0.1
+    assert compare_outputs(logits, logits + 3e-2).passed
+    assert not compare_outputs(logits, logits + 5e-2).passed
 
 
 def test_compare_outputs_counts_top1_agreement():

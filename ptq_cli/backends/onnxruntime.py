@@ -61,6 +61,7 @@ from ptq_cli.guards import bounded
 from ptq_cli.guards.atomic import WRITE_FAILURES, atomic_output
 from ptq_cli.transforms import overflow, ranges, rounding
 from ptq_cli.transforms.graph import (
+    computing_from,
     computing_only,
     float_scores,
     keep_float_layers,
@@ -68,6 +69,7 @@ from ptq_cli.transforms.graph import (
     preprocess,
     private_activation_quantizers,
     private_weight_dequantizers,
+    readers_up_to_quantizers,
     whole_map_average_pools,
 )
 from ptq_cli.transforms.space_to_depth import Rewrite, quantized_pads, space_to_depth_convs
@@ -499,6 +501,53 @@ def _tensor_batches(input_name: str, images: np.ndarray, threads: int, chunk: in
     return batches
 
 
+HELD_ACTIVATIONS_BYTES = 256 << 20  # the quantized model's 8-bit activations one refinement keeps for the layers after, at most
+
+
+def _layer_by_layer_batches(input_name: str, images: np.ndarray, threads: int, chunk: int = 16):
+    """A `rounding.ActivationSource` for the quantized model under `rounding.refine`, which asks for its layers' inputs
+    in graph order and changes a layer only after reading its input: a layer's input is computed from the 8-bit
+    activations (QuantizeLinear outputs) that earlier layers' passes computed, which no later change alters, instead
+    of a pass of every layer before it. An activation is let go once every node reading it has run, or, the least
+    recently read first, past HELD_ACTIVATIONS_BYTES (a later pass then reaches further back). The same batches as
+    `_tensor_batches`."""
+    single = _tensor_batches(input_name, images, threads, chunk)
+    held: dict[str, list[np.ndarray]] = {}
+    ran: set[str] = set()  # the nodes (by first output) the passes ran
+
+    def batches(model, name: str):
+        part = computing_from(model, name, set(held))
+        if part is None:
+            yield from single(model, name)
+            return
+        cut, reads, made, leading = part
+        for tensor in reads:
+            if tensor in held:
+                held[tensor] = held.pop(tensor)  # most recently read last
+        session, computed = _probe_session(cut, threads), []
+        for index, start in enumerate(range(0, len(images), chunk)):
+            feeds = {tensor: images[start : start + chunk] if tensor == input_name else held[tensor][index] for tensor in reads}
+            values = session.run([name, *made], feeds)
+            computed.append(values[1:])
+            yield values[0]
+        ran.update(node.output[0] for node in cut.graph.node)
+        ran.difference_update(leading)  # the layer reading `name` runs next, from where these start
+        held.update({tensor: [values[position] for values in computed] for position, tensor in enumerate(made)})
+        _let_go(held, ran, model)
+
+    return batches
+
+
+def _let_go(held: dict[str, list[np.ndarray]], ran: set[str], model) -> None:
+    """Drop the held activations no later pass reads: those whose readers, and the readers of their float outputs up to
+    the next QuantizeLinear outputs, have all run; then the least recently read past HELD_ACTIVATIONS_BYTES."""
+    readers = readers_up_to_quantizers(model)
+    for tensor in [tensor for tensor in held if all(node.output[0] in ran for node in readers(tensor).values())]:
+        del held[tensor]
+    while len(held) > 1 and sum(values.nbytes for batches in held.values() for values in batches) > HELD_ACTIVATIONS_BYTES:
+        held.pop(next(iter(held)))
+
+
 FLOAT_INPUTS_BYTES = 256 << 20  # the float model's layer inputs one pass collects for the layers after, at most
 
 
@@ -588,6 +637,14 @@ def _float_memo(float_model, images: np.ndarray) -> rounding.FloatMemo:
     return memo
 
 
+def _quantized_source(layers: list[rounding.Layer]):
+    """How the refinement reads the quantized model's layer inputs: layer by layer, unless a layer shares its codes or
+    bias with an earlier one (changing it changes that one too), where each input is computed from the image."""
+    biases = [layer.bias_codes for layer in layers if layer.bias_codes]
+    shared = len({layer.codes for layer in layers}) < len(layers) or len(set(biases)) < len(biases)
+    return _tensor_batches if shared else _layer_by_layer_batches
+
+
 def refine_rounding(quantized, float_path: str, calibration: np.ndarray, input_name: str, settings: QuantizationSettings,
                     progress: ProgressCallback | None = None) -> tuple[Any, QuantizationSettings, list[str]]:
     """(model, settings with the rounding decided, notes): learned codes and corrected biases where they bring
@@ -605,8 +662,9 @@ def refine_rounding(quantized, float_path: str, calibration: np.ndarray, input_n
     float_model = onnx.load(float_path)
     nearest_model = onnx.ModelProto.FromString(quantized.SerializeToString())
     try:
-        coming = [layer.float_input for layer in rounding.find_layers(quantized)]
-        refined, layers = rounding.refine(quantized, float_model, _tensor_batches(input_name, refining, threads),
+        found = rounding.find_layers(quantized)
+        coming = [layer.float_input for layer in found]
+        refined, layers = rounding.refine(quantized, float_model, _quantized_source(found)(input_name, refining, threads),
                                           _collected_batches(input_name, refining, threads, coming), len(refining), progress=progress,
                                           float_memo=_float_memo(float_model, refining))
     except Exception as error:  # noqa: BLE001  onnxruntime's and numpy's own errors: the user keeps the nearest-rounded model

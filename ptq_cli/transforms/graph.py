@@ -7,7 +7,7 @@ import re
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -115,7 +115,6 @@ def part_after(model, initializer: str, output: str):
     fuses those nodes in the whole model, as a model of its own computing `output`; `reads`, the tensors it takes from
     the rest of the model (QuantizeLinear outputs or the model's inputs), which do not depend on `initializer`.
     None where `output` does not depend on it, a node holds a subgraph, or the part is the whole model or reads nothing."""
-    import onnx
 
     graph = model.graph
     if _holds_subgraphs(graph):
@@ -126,7 +125,7 @@ def part_after(model, initializer: str, output: str):
     for node in graph.node:
         for tensor in node.input:
             consumers.setdefault(tensor, []).append(node)
-    depending = _reached(consumers.get(initializer, []), lambda node: [after for tensor in node.output for after in consumers.get(tensor, [])])
+    depending = reached(consumers.get(initializer, []), lambda node: [after for tensor in node.output for after in consumers.get(tensor, [])])
     if output not in {tensor for node in depending.values() for tensor in node.output}:
         return None
     kept, reads, pending = dict(depending), [], list(depending.values())
@@ -143,6 +142,13 @@ def part_after(model, initializer: str, output: str):
                 pending.append(producer)
     if len(kept) == len(graph.node) or not reads:
         return None
+    return _part(model, [node for node in graph.node if id(node) in kept], _typed_reads(graph, reads, producers, initializers), (output,)), reads
+
+
+def _typed_reads(graph, reads: list[str], producers: dict, initializers: dict) -> list:
+    """ValueInfoProtos for a part's `reads`: the model's own inputs as they are, QuantizeLinear outputs typed by their zero point."""
+    import onnx
+
     inputs = {value.name: value for value in graph.input}
     typed = []
     for tensor in reads:
@@ -150,19 +156,75 @@ def part_after(model, initializer: str, output: str):
         zero_point = initializers.get(producer.input[2]) if producer is not None and len(producer.input) > 2 else None
         typed.append(inputs[tensor] if tensor in inputs else
                      onnx.helper.make_tensor_value_info(tensor, zero_point.data_type if zero_point is not None else onnx.TensorProto.UINT8, None))
-    return _part(model, [node for node in graph.node if id(node) in kept], typed, (output,)), reads
+    return typed
 
 
-def _reached(start: list, following: Callable[[Any], list]) -> dict[int, Any]:
+class ComputingPart(NamedTuple):
+    model: Any  # the part, a model of its own
+    reads: list[str]  # the tensors it takes: QuantizeLinear outputs known, or the model's inputs
+    made: tuple[str, ...]  # the QuantizeLinear outputs it computes that nodes outside it read, or the nodes below do
+    leading: tuple[str, ...]  # the nodes (by first output) that lead from those QuantizeLinear outputs to `name`
+
+
+def computing_from(model, name: str, known: set[str]) -> ComputingPart | None:
+    """The nodes the tensor `name` of a QDQ `model` depends on, back to the tensors in `known` (QuantizeLinear outputs,
+    so that onnxruntime fuses the part as it fuses those nodes in the whole model) or the model's inputs, as a model
+    computing `name` and the QuantizeLinear outputs it makes that the rest of the model reads (beside the nodes that
+    lead from the last of them to `name`, which the layer reading `name` needs again). None where `name` is no node's
+    output or a node holds a subgraph."""
+    graph = model.graph
+    if _holds_subgraphs(graph):
+        return None
+    producers = {tensor: node for node in graph.node for tensor in node.output}
+    if name not in producers:
+        return None
+    initializers = {init.name: init for init in graph.initializer}
+    inputs = {value.name for value in graph.input}
+    kept: dict[int, Any] = {}
+    reads: list[str] = []
+    pending = [name]
+    while pending:
+        tensor = pending.pop()
+        producer = producers.get(tensor)
+        if (tensor in known and tensor != name) or producer is None:
+            if tensor in known or tensor in inputs:
+                reads.append(tensor)
+            continue
+        if id(producer) not in kept:
+            kept[id(producer)] = producer
+            pending.extend(read for read in producer.input if read and read not in initializers)
+    reads = list(dict.fromkeys(reads))
+    nodes = [node for node in graph.node if id(node) in kept]
+    leading = reached([producers[name]], lambda node: [producers[read] for read in node.input if read in producers and id(producers[read]) in kept
+                                                         and producers[read].op_type != "QuantizeLinear"])
+    readers = readers_up_to_quantizers(model)
+    made = tuple(node.output[0] for node in nodes if node.op_type == "QuantizeLinear" and node.output[0] != name
+                 and any(key not in kept or key in leading for key in readers(node.output[0])))
+    part = _part(model, nodes, _typed_reads(graph, reads, producers, initializers), (name, *made))
+    return ComputingPart(part, reads, made, tuple(node.output[0] for node in leading.values()))
+
+
+def readers_up_to_quantizers(model) -> Callable[[str], dict[int, Any]]:
+    """For a tensor of `model`, the nodes that read it, directly or through float nodes, up to the next QuantizeLinear
+    nodes (included), by id: what must run again to use the tensor's value anew."""
+    readers: dict[str, list] = {}
+    for node in model.graph.node:
+        for tensor in node.input:
+            readers.setdefault(tensor, []).append(node)
+    return lambda tensor: reached(readers.get(tensor, []), lambda node: [] if node.op_type == "QuantizeLinear" else
+                                  [after for output in node.output for after in readers.get(output, [])])
+
+
+def reached(start: list, following: Callable[[Any], list]) -> dict[int, Any]:
     """The nodes reached from `start` by `following`, by id."""
-    reached: dict[int, Any] = {}
+    found: dict[int, Any] = {}
     pending = list(start)
     while pending:
         node = pending.pop()
-        if id(node) not in reached:
-            reached[id(node)] = node
+        if id(node) not in found:
+            found[id(node)] = node
             pending.extend(following(node))
-    return reached
+    return found
 
 
 WEIGHTED_OPS = ("Conv", "Gemm", "MatMul")  # the ONNX layers with weights that quantization, rounding and the pair rule act on

@@ -21,7 +21,9 @@ from ptq_cli.guards.library_noise import native_stderr_silenced
 from ptq_cli.services.models import load_model
 from ptq_cli.transforms.graph import canonical
 
-TOLERANCE = 1e-4
+# Source and converted outputs differ by float32 rounding, which grows with the outputs' size and the network's depth
+# (README, "Conversion check"); a conversion bug moves them by percents. So the limit scales with the outputs.
+RELATIVE_TOLERANCE = 1e-3
 
 
 @dataclass(frozen=True)
@@ -29,7 +31,7 @@ class ConversionCheck:
     images: int
     max_abs_diff: float
     top1_agreement: float  # fraction of images where both models pick the same class
-    tolerance: float
+    tolerance: float  # the largest |difference| allowed: RELATIVE_TOLERANCE of the largest |source output|
 
     @property
     def passed(self) -> bool:
@@ -51,12 +53,14 @@ class ConversionResult:
         return (self.output,)
 
 
-def compare_outputs(reference: np.ndarray, converted: np.ndarray, tolerance: float = TOLERANCE) -> ConversionCheck:
+def compare_outputs(reference: np.ndarray, converted: np.ndarray) -> ConversionCheck:
+    reference = reference.astype(np.float64)
+    scale = max(float(np.max(np.abs(reference))), 1e-3)
     return ConversionCheck(
         images=int(reference.shape[0]),
-        max_abs_diff=float(np.max(np.abs(reference.astype(np.float64) - converted))),
+        max_abs_diff=float(np.max(np.abs(reference - converted))),
         top1_agreement=float(np.mean(reference.argmax(axis=1) == converted.argmax(axis=1))),
-        tolerance=tolerance,
+        tolerance=RELATIVE_TOLERANCE * scale,
     )
 
 
@@ -75,7 +79,7 @@ def _checked_write(
         if not check.passed:
             raise CheckFailed(
                 f"{output}: conversion check failed on {check.images} test images: max |diff| "
-                f"{check.max_abs_diff:.3g} > {check.tolerance:g} (top-1 agreement {check.top1_agreement:.2%}); nothing written"
+                f"{check.max_abs_diff:.3g} > {check.tolerance:.3g}, 0.1% of the largest output (top-1 agreement {check.top1_agreement:.2%}); nothing written"
             )
         size = tmp.stat().st_size
     return ConversionResult(source, output, size, check, tuple(warnings or ()))
