@@ -400,3 +400,14 @@ def test_tf2onnx_counters_in_node_and_tensor_names_are_renumbered_in_graph_order
     first, later = converted(6), converted(153)
     assert first.SerializeToString() == later.SerializeToString()
     assert first.graph.node[0].output[0].endswith(":0") and first.graph.node[1].input[0] == first.graph.node[0].output[0]
+
+
+def test_average_pools_left_in_float_make_one_note_however_many():
+    from ptq_cli.backends.base import pools_in_float_note
+
+    assert pools_in_float_note([], "onnxruntime") == []
+    one = pools_in_float_note(["head/Mean"], "onnxruntime")
+    assert one == ["average pool head/Mean: left in float, so the layer reading it quantizes the pooled features on their own range "
+                   "(onnxruntime would give them the scale of the whole maps)"]
+    many = pools_in_float_note([f"se{index}/Mean" for index in range(10)], "torch.ao")
+    assert len(many) == 1 and many[0].startswith("10 average pools (se0/Mean, se1/Mean, se2/Mean and 7 more): left in float, so the layers reading them quantize ")

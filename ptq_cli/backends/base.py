@@ -336,6 +336,16 @@ def rounding_image_count(pixels: int) -> int:
     return int(np.clip(ROUNDING_PIXELS // max(1, pixels), *ROUNDING_IMAGES))
 
 
+def pools_in_float_note(pools: list[str] | tuple[str, ...], runtime: str) -> list[str]:
+    """One note for the whole-map average pools left in float (a squeeze-and-excitation network has one a block)."""
+    if not pools:
+        return []
+    named = ", ".join(pools[:3]) + (f" and {len(pools) - 3} more" if len(pools) > 3 else "")
+    which = f"average pool {named}: left in float, so the layer reading it" if len(pools) == 1 else \
+        f"{len(pools)} average pools ({named}): left in float, so the layers reading them"
+    return [f"{which} quantize{'s' if len(pools) == 1 else ''} the pooled features on their own range ({runtime} would give them the scale of the whole maps)"]
+
+
 def sqnr_figure(value: float) -> float | None:
     """An SQNR (dB) as the settings record it: two decimals, None where it is not finite."""
     return round(float(value), 2) if np.isfinite(value) else None

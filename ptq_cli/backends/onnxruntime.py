@@ -1000,8 +1000,7 @@ def _quantize(model, output: Path, settings: QuantizationSettings, calibration: 
     with tempfile.TemporaryDirectory(prefix="ptq-quantize-") as workdir:
         prepared = _graph_to_quantize(model, settings, Path(workdir))
         source, rewrites, overrides, float_nodes = prepared.source, prepared.rewrites, prepared.overrides, prepared.float_nodes
-        notes += [f"average pool {name}: left in float, so the layer reading it quantizes the pooled features on their own range "
-                  "(onnxruntime would give them the scale of the whole maps)" for name in prepared.pools]
+        notes += base.pools_in_float_note(prepared.pools, "onnxruntime")
         finish = partial(_finish, rewrites=rewrites, float_nodes=float_nodes)
         done = 0  # images already shown on the progress bar, before this phase
         search = settings.method == AUTO_METHOD

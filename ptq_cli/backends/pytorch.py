@@ -344,8 +344,7 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     with atomic_output(output) as tmp:
         save_torchscript(quantized, tmp, batches[0][: 8 if fixed is None else fixed], contents, described)
         size = tmp.stat().st_size
-    notes = [f"average pool {name}: left in float, so the layer reading it quantizes the pooled features on their own range "
-             "(torch.ao would give them the scale of the whole maps)" for name in pools]
+    notes = base.pools_in_float_note(pools, "torch.ao")
     if described.batch is not None and fixed is None:
         notes.append(f"fixed batch {described.batch} made symbolic (same outputs)")
     return QuantizedFile(size, (), tuple(notes))
