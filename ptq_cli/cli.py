@@ -544,7 +544,7 @@ def convert(
     onnx_source: Annotated[Path | None, typer.Option("--onnx", help="Start from this ONNX model instead of Keras (use with --torch).", show_default=False)] = None,
     torch_output: Annotated[Path | None, typer.Option("--torch", help="Also convert the ONNX model to PyTorch (onnx2torch), saved as TorchScript here, e.g. models/resnet8.pt.", show_default=False)] = None,
     opset: Annotated[int, typer.Option(min=10, max=21, help="ONNX opset for tf2onnx.")] = 13,
-    check_images: Annotated[int, typer.Option(min=0, help="Test images on which source and converted outputs must agree within 0.1% of the largest output.")] = 1000,
+    check_images: Annotated[int, typer.Option(min=0, help=f"Test images on which source and converted outputs must agree within {convert_service.LIMIT}.")] = 1000,
     choice: DataChoice = NO_CHOICE,
     as_json: JsonFlag = False,
 ) -> list[convert_service.ConversionResult]:

@@ -17,6 +17,7 @@ from ptq_cli.cpu import describe_record
 from ptq_cli.guards.atomic import atomic_output
 from ptq_cli.services.fetch import FetchResult
 from ptq_cli.services.make.calibration import CalibrationSet
+from ptq_cli.services.make.convert import LIMIT as CONVERSION_LIMIT
 from ptq_cli.services.make.convert import ConversionResult
 from ptq_cli.services.make.export import CArrayExport
 from ptq_cli.services.make.prune import PruneResult
@@ -89,7 +90,7 @@ def conversion(result: ConversionResult) -> Table:
             ("source", str(result.source)),
             ("output", f"{result.output} ({size(result.output_size_bytes)})"),
             ("checked on", f"{check.images} test images"),
-            ("max |diff|", f"{check.max_abs_diff:.3g} (limit {check.tolerance:.3g}, 0.1% of the largest output)"),
+            ("max |diff|", f"{check.max_abs_diff:.3g} (limit {check.tolerance:.3g}, {CONVERSION_LIMIT})"),
             ("top-1 agreement", f"{check.top1_agreement:.2%}"),
             *(("warning", message) for message in result.warnings),
         ],

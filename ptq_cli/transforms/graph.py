@@ -125,7 +125,7 @@ def part_after(model, initializer: str, output: str):
     for node in graph.node:
         for tensor in node.input:
             consumers.setdefault(tensor, []).append(node)
-    depending = reached(consumers.get(initializer, []), lambda node: [after for tensor in node.output for after in consumers.get(tensor, [])])
+    depending = _reached(consumers.get(initializer, []), lambda node: [after for tensor in node.output for after in consumers.get(tensor, [])])
     if output not in {tensor for node in depending.values() for tensor in node.output}:
         return None
     kept, reads, pending = dict(depending), [], list(depending.values())
@@ -162,7 +162,7 @@ def _typed_reads(graph, reads: list[str], producers: dict, initializers: dict) -
 class ComputingPart(NamedTuple):
     model: Any  # the part, a model of its own
     reads: list[str]  # the tensors it takes: QuantizeLinear outputs known, or the model's inputs
-    made: tuple[str, ...]  # the QuantizeLinear outputs it computes that nodes outside it read, or the nodes below do
+    made: tuple[str, ...]  # the QuantizeLinear outputs it computes that nodes outside it, or the `leading` ones, read
     leading: tuple[str, ...]  # the nodes (by first output) that lead from those QuantizeLinear outputs to `name`
 
 
@@ -195,7 +195,7 @@ def computing_from(model, name: str, known: set[str]) -> ComputingPart | None:
             pending.extend(read for read in producer.input if read and read not in initializers)
     reads = list(dict.fromkeys(reads))
     nodes = [node for node in graph.node if id(node) in kept]
-    leading = reached([producers[name]], lambda node: [producers[read] for read in node.input if read in producers and id(producers[read]) in kept
+    leading = _reached([producers[name]], lambda node: [producers[read] for read in node.input if read in producers and id(producers[read]) in kept
                                                          and producers[read].op_type != "QuantizeLinear"])
     readers = readers_up_to_quantizers(model)
     made = tuple(node.output[0] for node in nodes if node.op_type == "QuantizeLinear" and node.output[0] != name
@@ -211,11 +211,11 @@ def readers_up_to_quantizers(model) -> Callable[[str], dict[int, Any]]:
     for node in model.graph.node:
         for tensor in node.input:
             readers.setdefault(tensor, []).append(node)
-    return lambda tensor: reached(readers.get(tensor, []), lambda node: [] if node.op_type == "QuantizeLinear" else
+    return lambda tensor: _reached(readers.get(tensor, []), lambda node: [] if node.op_type == "QuantizeLinear" else
                                   [after for output in node.output for after in readers.get(output, [])])
 
 
-def reached(start: list, following: Callable[[Any], list]) -> dict[int, Any]:
+def _reached(start: list, following: Callable[[Any], list]) -> dict[int, Any]:
     """The nodes reached from `start` by `following`, by id."""
     found: dict[int, Any] = {}
     pending = list(start)

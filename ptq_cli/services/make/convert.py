@@ -24,6 +24,7 @@ from ptq_cli.transforms.graph import canonical
 # Source and converted outputs differ by float32 rounding, which grows with the outputs' size and the network's depth
 # (README, "Conversion check"); a conversion bug moves them by percents. So the limit scales with the outputs.
 RELATIVE_TOLERANCE = 1e-3
+LIMIT = f"{RELATIVE_TOLERANCE:.1%} of the largest output"  # the limit in words, for help, table and error
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ def _checked_write(
         if not check.passed:
             raise CheckFailed(
                 f"{output}: conversion check failed on {check.images} test images: max |diff| "
-                f"{check.max_abs_diff:.3g} > {check.tolerance:.3g}, 0.1% of the largest output (top-1 agreement {check.top1_agreement:.2%}); nothing written"
+                f"{check.max_abs_diff:.3g} > {check.tolerance:.3g}, {LIMIT} (top-1 agreement {check.top1_agreement:.2%}); nothing written"
             )
         size = tmp.stat().st_size
     return ConversionResult(source, output, size, check, tuple(warnings or ()))
