@@ -26,7 +26,7 @@ from ptq_cli.services.make.stem import describe_stem
 from ptq_cli.services.measure.benchmark import BenchmarkRecord, run_key
 from ptq_cli.services.measure.evaluate import EvaluationRecord
 from ptq_cli.services.measure.portability import describe as describe_portability
-from ptq_cli.services.measure.report import AGREEMENT_BUDGET, BASE_RUNTIME, TOP5_BUDGET, DatasetGroup, Report, ReportRow
+from ptq_cli.services.measure.report import AGREEMENT_BUDGET, BASE_RUNTIME, TOP5_BUDGET, DatasetGroup, Recommendation, Report, ReportRow
 from ptq_cli.services.measure.sweep_records import SweepResult
 from ptq_cli.services.quant_settings import describe_cpus, describe_method, short_node
 from ptq_cli.services.records import to_json
@@ -336,13 +336,18 @@ def _score(row: ReportRow) -> str:
     return f"{row.accuracy:.2f}%, {delta(row.delta)} pts"
 
 
+def _best(advice: Recommendation) -> str:
+    """What the best model was ranked by: top-1 with labels of the model's classes, else agreement with FP32."""
+    return "Most faithful" if advice.by_agreement else "Best accuracy"
+
+
 def describe_choices(group: DatasetGroup | None) -> str:
     """The models already made from the same FP32 model, as their records measured them on this CPU."""
     if group is None or group.recommendation is None:
         return "none measured yet from this FP32 model (`ptq run --model` quantizes, evaluates and benchmarks every choice)"
     advice = group.recommendation
     quantized = sum(row.dtype != "fp32" for row in group.rows)
-    faithful = f"most faithful {_name(advice.best_accuracy)} on {_runtime(advice.best_accuracy)} ({_score(advice.best_accuracy)}"
+    faithful = f"{_best(advice).lower()} {_name(advice.best_accuracy)} on {_runtime(advice.best_accuracy)} ({_score(advice.best_accuracy)}"
     faithful += f", {advice.best_accuracy.speedup_vs_onnxruntime:.2f}x onnxruntime FP32)" if advice.best_accuracy.speedup_vs_onnxruntime else ")"
     fastest = advice.fastest
     quickest = ("" if fastest is None or fastest is advice.best_accuracy else
@@ -363,7 +368,7 @@ def _recommendation_lines(group: DatasetGroup) -> list[str]:
                 f"agreement; made for VNNI CPUs alone (--cpus vnni) {cost.vnni_sqnr_db:.1f} dB, {cost.vnni_agreement:.1f}% (against FP32 on "
                 f"{cost.images} calibration images on {cost.cpu}, measured by quantize)" for cost in group.portability]
     return [
-        f"{'Most faithful' if advice.by_agreement else 'Best accuracy'}: {_name(advice.best_accuracy)} ({_score(advice.best_accuracy)})",
+        f"{_best(advice)}: {_name(advice.best_accuracy)} ({_score(advice.best_accuracy)})",
         f"Smallest: {_name(smallest)} ({size(smallest.size_bytes)}, {_score(smallest)})",
         f"Fastest {budget}: {_name(fastest)} on {_runtime(fastest)} ({fastest.images_per_second:,.0f} images/s"
         + (f", {fastest.speedup_vs_onnxruntime:.2f}x onnxruntime FP32" if fastest.speedup_vs_onnxruntime else "")

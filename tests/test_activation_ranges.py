@@ -113,8 +113,8 @@ def test_a_percentile_onnxruntime_cannot_calibrate_leaves_minmax(project, monkey
 
     monkeypatch.setattr(ort_backend, "_quantize_static", failing_percentiles)
     made = _quantize(project, "minmax_kept.onnx")["settings"]
-    assert (made["method"], made["percentile"]) == ("minmax", None)
-    assert [db is None for _, _, db in made["method_sqnr_db"]] == [False, True, True]
+    assert made["method"] != "percentile"
+    assert [db is None for _, _, db in made["method_sqnr_db"]] == [method == "percentile" for method, _ in METHOD_CANDIDATES]
 
 
 def test_the_percentile_candidates_read_one_collection_of_histograms(project, tmp_path, monkeypatch):
@@ -429,3 +429,50 @@ def test_a_part_onnxruntime_cannot_run_alone_leaves_the_candidates_of_that_scale
     assert part_after(model, moved, judged) is not None
     whole = sqnr_db(reference, ort_backend._outputs(model, judged, "image", images, 1))
     assert scores(model, moved) == pytest.approx(whole) and scores(model, moved) == pytest.approx(whole)
+
+
+def _activations(path: Path, names: list[str], images: np.ndarray) -> list[np.ndarray]:
+    """The float model's tensors `names` on `images`, from a plain onnxruntime run (the reference)."""
+    import onnxruntime as ort
+
+    model = onnx.load(str(path))
+    del model.graph.output[:]
+    model.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in names)
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(names, {"image": images})
+
+
+@pytest.mark.parametrize("opset", [13, 18])  # ReduceMin/ReduceMax take their axes as an input from opset 18
+def test_per_image_ranges_are_percentiles_of_each_image_s_own_extremes(project, tmp_path, opset):
+    """Against numpy on the activations themselves: each range is the 99th percentile over the images of their maxima (and the
+    1st of their minima), so that one image far out of range (here, 40 times brighter) does not set the scale, as MinMax lets it."""
+    from ptq_cli.backends.onnxruntime import per_image_ranges
+
+    images = png_images(project / "cal")[:100]
+    images[7] *= 40.0
+    source = tmp_path / "m.onnx"
+    onnx.save(onnx.version_converter.convert_version(onnx.load(str(project / "m.onnx")), opset), str(source))
+    found = per_image_ranges(str(source), images, "image", 99.0)
+    assert {"image", "c1", "r1", "c2", "r2", "logits"} <= found.keys() and "scores" in found
+    names = sorted(found)
+    for name, values in zip(names, _activations(project / "m.onnx", names, images), strict=True):
+        per_image = values.reshape(len(values), -1)
+        assert found[name] == [{"rmin": pytest.approx(np.percentile(per_image.min(1), 1.0), rel=1e-6, abs=1e-7),
+                                "rmax": pytest.approx(np.percentile(per_image.max(1), 99.0), rel=1e-6, abs=1e-7)}], name
+    r1 = _activations(project / "m.onnx", ["r1"], images)[0]
+    assert found["r1"][0]["rmax"] < r1.max() / 10  # the bright image alone reaches MinMax's bound
+
+
+def test_per_image_method_is_kept_in_the_model_and_bounds_the_scales_below_minmax(project, tmp_path):
+    bright = smooth_photos(tmp_path / "cal", 60, seed=4)
+    from PIL import Image
+
+    Image.fromarray(np.full((16, 16, 3), 255, np.uint8)).save(bright / "999.png")  # one image far brighter than the others
+    (project / "cal_bright").symlink_to(bright)
+    per_image = _quantize(project, "per_image.onnx", "--method", "per-image", calibration="cal_bright")
+    _quantize(project, "minmax_bright.onnx", "--method", "minmax", calibration="cal_bright")
+    assert (per_image["settings"]["method"], per_image["settings"]["percentile"]) == ("per-image", 99.0)
+    assert describe_method("per-image", 99.0) == "per-image 99"
+    narrowed, full = _quantization_parameters(project / "per_image.onnx"), _quantization_parameters(project / "minmax_bright.onnx")
+    activation_scales = [key for key in narrowed if key.endswith("_scale") and narrowed[key].size == 1 and not key.startswith("w")]
+    assert activation_scales and all(narrowed[key] <= full[key] * (1 + 1e-6) for key in activation_scales)
+    assert any(narrowed[key] < full[key] * 0.99 for key in activation_scales)  # the extreme image no longer sets them

@@ -142,6 +142,21 @@ def test_report_compares_each_model_with_its_framework_fp32():
     assert report.groups[0].recommendation.fastest is None  # both lose more than 0.10 points
 
 
+
+def test_the_other_choices_say_what_the_best_was_ranked_by():
+    """Top-1 on labels of the model's classes is accuracy, not faithfulness: a model can beat FP32 by chance."""
+    from ptq_cli.render import describe_choices
+
+    labelled = build_report([_record("q.onnx", "onnxruntime", "int8", 87.5, 100, 2000.0, [80.0, 92.0]),
+                             _record("f.onnx", "onnxruntime", "fp32", 87.0, 400, 1000.0, [85.0, 89.0])])
+    said = describe_choices(labelled.groups[0])
+    assert "best accuracy q.onnx" in said and "faithful" not in said
+    unlabelled = build_report([replace(_record("q.onnx", "onnxruntime", "int8", 0.0, 100, 2000.0, [0.0, 0.0]), accuracy=None, correct=None,
+                                       per_class_accuracy=[], confusion_matrix=[], fidelity={"top1_agreement": 97.0, "top5_containment": 100.0}),
+                               replace(_record("f.onnx", "onnxruntime", "fp32", 0.0, 400, 1000.0, [0.0, 0.0]), accuracy=None, correct=None,
+                                       per_class_accuracy=[], confusion_matrix=[])])
+    assert "most faithful q.onnx" in describe_choices(unlabelled.groups[0])
+
 def _study(prefix, fp32_accuracy, int8_accuracy, fp32_size, fp32_speed):
     """One user's classifier and its 8-bit model, evaluated into a shared results folder."""
     fp32 = _record(f"{prefix}.onnx", "onnxruntime", "fp32", fp32_accuracy, fp32_size, fp32_speed, [fp32_accuracy] * 2)

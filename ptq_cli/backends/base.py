@@ -38,7 +38,10 @@ INT4 = "int4"  # 4-bit weights (`--weight-dtype int4`), for a backend whose form
 # `--method auto`: the activation ranges each of these gives (method, percentile) are judged by the output on held-out
 # calibration images and the best kept (the percentiles clip the rare activations MinMax spends codes on).
 AUTO_METHOD = "auto"
-METHOD_CANDIDATES: tuple[tuple[str, float | None], ...] = (("minmax", None), ("percentile", 99.999), ("percentile", 99.99))
+PER_IMAGE = "per-image"  # each activation's range from a percentile over the images of each image's own extremes
+PER_IMAGE_PERCENTILE = 99.0
+METHOD_CANDIDATES: tuple[tuple[str, float | None], ...] = (("minmax", None), ("percentile", 99.999), ("percentile", 99.99),
+                                                           (PER_IMAGE, PER_IMAGE_PERCENTILE))
 # A percentile replaces MinMax only when it measures at least this much better: on a few dozen held-out images smaller
 # differences are noise (EfficientNet-Lite0 on 27 photos: +0.3 dB held out, -0.7 dB on the test photos).
 METHOD_MARGIN_DB = 0.5
@@ -272,7 +275,7 @@ class QuantizationSettings:
     weight_dtype: str
     per_channel: bool | None  # None until the model decides: per-channel where it has depthwise convolutions (quantize.resolve_model_defaults)
     method: str
-    percentile: float | None  # only for method "percentile"
+    percentile: float | None  # only for methods "percentile" and PER_IMAGE
     preprocess: bool  # onnxruntime's quant_pre_process (shape inference, BN folding) before quantizing
     # Filled in by quantize() from the calibration set it was given.
     calibration_samples: int = 0

@@ -25,6 +25,7 @@ from ptq_cli.backends.base import (
     EMULATE,
     METHOD_CANDIDATES,
     METHOD_MARGIN_DB,
+    PER_IMAGE,
     RANGE_SEARCH_PIXELS,
     Backend,
     Int8Paths,
@@ -71,6 +72,7 @@ from ptq_cli.transforms.graph import (
     private_weight_dequantizers,
     readers_up_to_quantizers,
     whole_map_average_pools,
+    with_image_extremes,
 )
 from ptq_cli.transforms.space_to_depth import Rewrite, quantized_pads, space_to_depth_convs
 
@@ -713,7 +715,35 @@ def _warning_notes(warnings: list[str]) -> list[str]:
 
 
 QUANT_TYPES = {"int8": "QInt8", "uint8": "QUInt8"}
-CALIBRATION_METHODS = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile"}
+CALIBRATION_METHODS = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile", PER_IMAGE: "MinMax"}
+
+
+def per_image_ranges(source: str, images: np.ndarray, input_name: str, percentile: float, fixed_batch: int | None = None) -> dict[str, list[dict]]:
+    """onnxruntime `TensorQuantOverrides` setting each activation's range (rmin, rmax) to the `percentile`-th
+    percentile, over the images, of each image's own largest value, and likewise of its smallest: a few images whose
+    activations reach far beyond every other's (MobileNetV3's last blocks: 25 times the 99th percentile) no longer
+    set the scale every image is quantized on. NNCF's default for per-tensor activations takes the mean of the same
+    per-image values. A graph tied to a fixed batch runs whole batches of it (its extremes are then each batch's)."""
+    import onnx
+    import onnxruntime as ort
+
+    extremes = with_image_extremes(onnx.load(source))
+    if not extremes.activations:
+        return {}
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = resolve_threads(None)
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    # onnxruntime's default order runs the reductions late and holds every activation until then (Lite0, 20 images at
+    # 224x224: 2.3 GB); by priority, as the model alone (0.7 GB).
+    options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+    session = ort.InferenceSession(extremes.model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    chunk = fixed_batch or max(1, SEARCH_CHUNK_PIXELS // image_pixels(images))
+    end = len(images) - chunk + 1 if fixed_batch else len(images)  # whole batches only
+    runs = [session.run(None, {input_name: images[start : start + chunk]}) for start in range(0, end, chunk)]
+    found = [np.concatenate([run[index] for run in runs]) for index in range(len(runs[0]))]
+    return {name: [{"rmin": np.float32(np.percentile(found[2 * index], 100.0 - percentile)),
+                    "rmax": np.float32(np.percentile(found[2 * index + 1], percentile))}]
+            for index, name in enumerate(extremes.activations)}
 
 
 def _quantize_static(source: str, target: Path, images: np.ndarray, input_name: str, fixed_batch: int | None, settings: QuantizationSettings,  # noqa: PLR0913,PLR0917  quantize_static's own arguments, passed through
@@ -724,8 +754,8 @@ def _quantize_static(source: str, target: Path, images: np.ndarray, input_name: 
     histograms shared by the calls of one scope (the same source and images; see `_histograms`)."""
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
-    extra_options: dict[str, object] = {"CalibPercentile": settings.percentile} if settings.percentile is not None else {}
-    if overrides is not None:
+    extra_options: dict[str, object] = {"CalibPercentile": settings.percentile} if settings.method == "percentile" else {}
+    if overrides:
         extra_options["TensorQuantOverrides"] = overrides
     fitting = calibration_chunk(source, images, fixed_batch, model_name)
     reader = _reader(input_name, images, fixed_batch, progress)
@@ -734,6 +764,9 @@ def _quantize_static(source: str, target: Path, images: np.ndarray, input_name: 
     warnings: list[str] = []
     with contextlib.redirect_stdout(io.StringIO()), _histograms(reader, "CalibStridedMinMax" in extra_options, histograms), _library_warnings(warnings):
         try:
+            if settings.method == PER_IMAGE and settings.percentile is not None:
+                extra_options["TensorQuantOverrides"] = {**per_image_ranges(source, images, input_name, settings.percentile, fixed_batch),
+                                                      **(overrides or {})}
             quantize_static(
                 source, str(target), reader,
                 quant_format=QuantFormat.QDQ,
@@ -1077,7 +1110,7 @@ BACKEND = Backend(
         # The seed study's per-tensor default, its activation ranges chosen by measurement (choose_method).
         # Entropy is not tuned: quantize_static does not pass a histogram size to it, and with its default 128 bins
         # equal to its 128 quantized bins the KL search has a single candidate, the full range (the MinMax model).
-        methods=(AUTO_METHOD, "minmax", "entropy", "percentile"), tune_methods=("minmax", "percentile"), per_channel=False,
+        methods=(AUTO_METHOD, "minmax", "entropy", "percentile", PER_IMAGE), tune_methods=("minmax", "percentile"), per_channel=False,
         overflow_fixes=(overflow.FIRST_LAYER, overflow.ALL_LAYERS), clamped_overflow_fix=overflow.ALL_LAYERS, options=Options,
         output_name=_output_name,
         # onnxruntime's x86 int8 kernels (VNNI) multiply unsigned activations by signed weights; int8 x int8

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ptq_cli import backends
-from ptq_cli.backends.base import INT4, CommonChoices, QuantizationSettings, Quantizer, describe_settings, short_node
+from ptq_cli.backends.base import INT4, PER_IMAGE, PER_IMAGE_PERCENTILE, CommonChoices, QuantizationSettings, Quantizer, describe_settings, short_node
 from ptq_cli.cpu import ALL, CPU_TARGETS, VNNI
 from ptq_cli.errors import PtqError
 from ptq_cli.transforms.overflow import ALL_LAYERS, FIRST_LAYER, NO_FIX
@@ -150,13 +150,13 @@ def _types(dtype: str, weight_dtype: str | None, quantizer: Quantizer) -> tuple[
 
 
 def _percentile(method: str, percentile: float | None) -> float | None:
-    if method == "percentile":
-        percentile = DEFAULT_PERCENTILE if percentile is None else percentile
+    if method in ("percentile", PER_IMAGE):
+        percentile = (DEFAULT_PERCENTILE if method == "percentile" else PER_IMAGE_PERCENTILE) if percentile is None else percentile
         if not 50.0 < percentile <= 100.0:
             raise PtqError(f"--percentile: {percentile} is not in (50, 100]")
         return percentile
     if percentile is not None:
-        raise PtqError("--percentile: only applies to --method percentile")
+        raise PtqError(f"--percentile: only applies to --method percentile or {PER_IMAGE}")
     return None
 
 

@@ -723,3 +723,46 @@ def preprocessed(model, workdir: Path):
     path = Path(workdir) / "preprocessed.onnx"
     preprocess(model, path)
     return onnx.load(str(path))
+
+
+class ImageExtremes(NamedTuple):
+    model: Any  # the graph, its outputs replaced by two per activation: its minimum and its maximum over each image
+    activations: list[str]  # in the order of those output pairs
+
+
+def with_image_extremes(model) -> ImageExtremes:
+    """A copy of `model` that gives, for each float activation whose first axis is the batch (the input's), its
+    smallest and largest value over each image (ReduceMin/ReduceMax over every other axis): two floats per image and
+    activation, where the activations themselves could take gigabytes."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    inferred = onnx.shape_inference.infer_shapes(model)
+    batch = _first_axis(model.graph.input[0])
+    initializers = {init.name for init in model.graph.initializer}
+    computed = {name for node in model.graph.node for name in node.output} | {value.name for value in model.graph.input}
+    values = [] if batch is None else [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]
+    ranks = {value.name: len(value.type.tensor_type.shape.dim)  # value_info may still name tensors a rewrite removed
+             for value in values if value.name in computed - initializers and value.type.tensor_type.elem_type == TensorProto.FLOAT
+             and len(value.type.tensor_type.shape.dim) >= 2 and _first_axis(value) == batch}
+    augmented = onnx.ModelProto.FromString(model.SerializeToString())
+    del augmented.graph.output[:]
+    fresh = _fresh_names({name for node in model.graph.node for name in node.output} | initializers)
+    axes_input = default_opset(model) >= 18  # ReduceMin/ReduceMax take their axes as an input from opset 18
+    axes = {rank: fresh(f"ptq_extremes_axes_{rank}") for rank in set(ranks.values())}
+    if axes_input:
+        augmented.graph.initializer.extend(helper.make_tensor(name, TensorProto.INT64, [rank - 1], range(1, rank)) for rank, name in axes.items())
+    for name, rank in ranks.items():
+        for op in ("ReduceMin", "ReduceMax"):
+            extreme = fresh(f"{name}_{op}")
+            augmented.graph.node.append(helper.make_node(op, [name, axes[rank]], [extreme], keepdims=0) if axes_input
+                                        else helper.make_node(op, [name], [extreme], keepdims=0, axes=list(range(1, rank))))
+            augmented.graph.output.append(helper.make_tensor_value_info(extreme, TensorProto.FLOAT, None))
+    return ImageExtremes(augmented, list(ranks))
+
+
+def _first_axis(value) -> str | int | None:
+    dims = value.type.tensor_type.shape.dim
+    if not dims:
+        return None
+    return dims[0].dim_param or (dims[0].dim_value if dims[0].HasField("dim_value") else None)
