@@ -100,3 +100,25 @@ def test_only_torch_averages_that_leave_one_value_per_channel_are_whole_map_pool
     layers = torch.nn.Sequential(torch.nn.AvgPool2d(3, stride=1, padding=1), torch.nn.AvgPool2d(2), torch.nn.MaxPool2d(3, stride=1, padding=1),
                                  torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())
     assert whole_map_pools(torch.fx.symbolic_trace(layers), torch.zeros(2, 4, 6, 6)) == ["3"]
+
+
+def test_pytorch_says_how_close_its_model_is_to_fp32_on_calibration_images(project):
+    """The figure in the note is the saved model's own against FP32's: measured again here from the files, on every
+    fourth calibration image (a model torch.ao wrecks is said at once, not found at evaluate)."""
+    import re
+
+    import onnxruntime as ort
+
+    from ptq_cli.services.models import load_model
+
+    result = _quantize(project, "global.onnx", "said.pt", "--backend", "pytorch", "--calibration-size", "120")
+    said = [note for note in result["notes"] if note.startswith("output SQNR against FP32")]
+    assert len(said) == 1
+    count, figure = re.fullmatch(r"output SQNR against FP32 on (\d+) calibration images: (-?[\d.]+) dB", said[0]).groups()
+    images = png_images(project / "cal")
+    assert len(images) == 120 and int(count) == 30
+    assert result["settings"]["calibration_samples"] == 120
+    fp32 = ort.InferenceSession(str(project / "global.onnx"), providers=["CPUExecutionProvider"]).run(None, {"image": images})[0]
+    ours = load_model(project / "said.pt").predict(images)
+    assert 10 < float(figure) < 80
+    assert float(figure) == pytest.approx(sqnr_db(fp32[::4], ours[::4]), abs=0.5)
