@@ -16,6 +16,23 @@ def sqnr_db(reference: np.ndarray, approximation: np.ndarray) -> float:
     return float("inf") if noise == 0 else 10.0 * np.log10(signal / noise)
 
 
+IMAGE_DB_BOUND = 150.0  # an image's own SQNR is kept within +-this: exact scores (float32's own noise lies below) and all-zero ones
+
+
+def image_sqnr_db(reference: np.ndarray, approximation: np.ndarray) -> float:
+    """The mean over images (the first axis) of each image's own SQNR in dB; inf when identical. The judge of every
+    choice ptq makes on held-out images: `sqnr_db` pools the images' noise and signal, so the few images whose scores
+    are largest decide it, and a range that serves them can fail most others."""
+    exact = reference.astype(np.float64).reshape(len(reference), -1)
+    noise = np.sum((exact - approximation.reshape(len(exact), -1)) ** 2, axis=1)
+    if not noise.any():
+        return float("inf")
+    signal = np.sum(exact**2, axis=1)
+    tiny = np.finfo(np.float64).tiny
+    per_image = 10.0 * (np.log10(np.maximum(signal, tiny)) - np.log10(np.maximum(noise, tiny)))
+    return float(np.mean(np.clip(per_image, -IMAGE_DB_BOUND, IMAGE_DB_BOUND)))
+
+
 def wilson_interval(successes: int, trials: int, z: float = Z_95) -> tuple[float, float]:
     """The Wilson score interval of a proportion (`successes` of `trials`), as fractions: where the share would
     lie, at 95% by default, over other images drawn the same way. Unlike the normal approximation it stays

@@ -96,7 +96,7 @@ def test_a_percentile_replaces_minmax_only_when_it_measures_better_by_the_margin
 def test_describe_method_names_the_kept_ranges_then_the_measured_ones():
     assert describe_method("minmax", None) == "minmax"
     assert describe_method("percentile", 99.99, (("minmax", None, 23.14), ("percentile", 99.99, 25.0))) == (
-        "percentile 99.99 (auto: output SQNR on held-out calibration images, minmax 23.1, percentile 99.99 25.0 dB)")
+        "percentile 99.99 (auto: image SQNR on held-out calibration images, minmax 23.1, percentile 99.99 25.0 dB)")
 
 
 def test_a_percentile_onnxruntime_cannot_calibrate_leaves_minmax(project, monkeypatch):
@@ -345,7 +345,7 @@ def test_the_part_after_a_moved_scale_scores_what_the_whole_model_scores(project
     """The search runs only what depends on the moved scale, fed the tensors the rest computes (the skip connection's
     among them): the same output SQNR as the whole model to within the search's noise floor, for every scale and factor."""
     from ptq_cli.backends import onnxruntime as ort_backend
-    from ptq_cli.metrics import sqnr_db
+    from ptq_cli.metrics import image_sqnr_db
     from ptq_cli.transforms import ranges
     from ptq_cli.transforms.graph import part_after
 
@@ -368,7 +368,7 @@ def test_the_part_after_a_moved_scale_scores_what_the_whole_model_scores(project
         start = rescaler.get(name)
         for factor in (FACTORS[0], FACTORS[-1]):
             rescaler.set(name, start * factor)
-            whole = sqnr_db(reference, ort_backend._outputs(model, judged, "image", images, 1))
+            whole = image_sqnr_db(reference, ort_backend._outputs(model, judged, "image", images, 1))
             assert abs(scores(model, name) - whole) < ranges.MIN_GAIN_DB, name
         rescaler.set(name, start)
 
@@ -393,7 +393,7 @@ def test_describe_ranges_names_the_kept_ranges_and_both_figures():
 
     assert describe_ranges(None) is None
     assert describe_ranges("searched", 30.64, 31.55) == (
-        "searched (output SQNR on held-out calibration images: 30.6 dB calibrated, 31.6 dB searched)")
+        "searched (image SQNR on held-out calibration images: 30.6 dB calibrated, 31.6 dB searched)")
 
 
 def test_a_search_whose_one_sweep_exceeds_the_budget_is_not_run_and_says_so(project, monkeypatch):
@@ -409,7 +409,7 @@ def test_a_part_onnxruntime_cannot_run_alone_leaves_the_candidates_of_that_scale
     from onnx import helper
 
     from ptq_cli.backends import onnxruntime as ort_backend
-    from ptq_cli.metrics import sqnr_db
+    from ptq_cli.metrics import image_sqnr_db
     from ptq_cli.transforms import ranges
     from ptq_cli.transforms.graph import part_after
 
@@ -427,7 +427,7 @@ def test_a_part_onnxruntime_cannot_run_alone_leaves_the_candidates_of_that_scale
     monkeypatch.setattr(ort_backend, "part_after", unrunnable)
     scores, moved = ort_backend._PartScores(judged, "image", images, 1, 32, reference), ranges.activation_scales(model)[-1]
     assert part_after(model, moved, judged) is not None
-    whole = sqnr_db(reference, ort_backend._outputs(model, judged, "image", images, 1))
+    whole = image_sqnr_db(reference, ort_backend._outputs(model, judged, "image", images, 1))
     assert scores(model, moved) == pytest.approx(whole) and scores(model, moved) == pytest.approx(whole)
 
 

@@ -33,7 +33,8 @@ def test_pytorch_int8_is_close_to_fp32_and_half_the_size(pipeline):
     assert fp32["accuracy"] - int8["accuracy"] <= 0.3, int8["accuracy"]
     assert int8["model_size_bytes"] <= 0.5 * fp32["model_size_bytes"]
     settings = int8["quantization"]
-    assert settings["format"] == "FX" and settings["per_channel"] is True and settings["method"] == "histogram"
+    assert settings["format"] == "FX" and settings["per_channel"] is True
+    assert settings["method"] in ("histogram", "minmax", "per-image") and len(settings["method_sqnr_db"]) == 3  # auto: measured
     assert settings["calibration_samples"] == 1000 and settings["calibration_seed"] == 42
 
 

@@ -186,6 +186,28 @@ def test_auto_rounding_keeps_the_rounding_the_held_out_images_prefer_and_says_so
     assert shown.exit_code == 0 and f"{nearest_db:.1f} dB nearest, {learned_db:.1f} dB learned" in shown.stdout
 
 
+def test_auto_rounding_judges_by_the_mean_of_each_held_out_image_s_sqnr(project):
+    """The figures auto rounding keeps are the held-out images' own SQNRs averaged, not their pooled SQNR, which the
+    few images with the largest scores decide (here the brightened ones)."""
+    from dataclasses import replace
+
+    from ptq_cli.backends import onnxruntime as ort_backend
+    from ptq_cli.backends.base import held_out_split
+    from ptq_cli.metrics import image_sqnr_db, sqnr_db
+    from ptq_cli.services.quant_settings import make_settings
+
+    _quantize(project, "judged_nearest.onnx", "--rounding", "nearest", "--method", "minmax")
+    calibration = _test_images(project)
+    calibration[3::16] *= 10  # held-out images far brighter than anything calibrated: large scores, far off FP32
+    settings = replace(make_settings("int8", method="minmax"), rounding=rounding.AUTO)
+    _, judged, _ = ort_backend.refine_rounding(onnx.load(str(project / "judged_nearest.onnx")), str(project / "m.onnx"), calibration, "image",
+                                               settings)
+    held_out = held_out_split(calibration)[0]
+    reference, nearest = _logits(project / "m.onnx", held_out), _logits(project / "judged_nearest.onnx", held_out)
+    assert judged.rounding_nearest_db == round(image_sqnr_db(reference, nearest), 2)
+    assert abs(judged.rounding_nearest_db - sqnr_db(reference, nearest)) > 3
+
+
 def test_learned_rounding_on_a_backend_that_cannot_take_it_is_refused_in_one_line(project):
     result = invoke("quantize", "--model", "m.onnx", "--data", "test", "--calibration-data", "cal", "--preprocess", "unit",
                     "--backend", "pytorch", "--rounding", "learned", "--output", "t.pt", cwd=project)

@@ -426,3 +426,22 @@ def test_average_pools_left_in_float_make_one_note_however_many():
                    "(onnxruntime would give them the scale of the whole maps)"]
     many = pools_in_float_note([f"se{index}/Mean" for index in range(10)], "torch.ao")
     assert len(many) == 1 and many[0].startswith("10 average pools (se0/Mean, se1/Mean, se2/Mean and 7 more): left in float, so the layers reading them quantize ")
+
+
+def test_image_sqnr_is_the_mean_of_each_image_s_own_sqnr_and_ranks_by_the_typical_image():
+    from ptq_cli.metrics import image_sqnr_db, sqnr_db
+
+    rng = np.random.default_rng(0)
+    reference = rng.normal(size=(8, 10))
+    reference[0] *= 100  # one image whose scores are far larger than the others'
+    noisy = reference + rng.normal(scale=0.05, size=reference.shape) * np.abs(reference).max(axis=1, keepdims=True)  # alike per image
+    assert image_sqnr_db(reference, noisy) == pytest.approx(np.mean([sqnr_db(ref, got) for ref, got in zip(reference, noisy, strict=True)]))
+    # Close on the large image, poor on the rest: pooled SQNR prefers it, the mean over images does not.
+    serves_the_large = reference + rng.normal(scale=1.0, size=reference.shape)
+    serves_the_large[0] = reference[0] + rng.normal(scale=0.01, size=10)
+    assert sqnr_db(reference, serves_the_large) > sqnr_db(reference, noisy)
+    assert image_sqnr_db(reference, serves_the_large) < image_sqnr_db(reference, noisy)
+    assert image_sqnr_db(reference, reference.copy()) == float("inf")
+    serves_the_large[0] = reference[0]
+    assert np.isfinite(image_sqnr_db(reference, serves_the_large))  # one exact image among others: bounded, not inf
+    assert np.isfinite(image_sqnr_db(np.zeros((2, 3)), np.ones((2, 3))))  # all-zero scores: bounded, not -inf

@@ -292,11 +292,11 @@ class QuantizationSettings:
     stem: str | None = None
     stem_sqnr_db: float | None = None
     # Weight rounding: "learned" (codes and biases refined layer by layer, transforms/rounding.py) or "nearest";
-    # None until measured on held-out calibration images, with the output SQNR of each there.
+    # None until measured on held-out calibration images, with the image SQNR (metrics.image_sqnr_db) of each there.
     rounding: str | None = None
     rounding_nearest_db: float | None = None
     rounding_learned_db: float | None = None
-    # `--method auto`: each activation range tried (method, percentile) and the output SQNR it gave on held-out
+    # `--method auto`: each activation range tried (method, percentile) and the image SQNR it gave on held-out
     # calibration images; `method` and `percentile` then hold the one kept.
     method_sqnr_db: tuple[tuple[str, float | None, float | None], ...] = ()
     # Where those nearest-rounded models preferred a percentile to MinMax, both again after learned rounding (the same
@@ -313,6 +313,12 @@ class QuantizationSettings:
         stored = asdict(self)
         stored.pop("options")
         return {**stored, **self.options.stored()}
+
+
+def per_image_range(lows: np.ndarray, highs: np.ndarray, percentile: float) -> tuple[float, float]:
+    """`--method per-image`: an activation's range from each calibration image's own smallest (`lows`) and largest
+    (`highs`) value, the `percentile`-th percentile over the images of the largest and likewise of the smallest."""
+    return float(np.percentile(lows, 100.0 - percentile)), float(np.percentile(highs, percentile))
 
 
 def held_out_mask(count: int) -> np.ndarray:

@@ -493,8 +493,8 @@ def _with_method(calibrated: bytes, method: str, percentile: float | None, calib
 
 def _choose_method(keras_path: Path, calibration: np.ndarray, settings: QuantizationSettings, io_type) -> QuantizationSettings:
     """`--method auto`: each METHOD_CANDIDATES range calibrated on 3/4 of the calibration images, quantized, and
-    judged by the output SQNR against the float model on the other 1/4; the settings with the best one."""
-    from ptq_cli.metrics import sqnr_db
+    judged by the image SQNR against the float model on the other 1/4; the settings with the best one."""
+    from ptq_cli.metrics import image_sqnr_db
 
     held_out, rest = held_out_split(calibration)
     if len(held_out) == 0 or len(rest) == 0:
@@ -506,7 +506,7 @@ def _choose_method(keras_path: Path, calibration: np.ndarray, settings: Quantiza
         scores: list[tuple[str, float | None, float | None]] = []
         for method, percentile in METHOD_CANDIDATES:
             quantized = _quantized(_with_method(calibrated, method, percentile, rest), settings, io_type, keras_path)
-            scores.append((method, percentile, sqnr_figure(sqnr_db(reference, _judged_scores(quantized, held_out)))))
+            scores.append((method, percentile, sqnr_figure(image_sqnr_db(reference, _judged_scores(quantized, held_out)))))
         return tuple(scores)
 
     # Within `ptq run`, its TFLite models share the comparison: it reads only these settings.
@@ -536,7 +536,7 @@ def _refined(quantized: bytes, calibrated: bytes, calibration: np.ndarray, setti
     """(model, settings with the rounding decided, notes): learned int8 codes and corrected biases
     (transforms/tflite_rounding.py) where they bring the held-out calibration images' scores closer to the float
     model's than the converter's nearest codes (or where asked)."""
-    from ptq_cli.metrics import sqnr_db
+    from ptq_cli.metrics import image_sqnr_db
 
     held_out, rest = held_out_split(calibration)
     if settings.rounding == LEARNED or len(held_out) == 0:
@@ -551,7 +551,7 @@ def _refined(quantized: bytes, calibrated: bytes, calibration: np.ndarray, setti
     if settings.rounding == LEARNED or len(held_out) == 0:
         return result.data, replace(settings, rounding=LEARNED), notes
     reference = _judged_scores(calibrated, held_out)
-    nearest_db, learned_db = (sqnr_db(reference, _judged_scores(model, held_out)) for model in (quantized, result.data))
+    nearest_db, learned_db = (image_sqnr_db(reference, _judged_scores(model, held_out)) for model in (quantized, result.data))
     choice = LEARNED if learned_db > nearest_db else NEAREST
     measured = replace(settings, rounding=choice, rounding_nearest_db=sqnr_figure(nearest_db), rounding_learned_db=sqnr_figure(learned_db))
     return (result.data if choice == LEARNED else quantized), measured, notes

@@ -40,6 +40,7 @@ from ptq_cli.backends.base import (
     finish_load,
     held_out_split,
     image_pixels,
+    per_image_range,
     rounding_image_count,
     sqnr_figure,
 )
@@ -653,7 +654,7 @@ def refine_rounding(quantized, float_path: str, calibration: np.ndarray, input_n
     the output closer to FP32 than nearest rounding on held-out calibration images (or where asked)."""
     import onnx
 
-    from ptq_cli.metrics import sqnr_db
+    from ptq_cli.metrics import image_sqnr_db
 
     held_out, rest = held_out_split(calibration)
     if settings.rounding == LEARNED or len(held_out) == 0:
@@ -682,11 +683,11 @@ def refine_rounding(quantized, float_path: str, calibration: np.ndarray, input_n
     judged = judged_output(float_model)
     reference = _outputs(float_model, judged, input_name, held_out, threads)
     quantized_judged = judged_in(refined, judged)
-    nearest_db = sqnr_db(reference, _outputs(nearest_model, quantized_judged, input_name, held_out, threads))
-    learned_db = sqnr_db(reference, _outputs(refined, quantized_judged, input_name, held_out, threads))
+    nearest_db = image_sqnr_db(reference, _outputs(nearest_model, quantized_judged, input_name, held_out, threads))
+    learned_db = image_sqnr_db(reference, _outputs(refined, quantized_judged, input_name, held_out, threads))
     choice = LEARNED if learned_db > nearest_db else NEAREST
     measured = replace(settings, rounding=choice, rounding_nearest_db=sqnr_figure(nearest_db), rounding_learned_db=sqnr_figure(learned_db))
-    verdict = f"output SQNR on {len(held_out)} held-out calibration images: {nearest_db:.2f} dB nearest, {learned_db:.2f} dB learned; kept {choice}"
+    verdict = f"image SQNR on {len(held_out)} held-out calibration images: {nearest_db:.2f} dB nearest, {learned_db:.2f} dB learned; kept {choice}"
     return (refined if choice == LEARNED else nearest_model), measured, [*notes, f"learned rounding: {verdict}"]
 
 
@@ -741,9 +742,8 @@ def per_image_ranges(source: str, images: np.ndarray, input_name: str, percentil
     end = len(images) - chunk + 1 if fixed_batch else len(images)  # whole batches only
     runs = [session.run(None, {input_name: images[start : start + chunk]}) for start in range(0, end, chunk)]
     found = [np.concatenate([run[index] for run in runs]) for index in range(len(runs[0]))]
-    return {name: [{"rmin": np.float32(np.percentile(found[2 * index], 100.0 - percentile)),
-                    "rmax": np.float32(np.percentile(found[2 * index + 1], percentile))}]
-            for index, name in enumerate(extremes.activations)}
+    ranges = [per_image_range(found[2 * index], found[2 * index + 1], percentile) for index in range(len(extremes.activations))]
+    return {name: [{"rmin": np.float32(low), "rmax": np.float32(high)}] for name, (low, high) in zip(extremes.activations, ranges, strict=True)}
 
 
 def _quantize_static(source: str, target: Path, images: np.ndarray, input_name: str, fixed_batch: int | None, settings: QuantizationSettings,  # noqa: PLR0913,PLR0917  quantize_static's own arguments, passed through
@@ -793,12 +793,12 @@ def choose_method(source: str, calibration: np.ndarray, input_name: str, setting
                   overrides: dict | None, finish, workdir: Path, output: Path, model_name: str,
                   progress: ProgressCallback | None) -> tuple[QuantizationSettings, list[str]]:
     """(settings with the activation ranges chosen, notes): each METHOD_CANDIDATES range calibrated on 3/4 of the
-    calibration images, nearest-rounded, and judged by the output SQNR against FP32 on the other 1/4 (the
+    calibration images, nearest-rounded, and judged by the image SQNR against FP32 on the other 1/4 (the
     scores before a final Softmax); `chosen_method` keeps one (MinMax unless a percentile measures better by a
     margin). A candidate onnxruntime cannot calibrate scores nothing. `finish` applies ptq's edits to a quantized graph."""
     import onnx
 
-    from ptq_cli.metrics import sqnr_db
+    from ptq_cli.metrics import image_sqnr_db
 
     held_out, rest = held_out_split(calibration)
     if len(held_out) == 0 or len(rest) == 0:
@@ -822,7 +822,7 @@ def choose_method(source: str, calibration: np.ndarray, input_name: str, setting
             scores.append((method, percentile, None))
             continue
         name = judged_in(quantized, judged)
-        scores.append((method, percentile, sqnr_figure(sqnr_db(reference, _outputs(quantized, name, input_name, held_out, threads)))))
+        scores.append((method, percentile, sqnr_figure(image_sqnr_db(reference, _outputs(quantized, name, input_name, held_out, threads)))))
     method, percentile = chosen_method(tuple(scores))
     return replace(settings, method=method, percentile=percentile, method_sqnr_db=tuple(scores)), []
 
@@ -843,8 +843,8 @@ def _calibrated_model(source: str, images: np.ndarray, input_name: str, settings
 
 
 class _PartScores:
-    """`ranges.search`'s score: the output's SQNR against `reference` on `images`, from a run of only the part of the
-    model that depends on the moved scale (transforms/graph.py, part_after), fed the tensors the rest of the model
+    """`ranges.search`'s score: the output's image SQNR (metrics.image_sqnr_db) against `reference` on `images`, from
+    a run of only the part of the model that depends on the moved scale (transforms/graph.py, part_after), fed the tensors the rest of the model
     computes, once a scale (they do not depend on it). The whole model where there is no such part, or its tensors would
     take more than SEARCH_FED_BYTES. The part's scores differ from the whole model's by float rounding alone (a
     convolution onnxruntime runs in float in one and on integers in the other); what the search keeps is measured on
@@ -857,7 +857,7 @@ class _PartScores:
         self._fed: dict[str, np.ndarray] | None = None
 
     def __call__(self, model, moved: str | None) -> float:
-        from ptq_cli.metrics import sqnr_db
+        from ptq_cli.metrics import image_sqnr_db
 
         part = None if moved is None else part_after(model, moved, self._output)
         if part is not None and moved != self._fed_for:
@@ -867,10 +867,10 @@ class _PartScores:
                 session, fed = _probe_session(part[0], self._threads), self._fed
                 scores = [session.run([self._output], {name: values[start : start + self._chunk] for name, values in fed.items()})[0]
                           for start in range(0, len(self._images), self._chunk)]
-                return sqnr_db(self._reference, np.concatenate(scores))
+                return image_sqnr_db(self._reference, np.concatenate(scores))
             except Exception:  # noqa: BLE001  onnxruntime's own errors on the part alone: this scale's candidates run whole
                 self._fed = None
-        return sqnr_db(self._reference, _outputs(model, self._output, self._input_name, self._images, self._threads, self._chunk))
+        return image_sqnr_db(self._reference, _outputs(model, self._output, self._input_name, self._images, self._threads, self._chunk))
 
     def _feeds(self, model, reads: list[str]) -> dict[str, np.ndarray] | None:
         """The tensors the part reads, over all the images; None past SEARCH_FED_BYTES or where the rest cannot be cut out."""
@@ -892,7 +892,7 @@ def search_ranges(quantized, float_path: str, calibration: np.ndarray, input_nam
     images by METHOD_MARGIN_DB."""
     import onnx
 
-    from ptq_cli.metrics import sqnr_db
+    from ptq_cli.metrics import image_sqnr_db
 
     held_out, rest = held_out_split(calibration)
     if len(held_out) == 0 or len(rest) == 0:
@@ -914,11 +914,11 @@ def search_ranges(quantized, float_path: str, calibration: np.ndarray, input_nam
         searched, result = ranges.search(quantized, _PartScores(name, input_name, searching, threads, chunk, reference), runs, progress)
     except Exception as error:  # noqa: BLE001  onnxruntime's own errors: the user keeps the calibrated ranges
         return calibrated, settings, [f"range search: not applied ({first_line(error)})"]
-    before, after = (sqnr_db(held_reference, _outputs(model, name, input_name, held_out, threads)) for model in (calibrated, searched))
+    before, after = (image_sqnr_db(held_reference, _outputs(model, name, input_name, held_out, threads)) for model in (calibrated, searched))
     choice = "searched" if after >= before + METHOD_MARGIN_DB else "calibrated"
     measured = replace(settings, ranges=choice, ranges_calibrated_db=sqnr_figure(before), ranges_searched_db=sqnr_figure(after))
     note = (f"range search: {result.moved} of {result.scales} activation scales moved ({result.searched} searched, {result.evaluations} runs "
-            f"of {len(searching)} calibration images); output SQNR on {len(held_out)} held-out images {before:.2f} dB calibrated, "
+            f"of {len(searching)} calibration images); image SQNR on {len(held_out)} held-out images {before:.2f} dB calibrated, "
             f"{after:.2f} dB searched; kept {choice}")
     return (searched if choice == "searched" else calibrated), measured, [note]
 
@@ -991,7 +991,7 @@ def _rounded_method(percentile: tuple[Any, QuantizationSettings, list[str]], min
     def figure(db: float | None) -> str:
         return "-" if db is None else f"{db:.2f}"
 
-    note = (f"method auto: after weight rounding, output SQNR on held-out calibration images {label(chosen)} {figure(chosen_db)} dB, "
+    note = (f"method auto: after weight rounding, image SQNR on held-out calibration images {label(chosen)} {figure(chosen_db)} dB, "
             f"{label(other)} {figure(other_db)} dB; kept {label(kept[1])}")
     return model, replace(settings, method_sqnr_db=chosen.method_sqnr_db, method_rounded_db=measured), [*notes, note]
 

@@ -98,7 +98,7 @@ def make_settings(  # noqa: PLR0913,PLR0917  the common settings vocabulary, one
 
 
 def describe_method(method: str, percentile: float | None, measured=(), rounded=()) -> str:
-    """e.g. "percentile 99.99 (auto: output SQNR on held-out calibration images, minmax 23.1, percentile 99.999
+    """e.g. "percentile 99.99 (auto: image SQNR on held-out calibration images, minmax 23.1, percentile 99.999
     24.0, percentile 99.99 25.2 dB; after weight rounding, percentile 99.99 30.1, minmax 29.0 dB)"; `measured` is
     QuantizationSettings.method_sqnr_db, `rounded` its method_rounded_db."""
     def label(name: str, value: float | None) -> str:
@@ -111,7 +111,7 @@ def describe_method(method: str, percentile: float | None, measured=(), rounded=
     if not measured:
         return chosen
     after = f"; after weight rounding, {scores(rounded)} dB" if rounded else ""
-    return f"{chosen} (auto: output SQNR on held-out calibration images, {scores(measured)} dB{after})"
+    return f"{chosen} (auto: image SQNR on held-out calibration images, {scores(measured)} dB{after})"
 
 
 def check_rounding(rounding: str | None, row: backends.Backend) -> str | None:

@@ -139,10 +139,10 @@ def search(model, score: Callable[[Any, str | None], float], evaluations: int,
 
 
 def describe_ranges(ranges: str | None, calibrated_db: float | None = None, searched_db: float | None = None) -> str | None:
-    """e.g. "searched (output SQNR on held-out calibration images: 30.6 dB calibrated, 31.6 dB searched)"; None where
+    """e.g. "searched (image SQNR on held-out calibration images: 30.6 dB calibrated, 31.6 dB searched)"; None where
     no search ran."""
     if ranges is None:
         return None
     if calibrated_db is None or searched_db is None:
         return ranges
-    return f"{ranges} (output SQNR on held-out calibration images: {calibrated_db:.1f} dB calibrated, {searched_db:.1f} dB searched)"
+    return f"{ranges} (image SQNR on held-out calibration images: {calibrated_db:.1f} dB calibrated, {searched_db:.1f} dB searched)"

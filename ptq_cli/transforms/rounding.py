@@ -382,9 +382,9 @@ def _correct_bias(layer: Layer, initializers: dict, float_node, float_initialize
 
 
 def describe_rounding(rounding: str | None, nearest_db: float | None = None, learned_db: float | None = None) -> str:
-    """e.g. "learned (output SQNR on held-out calibration images: 22.5 dB nearest, 23.2 dB learned)"."""
+    """e.g. "learned (image SQNR on held-out calibration images: 22.5 dB nearest, 23.2 dB learned)"."""
     if rounding is None:
         return AUTO
     if nearest_db is None or learned_db is None:
         return rounding
-    return f"{rounding} (output SQNR on held-out calibration images: {nearest_db:.1f} dB nearest, {learned_db:.1f} dB learned)"
+    return f"{rounding} (image SQNR on held-out calibration images: {nearest_db:.1f} dB nearest, {learned_db:.1f} dB learned)"
