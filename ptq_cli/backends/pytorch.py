@@ -419,6 +419,8 @@ def _choose_method(float_module, settings: QuantizationSettings, calibration: np
                    progress: ProgressCallback | None) -> QuantizationSettings:
     """`--method auto`: each METHOD_CANDIDATES observer calibrated on 3/4 of the calibration images and judged by the
     image SQNR of the scores against FP32 on the other 1/4; the settings with the one kept."""
+    import gc
+
     from ptq_cli.metrics import image_sqnr_db
 
     held_out, rest = base.held_out_split(calibration)
@@ -432,6 +434,8 @@ def _choose_method(float_module, settings: QuantizationSettings, calibration: np
         candidate = _calibrated(float_module, replace(settings, method=method, percentile=percentile), _batches(rest, None), example,
                                 float_modules, step)
         scores.append((method, percentile, base.sqnr_figure(image_sqnr_db(reference, _scores(_scores_module(candidate), held_out, None)))))
+        del candidate
+        gc.collect()  # FX graph modules hold reference cycles: each candidate's copies go before the next is made
     method, percentile = base.chosen_method(tuple(scores))
     return replace(settings, method=method, percentile=percentile, method_sqnr_db=tuple(scores))
 
