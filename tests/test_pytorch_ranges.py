@@ -93,10 +93,12 @@ def test_the_per_image_observer_takes_percentiles_of_each_image_s_own_extremes()
     assert scale.item() == pytest.approx((high - min(low, 0.0)) / 255, rel=1e-5)
 
 
-def test_the_judged_scores_are_those_the_output_softmax_reads(project):
+@pytest.mark.parametrize("opset", [13, 11])  # before 13, onnx2torch's own Softmax module
+def test_the_judged_scores_are_those_the_output_softmax_reads(project, opset):
     import torch
 
     model = onnx.load(str(project / "head.onnx"))
+    model.opset_import[0].version = opset
     module = pytorch.onnx_to_graph_module(model)
     images = torch.from_numpy(png_images(project / "cal")[:8])
     assert pytorch.output_softmax_modules(module)

@@ -365,13 +365,17 @@ METHOD_CANDIDATES = (("histogram", None), ("minmax", None), (base.PER_IMAGE, bas
 def output_softmax_modules(module) -> list[str]:
     """The Softmax modules whose output is the graph's: kept float, as onnxruntime's are. torch.ao's x86 mapping gives
     a Softmax fixed output ranges, and a Reshape between the scores and it then takes those (0 to 1) for the scores:
-    a Keras MobileNetV3-Small's 10 scores reached the Softmax clipped to 0..1 (1.4 dB, 27% top-1 agreement)."""
+    a Keras MobileNetV3-Small's 10 scores reached the Softmax clipped to 0..1 (1.4 dB, 27% top-1 agreement). Before
+    opset 13 onnx2torch writes its own Softmax module, which torch.ao leaves float already."""
     import torch
+
+    import_onnx2torch()
+    from onnx2torch.node_converters.activations import OnnxSoftmaxV1V11
 
     output = next(node for node in module.graph.nodes if node.op == "output")
     returned = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
     return [node.target for node in returned if getattr(node, "op", None) == "call_module"
-            and isinstance(module.get_submodule(node.target), (torch.nn.Softmax, torch.nn.LogSoftmax))]
+            and isinstance(module.get_submodule(node.target), (torch.nn.Softmax, torch.nn.LogSoftmax, OnnxSoftmaxV1V11))]
 
 
 def _scores_module(module):
