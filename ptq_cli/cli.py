@@ -222,7 +222,7 @@ CpusOption = Annotated[
 ]
 OverflowFixOption = Annotated[
     OverflowFix | None,
-    typer.Option(help="With --cpus all: the layers whose int8 weights are bounded so that no pair of u8 x s8 products overflows int16 (the pair rule): first-layer (where the input's full range meets them; measured) or all-layers (proven: the model cannot saturate). Depthwise convolutions are exempt: their kernel cannot saturate. PyTorch's all-layers keeps 7-bit activations instead; LiteRT needs nothing. (default: all-layers for a model with clamped activations such as ReLU6, whose outputs sit at the top code; first-layer otherwise)", show_default=False, rich_help_panel="Deployment"),
+    typer.Option(help="With --cpus all: the layers whose int8 weights are bounded so that no pair of u8 x s8 products overflows int16 (the pair rule): first-layer (where the input's full range meets them; measured) or all-layers (proven: the model cannot saturate). onnxruntime's depthwise convolutions are exempt: their kernel cannot saturate (fbgemm's can: PyTorch bounds them too, or keeps 7-bit activations instead: --activation-bits); LiteRT needs nothing. (default: all-layers for a model with clamped activations such as ReLU6, whose outputs sit at the top code; first-layer otherwise)", show_default=False, rich_help_panel="Deployment"),
 ]
 StemOption = Annotated[
     Stem,

@@ -274,13 +274,14 @@ def delta_with_p(row: ReportRow) -> str:
 
 def no_vnni(row: ReportRow, short: bool = False) -> str:
     """The top-1 on x86 CPUs without VNNI (the saturating int8 path; without labels, the agreement with FP32):
-    "=" where it is the same by proof or for a float model, a figure (* emulated, on the images its own line names), "-" where not measured."""
+    "=" where it is the same by proof or for a float model, a figure (* emulated, on the images its own line names; a proof
+    measured on other kernels, PyTorch's fbgemm, can round a few images otherwise), "-" where not measured."""
     if row.dtype == "fp32" and row.int8_kernels_vary:
         return "="
     figure_value = row.saturating_accuracy if row.accuracy is not None else row.saturating_agreement
     if figure_value is None:
         return "-"
-    if row.saturating_basis.startswith("proof"):
+    if row.saturating_basis.startswith("proof") and figure_value == (row.accuracy if row.accuracy is not None else row.agreement):
         return "=" if short else f"= ({row.saturating_basis})"
     mark = "*" if row.saturating_basis.startswith("emulated") else ""
     decimals = 2 if row.accuracy is not None else 1  # top-1 to two decimals, agreement to one

@@ -445,3 +445,16 @@ def test_image_sqnr_is_the_mean_of_each_image_s_own_sqnr_and_ranks_by_the_typica
     serves_the_large[0] = reference[0]
     assert np.isfinite(image_sqnr_db(reference, serves_the_large))  # one exact image among others: bounded, not inf
     assert np.isfinite(image_sqnr_db(np.zeros((2, 3)), np.ones((2, 3))))  # all-zero scores: bounded, not -inf
+
+
+def test_a_proven_saturating_figure_shows_as_equal_only_where_it_is():
+    """PyTorch's proof is measured on fbgemm, which can round an image otherwise than the exact path's oneDNN: the
+    report shows its own figure then, and "=" only where the two are the same."""
+    from ptq_cli.render import no_vnni
+    from ptq_cli.services.measure.report import ReportRow
+
+    row = ReportRow("m.pt", "pytorch", "int8", "", 75.97, None, None, 1, None, 1.0, "evaluate", None, None,
+                    saturating_accuracy=75.97, saturating_basis="proof (the pair rule on every layer): fbgemm's kernels run here")
+    assert no_vnni(row, short=True) == "=" and no_vnni(row).startswith("= (proof")
+    differs = replace(row, saturating_accuracy=75.98)
+    assert no_vnni(differs, short=True) == "75.98" and no_vnni(differs).startswith("75.98% (proof")

@@ -105,6 +105,7 @@ class RunOptions:
     flags: inputs.PreprocessingFlags = field(default_factory=inputs.PreprocessingFlags)
     precision: str | None = None  # the inference precision hint, for a runtime that has them
     exact_int8: bool = False  # the exact u8 x s8 kernels on a CPU without VNNI, for a runtime that has a switch
+    saturating_int8: bool = False  # on a CPU with VNNI, the kernels of CPUs without it, for a runtime that can pick them
 
 
 @dataclass(frozen=True)
@@ -252,6 +253,10 @@ class BackendOptions:
     def describe(self) -> str:
         """Its options in a few words for the quantize table ("" when there is nothing to say)."""
         return ""
+
+    def without_overflow_fix(self) -> BackendOptions:
+        """Its options for the same model made for VNNI CPUs alone (`--cpus vnni`): those that only say how a fix is kept go."""
+        return self
 
     def input_files(self) -> tuple[Path, ...]:
         """ONNX models its options make quantize read: checked before any calibration work, never overwritten by the output."""
@@ -426,6 +431,9 @@ class Int8Paths:
 
     reaches: Callable[[str | None, str], bool]
     basis: Callable[[Path, dict | None, str], str]
+    # Where a proof gives the saturating path on a VNNI CPU: scored with the runtime's kernels for CPUs without VNNI
+    # (RunOptions.saturating_int8), which compute there what they compute here; else this CPU's own compute the same.
+    proof_loads_saturating_kernels: bool = False
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import tempfile
 import warnings
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
@@ -41,7 +42,8 @@ from ptq_cli.transforms.torch_compat import import_onnx2torch, quiet_torch_quant
 
 NAME = "pytorch"
 SUFFIX = ".pt"
-ENGINE = "x86"  # fbgemm-based kernels for x86 CPUs
+ENGINE = "x86"  # fbgemm-based kernels for x86 CPUs (oneDNN's for most convolutions on a CPU with AVX512-VNNI)
+SATURATING_ENGINE = "fbgemm"  # the kernels a CPU without VNNI runs
 ZIP_MAGIC = b"PK\x03\x04"  # TorchScript files are zip archives
 # ptq's metadata inside a TorchScript archive, as this extra file: the same keys as in ONNX metadata.
 TORCHSCRIPT_METADATA_FILE = "ptq.json"
@@ -52,6 +54,12 @@ CALIBRATION_BATCH = 100
 TORCH_CHUNK = 64
 # Tried, in order, on a TorchScript file ptq did not make (which says nothing of its input).
 PROBE_INPUTS = (inputs.ModelInput("input", inputs.NCHW, 3, 32, 32, None), inputs.ModelInput("input", inputs.NHWC, 3, 32, 32, None))
+
+# How `--overflow-fix all-layers` keeps fbgemm from saturating: 8-bit activations with every layer's weights under the
+# pair rule, or torch.ao's 7-bit activations (`reduce_range`). The first is judged first and kept unless the other
+# measures METHOD_MARGIN_DB closer to FP32; where nothing can be judged (a fixed batch), the second, torch.ao's own.
+EIGHT_BIT, SEVEN_BIT = "8", "7"
+ACTIVATION_BITS = (EIGHT_BIT, SEVEN_BIT)
 
 
 def sniff(head: bytes) -> bool:
@@ -214,11 +222,13 @@ def whole_map_pools(module, example) -> list[str]:
 
 
 def qconfig_mapping(per_channel: bool, method: str, overflow_fix: str = overflow.NO_FIX, first_layers: tuple[str, ...] = (),  # noqa: PLR0913  one keyword each
-                    float_stem: bool = False, float_modules: tuple[str, ...] = (), percentile: float | None = None):
+                    float_stem: bool = False, float_modules: tuple[str, ...] = (), percentile: float | None = None,
+                    activation_bits: str = SEVEN_BIT):
     """Weights: signed int8, symmetric (the x86 quantized kernels need that). Activations: unsigned 8-bit.
 
-    fbgemm without VNNI adds pairs of u8 x s8 products into a saturating int16 (`--cpus all`): "all-layers"
-    keeps 7-bit activations (torch.ao's own x86 default, `reduce_range`; 2 * 127 * 128 never overflows);
+    fbgemm without VNNI adds pairs of u8 x s8 products into a saturating int16 (`--cpus all`), its depthwise kernel
+    too: "all-layers" keeps 7-bit activations (`activation_bits` "7": torch.ao's own x86 default, `reduce_range`;
+    2 * 127 * 128 never overflows) or gives every layer's weights pair-safe scales ("8": 255 * 128 never overflows);
     "first-layer" gives the `first_layers` modules' weights pair-safe scales and keeps 8-bit activations;
     with `float_stem` they stay in float instead (the image then meets no int8 weights). `float_modules` stay in float.
     `percentile`: of `--method per-image`.
@@ -232,7 +242,9 @@ def qconfig_mapping(per_channel: bool, method: str, overflow_fix: str = overflow
         if per_channel
         else MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric)
     )
-    reduce_range = overflow_fix == overflow.ALL_LAYERS
+    reduce_range = overflow_fix == overflow.ALL_LAYERS and activation_bits == SEVEN_BIT
+    if overflow_fix == overflow.ALL_LAYERS and not reduce_range:
+        weight = _pair_safe_observer(per_channel)
     if method == base.PER_IMAGE:
         activation = _per_image_observer(base.PER_IMAGE_PERCENTILE if percentile is None else percentile, reduce_range)
     else:
@@ -248,6 +260,17 @@ def qconfig_mapping(per_channel: bool, method: str, overflow_fix: str = overflow
         for name in first_layers:
             mapping.set_module_name(name, QConfig(activation=activation, weight=_pair_safe_observer(per_channel)))
     return mapping
+
+
+def activation_bits(settings: QuantizationSettings) -> str:
+    """The activations' bits `--overflow-fix all-layers` keeps: as given or measured, else torch.ao's 7."""
+    return getattr(settings.options, "activation_bits", None) or SEVEN_BIT
+
+
+def seven_bit_activations(stored: dict | None) -> bool:
+    """Whether a model's stored settings keep 7-bit activations (ptq before `--activation-bits` stored none: 7)."""
+    stored = stored or {}
+    return stored.get("overflow_fix") == overflow.ALL_LAYERS and stored.get("activation_bits") != EIGHT_BIT
 
 
 def clamp_bounds(module) -> tuple[float, float] | None:
@@ -407,10 +430,10 @@ def _calibrated(float_module, settings: QuantizationSettings, batches: list[np.n
 
     mapping = qconfig_mapping(bool(settings.per_channel), settings.method, settings.overflow_fix or overflow.NO_FIX,
                               tuple(first_layer_modules(float_module)), float_stem=settings.stem == "float", float_modules=float_modules,
-                              percentile=settings.percentile)
+                              percentile=settings.percentile, activation_bits=activation_bits(settings))
     prepared = prepare_fx(copy.deepcopy(float_module), mapping, (example,))
     drop_integer_observers(prepared, example)
-    clamp_conv_outputs(prepared, settings.overflow_fix == overflow.ALL_LAYERS)
+    clamp_conv_outputs(prepared, seven_bit_activations(settings.as_dict()))
     with torch.no_grad():
         for index, batch in enumerate(batches):
             if progress is not None:
@@ -419,36 +442,80 @@ def _calibrated(float_module, settings: QuantizationSettings, batches: list[np.n
     return convert_fx(prepared)
 
 
-def _choose_method(float_module, settings: QuantizationSettings, calibration: np.ndarray, example, float_modules: tuple[str, ...],
-                   progress: ProgressCallback | None) -> QuantizationSettings:
-    """`--method auto`: each METHOD_CANDIDATES observer calibrated on 3/4 of the calibration images and judged by the
-    image SQNR of the scores against FP32 on the other 1/4; the settings with the one kept."""
+def _with_bits(settings: QuantizationSettings, bits: str) -> QuantizationSettings:
+    options = settings.options if isinstance(settings.options, Options) else Options()
+    return replace(settings, options=replace(options, activation_bits=bits))
+
+
+def _bits_open(settings: QuantizationSettings) -> bool:
+    """Whether the activations' bits are still to be measured: all-layers, `--activation-bits` not given."""
+    return settings.overflow_fix == overflow.ALL_LAYERS and getattr(settings.options, "activation_bits", None) is None
+
+
+def _unjudged(settings: QuantizationSettings) -> QuantizationSettings:
+    """The settings where no held-out images judge them (a fixed batch): the first method, torch.ao's 7 bits."""
+    if settings.method == base.AUTO_METHOD:
+        settings = replace(settings, method=METHOD_CANDIDATES[0][0], percentile=METHOD_CANDIDATES[0][1])
+    return _with_bits(settings, SEVEN_BIT) if _bits_open(settings) else settings
+
+
+def _choose_by_held_out(float_module, settings: QuantizationSettings, calibration: np.ndarray, example, float_modules: tuple[str, ...],
+                        progress: ProgressCallback | None) -> tuple[QuantizationSettings, tuple[str, ...]]:
+    """`--method auto` and the activations' bits of all-layers: each candidate calibrated on 3/4 of the calibration
+    images and judged by the image SQNR of the scores against FP32 on the other 1/4. The methods (METHOD_CANDIDATES)
+    first, with 8-bit activations where the bits are open; then 7 bits with the method kept. (settings, notes)."""
     import gc
 
     from ptq_cli.metrics import image_sqnr_db
 
     held_out, rest = base.held_out_split(calibration)
-    first = METHOD_CANDIDATES[0]
     if len(held_out) == 0 or len(rest) == 0:
-        return replace(settings, method=first[0], percentile=first[1])
+        return _unjudged(settings), ()
     reference = _scores(_scores_module(float_module), held_out, None)
-    scores: list[tuple[str, float | None, float | None]] = []
-    for index, (method, percentile) in enumerate(METHOD_CANDIDATES):
-        step = (lambda done, _total, index=index: progress(index * len(rest) + done, len(METHOD_CANDIDATES) * len(rest))) if progress else None
-        candidate = _calibrated(float_module, replace(settings, method=method, percentile=percentile), _batches(rest, None), example,
-                                float_modules, step)
-        scores.append((method, percentile, base.sqnr_figure(image_sqnr_db(reference, _scores(_scores_module(candidate), held_out, None)))))
-        del candidate
+    bits_open = _bits_open(settings)
+    candidates = ([replace(settings, method=method, percentile=percentile) for method, percentile in METHOD_CANDIDATES]
+                  if settings.method == base.AUTO_METHOD else [settings])
+    candidates = [_with_bits(candidate, EIGHT_BIT) for candidate in candidates] if bits_open else candidates
+    figures: list[float | None] = []
+
+    def judge(candidate: QuantizationSettings) -> float | None:
+        index, count = len(figures), len(candidates) + bits_open
+        step = (lambda done, _total: progress(index * len(rest) + done, count * len(rest))) if progress else None
+        calibrated = _calibrated(float_module, candidate, _batches(rest, None), example, float_modules, step)
+        figures.append(base.sqnr_figure(image_sqnr_db(reference, _scores(_scores_module(calibrated), held_out, None))))
+        del calibrated
         gc.collect()  # FX graph modules hold reference cycles: each candidate's copies go before the next is made
-    method, percentile = base.chosen_method(tuple(scores))
-    return replace(settings, method=method, percentile=percentile, method_sqnr_db=tuple(scores))
+        return figures[-1]
+
+    for candidate in candidates:
+        judge(candidate)
+    if settings.method == base.AUTO_METHOD:
+        scores = tuple((method, percentile, figure) for (method, percentile), figure in zip(METHOD_CANDIDATES, figures, strict=True))
+        method, percentile = base.chosen_method(scores)
+        settings = replace(settings, method=method, percentile=percentile, method_sqnr_db=scores)
+    if not bits_open:
+        return settings, ()
+    eight = figures[[(c.method, c.percentile) for c in candidates].index((settings.method, settings.percentile))]
+    seven = judge(_with_bits(settings, SEVEN_BIT))
+    kept = SEVEN_BIT if (seven if seven is not None else -np.inf) >= (eight if eight is not None else -np.inf) + base.METHOD_MARGIN_DB else EIGHT_BIT
+    return _with_bits(settings, kept), (f"activations {kept}-bit (image SQNR on held-out calibration images: 8-bit activations with "
+                                        f"pair-safe weights {_db(eight)}, 7-bit activations {_db(seven)})",)
+
+
+def _db(figure: float | None) -> str:
+    return "n/a" if figure is None else f"{figure:.1f} dB"
 
 
 def quantize(model, output: Path, settings: QuantizationSettings, calibration: np.ndarray, stored: dict[str, str],
              progress: ProgressCallback | None = None) -> QuantizedFile:
     """prepare_fx -> calibrate -> convert_fx, saved as TorchScript (NCHW and NHWC models alike); `--method auto`
-    first chooses the observers on held-out calibration images (not where the graph is tied to a fixed batch)."""
+    first chooses the observers, and all-layers the activations' bits, on held-out calibration images (not where the
+    graph is tied to a fixed batch)."""
     import torch
+
+    if getattr(settings.options, "activation_bits", None) is not None and settings.overflow_fix != overflow.ALL_LAYERS:
+        raise PtqError("--activation-bits: applies to --overflow-fix all-layers (the default on --cpus all for a model with ReLU6); "
+                       "PyTorch's other models keep 8-bit activations")
 
     quiet_torch_quantization_warnings()
     torch.backends.quantized.engine = ENGINE
@@ -458,9 +525,10 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     example = torch.from_numpy(batches[0][:1] if fixed is None else batches[0])
     pools = whole_map_pools(float_module, example)
     float_modules = (*pools, *output_softmax_modules(float_module))
-    if settings.method == base.AUTO_METHOD:
-        settings = (_choose_method(float_module, settings, calibration, example, float_modules, progress) if fixed is None
-                    else replace(settings, method=METHOD_CANDIDATES[0][0], percentile=METHOD_CANDIDATES[0][1]))
+    chosen: tuple[str, ...] = ()
+    if settings.method == base.AUTO_METHOD or _bits_open(settings):
+        settings, chosen = (_choose_by_held_out(float_module, settings, calibration, example, float_modules, progress) if fixed is None
+                            else (_unjudged(settings), ()))
     judged = calibration[:: base.HELD_OUT_EVERY][: base.HELD_OUT_MAX] if fixed is None else batches[0]
     reference = _scores(float_module, judged, fixed)
     quantized = _calibrated(float_module, settings, batches, example, float_modules, progress)
@@ -471,7 +539,7 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
         size = tmp.stat().st_size
     fidelity = sqnr_db(reference, _scores(quantized, judged, fixed))
     # torch.ao can lose a network outright where onnxruntime does not: said at once.
-    notes = [f"output SQNR against FP32 on {len(judged)} calibration images: {fidelity:.1f} dB", *base.pools_in_float_note(pools, "torch.ao")]
+    notes = [f"output SQNR against FP32 on {len(judged)} calibration images: {fidelity:.1f} dB", *chosen, *base.pools_in_float_note(pools, "torch.ao")]
     if described.batch is not None and fixed is None:
         notes.append(f"fixed batch {described.batch} made symbolic (same outputs)")
     return QuantizedFile(size, (), tuple(notes), settings=settings)
@@ -499,7 +567,8 @@ def load(path: Path, options: RunOptions) -> LoadedModel:
     trust.require(path, data, "TorchScript")
     extra_files = {TORCHSCRIPT_METADATA_FILE: ""}
     try:
-        module = torch.jit.load(io.BytesIO(data), map_location="cpu", _extra_files=extra_files)
+        with _quantized_engine(SATURATING_ENGINE if options.saturating_int8 else ENGINE):
+            module = torch.jit.load(io.BytesIO(data), map_location="cpu", _extra_files=extra_files)
     except Exception as error:  # torch raises RuntimeError, ValueError or zip errors for a damaged archive
         raise PtqError(f"{path}: not a loadable TorchScript model ({first_line(error)})") from error
     module.eval()
@@ -540,6 +609,20 @@ def load(path: Path, options: RunOptions) -> LoadedModel:
                        sha256=hashlib.sha256(data).hexdigest(), stored=stored, declared_classes=int(probe.shape[1]), quantization=quantization)
 
 
+@contextlib.contextmanager
+def _quantized_engine(name: str):
+    """torch's quantized engine `name` for the block: the engine at load time packs the weights, and the packing picks
+    the kernels (x86: oneDNN's or fbgemm's)."""
+    import torch
+
+    before = torch.backends.quantized.engine
+    torch.backends.quantized.engine = name
+    try:
+        yield
+    finally:
+        torch.backends.quantized.engine = before
+
+
 def _probe_input(path: Path, predict, candidates: tuple[inputs.ModelInput, ...]) -> tuple[inputs.ModelInput, np.ndarray]:
     """The first input contract the TorchScript module runs (TorchScript declares no shapes), and its scores."""
     cause = ""
@@ -555,7 +638,19 @@ def _probe_input(path: Path, predict, candidates: tuple[inputs.ModelInput, ...])
 
 @dataclass(frozen=True)
 class Options(base.BackendOptions):
-    """No options of its own; its rule on the common types."""
+    """How a model that cannot saturate keeps so (`activation_bits`); its rule on the common types."""
+
+    panel: ClassVar[str] = "PyTorch (--backend pytorch)"
+    word: ClassVar[str] = "a PyTorch option"
+
+    activation_bits: str | None = base.option(
+        None, choices=ACTIVATION_BITS,
+        help="With --overflow-fix all-layers (the default on --cpus all for a model with ReLU6): 8 (every layer's weights under "
+             "the pair rule) or 7 (torch.ao's reduce_range); either way fbgemm cannot saturate on a CPU without VNNI. "
+             "(default: the one closer to FP32 on held-out calibration images; 7 where the graph's batch is fixed)")
+
+    def without_overflow_fix(self) -> Options:
+        return replace(self, activation_bits=None)
 
     def settle(self, common: base.CommonChoices) -> tuple[Options, base.CommonChoices]:
         if "uint8" in (common.dtype, common.weight_dtype):
@@ -577,10 +672,15 @@ def _reaches_int8_path(overflow_fix: str | None, int8_path: str) -> bool:
 
 
 def _int8_basis(path: Path, settings: dict | None, int8_path: str) -> str:
-    """fbgemm has no switch for its exact path: 7-bit activations prove both paths equal; the saturating
-    path can be emulated; the exact one needs a CPU with VNNI or AMX."""
+    """fbgemm has no switch for its exact path. A model that cannot saturate (all-layers) computes in fbgemm on a
+    CPU with VNNI what it computes without: its saturating path is scored here in fbgemm (torch's x86 engine runs
+    most convolutions in oneDNN on a VNNI CPU, which rounds some outputs differently); away from VNNI its exact path
+    is fbgemm's own figure. Otherwise the saturating path can be emulated; the exact one needs a CPU with VNNI or AMX."""
     if (settings or {}).get("overflow_fix") == overflow.ALL_LAYERS:
-        return "proof (7-bit activations: 2 x 127 x 128 <= 32,767): same as the exact path"
+        why = "7-bit activations: 2 x 127 x 128 <= 32,767" if seven_bit_activations(settings) else "the pair rule on every layer: 255 x 128 <= 32,767"
+        if int8_path == SATURATING:
+            return f"proof ({why}): fbgemm's kernels run here, as on a CPU without VNNI"
+        return f"proof ({why}): fbgemm's figure; on a CPU with AVX512-VNNI torch runs most convolutions in oneDNN, which rounds some outputs differently"
     if int8_path == SATURATING:
         return EMULATE
     raise PtqError(f"--int8-path exact: {path} is a PyTorch model with 8-bit activations; fbgemm's exact path "
@@ -594,10 +694,10 @@ BACKEND = Backend(
         quantize, methods=(base.AUTO_METHOD, "histogram", "minmax", base.PER_IMAGE), tune_methods=("histogram", "minmax"), per_channel=True,
         leaves_layers_float=False,
         overflow_fixes=(overflow.FIRST_LAYER, overflow.ALL_LAYERS), clamped_overflow_fix=overflow.ALL_LAYERS,
-        overflow_words=lambda _settings: {overflow.ALL_LAYERS: "7-bit activations"},
+        overflow_words=lambda settings: {overflow.ALL_LAYERS: "7-bit activations"} if seven_bit_activations(settings) else {},
         options=Options, describe=_describe,
     ),
     # fbgemm's kernels differ by CPU, with no switch; its OpenMP threads spin after a run.
     runtime=Runtime(load, settings="torch.set_num_threads(threads), chunks of 64 images", spins_when_idle=True),
-    int8_paths=Int8Paths(reaches=_reaches_int8_path, basis=_int8_basis),
+    int8_paths=Int8Paths(reaches=_reaches_int8_path, basis=_int8_basis, proof_loads_saturating_kernels=True),
 )

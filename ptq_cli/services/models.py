@@ -44,10 +44,11 @@ def input_of(path: Path, flags: inputs.PreprocessingFlags | None = None) -> inpu
 
 
 def load_model(path: Path, threads: int | None = None, flags: inputs.PreprocessingFlags | None = None, runtime: str | None = None,
-               precision: str | None = None, exact_int8: bool = False) -> LoadedModel:
+               precision: str | None = None, exact_int8: bool = False, saturating_int8: bool = False) -> LoadedModel:
     """The runner for a model file, the backend chosen by the file's content, not its name; `runtime` runs
     a file on another runtime that takes it (an ONNX file on OpenVINO), with the `precision` hint;
-    `exact_int8` asks a runtime with a switch for its exact u8 x s8 kernels on a CPU without VNNI."""
+    `exact_int8` asks a runtime with a switch for its exact u8 x s8 kernels on a CPU without VNNI; `saturating_int8`
+    one that can pick them for the kernels of CPUs without VNNI on a CPU with it."""
     backend = backends.for_file(path, runtime)
     precisions = backend.runtime.precisions
     if precision is not None and precision not in precisions:
@@ -57,4 +58,4 @@ def load_model(path: Path, threads: int | None = None, flags: inputs.Preprocessi
     # Loading runs the model once on a probe image: a graph that never ends is reported, not waited on.
     stuck = f"{path}: loading it and running one image did not finish within {bound:,} s (raise {bounded.CALL_SECONDS.env} if it is only slow)"
     with hardstop.deadline(bound, stuck):
-        return backend.runtime.load(Path(path), RunOptions(threads, flags or inputs.PreprocessingFlags(), precision, exact_int8))
+        return backend.runtime.load(Path(path), RunOptions(threads, flags or inputs.PreprocessingFlags(), precision, exact_int8, saturating_int8))

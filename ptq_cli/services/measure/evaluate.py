@@ -191,6 +191,7 @@ class ShardedModel:
     runtime: str | None
     precision: str | None
     exact_int8: bool
+    saturating_int8: bool
     threads: int | None
     batch_size: int  # images a call, as the one-process evaluation calls the model
     where: str
@@ -203,7 +204,7 @@ _SHARD_MODELS: dict[str, tuple[tempfile.TemporaryDirectory, LoadedModel]] = {}
 def predict_shard(images: np.ndarray, shared: ShardedModel) -> tuple[np.ndarray, float]:
     """One shard's class scores and inference seconds, a task: the model loaded once per process from its bytes."""
     key = hashlib.sha256(b"".join(data for _, data in shared.files) + repr((shared.flags, shared.runtime, shared.precision,
-                                                                               shared.exact_int8, shared.threads)).encode()).hexdigest()
+                                                                               shared.exact_int8, shared.saturating_int8, shared.threads)).encode()).hexdigest()
     if key not in _SHARD_MODELS:
         _SHARD_MODELS.clear()
         folder = tempfile.TemporaryDirectory(prefix="ptq-shard-")
@@ -211,7 +212,7 @@ def predict_shard(images: np.ndarray, shared: ShardedModel) -> tuple[np.ndarray,
             (Path(folder.name) / name).write_bytes(data)
         model_path = Path(folder.name) / shared.files[0][0]
         _SHARD_MODELS[key] = folder, load_model(model_path, shared.threads, shared.flags, shared.runtime, shared.precision,
-                                                exact_int8=shared.exact_int8)
+                                                exact_int8=shared.exact_int8, saturating_int8=shared.saturating_int8)
     model = _SHARD_MODELS[key][1]
     return _predict(model, images, shared.batch_size, Path(shared.files[0][0]), shared.where)
 
@@ -274,6 +275,22 @@ def _int8_plan(model: LoadedModel, wanted: str | None, cpu: cpu_info.Cpu, model_
     return wanted, paths.basis(model_path, model.info.quantization, wanted)
 
 
+def _load_for_path(model_path: Path, int8_path: str | None, cpu, loaded: LoadedModel | None,  # noqa: PLR0913  evaluate_model's state
+                   how: tuple[int | None, PreprocessingFlags | None, str | None, str | None]) -> tuple[LoadedModel, str | None, str, tuple[bool, bool]]:
+    """(the model loaded with the kernels of the int8 path measured, that path, its basis, (exact_int8, saturating_int8)).
+    `how`: threads, flags, runtime, precision. onnxruntime's exact kernels away from VNNI come from its switch; a proven
+    model's saturating path on a VNNI CPU from the kernels of CPUs without VNNI, where the runtime can load them."""
+    exact_int8 = int8_path == cpu_info.EXACT and cpu.int8_path == cpu_info.SATURATING
+    model = loaded if loaded is not None and not exact_int8 else load_model(model_path, *how, exact_int8=exact_int8)
+    path_measured, basis = _int8_plan(model, int8_path, cpu, model_path)
+    paths = backends.backend(model.info.runtime).int8_paths
+    saturating_int8 = (path_measured == cpu_info.SATURATING and cpu.int8_path == cpu_info.EXACT and basis not in (NATIVE, EMULATE)
+                       and paths is not None and paths.proof_loads_saturating_kernels)
+    if saturating_int8:
+        model = load_model(model_path, *how, saturating_int8=True)
+    return model, path_measured, basis, (exact_int8, saturating_int8)
+
+
 def other_path_measurable(runtime: str, overflow_fix: str | None, int8_path: str) -> bool:
     """Whether an 8-bit model of `runtime` made with `overflow_fix` can be scored on `int8_path` on this
     CPU (PyTorch's exact path away from a VNNI CPU only by proof)."""
@@ -308,15 +325,13 @@ def evaluate_model(  # noqa: PLR0913,PLR0917  EvaluationRequest's fields for one
     the record is the one a single process writes, but for the times."""
     _check_options(batch_size, int8_path)
     cpu = cpu_info.current()
-    exact_int8 = int8_path == cpu_info.EXACT and cpu.int8_path == cpu_info.SATURATING
-    model = loaded if loaded is not None and not exact_int8 else load_model(model_path, threads, flags, runtime, precision, exact_int8=exact_int8)
-    path_measured, basis = _int8_plan(model, int8_path, cpu, Path(model_path))
+    model, path_measured, basis, kernels = _load_for_path(Path(model_path), int8_path, cpu, loaded, (threads, flags, runtime, precision))
     split = dataset.evaluation_split()
     test = dataset.open_split(split, model.input.size, model.input.channels)
     reference_path, labels_fit = _what_to_measure(model, test, dataset.root, against)
     where = f"{dataset.root} ({split})"
     sharded = None if runs is None else ShardedModel(tuple((path.name, read_bytes(path)) for path in companions(Path(model_path))), flags, runtime,
-                                                     precision, exact_int8, threads, batch_size, where)
+                                                     precision, *kernels, threads, batch_size, where)
     alongside = _reference_alongside(reference_path, model, test, batch_size, threads, basis != EMULATE and sharded is None)
     chosen, scores, inference_seconds, exact_same, basis = _measure(model, test, basis, batch_size, Path(model_path), where,
                                                                     threads, subset, progress, labels_fit, (runs, sharded), alongside)

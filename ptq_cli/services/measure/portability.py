@@ -63,7 +63,7 @@ def measure(source, portable: Path, settings: QuantizationSettings, calibration:
         return PortabilityCost(cpu.model, not_measured=f"this {cpu.model} has no VNNI: the model for all CPUs is the one for it")
     images = prepared[:MAX_IMAGES]
     reference = _scores(source.loaded, images)
-    vnni = replace(settings, cpus=cpu_info.VNNI, overflow_fix=NO_FIX)
+    vnni = replace(settings, cpus=cpu_info.VNNI, overflow_fix=NO_FIX, options=settings.options.without_overflow_fix())
     suffix = backends.backend(settings.backend).suffix
     with tempfile.TemporaryDirectory(prefix="ptq-portability-") as workdir:
         quantize_source(source, Path(workdir) / f"vnni{suffix}", vnni, calibration, prepared=prepared)
