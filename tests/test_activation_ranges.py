@@ -13,7 +13,16 @@ import pytest
 from onnx import numpy_helper
 from synthetic import invoke, png_images, scores_before_softmax, smooth_photos, two_conv_classifier
 
-from ptq_cli.backends.base import AUTO_METHOD, METHOD_CANDIDATES, METHOD_MARGIN_DB, chosen_method, describe_settings
+from ptq_cli.backends.base import (
+    AUTO_METHOD,
+    METHOD_CANDIDATES,
+    METHOD_MARGIN_DB,
+    PER_IMAGE,
+    PER_IMAGE_PERCENTILE,
+    PER_IMAGE_TIGHT_PERCENTILE,
+    chosen_method,
+    describe_settings,
+)
 from ptq_cli.services.quant_settings import describe_method, make_settings
 from ptq_cli.transforms.ranges import FACTORS
 
@@ -117,29 +126,55 @@ def test_a_percentile_onnxruntime_cannot_calibrate_leaves_minmax(project, monkey
     assert [db is None for _, _, db in made["method_sqnr_db"]] == [method == "percentile" for method, _ in METHOD_CANDIDATES]
 
 
+def _candidate_parameters(project: Path, tmp_path: Path, method: str, percentile: float, histograms: dict | None) -> dict:
+    """The quantization parameters of the `--method auto` candidate `method` at `percentile`, calibrated on 40 random images."""
+    from ptq_cli.backends import onnxruntime as ort_backend
+
+    images = np.random.default_rng(0).uniform(0, 1, (40, 3, 16, 16)).astype(np.float32)
+    settings = make_settings("uint8", method=method, percentile=percentile)
+    model = ort_backend._calibrated_model(str(project / "m.onnx"), images, "image", settings, [], None, lambda quantized: 0, tmp_path,
+                                          tmp_path / "out.onnx", "m.onnx", histograms=histograms)
+    path = tmp_path / f"{method}-{percentile}-{histograms is not None}.onnx"
+    onnx.save(model, str(path))
+    return _quantization_parameters(path)
+
+
 def test_the_percentile_candidates_read_one_collection_of_histograms(project, tmp_path, monkeypatch):
     """`--method auto`'s percentiles share the histograms the first one collected: the second runs nothing, and its model
     is the one a calibration of its own makes."""
     from onnxruntime.quantization import calibrate
 
-    from ptq_cli.backends import onnxruntime as ort_backend
 
     collected = []
     real = calibrate.HistogramCalibrater.collect_data
     monkeypatch.setattr(calibrate.HistogramCalibrater, "collect_data", lambda self, reader: (collected.append(self.percentile), real(self, reader))[1])
-    images = np.random.default_rng(0).uniform(0, 1, (40, 3, 16, 16)).astype(np.float32)
 
     def calibrated(percentile: float, histograms: dict | None):
-        settings = make_settings("uint8", method="percentile", percentile=percentile)
-        model = ort_backend._calibrated_model(str(project / "m.onnx"), images, "image", settings, [], None, lambda quantized: 0, tmp_path,
-                                              tmp_path / "out.onnx", "m.onnx", histograms=histograms)
-        path = tmp_path / f"{percentile}-{histograms is not None}.onnx"
-        onnx.save(model, str(path))
-        return _quantization_parameters(path)
+        return _candidate_parameters(project, tmp_path, "percentile", percentile, histograms)
 
     shared: dict = {}
     first, second, alone = calibrated(99.0, shared), calibrated(99.99, shared), calibrated(99.99, None)
     assert collected == [99.0, 99.99]  # the first and the one alone collected; the second read the first's histograms
+    assert second.keys() == alone.keys() and all(np.array_equal(second[key], alone[key]) for key in second)
+    assert any(not np.array_equal(first[key], second[key]) for key in first)  # its own percentile, not the first's ranges
+
+
+def test_the_per_image_candidates_read_one_pass_of_image_extremes(project, tmp_path, monkeypatch):
+    """`--method auto`'s per-image percentiles (99 and the tighter 90) share the extremes the first one found: the second
+    runs nothing, and its model is the one a calibration of its own makes."""
+    from ptq_cli.backends import onnxruntime as ort_backend
+
+    assert (PER_IMAGE, PER_IMAGE_TIGHT_PERCENTILE) in METHOD_CANDIDATES and PER_IMAGE_TIGHT_PERCENTILE < PER_IMAGE_PERCENTILE
+    passes = []
+    real = ort_backend._image_extremes
+    monkeypatch.setattr(ort_backend, "_image_extremes", lambda *args: (passes.append(1), real(*args))[1])
+
+    def calibrated(percentile: float, histograms: dict | None):
+        return _candidate_parameters(project, tmp_path, PER_IMAGE, percentile, histograms)
+
+    shared: dict = {}
+    first, second, alone = calibrated(PER_IMAGE_PERCENTILE, shared), calibrated(PER_IMAGE_TIGHT_PERCENTILE, shared), calibrated(PER_IMAGE_TIGHT_PERCENTILE, None)
+    assert len(passes) == 2  # the first and the one alone ran the model; the second read the first's extremes
     assert second.keys() == alone.keys() and all(np.array_equal(second[key], alone[key]) for key in second)
     assert any(not np.array_equal(first[key], second[key]) for key in first)  # its own percentile, not the first's ranges
 

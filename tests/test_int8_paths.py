@@ -16,6 +16,7 @@ from conftest import CIFAR, cifar_split
 from synthetic import conv_classifier, image_folder, invoke, one_line_error
 
 from ptq_cli import cpu as cpu_info
+from ptq_cli.backends.base import METHOD_MARGIN_DB
 from ptq_cli.guards import cache
 from ptq_cli.services.measure import emulate
 from ptq_cli.services.models import load_model
@@ -92,8 +93,13 @@ def _settings(model: onnx.ModelProto) -> dict:
 
 def test_quantize_is_for_all_cpus_by_default_and_stores_its_target(study):
     default = _quantize(study, "all.onnx")
-    assert (_settings(default)["cpus"], _settings(default)["overflow_fix"]) == ("all", "first-layer")
-    proven, why = overflow.saturation_proof(default)
+    judged = _settings(default)["overflow_fix_db"]  # no clamped activations: all-layers judged against first-layer on held-out images
+    assert [fix for fix, _ in judged] == [overflow.ALL_LAYERS, overflow.FIRST_LAYER] and all(db is not None for _, db in judged)
+    kept = overflow.FIRST_LAYER if judged[1][1] >= judged[0][1] + METHOD_MARGIN_DB else overflow.ALL_LAYERS
+    assert (_settings(default)["cpus"], _settings(default)["overflow_fix"]) == ("all", kept)
+    first = _quantize(study, "first.onnx", "--overflow-fix", "first-layer")
+    assert "overflow_fix_db" not in _settings(first) or _settings(first)["overflow_fix_db"] == []  # named: not judged
+    proven, why = overflow.saturation_proof(first)
     assert not proven and why.startswith("Gemm")  # the conv (first layer) follows the pair rule; the Gemm keeps 8 bits
     vnni = _quantize(study, "vnni.onnx", "--cpus", "vnni")
     assert (_settings(vnni)["cpus"], _settings(vnni)["overflow_fix"]) == ("vnni", "none")

@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import helper, numpy_helper
-from synthetic import depthwise_classifier, invoke, one_line_error, smooth_photos
+from synthetic import depthwise_classifier, invoke, one_line_error, smooth_photos, two_conv_classifier
 
 from ptq_cli import cpu as cpu_info
 from ptq_cli.backends import pytorch
@@ -47,6 +47,7 @@ def project(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("pytorch_portable")
     depthwise_classifier(root / "dw.onnx", size=32, classes=10)  # ReLU6 (Clip 0..6) after the stem and the depthwise convolution
     _wide_classifier(root / "wide.onnx")
+    two_conv_classifier(root / "relu.onnx", size=32)  # ReLU, not clamped
     smooth_photos(root / "cal", 120, seed=1, size=32)
     smooth_photos(root / "test", 16, seed=2, size=32)
     return root
@@ -129,3 +130,18 @@ def test_a_proven_model_s_saturating_path_is_what_fbgemm_computes_without_vnni(p
         assert basis.startswith("proof (the pair rule on every layer") and "fbgemm's kernels run here" in basis
     else:
         assert basis == "native"
+
+
+def test_without_clamped_activations_all_layers_is_judged_against_first_layer(project):
+    """A model without ReLU6 saturates on CPUs without VNNI only where large codes meet large weights: first-layer bounds
+    the stem and is measured; all-layers is proven. Both judged on held-out images, all-layers kept unless first-layer
+    is METHOD_MARGIN_DB closer; a fix the user names is not judged."""
+    made = _made(project, "relu.pt", "--method", "minmax", model="relu.onnx")["settings"]
+    judged = dict(made["overflow_fix_db"])
+    assert set(judged) == {overflow.ALL_LAYERS, overflow.FIRST_LAYER} and None not in judged.values()
+    kept = overflow.FIRST_LAYER if judged[overflow.FIRST_LAYER] >= judged[overflow.ALL_LAYERS] + METHOD_MARGIN_DB else overflow.ALL_LAYERS
+    assert made["overflow_fix"] == kept and made["activation_bits"] == (pytorch.EIGHT_BIT if kept == overflow.ALL_LAYERS else None)
+    named = _made(project, "relu_first.pt", "--method", "minmax", "--overflow-fix", "first-layer", model="relu.onnx")["settings"]
+    assert (named["overflow_fix"], named["overflow_fix_db"]) == (overflow.FIRST_LAYER, [])
+    asked = _made(project, "relu_7.pt", "--method", "minmax", "--activation-bits", "7", model="relu.onnx")["settings"]
+    assert (asked["overflow_fix"], asked["activation_bits"], asked["overflow_fix_db"]) == (overflow.ALL_LAYERS, "7", [])

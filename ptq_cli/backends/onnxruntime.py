@@ -450,10 +450,15 @@ def _graph_to_quantize(model, settings: QuantizationSettings, workdir: Path) -> 
         graph, rewrites = space_to_depth_convs(graph, skip=set(float_nodes))  # a float conv gains nothing
     source = str(workdir / "to_quantize.onnx")
     onnx.save(graph, source)
-    overrides = None
-    if settings.overflow_fix in overflow.OVERFLOW_FIXES and settings.weight_dtype == "int8":
-        overrides = overflow.weight_overrides(graph, settings.overflow_fix, bool(settings.per_channel), set(float_nodes))
-    return _Prepared(source, rewrites, overrides, float_nodes, pools)
+    return _Prepared(source, rewrites, _fix_overrides(graph, settings, float_nodes), float_nodes, pools)
+
+
+def _fix_overrides(graph, settings: QuantizationSettings, float_nodes: list[str]) -> dict | None:
+    """The weight scales of the settings' overflow fix (all-layers while it is judged), as TensorQuantOverrides."""
+    fix = overflow.ALL_LAYERS if settings.overflow_fix == overflow.JUDGED else settings.overflow_fix
+    if fix in overflow.OVERFLOW_FIXES and settings.weight_dtype == "int8":
+        return overflow.weight_overrides(graph, fix, bool(settings.per_channel), set(float_nodes))
+    return None
 
 
 LEARNED, NEAREST = rounding.LEARNED, rounding.NEAREST
@@ -719,18 +724,33 @@ QUANT_TYPES = {"int8": "QInt8", "uint8": "QUInt8"}
 CALIBRATION_METHODS = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile", PER_IMAGE: "MinMax"}
 
 
-def per_image_ranges(source: str, images: np.ndarray, input_name: str, percentile: float, fixed_batch: int | None = None) -> dict[str, list[dict]]:
+def per_image_ranges(source: str, images: np.ndarray, input_name: str, percentile: float, fixed_batch: int | None = None,  # noqa: PLR0913  one keyword more
+                     shared: dict | None = None) -> dict[str, list[dict]]:
     """onnxruntime `TensorQuantOverrides` setting each activation's range (rmin, rmax) to the `percentile`-th
     percentile, over the images, of each image's own largest value, and likewise of its smallest: a few images whose
     activations reach far beyond every other's (MobileNetV3's last blocks: 25 times the 99th percentile) no longer
     set the scale every image is quantized on. NNCF's default for per-tensor activations takes the mean of the same
-    per-image values. A graph tied to a fixed batch runs whole batches of it (its extremes are then each batch's)."""
+    per-image values. A graph tied to a fixed batch runs whole batches of it (its extremes are then each batch's).
+    `shared`: a scope's cache (the same source and images, as `_histograms`'), where every percentile reads one pass."""
+    key = ("per-image extremes", fixed_batch)
+    if shared is None or key not in shared:
+        extremes = _image_extremes(source, images, input_name, fixed_batch)
+        if shared is None:
+            shared = {}
+        shared[key] = extremes
+    activations, found = shared[key]
+    ranges = [per_image_range(found[2 * index], found[2 * index + 1], percentile) for index in range(len(activations))]
+    return {name: [{"rmin": np.float32(low), "rmax": np.float32(high)}] for name, (low, high) in zip(activations, ranges, strict=True)}
+
+
+def _image_extremes(source: str, images: np.ndarray, input_name: str, fixed_batch: int | None) -> tuple[list[str], list[np.ndarray]]:
+    """(the activations, and for each its smallest then its largest value in each image)."""
     import onnx
     import onnxruntime as ort
 
     extremes = with_image_extremes(onnx.load(source))
     if not extremes.activations:
-        return {}
+        return [], []
     options = ort.SessionOptions()
     options.intra_op_num_threads = resolve_threads(None)
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
@@ -741,9 +761,7 @@ def per_image_ranges(source: str, images: np.ndarray, input_name: str, percentil
     chunk = fixed_batch or max(1, SEARCH_CHUNK_PIXELS // image_pixels(images))
     end = len(images) - chunk + 1 if fixed_batch else len(images)  # whole batches only
     runs = [session.run(None, {input_name: images[start : start + chunk]}) for start in range(0, end, chunk)]
-    found = [np.concatenate([run[index] for run in runs]) for index in range(len(runs[0]))]
-    ranges = [per_image_range(found[2 * index], found[2 * index + 1], percentile) for index in range(len(extremes.activations))]
-    return {name: [{"rmin": np.float32(low), "rmax": np.float32(high)}] for name, (low, high) in zip(extremes.activations, ranges, strict=True)}
+    return list(extremes.activations), [np.concatenate([run[index] for run in runs]) for index in range(len(runs[0]))]
 
 
 def _quantize_static(source: str, target: Path, images: np.ndarray, input_name: str, fixed_batch: int | None, settings: QuantizationSettings,  # noqa: PLR0913,PLR0917  quantize_static's own arguments, passed through
@@ -751,7 +769,7 @@ def _quantize_static(source: str, target: Path, images: np.ndarray, input_name: 
                      histograms: dict | None = None) -> list[str]:
     """onnxruntime's quantize_static (QDQ) of `source` into `target`, calibrated on `images` with the settings'
     method; returns the library's warnings. Calibration is chunked to the memory budget. `histograms`: percentile
-    histograms shared by the calls of one scope (the same source and images; see `_histograms`)."""
+    histograms and per-image extremes shared by the calls of one scope (the same source and images; see `_histograms`)."""
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     extra_options: dict[str, object] = {"CalibPercentile": settings.percentile} if settings.method == "percentile" else {}
@@ -765,8 +783,8 @@ def _quantize_static(source: str, target: Path, images: np.ndarray, input_name: 
     with contextlib.redirect_stdout(io.StringIO()), _histograms(reader, "CalibStridedMinMax" in extra_options, histograms), _library_warnings(warnings):
         try:
             if settings.method == PER_IMAGE and settings.percentile is not None:
-                extra_options["TensorQuantOverrides"] = {**per_image_ranges(source, images, input_name, settings.percentile, fixed_batch),
-                                                      **(overrides or {})}
+                extra_options["TensorQuantOverrides"] = {**per_image_ranges(source, images, input_name, settings.percentile, fixed_batch,
+                                                                        histograms), **(overrides or {})}
             quantize_static(
                 source, str(target), reader,
                 quant_format=QuantFormat.QDQ,
@@ -825,6 +843,64 @@ def choose_method(source: str, calibration: np.ndarray, input_name: str, setting
         scores.append((method, percentile, sqnr_figure(image_sqnr_db(reference, _outputs(quantized, name, input_name, held_out, threads)))))
     method, percentile = chosen_method(tuple(scores))
     return replace(settings, method=method, percentile=percentile, method_sqnr_db=tuple(scores)), []
+
+
+def _judged_choices(source: str, calibration: np.ndarray, input_name: str, settings: QuantizationSettings, float_nodes: list[str],  # noqa: PLR0913,PLR0917  quantize's state
+                    overrides: dict | None, finish, files: tuple[Path, Path, str], fixed_batch: int | None,
+                    progress: ProgressCallback | None) -> tuple[QuantizationSettings, dict | None, list[str], int]:
+    """`--method auto`, then a judged overflow fix, on held-out calibration images (not where the graph is tied to a
+    fixed batch): (settings, the overrides of the fix kept, notes, images shown on the progress bar). `files`: the
+    working folder, the output and the model's name."""
+    workdir, output, model_name = files
+    notes: list[str] = []
+    done = 0  # images already shown on the progress bar, before this phase
+    if settings.method == AUTO_METHOD:
+        if fixed_batch is not None:
+            settings = replace(settings, method=METHOD_CANDIDATES[0][0])
+            notes.append(f"method auto: {METHOD_CANDIDATES[0][0]} (the graph is tied to its fixed batch of {fixed_batch})")
+        else:
+            settings, chosen = choose_method(source, calibration, input_name, settings, float_nodes, overrides, finish, workdir, output, model_name,
+                                             progress)
+            notes += chosen
+            done = len(METHOD_CANDIDATES) * len(held_out_split(calibration)[1])
+    if settings.overflow_fix == overflow.JUDGED:
+        settings, overrides, judged = _judge_overflow_fix(source, calibration, input_name, settings, float_nodes, overrides, finish, files,
+                                                          fixed_batch)
+        notes += judged
+    return settings, overrides, notes, done
+
+
+def _judge_overflow_fix(source: str, calibration: np.ndarray, input_name: str, settings: QuantizationSettings, float_nodes: list[str],  # noqa: PLR0913,PLR0917  quantize's state
+                        all_layers: dict | None, finish, files: tuple[Path, Path, str],
+                        fixed_batch: int | None) -> tuple[QuantizationSettings, dict | None, list[str]]:
+    """all-layers (proven: the model cannot saturate) against first-layer (measured: it can elsewhere), each
+    calibrated with the method kept on 3/4 of the calibration images and judged, nearest-rounded, by the image SQNR on
+    the other 1/4; all-layers kept unless first-layer is METHOD_MARGIN_DB closer. (settings, its overrides, notes)."""
+    import onnx
+
+    from ptq_cli.metrics import image_sqnr_db
+
+    first_layer = _fix_overrides(onnx.load(source), replace(settings, overflow_fix=overflow.FIRST_LAYER), float_nodes)
+    held_out, rest = held_out_split(calibration)
+    if fixed_batch is not None or len(held_out) == 0 or len(rest) == 0:
+        return replace(settings, overflow_fix=overflow.FIRST_LAYER), first_layer, [f"overflow fix: {overflow.FIRST_LAYER} (not judged: too few "
+                                                                                 "calibration images, or a graph tied to its fixed batch)"]
+    threads = resolve_threads(None)
+    float_model = onnx.load(source)
+    judged = judged_output(float_model)
+    reference = _outputs(float_model, judged, input_name, held_out, threads)
+
+    def score(overrides: dict | None) -> float | None:
+        quantized = _calibrated_model(source, rest, input_name, settings, float_nodes, overrides, finish, *files)
+        return sqnr_figure(image_sqnr_db(reference, _outputs(quantized, judged_in(quantized, judged), input_name, held_out, threads)))
+
+    kept_method = [db for method, percentile, db in settings.method_sqnr_db if (method, percentile) == (settings.method, settings.percentile)]
+    all_db = kept_method[0] if kept_method else score(all_layers)
+    first_db = score(first_layer)
+    keep_first = first_db is not None and first_db >= (-np.inf if all_db is None else all_db) + METHOD_MARGIN_DB
+    fix = overflow.FIRST_LAYER if keep_first else overflow.ALL_LAYERS
+    settings = replace(settings, overflow_fix=fix, overflow_fix_db=((overflow.ALL_LAYERS, all_db), (overflow.FIRST_LAYER, first_db)))
+    return settings, first_layer if keep_first else all_layers, []  # the figures: the CPUs' description (quant_settings.describe_cpus)
 
 
 def _calibrated_model(source: str, images: np.ndarray, input_name: str, settings: QuantizationSettings, float_nodes: list[str],  # noqa: PLR0913,PLR0917  quantize_static's own arguments, passed through
@@ -1035,17 +1111,10 @@ def _quantize(model, output: Path, settings: QuantizationSettings, calibration: 
         source, rewrites, overrides, float_nodes = prepared.source, prepared.rewrites, prepared.overrides, prepared.float_nodes
         notes += base.pools_in_float_note(prepared.pools, "onnxruntime")
         finish = partial(_finish, rewrites=rewrites, float_nodes=float_nodes)
-        done = 0  # images already shown on the progress bar, before this phase
         search = settings.method == AUTO_METHOD
-        if settings.method == AUTO_METHOD:
-            if fixed_batch is not None:
-                settings = replace(settings, method=METHOD_CANDIDATES[0][0])
-                notes.append(f"method auto: {METHOD_CANDIDATES[0][0]} (the graph is tied to its fixed batch of {fixed_batch})")
-            else:
-                settings, chosen = choose_method(source, calibration, described.name, settings, float_nodes, overrides, finish, Path(workdir),
-                                                 output, model_name, progress)
-                notes += chosen
-                done = len(METHOD_CANDIDATES) * len(held_out_split(calibration)[1])
+        settings, overrides, chosen, done = _judged_choices(source, calibration, described.name, settings, float_nodes, overrides, finish,
+                                                            (Path(workdir), output, model_name), fixed_batch, progress)
+        notes += chosen
         with atomic_output(output) as tmp:
             warnings = _quantize_static(source, tmp, calibration, described.name, fixed_batch, settings, float_nodes, overrides, output, model_name,
                                         _after(progress, done))
@@ -1111,7 +1180,7 @@ BACKEND = Backend(
         # Entropy is not tuned: quantize_static does not pass a histogram size to it, and with its default 128 bins
         # equal to its 128 quantized bins the KL search has a single candidate, the full range (the MinMax model).
         methods=(AUTO_METHOD, "minmax", "entropy", "percentile", PER_IMAGE), tune_methods=("minmax", "percentile"), per_channel=False,
-        overflow_fixes=(overflow.FIRST_LAYER, overflow.ALL_LAYERS), clamped_overflow_fix=overflow.ALL_LAYERS, options=Options,
+        overflow_fixes=(overflow.FIRST_LAYER, overflow.ALL_LAYERS), clamped_overflow_fix=overflow.ALL_LAYERS, judges_overflow_fix=True, options=Options,
         output_name=_output_name,
         # onnxruntime's x86 int8 kernels (VNNI) multiply unsigned activations by signed weights; int8 x int8
         # and uint8 x uint8 fall back to slower paths. Per-channel weights keep the accuracy.

@@ -53,7 +53,7 @@ from ptq_cli.backends.model_file import (
     resolve_threads,
 )
 from ptq_cli.errors import PtqError, first_line
-from ptq_cli.transforms.overflow import ALL_LAYERS, FIRST_LAYER
+from ptq_cli.transforms.overflow import ALL_LAYERS, FIRST_LAYER, JUDGED
 from ptq_cli.transforms.rounding import LEARNED, NEAREST
 
 NAME = "openvino"
@@ -289,8 +289,9 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     output = Path(output)
     if output.suffix != SUFFIX:
         raise PtqError(f"--output: {output} must end in .xml (an OpenVINO IR is written as .xml and .bin)")
-    if settings.method == NNCF:
-        return _quantize_nncf(model, output, settings, calibration, stored)
+    if settings.method == NNCF:  # NNCF has its own overflow fix: first-layer where ptq's route would judge
+        fix = FIRST_LAYER if settings.overflow_fix == JUDGED else settings.overflow_fix
+        return _quantize_nncf(model, output, replace(settings, overflow_fix=fix), calibration, stored)
     if settings.float_nodes:
         raise PtqError(f"--ignored-scope: NNCF's ignored scope; applies to --backend openvino --method {NNCF}")
     ov = _openvino()
@@ -454,7 +455,7 @@ BACKEND = Backend(
         # convolutions, the pair rule, learned rounding), or NNCF: min/max statistics of its preset, then bias correction,
         # weights per channel. Tune searches NNCF's settings.
         quantize, methods=(*qdq.BACKEND.quantizes.methods, NNCF), tune_methods=(NNCF,), per_channel=False, granularities=(True,),
-        overflow_fixes=(FIRST_LAYER, ALL_LAYERS), clamped_overflow_fix=ALL_LAYERS, learned_rounding=True,
+        overflow_fixes=(FIRST_LAYER, ALL_LAYERS), clamped_overflow_fix=ALL_LAYERS, judges_overflow_fix=True, learned_rounding=True,
         options=Options, describe=_describe, tune_grid=_tune_grid, float_layers=layers, fast_on_x86=_fast_on_x86,
         overflow_words=_overflow_words,
     ),

@@ -382,7 +382,8 @@ def _scores(module, images: np.ndarray, fixed: int | None) -> np.ndarray:
 
 # `--method auto`: torch.ao's observers, each judged on held-out calibration images; the first is kept unless another
 # measures METHOD_MARGIN_DB better.
-METHOD_CANDIDATES = (("histogram", None), ("minmax", None), (base.PER_IMAGE, base.PER_IMAGE_PERCENTILE))
+METHOD_CANDIDATES = (("histogram", None), ("minmax", None), (base.PER_IMAGE, base.PER_IMAGE_PERCENTILE),
+                     (base.PER_IMAGE, base.PER_IMAGE_TIGHT_PERCENTILE))
 
 
 def output_softmax_modules(module) -> list[str]:
@@ -452,18 +453,32 @@ def _bits_open(settings: QuantizationSettings) -> bool:
     return settings.overflow_fix == overflow.ALL_LAYERS and getattr(settings.options, "activation_bits", None) is None
 
 
+def _variants(settings: QuantizationSettings) -> tuple[QuantizationSettings, QuantizationSettings | None]:
+    """(the settings preferred, the other one judged against them, or None): for all-layers, 8-bit activations under
+    the pair rule against 7-bit; for a judged fix (overflow.JUDGED), all-layers (proven) against first-layer."""
+    if settings.overflow_fix == overflow.JUDGED:
+        return _with_bits(replace(settings, overflow_fix=overflow.ALL_LAYERS), EIGHT_BIT), replace(settings, overflow_fix=overflow.FIRST_LAYER)
+    if _bits_open(settings):
+        return _with_bits(settings, EIGHT_BIT), _with_bits(settings, SEVEN_BIT)
+    return settings, None
+
+
 def _unjudged(settings: QuantizationSettings) -> QuantizationSettings:
-    """The settings where no held-out images judge them (a fixed batch): the first method, torch.ao's 7 bits."""
+    """The settings where no held-out images judge them (a fixed batch): the first method, and as before the choice
+    existed, torch.ao's 7 bits for all-layers and first-layer for a judged fix."""
     if settings.method == base.AUTO_METHOD:
         settings = replace(settings, method=METHOD_CANDIDATES[0][0], percentile=METHOD_CANDIDATES[0][1])
+    if settings.overflow_fix == overflow.JUDGED:
+        return replace(settings, overflow_fix=overflow.FIRST_LAYER)
     return _with_bits(settings, SEVEN_BIT) if _bits_open(settings) else settings
 
 
 def _choose_by_held_out(float_module, settings: QuantizationSettings, calibration: np.ndarray, example, float_modules: tuple[str, ...],
                         progress: ProgressCallback | None) -> tuple[QuantizationSettings, tuple[str, ...]]:
-    """`--method auto` and the activations' bits of all-layers: each candidate calibrated on 3/4 of the calibration
-    images and judged by the image SQNR of the scores against FP32 on the other 1/4. The methods (METHOD_CANDIDATES)
-    first, with 8-bit activations where the bits are open; then 7 bits with the method kept. (settings, notes)."""
+    """`--method auto`, the activations' bits of all-layers and a judged overflow fix: each candidate calibrated on 3/4
+    of the calibration images and judged by the image SQNR of the scores against FP32 on the other 1/4. The methods
+    (METHOD_CANDIDATES) first, with the preferred variant (`_variants`); then the other variant with the method kept,
+    kept only where it is METHOD_MARGIN_DB closer. (settings, notes)."""
     import gc
 
     from ptq_cli.metrics import image_sqnr_db
@@ -472,14 +487,13 @@ def _choose_by_held_out(float_module, settings: QuantizationSettings, calibratio
     if len(held_out) == 0 or len(rest) == 0:
         return _unjudged(settings), ()
     reference = _scores(_scores_module(float_module), held_out, None)
-    bits_open = _bits_open(settings)
-    candidates = ([replace(settings, method=method, percentile=percentile) for method, percentile in METHOD_CANDIDATES]
-                  if settings.method == base.AUTO_METHOD else [settings])
-    candidates = [_with_bits(candidate, EIGHT_BIT) for candidate in candidates] if bits_open else candidates
+    preferred, other = _variants(settings)
+    methods = ([replace(preferred, method=method, percentile=percentile) for method, percentile in METHOD_CANDIDATES]
+               if settings.method == base.AUTO_METHOD else [preferred])
     figures: list[float | None] = []
 
     def judge(candidate: QuantizationSettings) -> float | None:
-        index, count = len(figures), len(candidates) + bits_open
+        index, count = len(figures), len(methods) + (other is not None)
         step = (lambda done, _total: progress(index * len(rest) + done, count * len(rest))) if progress else None
         calibrated = _calibrated(float_module, candidate, _batches(rest, None), example, float_modules, step)
         figures.append(base.sqnr_figure(image_sqnr_db(reference, _scores(_scores_module(calibrated), held_out, None))))
@@ -487,19 +501,25 @@ def _choose_by_held_out(float_module, settings: QuantizationSettings, calibratio
         gc.collect()  # FX graph modules hold reference cycles: each candidate's copies go before the next is made
         return figures[-1]
 
-    for candidate in candidates:
+    for candidate in methods:
         judge(candidate)
     if settings.method == base.AUTO_METHOD:
         scores = tuple((method, percentile, figure) for (method, percentile), figure in zip(METHOD_CANDIDATES, figures, strict=True))
         method, percentile = base.chosen_method(scores)
-        settings = replace(settings, method=method, percentile=percentile, method_sqnr_db=scores)
-    if not bits_open:
-        return settings, ()
-    eight = figures[[(c.method, c.percentile) for c in candidates].index((settings.method, settings.percentile))]
-    seven = judge(_with_bits(settings, SEVEN_BIT))
-    kept = SEVEN_BIT if (seven if seven is not None else -np.inf) >= (eight if eight is not None else -np.inf) + base.METHOD_MARGIN_DB else EIGHT_BIT
-    return _with_bits(settings, kept), (f"activations {kept}-bit (image SQNR on held-out calibration images: 8-bit activations with "
-                                        f"pair-safe weights {_db(eight)}, 7-bit activations {_db(seven)})",)
+        preferred = replace(preferred, method=method, percentile=percentile, method_sqnr_db=scores)
+    if other is None:
+        return preferred, ()
+    kept_db = figures[[(c.method, c.percentile) for c in methods].index((preferred.method, preferred.percentile))]
+    other = replace(preferred, overflow_fix=other.overflow_fix, options=other.options)
+    other_db = judge(other)
+    if (other_db if other_db is not None else -np.inf) >= (kept_db if kept_db is not None else -np.inf) + base.METHOD_MARGIN_DB:
+        preferred, kept_db, other, other_db = other, other_db, preferred, kept_db
+    if settings.overflow_fix == overflow.JUDGED:
+        return replace(preferred, overflow_fix_db=((overflow.ALL_LAYERS, kept_db if preferred.overflow_fix == overflow.ALL_LAYERS else other_db),
+                                                   (overflow.FIRST_LAYER, other_db if preferred.overflow_fix == overflow.ALL_LAYERS else kept_db))), ()
+    eight, seven = (kept_db, other_db) if activation_bits(preferred) == EIGHT_BIT else (other_db, kept_db)
+    return preferred, (f"activations {activation_bits(preferred)}-bit (image SQNR on held-out calibration images: 8-bit activations with "
+                       f"pair-safe weights {_db(eight)}, 7-bit activations {_db(seven)})",)
 
 
 def _db(figure: float | None) -> str:
@@ -513,9 +533,12 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     graph is tied to a fixed batch)."""
     import torch
 
-    if getattr(settings.options, "activation_bits", None) is not None and settings.overflow_fix != overflow.ALL_LAYERS:
-        raise PtqError("--activation-bits: applies to --overflow-fix all-layers (the default on --cpus all for a model with ReLU6); "
-                       "PyTorch's other models keep 8-bit activations")
+    if getattr(settings.options, "activation_bits", None) is not None:
+        if settings.overflow_fix == overflow.JUDGED:  # the bits say how every layer is kept safe: all-layers asked for
+            settings = replace(settings, overflow_fix=overflow.ALL_LAYERS)
+        if settings.overflow_fix != overflow.ALL_LAYERS:
+            raise PtqError("--activation-bits: applies to --overflow-fix all-layers (on --cpus all, the default for a model with ReLU6, "
+                           "and judged for the others); PyTorch's other models keep 8-bit activations")
 
     quiet_torch_quantization_warnings()
     torch.backends.quantized.engine = ENGINE
@@ -526,7 +549,7 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     pools = whole_map_pools(float_module, example)
     float_modules = (*pools, *output_softmax_modules(float_module))
     chosen: tuple[str, ...] = ()
-    if settings.method == base.AUTO_METHOD or _bits_open(settings):
+    if settings.method == base.AUTO_METHOD or _variants(settings)[1] is not None:
         settings, chosen = (_choose_by_held_out(float_module, settings, calibration, example, float_modules, progress) if fixed is None
                             else (_unjudged(settings), ()))
     judged = calibration[:: base.HELD_OUT_EVERY][: base.HELD_OUT_MAX] if fixed is None else batches[0]
@@ -693,7 +716,7 @@ BACKEND = Backend(
         # PyTorch's x86 default is per-channel; FX quantizes every layer it can.
         quantize, methods=(base.AUTO_METHOD, "histogram", "minmax", base.PER_IMAGE), tune_methods=("histogram", "minmax"), per_channel=True,
         leaves_layers_float=False,
-        overflow_fixes=(overflow.FIRST_LAYER, overflow.ALL_LAYERS), clamped_overflow_fix=overflow.ALL_LAYERS,
+        overflow_fixes=(overflow.FIRST_LAYER, overflow.ALL_LAYERS), clamped_overflow_fix=overflow.ALL_LAYERS, judges_overflow_fix=True,
         overflow_words=lambda settings: {overflow.ALL_LAYERS: "7-bit activations"} if seven_bit_activations(settings) else {},
         options=Options, describe=_describe,
     ),

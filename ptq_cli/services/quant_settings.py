@@ -6,7 +6,17 @@ from __future__ import annotations
 from typing import Any
 
 from ptq_cli import backends
-from ptq_cli.backends.base import INT4, PER_IMAGE, PER_IMAGE_PERCENTILE, CommonChoices, QuantizationSettings, Quantizer, describe_settings, short_node
+from ptq_cli.backends.base import (
+    INT4,
+    PER_IMAGE,
+    PER_IMAGE_PERCENTILE,
+    CommonChoices,
+    QuantizationSettings,
+    Quantizer,
+    describe_overflow_judgement,
+    describe_settings,
+    short_node,
+)
 from ptq_cli.cpu import ALL, CPU_TARGETS, VNNI
 from ptq_cli.errors import PtqError
 from ptq_cli.transforms.overflow import ALL_LAYERS, FIRST_LAYER, NO_FIX
@@ -201,7 +211,8 @@ def describe_cpus(settings: dict | None) -> str:
     quantizer = _quantizer_of(settings)
     how = {**COMMON_OVERFLOW_WORDS, **(quantizer.overflow_words(settings) if quantizer else {})}
     target = "all CPUs" if settings["cpus"] == ALL else f"{settings['cpus']} CPUs"
-    return f"{target} ({how[fix]})" if fix in how else target
+    judged = f"; judged: {describe_overflow_judgement(settings['overflow_fix_db'])}" if settings.get("overflow_fix_db") else ""
+    return f"{target} ({how[fix]}{judged})" if fix in how else target
 
 
 def describe_quantization(settings: dict | None) -> str:

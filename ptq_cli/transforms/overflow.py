@@ -26,6 +26,14 @@ SHAPE_OPS = ("Shape", "Size")
 # Overflow fixes (`--overflow-fix`): the layers whose weights follow the pair rule.
 FIRST_LAYER, ALL_LAYERS, NO_FIX = "first-layer", "all-layers", "none"
 OVERFLOW_FIXES = (FIRST_LAYER, ALL_LAYERS)
+# Not a fix: the default of a backend that judges both on held-out calibration images (Quantizer.judges_overflow_fix)
+# for a model without clamped activations; its quantize resolves it to one of them. Either bounds the stem.
+JUDGED = "judged"
+
+
+def bounds_stem(fix: str | None) -> bool:
+    """Whether a model with this overflow fix keeps its stem's weights under the pair rule."""
+    return fix in (*OVERFLOW_FIXES, JUDGED)
 
 
 def _top_two(values: np.ndarray) -> np.ndarray:

@@ -19,6 +19,7 @@ from ptq_cli.services.measure import portability
 from ptq_cli.services.measure.report import DatasetGroup, measured_from
 from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressBar, ProgressCallback, no_progress_bar
+from ptq_cli.transforms import overflow
 from ptq_cli.transforms.graph import clamped_activations, depthwise_convs, fixed_input_size, upgrade_opset
 
 # QDQ needs opset 10; per-channel QDQ needs 13. Older models are converted to this opset first.
@@ -79,13 +80,15 @@ def resolve_model_defaults(settings: QuantizationSettings, model) -> Quantizatio
     Granularity: per-channel weights for a model with depthwise convolutions (one scale over all their
     channels leaves most channels a few codes), the backend's per-tensor otherwise. Overflow fix: the
     backend's `clamped_overflow_fix` for a model with clamped activations (ReLU6 outputs sit at the top
-    code, where x86 kernels without VNNI saturate in every layer, not only the first), its first otherwise."""
+    code, where x86 kernels without VNNI saturate in every layer, not only the first); otherwise judged on held-out
+    images by a backend that can (overflow.JUDGED), else its first."""
     if settings.per_channel is None:
         settings = replace(settings, per_channel=bool(depthwise_convs(model)))
     if settings.overflow_fix is None:
         quantizer = backends.backend(settings.backend).quantizes
         clamped = quantizer.clamped_overflow_fix is not None and bool(clamped_activations(model))
-        settings = replace(settings, overflow_fix=quantizer.clamped_overflow_fix if clamped else quantizer.overflow_fixes[0])
+        unclamped = overflow.JUDGED if quantizer.judges_overflow_fix else quantizer.overflow_fixes[0]
+        settings = replace(settings, overflow_fix=quantizer.clamped_overflow_fix if clamped else unclamped)
     return settings
 
 

@@ -71,7 +71,7 @@ def stem_cost_db(model, images: np.ndarray, settings: QuantizationSettings) -> f
             graph = onnx.ModelProto.FromString(model.SerializeToString())
             onnx.save(graph, str(reference_path))
         initializers = {init.name: init for init in graph.graph.initializer}
-        pair_rule = settings.overflow_fix in overflow.OVERFLOW_FIXES
+        pair_rule = overflow.bounds_stem(settings.overflow_fix)
         changed = 0
         for node in overflow.first_layers(graph):
             init = initializers.get(node.input[1]) if len(node.input) > 1 else None
@@ -102,7 +102,7 @@ def resolve_stem(settings: QuantizationSettings, model, images: np.ndarray, cost
     if not backends.backend(settings.backend).quantizes.float_stem:
         return replace(settings, stem=INT8)
     costs = {} if costs is None else costs
-    key = (bool(settings.per_channel), settings.weight_dtype, settings.overflow_fix in overflow.OVERFLOW_FIXES, settings.preprocess)
+    key = (bool(settings.per_channel), settings.weight_dtype, overflow.bounds_stem(settings.overflow_fix), settings.preprocess)
     if key not in costs:
         costs[key] = stem_cost_db(model, images, settings)
     cost = costs[key]

@@ -17,7 +17,7 @@ import numpy as np
 
 from ptq_cli import backends
 from ptq_cli import cpu as cpu_info
-from ptq_cli.backends.base import QuantizationSettings
+from ptq_cli.backends.base import AUTO_METHOD, QuantizationSettings
 from ptq_cli.backends.model_file import file_sha256
 from ptq_cli.errors import PtqError
 from ptq_cli.guards import bounded
@@ -63,7 +63,10 @@ def measure(source, portable: Path, settings: QuantizationSettings, calibration:
         return PortabilityCost(cpu.model, not_measured=f"this {cpu.model} has no VNNI: the model for all CPUs is the one for it")
     images = prepared[:MAX_IMAGES]
     reference = _scores(source.loaded, images)
-    vnni = replace(settings, cpus=cpu_info.VNNI, overflow_fix=NO_FIX, options=settings.options.without_overflow_fix())
+    vnni = replace(settings, cpus=cpu_info.VNNI, overflow_fix=NO_FIX, overflow_fix_db=(), options=settings.options.without_overflow_fix())
+    if settings.method_sqnr_db:  # `--method auto` judged the ranges with the fix: judged again without it, as `--cpus vnni` does
+        vnni = replace(vnni, method=AUTO_METHOD, percentile=None, method_sqnr_db=(), method_rounded_db=(), ranges=None, ranges_calibrated_db=None,
+                       ranges_searched_db=None)
     suffix = backends.backend(settings.backend).suffix
     with tempfile.TemporaryDirectory(prefix="ptq-portability-") as workdir:
         quantize_source(source, Path(workdir) / f"vnni{suffix}", vnni, calibration, prepared=prepared)
