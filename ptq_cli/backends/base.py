@@ -371,21 +371,18 @@ def sqnr_figure(value: float) -> float | None:
     return round(float(value), 2) if np.isfinite(value) else None
 
 
+def closer_by_margin(candidate_db: float | None, preferred_db: float | None) -> bool:
+    """Whether a candidate measured on held-out images replaces the one preferred: METHOD_MARGIN_DB closer to FP32 (a
+    figure of None, a candidate that could not be measured, never wins)."""
+    return candidate_db is not None and candidate_db >= (-np.inf if preferred_db is None else preferred_db) + METHOD_MARGIN_DB
+
+
 def chosen_method(measured: tuple[tuple[str, float | None, float | None], ...]) -> tuple[str, float | None]:
     """(method, percentile) `--method auto` keeps from what each METHOD_CANDIDATES range measured: the best, unless
     it beats the first (MinMax) by less than METHOD_MARGIN_DB."""
-    def db(score) -> float:
-        return -np.inf if score[2] is None else score[2]
-
-    best, first = max(measured, key=db), measured[0]
-    kept = best if db(best) >= db(first) + METHOD_MARGIN_DB else first
+    best, first = max(measured, key=lambda score: -np.inf if score[2] is None else score[2]), measured[0]
+    kept = best if closer_by_margin(best[2], first[2]) else first
     return kept[0], kept[1]
-
-
-def describe_overflow_judgement(measured) -> str:
-    """A judged overflow fix's figures, e.g. "image SQNR on held-out calibration images: all-layers 21.4, first-layer 21.8 dB"."""
-    figures = ", ".join(f"{fix} {'n/a' if db is None else f'{db:.1f}'}" for fix, db in measured)
-    return f"image SQNR on held-out calibration images: {figures} dB"
 
 
 def _fast_when_u8s8(settings: QuantizationSettings) -> bool:

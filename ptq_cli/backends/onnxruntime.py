@@ -37,6 +37,7 @@ from ptq_cli.backends.base import (
     RunOptions,
     Runtime,
     chosen_method,
+    closer_by_margin,
     finish_load,
     held_out_split,
     image_pixels,
@@ -733,12 +734,12 @@ def per_image_ranges(source: str, images: np.ndarray, input_name: str, percentil
     per-image values. A graph tied to a fixed batch runs whole batches of it (its extremes are then each batch's).
     `shared`: a scope's cache (the same source and images, as `_histograms`'), where every percentile reads one pass."""
     key = ("per-image extremes", fixed_batch)
-    if shared is None or key not in shared:
+    extremes = None if shared is None else shared.get(key)
+    if extremes is None:
         extremes = _image_extremes(source, images, input_name, fixed_batch)
-        if shared is None:
-            shared = {}
-        shared[key] = extremes
-    activations, found = shared[key]
+        if shared is not None:
+            shared[key] = extremes
+    activations, found = extremes
     ranges = [per_image_range(found[2 * index], found[2 * index + 1], percentile) for index in range(len(activations))]
     return {name: [{"rmin": np.float32(low), "rmax": np.float32(high)}] for name, (low, high) in zip(activations, ranges, strict=True)}
 
@@ -880,13 +881,13 @@ def _judge_overflow_fix(source: str, calibration: np.ndarray, input_name: str, s
 
     from ptq_cli.metrics import image_sqnr_db
 
-    first_layer = _fix_overrides(onnx.load(source), replace(settings, overflow_fix=overflow.FIRST_LAYER), float_nodes)
+    float_model = onnx.load(source)
+    first_layer = _fix_overrides(float_model, replace(settings, overflow_fix=overflow.FIRST_LAYER), float_nodes)
     held_out, rest = held_out_split(calibration)
     if fixed_batch is not None or len(held_out) == 0 or len(rest) == 0:
         return replace(settings, overflow_fix=overflow.FIRST_LAYER), first_layer, [f"overflow fix: {overflow.FIRST_LAYER} (not judged: too few "
                                                                                  "calibration images, or a graph tied to its fixed batch)"]
     threads = resolve_threads(None)
-    float_model = onnx.load(source)
     judged = judged_output(float_model)
     reference = _outputs(float_model, judged, input_name, held_out, threads)
 
@@ -897,7 +898,7 @@ def _judge_overflow_fix(source: str, calibration: np.ndarray, input_name: str, s
     kept_method = [db for method, percentile, db in settings.method_sqnr_db if (method, percentile) == (settings.method, settings.percentile)]
     all_db = kept_method[0] if kept_method else score(all_layers)
     first_db = score(first_layer)
-    keep_first = first_db is not None and first_db >= (-np.inf if all_db is None else all_db) + METHOD_MARGIN_DB
+    keep_first = closer_by_margin(first_db, all_db)
     fix = overflow.FIRST_LAYER if keep_first else overflow.ALL_LAYERS
     settings = replace(settings, overflow_fix=fix, overflow_fix_db=((overflow.ALL_LAYERS, all_db), (overflow.FIRST_LAYER, first_db)))
     return settings, first_layer if keep_first else all_layers, []  # the figures: the CPUs' description (quant_settings.describe_cpus)
@@ -991,7 +992,7 @@ def search_ranges(quantized, float_path: str, calibration: np.ndarray, input_nam
     except Exception as error:  # noqa: BLE001  onnxruntime's own errors: the user keeps the calibrated ranges
         return calibrated, settings, [f"range search: not applied ({first_line(error)})"]
     before, after = (image_sqnr_db(held_reference, _outputs(model, name, input_name, held_out, threads)) for model in (calibrated, searched))
-    choice = "searched" if after >= before + METHOD_MARGIN_DB else "calibrated"
+    choice = "searched" if closer_by_margin(after, before) else "calibrated"
     measured = replace(settings, ranges=choice, ranges_calibrated_db=sqnr_figure(before), ranges_searched_db=sqnr_figure(after))
     note = (f"range search: {result.moved} of {result.scales} activation scales moved ({result.searched} searched, {result.evaluations} runs "
             f"of {len(searching)} calibration images); image SQNR on {len(held_out)} held-out images {before:.2f} dB calibrated, "

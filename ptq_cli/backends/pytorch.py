@@ -509,17 +509,14 @@ def _choose_by_held_out(float_module, settings: QuantizationSettings, calibratio
         preferred = replace(preferred, method=method, percentile=percentile, method_sqnr_db=scores)
     if other is None:
         return preferred, ()
-    kept_db = figures[[(c.method, c.percentile) for c in methods].index((preferred.method, preferred.percentile))]
-    other = replace(preferred, overflow_fix=other.overflow_fix, options=other.options)
+    preferred_db = figures[[(c.method, c.percentile) for c in methods].index((preferred.method, preferred.percentile))]
+    other = replace(preferred, overflow_fix=other.overflow_fix, options=other.options)  # with the method kept
     other_db = judge(other)
-    if (other_db if other_db is not None else -np.inf) >= (kept_db if kept_db is not None else -np.inf) + base.METHOD_MARGIN_DB:
-        preferred, kept_db, other, other_db = other, other_db, preferred, kept_db
-    if settings.overflow_fix == overflow.JUDGED:
-        return replace(preferred, overflow_fix_db=((overflow.ALL_LAYERS, kept_db if preferred.overflow_fix == overflow.ALL_LAYERS else other_db),
-                                                   (overflow.FIRST_LAYER, other_db if preferred.overflow_fix == overflow.ALL_LAYERS else kept_db))), ()
-    eight, seven = (kept_db, other_db) if activation_bits(preferred) == EIGHT_BIT else (other_db, kept_db)
-    return preferred, (f"activations {activation_bits(preferred)}-bit (image SQNR on held-out calibration images: 8-bit activations with "
-                       f"pair-safe weights {_db(eight)}, 7-bit activations {_db(seven)})",)
+    kept = other if base.closer_by_margin(other_db, preferred_db) else preferred
+    if settings.overflow_fix == overflow.JUDGED:  # preferred: all-layers, the other first-layer
+        return replace(kept, overflow_fix_db=((overflow.ALL_LAYERS, preferred_db), (overflow.FIRST_LAYER, other_db))), ()
+    return kept, (f"activations {activation_bits(kept)}-bit (image SQNR on held-out calibration images: 8-bit activations with "  # preferred: 8
+                  f"pair-safe weights {_db(preferred_db)}, 7-bit activations {_db(other_db)})",)
 
 
 def _db(figure: float | None) -> str:
