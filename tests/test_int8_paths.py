@@ -304,23 +304,59 @@ def test_masked_cpuid_runs_the_avx2_kernels_qemu_emulates_byte_for_byte(tmp_path
     batch = np.ones((2, 3, 8, 8), np.float32)
     signed = _grouped_qdq_classifier(tmp_path / "s8.onnx", 64, output_scale=1000.0)  # int8 weights at their worst case: saturates
     masked = emulate.scores_under_emulation(signed, batch)
-    monkeypatch.setattr(emulate, "masking_shim", lambda: None)
-    assert emulate.describe().startswith("qemu")
+    monkeypatch.setattr(emulate, "native_route", lambda model_path: None)
+    assert emulate.describe(signed).startswith("qemu")
     emulated = emulate.scores_under_emulation(signed, batch)
     assert masked.tobytes() == emulated.tobytes()
     exact = load_model(signed, exact_int8=cpu_info.current().int8_path == cpu_info.SATURATING).predict(batch)
     assert not np.array_equal(masked, exact)
 
 
+def test_onnxruntime_without_avx512_state_runs_the_avx2_kernels_qemu_emulates_byte_for_byte(tmp_path, monkeypatch):
+    """Where CPUID cannot be masked, onnxruntime's copy that sees no AVX-512 state runs the kernels qemu's Haswell runs:
+    the same bytes on a model that saturates, not the exact sums; and the copy differs from onnxruntime's own module
+    only where an XGETBV was."""
+    monkeypatch.setattr(emulate, "masking_shim", lambda: None)
+    copy = emulate.avx2_onnxruntime()
+    if copy is None or emulate.qemu() is None:
+        pytest.skip("no objdump (binutils), no AVX2 kernels behind hidden AVX-512 state, or no qemu-user: nothing to compare")
+    original = emulate._onnxruntime_extension()
+    before, after = np.frombuffer(original.read_bytes(), np.uint8), np.frombuffer(copy.read_bytes(), np.uint8)
+    changed = np.flatnonzero(before != after)
+    starts = [int(offset) for offset in changed if bytes(before[offset:offset + 3]) == emulate.XGETBV]
+    assert starts and set(changed) <= {offset + step for offset in starts for step in range(3)}
+    assert all(bytes(after[offset:offset + 3]) == emulate.XGETBV_AVX2 for offset in starts)
+    batch = np.ones((2, 3, 8, 8), np.float32)
+    signed = _grouped_qdq_classifier(tmp_path / "s8.onnx", 64, output_scale=1000.0)  # int8 weights at their worst case: saturates
+    assert emulate.native_route(signed) == "onnxruntime" and emulate.native_route(tmp_path / "m.pt") is None
+    hidden = emulate.scores_under_emulation(signed, batch)
+    monkeypatch.setattr(emulate, "native_route", lambda model_path: None)
+    assert hidden.tobytes() == emulate.scores_under_emulation(signed, batch).tobytes()
+    exact = load_model(signed, exact_int8=cpu_info.current().int8_path == cpu_info.SATURATING).predict(batch)
+    assert not np.array_equal(hidden, exact)
+
+
+def test_a_child_that_loaded_onnxruntime_s_own_module_refuses_to_score(tmp_path, monkeypatch):
+    """Told to run onnxruntime's AVX2 copy, a child whose onnxruntime is its own (imported before the copy could take
+    its place) says so and scores nothing: its figures would be this CPU's own path's."""
+    import onnxruntime  # noqa: F401  the module in place before the child's check
+
+    monkeypatch.setenv(emulate.AVX2_ONNXRUNTIME_ENV, str(tmp_path / "onnxruntime-avx2.so"))
+    with pytest.raises(SystemExit, match="onnxruntime does not take the AVX2 kernels"):
+        emulate._child(str(tmp_path / "m.onnx"), str(tmp_path / "in.npy"), str(tmp_path / "out.npy"), "1")
+    assert not (tmp_path / "out.npy").exists()
+
+
 
 def test_by_default_cpuid_masked_scores_whole_splits_and_qemu_a_thousand_images(study, monkeypatch):
-    monkeypatch.setattr(emulate, "masking_shim", lambda: None)
-    assert emulate.default_subset(4 * 3 * 32 * 32) == emulate.DEFAULT_SUBSET
-    monkeypatch.setattr(emulate, "masking_shim", lambda: Path("avx2-cpuid.so"))
-    assert emulate.default_subset(4 * 3 * 32 * 32) >= 10_000  # CIFAR-10's whole test set
-    assert emulate.default_subset(4 * 3 * 1024 * 1024) == emulate.DEFAULT_SUBSET  # 12 MB an image: a thousand, not 42
+    model = Path("m.onnx")
+    monkeypatch.setattr(emulate, "native_route", lambda model_path: None)
+    assert emulate.default_subset(4 * 3 * 32 * 32, model) == emulate.DEFAULT_SUBSET
+    monkeypatch.setattr(emulate, "native_route", lambda model_path: "masked")
+    assert emulate.default_subset(4 * 3 * 32 * 32, model) >= 10_000  # CIFAR-10's whole test set
+    assert emulate.default_subset(4 * 3 * 1024 * 1024, model) == emulate.DEFAULT_SUBSET  # 12 MB an image: a thousand, not 42
     monkeypatch.undo()
-    if emulate.masking_shim() is None:
+    if emulate.native_route(Path("vnni.onnx")) is None:
         return
     monkeypatch.setattr(cpu_info, "current", lambda: WITH_VNNI)
     _quantize(study, "vnni.onnx", "--cpus", "vnni")
@@ -339,6 +375,16 @@ def test_a_shim_ptq_did_not_write_is_built_again_before_a_child_loads_it():
     shim.write_bytes(b"\x7fELF not ptq's")
     assert emulate.masking_shim() == shim
     assert shim.read_bytes() != b"\x7fELF not ptq's" and cache.was_written(hashlib.sha256(shim.read_bytes()).hexdigest())
+
+def test_an_onnxruntime_copy_ptq_did_not_write_is_made_again_before_a_child_loads_it(monkeypatch):
+    """The copy of onnxruntime's module runs in every such child: a file at its name that ptq did not write is replaced."""
+    copy = emulate.avx2_onnxruntime()
+    if copy is None:
+        pytest.skip("no objdump (binutils), or no AVX2 kernels behind hidden AVX-512 state on this CPU")
+    copy.write_bytes(b"\x7fELF not ptq's")
+    assert emulate.avx2_onnxruntime() == copy
+    assert copy.read_bytes() != b"\x7fELF not ptq's" and cache.was_written(hashlib.sha256(copy.read_bytes()).hexdigest())
+
 
 def test_a_child_whose_cpuid_is_not_masked_refuses_to_score(tmp_path, monkeypatch):
     """Started to run the AVX2 kernels with CPUID masked, a child that finds it is not (the shim not loaded, its handler

@@ -159,18 +159,24 @@ def test_a_stage_task_that_may_fail_returns_its_error_and_one_that_may_not_raise
         run_stage_task(StageTask("evaluate", arguments, str(project), (), "results"), run_stage_command)
 
 
-def test_the_study_emulates_the_whole_split_with_cpuid_masked_and_500_images_under_qemu(monkeypatch):
-    """On a VNNI CPU the saturating path's stages score evaluate's default (the whole test split) where CPUID is masked
-    (native speed), RUN_EMULATED_IMAGES under qemu (about 100x slower), and always the count the user names."""
+def test_the_study_emulates_the_whole_split_at_native_speed_and_500_images_under_qemu(monkeypatch):
+    """On a VNNI CPU a model's saturating-path stage scores evaluate's default (the whole test split) where its AVX2
+    kernels run natively (CPUID masked; onnxruntime's also without AVX-512 state), RUN_EMULATED_IMAGES under qemu
+    (about 100x slower), and always the count the user names."""
     from dataclasses import replace
 
     from ptq_cli.services.measure import emulate
     from ptq_cli.services.study import pipeline
 
     options = pipeline.StudyOptions(keras_model=None, data_dir=Path("colours.npz"))
+    onnx_model, torch_model = Path("models/m_int8.onnx"), Path("models/m_pytorch_int8.pt")
     monkeypatch.setattr(emulate, "masking_shim", lambda: Path("avx2-cpuid.so"))
-    assert pipeline._emulated_images(options) is None
-    assert pipeline._emulated_images(replace(options, emulated_images=20)) == 20
+    assert pipeline._emulated_images(options, onnx_model) is None and pipeline._emulated_images(options, torch_model) is None
+    assert pipeline._emulated_images(replace(options, emulated_images=20), onnx_model) == 20
     monkeypatch.setattr(emulate, "masking_shim", lambda: None)
-    assert pipeline._emulated_images(options) == pipeline.RUN_EMULATED_IMAGES
-    assert pipeline._emulated_images(replace(options, emulated_images=20)) == 20
+    monkeypatch.setattr(emulate, "avx2_onnxruntime", lambda: Path("onnxruntime-avx2.so"))
+    assert pipeline._emulated_images(options, onnx_model) is None
+    assert pipeline._emulated_images(options, torch_model) == pipeline.RUN_EMULATED_IMAGES  # PyTorch's kernels: qemu
+    monkeypatch.setattr(emulate, "avx2_onnxruntime", lambda: None)
+    assert pipeline._emulated_images(options, onnx_model) == pipeline.RUN_EMULATED_IMAGES
+    assert pipeline._emulated_images(replace(options, emulated_images=20), onnx_model) == 20

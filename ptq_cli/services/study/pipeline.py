@@ -338,12 +338,12 @@ def _references(study: _Study) -> list[Path]:
     return [reference] if study.options.uses(LITERT) and study.options.model is None and reference.is_file() else []
 
 
-def _emulated_images(options: StudyOptions) -> int | None:
-    """The images the saturating path's stages score where it is emulated: the user's count, else evaluate's default
-    (None) with CPUID masked, RUN_EMULATED_IMAGES under qemu."""
+def _emulated_images(options: StudyOptions, model: Path) -> int | None:
+    """The images the model's saturating-path stage scores where it is emulated: the user's count, else evaluate's
+    default (None) where its AVX2 kernels run natively, RUN_EMULATED_IMAGES under qemu."""
     if options.emulated_images is not None:
         return options.emulated_images
-    return None if emulate.masking_shim() is not None else RUN_EMULATED_IMAGES
+    return None if emulate.native_route(model) is not None else RUN_EMULATED_IMAGES
 
 
 def _evaluate_stages(study: _Study) -> list[Stage]:
@@ -352,9 +352,9 @@ def _evaluate_stages(study: _Study) -> list[Stage]:
     # Both x86 int8 paths of the 8-bit models whose runtime's kernels differ by CPU: the one this CPU does
     # not take, from the exact kernels' switch, a proof, or emulation (records "~exact" / "~saturating").
     other_path = next(path for path in cpu_info.INT8_PATHS if path != cpu_info.current().int8_path)
-    emulated = _emulated_images(study.options) if other_path == cpu_info.SATURATING else study.options.emulated_images
     for output, choice in study.quantized:
         made = quant_settings.make_settings(**choice)
+        emulated = _emulated_images(study.options, output) if other_path == cpu_info.SATURATING else study.options.emulated_images
         if evaluate_service.other_path_measurable(made.backend, made.overflow_fix, other_path):
             stages.append(study.evaluation(f"evaluate {output.name} on the {other_path} int8 path", output,
                                            {**flag_options, "int8_path": other_path, "emulated_images": emulated},
