@@ -179,6 +179,28 @@ def test_the_per_image_candidates_read_one_pass_of_image_extremes(project, tmp_p
     assert any(not np.array_equal(first[key], second[key]) for key in first)  # its own percentile, not the first's ranges
 
 
+def test_within_one_run_a_calibration_is_loaded_not_collected_again(project, tmp_path, monkeypatch):
+    """Within one run (`ptq quantize` with its model for VNNI CPUs, `ptq run`), onnxruntime's calibration cache hands a
+    later calibration of the same float model, images and options the ranges the first collected (per-image ranges start
+    from MinMax's): it runs nothing, and its model is the one a calibration of its own makes."""
+    from onnxruntime.quantization import calibrate
+
+    from ptq_cli import backends
+
+    collected = []
+    real = calibrate.MinMaxCalibrater.collect_data
+    monkeypatch.setattr(calibrate.MinMaxCalibrater, "collect_data", lambda self, reader: (collected.append(1), real(self, reader))[1])
+    alone, per_image_alone = _candidate_parameters(project, tmp_path, "minmax", None, None), _candidate_parameters(project, tmp_path, PER_IMAGE, 99.0, None)
+    assert len(collected) == 2
+    with backends.reusing_made_files():
+        first, again = _candidate_parameters(project, tmp_path, "minmax", None, None), _candidate_parameters(project, tmp_path, "minmax", None, None)
+        per_image = _candidate_parameters(project, tmp_path, PER_IMAGE, 99.0, None)
+    assert len(collected) == 3  # the first in the run collected; the second and the per-image ranges loaded its cache
+    for made, reference in ((first, alone), (again, alone), (per_image, per_image_alone)):
+        assert made.keys() == reference.keys() and all(np.array_equal(made[key], reference[key]) for key in made)
+    assert any(not np.array_equal(per_image[key], alone[key]) for key in alone)  # its own ranges, not MinMax's
+
+
 def _weight_codes(path: Path) -> dict[str, np.ndarray]:
     model = onnx.load(str(path))
     weights = {node.input[1] for node in model.graph.node if node.op_type in ("Conv", "Gemm", "MatMul")}

@@ -8,6 +8,8 @@ test a backend's name. This module imports no backend module and no service (mod
 from __future__ import annotations
 
 import hashlib
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -128,6 +130,7 @@ class _MadeOnce:
 
     open: bool = False
     made: dict[str, tuple[Any, int]] = field(default_factory=dict)  # oldest first
+    directory: Path | None = None  # files kept for the scope's later calls (onnxruntime's calibration caches)
 
 
 REUSE_BYTES = 512 * 2**20  # the bytes kept at most: the oldest go first
@@ -141,12 +144,24 @@ def reusing_made_files() -> Iterator[None]:
     `ptq run` makes several models from one FP32 model, and OpenVINO's default IR is onnxruntime's int8 QDQ model
     converted."""
     was_open, _MADE.open = _MADE.open, True
+    if not was_open:
+        _MADE.directory = Path(tempfile.mkdtemp(prefix="ptq-reused-"))
     try:
         yield
     finally:
         _MADE.open = was_open
         if not was_open:
             _MADE.made.clear()
+            shutil.rmtree(_MADE.directory or "", ignore_errors=True)
+            _MADE.directory = None
+
+
+def reused_file(key: Callable[[], str], suffix: str) -> Path | None:
+    """Within `reusing_made_files()`, where a backend keeps (or finds) the file it made from the inputs `key()` digests,
+    for later calls of the same run; None outside it."""
+    if not _MADE.open or _MADE.directory is None:
+        return None
+    return _MADE.directory / f"{key()}{suffix}"
 
 
 def digest(*parts: bytes) -> str:

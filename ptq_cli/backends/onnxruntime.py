@@ -779,6 +779,7 @@ def _quantize_static(source: str, target: Path, images: np.ndarray, input_name: 
     fitting = calibration_chunk(source, images, fixed_batch, model_name)
     reader = _reader(input_name, images, fixed_batch, progress)
     _in_chunks(reader, fitting, extra_options)
+    cached_ranges = _calibration_cache(source, images, settings, extra_options)
     # quantize_static print()s its histogram progress; stdout belongs to ptq's own output (--json).
     warnings: list[str] = []
     with contextlib.redirect_stdout(io.StringIO()), _histograms(reader, "CalibStridedMinMax" in extra_options, histograms), _library_warnings(warnings):
@@ -795,6 +796,7 @@ def _quantize_static(source: str, target: Path, images: np.ndarray, input_name: 
                 calibrate_method=getattr(CalibrationMethod, CALIBRATION_METHODS[settings.method]),
                 nodes_to_exclude=float_nodes,
                 extra_options=extra_options,
+                calibration_cache_path=cached_ranges,
             )
         except PtqError:
             raise
@@ -806,6 +808,17 @@ def _quantize_static(source: str, target: Path, images: np.ndarray, input_name: 
             raise PtqError(f"{model_name}: onnxruntime.quantization failed ({type(error).__name__}: {first_line(error, '')})") from error
     reader.finished()
     return warnings
+
+
+def _calibration_cache(source: str, images: np.ndarray, settings: QuantizationSettings, extra_options: dict) -> Path | None:
+    """Within one run (base.reused_file), onnxruntime's calibration cache for these ranges: what its calibrator
+    computed from the same float model, images and calibration options, loaded instead of collected again (`--method
+    auto`'s candidates, the overflow fix's judge and the model for VNNI CPUs calibrate alike; per-image ranges start
+    from MinMax's). Weights, overrides and excluded nodes play no part in calibration."""
+    options = {name: value for name, value in extra_options.items() if name.startswith("Calib")}
+    method = CALIBRATION_METHODS[settings.method]
+    return base.reused_file(lambda: base.digest(b"calibration", Path(source).read_bytes(), images.tobytes(), str(images.shape).encode(),
+                                                repr((method, sorted(options.items()))).encode()), ".json")
 
 
 def choose_method(source: str, calibration: np.ndarray, input_name: str, settings: QuantizationSettings, float_nodes: list[str],  # noqa: PLR0913,PLR0917  quantize_static's own arguments, passed through
