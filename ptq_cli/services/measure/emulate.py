@@ -169,16 +169,15 @@ def _file_digest(path: Path) -> str:
 def _hide_avx512_state(objdump: str, original: Path, copy: Path) -> bool:
     """Writes `copy`: `original` with each XGETBV objdump finds in its code replaced by XGETBV_AVX2."""
     try:
-        listing = subprocess.run([objdump, "-d", "--no-show-raw-insn", str(original)], capture_output=True, text=True, timeout=300, check=False)
+        addresses = _xgetbv_addresses(objdump, original)
         segments = subprocess.run([objdump, "-p", str(original)], capture_output=True, text=True, timeout=60, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return False
-    addresses = [int(found.group(1), 16) for found in re.finditer(r"^\s*([0-9a-f]+):\s+xgetbv\s*$", listing.stdout, re.MULTILINE)]
     loads = _load_segments(segments.stdout)
     data = bytearray(original.read_bytes())
-    for address in addresses:
+    for address in addresses or ():
         offset = next((address - vaddr + start for vaddr, start, size in loads if vaddr <= address < vaddr + size), None)
-        if listing.returncode != 0 or offset is None or data[offset:offset + 3] != XGETBV:
+        if offset is None or data[offset:offset + 3] != XGETBV:
             return False
         data[offset:offset + 3] = XGETBV_AVX2
     if not addresses:
@@ -189,6 +188,15 @@ def _hide_avx512_state(objdump: str, original: Path, copy: Path) -> bool:
     cache.remember_written(hashlib.sha256(data).hexdigest())
     os.replace(made.name, copy)
     return True
+
+
+def _xgetbv_addresses(objdump: str, library: Path) -> list[int] | None:
+    """The addresses of the XGETBV instructions in `library`'s code, read off objdump's disassembly line by line (the
+    whole listing of onnxruntime's module is 250 MB of text); None where objdump fails."""
+    pattern = re.compile(r"^\s*([0-9a-f]+):\s+xgetbv\s*$")
+    with subprocess.Popen([objdump, "-d", "--no-show-raw-insn", str(library)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) as listing:
+        addresses = [int(found.group(1), 16) for line in listing.stdout or () if "xgetbv" in line and (found := pattern.match(line))]
+    return addresses if listing.returncode == 0 else None
 
 
 def _load_segments(program_headers: str) -> list[tuple[int, int, int]]:
