@@ -366,24 +366,19 @@ def test_by_default_cpuid_masked_scores_whole_splits_and_qemu_a_thousand_images(
     assert f"on all {record['images']} images" in record["int8_basis"] and record["exact_accuracy_same_images"] is not None
 
 
-def test_a_shim_ptq_did_not_write_is_built_again_before_a_child_loads_it():
-    """The shim runs in every emulated child: a file at its name that ptq did not write (edited, or put there) is
-    replaced by a fresh build, as a TorchScript file ptq did not write is refused."""
-    shim = emulate.masking_shim()
-    if shim is None:
-        pytest.skip("this machine cannot mask CPUID (no CPUID faulting or no C compiler)")
-    shim.write_bytes(b"\x7fELF not ptq's")
-    assert emulate.masking_shim() == shim
-    assert shim.read_bytes() != b"\x7fELF not ptq's" and cache.was_written(hashlib.sha256(shim.read_bytes()).hexdigest())
-
-def test_an_onnxruntime_copy_ptq_did_not_write_is_made_again_before_a_child_loads_it(monkeypatch):
-    """The copy of onnxruntime's module runs in every such child: a file at its name that ptq did not write is replaced."""
-    copy = emulate.avx2_onnxruntime()
-    if copy is None:
-        pytest.skip("no objdump (binutils), or no AVX2 kernels behind hidden AVX-512 state on this CPU")
-    copy.write_bytes(b"\x7fELF not ptq's")
-    assert emulate.avx2_onnxruntime() == copy
-    assert copy.read_bytes() != b"\x7fELF not ptq's" and cache.was_written(hashlib.sha256(copy.read_bytes()).hexdigest())
+@pytest.mark.parametrize(("made", "unavailable"), [
+    ("masking_shim", "this machine cannot mask CPUID (no CPUID faulting or no C compiler)"),
+    ("avx2_onnxruntime", "no objdump (binutils), or no AVX2 kernels behind hidden AVX-512 state on this CPU"),
+])
+def test_code_ptq_did_not_write_is_made_again_before_a_child_loads_it(made, unavailable):
+    """The shim and the copy of onnxruntime's module run in every emulated child: a file at their name that ptq did not
+    write (edited, or put there) is replaced by a fresh one, as a TorchScript file ptq did not write is refused."""
+    path = getattr(emulate, made)()
+    if path is None:
+        pytest.skip(unavailable)
+    path.write_bytes(b"\x7fELF not ptq's")
+    assert getattr(emulate, made)() == path
+    assert path.read_bytes() != b"\x7fELF not ptq's" and cache.was_written(hashlib.sha256(path.read_bytes()).hexdigest())
 
 
 def test_a_child_whose_cpuid_is_not_masked_refuses_to_score(tmp_path, monkeypatch):
