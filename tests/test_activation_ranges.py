@@ -179,6 +179,47 @@ def test_the_per_image_candidates_read_one_pass_of_image_extremes(project, tmp_p
     assert any(not np.array_equal(first[key], second[key]) for key in first)  # its own percentile, not the first's ranges
 
 
+def test_per_image_extremes_reach_activations_whose_batch_axis_shape_inference_lost(tmp_path):
+    """A squeeze-excitation gate squeezed then reshaped to [-1, C, 1, 1] (tf2onnx writes such Reshapes; without its value_info, shape
+    inference names no batch there, nor in what the gate multiplies) still gets per-image extremes: a run on one image
+    and on two tells which first axes are the batch. A tensor whose first axis is a channel count gets none."""
+    from onnx import TensorProto, helper
+
+    from ptq_cli.backends import onnxruntime as ort_backend
+
+    rng = np.random.default_rng(0)
+    weights = numpy_helper.from_array(rng.normal(0, 0.5, (4, 3, 3, 3)).astype(np.float32), "w")
+    shape = numpy_helper.from_array(np.array([-1, 4, 1, 1], np.int64), "gate_shape")
+    axes = numpy_helper.from_array(np.array([2, 3], np.int64), "spatial")
+    nodes = [helper.make_node("Conv", ["image", "w"], ["features"], pads=[1, 1, 1, 1]),
+             helper.make_node("GlobalAveragePool", ["features"], ["pooled"]),
+             helper.make_node("Squeeze", ["pooled", "spatial"], ["squeezed"]),
+             helper.make_node("Reshape", ["squeezed", "gate_shape"], ["gate_in"]),
+             helper.make_node("Sigmoid", ["gate_in"], ["gate"]),
+             helper.make_node("Mul", ["features", "gate"], ["gated"]),
+             helper.make_node("Transpose", ["gated"], ["channels_first"], perm=[1, 0, 2, 3]),
+             helper.make_node("Transpose", ["channels_first"], ["scores_map"], perm=[1, 0, 2, 3]),
+             helper.make_node("ReduceMean", ["scores_map"], ["scores"], axes=[2, 3], keepdims=0)]
+    graph = helper.make_graph(nodes, "gated", [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["batch", 3, 8, 8])],
+                              [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["batch", 4])], [weights, shape, axes])
+    path = tmp_path / "gated.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), str(path))
+    images = rng.uniform(0, 1, (5, 3, 8, 8)).astype(np.float32)
+    activations, found = ort_backend._image_extremes(str(path), images, "image", None)
+    assert {"features", "gate_in", "gate", "gated", "scores_map"} <= set(activations) and "channels_first" not in activations
+    assert all(len(values) == len(images) for values in found)
+    gate = activations.index("gate")
+    expected = 1 / (1 + np.exp(-images_gate(rng_images=images, weights=numpy_helper.to_array(weights))))
+    assert np.allclose(found[2 * gate + 1], expected.max(axis=1), atol=1e-5)
+
+
+def images_gate(rng_images: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """The gate's input per image: the mean of each channel of the padded 3x3 convolution."""
+    padded = np.pad(rng_images, ((0, 0), (0, 0), (1, 1), (1, 1)))
+    windows = np.lib.stride_tricks.sliding_window_view(padded, (3, 3), axis=(2, 3))  # N, C, H, W, 3, 3
+    return np.einsum("nchwij,ocij->nohw", windows, weights).mean(axis=(2, 3))
+
+
 def test_within_one_run_a_calibration_is_loaded_not_collected_again(project, tmp_path, monkeypatch):
     """Within one run (`ptq quantize` with its model for VNNI CPUs, `ptq run`), onnxruntime's calibration cache hands a
     later calibration of the same float model, images and options the ranges the first collected (per-image ranges start

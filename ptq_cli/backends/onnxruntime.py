@@ -761,8 +761,20 @@ def _image_extremes(source: str, images: np.ndarray, input_name: str, fixed_batc
     session = ort.InferenceSession(extremes.model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     chunk = fixed_batch or max(1, SEARCH_CHUNK_PIXELS // image_pixels(images))
     end = len(images) - chunk + 1 if fixed_batch else len(images)  # whole batches only
+    kept = _batch_first(session, extremes, images, input_name, fixed_batch)
     runs = [session.run(None, {input_name: images[start : start + chunk]}) for start in range(0, end, chunk)]
-    return list(extremes.activations), [np.concatenate([run[index] for run in runs]) for index in range(len(runs[0]))]
+    return ([name for name, keep in zip(extremes.activations, kept, strict=True) if keep],
+            [np.concatenate([run[index] for run in runs]) for index in range(len(runs[0])) if kept[index // 2]])
+
+
+def _batch_first(session, extremes, images: np.ndarray, input_name: str, fixed_batch: int | None) -> list[bool]:
+    """Which of the activations have the batch as their first axis: shape inference's word where it has one, else a run on
+    one image and on two, whose reductions give one value per image exactly there (a graph tied to a fixed batch: the
+    word alone)."""
+    if fixed_batch is not None or len(images) < 2 or extremes.known.issuperset(extremes.activations):
+        return [name in extremes.known for name in extremes.activations]
+    one, two = session.run(None, {input_name: images[:1]}), session.run(None, {input_name: images[:2]})
+    return [name in extremes.known or (len(one[2 * index]) == 1 and len(two[2 * index]) == 2) for index, name in enumerate(extremes.activations)]
 
 
 def _quantize_static(source: str, target: Path, images: np.ndarray, input_name: str, fixed_batch: int | None, settings: QuantizationSettings,  # noqa: PLR0913,PLR0917  quantize_static's own arguments, passed through

@@ -728,12 +728,16 @@ def preprocessed(model, workdir: Path):
 class ImageExtremes(NamedTuple):
     model: Any  # the graph, its outputs replaced by two per activation: its minimum and its maximum over each image
     activations: list[str]  # in the order of those output pairs
+    # Those whose first axis shape inference shows is the batch; for the others it lost track of the batch (a Reshape to
+    # -1, a broadcast against one), and a run tells (onnxruntime backend, `_image_extremes`).
+    known: frozenset[str] = frozenset()
 
 
 def with_image_extremes(model) -> ImageExtremes:
     """A copy of `model` that gives, for each float activation whose first axis is the batch (the input's), its
     smallest and largest value over each image (ReduceMin/ReduceMax over every other axis): two floats per image and
-    activation, where the activations themselves could take gigabytes."""
+    activation, where the activations themselves could take gigabytes. Where the input's batch is symbolic, so are
+    the activations whose first axis shape inference cannot name (`ImageExtremes.known` holds the others)."""
     import onnx
     from onnx import TensorProto, helper
 
@@ -742,9 +746,11 @@ def with_image_extremes(model) -> ImageExtremes:
     initializers = {init.name for init in model.graph.initializer}
     computed = {name for node in model.graph.node for name in node.output} | {value.name for value in model.graph.input}
     values = [] if batch is None else [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]
+    unnamed = isinstance(batch, str)  # a symbolic batch: an activation's unknown or other symbolic first axis may be it
     ranks = {value.name: len(value.type.tensor_type.shape.dim)  # value_info may still name tensors a rewrite removed
              for value in values if value.name in computed - initializers and value.type.tensor_type.elem_type == TensorProto.FLOAT
-             and len(value.type.tensor_type.shape.dim) >= 2 and _first_axis(value) == batch}
+             and len(value.type.tensor_type.shape.dim) >= 2 and (_first_axis(value) == batch or unnamed and not isinstance(_first_axis(value), int))}
+    known = frozenset(value.name for value in values if value.name in ranks and _first_axis(value) == batch)
     augmented = onnx.ModelProto.FromString(model.SerializeToString())
     del augmented.graph.output[:]
     fresh = _fresh_names({name for node in model.graph.node for name in node.output} | initializers)
@@ -758,7 +764,7 @@ def with_image_extremes(model) -> ImageExtremes:
             augmented.graph.node.append(helper.make_node(op, [name, axes[rank]], [extreme], keepdims=0) if axes_input
                                         else helper.make_node(op, [name], [extreme], keepdims=0, axes=list(range(1, rank))))
             augmented.graph.output.append(helper.make_tensor_value_info(extreme, TensorProto.FLOAT, None))
-    return ImageExtremes(augmented, list(ranks))
+    return ImageExtremes(augmented, list(ranks), known)
 
 
 def _first_axis(value) -> str | int | None:
