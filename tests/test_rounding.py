@@ -305,6 +305,47 @@ def test_a_refinement_that_fails_leaves_the_nearest_model_and_says_so(project, m
     assert codes[0].keys() == codes[1].keys() and all(np.array_equal(codes[0][key], codes[1][key]) for key in codes[0])
 
 
+def test_biases_that_overshoot_fp32_s_means_are_corrected_again_for_their_own_codes_only(project, monkeypatch):
+    """Where learned rounding with biases matched to FP32's means measures no closer than nearest rounding on the held-out
+    images (here: every such bias pushed far off), the refinement runs again with each bias taking up its own layer's
+    codes' mean error alone, (W - Q) mu_int8, and says so."""
+    real, seen = rounding._correct_bias, []
+
+    def overshooting(layer, initializers, *args):
+        seen.append(args[-1])
+        corrected = real(layer, initializers, *args)
+        if corrected and not args[-1]:
+            codes = numpy_helper.to_array(initializers[layer.bias_codes])
+            initializers[layer.bias_codes].CopyFrom(numpy_helper.from_array((codes + 2**20).astype(np.int32), layer.bias_codes))
+        return corrected
+
+    monkeypatch.setattr(rounding, "_correct_bias", overshooting)
+    made = _quantize(project, "own_error.onnx", "--method", "minmax")
+    assert False in seen and True in seen  # the FP32-matched pass, then the own-error one
+    assert any("each bias corrected for its own layer's codes only" in note for note in made["notes"])
+    assert made["settings"]["rounding_learned_db"] > -10  # the figure judged is the second pass's, not the pushed biases'
+
+
+def test_own_error_bias_correction_is_the_layer_s_codes_mean_error_on_its_8_bit_inputs():
+    """b' = b + (W - Q) mu_int8, whatever the FP32 inputs' mean; matched to FP32, b' = b + W mu_fp32 - Q mu_int8."""
+    weights = np.array([[[0.50, -0.25]]])  # one group, one output channel, two inputs
+    codes, scale, zero = np.array([[[5.0, -2.0]]]), np.array([[0.1]]), np.array([[0.0]])
+    moments = rounding.Moments(second=np.eye(2)[None], quantized_sum=np.array([[4.0, 8.0]]), float_sum=np.array([[40.0, -20.0]]), rows=4)
+    float_node = helper.make_node("Conv", ["x", "w", "b"], ["y"])
+    float_initializers = {"b": numpy_helper.from_array(np.array([0.3], np.float32), "b")}
+    layer = rounding.Layer("conv", "Conv", "xq", "x", "codes", "scale", None, "bias_codes", "bias_scale", {}, float_node)
+
+    def corrected(own_error: bool) -> float:
+        initializers = {"bias_codes": numpy_helper.from_array(np.array([0], np.int32), "bias_codes"),
+                        "bias_scale": numpy_helper.from_array(np.array([1e-4], np.float32), "bias_scale")}
+        assert rounding._correct_bias(layer, initializers, float_node, float_initializers, weights, codes, scale, zero, moments, own_error)
+        return float(numpy_helper.to_array(initializers["bias_codes"])[0]) * 1e-4
+
+    dequantized, mean_quantized, mean_float = codes[0, 0] * 0.1, np.array([1.0, 2.0]), np.array([10.0, -5.0])
+    assert corrected(True) == pytest.approx(0.3 + (weights[0, 0] - dequantized) @ mean_quantized, abs=1e-4)
+    assert corrected(False) == pytest.approx(0.3 + weights[0, 0] @ mean_float - dequantized @ mean_quantized, abs=1e-4)
+
+
 def test_layers_too_wide_to_hold_their_input_moments_keep_nearest_codes(project, monkeypatch):
     monkeypatch.setattr(rounding, "MAX_INPUTS", 8)  # every layer here has more inputs (27, 144, 24)
     wide = _quantize(project, "wide.onnx", "--rounding", "learned")

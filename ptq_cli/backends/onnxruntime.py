@@ -670,12 +670,14 @@ def refine_rounding(quantized, float_path: str, calibration: np.ndarray, input_n
     threads = resolve_threads(None)
     float_model = onnx.load(float_path)
     nearest_model = onnx.ModelProto.FromString(quantized.SerializeToString())
+
+    def refine(model, own_error: bool = False):
+        found = rounding.find_layers(model)
+        return rounding.refine(model, float_model, _quantized_source(found)(input_name, refining, threads),
+                               _collected_batches(input_name, refining, threads, [layer.float_input for layer in found]), len(refining),
+                               progress=progress, float_memo=_float_memo(float_model, refining), own_error=own_error)
     try:
-        found = rounding.find_layers(quantized)
-        coming = [layer.float_input for layer in found]
-        refined, layers = rounding.refine(quantized, float_model, _quantized_source(found)(input_name, refining, threads),
-                                          _collected_batches(input_name, refining, threads, coming), len(refining), progress=progress,
-                                          float_memo=_float_memo(float_model, refining))
+        refined, layers = refine(quantized)
     except Exception as error:  # noqa: BLE001  onnxruntime's and numpy's own errors: the user keeps the nearest-rounded model
         return nearest_model, replace(settings, rounding=NEAREST), [f"learned rounding: not applied ({first_line(error)}); weights rounded to nearest"]
     changed = sum(layer.codes_changed for layer in layers)
@@ -691,6 +693,10 @@ def refine_rounding(quantized, float_path: str, calibration: np.ndarray, input_n
     quantized_judged = judged_in(refined, judged)
     nearest_db = image_sqnr_db(reference, _outputs(nearest_model, quantized_judged, input_name, held_out, threads))
     learned_db = image_sqnr_db(reference, _outputs(refined, quantized_judged, input_name, held_out, threads))
+    if learned_db <= nearest_db:  # the biases matched FP32's means past what the codes cost: each takes up its own layer's error
+        refined, layers = refine(onnx.ModelProto.FromString(nearest_model.SerializeToString()), own_error=True)
+        learned_db = image_sqnr_db(reference, _outputs(refined, quantized_judged, input_name, held_out, threads))
+        notes.append("learned rounding: each bias corrected for its own layer's codes only (matching FP32's means measured worse than nearest)")
     choice = LEARNED if learned_db > nearest_db else NEAREST
     measured = replace(settings, rounding=choice, rounding_nearest_db=sqnr_figure(nearest_db), rounding_learned_db=sqnr_figure(learned_db))
     verdict = f"image SQNR on {len(held_out)} held-out calibration images: {nearest_db:.2f} dB nearest, {learned_db:.2f} dB learned; kept {choice}"

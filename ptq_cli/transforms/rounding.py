@@ -270,9 +270,11 @@ ActivationSource = Callable[[object, str], Iterator[np.ndarray]]  # (model, tens
 
 
 def refine(quantized, float_model, quantized_batches: ActivationSource, float_batches: ActivationSource, images: int, seed: int = 0,  # noqa: PLR0913  the two models, their sources, and the refinement's own knobs
-           progress: Callable[[int, int], None] | None = None, float_memo: FloatMemo | None = None) -> tuple[Any, list[LayerResult]]:
+           progress: Callable[[int, int], None] | None = None, float_memo: FloatMemo | None = None, *,
+           own_error: bool = False) -> tuple[Any, list[LayerResult]]:
     """The QDQ model with learned weight codes and corrected biases, in place, layer by layer in graph order.
     `float_memo` (see `_moments`) shares the float model's sums between refinements of the same float model and images.
+    `own_error`: each bias takes up only the mean error of its own layer's codes, (W - Q) mu_int8 (see `_correct_bias`).
 
     `quantized_batches(model, name)` yields the named tensor as the (current) QDQ model computes it on the
     `images` refinement images, `float_batches(float_model, name)` as the float graph does on the same images,
@@ -312,7 +314,7 @@ def refine(quantized, float_model, quantized_batches: ActivationSource, float_ba
         rounded = weight_matrix(layer, codes_now.astype(np.float64))
         learned, kept = keep_pair_rule(learned, rounded, depthwise=layer.op_type == "Conv" and is_depthwise(layer.node, codes_now.shape))
         codes_init.CopyFrom(numpy_helper.from_array(from_matrix(layer, learned, codes_now.shape).astype(codes_now.dtype), layer.codes))
-        corrected = _correct_bias(layer, initializers, float_node, float_initializers, matrix, learned, per_row_scale, per_row_zero, moments)
+        corrected = _correct_bias(layer, initializers, float_node, float_initializers, matrix, learned, per_row_scale, per_row_zero, moments, own_error)
         results.append(LayerResult(layer.name, int(np.sum(learned != rounded)), int(learned.size), kept, corrected))
         if progress:
             progress(index + 1, len(layers))
@@ -358,8 +360,11 @@ def _moments(layer: Layer, quantized, float_model, quantized_batches: Activation
 
 
 def _correct_bias(layer: Layer, initializers: dict, float_node, float_initializers: dict, matrix: np.ndarray, learned: np.ndarray,  # noqa: PLR0913,PLR0917  one layer's float and quantized tensors, fitted together
-                  scale: np.ndarray, zero: np.ndarray, moments: Moments) -> bool:
-    """b' = b + W mu_fp32 - Q mu_int8 per output channel, written back as int32 codes of the bias's own scale."""
+                  scale: np.ndarray, zero: np.ndarray, moments: Moments, own_error: bool = False) -> bool:
+    """b' = b + W mu_fp32 - Q mu_int8 per output channel, written back as int32 codes of the bias's own scale. With
+    `own_error`, b' = b + (W - Q) mu_int8: the layer's own codes' mean error alone, not what the layers before it moved
+    (where those moved its inputs far, as in squeeze-excitation gates of a fragile model, matching FP32's mean
+    overshoots from layer to layer)."""
     from onnx import numpy_helper
 
     if layer.bias_codes is None or layer.bias_scale is None or moments.float_sum is None or not moments.rows:
@@ -370,7 +375,10 @@ def _correct_bias(layer: Layer, initializers: dict, float_node, float_initialize
     float_bias = numpy_helper.to_array(float_initializers[float_bias_name]).astype(np.float64).reshape(-1)
     mean_float, mean_quantized = moments.float_sum / moments.rows, moments.quantized_sum / moments.rows  # type: ignore[operator]
     dequantized = (learned - zero[:, :, None]) * scale[:, :, None]
-    shift = np.einsum("gri,gi->gr", matrix, mean_float) - np.einsum("gri,gi->gr", dequantized, mean_quantized)
+    if own_error:
+        shift = np.einsum("gri,gi->gr", matrix - dequantized, mean_quantized)
+    else:
+        shift = np.einsum("gri,gi->gr", matrix, mean_float) - np.einsum("gri,gi->gr", dequantized, mean_quantized)
     bias_scale = numpy_helper.to_array(initializers[layer.bias_scale]).astype(np.float64).reshape(-1)
     corrected = float_bias + shift.reshape(-1)
     if float_bias.shape != corrected.shape:
