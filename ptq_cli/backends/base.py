@@ -164,11 +164,13 @@ def reused_file(key: Callable[[], str], suffix: str) -> Path | None:
     return _MADE.directory / f"{key()}{suffix}"
 
 
-def digest(*parts: bytes) -> str:
-    """sha256 over `parts`, each with its length, so no two lists of parts give the same bytes."""
+def digest(*parts: bytes | memoryview) -> str:
+    """sha256 over `parts`, each with its length, so no two lists of parts give the same bytes. A part may be a byte
+    view of an array (`array.reshape(-1).view(np.uint8).data`): hashed where it lies, not copied."""
     hashed = hashlib.sha256()
     for part in parts:
-        hashed.update(len(part).to_bytes(8, "little") + part)
+        hashed.update(len(part).to_bytes(8, "little"))
+        hashed.update(part)
     return hashed.hexdigest()
 
 

@@ -694,9 +694,10 @@ def refine_rounding(quantized, float_path: str, calibration: np.ndarray, input_n
     nearest_db = image_sqnr_db(reference, _outputs(nearest_model, quantized_judged, input_name, held_out, threads))
     learned_db = image_sqnr_db(reference, _outputs(refined, quantized_judged, input_name, held_out, threads))
     if learned_db <= nearest_db:  # the biases matched FP32's means past what the codes cost: each takes up its own layer's error
-        refined, layers = refine(onnx.ModelProto.FromString(nearest_model.SerializeToString()), own_error=True)
-        learned_db = image_sqnr_db(reference, _outputs(refined, quantized_judged, input_name, held_out, threads))
-        notes.append("learned rounding: each bias corrected for its own layer's codes only (matching FP32's means measured worse than nearest)")
+        with contextlib.suppress(Exception):  # onnxruntime's and numpy's own errors: the first pass's figures stand
+            refined = refine(onnx.ModelProto.FromString(nearest_model.SerializeToString()), own_error=True)[0]
+            learned_db = image_sqnr_db(reference, _outputs(refined, quantized_judged, input_name, held_out, threads))
+            notes.append("learned rounding: each bias corrected for its own layer's codes only (matching FP32's means measured worse than nearest)")
     choice = LEARNED if learned_db > nearest_db else NEAREST
     measured = replace(settings, rounding=choice, rounding_nearest_db=sqnr_figure(nearest_db), rounding_learned_db=sqnr_figure(learned_db))
     verdict = f"image SQNR on {len(held_out)} held-out calibration images: {nearest_db:.2f} dB nearest, {learned_db:.2f} dB learned; kept {choice}"
@@ -835,8 +836,8 @@ def _calibration_cache(source: str, images: np.ndarray, settings: QuantizationSe
     from MinMax's). Weights, overrides and excluded nodes play no part in calibration."""
     options = {name: value for name, value in extra_options.items() if name.startswith("Calib")}
     method = CALIBRATION_METHODS[settings.method]
-    return base.reused_file(lambda: base.digest(b"calibration", Path(source).read_bytes(), images.tobytes(), str(images.shape).encode(),
-                                                repr((method, sorted(options.items()))).encode()), ".json")
+    return base.reused_file(lambda: base.digest(b"calibration", Path(source).read_bytes(), np.ascontiguousarray(images).reshape(-1).view(np.uint8).data,
+                                                repr((images.shape, str(images.dtype), method, sorted(options.items()))).encode()), ".json")
 
 
 def choose_method(source: str, calibration: np.ndarray, input_name: str, settings: QuantizationSettings, float_nodes: list[str],  # noqa: PLR0913,PLR0917  quantize_static's own arguments, passed through
