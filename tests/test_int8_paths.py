@@ -17,6 +17,7 @@ from synthetic import conv_classifier, image_folder, invoke, one_line_error
 
 from ptq_cli import cpu as cpu_info
 from ptq_cli.backends.base import METHOD_MARGIN_DB
+from ptq_cli.backends.onnxruntime import SATURATING_FIRST_LAYER
 from ptq_cli.guards import cache
 from ptq_cli.services.measure import emulate
 from ptq_cli.services.models import load_model
@@ -93,9 +94,13 @@ def _settings(model: onnx.ModelProto) -> dict:
 
 def test_quantize_is_for_all_cpus_by_default_and_stores_its_target(study):
     default = _quantize(study, "all.onnx")
-    judged = _settings(default)["overflow_fix_db"]  # no clamped activations: all-layers judged against first-layer on held-out images
-    assert [fix for fix, _ in judged] == [overflow.ALL_LAYERS, overflow.FIRST_LAYER] and all(db is not None for _, db in judged)
-    kept = overflow.FIRST_LAYER if judged[1][1] >= judged[0][1] + METHOD_MARGIN_DB else overflow.ALL_LAYERS
+    judged = dict(_settings(default)["overflow_fix_db"])  # no clamped activations: all-layers judged against first-layer on held-out images
+    # first-layer on both x86 paths where this machine runs the saturating one at native speed (its Gemm can saturate)
+    both = cpu_info.current().int8_path == cpu_info.SATURATING or emulate.native_route(study / "conv.onnx") is not None
+    assert list(judged) == [overflow.ALL_LAYERS, overflow.FIRST_LAYER, *([SATURATING_FIRST_LAYER] if both else [])]
+    assert None not in judged.values()
+    worse_first = min(db for fix, db in judged.items() if fix != overflow.ALL_LAYERS)
+    kept = overflow.FIRST_LAYER if worse_first >= judged[overflow.ALL_LAYERS] + METHOD_MARGIN_DB else overflow.ALL_LAYERS
     assert (_settings(default)["cpus"], _settings(default)["overflow_fix"]) == ("all", kept)
     first = _quantize(study, "first.onnx", "--overflow-fix", "first-layer")
     assert "overflow_fix_db" not in _settings(first) or _settings(first)["overflow_fix_db"] == []  # named: not judged
@@ -109,6 +114,33 @@ def test_quantize_is_for_all_cpus_by_default_and_stores_its_target(study):
     assert overflow.saturation_proof(every)[0]
     one_line_error(invoke("quantize", "--model", "conv.onnx", "--data", "imgs", "--cpus", "vnni", "--overflow-fix", "all-layers", cwd=study),
                    "--cpus vnni")
+
+
+@pytest.mark.parametrize("reached", [True, False])
+def test_first_layer_is_judged_by_its_worse_x86_path(study, monkeypatch, reached):
+    """On a VNNI CPU the judge asks the service's way to the saturating path (emulate.native_scores): here one that
+    answers scores far from FP32's, so first-layer loses there whatever it measures on the exact path; where the
+    path is not reached at native speed, the judge says it measured the exact path only."""
+    asked = []
+
+    def saturating_scores(path, batch, _threads):
+        asked.append(load_model(path).predict(batch).shape)  # the model handed over computes the judged scores
+        return np.full((len(batch), 3), 100.0, np.float32) if reached else None
+
+    monkeypatch.setattr(cpu_info, "current", lambda: WITH_VNNI)
+    monkeypatch.setattr(emulate, "native_scores", saturating_scores)
+    result = invoke("quantize", "--model", "conv.onnx", "--data", "imgs", "--target", "speed", "--no-space-to-depth", "--output", "m.onnx",
+                    "--json", cwd=study)
+    assert result.exit_code == 0, result.output
+    made = json.loads(result.stdout)
+    judged = dict(made["settings"]["overflow_fix_db"])
+    assert asked and asked[0][1:] == (3,)
+    if reached:
+        assert judged[SATURATING_FIRST_LAYER] < 0 < judged[overflow.FIRST_LAYER]
+        assert made["settings"]["overflow_fix"] == overflow.ALL_LAYERS
+    else:
+        assert list(judged) == [overflow.ALL_LAYERS, overflow.FIRST_LAYER]
+        assert any("judged on the exact int8 path only" in note for note in made["notes"])
 
 
 def test_resnet8_speed_model_for_vnni_saturates_and_the_default_one_does_not(pipeline_snapshot):

@@ -10,7 +10,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from ptq_cli.backends import litert, onnxruntime, openvino, pytorch, tflm
-from ptq_cli.backends.base import Backend, reusing_made_files  # noqa: F401  for `ptq run`
+from ptq_cli.backends.base import Backend, reaching_saturating_path, reusing_made_files  # noqa: F401  for the services
 from ptq_cli.backends.model_file import require_file
 from ptq_cli.errors import PtqError
 from ptq_cli.guards.atomic import declare_companions

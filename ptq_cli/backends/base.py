@@ -12,6 +12,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -162,6 +163,30 @@ def reused_file(key: Callable[[], str], suffix: str) -> Path | None:
     if not _MADE.open or _MADE.directory is None:
         return None
     return _MADE.directory / f"{key()}{suffix}"
+
+
+# How a backend's judges reach the saturating x86 int8 path where this CPU's own kernels are exact: given by the service
+# that quantizes (services/measure/emulate.py), as (model file, inputs in its format, threads) -> its outputs, or None
+# where this machine cannot run those kernels at native speed. Backends import no service: it is handed down.
+SaturatingScores = Callable[[Path, np.ndarray, int], "np.ndarray | None"]
+_SATURATING: ContextVar[SaturatingScores | None] = ContextVar("saturating_scores", default=None)
+
+
+@contextmanager
+def reaching_saturating_path(scores: SaturatingScores) -> Iterator[None]:
+    """Within it, `saturating_outputs` runs models on the saturating path with `scores`."""
+    token = _SATURATING.set(scores)
+    try:
+        yield
+    finally:
+        _SATURATING.reset(token)
+
+
+def saturating_outputs(path: Path, batch: np.ndarray, threads: int) -> np.ndarray | None:
+    """The model file's outputs on the saturating x86 path at native speed, where the service quantizing gave a way to
+    it (`reaching_saturating_path`) and this machine has one; else None."""
+    scores = _SATURATING.get()
+    return None if scores is None else scores(path, batch, threads)
 
 
 def digest(*parts: bytes | memoryview) -> str:

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from ptq_cli import cpu as cpu_info
 from ptq_cli import inputs, settings
 from ptq_cli.backends import base
 from ptq_cli.backends.base import (
@@ -58,7 +59,7 @@ from ptq_cli.backends.model_file import (
     read_onnx,
     resolve_threads,
 )
-from ptq_cli.cpu import EXACT
+from ptq_cli.cpu import EXACT, SATURATING
 from ptq_cli.errors import PtqError, first_line
 from ptq_cli.guards import bounded
 from ptq_cli.guards.atomic import WRITE_FAILURES, atomic_output
@@ -465,26 +466,32 @@ def _fix_overrides(graph, settings: QuantizationSettings, float_nodes: list[str]
 LEARNED, NEAREST = rounding.LEARNED, rounding.NEAREST
 
 
-def _probe_session(model, threads: int):
+def _probe_session(model, threads: int, exact_kernels: bool = True):
     """A session for quantize's own measurements, on the exact kernels: the same codes on every CPU, VNNI or not.
     Where onnxruntime cannot build the exact session, the default kernels measure instead: the choices stay
-    measured, on this CPU's kernels."""
+    measured, on this CPU's kernels. Without `exact_kernels`: this CPU's own kernels."""
     import onnxruntime as ort
 
-    def options(exact: bool):
-        chosen = ort.SessionOptions()
-        if exact:
-            chosen.add_session_config_entry(EXACT_PATH_CONFIG, "1")
-        chosen.intra_op_num_threads = threads
-        chosen.log_severity_level = 4
-        chosen.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        return chosen
+    if not exact_kernels:
+        return ort.InferenceSession(model.SerializeToString(), _session_options(threads, exact=False), providers=["CPUExecutionProvider"])
 
     try:
         exact = private_weight_dequantizers(model).SerializeToString()
-        return ort.InferenceSession(exact, options(exact=True), providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(exact, _session_options(threads, exact=True), providers=["CPUExecutionProvider"])
     except Exception:  # noqa: BLE001  onnxruntime's own exception types
-        return ort.InferenceSession(model.SerializeToString(), options(exact=False), providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(model.SerializeToString(), _session_options(threads, exact=False), providers=["CPUExecutionProvider"])
+
+
+def _session_options(threads: int, exact: bool):
+    import onnxruntime as ort
+
+    chosen = ort.SessionOptions()
+    if exact:
+        chosen.add_session_config_entry(EXACT_PATH_CONFIG, "1")
+    chosen.intra_op_num_threads = threads
+    chosen.log_severity_level = 4
+    chosen.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return chosen
 
 
 def _tensor_batches(input_name: str, images: np.ndarray, threads: int, chunk: int = 16):
@@ -908,7 +915,8 @@ def _judge_overflow_fix(source: str, calibration: np.ndarray, input_name: str, s
                         fixed_batch: int | None) -> tuple[QuantizationSettings, dict | None, list[str]]:
     """all-layers (proven: the model cannot saturate) against first-layer (measured: it can elsewhere), each
     calibrated with the method kept on 3/4 of the calibration images and judged, nearest-rounded, by the image SQNR on
-    the other 1/4; all-layers kept unless first-layer is METHOD_MARGIN_DB closer. (settings, its overrides, notes)."""
+    the other 1/4; first-layer on both x86 paths where this machine runs the saturating one at native speed, by the
+    worse; all-layers kept unless first-layer is METHOD_MARGIN_DB closer. (settings, its overrides, notes)."""
     import onnx
 
     from ptq_cli.metrics import image_sqnr_db
@@ -923,17 +931,60 @@ def _judge_overflow_fix(source: str, calibration: np.ndarray, input_name: str, s
     judged = judged_output(float_model)
     reference = _outputs(float_model, judged, input_name, held_out, threads)
 
-    def score(overrides: dict | None) -> float | None:
+    def score(overrides: dict | None) -> tuple[float | None, Any]:
         quantized = _calibrated_model(source, rest, input_name, settings, float_nodes, overrides, finish, *files)
-        return sqnr_figure(image_sqnr_db(reference, _outputs(quantized, judged_in(quantized, judged), input_name, held_out, threads)))
+        return sqnr_figure(image_sqnr_db(reference, _outputs(quantized, judged_in(quantized, judged), input_name, held_out, threads))), quantized
 
     kept_method = [db for method, percentile, db in settings.method_sqnr_db if (method, percentile) == (settings.method, settings.percentile)]
-    all_db = kept_method[0] if kept_method else score(all_layers)
-    first_db = score(first_layer)
-    keep_first = closer_by_margin(first_db, all_db)
-    fix = overflow.FIRST_LAYER if keep_first else overflow.ALL_LAYERS
-    settings = replace(settings, overflow_fix=fix, overflow_fix_db=((overflow.ALL_LAYERS, all_db), (overflow.FIRST_LAYER, first_db)))
-    return settings, first_layer if keep_first else all_layers, []  # the figures: the CPUs' description (quant_settings.describe_cpus)
+    all_db = kept_method[0] if kept_method else score(all_layers)[0]
+    first_db, first_model = score(first_layer)
+    saturating, notes = _saturating_figure(first_model, judged_in(first_model, judged), input_name, held_out, threads, files[0], reference)
+    figures = ((overflow.ALL_LAYERS, all_db), (overflow.FIRST_LAYER, first_db), *saturating)
+    worst_first = min((db for _, db in figures[1:]), key=lambda db: np.inf if db is None else db) if first_db is not None else None
+    keep_first = closer_by_margin(worst_first, all_db)
+    settings = replace(settings, overflow_fix=overflow.FIRST_LAYER if keep_first else overflow.ALL_LAYERS, overflow_fix_db=figures)
+    return settings, first_layer if keep_first else all_layers, notes  # the figures: the CPUs' description (quant_settings.describe_cpus)
+
+
+SATURATING_FIRST_LAYER = f"{overflow.FIRST_LAYER} on the saturating path"
+
+
+def _saturating_figure(model, name: str, input_name: str, images: np.ndarray, threads: int, workdir: Path,  # noqa: PLR0913,PLR0917  the judge's state
+                       reference: np.ndarray) -> tuple[tuple[tuple[str, float | None], ...], list[str]]:
+    """The first-layer model's image SQNR on the saturating x86 path, as an overflow fix's figure ((), where it
+    provably computes the same on both paths), and a note where this machine does not reach that path at native speed."""
+    from ptq_cli.metrics import image_sqnr_db
+
+    if overflow.saturation_proof(model)[0]:
+        return (), []
+    outputs = _saturating_outputs(model, name, input_name, images, threads, workdir)
+    if outputs is None:
+        return (), ["overflow fix: judged on the exact int8 path only (this machine reaches the saturating path only under emulation, "
+                    "too slow for a judge)"]
+    return ((SATURATING_FIRST_LAYER, sqnr_figure(image_sqnr_db(reference, outputs))),), []
+
+
+def _saturating_outputs(model, name: str, input_name: str, images: np.ndarray, threads: int, workdir: Path) -> np.ndarray | None:
+    """The tensor `name` on the saturating x86 int8 path: this CPU's own kernels where they saturate, else onnxruntime's
+    AVX2 kernels where this machine runs them natively (base.saturating_outputs); None where neither can."""
+    import onnx
+
+    cut = computing_only(model, name)
+    if cut is None:
+        return None
+    if cpu_info.current().int8_path == SATURATING:
+        session = _probe_session(cut, threads, exact_kernels=False)
+        return np.concatenate([session.run([name], {input_name: images[start : start + 16]})[0] for start in range(0, len(images), 16)])
+    typed = copy.deepcopy(model.graph.output[0])  # for the loader's checker: the scores a final Softmax reads have its type
+    typed.name = name
+    del cut.graph.output[:]
+    cut.graph.output.append(typed)
+    path = workdir / "saturating-judge.onnx"
+    onnx.save(cut, str(path))
+    try:
+        return base.saturating_outputs(path, images, threads)
+    finally:
+        path.unlink(missing_ok=True)
 
 
 def _calibrated_model(source: str, images: np.ndarray, input_name: str, settings: QuantizationSettings, float_nodes: list[str],  # noqa: PLR0913,PLR0917  quantize_static's own arguments, passed through
