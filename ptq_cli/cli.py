@@ -215,6 +215,7 @@ Stem = _choices("Stem", quant_settings.STEM_CHOICES)
 Rounding = _choices("Rounding", ROUNDING_CHOICES)
 MODELS_HELP = f"Model file ({', '.join(backends.suffixes())}); repeat for several. (default: every model in models/)"
 Int8Path = _choices("Int8Path", evaluate_service.INT8_PATH_CHOICES)
+KernelPath = _choices("KernelPath", (evaluate_service.NATIVE_PATH, cpu_info.SATURATING))
 # Which CPUs a quantized model is for, and how it stays exact on those without VNNI (one block, shared).
 CpusOption = Annotated[
     Cpus,
@@ -860,6 +861,7 @@ def benchmark(
     runtime: RuntimeOption = None,
     precision: PrecisionOption = None,
     also: Annotated[list[str] | None, typer.Option(help="Also time this model on another runtime in the same turns, as MODEL@RUNTIME[:PRECISION] (e.g. models/resnet8.onnx@openvino:f32: the ONNX file on OpenVINO at f32 beside its onnxruntime run); repeat for several.", show_default=False, rich_help_panel="Runtime")] = None,
+    int8_path: Annotated[KernelPath, typer.Option(help="The kernels to time: native (this CPU's) or saturating (those of x86 CPUs without VNNI, AVX2: the speed an 8-bit model gives there). On a CPU with VNNI, every model, FP32 ones too, is timed in a child process that takes the AVX2 kernels at native speed: CPUID masked where Linux can fault CPUID (and a C compiler builds ptq's shim), or, for ONNX models, a copy of onnxruntime that sees no AVX-512 state (binutils' objdump makes it); never under qemu, whose pace says nothing of a CPU's. Records are kept apart from native ones (…~saturating.json).", rich_help_panel="Runtime")] = KernelPath("native"),
     trust_remote_code: TrustOption = False,  # noqa: ARG001  taken by its callback while parsing
     as_json: JsonFlag = False,
 ) -> benchmark_service.Benchmarked:
@@ -876,7 +878,7 @@ def benchmark(
     dataset = choice.dataset() if choice.data_given or choice.data.exists() else None
     request = benchmark_service.BenchmarkRequest(tuple(model or _default_models()), dataset, results_dir, batch_size, threads, runs, choice.flags,
                                                  runtime and runtime.value, precision and precision.value,
-                                                 tuple(map(benchmark_service.parse_also, also or ())))
+                                                 tuple(map(benchmark_service.parse_also, also or ())), int8_path.value)
     result = benchmark_service.run(request, _progress_bar)
     for warning in result.warnings:
         err.print(f"warning: {warning}", soft_wrap=True)

@@ -760,9 +760,10 @@ def benchmarks(records: list[BenchmarkRecord], speedups: dict[tuple, float | Non
             milliseconds(record.latency_ms_p50), milliseconds(record.latency_ms_p95),
             milliseconds(record.latency_ms_p99), f"{record.images_per_second:,.0f}", speedup(speedups.get(run_key(record))),
         )
-    fed = sorted({record.inputs for record in records if record.inputs})
-    if fed:
-        table.caption, table.caption_justify = f"inputs: {'; '.join(fed)}", "left"
+    fed = [f"inputs: {'; '.join(sorted({record.inputs for record in records if record.inputs}))}"] if any(record.inputs for record in records) else []
+    kernels = [f"kernels of x86 CPUs without VNNI (saturating int8 path): {basis}" for basis in sorted({record.int8_basis for record in records if record.int8_basis})]
+    if fed or kernels:
+        table.caption, table.caption_justify = "\n".join([*fed, *kernels]), "left"
     return table
 
 

@@ -19,6 +19,7 @@ from ptq_cli import cpu as cpu_info
 from ptq_cli.backends.base import METHOD_MARGIN_DB
 from ptq_cli.backends.onnxruntime import SATURATING_FIRST_LAYER
 from ptq_cli.guards import cache
+from ptq_cli.services.measure import benchmark as benchmark_service
 from ptq_cli.services.measure import emulate
 from ptq_cli.services.models import load_model
 from ptq_cli.transforms import overflow
@@ -368,15 +369,42 @@ def test_onnxruntime_without_avx512_state_runs_the_avx2_kernels_qemu_emulates_by
     assert not np.array_equal(hidden, exact)
 
 
-def test_a_child_that_loaded_onnxruntime_s_own_module_refuses_to_score(tmp_path, monkeypatch):
+@pytest.mark.parametrize("child", [emulate._child, benchmark_service._child])
+def test_a_child_that_loaded_onnxruntime_s_own_module_refuses_to_score(tmp_path, monkeypatch, child):
     """Told to run onnxruntime's AVX2 copy, a child whose onnxruntime is its own (imported before the copy could take
-    its place) says so and scores nothing: its figures would be this CPU's own path's."""
+    its place) says so and measures nothing: its figures would be this CPU's own path's (scores, or a benchmark's times)."""
     import onnxruntime  # noqa: F401  the module in place before the child's check
 
     monkeypatch.setenv(emulate.AVX2_ONNXRUNTIME_ENV, str(tmp_path / "onnxruntime-avx2.so"))
     with pytest.raises(SystemExit, match="onnxruntime does not take the AVX2 kernels"):
-        emulate._child(str(tmp_path / "m.onnx"), str(tmp_path / "in.npy"), str(tmp_path / "out.npy"), "1")
+        child(*[str(tmp_path / name) for name in ("m.onnx", "in.npy", "out.npy", "1")][: 4 if child is emulate._child else 3])
     assert not (tmp_path / "out.npy").exists()
+
+
+def test_benchmark_times_the_kernels_of_cpus_without_vnni_in_records_of_their_own(study, monkeypatch):
+    """`--int8-path saturating` on a VNNI CPU: every model, the FP32 one too, timed in a child on the AVX2 kernels
+    (natively, never under qemu), its records apart from the native ones, the speed-up against the FP32 model timed
+    there; on a CPU without VNNI, its own kernels; where no native route exists, one line."""
+    _quantize(study, "all.onnx")
+    models = ("--model", "conv.onnx", "--model", "all.onnx", "--runs", "2", "--batch-size", "4")
+    monkeypatch.setattr(cpu_info, "current", lambda: WITH_VNNI)
+    timed = invoke("benchmark", *models, "--int8-path", "saturating", "--json", cwd=study)
+    if emulate.native_route(study / "conv.onnx") is None:
+        one_line_error(timed, "conv.onnx")
+        return
+    assert timed.exit_code == 0, timed.output
+    records = json.loads(timed.stdout)
+    assert [(record["int8_path"], record["int8_basis"]) for record in records] == [("saturating", emulate.describe(study / "conv.onnx"))] * 2
+    assert records[1]["speedup_vs_fp32"] is not None
+    native = json.loads(invoke("benchmark", *models, "--json", cwd=study).stdout)
+    assert [record["int8_path"] for record in native] == [None, None]
+    files = sorted(path.name for path in (study / "results" / "benchmarks").iterdir())
+    assert len(files) == 4 and sum("~saturating" in name for name in files) == 2
+    monkeypatch.setattr(emulate, "native_route", lambda _model_path: None)
+    one_line_error(invoke("benchmark", *models, "--int8-path", "saturating", cwd=study), "conv.onnx")
+    monkeypatch.setattr(cpu_info, "current", lambda: AVX2_ONLY)  # the CPU's own kernels saturate: timed here
+    own = json.loads(invoke("benchmark", *models, "--int8-path", "saturating", "--json", cwd=study).stdout)
+    assert [record["int8_path"] for record in own] == [None, None]
 
 
 

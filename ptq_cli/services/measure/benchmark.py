@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -15,12 +19,14 @@ from ptq_cli import backends
 from ptq_cli import cpu as cpu_info
 from ptq_cli.backends.base import LoadedModel
 from ptq_cli.backends.model_file import resolve_threads
+from ptq_cli.cpu import EXACT, SATURATING
 from ptq_cli.datasets import Dataset
 from ptq_cli.errors import PtqError
 from ptq_cli.guards import bounded
 from ptq_cli.guards.atomic import check_folder_writable
 from ptq_cli.inputs import PreprocessingFlags
-from ptq_cli.services.measure.evaluate import outside_target, record_file
+from ptq_cli.services.measure import emulate
+from ptq_cli.services.measure.evaluate import NATIVE_PATH, outside_target, record_file
 from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressBar, ProgressCallback, Steps, no_progress_bar
 from ptq_cli.services.records import MeasurementKey, from_dict, record_files, write_record
@@ -53,6 +59,9 @@ class BenchmarkRecord:
     target_cpus: str | None = None  # the CPUs the model was quantized for (`--cpus`), if ptq says
     source_sha256: str | None = None  # the FP32 model it was made from, if ptq made it: its speed-up is against that model
     inputs: str = ""  # what it was fed: a dataset's images, or seeded synthetic pixels (speed needs no labels, nor real images)
+    # "saturating": timed on the kernels of x86 CPUs without VNNI, on a CPU with VNNI (`int8_basis` says how); None: this CPU's own
+    int8_path: str | None = None
+    int8_basis: str = ""
 
     @property
     def name(self) -> str:
@@ -81,11 +90,13 @@ def benchmark_models(  # noqa: PLR0913,PLR0917  BenchmarkRequest's fields, for p
     runtime: str | None = None,
     precision: str | None = None,
     also: Sequence[tuple[Path, str, str | None]] = (),
+    fed: tuple[np.ndarray, str] | None = None,
 ) -> list[BenchmarkRecord]:
     """Latency at batch 1 and throughput at `batch_size` (default: `default_batch` of the first model's input)
     of every model, the models in turns.
     `also`: more runs, each (model, runtime, precision): an ONNX file on OpenVINO beside its onnxruntime run.
-    Without a `dataset`, the models are fed seeded random pixels of their input's size (SYNTHETIC_INPUTS).
+    Without a `dataset`, the models are fed seeded random pixels of their input's size (SYNTHETIC_INPUTS); `fed`: the
+    pixels a parent process chose, and what they are.
 
     Each timed run goes round a group of models before the next begins, so a change in the machine's
     speed during the measurement (another tenant, a frequency change) reaches them alike and the ratios
@@ -104,7 +115,7 @@ def benchmark_models(  # noqa: PLR0913,PLR0917  BenchmarkRequest's fields, for p
     if batch_size * per_image > bounded.CALL_ELEMENTS.value():
         raise PtqError(f"--batch-size {batch_size:,}: {batch_size * per_image:,} input values in one call, over the limit of "
                        f"{bounded.CALL_ELEMENTS.value():,} (raise {bounded.CALL_ELEMENTS.env} to allow more)")
-    pixels, inputs = _pixels(dataset, models[0], batch_size)
+    pixels, inputs = fed or _pixels(dataset, models[0], batch_size)
     # Each model's own input (size, layout, preprocessing), prepared before any timing.
     batches = [model.prepare(pixels) for model in models]
     latencies, batch_seconds = _timed_in_turns(models, batches, warmup, runs, Steps(2 * (warmup + runs) * len(models), progress))
@@ -197,7 +208,7 @@ def save_benchmark(record: BenchmarkRecord, results_dir: Path) -> Path:
 
 def load_benchmarks(results_dir: Path) -> dict[MeasurementKey, BenchmarkRecord]:
     """Benchmark records by what they measured (MeasurementKey without a dataset: model sha256, runtime,
-    precision); unreadable ones are ignored (benchmarks are optional)."""
+    precision, and the int8 path where it is not the CPU's own); unreadable ones are ignored (benchmarks are optional)."""
     found: dict[MeasurementKey, BenchmarkRecord] = {}
     for path in record_files(Path(results_dir) / BENCHMARK_DIR):
         try:
@@ -205,7 +216,7 @@ def load_benchmarks(results_dir: Path) -> dict[MeasurementKey, BenchmarkRecord]:
             record = from_dict(BenchmarkRecord, data)
         except (PtqError, OSError, ValueError, TypeError, AttributeError):
             continue
-        found[MeasurementKey.of(record, with_dataset=False)] = record
+        found[replace(MeasurementKey.of(record, with_dataset=False), int8_path=record.int8_path or "")] = record
     return found
 
 
@@ -222,6 +233,7 @@ def speedups(records: list[BenchmarkRecord], saved: dict[MeasurementKey, Benchma
     result: dict[tuple, float | None] = {}
     for record in records:
         floats = [other for other in candidates if other.dtype == "fp32" and (other.runtime, other.precision) == (record.runtime, record.precision)
+                  and other.int8_path == record.int8_path
                   and (other.batch_size, other.threads) == (record.batch_size, record.threads)]
         sources = [other for other in floats if record.source_sha256 and record.source_sha256 in (other.model_sha256, other.source_sha256)]
         if not record.source_sha256 and len({other.model_sha256 for other in floats}) == 1:
@@ -246,6 +258,7 @@ class BenchmarkRequest:
     runtime: str | None = None
     precision: str | None = None
     also: tuple[tuple[Path, str, str | None], ...] = ()  # more runs in the same turns, each (model, runtime, precision): see parse_also
+    int8_path: str = NATIVE_PATH  # or SATURATING: the kernels of x86 CPUs without VNNI (`on_avx2_kernels`)
 
 
 @dataclass(frozen=True)
@@ -268,10 +281,59 @@ def parse_also(text: str) -> tuple[Path, str, str | None]:
 def run(request: BenchmarkRequest, progress_bar: ProgressBar = no_progress_bar) -> Benchmarked:
     """The records' folder checked before the timing, the models timed in turns, their records written."""
     check_folder_writable(Path(request.results_dir) / BENCHMARK_DIR)
+    if request.int8_path not in (NATIVE_PATH, SATURATING):
+        raise PtqError(f"--int8-path: {request.int8_path} is not {NATIVE_PATH} or {SATURATING}")
     count = len(request.models) + len(request.also)
     with progress_bar(f"Benchmarking {count} model{'s' if count > 1 else ''} in turns") as progress:
-        records = benchmark_models(list(request.models), request.dataset, request.batch_size, request.threads, request.runs, progress=progress,
-                                   flags=request.flags, runtime=request.runtime, precision=request.precision, also=request.also)
+        if request.int8_path == SATURATING and cpu_info.current().int8_path == EXACT:
+            records = on_avx2_kernels(request)
+        else:
+            records = benchmark_models(list(request.models), request.dataset, request.batch_size, request.threads, request.runs, progress=progress,
+                                       flags=request.flags, runtime=request.runtime, precision=request.precision, also=request.also)
     written = tuple(save_benchmark(record, request.results_dir) for record in records)
     warnings = tuple(warning for record in records if (warning := outside_target(record.model_path, record.target_cpus)))
     return Benchmarked(records, speedups(records, load_benchmarks(request.results_dir)), warnings, written)
+
+
+def on_avx2_kernels(request: BenchmarkRequest) -> list[BenchmarkRecord]:
+    """The request timed in a child process whose runtime takes the kernels of x86 CPUs without VNNI at native speed
+    (emulate.run_on_avx2_kernels; never under qemu, whose pace says nothing of a CPU's): every model, FP32 ones
+    too, so that the ratios are those of such a CPU. The pixels are chosen here, the records written here."""
+    models = [*request.models, *(path for path, _, _ in request.also)]
+    for path in models:
+        if emulate.native_route(path) is None:
+            raise PtqError(f"{path}: --int8-path saturating times the kernels of CPUs without VNNI natively; on this CPU (it has VNNI) they run "
+                           "so with CPUID masked (needs CPUID faulting and a C compiler) or, for ONNX models, through a copy of onnxruntime "
+                           "(needs binutils' objdump), neither of which is here")
+    if not models:
+        return []
+    first = load_model(models[0], 1, request.flags, request.runtime, request.precision)
+    batch_size = request.batch_size or default_batch(*first.input.size)
+    pixels, inputs = _pixels(request.dataset, first, batch_size)
+    with tempfile.TemporaryDirectory(prefix="ptq-benchmark-") as workdir:
+        asked, fed, measured = Path(workdir) / "request.json", Path(workdir) / "pixels.npy", Path(workdir) / "records.json"
+        asked.write_text(json.dumps({"models": [str(path) for path in request.models], "batch_size": batch_size, "threads": request.threads,
+                                     "runs": request.runs, "flags": asdict(request.flags or PreprocessingFlags()), "runtime": request.runtime,
+                                     "precision": request.precision, "also": [[str(path), runtime, precision] for path, runtime, precision in request.also],
+                                     "inputs": inputs}))
+        np.save(fed, pixels)
+        emulate.run_on_avx2_kernels(__name__, [str(asked), str(fed), str(measured)], models[0], resolve_threads(request.threads))
+        records = [from_dict(BenchmarkRecord, record) for record in json.loads(bounded.read_text(measured, "benchmark records"))]
+    return [replace(record, int8_path=SATURATING, int8_basis=emulate.describe(models[0])) for record in records]
+
+
+def _child(asked: str, fed: str, measured: str) -> None:
+    """The child `on_avx2_kernels` starts: the request timed here, the records written as JSON."""
+    emulate.enter_avx2_child()
+    request = json.loads(Path(asked).read_text())
+    given: dict[str, Any] = {key: tuple(value) if isinstance(value, list) else value for key, value in request["flags"].items()}
+    flags = PreprocessingFlags(**given)
+    records = benchmark_models([Path(path) for path in request["models"]], None, request["batch_size"], request["threads"], request["runs"],
+                               flags=flags, runtime=request["runtime"], precision=request["precision"],
+                               also=[(Path(path), runtime, precision) for path, runtime, precision in request["also"]],
+                               fed=(np.load(fed, allow_pickle=False), request["inputs"]))
+    Path(measured).write_text(json.dumps([asdict(record) for record in records]))
+
+
+if __name__ == "__main__":
+    _child(*sys.argv[1:4])

@@ -291,27 +291,13 @@ def subset_indices(labels: np.ndarray, size: int) -> np.ndarray:
 def scores_under_emulation(model_path: Path, batch: np.ndarray, threads: int = 1) -> np.ndarray:
     """The model's scores on `batch` (already in its input format), computed as an AVX2 CPU without VNNI
     computes them, by the model's own runtime (onnxruntime or PyTorch)."""
-    shim, binary = masking_shim(), qemu()
-    route = native_route(model_path)
-    if route is None and binary is None:
-        raise PtqError(f"{model_path}: the saturating int8 path on this CPU (it has VNNI) is measured with CPUID masked (needs CPUID faulting "
-                       f"and a C compiler) or under {QEMU} -cpu {QEMU_CPU}, and {QEMU} is not installed (Debian: apt-get install qemu-user; "
-                       "`make install` does it)")
     with tempfile.TemporaryDirectory(prefix="ptq-emulate-") as workdir:
         inputs, outputs = Path(workdir) / "inputs.npy", Path(workdir) / "scores.npy"
         np.save(inputs, batch)
-        prefix = [] if route is not None else [str(binary), "-cpu", QEMU_CPU]
-        command = [*prefix, sys.executable, "-m", __name__, str(Path(model_path).resolve()), str(inputs), str(outputs), str(threads)]
-        environment = _environment(shim, threads)
-        if route == "onnxruntime":
-            environment[AVX2_ONNXRUNTIME_ENV] = str(avx2_onnxruntime())
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_SECONDS, env=environment, check=False)
-        except subprocess.TimeoutExpired as error:
-            raise PtqError(f"{model_path}: emulation ({describe(model_path)}) took over {TIMEOUT_SECONDS} s") from error
-        if done.returncode != 0 or not outputs.is_file():
-            lines = [line for line in done.stderr.splitlines() if line.strip() and "TCG doesn't support" not in line]
-            raise PtqError(f"{model_path}: emulation ({describe(model_path)}) failed ({(lines or ['exit ' + str(done.returncode)])[-1].strip()})")
+        run_on_avx2_kernels(__name__, [str(Path(model_path).resolve()), str(inputs), str(outputs), str(threads)], model_path, threads,
+                            emulated=True)
+        if not outputs.is_file():
+            raise PtqError(f"{model_path}: emulation ({describe(model_path)}) wrote no scores")
         return np.load(outputs, allow_pickle=False)
 
 
@@ -326,11 +312,41 @@ def native_scores(model_path: Path, batch: np.ndarray, threads: int = 1) -> np.n
         return None
 
 
-def _child(model: str, inputs: str, outputs: str, threads: str) -> None:
+def run_on_avx2_kernels(module: str, arguments: list[str], model_path: Path, threads: int, emulated: bool = False) -> None:
+    """`python -m module arguments` in a child whose runtime takes the AVX2 kernels: natively (CPUID masked, or
+    onnxruntime's copy for an ONNX `model_path`), else under qemu where `emulated` allows it. The child calls
+    `enter_avx2_child` first. A PtqError naming `model_path` where none can, or the child fails."""
+    shim, binary, route = masking_shim(), qemu(), native_route(model_path)
+    if route is None and (binary is None or not emulated):
+        raise PtqError(f"{model_path}: the saturating int8 path on this CPU (it has VNNI) is reached natively with CPUID masked (needs CPUID "
+                       "faulting and a C compiler) or, for onnxruntime models, through a copy of onnxruntime (needs binutils' objdump)"
+                       + (f"; scores also under {QEMU} -cpu {QEMU_CPU}, which is not installed (Debian: apt-get install qemu-user; `make install` does it)"
+                          if emulated else
+                          f"; {QEMU}'s pace says nothing of a CPU's speed"))
+    prefix = [] if route is not None else [str(binary), "-cpu", QEMU_CPU]
+    environment = _environment(shim, threads)
+    if route == "onnxruntime":
+        environment[AVX2_ONNXRUNTIME_ENV] = str(avx2_onnxruntime())
+    try:
+        done = subprocess.run([*prefix, sys.executable, "-m", module, *arguments], capture_output=True, text=True, timeout=TIMEOUT_SECONDS,
+                              env=environment, check=False)
+    except subprocess.TimeoutExpired as error:
+        raise PtqError(f"{model_path}: emulation ({describe(model_path)}) took over {TIMEOUT_SECONDS} s") from error
+    if done.returncode != 0:
+        lines = [line for line in done.stderr.splitlines() if line.strip() and "TCG doesn't support" not in line]
+        raise PtqError(f"{model_path}: emulation ({describe(model_path)}) failed ({(lines or ['exit ' + str(done.returncode)])[-1].strip()})")
+
+
+def enter_avx2_child() -> None:
+    """In a child `run_on_avx2_kernels` started: exits unless its runtime takes the AVX2 kernels after all."""
     if os.environ.get(MASKED_ENV) and not masked_here():
         sys.exit("CPUID is not masked in this process: its answers would be this CPU's own")
     if os.environ.get(AVX2_ONNXRUNTIME_ENV) and not (_load_avx2_onnxruntime() and saturates_here()):
         sys.exit("onnxruntime does not take the AVX2 kernels in this process: its answers would be this CPU's own")
+
+
+def _child(model: str, inputs: str, outputs: str, threads: str) -> None:
+    enter_avx2_child()
     from ptq_cli.services.models import load_model
 
     loaded = load_model(Path(model), int(threads))  # qemu runs each guest thread on a host thread
