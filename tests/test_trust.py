@@ -5,6 +5,7 @@ issue "Trust boundaries"; in-process on tests/synthetic.py's tiny classifier unl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -125,6 +126,40 @@ def test_a_keras_lambda_layer_s_stored_code_never_runs(project, monkeypatch, suf
     assert not (project / "pwned").exists()
     # Keras 3 writes some models to .h5 it cannot read back (MobileNetV3's): the line says what loads.
     assert ("save it as .keras" in result.stderr) == (suffix == ".h5")
+
+
+def test_a_keras_model_with_ops_tf2onnx_cannot_convert_is_one_line_naming_them(project):
+    """Keras 3's exact GELU becomes TensorFlow's Erfc, which tf2onnx leaves in the graph as is: no runtime loads that,
+    so convert says which ops, writes nothing, and leaves nothing in the working folder (shape inference of such a
+    graph saves it there)."""
+    keras = pytest.importorskip("keras")
+    inputs = keras.Input((8, 8, 3))
+    features = keras.layers.Activation("gelu")(keras.layers.Conv2D(4, 3)(inputs))
+    keras.Model(inputs, keras.layers.Dense(3)(keras.layers.GlobalAveragePooling2D()(features))).save(project / "gelu.keras")
+    result = refused("convert", "--keras", "gelu.keras", "--data", "colours.npz", "--output", "g.onnx", "--check-images", "4", cwd=project,
+                     mentions="gelu.keras")
+    assert "Erfc (1)" in result.stderr
+
+
+def test_shape_inference_that_cannot_follow_a_graph_leaves_nothing_in_the_working_folder(tmp_path, monkeypatch):
+    """onnxruntime's symbolic shape inference saves a graph it cannot finish as sym_shape_infer_temp.onnx in the working
+    folder before it raises: ptq runs it elsewhere, and makes what targets it can static with onnx's own inference."""
+    from ptq_cli.transforms.graph import preprocess, static_reshape_targets
+
+    nodes = [helper.make_node("Relu", ["image"], ["positive"]), helper.make_node("Unknown", ["positive"], ["custom"], domain="example.ops"),
+             helper.make_node("Reshape", ["positive", "target"], ["flat"])]
+    graph = helper.make_graph(nodes, "unknown_op", [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["N", 3, 2, 2])],
+                              [helper.make_tensor_value_info("flat", TensorProto.FLOAT, None),
+                               helper.make_tensor_value_info("custom", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(np.array([-1, 12], np.int64), "target")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13), helper.make_opsetid("example.ops", 1)])
+    folder = tmp_path / "work"
+    folder.mkdir()
+    monkeypatch.chdir(folder)
+    static_reshape_targets(model)
+    with contextlib.suppress(PtqError):  # onnxruntime's optimizer cannot load the unknown op either
+        preprocess(model, tmp_path / "pre.onnx")
+    assert list(folder.iterdir()) == [] and Path.cwd() == folder
 
 
 def test_the_official_cifar_pickles_still_load(project):

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import tempfile
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -28,7 +30,11 @@ def static_reshape_targets(model):
     from onnx import numpy_helper
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
-    model = SymbolicShapeInference.infer_shapes(model, auto_merge=True)
+    try:
+        with outside_the_working_folder():
+            model = SymbolicShapeInference.infer_shapes(model, auto_merge=True)
+    except Exception:  # noqa: BLE001  it raises a bare Exception where it cannot follow a graph (ConvNeXt's LayerNorm as tf2onnx writes it)
+        model = onnx.shape_inference.infer_shapes(model)  # fewer shapes known: fewer targets made static, none wrong
     # A constant target is left alone unless it copies a dimension (0): onnx2torch reads that dimension off
     # the input at run time, which torch.fx cannot trace.
     targets = {node.input[1] for node in model.graph.node if node.op_type == "Reshape" and len(node.input) > 1}
@@ -50,6 +56,19 @@ def static_reshape_targets(model):
         drop_dead_nodes(model)
         onnx.checker.check_model(model)
     return model
+
+
+@contextlib.contextmanager
+def outside_the_working_folder() -> Iterator[None]:
+    """Runs the block from a scratch folder of ptq's own: onnxruntime's symbolic shape inference saves a graph it cannot
+    finish as sym_shape_infer_temp.onnx, its weights in files beside it, in the working folder (the user's) before it raises."""
+    before = Path.cwd()
+    with tempfile.TemporaryDirectory(prefix="ptq-shapes-") as scratch:
+        os.chdir(scratch)
+        try:
+            yield
+        finally:
+            os.chdir(before)
 
 
 def drop_dead_nodes(model) -> None:
@@ -704,14 +723,16 @@ def preprocess(model, output: Path | str) -> None:
     from onnxruntime.quantization import quant_pre_process
 
     try:
-        quant_pre_process(model, str(output))
+        with outside_the_working_folder():
+            quant_pre_process(model, str(Path(output).resolve()))
         return
     except Exception:  # noqa: BLE001  its symbolic shape inference cannot follow every graph (a Reshape to a computed shape, as
         pass  # transformers export): onnx's own shape inference then, as quant_pre_process offers
     given = Path(output).with_name(Path(output).stem + ".given.onnx")  # from a file: given a ModelProto, that path strips its weights
     try:
         onnx.save(model, str(given))
-        quant_pre_process(str(given), str(output), skip_symbolic_shape=True)
+        with outside_the_working_folder():
+            quant_pre_process(str(given.resolve()), str(Path(output).resolve()), skip_symbolic_shape=True)
     except Exception as error:  # shape inference and the optimizer raise many types
         raise PtqError(f"{model.graph.name or 'model'}: onnxruntime's quant_pre_process failed ({first_line(error)})") from error
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,6 +156,7 @@ def keras_to_onnx(keras_path: Path, output: Path, dataset: Dataset, opset: int =
         with _collected_warnings("tf2onnx") as messages:
             model_proto, _ = tf2onnx.convert.from_keras(keras_model, input_signature=signature, opset=opset)
         converter_warnings.extend(f"tf2onnx: {message}" for message in messages)
+        _require_converted(keras_path, model_proto, opset)
         model_proto = canonical(model_proto)
         props = {KERAS_SOURCE_METADATA_KEY: json.dumps({"path": str(keras_path.resolve()), "sha256": file_sha256(keras_path)})}
         if preprocessing != inputs.Preprocessing():
@@ -167,6 +169,17 @@ def keras_to_onnx(keras_path: Path, output: Path, dataset: Dataset, opset: int =
     return _checked_write(
         keras_path, output, write, reference, lambda tmp: load_model(tmp, None, flags).predict(images), converter_warnings
     )
+
+
+def _require_converted(keras_path: Path, model_proto, opset: int) -> None:
+    """tf2onnx leaves a TensorFlow op it has no ONNX form for as a node of that name (Keras 3's exact GELU's Erfc, an
+    XLA-compiled call): a graph no runtime loads. Said in one line, the ops counted."""
+    import onnx
+
+    left = Counter(node.op_type for node in model_proto.graph.node if node.domain in ("", "ai.onnx") and not onnx.defs.has(node.op_type))
+    if left:
+        named = ", ".join(f"{op} ({count})" for op, count in left.most_common())
+        raise PtqError(f"{keras_path}: tf2onnx (opset {opset}) has no ONNX form for these TensorFlow ops: {named}; nothing written")
 
 
 def onnx_to_torchscript(onnx_path: Path, output: Path, dataset: Dataset, check_count: int = 1000,
