@@ -415,7 +415,7 @@ def report(report: Report) -> Group:
         parts.append(Text(NO_VNNI_NOTE, style="dim"))
         parts.append(Text("Runs as: runtime (" + ", ".join(f"{short} {name}" for name, short in SHORT_RUNTIMES.items())
                           + "), its precision hint where not f32, data type. Agree: top-1 agreement with the FP32 source, percent.", style="dim"))
-        parts += [Text(line, style="dim") for line in _emulated_lines(report.rows)]
+        parts += [Text(line, style="dim") for line in [*_emulated_lines(report.rows), *_saturating_speed_lines(report.rows)]]
         cpus = sorted({row.measured_on for row in report.rows if row.measured_on})
         if cpus:
             parts.append(Text(f"Measured on: {'; '.join(cpus)}.", style="dim"))
@@ -433,6 +433,12 @@ def _emulated_lines(rows: list[ReportRow]) -> list[str]:
     return [f"* {_name(row)}: {row.saturating_accuracy:.2f}% on the saturating path against {row.saturating_exact_same_images:.2f}% on the exact "
             f"path, on the same {row.saturating_images:,} images" for row in rows
             if row.saturating_basis.startswith("emulated") and row.saturating_exact_same_images is not None]
+
+
+def _saturating_speed_lines(rows: list[ReportRow]) -> list[str]:
+    """Speed-ups timed on the kernels of x86 CPUs without VNNI (`ptq benchmark --int8-path saturating`), beside the row's own."""
+    return [f"* {_name(row)}: {row.saturating_speedup:.2f}x its FP32 source on the kernels of x86 CPUs without VNNI (AVX2; "
+            "`ptq benchmark --int8-path saturating`)" for row in rows if row.saturating_speedup is not None]
 
 
 def _status_lines(report: Report) -> list[str]:
@@ -732,6 +738,9 @@ def report_markdown(report: Report, charts: list[Path] | None = None) -> str:
         lines += [""] + [f"**{line}**" for line in status]
     for group in report.groups:
         lines += _group_markdown(group)
+    speeds = _saturating_speed_lines(report.rows)
+    if speeds:
+        lines += ["", "## Speed on x86 CPUs without VNNI", ""] + [line.replace("* ", "- ", 1) for line in speeds]
     for result in report.sweeps:
         lines += ["", f"## {_sweep_title(result)}", "",
                   "'FP32 pruned' is what pruning alone leaves (no fine-tuning); 'Quantized' is that model after quantization, "

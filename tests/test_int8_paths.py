@@ -400,6 +400,16 @@ def test_benchmark_times_the_kernels_of_cpus_without_vnni_in_records_of_their_ow
     assert [record["int8_path"] for record in native] == [None, None]
     files = sorted(path.name for path in (study / "results" / "benchmarks").iterdir())
     assert len(files) == 4 and sum("~saturating" in name for name in files) == 2
+    for model in ("conv.onnx", "all.onnx"):  # the report's rows: evaluations, each joined with its speed on either kernels
+        assert invoke("evaluate", "--model", model, "--data", "imgs", cwd=study).exit_code == 0
+    rows = [row for group in json.loads(invoke("report", "--json", cwd=study).stdout)["groups"] for row in group["rows"]]
+    row = next(row for row in rows if row["model"] == "all.onnx")
+    assert row["saturating_speedup"] == pytest.approx(records[1]["images_per_second"] / records[0]["images_per_second"], abs=1e-3)
+    assert row["speedup"] == pytest.approx(native[1]["images_per_second"] / native[0]["images_per_second"], abs=1e-3)
+    lines = invoke("report", cwd=study).stdout.splitlines()
+    assert any(line.startswith(f"* all.onnx: {row['saturating_speedup']:.2f}x") and "without VNNI" in line for line in lines)
+    assert invoke("report", "--markdown", "report.md", cwd=study).exit_code == 0
+    assert f"## Speed on x86 CPUs without VNNI\n\n- all.onnx: {row['saturating_speedup']:.2f}x" in (study / "report.md").read_text()
     monkeypatch.setattr(emulate, "native_route", lambda _model_path: None)
     one_line_error(invoke("benchmark", *models, "--int8-path", "saturating", cwd=study), "conv.onnx")
     monkeypatch.setattr(cpu_info, "current", lambda: AVX2_ONLY)  # the CPU's own kernels saturate: timed here

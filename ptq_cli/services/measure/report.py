@@ -59,6 +59,9 @@ class ReportRow:
     saturating_basis: str = ""
     saturating_images: int | None = None  # how many images its saturating figure is on (a subset when emulated)
     saturating_exact_same_images: float | None = None  # emulated: the exact path's top-1 on those same images
+    # Throughput against the FP32 source, both timed on the kernels of x86 CPUs without VNNI on a CPU with VNNI
+    # (`ptq benchmark --int8-path saturating`); on a CPU without VNNI, `speedup` is that figure.
+    saturating_speedup: float | None = None
     cpus: str | None = None  # the CPUs the model is for (`--cpus`), if ptq made it
     arena_bytes: int | None = None  # the working memory its runtime measured for it (TFLM's tensor arena)
     measured_on: str = ""  # the CPU of the row's figures
@@ -210,6 +213,16 @@ def _ratio(record: EvaluationRecord, reference: EvaluationRecord | None, benchma
     return round(speed / reference_speed, 3) if reference_source == source and reference_speed > 0 else None
 
 
+def _saturating_speedup(record: EvaluationRecord, reference: EvaluationRecord | None, benchmarks: dict[MeasurementKey, BenchmarkRecord]) -> float | None:
+    """Throughput against the reference's where both were timed on the kernels of CPUs without VNNI on a CPU with VNNI."""
+    if reference is None:
+        return None
+    timed = [benchmarks.get(replace(MeasurementKey.of(measured, with_dataset=False), int8_path=SATURATING)) for measured in (record, reference)]
+    if timed[0] is None or timed[1] is None or timed[1].images_per_second <= 0:
+        return None
+    return round(timed[0].images_per_second / timed[1].images_per_second, 3)
+
+
 def _fold_int8_paths(records: list[EvaluationRecord]) -> tuple[list[EvaluationRecord], dict[int, EvaluationRecord]]:
     """(the records that make rows, the saturating-path record beside each exact-path one by id)."""
     by_model: dict[tuple, list[EvaluationRecord]] = {}
@@ -235,7 +248,9 @@ def _row(record: EvaluationRecord, records: list[EvaluationRecord], benchmarks: 
     runtime_fp32 = _source_on_its_runtime(record, records)
     speed, source = _speed(record, benchmarks)
     speedup = size_reduction = None
-    if runtime_fp32 is not None and runtime_fp32.model_sha256 != record.model_sha256 and record.dtype != "fp32":
+    if runtime_fp32 is not None and (runtime_fp32.model_sha256 == record.model_sha256 or record.dtype == "fp32"):
+        runtime_fp32 = None  # itself, or a float model: nothing to compare
+    if runtime_fp32 is not None:
         speedup = _ratio(record, runtime_fp32, benchmarks)
         size_reduction = round(1.0 - record.model_size_bytes / runtime_fp32.model_size_bytes, 4)
     benchmark = benchmarks.get(MeasurementKey.of(record, with_dataset=False))
@@ -263,6 +278,7 @@ def _row(record: EvaluationRecord, records: list[EvaluationRecord], benchmarks: 
         status=status,
         precision=record.precision,
         speedup_vs_onnxruntime=_ratio(record, _onnxruntime_fp32(record, records), benchmarks),
+        saturating_speedup=_saturating_speedup(record, runtime_fp32, benchmarks),
         label=record.label,
         model_sha256=record.model_sha256,
         **_int8_fields(record, saturating, reference),
