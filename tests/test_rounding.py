@@ -368,7 +368,7 @@ def test_the_float_model_s_layer_inputs_collected_in_one_pass_are_those_of_a_pas
         monkeypatch.setattr(ort_backend, "FLOAT_INPUTS_BYTES", budget)
     passes: list[list[str]] = []
     real_session = ort_backend._probe_session
-    monkeypatch.setattr(ort_backend, "_probe_session", lambda cut, threads: passes.append([value.name for value in cut.graph.output]) or real_session(cut, threads))
+    monkeypatch.setattr(ort_backend, "_probe_session", lambda cut, threads, *kernels: passes.append([value.name for value in cut.graph.output]) or real_session(cut, threads, *kernels))
     coming = ["r1", "flat", "r1"]  # a tensor two layers read is asked for twice
     collected = ort_backend._collected_batches("image", images, 1, coming)
     got = {name: list(collected(model, name)) for name in coming}
@@ -438,7 +438,7 @@ def test_a_layer_s_input_is_computed_from_the_last_8_bit_activations_held(projec
         monkeypatch.setattr(ort_backend, "HELD_ACTIVATIONS_BYTES", budget)
     passes: list[set[str]] = []
     real_session = ort_backend._probe_session
-    monkeypatch.setattr(ort_backend, "_probe_session", lambda cut, threads: passes.append({node.name for node in cut.graph.node}) or real_session(cut, threads))
+    monkeypatch.setattr(ort_backend, "_probe_session", lambda cut, threads, *kernels: passes.append({node.name for node in cut.graph.node}) or real_session(cut, threads, *kernels))
     source = ort_backend._layer_by_layer_batches("image", images, 1)
     got = {layer.name: list(source(model, layer.quantized_input)) for layer in layers}
     ran_by_layer = list(passes)

@@ -494,20 +494,20 @@ def _session_options(threads: int, exact: bool):
     return chosen
 
 
-def _tensor_batches(input_name: str, images: np.ndarray, threads: int, chunk: int = 16):
-    """A `rounding.ActivationSource`: one named tensor of a model, over `images`, a chunk at a time."""
+def _tensor_batches(input_name: str, images: np.ndarray, threads: int, chunk: int = 16, exact_kernels: bool = True):
+    """A `rounding.ActivationSource`: one named tensor of a model, over `images`, a chunk at a time (`_probe_session`'s kernels)."""
     import onnx
 
     def batches(model, name: str):
         cut = computing_only(model, name)  # a layer's input costs only the layers before it
         if cut is not None:
-            session = _probe_session(cut, threads)
+            session = _probe_session(cut, threads, exact_kernels)
         else:
             existing = [output.name for output in model.graph.output]
             if name not in existing:
                 model.graph.output.append(onnx.helper.make_empty_tensor_value_info(name))
             try:
-                session = _probe_session(model, threads)
+                session = _probe_session(model, threads, exact_kernels)
             finally:
                 if name not in existing:
                     model.graph.output.pop()
@@ -634,8 +634,8 @@ def judged_in(quantized, judged: str) -> str:
     return judged if judged in {output for node in quantized.graph.node for output in node.output} else quantized.graph.output[0].name
 
 
-def _outputs(model, name: str, input_name: str, images: np.ndarray, threads: int, chunk: int = 16) -> np.ndarray:
-    return np.concatenate(list(_tensor_batches(input_name, images, threads, chunk)(model, name)))
+def _outputs(model, name: str, input_name: str, images: np.ndarray, threads: int, chunk: int = 16, exact_kernels: bool = True) -> np.ndarray:
+    return np.concatenate(list(_tensor_batches(input_name, images, threads, chunk, exact_kernels)(model, name)))
 
 
 def _float_memo(float_model, images: np.ndarray) -> rounding.FloatMemo:
@@ -959,8 +959,8 @@ def _saturating_figure(model, name: str, input_name: str, images: np.ndarray, th
         return (), []
     outputs = _saturating_outputs(model, name, input_name, images, threads, workdir)
     if outputs is None:
-        return (), ["overflow fix: judged on the exact int8 path only (this machine reaches the saturating path only under emulation, "
-                    "too slow for a judge)"]
+        return (), ["overflow fix: judged on the exact int8 path only (this machine does not run the saturating path natively for this "
+                    "model; under emulation it is too slow for a judge)"]
     return ((SATURATING_FIRST_LAYER, sqnr_figure(image_sqnr_db(reference, outputs))),), []
 
 
@@ -969,12 +969,11 @@ def _saturating_outputs(model, name: str, input_name: str, images: np.ndarray, t
     AVX2 kernels where this machine runs them natively (base.saturating_outputs); None where neither can."""
     import onnx
 
+    if cpu_info.current().int8_path == SATURATING:
+        return _outputs(model, name, input_name, images, threads, exact_kernels=False)
     cut = computing_only(model, name)
     if cut is None:
         return None
-    if cpu_info.current().int8_path == SATURATING:
-        session = _probe_session(cut, threads, exact_kernels=False)
-        return np.concatenate([session.run([name], {input_name: images[start : start + 16]})[0] for start in range(0, len(images), 16)])
     typed = copy.deepcopy(model.graph.output[0])  # for the loader's checker: the scores a final Softmax reads have its type
     typed.name = name
     del cut.graph.output[:]

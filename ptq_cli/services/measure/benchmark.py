@@ -299,12 +299,13 @@ def on_avx2_kernels(request: BenchmarkRequest) -> list[BenchmarkRecord]:
     """The request timed in a child process whose runtime takes the kernels of x86 CPUs without VNNI at native speed
     (emulate.run_on_avx2_kernels; never under qemu, whose pace says nothing of a CPU's): every model, FP32 ones
     too, so that the ratios are those of such a CPU. The pixels are chosen here, the records written here."""
-    models = [*request.models, *(path for path, _, _ in request.also)]
-    for path in models:
-        if emulate.native_route(path) is None:
+    runs = [*((path, request.runtime) for path in request.models), *((path, runtime) for path, runtime, _ in request.also)]
+    for path, runtime in runs:
+        if emulate.native_route(path, runtime) is None:
             raise PtqError(f"{path}: --int8-path saturating times the kernels of CPUs without VNNI natively; on this CPU (it has VNNI) they run "
-                           "so with CPUID masked (needs CPUID faulting and a C compiler) or, for ONNX models, through a copy of onnxruntime "
-                           "(needs binutils' objdump), neither of which is here")
+                           "so with CPUID masked (needs CPUID faulting and a C compiler) or, for ONNX models on onnxruntime, through a copy of "
+                           "onnxruntime (needs binutils' objdump), neither of which applies here")
+    models = [path for path, _ in runs]
     if not models:
         return []
     first = load_model(models[0], 1, request.flags, request.runtime, request.precision)

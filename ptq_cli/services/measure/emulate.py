@@ -47,6 +47,7 @@ TIMEOUT_SECONDS = 1800
 MASK_CHECK = f"import sys; from ptq_cli.services.measure.emulate import masked_here; sys.exit(0 if masked_here() else {NOT_MASKED})"
 AVX2_ONNXRUNTIME_ENV = "PTQ_AVX2_ONNXRUNTIME"  # in a child: the path of the copy of onnxruntime's extension module to load
 ONNXRUNTIME_EXTENSION = "onnxruntime.capi.onnxruntime_pybind11_state"
+ONNXRUNTIME = "onnxruntime"  # the runtime whose kernels the copy changes
 XGETBV = b"\x0f\x01\xd0"
 # mov al, 6; nop: XCR0's low byte says x87, SSE and AVX state and nothing of AVX-512's (opmask, ZMM); the instruction's length.
 XGETBV_AVX2 = b"\xb0\x06\x90"
@@ -63,12 +64,12 @@ def reachable() -> bool:
     return masking_shim() is not None or qemu() is not None
 
 
-def native_route(model_path: Path) -> str | None:
+def native_route(model_path: Path, runtime: str | None = None) -> str | None:
     """How the model's AVX2 kernels run natively here: "masked" (CPUID), "onnxruntime" (its copy without AVX-512
-    state), or None (only qemu)."""
+    state: an ONNX file on onnxruntime, its default runtime, not on another such as OpenVINO), or None (only qemu)."""
     if masking_shim() is not None:
         return "masked"
-    if Path(model_path).suffix.lower() == ".onnx" and avx2_onnxruntime() is not None:
+    if Path(model_path).suffix.lower() == ".onnx" and runtime in (None, ONNXRUNTIME) and avx2_onnxruntime() is not None:
         return "onnxruntime"
     return None
 
