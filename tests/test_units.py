@@ -210,6 +210,27 @@ def test_report_compares_openvino_rows_with_fp32_at_their_precision_and_with_onn
     assert slower_but_within.groups[0].recommendation.fastest.model == "r.onnx"  # q.xml and q.onnx lose more than 0.10 points
 
 
+def test_a_model_s_evaluation_speed_is_its_run_on_the_cpu_s_own_int8_kernels():
+    """On a CPU without VNNI, `evaluate --int8-path both` runs the exact path through onnxruntime's exact-kernel switch,
+    slower than the kernels the model runs there: the report's speed is the native (saturating) run's."""
+    avx2 = {"model": "AMD EPYC", "arch": "x86_64", "flags": ["avx2"], "int8_path": "saturating"}
+    fp32 = replace(_record("f.onnx", "onnxruntime", "fp32", 87.0, 400, 1000.0, [85.0, 89.0]), cpu=avx2)
+    quantized = replace(_record("q.onnx", "onnxruntime", "uint8", 86.9, 100, 1500.0, [85.0, 89.0]), cpu=avx2)
+    exact = replace(quantized, int8_path="exact", int8_basis="onnxruntime session.x64quantprecision=1", images_per_second=600.0)
+    native = replace(quantized, int8_path="saturating", int8_basis="native")
+    for records in ([fp32, exact, native], [fp32, native, exact]):
+        (row,) = [row for row in build_report(records).rows if row.model == "q.onnx"]
+        assert (row.int8_path, row.images_per_second, row.speedup, row.speedup_vs_onnxruntime) == ("exact", 1500.0, 1.5, 1.5)
+    (alone,) = [row for row in build_report([fp32, exact]).rows if row.model == "q.onnx"]
+    assert alone.speedup is None and alone.speedup_vs_onnxruntime is None  # only the switch timed it: no speed-up from that
+    # On a CPU with VNNI the exact path is the native one, and its speed stands.
+    vnni = {"model": "Xeon", "arch": "x86_64", "flags": ["avx512_vnni"], "int8_path": "exact"}
+    on_vnni = [replace(fp32, cpu=vnni), replace(native, cpu=vnni, int8_path="exact", images_per_second=2500.0),
+               replace(native, cpu=vnni, int8_basis="emulated (qemu) on 24 images", images_per_second=30.0)]
+    (row,) = [row for row in build_report(on_vnni).rows if row.model == "q.onnx"]
+    assert (row.images_per_second, row.speedup) == (2500.0, 2.5)
+
+
 def test_a_model_tied_to_a_batch_runs_any_batch_in_parts_of_it():
     from ptq_cli.backends.model_file import in_fixed_batches
 

@@ -10,7 +10,7 @@ from ptq_cli import cpu as cpu_info
 from ptq_cli.cpu import ALL, EXACT, SATURATING
 from ptq_cli.services.measure import portability
 from ptq_cli.services.measure.benchmark import BenchmarkRecord, load_benchmarks
-from ptq_cli.services.measure.evaluate import OK, EvaluationRecord, fp32_reference, load_records, measured_classes, record_status, reference_for
+from ptq_cli.services.measure.evaluate import NATIVE, OK, EvaluationRecord, fp32_reference, load_records, measured_classes, record_status, reference_for
 from ptq_cli.services.measure.portability import PortabilityCost
 from ptq_cli.services.measure.sweep_records import SweepResult, load_sweeps
 from ptq_cli.services.quant_settings import describe_model
@@ -184,6 +184,15 @@ def _speed(record: EvaluationRecord, benchmarks: dict[MeasurementKey, BenchmarkR
     return record.images_per_second, "evaluate"
 
 
+def _timed_natively(record: EvaluationRecord, saturating: EvaluationRecord | None) -> EvaluationRecord | None:
+    """The run whose evaluation speed is the model's on this CPU: the one on the CPU's own int8 kernels. On a CPU
+    without VNNI the exact path runs through onnxruntime's exact-kernel switch, slower than what the model runs there;
+    None where neither run of the pair was native."""
+    if not record.int8_basis or record.int8_basis == NATIVE:
+        return record
+    return saturating if saturating is not None and saturating.int8_basis == NATIVE else None
+
+
 def _source_on_its_runtime(record: EvaluationRecord, records: list[EvaluationRecord]) -> EvaluationRecord | None:
     """The FP32 model this one was made from, run on the same runtime at the same precision, or converted to
     that runtime's format from it (what speed and size are compared with); for a model ptq did not make,
@@ -204,9 +213,9 @@ def _onnxruntime_fp32(record: EvaluationRecord, records: list[EvaluationRecord])
                  and other.model_sha256 == source and other.dataset_sha256 == record.dataset_sha256), None)
 
 
-def _ratio(record: EvaluationRecord, reference: EvaluationRecord | None, benchmarks: dict[MeasurementKey, BenchmarkRecord]) -> float | None:
+def _ratio(record: EvaluationRecord | None, reference: EvaluationRecord | None, benchmarks: dict[MeasurementKey, BenchmarkRecord]) -> float | None:
     """Throughput against the reference's, only when both come from the same kind of measurement."""
-    if reference is None or reference is record:
+    if record is None or reference is None or reference is record:
         return None
     speed, source = _speed(record, benchmarks)
     reference_speed, reference_source = _speed(reference, benchmarks)
@@ -246,12 +255,14 @@ def _row(record: EvaluationRecord, records: list[EvaluationRecord], benchmarks: 
     reference = fp32_reference(records, record) if (record.dtype != "fp32" or record.source_sha256) else None
     reference = None if reference is not None and reference.model_sha256 == record.model_sha256 else reference
     runtime_fp32 = _source_on_its_runtime(record, records)
-    speed, source = _speed(record, benchmarks)
+    timed = _timed_natively(record, saturating)
+    speed, source = _speed(timed or record, benchmarks)
+    compared = record if source == "benchmark" else timed  # a benchmark runs this CPU's own kernels; an evaluation only where timed
     speedup = size_reduction = None
     if runtime_fp32 is not None and (runtime_fp32.model_sha256 == record.model_sha256 or record.dtype == "fp32"):
         runtime_fp32 = None  # itself, or a float model: nothing to compare
     if runtime_fp32 is not None:
-        speedup = _ratio(record, runtime_fp32, benchmarks)
+        speedup = _ratio(compared, runtime_fp32, benchmarks)
         size_reduction = round(1.0 - record.model_size_bytes / runtime_fp32.model_size_bytes, 4)
     benchmark = benchmarks.get(MeasurementKey.of(record, with_dataset=False))
     validation = (record.quantization or {}).get("validation") or {}
@@ -277,7 +288,7 @@ def _row(record: EvaluationRecord, records: list[EvaluationRecord], benchmarks: 
         preprocessing=record.preprocessing,
         status=status,
         precision=record.precision,
-        speedup_vs_onnxruntime=_ratio(record, _onnxruntime_fp32(record, records), benchmarks),
+        speedup_vs_onnxruntime=_ratio(compared, _onnxruntime_fp32(record, records), benchmarks),
         saturating_speedup=_saturating_speedup(record, runtime_fp32, benchmarks),
         label=record.label,
         model_sha256=record.model_sha256,
