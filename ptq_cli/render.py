@@ -181,7 +181,7 @@ def evaluation(record: EvaluationRecord, reference: EvaluationRecord | None, cla
         Text.assemble((visible(record.name), "bold"),
                       f"  {record.runtime}{f' ({record.precision})' if record.precision else ''} {record.dtype} on {record.dataset_label}", *top1),
         *lines,
-        Text(f"  {record.images_per_second:,.0f} images/s"),
+        Text(f"  {record.images_per_second:,.0f} images/s" + ("" if record.timed_natively else " (as this path was reached here, not this CPU's own kernels)")),
     )
     arena = f"; tensor arena {record.arena_bytes:,} bytes (as {record.runtime} measured it)" if record.arena_bytes else ""
     where = int8_path_text(record).removeprefix("; ")

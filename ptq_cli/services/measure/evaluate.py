@@ -116,6 +116,12 @@ class EvaluationRecord:
         return matrix
 
     @property
+    def timed_natively(self) -> bool:
+        """Whether its speed is the model's on that CPU: a float model, or its int8 path run on the CPU's own kernels (not
+        onnxruntime's exact-kernel switch on a CPU without VNNI, nor an emulator)."""
+        return not self.int8_basis or self.int8_basis == NATIVE
+
+    @property
     def name(self) -> str:
         return Path(self.model_path).name
 

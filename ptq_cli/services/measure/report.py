@@ -10,7 +10,7 @@ from ptq_cli import cpu as cpu_info
 from ptq_cli.cpu import ALL, EXACT, SATURATING
 from ptq_cli.services.measure import portability
 from ptq_cli.services.measure.benchmark import BenchmarkRecord, load_benchmarks
-from ptq_cli.services.measure.evaluate import NATIVE, OK, EvaluationRecord, fp32_reference, load_records, measured_classes, record_status, reference_for
+from ptq_cli.services.measure.evaluate import OK, EvaluationRecord, fp32_reference, load_records, measured_classes, record_status, reference_for
 from ptq_cli.services.measure.portability import PortabilityCost
 from ptq_cli.services.measure.sweep_records import SweepResult, load_sweeps
 from ptq_cli.services.quant_settings import describe_model
@@ -188,9 +188,9 @@ def _timed_natively(record: EvaluationRecord, saturating: EvaluationRecord | Non
     """The run whose evaluation speed is the model's on this CPU: the one on the CPU's own int8 kernels. On a CPU
     without VNNI the exact path runs through onnxruntime's exact-kernel switch, slower than what the model runs there;
     None where neither run of the pair was native."""
-    if not record.int8_basis or record.int8_basis == NATIVE:
+    if record.timed_natively:
         return record
-    return saturating if saturating is not None and saturating.int8_basis == NATIVE else None
+    return saturating if saturating is not None and saturating.timed_natively else None
 
 
 def _source_on_its_runtime(record: EvaluationRecord, records: list[EvaluationRecord]) -> EvaluationRecord | None:
