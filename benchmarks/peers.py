@@ -2,6 +2,11 @@
 
     make peers                       # EfficientNet-Lite0 on Tux Paint's stamp photographs (see imagenet_table.py)
     .venv/bin/python benchmarks/peers.py --workdir DIR [--stamps DIR] [--aimet-python .venv-peers/bin/python] [--lite 2]
+    .venv/bin/python benchmarks/peers.py --model YOURS.onnx --calibration PHOTOS --test PHOTOS [--preprocess P | --scale S --mean M --std D]
+
+Without --model: EfficientNet-Lite0 (or --lite 1|2) on photographs, as imagenet_table.py lays them out. With --model: any FP32
+ONNX classifier and two folders of images (labels not needed); its preprocessing is what the model records (`ptq convert`
+writes it) unless the preprocessing options say otherwise, and every tool is given the same inputs.
 
 Every model is quantized from the same FP32 ONNX model with the same calibration photographs and judged on the
 same held-out photographs against FP32's outputs (top-1 agreement, top-5 containment, SQNR of the scores):
@@ -22,10 +27,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -38,35 +45,69 @@ from imagenet_table import MODEL, prepare_workdir  # noqa: E402
 
 from ptq_cli import cpu as cpu_info  # noqa: E402
 from ptq_cli.datasets import open_dataset  # noqa: E402
-from ptq_cli.inputs import PreprocessingFlags  # noqa: E402
+from ptq_cli.datasets.folder import IMAGE_SUFFIXES  # noqa: E402
+from ptq_cli.inputs import PreprocessingFlags, parse_triple  # noqa: E402
 from ptq_cli.metrics import sqnr_db  # noqa: E402
 from ptq_cli.services.measure import emulate  # noqa: E402
 from ptq_cli.services.models import load_model  # noqa: E402
 
 PTQ_CONFIGS = {"default": [], "int8": ["--dtype", "int8"], "vnni": ["--cpus", "vnni"], "nearest": ["--rounding", "nearest"]}  # `--ptq` names
-FLAGS = PreprocessingFlags(preset="imagenet")
+LITE_PREPROCESSING = ["--preprocess", "imagenet"]
 
 
-def photos(workdir: Path, folder: str, model: Path) -> np.ndarray:
-    """A folder of photographs in the model's input format (NCHW, ImageNet normalisation)."""
-    loaded = load_model(model, None, FLAGS)
-    dataset = open_dataset(workdir / folder)
+@dataclass(frozen=True)
+class Subject:
+    """The FP32 model every tool quantizes (a file in the workdir), and the ptq options that say its preprocessing."""
+
+    workdir: Path
+    model: str
+    preprocessing: list[str]
+
+    @property
+    def flags(self) -> PreprocessingFlags:
+        given = dict(zip(self.preprocessing[::2], self.preprocessing[1::2], strict=True))
+        return PreprocessingFlags(preset=given.get("--preprocess"), scale=float(given["--scale"]) if "--scale" in given else None,
+                                  mean=parse_triple("--mean", given.get("--mean")), std=parse_triple("--std", given.get("--std")))
+
+    def calibration_count(self) -> int:
+        return sum(1 for path in (self.workdir / "calibration").iterdir() if path.suffix.lower() in IMAGE_SUFFIXES)
+
+
+def own_workdir(workdir: Path, model: Path, calibration: Path, test: Path) -> None:
+    """The user's model copied into the workdir and their two photo folders linked there, so that every tool runs as
+    on the EfficientNet-Lite workdir; nothing is written into the user's folders."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    if not (workdir / model.name).is_file():
+        shutil.copyfile(model, workdir / model.name)
+    for name, folder in (("calibration", calibration), ("test", test)):
+        link = workdir / name
+        if link.is_symlink() or link.exists():
+            if link.resolve() != folder.resolve():
+                raise SystemExit(f"{link} already exists and is not {folder}: give another --workdir")
+            continue
+        link.symlink_to(folder.resolve(), target_is_directory=True)
+
+
+def photos(subject: Subject, folder: str) -> np.ndarray:
+    """A folder of photographs in the model's input format."""
+    loaded = load_model(subject.workdir / subject.model, None, subject.flags)
+    dataset = open_dataset(subject.workdir / folder)
     images = dataset.load(dataset.evaluation_split(), (loaded.input.height, loaded.input.width), loaded.input.channels).images
     return loaded.prepare(images).astype(np.float32)
 
 
-def ptq_model(workdir: Path, name: str, options: list[str]) -> tuple[Path, float]:
-    output = workdir / f"peer_{name.replace(' ', '_').replace('-', '')}.onnx"
+def ptq_model(subject: Subject, name: str, options: list[str]) -> tuple[Path, float]:
+    output = subject.workdir / f"peer_{name.replace(' ', '_').replace('-', '')}.onnx"
     began = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "ptq_cli", "quantize", "--model", MODEL, "--data", "test", "--calibration-data", "calibration",
-                           "--calibration-size", str(len(list((workdir / "calibration").glob("*.jpg")))), "--preprocess", "imagenet",
-                           "--output", output.name, *options], cwd=workdir, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "ptq_cli", "quantize", "--model", subject.model, "--data", "test", "--calibration-data", "calibration",
+                           "--calibration-size", str(subject.calibration_count()), *subject.preprocessing,
+                           "--output", output.name, *options], cwd=subject.workdir, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"{name}: {done.stderr.strip()[-400:]}")
     return output, time.perf_counter() - began
 
 
-def plain_onnxruntime(workdir: Path, calibration: np.ndarray) -> tuple[Path, float]:
+def plain_onnxruntime(subject: Subject, calibration: np.ndarray) -> tuple[Path, float]:
     """The five-line script a user writes from onnxruntime's documentation."""
     import onnx
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
@@ -80,29 +121,30 @@ def plain_onnxruntime(workdir: Path, calibration: np.ndarray) -> tuple[Path, flo
             return next(self.batches, None)
 
     began = time.perf_counter()
-    preprocessed, output = workdir / "peer_plain_pre.onnx", workdir / "peer_plain_onnxruntime.onnx"
-    quant_pre_process(str(workdir / MODEL), str(preprocessed))
+    preprocessed, output = subject.workdir / "peer_plain_pre.onnx", subject.workdir / "peer_plain_onnxruntime.onnx"
+    quant_pre_process(str(subject.workdir / subject.model), str(preprocessed))
     quantize_static(str(preprocessed), str(output), Reader(onnx.load(str(preprocessed)).graph.input[0].name), quant_format=QuantFormat.QDQ, per_channel=True)
     return output, time.perf_counter() - began
 
 
-def nncf_onnx(workdir: Path, calibration: np.ndarray) -> tuple[Path, float]:
+def nncf_onnx(subject: Subject, calibration: np.ndarray) -> tuple[Path, float]:
     import nncf
     import onnx
 
     began = time.perf_counter()
-    model = onnx.load(str(workdir / MODEL))
+    model = onnx.load(str(subject.workdir / subject.model))
     input_name = model.graph.input[0].name
     dataset = nncf.Dataset([calibration[index : index + 1] for index in range(len(calibration))], lambda item: {input_name: item})
     quantized = nncf.quantize(model, dataset, subset_size=len(calibration), fast_bias_correction=False)
-    output = workdir / "peer_nncf_onnx.onnx"
+    output = subject.workdir / "peer_nncf_onnx.onnx"
     onnx.save(quantized, str(output))
     return output, time.perf_counter() - began
 
 
-def aimet(workdir: Path, python: Path, calibration: np.ndarray, iterations: int, first_layers: int) -> list[tuple[str, Path, float]]:
+def aimet(subject: Subject, python: Path, calibration: np.ndarray, iterations: int, first_layers: int) -> list[tuple[str, Path, float]]:
     """AIMET's QuantSim and AdaRound models; one already in `workdir` (with the seconds it took beside it) is measured
     again, not made again: AdaRound takes most of an hour on 2 cores."""
+    workdir = subject.workdir
     np.save(workdir / "calibration_inputs.npy", calibration)
     made = []
     layers = str(first_layers) if first_layers else "every"
@@ -114,7 +156,7 @@ def aimet(workdir: Path, python: Path, calibration: np.ndarray, iterations: int,
             made.append((name, output, float(took.read_text())))
             continue
         began = time.perf_counter()
-        done = subprocess.run([str(python), str(REPO / "benchmarks" / "peers_aimet.py"), str(workdir / MODEL), str(workdir / "calibration_inputs.npy"),
+        done = subprocess.run([str(python), str(REPO / "benchmarks" / "peers_aimet.py"), str(workdir / subject.model), str(workdir / "calibration_inputs.npy"),
                                str(output), *extra], capture_output=True, text=True)
         if done.returncode:
             print(f"{name}: failed: {done.stderr.strip()[-600:]}", file=sys.stderr)
@@ -141,19 +183,33 @@ def main() -> None:
     parser.add_argument("--aimet-first-layers", type=int, default=6,
                         help="AdaRound the first N Conv/Gemm/MatMul layers (0: every layer; with 1,000 iterations a layer, not finished in 74 CPU-minutes)")
     parser.add_argument("--emulated", type=int, default=24, help="photographs scored under emulation for the saturating path on a VNNI CPU")
+    parser.add_argument("--model", type=Path, default=None, help="your FP32 ONNX classifier instead of EfficientNet-Lite (with --calibration and --test)")
+    parser.add_argument("--calibration", type=Path, default=None, help="with --model: the folder of images every tool calibrates on")
+    parser.add_argument("--test", type=Path, default=None, help="with --model: the folder of images every model is judged on")
+    for option in ("--preprocess", "--scale", "--mean", "--std"):
+        parser.add_argument(option, default=None, help=f"with --model: ptq's {option} for it (default: what the model records)")
     options = parser.parse_args()
     unknown = set(options.ptq.split(",")) - set(PTQ_CONFIGS)
     if unknown:
         parser.error(f"--ptq: unknown configuration {', '.join(sorted(unknown))}")
-    workdir = prepare_workdir(options.workdir or Path(tempfile.mkdtemp(prefix="ptq-peers-")), options.stamps, options.lite)
-    calibration, test = photos(workdir, "calibration", workdir / MODEL), photos(workdir, "test", workdir / MODEL)
+    workdir = options.workdir or Path(tempfile.mkdtemp(prefix="ptq-peers-"))
+    if options.model:
+        if not (options.calibration and options.test):
+            parser.error("--model needs --calibration DIR and --test DIR")
+        own_workdir(workdir, options.model, options.calibration, options.test)
+        given = [(option, getattr(options, option[2:])) for option in ("--preprocess", "--scale", "--mean", "--std")]
+        subject = Subject(workdir, options.model.name, [part for option, value in given if value is not None for part in (option, value)])
+    else:
+        subject = Subject(prepare_workdir(workdir, options.stamps, options.lite), MODEL, LITE_PREPROCESSING)
+    model = subject.model
+    calibration, test = photos(subject, "calibration"), photos(subject, "test")
     names = {key: f"ptq {' '.join(PTQ_CONFIGS[key]) or 'default'}" for key in options.ptq.split(",")}
-    made = [(name, *ptq_model(workdir, name, PTQ_CONFIGS[key])) for key, name in names.items()]
-    made.append(("plain onnxruntime (per-channel MinMax)", *plain_onnxruntime(workdir, calibration)))
-    made.append(("NNCF on ONNX (full bias correction)", *nncf_onnx(workdir, calibration)))
+    made = [(name, *ptq_model(subject, name, PTQ_CONFIGS[key])) for key, name in names.items()]
+    made.append(("plain onnxruntime (per-channel MinMax)", *plain_onnxruntime(subject, calibration)))
+    made.append(("NNCF on ONNX (full bias correction)", *nncf_onnx(subject, calibration)))
     if options.aimet_python:
-        made += aimet(workdir, options.aimet_python, calibration, options.aimet_iterations, options.aimet_first_layers)
-    reference = load_model(workdir / MODEL).predict(test)
+        made += aimet(subject, options.aimet_python, calibration, options.aimet_iterations, options.aimet_first_layers)
+    reference = load_model(workdir / model).predict(test)
     exact_cpu = cpu_info.current().int8_path == cpu_info.EXACT
     subset = slice(0, options.emulated) if exact_cpu else slice(None)
     rows = []
@@ -162,16 +218,16 @@ def main() -> None:
         saturating = emulate.scores_under_emulation(path, test[subset]) if exact_cpu else load_model(path).predict(test)
         rows.append((name, path, seconds, fidelity(reference, exact), fidelity(reference[subset], saturating)))
         print(f"{name}: {seconds:.1f} s; exact {rows[-1][3]}; saturating {rows[-1][4]}", file=sys.stderr, flush=True)
-    done = subprocess.run([sys.executable, "-m", "ptq_cli", "benchmark", "--model", MODEL, *(part for row in rows for part in ("--model", row[1].name)),
+    done = subprocess.run([sys.executable, "-m", "ptq_cli", "benchmark", "--model", model, *(part for row in rows for part in ("--model", row[1].name)),
                            "--data", "test", "--batch-size", "32", "--runs", "20", "--results-dir", "peer-results", "--json"],
                           cwd=workdir, capture_output=True, text=True)
     speeds = {Path(record["model_path"]).name: record["images_per_second"] for record in json.loads(done.stdout)} if done.returncode == 0 else {}
     saturating_basis = f"emulated on the first {options.emulated}" if exact_cpu else "native"
-    print(f"\n{cpu_info.current().describe()}, {os.cpu_count()} cores; {len(test)} photographs measured, {len(calibration)} calibrate; "
+    print(f"\n{model}: {cpu_info.current().describe()}, {os.cpu_count()} cores; {len(test)} photographs measured, {len(calibration)} calibrate; "
           f"saturating path {saturating_basis}\n")
     print("| tool / config | time | agreement exact / saturating | top-5 exact | SQNR exact / saturating | x ORT FP32 |\n|---|---|---|---|---|---|")
     for name, path, seconds, exact, saturating in rows:
-        speed = f"{speeds[path.name] / speeds[MODEL]:.2f}x" if path.name in speeds and MODEL in speeds else "-"
+        speed = f"{speeds[path.name] / speeds[model]:.2f}x" if path.name in speeds and model in speeds else "-"
         print(f"| {name} | {seconds:.0f} s | {exact[0]:.1f}% / {saturating[0]:.1f}% | {exact[1]:.1f}% | {exact[2]:.1f} / {saturating[2]:.1f} dB | {speed} |")
     print(f"\nModels and photographs in {workdir}")
 
