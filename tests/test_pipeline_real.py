@@ -114,7 +114,10 @@ def test_report_markdown_has_one_row_per_record_with_its_numbers(pipeline):
         p_value = "" if fidelity is None else f" (p = {fidelity['accuracy_delta_p_value']:.2f})"
         assert delta == ("-" if record["source_sha256"] is None else f"{record['accuracy'] - 87.19:+.2f}{p_value}"), delta
         assert size == f"{record['model_size_bytes'] / 1024:,.1f} KB"
-        assert speed == f"{record['images_per_second']:,.0f} (eval)"  # no benchmark in this directory
+        # No benchmark in this directory: the speed is the evaluation run on this CPU's own kernels (on a CPU without VNNI
+        # the exact path's record is onnxruntime's exact-kernel switch, and the saturating one is native).
+        native = [run for run in (record, saturating) if run is not None and run.get("int8_basis", "") in ("", "native")]
+        assert speed == f"{(native or [record])[0]['images_per_second']:,.0f} (eval)"
         if record["dtype"] != "fp32" and record["runtime"] in fp32_size:
             assert reduction == f"{round(1 - record['model_size_bytes'] / fp32_size[record['runtime']], 4):.1%}"  # as stored in the report
         elif record["dtype"] != "fp32":
