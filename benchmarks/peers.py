@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -44,41 +43,52 @@ import imagenet_size  # noqa: E402
 from imagenet_table import MODEL, prepare_workdir  # noqa: E402
 
 from ptq_cli import cpu as cpu_info  # noqa: E402
+from ptq_cli.backends.model_file import read_onnx  # noqa: E402
 from ptq_cli.datasets import open_dataset  # noqa: E402
-from ptq_cli.datasets.folder import IMAGE_SUFFIXES  # noqa: E402
+from ptq_cli.errors import PtqError  # noqa: E402
 from ptq_cli.inputs import PreprocessingFlags, parse_triple  # noqa: E402
 from ptq_cli.metrics import sqnr_db  # noqa: E402
 from ptq_cli.services.measure import emulate  # noqa: E402
 from ptq_cli.services.models import load_model  # noqa: E402
 
 PTQ_CONFIGS = {"default": [], "int8": ["--dtype", "int8"], "vnni": ["--cpus", "vnni"], "nearest": ["--rounding", "nearest"]}  # `--ptq` names
-LITE_PREPROCESSING = ["--preprocess", "imagenet"]
+PREPROCESSING_OPTIONS = ("--preprocess", "--scale", "--mean", "--std")
 
 
 @dataclass(frozen=True)
 class Subject:
-    """The FP32 model every tool quantizes (a file in the workdir), and the ptq options that say its preprocessing."""
+    """The FP32 model every tool quantizes (a file in the workdir), and its preprocessing: as ptq's options (given to
+    `ptq quantize`) and as the flags they stand for (the inputs the other tools are given). None given: the model's own."""
 
     workdir: Path
     model: str
-    preprocessing: list[str]
+    given: dict[str, str]
+
+    @property
+    def preprocessing(self) -> list[str]:
+        return [part for option, value in self.given.items() for part in (option, value)]
 
     @property
     def flags(self) -> PreprocessingFlags:
-        given = dict(zip(self.preprocessing[::2], self.preprocessing[1::2], strict=True))
-        return PreprocessingFlags(preset=given.get("--preprocess"), scale=float(given["--scale"]) if "--scale" in given else None,
-                                  mean=parse_triple("--mean", given.get("--mean")), std=parse_triple("--std", given.get("--std")))
-
-    def calibration_count(self) -> int:
-        return sum(1 for path in (self.workdir / "calibration").iterdir() if path.suffix.lower() in IMAGE_SUFFIXES)
+        scale = self.given.get("--scale")
+        return PreprocessingFlags(preset=self.given.get("--preprocess"), scale=None if scale is None else float(scale),
+                                  mean=parse_triple("--mean", self.given.get("--mean")), std=parse_triple("--std", self.given.get("--std")))
 
 
 def own_workdir(workdir: Path, model: Path, calibration: Path, test: Path) -> None:
-    """The user's model copied into the workdir and their two photo folders linked there, so that every tool runs as
-    on the EfficientNet-Lite workdir; nothing is written into the user's folders."""
+    """The user's model written into the workdir whole (read by ptq's own bounded reader, its external weights taken in)
+    and their two photo folders linked there, so that every tool runs as on the EfficientNet-Lite workdir; nothing is
+    written into the user's folders, and a workdir holding another model or other folders under those names is refused."""
     workdir.mkdir(parents=True, exist_ok=True)
-    if not (workdir / model.name).is_file():
-        shutil.copyfile(model, workdir / model.name)
+    try:
+        whole = read_onnx(model).SerializeToString()
+    except PtqError as error:  # one line naming the file, as ptq says it
+        raise SystemExit(str(error)) from error
+    placed = workdir / model.name
+    if placed.is_file() and placed.read_bytes() != whole:
+        raise SystemExit(f"{placed} already exists and is another model: give another --workdir")
+    if not placed.is_file():
+        placed.write_bytes(whole)
     for name, folder in (("calibration", calibration), ("test", test)):
         link = workdir / name
         if link.is_symlink() or link.exists():
@@ -96,11 +106,11 @@ def photos(subject: Subject, folder: str) -> np.ndarray:
     return loaded.prepare(images).astype(np.float32)
 
 
-def ptq_model(subject: Subject, name: str, options: list[str]) -> tuple[Path, float]:
+def ptq_model(subject: Subject, name: str, options: list[str], calibration_count: int) -> tuple[Path, float]:
     output = subject.workdir / f"peer_{name.replace(' ', '_').replace('-', '')}.onnx"
     began = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "ptq_cli", "quantize", "--model", subject.model, "--data", "test", "--calibration-data", "calibration",
-                           "--calibration-size", str(subject.calibration_count()), *subject.preprocessing,
+                           "--calibration-size", str(calibration_count), *subject.preprocessing,
                            "--output", output.name, *options], cwd=subject.workdir, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"{name}: {done.stderr.strip()[-400:]}")
@@ -186,7 +196,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=None, help="your FP32 ONNX classifier instead of EfficientNet-Lite (with --calibration and --test)")
     parser.add_argument("--calibration", type=Path, default=None, help="with --model: the folder of images every tool calibrates on")
     parser.add_argument("--test", type=Path, default=None, help="with --model: the folder of images every model is judged on")
-    for option in ("--preprocess", "--scale", "--mean", "--std"):
+    for option in PREPROCESSING_OPTIONS:
         parser.add_argument(option, default=None, help=f"with --model: ptq's {option} for it (default: what the model records)")
     options = parser.parse_args()
     unknown = set(options.ptq.split(",")) - set(PTQ_CONFIGS)
@@ -197,14 +207,14 @@ def main() -> None:
         if not (options.calibration and options.test):
             parser.error("--model needs --calibration DIR and --test DIR")
         own_workdir(workdir, options.model, options.calibration, options.test)
-        given = [(option, getattr(options, option[2:])) for option in ("--preprocess", "--scale", "--mean", "--std")]
-        subject = Subject(workdir, options.model.name, [part for option, value in given if value is not None for part in (option, value)])
+        given = {option: getattr(options, option[2:]) for option in PREPROCESSING_OPTIONS if getattr(options, option[2:]) is not None}
+        subject = Subject(workdir, options.model.name, given)
     else:
-        subject = Subject(prepare_workdir(workdir, options.stamps, options.lite), MODEL, LITE_PREPROCESSING)
+        subject = Subject(prepare_workdir(workdir, options.stamps, options.lite), MODEL, {"--preprocess": "imagenet"})
     model = subject.model
     calibration, test = photos(subject, "calibration"), photos(subject, "test")
     names = {key: f"ptq {' '.join(PTQ_CONFIGS[key]) or 'default'}" for key in options.ptq.split(",")}
-    made = [(name, *ptq_model(subject, name, PTQ_CONFIGS[key])) for key, name in names.items()]
+    made = [(name, *ptq_model(subject, name, PTQ_CONFIGS[key], len(calibration))) for key, name in names.items()]
     made.append(("plain onnxruntime (per-channel MinMax)", *plain_onnxruntime(subject, calibration)))
     made.append(("NNCF on ONNX (full bias correction)", *nncf_onnx(subject, calibration)))
     if options.aimet_python:

@@ -28,13 +28,21 @@ def test_own_model_is_copied_its_photo_folders_linked_and_its_inputs_follow_the_
     assert (workdir / "calibration").resolve() == calibration.resolve() and (workdir / "test").resolve() == test.resolve()
     assert sorted(path.name for path in calibration.iterdir()) == before  # nothing written into the user's folders
 
-    subject = peers.Subject(workdir, "mine.onnx", ["--scale", "0.00784313725", "--mean", "1", "--std", "1"])
-    assert subject.calibration_count() == 7
+    subject = peers.Subject(workdir, "mine.onnx", {"--scale": "0.00784313725", "--mean": "1", "--std": "1"})
+    assert subject.preprocessing == ["--scale", "0.00784313725", "--mean", "1", "--std", "1"]  # what `ptq quantize` is given
+    assert len(peers.photos(subject, "calibration")) == 7  # the .png and the .jpg: what every tool calibrates on
     signed = peers.photos(subject, "test")
-    unit = peers.photos(peers.Subject(workdir, "mine.onnx", ["--preprocess", "unit"]), "test")
+    unit = peers.photos(peers.Subject(workdir, "mine.onnx", {"--preprocess": "unit"}), "test")
     assert signed.shape == unit.shape == (4, 16, 16, 3)  # the model's own layout
     np.testing.assert_allclose(signed, unit * 2 - 1, atol=1e-5)  # x/127.5 - 1 against x/255, on the same photos
     assert signed.min() < 0 <= unit.min()
 
     with pytest.raises(SystemExit, match="already exists and is not"):
         peers.own_workdir(workdir, model, test, test)  # the workdir's calibration link points elsewhere: refused, not relinked
+    (tmp_path / "elsewhere").mkdir()
+    other = channel_mean_classifier(tmp_path / "elsewhere" / "mine.onnx", layout="NHWC", size=16, classes=2)
+    with pytest.raises(SystemExit, match="is another model"):
+        peers.own_workdir(workdir, other, calibration, test)  # another model under the same name: refused, not compared stale
+    (tmp_path / "broken.onnx").write_bytes(b"not a model")
+    with pytest.raises(SystemExit, match=r"broken\.onnx: not a valid ONNX model"):
+        peers.own_workdir(tmp_path / "work2", tmp_path / "broken.onnx", calibration, test)
