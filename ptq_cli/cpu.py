@@ -14,6 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from ptq_cli.errors import PtqError
+from ptq_cli.guards import bounded
 
 EXACT, SATURATING = "exact", "saturating"
 INT8_PATHS = (EXACT, SATURATING)
@@ -86,8 +87,15 @@ def current() -> Cpu:
     try:
         if named and not path.is_file():
             raise PtqError(f"{where}: not a regular file" + ("" if path.exists() else " (not found)") + "; name a cpuinfo file")
-        with path.open("r", encoding="utf-8", errors="replace") as handle:
-            text = handle.read(CPUINFO_LIMIT)
+        with bounded.open_regular(path, "cpuinfo file") as handle:  # a file that would wait for data is refused, not waited on
+            raw = handle.read(CPUINFO_LIMIT)
+        if raw is None:
+            raise BlockingIOError
+        text = raw.decode("utf-8", errors="replace")
+    except BlockingIOError:
+        raise PtqError(f"{where}: waits for data when read, not a cpuinfo file; ptq cannot tell this CPU's int8 path") from None
+    except PtqError as error:
+        raise PtqError(f"{where}: {str(error).partition(': ')[2]}; ptq cannot tell this CPU's int8 path") from None
     except OSError as error:
         raise PtqError(f"{where}: cannot read ({error.strerror or error}); ptq cannot tell this CPU's int8 path") from error
     x86 = arch.lower() in ("x86_64", "amd64", "i686", "i386", "x86")

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -257,6 +258,26 @@ def test_a_cluster_that_is_not_there_is_said_in_one_line(project):
     result = invoke(*TUNE, "--ray-address", "127.0.0.1:9", cwd=project)
     one_line_error(result, "--ray-address 127.0.0.1:9: Ray did not start")
     assert not list((project / "models").glob("*tuned*"))
+
+
+def test_a_port_that_answers_but_is_not_ray_is_said_in_one_line(project):
+    """Ray would wait on such a port for ever, deaf to SIGTERM: an HTTP server on loopback is refused at once."""
+    from http.server import HTTPServer, SimpleHTTPRequestHandler
+
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, *args):  # the server's own log would reach this process's stderr
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Quiet)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        address = f"127.0.0.1:{server.server_address[1]}"
+        result = invoke("evaluate", "--model", "models/m.onnx", "--data", "colours.npz", "--ray-address", address, cwd=project)
+    finally:
+        server.shutdown()
+    one_line_error(result, f"--ray-address {address}: Ray did not start (something answers there, but not a Ray head")
+    assert not ray.is_initialized()
 
 
 def test_piped_progress_is_one_line_per_finished_candidate(project):

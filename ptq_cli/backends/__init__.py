@@ -13,6 +13,7 @@ from ptq_cli.backends import litert, onnxruntime, openvino, pytorch, tflm
 from ptq_cli.backends.base import Backend, reaching_saturating_path, reusing_made_files  # noqa: F401  for the services
 from ptq_cli.backends.model_file import require_file
 from ptq_cli.errors import PtqError
+from ptq_cli.guards import bounded
 from ptq_cli.guards.atomic import declare_companions
 
 # In the order the report lists them; the first is the default backend and the runtime every speed-up
@@ -97,11 +98,7 @@ def for_file(path: Path, runtime: str | None = None) -> Backend:
     that takes files of its kind (an ONNX file on OpenVINO)."""
     path = Path(path)
     require_file(path)
-    try:
-        with path.open("rb") as handle:
-            head = handle.read(8)
-    except OSError as error:
-        raise PtqError(f"{path}: cannot read ({error.strerror or error})") from error
+    head = bounded.read_head(path, 8, "model file")
     found = _sniffed(path, head)
     if runtime is None or runtime == found.name:
         return found

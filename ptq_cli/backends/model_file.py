@@ -46,15 +46,36 @@ def read_bytes(path: Path) -> bytes:
     return data
 
 
+# file_sha256's answers, by what the files' status says of their bytes: a report over many records of one large
+# model reads it once.
+_DIGESTS: dict[tuple, str] = {}
+
+
 def file_sha256(path: Path) -> str:
     """The sha256 of a model's bytes: its file, then the files its kind keeps beside it (an OpenVINO IR's .xml,
-    then its .bin)."""
+    then its .bin). Streamed, never held whole; a file whose device, inode, size and times are unchanged is not
+    read again."""
     path = Path(path)
-    digest = hashlib.sha256(bounded.read_bytes(path, bounded.MODEL_BYTES, "model file"))
-    for companion in companions(path)[1:]:
-        if companion.is_file():
-            digest.update(bounded.read_bytes(companion, bounded.MODEL_BYTES, "model weights file"))
-    return digest.hexdigest()
+    files = [path, *(companion for companion in companions(path)[1:] if companion.is_file())]
+    key = tuple(_status(file) for file in files if bounded.regular_size(file, "model file") >= 0)
+    if key not in _DIGESTS:
+        digest = hashlib.sha256()
+        for file in files:
+            with bounded.open_regular(file, "model file") as handle:
+                size = bounded.regular_size(file, "model file")
+                if size > bounded.MODEL_BYTES.value():
+                    raise bounded.MODEL_BYTES.refuse(file, f"{size:,} bytes")
+                for offset in range(0, size, 2**24):
+                    digest.update(bounded.read_span(handle, file, offset, min(2**24, size - offset), "model file"))
+        if len(_DIGESTS) > 4096:
+            _DIGESTS.clear()
+        _DIGESTS[key] = digest.hexdigest()
+    return _DIGESTS[key]
+
+
+def _status(path: Path) -> tuple:
+    info = path.stat()
+    return (str(path.resolve()), info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 
 
 def load_keras(tf: Any, path: Path) -> Any:
@@ -78,7 +99,7 @@ def read_onnx(path: Path, data: bytes | None = None):
         data = read_bytes(path)
     try:
         model = onnx.load_from_string(data)
-        _read_external_data(path, model)
+        _read_external_data(path, model, len(data))
         onnx.checker.check_model(model)
     except (DecodeError, onnx.checker.ValidationError, ValueError, RuntimeError, OSError) as error:
         raise PtqError(f"{path}: not a valid ONNX model ({first_line(error)})") from error
@@ -87,23 +108,42 @@ def read_onnx(path: Path, data: bytes | None = None):
     return model
 
 
-def _read_external_data(path: Path, model) -> None:
-    """Weights kept beside the model (onnx's external data) read into it, from files inside its folder only."""
-    from onnx.external_data_helper import ExternalDataInfo, _get_all_tensors, load_external_data_for_model, uses_external_data
+def _read_external_data(path: Path, model, held: int = 0) -> None:
+    """Weights kept beside the model (onnx's external data) read into it, from files inside its folder only.
+
+    The bound counts each tensor's bytes, not each file once: many tensors may name the same bytes of one file.
+    Every byte is read through ptq's bounded, non-blocking reads; `held` is what the model file itself holds."""
+    from onnx import TensorProto
+    from onnx.external_data_helper import ExternalDataInfo, _get_all_tensors, uses_external_data
 
     tensors = [tensor for tensor in _get_all_tensors(model) if uses_external_data(tensor)]
     if not tensors:
         return
     folder = Path(path).resolve().parent
-    total = 0
-    for location in sorted({ExternalDataInfo(tensor).location for tensor in tensors}):
-        target = (folder / location).resolve()
-        if not target.is_relative_to(folder):
-            raise PtqError(f"{path}: its external data '{location}' lies outside the model's folder; refused")
-        total += bounded.regular_size(target, "external data file")
+    total, spans = held, []
+    for tensor in tensors:
+        info = ExternalDataInfo(tensor)
+        target = (folder / info.location).resolve()
+        if not info.location or not target.is_relative_to(folder):
+            raise PtqError(f"{path}: its external data '{info.location}' lies outside the model's folder; refused")
+        size = bounded.regular_size(target, "external data file")
+        offset = int(info.offset or 0)
+        length = int(info.length) if info.length else size - offset
+        if offset < 0 or length < 0 or offset + length > size:
+            raise PtqError(f"{path}: tensor '{tensor.name[:80]}' names bytes {offset:,}-{offset + length:,} of '{info.location}', "
+                           f"which holds {size:,}")
+        total += length
         if total > bounded.MODEL_BYTES.value():
-            raise bounded.MODEL_BYTES.refuse(path, f"external data of {total:,} bytes")
-    load_external_data_for_model(model, str(folder))
+            raise bounded.MODEL_BYTES.refuse(path, f"{total:,} bytes with its external data (counted per tensor)")
+        if total > bounded.PROTOBUF_BYTES:
+            raise PtqError(f"{path}: {total:,} bytes with its external data (counted per tensor); ptq holds a model in one protobuf, "
+                           f"at most {bounded.PROTOBUF_BYTES:,} bytes")
+        spans.append((tensor, target, offset, length))
+    for tensor, target, offset, length in spans:
+        with bounded.open_regular(target, "external data file") as handle:
+            tensor.raw_data = bounded.read_span(handle, target, offset, length, "external data file")
+        tensor.data_location = TensorProto.DEFAULT
+        del tensor.external_data[:]
 
 
 def onnx_dims(value) -> list:

@@ -37,7 +37,7 @@ from ptq_cli.guards import bounded, trust
 from ptq_cli.guards.atomic import atomic_output
 from ptq_cli.metrics import sqnr_db
 from ptq_cli.transforms import overflow
-from ptq_cli.transforms.graph import preprocess, static_reshape_targets
+from ptq_cli.transforms.graph import generated_node_names, preprocess, static_reshape_targets
 from ptq_cli.transforms.torch_compat import import_onnx2torch, quiet_torch_quantization_warnings
 
 NAME = "pytorch"
@@ -83,7 +83,7 @@ def onnx_to_graph_module(model, fold: bool = True):
             preprocess(model, folded)
             model = onnx.load(str(folded))
     try:
-        return onnx2torch.convert(static_reshape_targets(model)).eval()
+        return onnx2torch.convert(generated_node_names(static_reshape_targets(model))).eval()
     except Exception as error:  # onnx2torch raises NotImplementedError and others for ops it lacks
         raise PtqError(f"{named}: onnx2torch cannot convert it ({type(error).__name__}: {first_line(error, '')})") from error
 

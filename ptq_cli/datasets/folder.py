@@ -17,6 +17,14 @@ from ptq_cli.errors import PtqError, first_line
 from ptq_cli.guards import bounded
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
+# The only decoders Pillow may use, whatever a file's name says: Pillow picks a decoder by content, and some of its
+# others hand the file to programs (EPS and PDF to Ghostscript, which runs PostScript). (A camera's multi-picture JPEG opens as JPEG.)
+PILLOW_FORMATS = ("PNG", "JPEG", "BMP", "WEBP")
+READ_FORMATS = "PNG, JPEG, BMP or WebP"
+# What a file that is no such image is, named from its first bytes.
+KNOWN_HEADS = ((b"%!PS", "a PostScript file"), (b"\xc5\xd0\xd3\xc6", "an EPS file"), (b"%PDF", "a PDF file"), (b"GIF8", "a GIF image"),
+               (b"II*\x00", "a TIFF image"), (b"MM\x00*", "a TIFF image"), (b"\x00\x00\x01\x00", "an icon file"), (b"<", "a text or SVG file"),
+               (b"\x89HDF", "an HDF5 file"), (b"PK\x03\x04", "a zip archive"))
 CLASSES_FILE = "classes.txt"
 # Files image folders carry without being images; everything else that is not an image is an error.
 IGNORED = {"thumbs.db", "desktop.ini", CLASSES_FILE}
@@ -129,7 +137,7 @@ class ImageFolder(Dataset):
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("error", Image.DecompressionBombWarning)
-                    with Image.open(path) as image:
+                    with bounded.open_regular(path, "image file") as handle, Image.open(handle, formats=PILLOW_FORMATS) as image:
                         width, height = image.size
                         if not width or not height:
                             raise PtqError(f"{path}: an image of {width}x{height} pixels")
@@ -139,7 +147,11 @@ class ImageFolder(Dataset):
                         converted = _eight_bit(image)
             except (Image.DecompressionBombWarning, Image.DecompressionBombError) as error:
                 raise bounded.IMAGE_PIXELS.refuse(path, "declares over twice as many pixels") from error
-            except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError, MemoryError) as error:
+            except UnidentifiedImageError:
+                raise PtqError(f"{path}: {_what_it_is(path)}, not a {READ_FORMATS} image; refused") from None
+            except BlockingIOError:
+                raise bounded.blocked(path, "image file") from None
+            except (OSError, ValueError, SyntaxError, EOFError, MemoryError) as error:
                 raise PtqError(f"{path}: not a readable image ({first_line(error)})") from error
             if size is not None and converted.size != (size[1], size[0]):
                 converted = converted.resize((size[1], size[0]), Image.Resampling.BILINEAR)
@@ -171,6 +183,15 @@ def _eight_bit(image):
     elif image.mode == "F" and values.size and np.nanmax(values) <= 1.0:
         values = values * 255.0
     return Image.fromarray(np.clip(np.rint(np.nan_to_num(values)), 0, 255).astype(np.uint8), "L")
+
+
+def _what_it_is(path: Path) -> str:
+    try:
+        with bounded.open_regular(path, "image file") as handle:
+            head = (handle.read(16) or b"").lstrip()
+    except (PtqError, OSError):
+        head = b""
+    return next((name for magic, name in KNOWN_HEADS if head.startswith(magic)), "a file of an unknown kind")
 
 
 def _subfolders(directory: Path) -> list[str]:

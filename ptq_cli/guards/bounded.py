@@ -14,7 +14,7 @@ import stat
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -45,6 +45,8 @@ class Limit:
 
 # protobuf cannot hold more than 2 GiB: a larger .onnx keeps its weights in external data files.
 MODEL_BYTES = Limit("PTQ_MAX_MODEL_BYTES", 2**31, "bytes for one model file")
+# What one ONNX model may hold once its external data is read in: protobuf serializes at most 2 GiB, less its framing.
+PROTOBUF_BYTES = 2**31 - 2**24
 # One array of a dataset .npz, a calibration set or a cache entry (CIFAR-10's training set is 150 MB).
 ARRAY_BYTES = Limit("PTQ_MAX_ARRAY_BYTES", 2**31, "bytes for one array")
 # Pillow's own decompression-bomb threshold; an 8K photo has 33 million.
@@ -59,6 +61,8 @@ CALL_ELEMENTS = Limit("PTQ_MAX_CALL_ELEMENTS", 2**26, "input values in one infer
 TEXT_BYTES = Limit("PTQ_MAX_TEXT_BYTES", 64 * 2**20, "bytes for a text file")
 # One inference call that does not return in this many seconds is reported, not waited on.
 CALL_SECONDS = Limit("PTQ_CALL_TIMEOUT", 900, "seconds for one inference call")
+# A download that goes on longer than this is stopped, however slowly its bytes keep coming (CIFAR-10 is 170 MB).
+DOWNLOAD_SECONDS = Limit("PTQ_DOWNLOAD_TIMEOUT", 1800, "seconds for one download")
 # What calibrating may hold at its peak, ptq itself counted as a fixed allowance: onnxruntime's calibrators keep every
 # activation of every image they are given (tens of MB an image at 224x224), so images go in chunks.
 CALIBRATION_BYTES = Limit("PTQ_CALIBRATION_MEMORY", 2 * 10**9, "bytes of memory for calibrating")
@@ -66,7 +70,7 @@ CALIBRATION_BYTES = Limit("PTQ_CALIBRATION_MEMORY", 2 * 10**9, "bytes of memory 
 # split is scored a part at a time.
 HELD_IMAGE_BYTES = Limit("PTQ_IMAGES_MEMORY", 2**28, "bytes of images held at once")
 LIMITS = (MODEL_BYTES, ARRAY_BYTES, IMAGE_PIXELS, CLASSES, INPUT_ELEMENTS, CALL_ELEMENTS, TEXT_BYTES, CALL_SECONDS, CALIBRATION_BYTES,
-          HELD_IMAGE_BYTES)
+          HELD_IMAGE_BYTES, DOWNLOAD_SECONDS)
 
 NPZ_MEMBERS = 1000
 JSON_DEPTH = 64  # ptq's own JSON nests a few levels; a record or metadata deeper than this is not ptq's
@@ -91,24 +95,93 @@ def regular_size(path: Path, what: str = "file") -> int:
     return info.st_size
 
 
+def open_regular(path: Path, what: str = "file") -> BinaryIO:
+    """`path` opened for reading if it is a regular file, in a way no read can block.
+
+    The name is checked before it is opened (opening a FIFO waits for a writer), the opened file again (the name
+    may have changed meanwhile), and reads are non-blocking: a "regular" file of a pseudo file system that would
+    wait for data (/proc/kmsg) raises BlockingIOError, which `read_all` words as one line."""
+    path = Path(path)
+    regular_size(path, what)
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as error:
+        raise PtqError(f"{path}: cannot read ({error.strerror or error})") from error
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        raise PtqError(f"{path}: changed into a special file while opened, not a regular {what}")
+    return os.fdopen(descriptor, "rb")
+
+
+def blocked(path: Path | str, what: str = "file") -> PtqError:
+    return PtqError(f"{path}: waits for data when read (a special file of the system, not a regular {what}); refused")
+
+
+def read_all(handle: BinaryIO, path: Path, limit: Limit, what: str, expected: int = 0) -> bytes:
+    """At most `limit` bytes of an open file, or one line saying it holds more or would block."""
+    pieces: list[bytes] = []
+    left = limit.value() + 1
+    try:  # in pieces of the size it had: a raised limit never becomes one huge buffer
+        while left > 0:
+            piece = handle.read(min(left, max(expected + 1, 2**20)))
+            if piece is None:  # a non-blocking read with nothing to give yet
+                raise BlockingIOError
+            if not piece:
+                break
+            pieces.append(piece)
+            left -= len(piece)
+    except BlockingIOError:
+        raise blocked(path, what) from None
+    except OSError as error:
+        raise PtqError(f"{path}: cannot read ({error.strerror or error})") from error
+    data = b"".join(pieces)
+    if len(data) > limit.value():
+        raise limit.refuse(path, "grew while read" if expected <= limit.value() else f"over {limit.value():,} bytes")
+    return data
+
+
+def read_span(handle: BinaryIO, path: Path, offset: int, length: int, what: str = "file") -> bytes:
+    """Exactly `length` bytes from `offset` of an open file (open_regular), or one line saying why not."""
+    pieces, left = [], length
+    try:
+        handle.seek(offset)
+        while left > 0:
+            piece = handle.read(min(left, 2**24))
+            if piece is None:
+                raise BlockingIOError
+            if not piece:
+                raise PtqError(f"{path}: shrank while read ({length - left:,} of the {length:,} bytes at {offset:,})")
+            pieces.append(piece)
+            left -= len(piece)
+    except BlockingIOError:
+        raise blocked(path, what) from None
+    except OSError as error:
+        raise PtqError(f"{path}: cannot read ({error.strerror or error})") from error
+    return b"".join(pieces)
+
+
+def read_head(path: Path, count: int, what: str = "file") -> bytes:
+    """The first `count` bytes (fewer if the file is shorter) of a regular file, never a read that waits."""
+    with open_regular(path, what) as handle:
+        try:
+            head = handle.read(count)
+        except BlockingIOError:
+            head = None
+        except OSError as error:
+            raise PtqError(f"{path}: cannot read ({error.strerror or error})") from error
+    if head is None:
+        raise blocked(path, what)
+    return head
+
+
 def read_bytes(path: Path, limit: Limit = MODEL_BYTES, what: str = "file") -> bytes:
     """The bytes of a regular file no larger than `limit`, read with a bound even if it grows meanwhile."""
     path = Path(path)
     size = regular_size(path, what)
     if size > limit.value():
         raise limit.refuse(path, f"{size:,} bytes")
-    try:
-        with path.open("rb") as handle:  # in pieces of the size it had: a raised limit never becomes one huge buffer
-            pieces, left = [], limit.value() + 1
-            while left > 0 and (piece := handle.read(min(left, max(size + 1, 2**20)))):
-                pieces.append(piece)
-                left -= len(piece)
-    except OSError as error:
-        raise PtqError(f"{path}: cannot read ({error.strerror or error})") from error
-    data = b"".join(pieces)
-    if len(data) > limit.value():
-        raise limit.refuse(path, "grew while read")
-    return data
+    with open_regular(path, what) as handle:
+        return read_all(handle, path, limit, what, size)
 
 
 def sha256(path: Path, limit: Limit = ARRAY_BYTES, what: str = "file") -> bytes:
@@ -118,13 +191,20 @@ def sha256(path: Path, limit: Limit = ARRAY_BYTES, what: str = "file") -> bytes:
     if size > limit.value():
         raise limit.refuse(path, f"{size:,} bytes")
     digest, left = hashlib.sha256(), limit.value() + 1
-    try:
-        with path.open("rb") as handle:
-            while left > 0 and (piece := handle.read(min(left, 2**20))):
+    with open_regular(path, what) as handle:
+        try:
+            while left > 0:
+                piece = handle.read(min(left, 2**20))
+                if piece is None:  # a non-blocking read with nothing to give yet
+                    raise BlockingIOError
+                if not piece:
+                    break
                 digest.update(piece)
                 left -= len(piece)
-    except OSError as error:
-        raise PtqError(f"{path}: cannot read ({error.strerror or error})") from error
+        except BlockingIOError:
+            raise blocked(path, what) from None
+        except OSError as error:
+            raise PtqError(f"{path}: cannot read ({error.strerror or error})") from error
     if left <= 0:
         raise limit.refuse(path, "grew while read")
     return digest.digest()
@@ -187,7 +267,7 @@ def npz_arrays(path: Path, names: tuple[str, ...] | None = None, what: str = ".n
     path = Path(path)
     regular_size(path, what)
     try:
-        with zipfile.ZipFile(path) as archive:
+        with open_regular(path, what) as raw, zipfile.ZipFile(raw) as archive:
             members = archive.infolist()
             if len(members) > NPZ_MEMBERS:
                 raise PtqError(f"{path}: {len(members):,} members, more than an {what} of arrays holds ({NPZ_MEMBERS})")
@@ -214,9 +294,8 @@ def npz_arrays(path: Path, names: tuple[str, ...] | None = None, what: str = ".n
 
 def _is_npy(path: Path) -> bool:
     try:
-        with Path(path).open("rb") as handle:
-            return handle.read(6) == b"\x93NUMPY"
-    except OSError:
+        return read_head(path, 6) == b"\x93NUMPY"
+    except (PtqError, OSError):
         return False
 
 

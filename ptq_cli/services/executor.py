@@ -247,9 +247,30 @@ def _check_reachable(address: str) -> None:
     if not host or not port.isdigit():
         return  # "auto", or a form Ray resolves itself
     try:
-        socket.create_connection((host, int(port)), timeout=CONNECT_SECONDS).close()
+        with socket.create_connection((host, int(port)), timeout=CONNECT_SECONDS) as connection:
+            tls = os.environ.get("RAY_USE_TLS", "0") not in ("0", "")  # a TLS cluster answers only after a handshake ptq leaves to Ray
+            speaks_grpc = tls or _answers_http2(connection)
     except OSError as error:
         raise PtqError(f"--ray-address {address}: Ray did not start (no cluster answers there: {error.strerror or error})") from error
+    if not speaks_grpc:  # Ray would wait on it for ever, deaf to SIGTERM
+        raise PtqError(f"--ray-address {address}: Ray did not start (something answers there, but not a Ray head: it does not speak gRPC)")
+
+
+# HTTP/2's client preface and an empty SETTINGS frame: a gRPC server (a Ray head's GCS, a Ray client server)
+# answers with a SETTINGS frame of its own.
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+HTTP2_SETTINGS = 4
+
+
+def _answers_http2(connection: socket.socket) -> bool:
+    connection.sendall(HTTP2_PREFACE)
+    header = b""
+    try:
+        while len(header) < 9 and (piece := connection.recv(9 - len(header))):
+            header += piece
+    except TimeoutError:
+        return False
+    return len(header) == 9 and header[3] == HTTP2_SETTINGS
 
 
 def _start(ray: Any, workers: Workers, folder: str | None) -> None:

@@ -7,18 +7,21 @@ temporary directory, validated by structure, then renamed into place.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.client
 import os
 import shutil
 import tarfile
 import tempfile
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ptq_cli.datasets import cifar10 as cifar
 from ptq_cli.errors import PtqError
@@ -80,46 +83,70 @@ def model_source(url: str | None = None, sha256: str | None = None) -> Source:
     return Source(url or MODEL_URL, "sha256", (sha256 or MODEL_SHA256).lower(), MODEL_MAX_BYTES)
 
 
-def download(
-    source: Source, destination: Path, progress: Callable[[int, int], None] | None = None, check: Callable[[Path], object] | None = None
-) -> None:
+def download(source: Source, destination: Path, progress: Callable[[int, int], None] | None = None,
+             check: Callable[[Path], object] | None = None, named: Path | None = None) -> None:
     """Stream `source.url` to `destination` through a temporary file; it is renamed into place only when
-    every announced byte arrived, the checksum matches and `check` accepts it, else deleted."""
+    every announced byte arrived, the checksum matches and `check` accepts it, else deleted. Messages name
+    `named` (where the asset goes) when `destination` is ptq's own staging file. A download that has not ended
+    within bounded.DOWNLOAD_SECONDS is stopped, however slowly bytes keep coming."""
     digest = hashlib.new(source.algorithm)
-    _check_local(source.url)
+    shown = named or destination
+    deadline = time.monotonic() + bounded.DOWNLOAD_SECONDS.value()
     with atomic_output(destination) as tmp:
         try:
-            with urllib.request.urlopen(source.url, timeout=TIMEOUT_SECONDS) as response, tmp.open("wb") as handle:
-                total = int(response.headers.get("Content-Length") or 0)
+            with _opened(source.url) as (response, total), tmp.open("wb") as handle:
                 done = 0
-                while chunk := response.read(CHUNK):
+                while chunk := _next_chunk(response, source.url):
                     if done + len(chunk) > source.max_bytes:
-                        raise PtqError(f"{source.url}: more than {source.max_bytes:,} bytes, more than the asset is; nothing written to {destination}")
+                        raise PtqError(f"{source.url}: more than {source.max_bytes:,} bytes, more than the asset is; nothing written to {shown}")
+                    if time.monotonic() > deadline:
+                        raise PtqError(f"{source.url}: not done within {bounded.DOWNLOAD_SECONDS.value():,} seconds ({done:,} bytes came; "
+                                       f"raise {bounded.DOWNLOAD_SECONDS.env}); nothing written to {shown}")
                     handle.write(chunk)
                     digest.update(chunk)
                     done += len(chunk)
                     if progress:
                         progress(done, total)
         except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as error:
-            reason = getattr(error, "reason", None) or error
-            raise PtqError(f"{source.url}: download failed ({reason}); nothing written to {destination}") from error
+            reason = getattr(error, "reason", None) or getattr(error, "strerror", None) or error
+            raise PtqError(f"{source.url}: download failed ({reason}); nothing written to {shown}") from error
         if total and done != total:
-            raise PtqError(f"{source.url}: connection closed after {done:,} of {total:,} bytes; nothing written to {destination}")
+            raise PtqError(f"{source.url}: connection closed after {done:,} of {total:,} bytes; nothing written to {shown}")
         if digest.hexdigest() != source.digest:
             raise PtqError(
-                f"{source.url}: {source.algorithm} {digest.hexdigest()} does not match the expected {source.digest}; nothing written to {destination}"
+                f"{source.url}: {source.algorithm} {digest.hexdigest()} does not match the expected {source.digest}; nothing written to {shown}"
             )
         if check:
             check(tmp)
 
 
-def _check_local(url: str) -> None:
-    """A file:// URL names a regular file (a FIFO or /dev/zero would never end)."""
+@contextlib.contextmanager
+def _opened(url: str) -> Iterator[tuple[Any, int]]:
+    """(a stream of the URL's bytes, the size announced or 0). A file:// URL is read as every file ptq reads:
+    a regular file only, and never a read that waits (urllib would wait on /proc/kmsg for ever)."""
     parsed = urllib.parse.urlparse(url)
     if parsed.scheme == "file":
         path = Path(urllib.request.url2pathname(parsed.path))
         if not path.is_file():
             raise PtqError(f"{url}: not a regular file" + ("" if path.exists() else " (not found)"))
+        try:
+            with bounded.open_regular(path, "file") as handle:
+                yield handle, 0
+        except PtqError as error:
+            raise PtqError(f"{url}: {str(error).partition(': ')[2]}") from None
+        return
+    with urllib.request.urlopen(url, timeout=TIMEOUT_SECONDS) as response:
+        yield response, int(response.headers.get("Content-Length") or 0)
+
+
+def _next_chunk(stream: Any, url: str) -> bytes:
+    try:
+        chunk = stream.read1(CHUNK)  # what has come, not a wait for a whole chunk that a trickle would stretch past any deadline
+    except BlockingIOError:
+        chunk = None
+    if chunk is None:  # a non-blocking local file with nothing to give
+        raise PtqError(f"{url}: waits for data when read (a special file of the system, not a download); refused")
+    return chunk
 
 
 def check_keras_file(path: Path) -> str:
@@ -127,9 +154,8 @@ def check_keras_file(path: Path) -> str:
     path = Path(path)
     if not path.is_file():
         raise PtqError(f"{path}: Keras model file not found")
-    with path.open("rb") as handle:
-        if handle.read(len(HDF5_SIGNATURE)) != HDF5_SIGNATURE:
-            raise PtqError(f"{path}: not an HDF5 file (no HDF5 signature)")
+    if bounded.read_head(path, len(HDF5_SIGNATURE), "Keras model file") != HDF5_SIGNATURE:
+        raise PtqError(f"{path}: not an HDF5 file (no HDF5 signature)")
     try:
         import h5py
     except ImportError:  # h5py comes with the keras extra; without it, the signature is all we can check
@@ -199,7 +225,7 @@ def fetch_cifar(destination: Path, source: Source, mirror: Path | None, force: b
             action, origin_text = "copied", str(mirror / CIFAR_DIR_NAME)
         else:
             archive = staging / "cifar-10-python.tar.gz"
-            download(source, archive, (lambda done, total: progress(CIFAR, done, total)) if progress else None)
+            download(source, archive, (lambda done, total: progress(CIFAR, done, total)) if progress else None, named=final)
             unpacked = _unpack(archive, staging)
             action, origin_text = "downloaded", source.url
         try:

@@ -31,6 +31,8 @@ def static_reshape_targets(model):
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
     try:
+        if subgraph_depth(model.graph) > SYMBOLIC_NESTING:
+            raise ValueError("nested too deep for symbolic shape inference")
         with outside_the_working_folder():
             model = SymbolicShapeInference.infer_shapes(model, auto_merge=True)
     except Exception:  # noqa: BLE001  it raises a bare Exception where it cannot follow a graph (ConvNeXt's LayerNorm as tf2onnx writes it)
@@ -101,6 +103,24 @@ def computing_only(model, name: str, *more: str):
             needed.add(id(node))
             pending.extend(node.input)
     return _part(model, [node for node in graph.node if id(node) in needed], None, names)
+
+
+# onnxruntime's symbolic shape inference infers each subgraph again for every level above it (exponential in the
+# nesting: 20 nested Ifs never finish); past this depth onnx's own shape inference, which is linear, is used.
+SYMBOLIC_NESTING = 2
+
+
+def subgraph_depth(graph) -> int:
+    """How deep control flow (If, Loop, Scan) nests in `graph`: 0 for a graph without subgraphs."""
+    deepest, pending = 0, [(graph, 0)]
+    while pending:
+        current, depth = pending.pop()
+        deepest = max(deepest, depth)
+        for node in current.node:
+            for attribute in node.attribute:
+                pending += [(attribute.g, depth + 1)] if attribute.HasField("g") else []
+                pending += [(inner, depth + 1) for inner in attribute.graphs]
+    return deepest
 
 
 def _holds_subgraphs(graph) -> bool:
@@ -283,6 +303,33 @@ def canonical_names(model):
     del graph.initializer[:]
     graph.initializer.extend(initializers)
     return model
+
+
+def generated_node_names(model):
+    """A copy of `model` whose every node, in subgraphs too, is named `node_<n>`: names ptq chose itself.
+
+    onnx2torch names its torch modules after the ONNX nodes, and torch.fx writes module names unescaped into the
+    Python source it generates and runs: a node name from the file would be code. Tensors keep their names
+    (onnx2torch makes its own placeholder and buffer names; torch.fx sanitizes the rest)."""
+    import onnx
+
+    renamed = onnx.ModelProto()
+    renamed.CopyFrom(model)
+    counter = 0
+    graphs = [renamed.graph]
+    while graphs:
+        graph = graphs.pop()
+        for node in graph.node:
+            node.name = f"node_{counter}"
+            counter += 1
+            for attribute in node.attribute:
+                graphs += [attribute.g] if attribute.HasField("g") else []
+                graphs += list(attribute.graphs)
+    for function in renamed.functions:
+        for node in function.node:
+            node.name = f"node_{counter}"
+            counter += 1
+    return renamed
 
 
 def drop_unused_initializers(model) -> None:
@@ -723,6 +770,8 @@ def preprocess(model, output: Path | str) -> None:
     from onnxruntime.quantization import quant_pre_process
 
     try:
+        if subgraph_depth(model.graph) > SYMBOLIC_NESTING:
+            raise ValueError("nested too deep for symbolic shape inference")
         with outside_the_working_folder():
             quant_pre_process(model, str(Path(output).resolve()))
         return

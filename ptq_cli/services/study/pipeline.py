@@ -8,7 +8,6 @@ which versions, and how long its stage took. A run where every stage is up to da
 
 from __future__ import annotations
 
-import hashlib
 import json
 import platform
 import shlex
@@ -153,11 +152,7 @@ class _Hashes:
         stat = path.stat()
         key = (str(path), stat.st_size, stat.st_mtime_ns)
         if key not in self.known:
-            digest = hashlib.sha256()
-            with path.open("rb") as handle:
-                for block in iter(lambda: handle.read(1 << 20), b""):
-                    digest.update(block)
-            self.known[key] = digest.hexdigest()
+            self.known[key] = bounded.sha256(path, bounded.ARRAY_BYTES, "input file").hex()
         return self.known[key]
 
     def content_key(self, dataset: Dataset, split: str) -> str:
