@@ -180,7 +180,11 @@ def _fill_optional_values(args: list[str]) -> list[str]:
 
 def _fail(message: str, exit_code: int) -> int:
     message = " ".join(str(message).split())  # one line, whatever a library put in its message
-    err.print(Text.assemble(("Error:", "red"), f" {message}"), highlight=False, soft_wrap=True)
+    try:
+        err.print(Text.assemble(("Error:", "red"), f" {message}"), highlight=False, soft_wrap=True)
+        sys.stderr.flush()
+    except (OSError, ValueError):  # stderr that cannot take the line (/dev/full, closed): the exit code still says it
+        pass
     return exit_code
 
 
@@ -545,7 +549,7 @@ def convert(
     onnx_source: Annotated[Path | None, typer.Option("--onnx", help="Start from this ONNX model instead of Keras (use with --torch).", show_default=False)] = None,
     torch_output: Annotated[Path | None, typer.Option("--torch", help="Also convert the ONNX model to PyTorch (onnx2torch), saved as TorchScript here, e.g. models/resnet8.pt.", show_default=False)] = None,
     opset: Annotated[int, typer.Option(min=10, max=21, help="ONNX opset for tf2onnx.")] = 13,
-    check_images: Annotated[int, typer.Option(min=0, help=f"Test images on which source and converted outputs must agree within {convert_service.LIMIT}.")] = 1000,
+    check_images: Annotated[int, typer.Option(min=1, help=f"Test images (at least 1: every conversion is checked) on which source and converted outputs must agree within {convert_service.LIMIT}.")] = 1000,
     choice: DataChoice = NO_CHOICE,
     as_json: JsonFlag = False,
 ) -> list[convert_service.ConversionResult]:

@@ -12,6 +12,7 @@ import platform
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import TypedDict
 
 from ptq_cli.errors import PtqError
 from ptq_cli.guards import bounded
@@ -52,6 +53,15 @@ class Cpu:
 
     def as_record(self) -> dict:
         return {"model": self.model, "arch": self.arch, "flags": list(self.flags), "int8_path": self.int8_path}
+
+
+class CpuRecord(TypedDict, total=False):
+    """A CPU as records hold it (Cpu.as_record): the schema a record's `cpu` field is checked against."""
+
+    model: str
+    arch: str
+    flags: list[str]
+    int8_path: str | None
 
 
 def describe_record(cpu: dict | None) -> str:

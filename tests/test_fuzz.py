@@ -2,7 +2,7 @@
 
 The contract, for every case: exit 0 with a sound result, or exit 2 with one line on stderr and nothing
 written; never a traceback. In-process (CliRunner) on tests/synthetic.py's tiny classifier and images, so
-it runs on every change: all 5,600 cases in `make test` (CI), a quarter of them in `make test-fast`.
+it runs on every change: all 6,200 cases in `make test` (CI), a quarter of them in `make test-fast`.
 Cases are derandomized: a failure reproduces.
 """
 
@@ -30,7 +30,7 @@ FUZZ = settings(derandomize=True, database=None, deadline=None, suppress_health_
 
 
 def fuzz(examples: int):
-    """`examples` cases (5,600 over the harness), scaled by PTQ_FUZZ_SCALE: `make test-fast` runs a quarter."""
+    """`examples` cases (6,200 over the harness), scaled by PTQ_FUZZ_SCALE: `make test-fast` runs a quarter."""
     return settings(FUZZ, max_examples=max(10, round(examples * float(os.environ.get("PTQ_FUZZ_SCALE", "1")))))
 OUTPUTS = ("models", "results", "res", "reports", "out", "calibration", "q.onnx", "report.md", "calib_out.npz")
 
@@ -96,8 +96,10 @@ def template(tmp_path_factory) -> Path:
 
 
 def snapshot(directory: Path) -> dict[str, bytes]:
-    return {str(path.relative_to(directory)): path.read_bytes() for path in sorted(directory.rglob("*"))
-            if path.is_file() and not str(path.relative_to(directory)).startswith("cache")}
+    """Every file's bytes; a symbolic link as where it points (a case's link may lead to a file that blocks when read)."""
+    return {str(path.relative_to(directory)): b"-> " + os.fsencode(os.readlink(path)) if path.is_symlink() else path.read_bytes()
+            for path in sorted(directory.rglob("*"))
+            if (path.is_symlink() or path.is_file()) and not str(path.relative_to(directory)).startswith("cache")}
 
 
 _CASES: list[Path] = []  # the folder of the example being run
@@ -855,3 +857,237 @@ def test_fuzz_export_symbols(template, tmp_path_factory, data):
             built = subprocess.run([compiler, standard, "-x", "c" if "++" not in compiler else "c++", "-c", str(written[0]), "-o", os.devnull],
                                    capture_output=True, text=True)
             assert built.returncode == 0, (command, built.stderr[:400])
+
+
+# Hostile input, third round: the kinds that ran an attacker's code or never ended.
+
+CODE_TEMPLATES = (
+    'flatten") if getattr(__import__("os"),"system")("touch {marker}") else getattr(self,"flatten',
+    'x"]; __import__("os").system("touch {marker}"); y=["',
+    "x')\n__import__('pathlib').Path('{marker}').touch()\n#",
+    'a\\"); open("{marker}", "w"); ("',
+    "{{__import__('os').system('touch {marker}')}}",
+)
+
+
+@fuzz(30)
+@given(data=st.data())
+def test_fuzz_node_names_with_code(template, tmp_path_factory, data):
+    """ONNX node names that would be code if torch.fx wrote them into its generated source: nothing runs."""
+    work = project(template, tmp_path_factory)
+    marker = work / "cache" / "pwned"
+    model = onnx.load(str(work / "models" / "m.onnx"))
+    for index, node in enumerate(model.graph.node):
+        kind = data.draw(st.sampled_from(["code", "text", "empty", "same"]), label="name")
+        if kind == "code":
+            node.name = data.draw(st.sampled_from(CODE_TEMPLATES), label="template").format(marker=marker) + str(index)
+        elif kind == "text":
+            node.name = data.draw(st.text(max_size=30), label="text") + f"#{index}"
+        elif kind == "empty":
+            node.name = ""
+    onnx.save(model, str(work / "models" / "named.onnx"))
+    command = data.draw(st.sampled_from([
+        ("convert", "--onnx", "models/named.onnx", "--torch", "out/named.pt", "--data", "colours.npz", "--check-images", "4"),
+        ("quantize", "--backend", "pytorch", "--model", "models/named.onnx", "--data", "colours.npz", "--calibration", "calib.npz",
+         "--output", "out/q.pt"),
+    ]), label="command")
+    run_case(work, *command)
+    assert not marker.exists(), command
+
+
+IMAGE_IMPOSTORS = {
+    "PostScript": b"%!PS-Adobe-3.0\n{ } loop\n",
+    "EPS": b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 8 8\nnewpath 0 0 moveto showpage\n",
+    "binary EPS": b"\xc5\xd0\xd3\xc6" + b"\x20\x00\x00\x00" + b"\x00" * 24 + b"%!PS-Adobe-3.0 EPSF-3.0\n",
+    "PDF": b"%PDF-1.7\n1 0 obj << /Type /Catalog >> endobj\ntrailer << /Root 1 0 R >>\n%%EOF\n",
+    "GIF": b"GIF89a\x01\x00\x01\x00\x00\x00\x00,\x00\x00\x00\x00\x01\x00\x01\x00\x00\x02\x00;",
+    "TIFF": b"II*\x00\x08\x00\x00\x00\x00\x00",
+    "SVG": b'<svg xmlns="http://www.w3.org/2000/svg" width="8" height="8"/>',
+    "ICO": b"\x00\x00\x01\x00\x01\x00\x01\x01\x00\x00",
+    "PPM": b"P6\n1 1\n255\n\x00\x00\x00",
+    "XBM": b"#define x_width 1\n#define x_height 1\nstatic char x_bits[] = {0x00};\n",
+}
+
+
+@fuzz(200)
+@given(data=st.data())
+def test_fuzz_image_impostors(template, tmp_path_factory, data):
+    """Files of another format under an image's name: Pillow is let open only PNG, JPEG, BMP and WebP; Ghostscript never runs."""
+    from PIL import EpsImagePlugin
+
+    work = project(template, tmp_path_factory)
+    images = sorted((work / "folder").rglob("*.png"))
+    victim = images[data.draw(st.integers(0, len(images) - 1), label="victim")]
+    kind = data.draw(st.sampled_from(sorted(IMAGE_IMPOSTORS)), label="kind")
+    content = IMAGE_IMPOSTORS[kind] + data.draw(st.binary(max_size=16), label="tail")
+    victim.unlink()
+    victim = victim.with_suffix(data.draw(st.sampled_from([".png", ".jpg", ".jpeg", ".bmp", ".webp"]), label="suffix"))
+    victim.write_bytes(content)
+    ran: list = []
+    command = data.draw(st.sampled_from([
+        ("evaluate", "--model", "models/m.onnx", "--data", "folder", "--results-dir", "res"),
+        ("calibrate", "--data", "folder", "--samples-per-class", "3", "--output", "calib_out.npz"),
+        ("quantize", "--model", "models/m.onnx", "--data", "folder", "--output", "q.onnx"),
+    ]), label="command")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(EpsImagePlugin, "Ghostscript", lambda *args, **kwargs: ran.append(args))
+        result = run_case(work, *command)
+    assert not ran, command
+    reads = "test" if command[0] == "evaluate" else "train"  # calibration images come from the train split
+    if victim.parent.parent.name == reads:
+        assert result.exit_code == 2, (command, kind, victim)
+
+
+@fuzz(200)
+@given(data=st.data())
+def test_fuzz_aliased_external_data(template, tmp_path_factory, data):
+    """Tensors naming the same, overlapping or absent bytes of external files: bounded per tensor, one line or a sound result."""
+    work = project(template, tmp_path_factory)
+    model = onnx.load(str(work / "models" / "m.onnx"))
+    files = {name: data.draw(st.integers(0, 4096), label=f"{name} bytes") for name in ("a.bin", "b.bin")}
+    for name, size in files.items():
+        (work / "models" / name).write_bytes(bytes(size))
+    for index in range(data.draw(st.integers(1, 12), label="tensors")):
+        location = data.draw(st.sampled_from(["a.bin", "b.bin", "missing.bin", "../colours.npz", "/etc/passwd", ""]), label="location")
+        count = data.draw(st.integers(0, 600), label="floats")
+        tensor = onnx.TensorProto(name=f"alias{index}", data_type=onnx.TensorProto.FLOAT, dims=[count], data_location=onnx.TensorProto.EXTERNAL)
+        for key, value in (("location", location), ("offset", data.draw(st.one_of(st.none(), st.integers(-8, 5000)), label="offset")),
+                           ("length", data.draw(st.one_of(st.none(), st.integers(-8, 5000)), label="length"))):
+            if value is not None:
+                entry = tensor.external_data.add()
+                entry.key, entry.value = key, str(value)
+        model.graph.initializer.append(tensor)
+    onnx.save(model, str(work / "models" / "aliased.onnx"))
+    limit = data.draw(st.sampled_from(["", "2000", "20000"]), label="limit")
+    command = data.draw(st.sampled_from([
+        ("evaluate", "--model", "models/aliased.onnx", "--data", "colours.npz", "--results-dir", "res"),
+        ("quantize", "--model", "models/aliased.onnx", "--data", "colours.npz", "--calibration", "calib.npz", "--output", "q.onnx"),
+    ]), label="command")
+    with pytest.MonkeyPatch.context() as patch:
+        if limit:
+            patch.setenv("PTQ_MAX_MODEL_BYTES", limit)
+        run_case(work, *command)
+
+
+def _kernel_blocking_file() -> list[str]:
+    """/proc/kmsg where this process may open it: a regular file of the kernel's that waits for data when read."""
+    try:
+        os.close(os.open("/proc/kmsg", os.O_RDONLY | os.O_NONBLOCK))
+    except OSError:
+        return []
+    return ["/proc/kmsg"]
+
+
+BLOCKING = _kernel_blocking_file()
+
+
+@pytest.mark.skipif(not BLOCKING, reason="no readable file here waits for data when read (/proc/kmsg needs root)")
+@fuzz(150)
+@given(data=st.data())
+def test_fuzz_blocking_files(template, tmp_path_factory, data):
+    """Any input, or the CPU description, a link to a file that waits for data when read: one line, never a hang."""
+    work = project(template, tmp_path_factory)
+    role = data.draw(st.sampled_from([*sorted(SPECIAL_TARGETS), "cpuinfo", "external data"]), label="role")
+    if role == "cpuinfo":
+        command = ("evaluate", "--model", "models/m.onnx", "--data", "colours.npz", "--results-dir", "res")
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("PTQ_CPUINFO", BLOCKING[0])
+            from ptq_cli import cpu
+
+            cpu.current.cache_clear()
+            try:
+                result = run_case(work, *command)
+            finally:
+                cpu.current.cache_clear()
+        assert result.exit_code == 2
+        return
+    if role == "external data":
+        model = onnx.load(str(work / "models" / "m.onnx"))
+        onnx.save(model, str(work / "models" / "ext.onnx"), save_as_external_data=True, location="ext.bin", size_threshold=0)
+        (work / "models" / "ext.bin").unlink()
+        (work / "models" / "ext.bin").symlink_to(BLOCKING[0])
+        run_case(work, "evaluate", "--model", "models/ext.onnx", "--data", "colours.npz", "--results-dir", "res")
+        return
+    _, target, command = drawn_target(work, {role: SPECIAL_TARGETS[role]}, data)
+    target.unlink()
+    target.symlink_to(BLOCKING[0])
+    run_case(work, *command)
+
+
+@fuzz(40)
+@given(data=st.data())
+def test_fuzz_addresses_that_are_not_ray(template, tmp_path_factory, data):
+    """A --ray-address whose port answers with anything but a gRPC server's first frame: one line, at once."""
+    import socketserver
+    import threading
+
+    work = project(template, tmp_path_factory)
+    answer = data.draw(st.one_of(st.binary(max_size=64), st.sampled_from([b"HTTP/1.1 400 Bad Request\r\n\r\n", b"SSH-2.0-OpenSSH_9.6\r\n",
+                                                                          b"+OK redis\r\n", b"\x00\x00\x00\x07\x00\x00\x00\x00\x00"])), label="answer")
+    close = data.draw(st.booleans(), label="close after")
+
+    class Answer(socketserver.BaseRequestHandler):
+        def handle(self):
+            try:
+                self.request.sendall(answer)
+                if not close:
+                    self.request.recv(64)
+            except OSError:
+                pass
+
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Answer)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        address = data.draw(st.sampled_from(["{}", "ray://{}"]), label="form").format(f"127.0.0.1:{server.server_address[1]}")
+        result = run_case(work, "evaluate", "--model", "models/m.onnx", "--data", "colours.npz", "--results-dir", "res", "--ray-address", address)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert result.exit_code == 2
+
+
+@fuzz(6)
+@given(data=st.data())
+def test_fuzz_slow_servers(template, tmp_path_factory, data):
+    """A server that sends a little now and then, never idle long enough for a socket timeout: stopped at the download's deadline."""
+    import http.server
+    import threading
+    import time
+
+    work = project(template, tmp_path_factory)
+    pause = data.draw(st.sampled_from([0.05, 0.2, 0.5]), label="pause")
+    announced = data.draw(st.sampled_from([None, 10**6, 10**9]), label="announced")
+
+    class Trickle(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            self.send_response(200)
+            if announced:
+                self.send_header("Content-Length", str(announced))
+            self.end_headers()
+            for _ in range(int(6 / pause)):
+                try:
+                    self.wfile.write(b"\x1f")
+                    self.wfile.flush()
+                except OSError:
+                    return
+                time.sleep(pause)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Trickle)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    asset = data.draw(st.sampled_from(["cifar", "model"]), label="asset")
+    url = f"http://127.0.0.1:{server.server_address[1]}/x"
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("PTQ_DOWNLOAD_TIMEOUT", "1")
+            started = time.monotonic()
+            result = run_case(work, "fetch", "--dest", "out", "--asset", asset, f"--{asset}-url", url)
+            took = time.monotonic() - started
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert result.exit_code == 2 and "not done within 1 seconds" in result.stderr and took < 4

@@ -53,6 +53,7 @@ from ptq_cli.backends.model_file import (
     resolve_threads,
 )
 from ptq_cli.errors import PtqError, first_line
+from ptq_cli.guards.library_noise import native_stderr_silenced
 from ptq_cli.transforms.overflow import ALL_LAYERS, FIRST_LAYER, JUDGED
 from ptq_cli.transforms.rounding import LEARNED, NEAREST
 
@@ -149,12 +150,17 @@ def _graph_layout(value) -> tuple[str, int] | None:
 def _read(core, path: Path) -> tuple[Any, int, str]:
     """(the model read by OpenVINO, its files' size and sha256), or a one-line error."""
     digest, size = hashlib.sha256(), 0
-    for file in _files(path):
+    for index, file in enumerate(_files(path)):
         data = read_bytes(file)
+        if index == 0 and path.suffix == SUFFIX and not data.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"<"):
+            raise PtqError(f"{path}: not an OpenVINO IR (its .xml is not XML)")
+        if index == 0 and path.suffix != SUFFIX:
+            read_onnx(path, data)  # OpenVINO offers a file no frontend claims to the next (TensorFlow's, which logs to stderr)
         digest.update(data)
         size += len(data)
     try:
-        model = core.read_model(str(path))
+        with native_stderr_silenced():  # its frontends' own log lines (absl's "E0000 ...") would come before ptq's one line
+            model = core.read_model(str(path))
     except Exception as error:  # OpenVINO raises RuntimeError subclasses for unreadable models
         raise PtqError(f"{path}: OpenVINO cannot read it ({first_line(error)})") from error
     if len(model.inputs) != 1:
@@ -313,8 +319,11 @@ def _quantize_nncf(model, output: Path, settings: QuantizationSettings, calibrat
     ov = _openvino()
     import nncf
 
-    # NNCF logs (INFO: ignored nodes ...) to stdout, which is for ptq's results (--json).
-    for handler in logging.getLogger("nncf").handlers:
+    # NNCF logs (INFO: ignored nodes ...) to stdout, which is for ptq's results (--json); its INFO lines repeat ptq's
+    # own settings for every candidate `tune` makes. Its warnings go to stderr.
+    nncf_logger = logging.getLogger("nncf")
+    nncf_logger.setLevel(logging.WARNING)
+    for handler in nncf_logger.handlers:
         if type(handler) is logging.StreamHandler:  # its own; not a subclass another tool (pytest) added
             handler.stream = sys.stderr  # not setStream: it flushes the old stream, which may be closed
     converted = _convert(model)

@@ -76,6 +76,7 @@ class Dataset(ABC):
 
     format: str = "?"
     labelled: bool = True  # False: images without labels (class_names() is empty, every label UNLABELLED)
+    names_its_classes: bool = True  # False: labels numbered only, so the classes may be more than the highest label says
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
@@ -182,7 +183,7 @@ class Dataset(ABC):
         shape = f"{decode_size[0]}x{decode_size[1]}" if decode_size else "native"
         if indices is not None:
             shape += "-" + hashlib.sha256(np.asarray(indices, np.int64).tobytes()).hexdigest()[:16]
-        cache_dir = cache.directory()
+        cache_dir = cache.directory(self.root)
         entry = cache_dir / f"{self.format}-{key[:40]}-{split}-{shape}.npz" if cache_dir is not None else None
         return entry, f"{self.format}:{self.decoding}:{key}:{split}:{shape}"
 

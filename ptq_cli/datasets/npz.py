@@ -44,6 +44,7 @@ class NpzDataset(Dataset):
             highest = max((int(labels.max()) for labels in label_arrays if labels.size and labels.dtype.kind in "iu"), default=0)
             bounded.check_count(self.root, highest + 1, bounded.CLASSES, f"label {highest:,} means {highest + 1:,} classes")
             self._classes = tuple(str(index) for index in range(highest + 1))
+            self.names_its_classes = False
 
     def splits(self) -> tuple[str, ...]:
         return tuple(split for split in SPLITS if split in self._prefixes)

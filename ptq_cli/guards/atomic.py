@@ -72,7 +72,7 @@ def atomic_output(path: Path) -> Iterator[Path]:
         path.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(path)
         # Same directory, so the final os.replace is atomic; same suffix, for writers that look at it.
-        fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}-", suffix=f"{PARTIAL}{path.suffix}")
+        fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{_short_name(path)}.{os.getpid()}-", suffix=f"{PARTIAL}{path.suffix}")
         os.close(fd)
     except OSError as error:
         raise PtqError(f"{path}: cannot write ({error.strerror or error})") from error
@@ -100,6 +100,21 @@ def atomic_output(path: Path) -> Iterator[Path]:
         raise
     finally:
         _in_progress.discard(tmp_name)
+
+
+# A file name holds at most 255 bytes; a temporary name adds 29 and the suffix again to the output's name.
+NAME_BYTES = 255
+
+
+def _short_name(path: Path) -> str:
+    """The output's name as its temporary file carries it: whole where that fits in a file name, else its stem cut
+    short (the suffix kept: remove_stale_temporaries reads it back)."""
+    overhead = 29 + len(os.fsencode(path.suffix))
+    if len(os.fsencode(path.name)) + overhead <= NAME_BYTES:
+        return path.name
+    room = max(1, NAME_BYTES - overhead - len(os.fsencode(path.suffix)))
+    stem = os.fsencode(path.stem)[:room].decode("utf-8", "ignore") or "output"
+    return stem + path.suffix
 
 
 # The temporary files of this process's unfinished writes: removed by a hard stop (hardstop.py).

@@ -61,6 +61,8 @@ CALL_ELEMENTS = Limit("PTQ_MAX_CALL_ELEMENTS", 2**26, "input values in one infer
 TEXT_BYTES = Limit("PTQ_MAX_TEXT_BYTES", 64 * 2**20, "bytes for a text file")
 # One inference call that does not return in this many seconds is reported, not waited on.
 CALL_SECONDS = Limit("PTQ_CALL_TIMEOUT", 900, "seconds for one inference call")
+# A model `export --c-array` writes as C: microcontrollers' flash holds a few MB; the C text is six times the bytes.
+C_ARRAY_BYTES = Limit("PTQ_MAX_C_ARRAY_BYTES", 64 * 2**20, "bytes for a model exported as a C array")
 # A download that goes on longer than this is stopped, however slowly its bytes keep coming (CIFAR-10 is 170 MB).
 DOWNLOAD_SECONDS = Limit("PTQ_DOWNLOAD_TIMEOUT", 1800, "seconds for one download")
 # What calibrating may hold at its peak, ptq itself counted as a fixed allowance: onnxruntime's calibrators keep every
@@ -70,7 +72,7 @@ CALIBRATION_BYTES = Limit("PTQ_CALIBRATION_MEMORY", 2 * 10**9, "bytes of memory 
 # split is scored a part at a time.
 HELD_IMAGE_BYTES = Limit("PTQ_IMAGES_MEMORY", 2**28, "bytes of images held at once")
 LIMITS = (MODEL_BYTES, ARRAY_BYTES, IMAGE_PIXELS, CLASSES, INPUT_ELEMENTS, CALL_ELEMENTS, TEXT_BYTES, CALL_SECONDS, CALIBRATION_BYTES,
-          HELD_IMAGE_BYTES, DOWNLOAD_SECONDS)
+          HELD_IMAGE_BYTES, DOWNLOAD_SECONDS, C_ARRAY_BYTES)
 
 NPZ_MEMBERS = 1000
 JSON_DEPTH = 64  # ptq's own JSON nests a few levels; a record or metadata deeper than this is not ptq's

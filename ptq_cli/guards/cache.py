@@ -23,10 +23,13 @@ KEY_BYTES = 32
 TRUSTED_DIR = "trusted"
 
 
-def directory() -> Path | None:
+def directory(read_from: Path | None = None) -> Path | None:
     """The cache directory, made private (0700) if new; None if it cannot be made (a read-only home: ptq
-    runs without a cache); a one-line error if someone else could write to it."""
+    runs without a cache); a one-line error if someone else could write to it, or if it lies inside `read_from`,
+    a folder ptq reads (its next read would meet ptq's own files among the images)."""
     root = settings.cache_dir()
+    if read_from is not None and Path(read_from).is_dir() and root.resolve().is_relative_to(Path(read_from).resolve()):
+        raise PtqError(f"{settings.CACHE_ENV}={root}: inside {read_from}, a folder ptq reads images from; set it to a folder elsewhere")
     try:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         info = root.stat()

@@ -270,7 +270,8 @@ def _answers_http2(connection: socket.socket) -> bool:
             header += piece
     except TimeoutError:
         return False
-    return len(header) == 9 and header[3] == HTTP2_SETTINGS
+    # A server's first frame: SETTINGS (type 4), no flags, on stream 0, a whole number of 6-byte settings.
+    return len(header) == 9 and header[3] == HTTP2_SETTINGS and header[4] == 0 and header[5:] == b"\0\0\0\0" and int.from_bytes(header[:3]) % 6 == 0
 
 
 def _start(ray: Any, workers: Workers, folder: str | None) -> None:

@@ -63,7 +63,20 @@ def from_dict(cls: type[Record], data: dict) -> Record:
     for key in known & data.keys():
         if not _fits(data[key], hints[key]):
             raise TypeError(f"field '{key}' is {json.dumps(data[key])[:40]}, expected {hints[key]}")
+    for key, schema in getattr(cls, "NESTED_FIELDS", {}).items():
+        _check_nested(key, data.get(key), schema)
     return cls(**{key: value for key, value in data.items() if key in known})
+
+
+def _check_nested(key: str, value: Any, schema: type) -> None:
+    """A field held as a JSON object (`dict` in the record class) checked against the class it was written from:
+    each of that class's fields present must fit its annotation (`NESTED_FIELDS` of a record class names them)."""
+    if not isinstance(value, dict):
+        return
+    hints, known = _annotations(schema) if is_dataclass(schema) else (typing.get_type_hints(schema), frozenset(typing.get_type_hints(schema)))
+    for name in known & value.keys():
+        if not _fits(value[name], hints[name]):
+            raise TypeError(f"field '{key}.{name}' is {json.dumps(value[name])[:40]}, expected {hints[name]}")
 
 
 @cache

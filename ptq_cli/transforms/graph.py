@@ -332,6 +332,31 @@ def generated_node_names(model):
     return renamed
 
 
+def dense_initializers(model, max_bytes: int):
+    """`model` with its sparse initializers (ONNX's sparse_initializer) as ordinary dense ones: the quantizers
+    and converters read dense weights only. A dense form over `max_bytes` is refused (a few indices may declare
+    gigabytes)."""
+    from onnx import numpy_helper
+
+    for sparse in list(model.graph.sparse_initializer):
+        dims = [int(dim) for dim in sparse.dims]
+        values = numpy_helper.to_array(sparse.values)
+        indices = numpy_helper.to_array(sparse.indices).astype(np.int64)
+        name = sparse.values.name
+        size = int(np.prod(dims)) if dims else 1
+        if any(dim < 0 for dim in dims) or size * values.dtype.itemsize > max_bytes:
+            raise PtqError(f"{model.graph.name or 'model'}: sparse weights '{name[:80]}' are {dims} when dense, over {max_bytes:,} bytes")
+        if indices.ndim == 2:  # coordinates, one row per value
+            indices = np.ravel_multi_index(tuple(indices.T), dims) if indices.size else indices.reshape(-1)
+        if indices.size != values.size or (indices.size and (indices.min() < 0 or indices.max() >= size)):
+            raise PtqError(f"{model.graph.name or 'model'}: sparse weights '{name[:80]}' have indices outside their {dims}")
+        dense = np.zeros(size, dtype=values.dtype)
+        dense[indices.reshape(-1)] = values.reshape(-1)
+        model.graph.initializer.append(numpy_helper.from_array(dense.reshape(dims), name))
+    del model.graph.sparse_initializer[:]
+    return model
+
+
 def drop_unused_initializers(model) -> None:
     used = {name for node in model.graph.node for name in node.input} | {value.name for value in model.graph.output}
     kept = [init for init in model.graph.initializer if init.name in used]

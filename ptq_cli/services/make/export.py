@@ -8,8 +8,8 @@ from pathlib import Path
 
 from ptq_cli import backends
 from ptq_cli.backends import litert
-from ptq_cli.backends.model_file import read_bytes
 from ptq_cli.errors import PtqError
+from ptq_cli.guards import bounded
 from ptq_cli.guards.atomic import atomic_output, check_outputs
 
 # TFLite Micro reads the flatbuffer in place: 16-byte alignment keeps its tensors' data aligned.
@@ -76,7 +76,12 @@ def export_c_array(model: Path, output_dir: Path | None = None, symbol: str | No
     `const unsigned char` array and its length as `const unsigned int`; with `arena`, the tensor arena TFLite
     Micro measured for it as <SYMBOL>_ARENA_BYTES."""
     model = Path(model)
-    data = read_bytes(model)
+    size = bounded.regular_size(model, "model file")
+    if size > bounded.C_ARRAY_BYTES.value():
+        raise bounded.C_ARRAY_BYTES.refuse(model, f"{size:,} bytes")
+    data = bounded.read_bytes(model, bounded.C_ARRAY_BYTES, "model file")
+    if not data:
+        raise PtqError(f"{model}: empty file")
     if not litert.sniff(data[:8]):
         raise PtqError(f"{model}: not a TFLite flatbuffer; --c-array exports .tflite models (what TFLite Micro runs)")
     if symbol is not None and not valid_symbol(symbol):
@@ -101,18 +106,18 @@ def export_c_array(model: Path, output_dir: Path | None = None, symbol: str | No
         f"extern const unsigned int {symbol}_len;", "",
         "#ifdef __cplusplus", "}", "#endif", "", f"#endif /* {guard} */", "",
     ])
-    rows = [", ".join(f"0x{byte:02x}" for byte in data[start : start + BYTES_PER_LINE]) for start in range(0, len(data), BYTES_PER_LINE)]
-    source_text = "\n".join([
-        f'#include "{header.name}"', "",
-        "#if defined(__cplusplus)", f"alignas({ALIGNMENT})", "#else", f"_Alignas({ALIGNMENT})", "#endif",
-        f"const unsigned char {symbol}[] = {{",
-        *(f"  {row}," for row in rows),
-        "};", "",
-        f"const unsigned int {symbol}_len = {len(data)};", "",
-    ])
+    opening = "\n".join([f'#include "{header.name}"', "", "#if defined(__cplusplus)", f"alignas({ALIGNMENT})", "#else",
+                         f"_Alignas({ALIGNMENT})", "#endif", f"const unsigned char {symbol}[] = {{", ""])
+    closing = "\n".join(["};", "", f"const unsigned int {symbol}_len = {len(data)};", ""])
     # Both or neither: each written to a temporary file, renamed only once both are complete (a full disk leaves no .h alone).
     with atomic_output(source) as source_tmp:
-        source_tmp.write_text(source_text, encoding="ascii")  # a failure here is named by the .c, one below by the .h
+        with source_tmp.open("w", encoding="ascii") as handle:  # in pieces: the text is six times the model's bytes
+            handle.write(opening)
+            for start in range(0, len(data), BYTES_PER_LINE * 4096):
+                piece = data[start : start + BYTES_PER_LINE * 4096]
+                handle.write("".join(f"  {', '.join(f'0x{byte:02x}' for byte in piece[at : at + BYTES_PER_LINE])},\n"
+                                     for at in range(0, len(piece), BYTES_PER_LINE)))
+            handle.write(closing)
         with atomic_output(header) as header_tmp:
             header_tmp.write_text(header_text, encoding="ascii")
     return CArrayExport(model, source, header, symbol, len(data), arena_bytes)

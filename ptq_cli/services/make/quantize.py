@@ -12,6 +12,7 @@ from ptq_cli import backends, inputs
 from ptq_cli.backends.base import QUANTIZATION_METADATA_KEY, SOURCE_METADATA_KEY, LoadedModel, QuantizationSettings, QuantizedFile
 from ptq_cli.backends.model_file import file_sha256, read_onnx
 from ptq_cli.errors import PtqError
+from ptq_cli.guards import bounded
 from ptq_cli.guards.atomic import check_outputs, check_writable, companions
 from ptq_cli.services.make.calibration import CalibrationSet, for_model
 from ptq_cli.services.make.stem import resolve_stem
@@ -20,7 +21,7 @@ from ptq_cli.services.measure.report import DatasetGroup, measured_from
 from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressBar, ProgressCallback, no_progress_bar
 from ptq_cli.transforms import overflow
-from ptq_cli.transforms.graph import clamped_activations, depthwise_convs, fixed_input_size, upgrade_opset
+from ptq_cli.transforms.graph import clamped_activations, dense_initializers, depthwise_convs, fixed_input_size, upgrade_opset
 
 # QDQ needs opset 10; per-channel QDQ needs 13. Older models are converted to this opset first.
 MIN_OPSET, MIN_OPSET_PER_CHANNEL, UPGRADE_OPSET = 10, 13, 13
@@ -71,7 +72,27 @@ def load_source(model_path: Path, flags: inputs.PreprocessingFlags, per_channel:
     model, note = upgrade_opset(model, MIN_OPSET_PER_CHANNEL if per_channel else MIN_OPSET, UPGRADE_OPSET)
     model = fixed_input_size(model, loaded.input.name, loaded.input.shape(1)[1:])  # a size the model leaves open, as --input-size gave it
     model.graph.name = str(model_path)  # names the file in the backends' messages
+    model = dense_initializers(model, bounded.ARRAY_BYTES.value())
+    _check_finite_weights(model_path, model)
     return SourceModel(model_path, model, loaded, (note,) if note else ())
+
+
+WEIGHTED = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+
+
+def _check_finite_weights(model_path: Path, model) -> None:
+    """NaN anywhere among the weights, or an infinity in a layer's weights, has no 8-bit code: one line, before any
+    backend's calibration meets it (an infinite constant elsewhere, an attention mask's, is left to the model)."""
+    from onnx import numpy_helper
+
+    weights = {name for node in model.graph.node if node.op_type in WEIGHTED for name in node.input[1:]}
+    for init in model.graph.initializer:
+        if init.data_type not in (1, 10, 11, 16):  # float, float16, double, bfloat16
+            continue
+        values = numpy_helper.to_array(init)
+        if np.isnan(values).any() or (init.name in weights and not np.isfinite(values).all()):
+            raise PtqError(f"{model_path}: weights '{init.name[:80]}' hold NaN or infinity, which no 8-bit code represents; "
+                           "fix the model (its FP32 scores are not finite either)")
 
 
 def resolve_model_defaults(settings: QuantizationSettings, model) -> QuantizationSettings:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -36,6 +36,8 @@ BENCHMARK_DIR = "benchmarks"  # under the results directory, beside the evaluati
 
 @dataclass(frozen=True)
 class BenchmarkRecord:
+    NESTED_FIELDS: ClassVar[dict[str, type]] = {"cpu": cpu_info.CpuRecord}  # checked when a record is read (records.from_dict)
+
     model_path: str
     model_sha256: str  # ties the figures to one exact file; the report ignores figures of an older file
     model_size_bytes: int
@@ -206,15 +208,18 @@ def save_benchmark(record: BenchmarkRecord, results_dir: Path) -> Path:
     return write_record(record_file(Path(results_dir) / BENCHMARK_DIR, record), record)
 
 
-def load_benchmarks(results_dir: Path) -> dict[MeasurementKey, BenchmarkRecord]:
+def load_benchmarks(results_dir: Path, skipped: list[str] | None = None) -> dict[MeasurementKey, BenchmarkRecord]:
     """Benchmark records by what they measured (MeasurementKey without a dataset: model sha256, runtime,
-    precision, and the int8 path where it is not the CPU's own); unreadable ones are ignored (benchmarks are optional)."""
+    precision, and the int8 path where it is not the CPU's own); an unreadable one is left out, and named in
+    `skipped` ("path: problem") where the caller shows what it left out."""
     found: dict[MeasurementKey, BenchmarkRecord] = {}
     for path in record_files(Path(results_dir) / BENCHMARK_DIR):
         try:
             data = bounded.json_loads(bounded.read_text(path, "record"))
             record = from_dict(BenchmarkRecord, data)
-        except (PtqError, OSError, ValueError, TypeError, AttributeError):
+        except (PtqError, OSError, ValueError, TypeError, AttributeError) as error:
+            if skipped is not None:
+                skipped.append(f"{path}: not a ptq benchmark record ({str(error).removeprefix(f'{path}: ')})")
             continue
         found[replace(MeasurementKey.of(record, with_dataset=False), int8_path=record.int8_path or "")] = record
     return found

@@ -8,10 +8,10 @@ import math
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, overload
+from typing import Any, ClassVar, overload
 
 import numpy as np
 
@@ -28,8 +28,8 @@ from ptq_cli.guards.atomic import check_folder_writable, companions
 from ptq_cli.inputs import Preprocessing, PreprocessingFlags
 from ptq_cli.services.executor import HERE, Executor, Workers, executor
 from ptq_cli.services.measure import emulate
+from ptq_cli.services.measure.fidelity import Fidelity, compare
 from ptq_cli.services.measure.fidelity import check as check_fidelity
-from ptq_cli.services.measure.fidelity import compare
 from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressBar, ProgressCallback, no_progress_bar
 from ptq_cli.services.quant_settings import describe_model
@@ -41,6 +41,9 @@ RECORD_SCHEMA = 2
 @dataclass(frozen=True)
 class EvaluationRecord:
     """What `evaluate` measured for one model file on one dataset; `report` reads these and computes nothing new."""
+
+    # The fields held as JSON objects, and what each is checked against when a record is read (records.from_dict).
+    NESTED_FIELDS: ClassVar[dict[str, type]] = {"cpu": cpu_info.CpuRecord, "fidelity": Fidelity, "preprocessing_settings": Preprocessing}
 
     model_path: str
     model_sha256: str
@@ -334,6 +337,9 @@ def evaluate_model(  # noqa: PLR0913,PLR0917  EvaluationRequest's fields for one
     model, path_measured, basis, kernels = _load_for_path(Path(model_path), int8_path, cpu, loaded, (threads, flags, runtime, precision))
     split = dataset.evaluation_split()
     test = dataset.open_split(split, model.input.size, model.input.channels)
+    if not dataset.names_its_classes and test.labelled and model.num_classes > len(test.class_names):
+        # Labels numbered, not named (an .npz without class_names): its highest label says too few classes, not too many.
+        test = replace(test, class_names=tuple(str(index) for index in range(model.num_classes)))
     reference_path, labels_fit = _what_to_measure(model, test, dataset.root, against)
     where = f"{dataset.root} ({split})"
     sharded = None if runs is None else ShardedModel(tuple((path.name, read_bytes(path)) for path in companions(Path(model_path))), flags, runtime,

@@ -89,13 +89,16 @@ def save(cost: PortabilityCost, results_dir: Path) -> Path:
     return write_record(Path(results_dir) / RECORD_DIR / f"{model_key(cost.model_path)}.json", cost)
 
 
-def load_all(results_dir: Path) -> dict[str, PortabilityCost]:
-    """Measured records by the portable model's sha256; unreadable ones are ignored (the report names what it shows)."""
+def load_all(results_dir: Path, skipped: list[str] | None = None) -> dict[str, PortabilityCost]:
+    """Measured records by the portable model's sha256; an unreadable one is left out, and named in `skipped`
+    ("path: problem") where the caller shows what it left out."""
     found: dict[str, PortabilityCost] = {}
     for path in record_files(Path(results_dir) / RECORD_DIR):
         try:
             cost = from_dict(PortabilityCost, bounded.json_loads(bounded.read_text(path, "record")))
-        except (PtqError, OSError, ValueError, TypeError, AttributeError):
+        except (PtqError, OSError, ValueError, TypeError, AttributeError) as error:
+            if skipped is not None:
+                skipped.append(f"{path}: not a ptq int8-path record ({str(error).removeprefix(f'{path}: ')})")
             continue
         if cost.model_sha256 and not cost.not_measured and None not in (cost.portable_sqnr_db, cost.vnni_sqnr_db):
             found[cost.model_sha256] = cost

@@ -468,8 +468,10 @@ def report_from_results(results_dir: Path) -> Report:
     record_set = load_records(results_dir)
     sweeps, skipped_sweeps = load_sweeps(results_dir)
     statuses = {record.model_path: record_status(record) for record in record_set.records}
-    report = build_report(record_set.records, record_set.skipped + skipped_sweeps, load_benchmarks(results_dir), sweeps=sweeps, statuses=statuses)
-    costs = portability.load_all(results_dir)
+    skipped = record_set.skipped + skipped_sweeps
+    benchmarks = load_benchmarks(results_dir, skipped)
+    costs = portability.load_all(results_dir, skipped)
+    report = build_report(record_set.records, skipped, benchmarks, sweeps=sweeps, statuses=statuses)
     groups = [replace(group, portability=tuple({row.model_sha256: costs[row.model_sha256] for row in group.rows
                                                 if row.status == OK and row.model_sha256 in costs}.values())) for group in report.groups]
     return replace(report, groups=groups)
