@@ -156,11 +156,19 @@ def _terminate_as_interrupt() -> Iterator[None]:
     except ValueError:  # not the main thread: leave signals alone
         yield
         return
+    stopping = False
     try:
         with hardstop.signals_watched():
             yield
+    except (KeyboardInterrupt, Interrupted):
+        stopping = True
+        raise
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        # Ended by a signal, the process is on its way out (threads a runtime left running may hold it a moment): a
+        # second signal then ends it at once with the signal's exit code, not by the signal itself (-15).
+        signal.signal(signal.SIGTERM, hardstop.exit_at_once if stopping else previous)
+        if stopping:
+            signal.signal(signal.SIGINT, hardstop.exit_at_once)
 
 
 # Options whose value may be left out (`--markdown` alone means the default path). Typer has no such
@@ -196,6 +204,19 @@ app = typer.Typer(
     add_completion=False,
     rich_markup_mode="rich",  # paragraphs reflow to the width; markdown mode ate `_x_` and `<name>` in defaults
 )
+
+
+def _show_version(asked: bool) -> None:
+    if asked:
+        import ptq_cli
+
+        typer.echo(f"ptq {ptq_cli.__version__}")
+        raise typer.Exit
+
+
+@app.callback()
+def _main(version: Annotated[bool, typer.Option("--version", is_eager=True, callback=_show_version, help="Print ptq's version and exit.")] = False) -> None:
+    """Post-training quantization of image classifiers, measured on your images."""
 
 
 def _choices(name: str, values) -> Any:
@@ -303,11 +324,11 @@ CalibrationSizeOption = Annotated[
 ]
 PresetOption = Annotated[
     Preset | None,
-    typer.Option("--preprocess", help="The model's input normalisation: raw255 (pixels 0-255), unit (0-1), imagenet or cifar10-normalized (0-1, then mean/std). (default: what a model ptq made says, else raw255)", show_default=False, rich_help_panel="Data and preprocessing"),
+    typer.Option("--preprocess", help=f"The model's input normalisation, (pixels x scale - mean) / std: {inputs_service.describe_presets()}. Check your training recipe's values: many CIFAR recipes use std 0.2023,0.1994,0.2010, not cifar10-normalized's; give those with --scale/--mean/--std. (default: what a model ptq made says, else raw255)", show_default=False, rich_help_panel="Data and preprocessing"),
 ]
 ScaleOption = Annotated[float | None, typer.Option(callback=_finite, help="Pixels (0-255) are multiplied by this, e.g. 0.00392157 for 0-1. (default: the preset's)", show_default=False, rich_help_panel="Data and preprocessing")]
-MeanOption = Annotated[str | None, typer.Option(help="Per-channel mean subtracted after scaling: R,G,B or one value. (default: the preset's)", show_default=False, rich_help_panel="Data and preprocessing")]
-StdOption = Annotated[str | None, typer.Option(help="Per-channel standard deviation divided by after the mean: R,G,B or one value. (default: the preset's)", show_default=False, rich_help_panel="Data and preprocessing")]
+MeanOption = Annotated[str | None, typer.Option(help="Per-channel mean subtracted after scaling, in the model's channel order (B,G,R with --bgr), or one value; in the units --scale gives (0-1 means need --scale 0.00392157). (default: the preset's)", show_default=False, rich_help_panel="Data and preprocessing")]
+StdOption = Annotated[str | None, typer.Option(help="Per-channel standard deviation divided by after the mean, in the model's channel order (B,G,R with --bgr), or one value. (default: the preset's)", show_default=False, rich_help_panel="Data and preprocessing")]
 BgrOption = Annotated[bool | None, typer.Option("--bgr/--rgb", help="Channel order the model takes. (default: RGB)", show_default=False, rich_help_panel="Data and preprocessing")]
 InputSizeOption = Annotated[str | None, typer.Option("--input-size", metavar="<size>", help="Height and width (224, or 240x320) to feed a model whose input leaves them open (a dynamic-axes export); stored in the models made from it. (default: the size the model declares)", show_default=False, rich_help_panel="Data and preprocessing")]
 

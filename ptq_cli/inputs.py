@@ -27,6 +27,22 @@ PRESETS = {
     "cifar10-normalized": (1 / 255, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
 }
 DEFAULT_PRESET = "raw255"
+
+
+def _values(values: tuple[float, ...]) -> str:
+    """Per-channel values as --mean/--std take them: one value where every channel (or the one of a grey model) has it."""
+    return f"{values[0]:g}" if len(set(values)) == 1 else ",".join(f"{value:g}" for value in values)
+
+
+def describe_presets() -> str:
+    """Each preset with its values, for help texts: "raw255 (x1), unit (x1/255), imagenet (x1/255, mean ..., std ...)"."""
+    def one(name: str) -> str:
+        scale, mean, std = PRESETS[name]
+        parts = ["x1" if scale == 1 else "x1/255" if abs(scale - 1 / 255) < 1e-12 else f"x{scale:g}"]
+        if any(mean) or any(value != 1 for value in std):
+            parts += [f"mean {','.join(f'{value:g}' for value in mean)}", f"std {','.join(f'{value:g}' for value in std)}"]
+        return f"{name} ({', '.join(parts)})"
+    return ", ".join(one(name) for name in PRESETS)
 MAX_SIDE = 16384  # pixels a side of --input-size (the input's element bound applies as well)
 
 
@@ -64,7 +80,7 @@ class Preprocessing:
 
     def describe(self) -> str:
         name = self.preset or "custom"
-        details = "" if self.preset else f" (x{self.scale:g}, mean {','.join(f'{m:g}' for m in self.mean)}, std {','.join(f'{s:g}' for s in self.std)})"
+        details = "" if self.preset else f" (x{self.scale:g}, mean {_values(self.mean)}, std {_values(self.std)})"
         return name + details + (", BGR" if self.bgr else "")
 
     def to_json(self) -> str:

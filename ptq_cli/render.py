@@ -181,6 +181,7 @@ def evaluation(record: EvaluationRecord, reference: EvaluationRecord | None, cla
         Text.assemble((visible(record.name), "bold"),
                       f"  {record.runtime}{f' ({record.precision})' if record.precision else ''} {record.dtype} on {record.dataset_label}", *top1),
         *lines,
+        *_warning_lines(record, reference),
         Text(f"  {record.images_per_second:,.0f} images/s" + ("" if record.timed_natively else " (as this path was reached here, not this CPU's own kernels)")),
     )
     arena = f"; tensor arena {record.arena_bytes:,} bytes (as {record.runtime} measured it)" if record.arena_bytes else ""
@@ -204,6 +205,12 @@ def evaluation(record: EvaluationRecord, reference: EvaluationRecord | None, cla
             cells += [class_percent(other), "-" if accuracy is None or other is None else signed(accuracy - other)]
         table.add_row(*cells)
     return Group(headline, details, table)
+
+
+def _warning_lines(record: EvaluationRecord, reference: EvaluationRecord | None) -> list[Text]:
+    """The record's plausibility warnings, and its FP32 reference's: a delta from a near-chance FP32 figure means nothing."""
+    lines = [Text(f"  warning: {warning}", style="yellow") for warning in record.warnings]
+    return lines + [Text(f"  warning (its FP32 reference): {warning}", style="yellow") for warning in (reference.warnings if reference else ())]
 
 
 def fidelity_text(record: EvaluationRecord) -> tuple:
@@ -420,6 +427,7 @@ def report(report: Report) -> Group:
         if cpus:
             parts.append(Text(f"Measured on: {'; '.join(cpus)}.", style="dim"))
     parts += [Text(line, style="yellow") for line in _status_lines(report)]
+    parts += [Text(f"warning: {line}", style="yellow") for line in report.warnings]
     parts += [Text(f"skipped {line}", style="yellow") for line in report.skipped]
     return Group(*parts)
 
@@ -748,6 +756,8 @@ def report_markdown(report: Report, charts: list[Path] | None = None) -> str:
         lines += _markdown_table(SWEEP_COLUMNS, _sweep_cells(result))
     if charts:
         lines += ["", "## Charts", ""] + [f"![{path.stem.replace('_', ' ')}]({path.name})" for path in charts]
+    if report.warnings:
+        lines += ["", "## Warnings", ""] + [f"- {line}" for line in report.warnings]
     if report.skipped:
         lines += ["", "## Skipped records", ""] + [f"- {line}" for line in report.skipped]
     return "\n".join(lines) + "\n"

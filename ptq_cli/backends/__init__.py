@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ptq_cli.backends import litert, onnxruntime, openvino, pytorch, tflm
 from ptq_cli.backends.base import Backend, reaching_saturating_path, reusing_made_files  # noqa: F401  for the services
-from ptq_cli.backends.model_file import require_file
+from ptq_cli.backends.model_file import foreign_kind, require_file
 from ptq_cli.errors import PtqError
 from ptq_cli.guards import bounded
 from ptq_cli.guards.atomic import declare_companions
@@ -99,6 +99,9 @@ def for_file(path: Path, runtime: str | None = None) -> Backend:
     path = Path(path)
     require_file(path)
     head = bounded.read_head(path, 8, "model file")
+    foreign = foreign_kind(path, head)
+    if foreign is not None:
+        raise PtqError(f"{path}: {foreign}")
     found = _sniffed(path, head)
     if runtime is None or runtime == found.name:
         return found

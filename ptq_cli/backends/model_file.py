@@ -35,7 +35,49 @@ def require_file(path: Path) -> None:
     if not path.exists():
         raise PtqError(f"{path}: model file not found")
     if not path.is_file():
-        raise PtqError(f"{path}: not a file")
+        kind = foreign_kind(path)
+        raise PtqError(f"{path}: {kind}" if kind else f"{path}: not a file")
+
+
+SAVED_MODEL = "saved_model.pb"
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+KERAS_SAVE_HINT = "save it as .keras (model.save('model.keras')) and convert that with ptq convert --keras"
+
+
+def foreign_kind(path: Path, head: bytes | None = None) -> str | None:
+    """What a file (or folder) given as a model is when it is a kind ptq does not run but can name, and the command
+    that takes it: a Keras file, a SavedModel folder, a PyTorch checkpoint. Read by content, never by loading it."""
+    path = Path(path)
+    if path.is_dir():
+        saved = (path / SAVED_MODEL).is_file()
+        return f"a TensorFlow SavedModel folder; ptq reads Keras models as .keras or .h5: {KERAS_SAVE_HINT}" if saved else None
+    if head is None:
+        head = bounded.read_head(path, 8, "model file")
+    if head.startswith(HDF5_SIGNATURE):
+        return f"a Keras .h5 model (HDF5); convert it first: ptq convert --keras {path} --output {path.stem}.onnx"
+    if not head.startswith(b"PK\x03\x04"):
+        return None
+    names = _zip_names(path)
+    if "config.json" in names and any(name.endswith(".weights.h5") for name in names):
+        return f"a Keras .keras model; convert it first: ptq convert --keras {path} --output {path.stem}.onnx"
+    if any(name.endswith("/data.pkl") for name in names) and not any("/code/" in name for name in names):
+        return ("a PyTorch checkpoint (torch.save of a module or state_dict), not a TorchScript or ONNX model; export the model "
+                "with torch.onnx.export and give the .onnx")
+    return None
+
+
+ZIP_NAMES = 100_000  # members listed to tell a zip's kind; a model's zip holds far fewer
+
+
+def _zip_names(path: Path) -> set[str]:
+    import zipfile
+
+    try:
+        with bounded.open_regular(path, "model file") as handle, zipfile.ZipFile(handle) as archive:
+            infos = archive.infolist()
+            return {info.filename for info in infos[:ZIP_NAMES]}
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+        return set()
 
 
 def read_bytes(path: Path) -> bytes:
@@ -102,7 +144,8 @@ def read_onnx(path: Path, data: bytes | None = None):
         _read_external_data(path, model, len(data))
         onnx.checker.check_model(model)
     except (DecodeError, onnx.checker.ValidationError, ValueError, RuntimeError, OSError) as error:
-        raise PtqError(f"{path}: not a valid ONNX model ({first_line(error)})") from error
+        foreign = foreign_kind(path, data[:8]) if path.is_file() else None
+        raise PtqError(f"{path}: {foreign}" if foreign else f"{path}: not a valid ONNX model ({first_line(error)})") from error
     if not model.graph.input or not model.graph.node:
         raise PtqError(f"{path}: not a valid ONNX model (empty graph)")
     return model

@@ -25,6 +25,13 @@ def stop_now(message: str, code: int) -> None:
     os._exit(code)
 
 
+def exit_at_once(number: int, _frame: object) -> None:
+    """A signal handler for a process already stopping, whose one line says so: the second signal ends it now, with
+    the signal's exit code and no second line."""
+    remove_own_temporaries()
+    os._exit(EXIT_CODES.get(signal.Signals(number), 130))
+
+
 @contextlib.contextmanager
 def signals_watched() -> Iterator[None]:
     """Watch SIGINT and SIGTERM from a thread (Python's handlers run only when the main thread returns to

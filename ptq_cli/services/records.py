@@ -154,10 +154,31 @@ class MeasurementKey:
     precision: str = ""
     int8_path: str = ""
     dataset_sha256: str = ""
+    feeding: str = ""  # the preprocessing the images were fed with (feeding_key); "" for a benchmark's speed
 
     @classmethod
     def of(cls, record: Any, with_dataset: bool = True) -> MeasurementKey:
         """The key of an evaluation or benchmark record (without its dataset: to find its speed)."""
         dataset = (getattr(record, "dataset_sha256", "") or getattr(record, "dataset", "")) if with_dataset else ""
         int8_path = (getattr(record, "int8_path", None) or "") if with_dataset else ""
-        return cls(record.model_sha256, record.runtime, record.precision or "", int8_path, dataset)
+        feeding = feeding_key(getattr(record, "preprocessing_settings", None)) if with_dataset else ""
+        return cls(record.model_sha256, record.runtime, record.precision or "", int8_path, dataset, feeding)
+
+
+def feeding_key(preprocessing_settings: dict | None) -> str:
+    """What the images were fed as (scale, mean, std, channel order, size; not the preset's name), as a short digest:
+    two measurements compare only if theirs are equal. A record that names none was fed as Preprocessing's defaults."""
+    from ptq_cli.inputs import Preprocessing
+
+    stored = {**asdict(Preprocessing()), **(preprocessing_settings or {})}
+    values = [round(float(stored["scale"]), 9), [round(float(value), 9) for value in stored["mean"]],
+              [round(float(value), 9) for value in stored["std"]], bool(stored["bgr"]), list(stored["size"] or [])]
+    return hashlib.sha256(json.dumps(values).encode()).hexdigest()[:12]
+
+
+DEFAULT_FEEDING = feeding_key(None)
+
+
+def same_feeding(one: Any, other: Any) -> bool:
+    """Whether two evaluation records' images were fed alike: the only records a delta may be taken between."""
+    return feeding_key(getattr(one, "preprocessing_settings", None)) == feeding_key(getattr(other, "preprocessing_settings", None))

@@ -14,7 +14,7 @@ import numpy as np
 
 from ptq_cli import inputs
 from ptq_cli.backends.base import KERAS_SOURCE_METADATA_KEY, SOURCE_METADATA_KEY
-from ptq_cli.backends.model_file import file_sha256, load_keras, read_onnx
+from ptq_cli.backends.model_file import KERAS_SAVE_HINT, SAVED_MODEL, file_sha256, load_keras, read_onnx
 from ptq_cli.datasets import Dataset
 from ptq_cli.errors import CheckFailed, PtqError, first_line
 from ptq_cli.guards.atomic import atomic_output, check_outputs
@@ -129,6 +129,8 @@ def keras_to_onnx(keras_path: Path, output: Path, dataset: Dataset, opset: int =
                   flags: inputs.PreprocessingFlags | None = None) -> ConversionResult:
     """Keras .h5 -> ONNX with tf2onnx, checked against Keras on `check_count` test images."""
     keras_path = Path(keras_path)
+    if (keras_path / SAVED_MODEL).is_file():
+        raise PtqError(f"{keras_path}: a TensorFlow SavedModel folder; {KERAS_SAVE_HINT}")
     if not keras_path.is_file():
         raise PtqError(f"{keras_path}: Keras model file not found")
     check_outputs([("--output", output, (".onnx",))], [keras_path])

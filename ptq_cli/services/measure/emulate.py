@@ -325,7 +325,7 @@ def run_on_avx2_kernels(module: str, arguments: list[str], model_path: Path, thr
                           if emulated else
                           f"; {QEMU}'s pace says nothing of a CPU's speed"))
     prefix = [] if route is not None else [str(binary), "-cpu", QEMU_CPU]
-    environment = _environment(shim, threads)
+    environment = _environment(shim if route == "masked" else None, threads)  # under qemu, qemu is the masking: no shim to check
     if route == "onnxruntime":
         environment[AVX2_ONNXRUNTIME_ENV] = str(avx2_onnxruntime())
     try:

@@ -33,7 +33,7 @@ from ptq_cli.services.measure.fidelity import check as check_fidelity
 from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressBar, ProgressCallback, no_progress_bar
 from ptq_cli.services.quant_settings import describe_model
-from ptq_cli.services.records import MeasurementKey, from_dict, model_key, record_files, write_record
+from ptq_cli.services.records import DEFAULT_FEEDING, MeasurementKey, from_dict, model_key, record_files, same_feeding, write_record
 
 RECORD_SCHEMA = 2
 
@@ -85,6 +85,9 @@ class EvaluationRecord:
     # SQNR and KL of the scores. Measured whenever the FP32 model is at hand; needs no labels.
     fidelity: dict | None = None
     arena_bytes: int | None = None  # the working memory its runtime measured for it (TFLM's tensor arena), where it does
+    # What the figures suggest went wrong before the model (plausibility_warnings): a top-1 near chance, mean/std in 0-1
+    # units on 0-255 pixels. Shown by evaluate and report beside the figures.
+    warnings: tuple[str, ...] = ()
 
     @property
     def agreement(self) -> float | None:
@@ -336,10 +339,7 @@ def evaluate_model(  # noqa: PLR0913,PLR0917  EvaluationRequest's fields for one
     cpu = cpu_info.current()
     model, path_measured, basis, kernels = _load_for_path(Path(model_path), int8_path, cpu, loaded, (threads, flags, runtime, precision))
     split = dataset.evaluation_split()
-    test = dataset.open_split(split, model.input.size, model.input.channels)
-    if not dataset.names_its_classes and test.labelled and model.num_classes > len(test.class_names):
-        # Labels numbered, not named (an .npz without class_names): its highest label says too few classes, not too many.
-        test = replace(test, class_names=tuple(str(index) for index in range(model.num_classes)))
+    test = _as_many_classes(dataset, dataset.open_split(split, model.input.size, model.input.channels), model.num_classes)
     reference_path, labels_fit = _what_to_measure(model, test, dataset.root, against)
     where = f"{dataset.root} ({split})"
     sharded = None if runs is None else ShardedModel(tuple((path.name, read_bytes(path)) for path in companions(Path(model_path))), flags, runtime,
@@ -349,7 +349,7 @@ def evaluate_model(  # noqa: PLR0913,PLR0917  EvaluationRequest's fields for one
                                                                     threads, subset, progress, labels_fit, (runs, sharded), alongside)
     own_runtime = runtime is None and precision is None
     fidelity = _fidelity(model, test, chosen, scores, reference_path, (batch_size, threads, where), own_runtime, labels_fit)
-    return EvaluationRecord(
+    record = EvaluationRecord(
         **_model_fields(model), dataset=str(dataset.root), images=len(chosen),
         **_accuracy_fields(test.labels[chosen], scores.argmax(axis=1), test.class_names if labels_fit else None),
         images_per_second=round(len(chosen) / max(inference_seconds, 1e-9), 1), batch_size=batch_size, threads=resolve_threads(threads),
@@ -357,6 +357,33 @@ def evaluate_model(  # noqa: PLR0913,PLR0917  EvaluationRequest's fields for one
         dataset_sha256=test.content_sha256, label=label, cpu=cpu.as_record(), int8_path=path_measured, int8_basis=basis,
         exact_accuracy_same_images=exact_same, fidelity=fidelity,
     )
+    return replace(record, warnings=plausibility_warnings(record.accuracy, len(record.class_names), asdict(model.preprocessing)))
+
+
+# A top-1 under this many times chance is no measurement of a model but of how its images were fed.
+CHANCE_FACTOR = 2.0
+FLAGS_TO_TRY = "--preprocess, or --scale/--mean/--std, and --bgr"
+
+
+def plausibility_warnings(accuracy: float | None, classes: int, preprocessing: dict) -> tuple[str, ...]:
+    """One line per sign that the images reach the model wrongly: a top-1 within CHANCE_FACTOR of chance, or a mean/std
+    given in 0-1 units (the torchvision habit) on 0-255 pixels without --scale."""
+    found = []
+    scale, mean, std = float(preprocessing["scale"]), [float(v) for v in preprocessing["mean"]], [float(v) for v in preprocessing["std"]]
+    if scale == 1.0 and (mean, std) != ([0.0] * len(mean), [1.0] * len(std)) and max(map(abs, mean)) <= 1.0 and max(std) <= 1.0:
+        found.append(f"--mean {','.join(f'{v:g}' for v in mean)} --std {','.join(f'{v:g}' for v in std)} look like 0-1 units, but the pixels "
+                     "are fed 0-255: add --scale 0.00392156862745098 (1/255)")
+    if accuracy is not None and classes >= 2 and accuracy < CHANCE_FACTOR * 100.0 / classes:
+        found.append(f"top-1 {accuracy:.2f}% is within {CHANCE_FACTOR:g}x of chance ({100.0 / classes:.2f}% on {classes} classes): the images "
+                     f"likely reach the model wrongly; check how the model was trained to be fed ({FLAGS_TO_TRY})")
+    return tuple(found)
+
+
+def _as_many_classes(dataset: Dataset, test: SplitImages, classes: int) -> SplitImages:
+    """Labels numbered, not named (an .npz without class_names): their highest says too few classes, never too many."""
+    if dataset.names_its_classes or not test.labelled or classes <= len(test.class_names):
+        return test
+    return replace(test, class_names=tuple(str(index) for index in range(classes)))
 
 
 def _fidelity(model: LoadedModel, test: SplitImages, chosen: np.ndarray, scores: np.ndarray, reference_path: Path | None,  # noqa: PLR0913,PLR0917  evaluate_model's state, split out of it
@@ -588,6 +615,8 @@ def record_file(folder: Path, record: Any) -> Path:
     tag = runtime_tag(record.model_path, key.runtime, key.precision or None) + path_tag(key.int8_path or None, getattr(record, "int8_basis", ""))
     split = getattr(record, "split", "")
     images = f"@{split_slug(Path(record.dataset), split)}" if split else ""
+    if key.feeding and key.feeding != DEFAULT_FEEDING:  # the images fed two ways: two records, each named by its feeding
+        images += f"%{key.feeding[:6]}"
     return Path(folder) / f"{model_key(record.model_path)}{tag}{images}.json"
 
 
@@ -732,7 +761,7 @@ def reference_for(record: EvaluationRecord, records: list[EvaluationRecord]) -> 
     if not record.source_sha256:
         return None
     found = [other for other in records if other.model_sha256 == record.source_sha256 and other.dataset_sha256 == record.dataset_sha256
-             and other is not record]
+             and other is not record and same_feeding(other, record)]
     return min(found, key=_closeness(record), default=None)
 
 
@@ -754,7 +783,7 @@ def fp32_reference(records: list[EvaluationRecord], record: EvaluationRecord) ->
     if source is not None or record.source_sha256:
         return source
     floats = [other for other in records if other.dtype == "fp32" and not other.pruning and other.dataset_sha256 == record.dataset_sha256
-              and other is not record]
+              and other is not record and same_feeding(other, record)]
     roots = [other for other in floats if reference_for(other, records) is None]  # not made from another float model here
     for candidates in ([other for other in floats if other.runtime == record.runtime], roots):
         files = {other.model_sha256 for other in candidates}

@@ -14,7 +14,7 @@ from ptq_cli.services.measure.evaluate import OK, EvaluationRecord, fp32_referen
 from ptq_cli.services.measure.portability import PortabilityCost
 from ptq_cli.services.measure.sweep_records import SweepResult, load_sweeps
 from ptq_cli.services.quant_settings import describe_model
-from ptq_cli.services.records import MeasurementKey
+from ptq_cli.services.records import MeasurementKey, same_feeding
 
 DTYPE_ORDER = {"fp32": 0, "int8": 1, "uint8": 2}
 # The recommendation's "fastest" is the fastest model at most this many points below its FP32 source.
@@ -163,6 +163,8 @@ class Report:
     groups: list[DatasetGroup]
     skipped: list[str]  # records that could not be read
     sweeps: tuple[SweepResult, ...] = ()  # `ptq sweep` results, read from results/sweep/
+    # "model (how it was fed): what looks wrong" for every record with a plausibility warning (a top-1 near chance).
+    warnings: tuple[str, ...] = ()
 
     @property
     def rows(self) -> list[ReportRow]:
@@ -202,7 +204,7 @@ def _source_on_its_runtime(record: EvaluationRecord, records: list[EvaluationRec
         return None
     same = [other for other in records if reference.model_sha256 in (other.model_sha256, other.source_sha256) and other.dtype == "fp32"
             and other.dataset_sha256 == record.dataset_sha256 and other.runtime == record.runtime and other.precision == record.precision
-            and not other.pruning]
+            and not other.pruning and same_feeding(other, record)]
     return min(same, key=lambda other: (other.int8_path or "", other.model_path), default=None)
 
 
@@ -210,7 +212,7 @@ def _onnxruntime_fp32(record: EvaluationRecord, records: list[EvaluationRecord])
     """The onnxruntime run of the FP32 model this one was made from (or of this very file, for FP32 run elsewhere)."""
     source = record.source_sha256 or record.model_sha256
     return next((other for other in records if other.dtype == "fp32" and other.runtime == BASE_RUNTIME
-                 and other.model_sha256 == source and other.dataset_sha256 == record.dataset_sha256), None)
+                 and other.model_sha256 == source and other.dataset_sha256 == record.dataset_sha256 and same_feeding(other, record)), None)
 
 
 def _ratio(record: EvaluationRecord | None, reference: EvaluationRecord | None, benchmarks: dict[MeasurementKey, BenchmarkRecord]) -> float | None:
@@ -438,15 +440,21 @@ def build_report(
     statuses: dict[str, str] | None = None,
 ) -> Report:
     """`statuses`: record_status by model path (every row "ok" when not given)."""
-    by_dataset: dict[str, list[EvaluationRecord]] = {}
+    # A dataset's records by how their images were fed: figures of one feeding are never compared with another's.
+    by_dataset: dict[tuple[str, str], list[EvaluationRecord]] = {}
     for record in records:
-        by_dataset.setdefault(record.dataset_sha256 or record.dataset, []).append(record)
+        by_dataset.setdefault((record.dataset_sha256 or record.dataset, MeasurementKey.of(record).feeding), []).append(record)
+    fed_apart = {dataset for dataset, _ in by_dataset if sum(other == dataset for other, _ in by_dataset) > 1}
     groups = []
-    for dataset_records in by_dataset.values():
+    for (dataset, _), dataset_records in by_dataset.items():
         studies = _studies(dataset_records)
-        groups += [_group(members, benchmarks or {}, worst_classes, statuses or {}, root, len(studies) > 1) for root, members in studies.items()]
+        made = [_group(members, benchmarks or {}, worst_classes, statuses or {}, root, len(studies) > 1) for root, members in studies.items()]
+        if dataset in fed_apart:  # the same images fed another way too: each table says how its images were fed
+            made = [replace(group, label=f"{group.label}, fed as {dataset_records[0].preprocessing}") for group in made]
+        groups += made
     groups.sort(key=lambda group: (-len(group.rows), group.label))  # the main study first
-    return Report(groups, list(skipped or []), tuple(sweeps or ()))
+    warnings = tuple(dict.fromkeys(f"{record.name} ({record.preprocessing}): {warning}" for record in records for warning in record.warnings))
+    return Report(groups, list(skipped or []), tuple(sweeps or ()), warnings)
 
 
 # The charts of `report --plot`, named after the Markdown report: two reports in one folder keep their own.

@@ -1,0 +1,157 @@
+"""Honest figures: a delta only between measurements of the same images fed the same way, a warning where the FP32
+figure is near chance, files named by what they are. On tests/synthetic.py's colour classifier (which `--bgr`
+feeds wrongly: 33% on 3 classes) and, marked, on the real ResNet8 and CIFAR-10 (`--preprocess unit` feeds it wrongly)."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import ptq_ok
+from synthetic import channel_mean_classifier, image_folder, invoke, one_line_error
+
+from ptq_cli import __version__
+
+
+def ok(*args, cwd: Path):
+    result = invoke(*args, cwd=cwd)
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def quantized_row(report: dict, name: str, fed: str) -> dict:
+    rows = [row for group in report["groups"] for row in group["rows"] if row["model"] == name and row["preprocessing"] == fed]
+    assert len(rows) == 1, [(row["model"], row["preprocessing"]) for group in report["groups"] for row in group["rows"]]
+    return rows[0]
+
+
+@pytest.mark.parametrize("wrong_first", [True, False])
+def test_a_delta_is_never_taken_against_another_feeding(tmp_path, wrong_first):
+    """FP32 fed wrongly (BGR: 33%) and rightly (100%), in either order: the quantized model's delta is against the right one."""
+    image_folder(tmp_path / "images")
+    channel_mean_classifier(tmp_path / "m.onnx")
+    wrong, right = ("evaluate", "--model", "m.onnx", "--data", "images", "--bgr"), ("evaluate", "--model", "m.onnx", "--data", "images")
+    for command in (wrong, right) if wrong_first else (right,):
+        ok(*command, cwd=tmp_path)
+    ok("quantize", "--model", "m.onnx", "--data", "images", "--output", "q.onnx", cwd=tmp_path)
+    if not wrong_first:
+        ok(*wrong, cwd=tmp_path)
+    evaluated = ok("evaluate", "--model", "q.onnx", "--data", "images", "--per-class", cwd=tmp_path).stdout
+    assert "delta vs FP32 m.onnx (100.00%): +0.00 pts" in evaluated
+    assert "33.33" not in evaluated and "+66.67" not in evaluated
+    records = sorted(path.name for path in (tmp_path / "results").glob("m.onnx-*.json"))
+    assert len(records) == 2 and sum("%" in name for name in records) == 1  # both feedings kept, each named by it
+    report = json.loads(ok("report", "--json", cwd=tmp_path).stdout)
+    assert quantized_row(report, "q.onnx", "raw255")["delta"] == 0.0
+    assert all(row["delta"] in (None, 0.0) for group in report["groups"] for row in group["rows"])
+    markdown = ok("report", "--markdown", "report.md", cwd=tmp_path) and (tmp_path / "report.md").read_text()
+    assert "+66.67" not in markdown and "fed as raw255, BGR" in markdown
+    assert "within 2x of chance" in markdown  # the wrongly fed FP32 record is named for what it is
+
+
+def test_a_top1_near_chance_or_mean_std_in_0_1_units_is_said_and_a_right_feeding_is_not(tmp_path):
+    image_folder(tmp_path / "images")
+    channel_mean_classifier(tmp_path / "m.onnx")
+    right = json.loads(ok("evaluate", "--model", "m.onnx", "--data", "images", "--json", cwd=tmp_path).stdout)
+    assert right["warnings"] == []
+    near_chance = ok("evaluate", "--model", "m.onnx", "--data", "images", "--bgr", cwd=tmp_path)
+    warnings = [line for line in near_chance.stdout.splitlines() if "warning:" in line]
+    assert len(warnings) == 1 and "within 2x of chance (33.33% on 3 classes)" in near_chance.stdout.replace("\n", " ")
+    habit = json.loads(ok("evaluate", "--model", "m.onnx", "--data", "images", "--mean", "0.485,0.456,0.406", "--std", "0.229,0.224,0.225",
+                          "--json", cwd=tmp_path).stdout)
+    assert any("0-1 units" in warning and "--scale" in warning for warning in habit["warnings"])
+    scaled = json.loads(ok("evaluate", "--model", "m.onnx", "--data", "images", "--preprocess", "imagenet", "--json", cwd=tmp_path).stdout)
+    assert not any("0-1 units" in warning for warning in scaled["warnings"])
+
+
+def test_the_presets_values_and_the_channel_order_are_in_the_help(tmp_path):
+    shown = " ".join(invoke("evaluate", "--help", cwd=tmp_path, columns=400).stdout.split())
+    assert "cifar10-normalized (x1/255, mean 0.4914,0.4822,0.4465, std 0.247,0.2435,0.2616)" in shown
+    assert "imagenet (x1/255, mean 0.485,0.456,0.406, std 0.229,0.224,0.225)" in shown
+    assert "B,G,R with --bgr" in shown
+
+
+def test_version(tmp_path):
+    result = invoke("--version", cwd=tmp_path)
+    assert result.exit_code == 0 and result.stdout.strip() == f"ptq {__version__}"
+
+
+def torch_checkpoint(path: Path, whole_module: bool) -> Path:
+    module = torch.nn.Linear(3, 3)
+    torch.save(module if whole_module else module.state_dict(), path)
+    return path
+
+
+def keras_zip(path: Path) -> Path:
+    """A .keras file as Keras 3 writes one: a zip of config.json, metadata.json and model.weights.h5."""
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("metadata.json", "{}")
+        archive.writestr("config.json", "{}")
+        archive.writestr("model.weights.h5", b"\x89HDF\r\n\x1a\n")
+    return path
+
+
+@pytest.mark.parametrize(("kind", "says"), [
+    ("state_dict", "a PyTorch checkpoint (torch.save of a module or state_dict)"),
+    ("module", "a PyTorch checkpoint (torch.save of a module or state_dict)"),
+    ("keras", "a Keras .keras model; convert it first: ptq convert --keras"),
+    ("h5", "a Keras .h5 model (HDF5); convert it first: ptq convert --keras"),
+    ("saved_model", "a TensorFlow SavedModel folder"),
+])
+@pytest.mark.parametrize("command", ["evaluate", "quantize", "benchmark"])
+def test_each_file_kind_is_named_with_the_command_that_takes_it(tmp_path, kind, says, command):
+    image_folder(tmp_path / "images")
+    if kind in ("state_dict", "module"):
+        model = torch_checkpoint(tmp_path / "model.pt", kind == "module")
+    elif kind == "keras":
+        model = keras_zip(tmp_path / "model.keras")
+    elif kind == "h5":
+        model = tmp_path / "model.h5"
+        model.write_bytes(b"\x89HDF\r\n\x1a\n" + bytes(64))
+    else:
+        model = tmp_path / "saved"
+        model.mkdir()
+        (model / "saved_model.pb").write_bytes(b"")
+    extra = {"quantize": ("--output", "q.onnx"), "benchmark": ("--runs", "1")}.get(command, ())
+    result = invoke(command, "--model", model.name, "--data", "images", *extra, cwd=tmp_path)
+    one_line_error(result, f"{model.name}: {says}")
+    assert "--trust-remote-code" not in result.stderr and "corrupt" not in result.stderr
+
+
+def test_convert_keras_names_a_saved_model_folder(tmp_path):
+    (tmp_path / "saved").mkdir()
+    (tmp_path / "saved" / "saved_model.pb").write_bytes(b"")
+    image_folder(tmp_path / "images")
+    one_line_error(invoke("convert", "--keras", "saved", "--output", "m.onnx", "--data", "images", cwd=tmp_path),
+                   "saved: a TensorFlow SavedModel folder")
+
+
+def test_an_npz_of_numbered_labels_may_hold_fewer_classes_than_the_model(tmp_path):
+    """Without class_names an .npz's highest label says too few classes, never too many: one image of class 0 is measured."""
+    channel_mean_classifier(tmp_path / "m.onnx")
+    red = np.zeros((1, 8, 8, 3), np.uint8)
+    red[..., 0] = 200
+    np.savez(tmp_path / "one.npz", test_images=red, test_labels=np.array([0]))
+    record = json.loads(ok("evaluate", "--model", "m.onnx", "--data", "one.npz", "--json", cwd=tmp_path).stdout)
+    assert record["accuracy"] == 100.0 and record["class_names"] == ["0", "1", "2"]
+
+
+@pytest.mark.real_assets
+def test_resnet8_fed_wrongly_after_quantizing_leaves_the_true_delta(resnet8_onnx, tmp_path):
+    """The issue's reproduction on the study's own model: raw255 (87.19%), --dtype int8, then FP32 fed 0-1 (near chance):
+    evaluate and report keep the int8 model's delta against the raw255 measurement, and the 0-1 one is warned about."""
+    (tmp_path / "resnet8.onnx").symlink_to(resnet8_onnx)
+    ptq_ok("evaluate", "--model", "resnet8.onnx", cwd=tmp_path)
+    ptq_ok("quantize", "--model", "resnet8.onnx", "--dtype", "int8", "--output", "resnet8_int8.onnx", cwd=tmp_path)
+    wrong = ptq_ok("evaluate", "--model", "resnet8.onnx", "--preprocess", "unit", cwd=tmp_path).stdout
+    assert "of chance" in wrong.replace("\n", " ")
+    evaluated = ptq_ok("evaluate", "--model", "resnet8_int8.onnx", cwd=tmp_path).stdout
+    assert "delta vs FP32 resnet8.onnx (87.19%)" in evaluated
+    report = json.loads(ptq_ok("report", "--json", cwd=tmp_path).stdout)
+    row = quantized_row(report, "resnet8_int8.onnx", "raw255")
+    fp32 = quantized_row(report, "resnet8.onnx", "raw255")
+    assert fp32["accuracy"] == 87.19 and row["delta"] == pytest.approx(row["accuracy"] - 87.19, abs=1e-6) and abs(row["delta"]) < 0.2
