@@ -12,6 +12,8 @@ import math
 import os
 import signal
 import sys
+import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -498,9 +500,47 @@ def _emit(as_json: bool, result: Any, renderable: Any) -> None:
 
 @contextmanager
 def _working(message: str) -> Iterator[None]:
-    """A spinner on stderr for work with no measurable progress."""
+    """A spinner on stderr for work with no measurable progress (piped: _heartbeat's lines, for long work only)."""
+    if not err.is_terminal:
+        with _heartbeat(message.rstrip("…")):
+            yield
+        return
     with err.status(message):
         yield
+
+
+# Piped or logged, long work says it is alive: a line once it has run this long, then at least every HEARTBEAT_SECONDS.
+HEARTBEAT_START_SECONDS, HEARTBEAT_SECONDS = 5.0, 30.0
+
+
+@contextmanager
+def _heartbeat(description: str) -> Iterator[Callable[[int, int], None]]:
+    """Where stderr is not a terminal: nothing for work done within HEARTBEAT_START_SECONDS; past it, a line saying
+    what runs (and how far, when the work counts), one at least every HEARTBEAT_SECONDS, and one when it ends."""
+    began, state = time.monotonic(), {"done": 0, "total": 0, "said": False}
+    stopped = threading.Event()
+
+    def say(text: str) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            err.print(text, highlight=False, soft_wrap=True)
+            err.file.flush()
+
+    def beat() -> None:
+        wait = HEARTBEAT_START_SECONDS
+        while not stopped.wait(wait):
+            counted = f", {state['done']:,}/{state['total']:,}" if state["total"] else ""
+            say(f"{description}: running, {time.monotonic() - began:,.0f} s{counted}")
+            state["said"], wait = True, HEARTBEAT_SECONDS
+
+    beater = threading.Thread(target=beat, name="ptq-heartbeat", daemon=True)
+    beater.start()
+    try:
+        yield lambda done, total: state.update(done=done, total=total)
+    finally:
+        stopped.set()
+        beater.join()
+        if state["said"]:
+            say(f"{description}: ended after {time.monotonic() - began:,.0f} s")
 
 
 @contextmanager
@@ -509,6 +549,10 @@ def _progress_bar(description: str, lines: bool = False) -> Iterator[Callable[[i
     `lines`, where stderr is not a terminal (a log), one line as each step finishes instead."""
     if lines and not err.is_terminal:
         yield lambda done, total: err.print(f"{description}: {done}/{total}", highlight=False, soft_wrap=True)
+        return
+    if not err.is_terminal:
+        with _heartbeat(description) as update:
+            yield update
         return
     columns = (TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
@@ -867,7 +911,8 @@ def evaluate(
         if not as_json:
             if evaluated.source_evaluated is not None:
                 out.print(Text(f"Evaluated its FP32 source {evaluated.source_evaluated} too (no record of it on this dataset).", style="dim"))
-            shown = evaluate_service.classes_to_show(evaluated.record, evaluated.reference) if per_class and evaluated.record.accuracy is not None else None
+            labelled = evaluated.record.accuracy is not None
+            shown = (evaluate_service.classes_to_show(evaluated.record, evaluated.reference) if labelled else []) if per_class else None
             out.print(render.evaluation(evaluated.record, evaluated.reference, shown, evaluated.path, evaluated.reference_status))
     if as_json:
         out.print(render.as_json([evaluated.record for evaluated in done] if len(done) > 1 else done[0].record), soft_wrap=True)

@@ -190,16 +190,21 @@ def evaluation(record: EvaluationRecord, reference: EvaluationRecord | None, cla
                    + f"\n  record {record_file}", style="dim")
     if classes is None:
         return Group(headline, details)
+    if not record.class_names:
+        return Group(headline, details, Text("  --per-class: these images carry no labels of the model's classes, so there is no accuracy per class "
+                                             "(the agreement with FP32 above is the measure)", style="yellow"))
     shown = "" if len(classes) == len(record.class_names) else f" ({len(classes)} of {len(record.class_names):,} classes: those that lose the most)"
     table = Table(title=f"Per-class accuracy: {record.name}{shown}", title_justify="left")
     table.add_column("class")
+    table.add_column("images", justify="right")
     table.add_column("accuracy", justify="right")
+    counts = record.images_per_class()
     if reference is not None:
         table.add_column(f"FP32 ({reference.name})", justify="right")
         table.add_column("delta", justify="right")
     for index in classes:
         name, accuracy = visible(record.class_names[index]), record.per_class_accuracy[index]
-        cells = [name, class_percent(accuracy)]
+        cells = [name, f"{counts[index]:,}", class_percent(accuracy)]
         if reference is not None:
             other = reference.per_class_accuracy[index]
             cells += [class_percent(other), "-" if accuracy is None or other is None else signed(accuracy - other)]
@@ -381,6 +386,8 @@ def _recommendation_lines(group: DatasetGroup) -> list[str]:
         f"Fastest {budget}: {_name(fastest)} on {_runtime(fastest)} ({fastest.images_per_second:,.0f} images/s"
         + (f", {fastest.speedup_vs_onnxruntime:.2f}x onnxruntime FP32" if fastest.speedup_vs_onnxruntime else "")
         + f", {_score(fastest)}; {fastest.configuration})"
+        + (f"; its {fastest.delta:+.2f} points are indistinguishable from FP32 on {group.images:,} images (McNemar p {fastest.delta_p_value:.2f})"
+           if fastest.loss_not_significant and fastest.delta is not None and fastest.delta_p_value is not None else "")
         if fastest else f"Fastest {budget}: none",
         *portable,
     ]

@@ -155,3 +155,31 @@ def test_resnet8_fed_wrongly_after_quantizing_leaves_the_true_delta(resnet8_onnx
     row = quantized_row(report, "resnet8_int8.onnx", "raw255")
     fp32 = quantized_row(report, "resnet8.onnx", "raw255")
     assert fp32["accuracy"] == 87.19 and row["delta"] == pytest.approx(row["accuracy"] - 87.19, abs=1e-6) and abs(row["delta"]) < 0.2
+
+
+def test_piped_long_work_says_it_is_alive_and_short_work_stays_quiet(tmp_path, monkeypatch):
+    """Piped (stderr no terminal), work past the start delay prints what runs, then a line at least every period, and
+    its end; work done sooner prints nothing."""
+    from ptq_cli import cli
+
+    image_folder(tmp_path / "images")
+    channel_mean_classifier(tmp_path / "m.onnx")
+    quiet = ok("evaluate", "--model", "m.onnx", "--data", "images", cwd=tmp_path)
+    assert quiet.stderr == ""
+    monkeypatch.setattr(cli, "HEARTBEAT_START_SECONDS", 0.0)
+    monkeypatch.setattr(cli, "HEARTBEAT_SECONDS", 0.01)
+    for command in (("evaluate", "--model", "m.onnx", "--data", "images"), ("quantize", "--model", "m.onnx", "--data", "images", "--output", "q.onnx")):
+        lines = ok(*command, cwd=tmp_path).stderr.splitlines()
+        assert any(": running, " in line for line in lines) and ": ended after " in lines[-1], lines
+
+
+def test_per_class_tables_count_their_images_and_no_labels_is_said(tmp_path):
+    image_folder(tmp_path / "images", per_class=4)
+    channel_mean_classifier(tmp_path / "m.onnx")
+    table = ok("evaluate", "--model", "m.onnx", "--data", "images", "--per-class", cwd=tmp_path).stdout
+    assert "images" in table and sum(line.split("│")[2].strip() == "4" for line in table.splitlines() if line.count("│") > 3) == 3
+    (tmp_path / "photos").mkdir()
+    for index, path in enumerate(sorted((tmp_path / "images" / "test").rglob("*.png"))):
+        (tmp_path / "photos" / f"{index}.png").write_bytes(path.read_bytes())
+    unlabelled = ok("evaluate", "--model", "m.onnx", "--data", "photos", "--per-class", cwd=tmp_path).stdout
+    assert "--per-class: these images carry no labels of the model's classes" in " ".join(unlabelled.split())

@@ -180,3 +180,27 @@ def test_the_study_emulates_the_whole_split_at_native_speed_and_500_images_under
     monkeypatch.setattr(emulate, "avx2_onnxruntime", lambda: None)
     assert pipeline._emulated_images(options, onnx_model) == pipeline.RUN_EMULATED_IMAGES
     assert pipeline._emulated_images(replace(options, emulated_images=20), onnx_model) == 20
+
+
+def test_an_interrupted_run_goes_on_from_the_stage_it_stopped_at(project, monkeypatch):
+    """The manifest is written after every stage that ran: stopped in its fourth stage (as SIGTERM stops it), the
+    next `ptq run` runs only that stage and those after it."""
+    from ptq_cli.services.study import pipeline
+
+    real, calls = pipeline._run_stage, []
+
+    def stopping(stage, *args):
+        calls.append(stage.name)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real(stage, *args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(pipeline, "_run_stage", stopping)
+        stopped = invoke(*STUDY, cwd=project)
+    assert stopped.exit_code == 130, stopped.output
+    kept = json.loads((project / "results" / "manifest.json").read_text())
+    assert [entry["name"] for entry in kept["stages"]] == calls[:3] and kept["last_run"]["unfinished"]
+    ok(*STUDY, cwd=project)
+    last_run = json.loads((project / "results" / "manifest.json").read_text())["last_run"]
+    assert last_run["up_to_date"] == calls[:3] and last_run["ran"][0] == calls[3]

@@ -479,3 +479,23 @@ def test_a_proven_saturating_figure_shows_as_equal_only_where_it_is():
     assert no_vnni(row, short=True) == "=" and no_vnni(row).startswith("= (proof")
     differs = replace(row, saturating_accuracy=75.98)
     assert no_vnni(differs, short=True) == "75.98" and no_vnni(differs).startswith("75.98% (proof")
+
+
+def test_the_fastest_is_not_passed_over_for_a_loss_the_images_cannot_tell_from_chance():
+    """500 images: a model 0.4 points below FP32 on 2 images (McNemar p 0.5) is within the budget, and said to be
+    indistinguishable; one 4 points below on 20 (p < 0.001) is not."""
+    from ptq_cli.render import report_markdown
+
+    fp32 = replace(_record("f.onnx", "onnxruntime", "fp32", 87.0, 400, 1000.0, [85.0, 89.0]), images=500)
+
+    def measured(name, accuracy, speed, only_fp32, p_value):
+        fidelity = {"top1_agreement": 99.0, "top5_containment": 100.0, "sqnr_db": 20.0, "fp32_only_right": only_fp32, "model_only_right": 0,
+                    "accuracy_delta_p_value": p_value, "images": 500}
+        return replace(_record(name, "onnxruntime", "int8", accuracy, 100, speed, [85.0, 89.0]), images=500, fidelity=fidelity)
+
+    slow, noisy, worse = measured("slow.onnx", 87.0, 1410.0, 0, 1.0), measured("fast.onnx", 86.6, 5190.0, 2, 0.5), measured("bad.onnx", 83.0, 9000.0, 20, 0.0001)
+    report = build_report([fp32, slow, noisy, worse])
+    assert report.groups[0].recommendation.fastest.model == "fast.onnx"
+    assert "indistinguishable from FP32 on 500 images (McNemar p 0.50)" in report_markdown(report)
+    strict = build_report([fp32, slow, replace(noisy, fidelity={**noisy.fidelity, "accuracy_delta_p_value": 0.01}), worse])
+    assert strict.groups[0].recommendation.fastest.model == "slow.onnx"

@@ -94,6 +94,13 @@ class EvaluationRecord:
         """Top-1 agreement with the FP32 model, percent, if measured."""
         return None if self.fidelity is None else self.fidelity["top1_agreement"]
 
+    def images_per_class(self) -> list[int]:
+        """How many of the images measured belong to each class (its confusion matrix's rows)."""
+        counts = np.zeros(len(self.class_names), dtype=np.int64)
+        cells = self.confusion_cells()
+        np.add.at(counts, cells[:, 0], cells[:, 2])
+        return [int(count) for count in counts]
+
     def confusion_cells(self) -> np.ndarray:
         """The confusion matrix's cells as (true class, predicted class, count) rows, from whichever form the
         record keeps: never a classes x classes array for a record that keeps its nonzero cells."""

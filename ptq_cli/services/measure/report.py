@@ -22,6 +22,9 @@ ACCURACY_BUDGET = 0.10
 # Without labels of the model's classes, "fastest" is the fastest that agrees this closely with its FP32 source:
 # top-1 agreement and top-5 containment, percent.
 AGREEMENT_BUDGET, TOP5_BUDGET = 90.0, 99.0
+# A loss of top-1 whose McNemar p-value (the images it and its FP32 source alone classify right) is at least this is
+# no loss the images measured can tell from chance: such a model is within the budget, and said to be indistinguishable.
+SIGNIFICANCE = 0.05
 BASE_RUNTIME = backends.DEFAULT  # every speed-up is also given against this runtime's run of the FP32 source
 
 
@@ -89,10 +92,16 @@ class ReportRow:
 
     @property
     def within_budget(self) -> bool:
-        """Within the budget of its FP32 source: ACCURACY_BUDGET points of top-1, or without labels, agreement."""
+        """Within the budget of its FP32 source: ACCURACY_BUDGET points of top-1, or a loss no larger than chance
+        makes on the images measured (McNemar's p at least SIGNIFICANCE), or without labels, agreement."""
         if self.delta is not None:
-            return self.delta >= -ACCURACY_BUDGET
+            return self.delta >= -ACCURACY_BUDGET or self.loss_not_significant
         return self.agreement is not None and _faithful(self.agreement, self.top5)
+
+    @property
+    def loss_not_significant(self) -> bool:
+        """A top-1 below its FP32 source's by no more than the images measured can tell apart from chance."""
+        return self.delta is not None and self.delta < 0 and self.delta_p_value is not None and self.delta_p_value >= SIGNIFICANCE
 
     @property
     def score(self) -> float:

@@ -628,7 +628,16 @@ def run(
     for path in to_write:
         check_writable(path)  # a read-only directory fails now, not after minutes of work
     check_folder_writable(options.results_dir)
-    outcomes, left_out, plan = _run_plan(plan, entries, _Run(run_command, options.force, options.results_dir), on_stage)
+
+    def stage_done(position: int, total: int, stage: Stage, outcome: StageOutcome | None) -> None:
+        # After each stage that ran, the manifest holds it: a run stopped later goes on from there, not from the start.
+        if outcome is not None and outcome.ran:
+            so_far = {"command": command_line, "started_at": started_at, "unfinished": True}
+            write_text(manifest_file, json.dumps(_manifest(options, so_far, list(entries.values())), indent=2) + "\n")
+        if on_stage:
+            on_stage(position, total, stage, outcome)
+
+    outcomes, left_out, plan = _run_plan(plan, entries, _Run(run_command, options.force, options.results_dir), stage_done)
     wall = round(time.perf_counter() - began, 3)
     written = any(outcome.ran for outcome in outcomes)
     if written:
