@@ -788,8 +788,10 @@ def benchmarks(records: list[BenchmarkRecord], speedups: dict[tuple, float | Non
         )
     fed = [f"inputs: {'; '.join(sorted({record.inputs for record in records if record.inputs}))}"] if any(record.inputs for record in records) else []
     kernels = [f"kernels of x86 CPUs without VNNI (saturating int8 path): {basis}" for basis in sorted({record.int8_basis for record in records if record.int8_basis})]
-    if fed or kernels:
-        table.caption, table.caption_justify = "\n".join([*fed, *kernels]), "left"
+    budget = [f"{record.name}: {record.runs:,} of the {record.runs_asked:,} runs asked fit its time budget (PTQ_BENCHMARK_SECONDS); its figures are "
+              "theirs" for record in records if record.runs_asked]
+    if fed or kernels or budget:
+        table.caption, table.caption_justify = "\n".join([*fed, *kernels, *budget]), "left"
     return table
 
 

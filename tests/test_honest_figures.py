@@ -183,3 +183,13 @@ def test_per_class_tables_count_their_images_and_no_labels_is_said(tmp_path):
         (tmp_path / "photos" / f"{index}.png").write_bytes(path.read_bytes())
     unlabelled = ok("evaluate", "--model", "m.onnx", "--data", "photos", "--per-class", cwd=tmp_path).stdout
     assert "--per-class: these images carry no labels of the model's classes" in " ".join(unlabelled.split())
+
+
+def test_a_benchmark_stops_at_its_time_budget_and_says_how_many_runs_fit(tmp_path, monkeypatch):
+    image_folder(tmp_path / "images")
+    channel_mean_classifier(tmp_path / "m.onnx")
+    monkeypatch.setenv("PTQ_BENCHMARK_SECONDS", "1")
+    result = ok("benchmark", "--model", "m.onnx", "--data", "images", "--runs", "10000", "--json", cwd=tmp_path)
+    records = json.loads(result.stdout)
+    record = records[0] if isinstance(records, list) else records
+    assert 3 <= record["runs"] < 10000 and record["runs_asked"] == 10000

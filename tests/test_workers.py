@@ -260,6 +260,17 @@ def test_a_cluster_that_is_not_there_is_said_in_one_line(project):
     assert not list((project / "models").glob("*tuned*"))
 
 
+def test_auto_resolves_to_the_address_ray_would_wait_on_and_checks_it(project, monkeypatch):
+    """`auto` with RAY_ADDRESS (or a stale `ray start` file) naming a cluster long gone: one line, not Ray's wait."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        gone = f"127.0.0.1:{probe.getsockname()[1]}"
+    monkeypatch.setenv("RAY_ADDRESS", gone)
+    result = invoke("evaluate", "--model", "models/m.onnx", "--data", "colours.npz", "--ray-address", "auto", cwd=project)
+    one_line_error(result, f"--ray-address {gone}: Ray did not start (no cluster answers there")
+    assert not ray.is_initialized()
+
+
 def test_a_port_that_answers_but_is_not_ray_is_said_in_one_line(project):
     """Ray would wait on such a port for ever, deaf to SIGTERM: an HTTP server on loopback is refused at once."""
     from http.server import HTTPServer, SimpleHTTPRequestHandler

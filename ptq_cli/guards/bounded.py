@@ -12,6 +12,7 @@ import math
 import os
 import stat
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -63,6 +64,8 @@ TEXT_BYTES = Limit("PTQ_MAX_TEXT_BYTES", 64 * 2**20, "bytes for a text file")
 CALL_SECONDS = Limit("PTQ_CALL_TIMEOUT", 900, "seconds for one inference call")
 # A model `export --c-array` writes as C: microcontrollers' flash holds a few MB; the C text is six times the bytes.
 C_ARRAY_BYTES = Limit("PTQ_MAX_C_ARRAY_BYTES", 64 * 2**20, "bytes for a model exported as a C array")
+# One phase of a benchmark (batch-1 latency, or throughput) of a group of models: past it, the runs that fit give the figure.
+BENCHMARK_SECONDS = Limit("PTQ_BENCHMARK_SECONDS", 300, "seconds for one phase of a benchmark")
 # A download that goes on longer than this is stopped, however slowly its bytes keep coming (CIFAR-10 is 170 MB).
 DOWNLOAD_SECONDS = Limit("PTQ_DOWNLOAD_TIMEOUT", 1800, "seconds for one download")
 # What calibrating may hold at its peak, ptq itself counted as a fixed allowance: onnxruntime's calibrators keep every
@@ -72,7 +75,7 @@ CALIBRATION_BYTES = Limit("PTQ_CALIBRATION_MEMORY", 2 * 10**9, "bytes of memory 
 # split is scored a part at a time.
 HELD_IMAGE_BYTES = Limit("PTQ_IMAGES_MEMORY", 2**28, "bytes of images held at once")
 LIMITS = (MODEL_BYTES, ARRAY_BYTES, IMAGE_PIXELS, CLASSES, INPUT_ELEMENTS, CALL_ELEMENTS, TEXT_BYTES, CALL_SECONDS, CALIBRATION_BYTES,
-          HELD_IMAGE_BYTES, DOWNLOAD_SECONDS, C_ARRAY_BYTES)
+          HELD_IMAGE_BYTES, DOWNLOAD_SECONDS, C_ARRAY_BYTES, BENCHMARK_SECONDS)
 
 NPZ_MEMBERS = 1000
 JSON_DEPTH = 64  # ptq's own JSON nests a few levels; a record or metadata deeper than this is not ptq's
@@ -119,24 +122,28 @@ def blocked(path: Path | str, what: str = "file") -> PtqError:
     return PtqError(f"{path}: waits for data when read (a special file of the system, not a regular {what}); refused")
 
 
-def read_all(handle: BinaryIO, path: Path, limit: Limit, what: str, expected: int = 0) -> bytes:
-    """At most `limit` bytes of an open file, or one line saying it holds more or would block."""
-    pieces: list[bytes] = []
-    left = limit.value() + 1
-    try:  # in pieces of the size it had: a raised limit never becomes one huge buffer
+def pieces(handle: BinaryIO, path: Path, what: str, most: int, piece_bytes: int = 2**20) -> Iterator[bytes]:
+    """An open file's bytes in pieces, at most `most` in all; a read that would wait, or fails, is one line."""
+    left = most
+    try:
         while left > 0:
-            piece = handle.read(min(left, max(expected + 1, 2**20)))
+            piece = handle.read(min(left, piece_bytes))
             if piece is None:  # a non-blocking read with nothing to give yet
                 raise BlockingIOError
             if not piece:
-                break
-            pieces.append(piece)
+                return
             left -= len(piece)
+            yield piece
     except BlockingIOError:
         raise blocked(path, what) from None
     except OSError as error:
         raise PtqError(f"{path}: cannot read ({error.strerror or error})") from error
-    data = b"".join(pieces)
+
+
+def read_all(handle: BinaryIO, path: Path, limit: Limit, what: str, expected: int = 0) -> bytes:
+    """At most `limit` bytes of an open file, or one line saying it holds more or would block. In pieces of the size it
+    had: a raised limit never becomes one huge buffer."""
+    data = b"".join(pieces(handle, path, what, limit.value() + 1, max(expected + 1, 2**20)))
     if len(data) > limit.value():
         raise limit.refuse(path, "grew while read" if expected <= limit.value() else f"over {limit.value():,} bytes")
     return data
@@ -192,22 +199,12 @@ def sha256(path: Path, limit: Limit = ARRAY_BYTES, what: str = "file") -> bytes:
     size = regular_size(path, what)
     if size > limit.value():
         raise limit.refuse(path, f"{size:,} bytes")
-    digest, left = hashlib.sha256(), limit.value() + 1
+    digest, read = hashlib.sha256(), 0
     with open_regular(path, what) as handle:
-        try:
-            while left > 0:
-                piece = handle.read(min(left, 2**20))
-                if piece is None:  # a non-blocking read with nothing to give yet
-                    raise BlockingIOError
-                if not piece:
-                    break
-                digest.update(piece)
-                left -= len(piece)
-        except BlockingIOError:
-            raise blocked(path, what) from None
-        except OSError as error:
-            raise PtqError(f"{path}: cannot read ({error.strerror or error})") from error
-    if left <= 0:
+        for piece in pieces(handle, path, what, limit.value() + 1):
+            digest.update(piece)
+            read += len(piece)
+    if read > limit.value():
         raise limit.refuse(path, "grew while read")
     return digest.digest()
 

@@ -256,6 +256,20 @@ def _check_reachable(address: str) -> None:
         raise PtqError(f"--ray-address {address}: Ray did not start (something answers there, but not a Ray head: it does not speak gRPC)")
 
 
+def _resolved(address: str) -> str:
+    """The cluster address Ray would connect to for `address` ("auto": RAY_ADDRESS, else the last `ray start`'s, which
+    may name a cluster long gone), so that it is checked before Ray waits on it."""
+    if address != "auto" and not os.environ.get("RAY_ADDRESS"):
+        return address
+    try:
+        with native_stderr_silenced():
+            from ray._private.services import get_ray_address_from_environment
+
+            return str(get_ray_address_from_environment(address, None))
+    except Exception as error:  # noqa: BLE001  Ray's own errors for "no cluster found", in several types
+        raise PtqError(f"--ray-address {address}: Ray did not start ({first_line(error)})") from error
+
+
 # HTTP/2's client preface and an empty SETTINGS frame: a gRPC server (a Ray head's GCS, a Ray client server)
 # answers with a SETTINGS frame of its own.
 HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
@@ -281,8 +295,9 @@ def _start(ray: Any, workers: Workers, folder: str | None) -> None:
     environment = {settings.TASK_CPUS_ENV: str(TASK_CPUS)}
     options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "logging_level": logging.ERROR}
     if workers.address is not None:
-        _check_reachable(workers.address)
-        options["address"] = workers.address
+        address = _resolved(workers.address)
+        _check_reachable(address)
+        options["address"] = address
     else:
         # The workers' own temporary files (a shard's model, kept while the worker lives) go there too.
         environment["TMPDIR"] = folder or tempfile.gettempdir()
