@@ -190,18 +190,18 @@ def evaluation(record: EvaluationRecord, reference: EvaluationRecord | None, cla
                    + f"\n  record {record_file}", style="dim")
     if classes is None:
         return Group(headline, details)
+    return Group(headline, details, _per_class_table(record, reference, classes))
+
+
+def _per_class_table(record: EvaluationRecord, reference: EvaluationRecord | None, classes: list[int]) -> Table | Text:
     if not record.class_names:
-        return Group(headline, details, Text("  --per-class: these images carry no labels of the model's classes, so there is no accuracy per class "
-                                             "(the agreement with FP32 above is the measure)", style="yellow"))
+        return Text("  --per-class: these images carry no labels of the model's classes, so there is no accuracy per class "
+                    "(the agreement with FP32 above is the measure)", style="yellow")
     shown = "" if len(classes) == len(record.class_names) else f" ({len(classes)} of {len(record.class_names):,} classes: those that lose the most)"
     table = Table(title=f"Per-class accuracy: {record.name}{shown}", title_justify="left")
-    table.add_column("class")
-    table.add_column("images", justify="right")
-    table.add_column("accuracy", justify="right")
+    for column in ("class", "images", "accuracy", *((f"FP32 ({reference.name})", "delta") if reference is not None else ())):
+        table.add_column(column, justify="left" if column == "class" else "right")
     counts = record.images_per_class()
-    if reference is not None:
-        table.add_column(f"FP32 ({reference.name})", justify="right")
-        table.add_column("delta", justify="right")
     for index in classes:
         name, accuracy = visible(record.class_names[index]), record.per_class_accuracy[index]
         cells = [name, f"{counts[index]:,}", class_percent(accuracy)]
@@ -209,7 +209,7 @@ def evaluation(record: EvaluationRecord, reference: EvaluationRecord | None, cla
             other = reference.per_class_accuracy[index]
             cells += [class_percent(other), "-" if accuracy is None or other is None else signed(accuracy - other)]
         table.add_row(*cells)
-    return Group(headline, details, table)
+    return table
 
 
 def _warning_lines(record: EvaluationRecord, reference: EvaluationRecord | None) -> list[Text]:

@@ -187,9 +187,9 @@ def test_per_class_tables_count_their_images_and_no_labels_is_said(tmp_path):
 
 def test_a_benchmark_stops_at_its_time_budget_and_says_how_many_runs_fit(tmp_path, monkeypatch):
     image_folder(tmp_path / "images")
-    channel_mean_classifier(tmp_path / "m.onnx")
+    channel_mean_classifier(tmp_path / "m.onnx", size=256)  # a batch of 64 takes milliseconds: 10,000 of them never fit in 1 s
     monkeypatch.setenv("PTQ_BENCHMARK_SECONDS", "1")
-    result = ok("benchmark", "--model", "m.onnx", "--data", "images", "--runs", "10000", "--json", cwd=tmp_path)
+    result = ok("benchmark", "--model", "m.onnx", "--data", "images", "--runs", "10000", "--batch-size", "64", "--json", cwd=tmp_path)
     records = json.loads(result.stdout)
     record = records[0] if isinstance(records, list) else records
     assert 3 <= record["runs"] < 10000 and record["runs_asked"] == 10000

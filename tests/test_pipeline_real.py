@@ -65,7 +65,7 @@ def test_evaluate_per_class_shows_delta_against_fp32(pipeline):
     assert "FP32 (resnet8.onnx)" in run.stdout
     # The bird row shows its accuracy, the FP32 one and the signed delta between them.
     bird = record["per_class_accuracy"][2]
-    assert re.search(rf"bird\s+│\s+{bird:.1f}%\s+│\s+83.9%\s+│\s+{re.escape(f'{bird - 83.9:+.2f}')}", run.stdout), run.stdout
+    assert re.search(rf"bird\s+│\s+1,000\s+│\s+{bird:.1f}%\s+│\s+83.9%\s+│\s+{re.escape(f'{bird - 83.9:+.2f}')}", run.stdout), run.stdout
 
 
 def _markdown_rows(text: str) -> dict[tuple[str, str], list[str]]:

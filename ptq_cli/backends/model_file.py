@@ -175,6 +175,10 @@ def _read_external_data(path: Path, model, held: int = 0) -> None:
         if offset < 0 or length < 0 or offset + length > size:
             raise PtqError(f"{path}: tensor '{tensor.name[:80]}' names bytes {offset:,}-{offset + length:,} of '{info.location}', "
                            f"which holds {size:,}")
+        expected = _tensor_bytes(tensor)
+        if expected is not None and length != expected:
+            raise PtqError(f"{path}: tensor '{tensor.name[:80]}' is {list(tensor.dims)}, {expected:,} bytes, but names {length:,} bytes "
+                           f"of '{info.location}'")
         total += length
         if total > bounded.MODEL_BYTES.value():
             raise bounded.MODEL_BYTES.refuse(path, f"{total:,} bytes with its external data (counted per tensor)")
@@ -187,6 +191,20 @@ def _read_external_data(path: Path, model, held: int = 0) -> None:
             tensor.raw_data = bounded.read_span(handle, target, offset, length, "external data file")
         tensor.data_location = TensorProto.DEFAULT
         del tensor.external_data[:]
+
+
+# Bytes an element of each whole-byte ONNX type takes (sub-byte types, strings: not checked).
+ELEMENT_BYTES = {"FLOAT": 4, "UINT8": 1, "INT8": 1, "UINT16": 2, "INT16": 2, "INT32": 4, "INT64": 8, "BOOL": 1, "FLOAT16": 2, "DOUBLE": 8,
+                 "UINT32": 4, "UINT64": 8, "COMPLEX64": 8, "COMPLEX128": 16, "BFLOAT16": 2, "FLOAT8E4M3FN": 1, "FLOAT8E4M3FNUZ": 1,
+                 "FLOAT8E5M2": 1, "FLOAT8E5M2FNUZ": 1, "FLOAT8E8M0": 1}
+
+
+def _tensor_bytes(tensor) -> int | None:
+    """The bytes a tensor of whole-byte elements holds by its dims (None for the other types)."""
+    from onnx import TensorProto
+
+    name = TensorProto.DataType.Name(tensor.data_type) if tensor.data_type in TensorProto.DataType.values() else ""
+    return int(np.prod(tensor.dims, dtype=np.int64)) * ELEMENT_BYTES[name] if name in ELEMENT_BYTES else None
 
 
 def onnx_dims(value) -> list:

@@ -89,7 +89,10 @@ def _check_finite_weights(model_path: Path, model) -> None:
     for init in model.graph.initializer:
         if init.data_type not in (1, 10, 11, 16):  # float, float16, double, bfloat16
             continue
-        values = numpy_helper.to_array(init)
+        try:
+            values = numpy_helper.to_array(init)
+        except ValueError as error:  # its bytes do not fit its dims (a damaged file)
+            raise PtqError(f"{model_path}: weights '{init.name[:80]}' do not fit their shape {list(init.dims)} ({error})") from error
         if np.isnan(values).any() or (init.name in weights and not np.isfinite(values).all()):
             raise PtqError(f"{model_path}: weights '{init.name[:80]}' hold NaN or infinity, which no 8-bit code represents; "
                            "fix the model (its FP32 scores are not finite either)")
