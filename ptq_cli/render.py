@@ -380,17 +380,25 @@ def _recommendation_lines(group: DatasetGroup) -> list[str]:
     portable = [f"Right on every x86 CPU: {Path(cost.model_path).name} {cost.portable_sqnr_db:.1f} dB SQNR, {cost.portable_agreement:.1f}% top-1 "
                 f"agreement; made for VNNI CPUs alone (--cpus vnni) {cost.vnni_sqnr_db:.1f} dB, {cost.vnni_agreement:.1f}% (against FP32 on "
                 f"{cost.images} calibration images on {cost.cpu}, measured by quantize)" for cost in group.portability]
+    best = advice.best_accuracy
     return [
-        f"{_best(advice)}: {_name(advice.best_accuracy)} ({_score(advice.best_accuracy)})",
+        f"{_best(advice)}: {_name(best)} ({_score(best)})" + _indistinguishable(best, group.images),
         f"Smallest: {_name(smallest)} ({size(smallest.size_bytes)}, {_score(smallest)})",
         f"Fastest {budget}: {_name(fastest)} on {_runtime(fastest)} ({fastest.images_per_second:,.0f} images/s"
         + (f", {fastest.speedup_vs_onnxruntime:.2f}x onnxruntime FP32" if fastest.speedup_vs_onnxruntime else "")
         + f", {_score(fastest)}; {fastest.configuration})"
-        + (f"; its {fastest.delta:+.2f} points are indistinguishable from FP32 on {group.images:,} images (McNemar p {fastest.delta_p_value:.2f})"
-           if fastest.loss_not_significant and fastest.delta is not None and fastest.delta_p_value is not None else "")
+        + _indistinguishable(fastest, group.images)
         if fastest else f"Fastest {budget}: none",
         *portable,
     ]
+
+
+def _indistinguishable(row: ReportRow, images: int) -> str:
+    """"; its -0.40 points are indistinguishable from FP32 on 500 images (McNemar p 0.50)" where the images measured cannot
+    tell its top-1 from its FP32 source's; "" otherwise."""
+    if not row.indistinguishable or row.delta is None or row.delta_p_value is None:
+        return ""
+    return f"; its {row.delta:+.2f} points are indistinguishable from FP32 on {images:,} images (McNemar p {row.delta_p_value:.2f})"
 
 
 def _runtime(measured: ReportRow | BenchmarkRecord) -> str:

@@ -99,9 +99,13 @@ class ReportRow:
         return self.agreement is not None and _faithful(self.agreement, self.top5)
 
     @property
+    def indistinguishable(self) -> bool:
+        """A top-1 other than its FP32 source's by no more than the images measured can tell apart from chance."""
+        return self.delta is not None and self.delta != 0 and self.delta_p_value is not None and self.delta_p_value >= SIGNIFICANCE
+
+    @property
     def loss_not_significant(self) -> bool:
-        """A top-1 below its FP32 source's by no more than the images measured can tell apart from chance."""
-        return self.delta is not None and self.delta < 0 and self.delta_p_value is not None and self.delta_p_value >= SIGNIFICANCE
+        return self.indistinguishable and self.delta is not None and self.delta < 0
 
     @property
     def score(self) -> float:
