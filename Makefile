@@ -21,8 +21,8 @@ qemu:
 		echo "qemu-user or binutils not installed (needs apt-get as root): the saturating int8 path runs slower, or not at all, on a VNNI CPU"
 
 # torch is pinned to 2.13.0, the local CPU build; onnx2torch goes in with --no-deps because its
-# metadata requires torchvision, whose registry build is CUDA-only (see README, "PyTorch without torchvision").
-# uv installs what pip would, in a fraction of its time (README, "Installing"); it reads neither pip's configuration
+# metadata requires torchvision, whose registry build is CUDA-only (docs/pytorch.md).
+# uv installs what pip would, in a fraction of its time (docs/installing.md); it reads neither pip's configuration
 # (tools/uv_options.py passes it on) nor pip's rule of the best version over all indexes (unsafe-best-match is
 # that rule). Where uv cannot install, pip does.
 EXTRAS := '.[keras,dev,openvino,litert,ray]'

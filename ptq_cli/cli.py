@@ -393,7 +393,7 @@ def _with_data(calibration: bool = True, preprocessing: bool = True) -> Callable
     return decorate
 
 
-TargetOption = Annotated[Target | None, typer.Option(help="speed: the fast x86 configuration (onnxruntime: uint8 activations, int8 per-channel weights); other options still override it. onnxruntime's default when neither --dtype nor --weight-dtype is given: it follows FP32 as closely as int8 activations do, about twice as fast (README).", show_default=False)]
+TargetOption = Annotated[Target | None, typer.Option(help="speed: the fast x86 configuration (onnxruntime: uint8 activations, int8 per-channel weights); other options still override it. onnxruntime's default when neither --dtype nor --weight-dtype is given: it follows FP32 as closely as int8 activations do, about twice as fast (docs).", show_default=False)]
 GraphPreprocessOption = Annotated[bool, typer.Option("--graph-preprocess/--no-graph-preprocess", help="Run onnxruntime's quant_pre_process first (shape inference, folds batch-norm Mul/Add into Conv).")]
 # One option block for how a model is quantized, shared by the commands that quantize: the command's `quantization`
 # parameter becomes these options, and the backend table's --backend choices and each quantizer's own options

@@ -443,7 +443,7 @@ class Quantizer:
     # For other models: all-layers or first-layer judged on held-out calibration images (overflow.JUDGED), not the first.
     judges_overflow_fix: bool = False
     speed_target: dict[str, Any] = field(default_factory=dict)  # what `--target speed` sets for it
-    speed_by_default: bool = False  # a plain `quantize` (no type or target given) gets the speed target: measured as faithful (README)
+    speed_by_default: bool = False  # a plain `quantize` (no type or target given) gets the speed target: measured as faithful (docs)
     options: type[BackendOptions] = BackendOptions  # the settings only it takes, with its rules on the common ones
     describe: Callable[[dict[str, Any]], str] | None = None  # its settings in a few words (else the common description)
     overflow_words: Callable[[dict[str, Any]], dict[str, str]] = lambda _settings: {}  # how a model's settings keep each fix, if not the common words

@@ -154,7 +154,7 @@ def sniff(_head: bytes) -> bool:
 # What one image's activations cost, as a multiple of their bytes, while onnxruntime calibrates: the
 # session's outputs, the list the calibrator merges them into and the array a histogram is built from.
 ACTIVATION_COPIES = 3
-# A `ptq quantize` process before calibrating, as the budget counts it: Python, numpy, onnx and onnxruntime (README, Limits).
+# A `ptq quantize` process before calibrating, as the budget counts it: Python, numpy, onnx and onnxruntime (docs: Limits).
 BASE_PROCESS_BYTES = 400 * 10**6
 
 

@@ -50,7 +50,7 @@ TORCHSCRIPT_METADATA_FILE = "ptq.json"
 MODEL_INPUT_KEY = "ptq.model_input"
 CALIBRATION_BATCH = 100
 # TorchScript runs a large batch in chunks of at most this many images, whose activations stay in
-# cache (see README, "Speed": about 3x the throughput of whole 1,024-image batches).
+# cache (see docs, "Speed": about 3x the throughput of whole 1,024-image batches).
 TORCH_CHUNK = 64
 # Tried, in order, on a TorchScript file ptq did not make (which says nothing of its input).
 PROBE_INPUTS = (inputs.ModelInput("input", inputs.NCHW, 3, 32, 32, None), inputs.ModelInput("input", inputs.NHWC, 3, 32, 32, None))

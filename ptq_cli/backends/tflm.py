@@ -1,7 +1,7 @@
 """TensorFlow Lite Micro: runs `.tflite` files (`--runtime tflm`) on the kernels a microcontroller runs.
 
 TFLM's reference kernels are what a Cortex-M runs (CMSIS-NN reproduces them bit for bit); LiteRT's default
-XNNPACK kernels, and even its own reference kernels, round some layers differently (README, "TFLite Micro").
+XNNPACK kernels, and even its own reference kernels, round some layers differently (docs: "TFLite Micro").
 The scores come from TFLM's kernels. Where a model's ops are all in `tflm_kernels` (ptq's numpy copy of
 them, whole batches at once, shared out over `threads` threads), they run there, and the tflite-micro Python
 interpreter runs the first VERIFIED_IMAGES images of every call too: the output bytes must be identical, else that

@@ -1,7 +1,7 @@
 """Reading the files people pass, within bounds: regular files only (no FIFO, device or /dev/zero behind a
 symbolic link), and never more bytes, pixels, dimensions or classes than a limit.
 
-Each limit is raised by an environment variable (README, "Limits") for the rare real input that needs more.
+Each limit is raised by an environment variable (docs/security.md, "Limits") for the rare real input that needs more.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ptq_cli.backends.model_file import HDF5_SIGNATURE
 from ptq_cli.datasets import cifar10 as cifar
 from ptq_cli.errors import PtqError
 from ptq_cli.guards import bounded
@@ -40,7 +41,6 @@ CIFAR_MD5 = "c58f30108f718f92721af3b95e74349a"
 # MLCommons Tiny's reference model; the sha256 is that of the copy this project was built and tested with.
 MODEL_URL = "https://github.com/mlcommons/tiny/raw/master/benchmark/training/image_classification/trained_models/pretrainedResnet.h5"
 MODEL_SHA256 = "5f938a8eea605438cc7360aa13c987bc6d7bd0c8d931b2917361ae7ae4eeda2f"
-HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 CHUNK = 1 << 16
 TIMEOUT_SECONDS = 60
 

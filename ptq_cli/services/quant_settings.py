@@ -28,7 +28,7 @@ DTYPES = ("int8", "uint8")
 WEIGHT_DTYPES = (*DTYPES, INT4)
 DEFAULT_PERCENTILE = 99.999
 DEFAULT_DTYPE = "int8"
-# `--target speed`: the fast configuration on x86, each backend's own (Quantizer.speed_target). See README.
+# `--target speed`: the fast configuration on x86, each backend's own (Quantizer.speed_target). See docs/speed.md.
 TARGETS = ("speed",)
 COMMON_OVERFLOW_WORDS = {FIRST_LAYER: "first-layer pair rule", ALL_LAYERS: "all-layer pair rule"}
 # `--stem`: the layers the image enters first in float or int8, or auto (measured when quantizing: services/make/stem.py).
@@ -170,7 +170,7 @@ def _percentile(method: str, percentile: float | None) -> float | None:
 
 
 def _cpus(row: backends.Backend, cpus: str | None, overflow_fix: str | None) -> tuple[str, str | None]:
-    """(the CPUs the model is for, how it is kept exact on those without VNNI: README, "Right on every CPU").
+    """(the CPUs the model is for, how it is kept exact on those without VNNI: docs, "Right on every CPU").
     The fix is None where the backend's default depends on the model (quantize.resolve_model_defaults)."""
     cpus = cpus or ALL
     if cpus not in CPU_TARGETS:

@@ -1,7 +1,7 @@
 """4-bit weights for a full-integer TFLite model: its int8 convolution and fully-connected filters become int4,
 rounded by GPTQ against the calibration images, activations staying int8.
 
-Plain rounding to 4 bits ruins a small network (ResNet8 fell to 83.4% with the stem kept in 8 bits, README); so
+Plain rounding to 4 bits ruins a small network (ResNet8 fell to 83.4% with the stem kept in 8 bits, docs); so
 each layer, in graph order, gets per output channel the clipping (a fraction of its largest weight) and the
 4-bit codes that leave the least output error, E||(W - Q) x||^2 over the inputs the model (its earlier layers
 already 4-bit) gives it on the calibration images (`rounding.gptq`, the same closed form the onnxruntime models
@@ -268,7 +268,7 @@ def _fit(weights: np.ndarray, bias: np.ndarray, moments: np.ndarray, per_tensor:
     (GPTAQ's asymmetric calibration): it aims at the int8 model's output W x, through the least-squares weights
     W + W E[(x - x') x'^T] E[x' x'^T]^-1, so that a layer takes up the error of the 4-bit layers before it. The
     damping only tempers that correction: written as W E[x x'^T] (H + damping)^-1, it would also shrink W where
-    the inputs vary little (README: the cost, measured). Either way the bias takes up the mean output error."""
+    the inputs vary little (docs: the cost, measured). Either way the bias takes up the mean output error."""
     inputs = weights.shape[1]
     cross, second = moments[:inputs, inputs : 2 * inputs], moments[inputs : 2 * inputs, inputs : 2 * inputs]
     original_mean, current_mean = moments[:inputs, -1], moments[inputs : 2 * inputs, -1]

@@ -114,7 +114,7 @@ def search(model, score: Callable[[Any, str | None], float], evaluations: int,
     scorer may run only what depends on it) over FACTORS of each scale, in graph order, within `evaluations` calls of
     `score`.
     One sweep: on every ResNet8 model measured, a second one fit the searched images more tightly and took held-out
-    images further from FP32 than the first left them (README, Activation ranges)."""
+    images further from FP32 than the first left them (docs: Activation ranges)."""
     names = activation_scales(model)
     rescaler = Rescaler(model)
     calibrated = {name: rescaler.get(name) for name in names}

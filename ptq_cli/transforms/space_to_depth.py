@@ -88,7 +88,7 @@ def _eligible(attributes: dict, weights: np.ndarray | None, width: int | None) -
     if weights is None or weights.ndim != 4:
         return None
     if weights.shape[2:] == (1, 1):
-        return None  # a pointwise Conv is one GEMM to MLAS already: regrouped it only gains zeros (README, ImageNet-size classifiers)
+        return None  # a pointwise Conv is one GEMM to MLAS already: regrouped it only gains zeros (docs: ImageNet-size classifiers)
     out_channels, in_channels = weights.shape[:2]
     block = max(block_size(in_channels), -(-MIN_OUTPUT_CHANNELS // out_channels))
     if block == 1:

@@ -23,7 +23,7 @@ from ptq_cli.services.models import load_model
 from ptq_cli.transforms.graph import canonical
 
 # Source and converted outputs differ by float32 rounding, which grows with the outputs' size and the network's depth
-# (README, "Conversion check"); a conversion bug moves them by percents. So the limit scales with the outputs.
+# (docs: "Conversion check"); a conversion bug moves them by percents. So the limit scales with the outputs.
 RELATIVE_TOLERANCE = 1e-3
 LIMIT = f"{RELATIVE_TOLERANCE:.1%} of the largest output"  # the limit in words, for help, table and error
 

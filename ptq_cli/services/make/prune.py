@@ -8,7 +8,7 @@ re-fitted, layer by layer in graph order, by least squares on calibration images
 kept weights are solved so that the layer, fed what the pruned network before it now produces, gives
 what the original layer gave on the original network's activations. No training, no labels, no test
 images: the calibration set (training images) is all it sees. On ResNet8 at 30% global sparsity this
-turns 84.75% into about 87.0% (see README). The result is an ordinary
+turns 84.75% into about 87.0% (see docs). The result is an ordinary
 FP32 ONNX model with zeros in it, which `ptq quantize` takes like any other; zeros stay exactly zero
 through batch-norm folding and quantization (zero is always representable), so the quantized file
 compresses better.

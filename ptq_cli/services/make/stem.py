@@ -1,7 +1,7 @@
 """Whether the stem (the layers the image enters first) stays in float: measured for each model and settings.
 
 Some networks' stems cost them most of their 8-bit fidelity: their int8 weights alone cost the output about
-as much as all the model's weights together (README, ImageNet-size classifiers). Kept in float, the stem is a
+as much as all the model's weights together (docs: ImageNet-size classifiers). Kept in float, the stem is a
 few percent of the compute and the image itself is not quantized. ptq quantizes the FP32 model's stem weights alone, as
 the settings would (granularity, the pair rule of an overflow fix), runs both models on a few calibration
 images and keeps the stem in float where the output's SQNR falls below STEM_FLOAT_BELOW_DB.
@@ -21,7 +21,7 @@ from ptq_cli.services.quant_settings import FLOAT, INT8
 from ptq_cli.transforms import overflow
 
 # An int8 stem that alone leaves less than this SQNR at the output costs about as much as a whole int8
-# model's error (README): it stays in float.
+# model's error (docs): it stays in float.
 STEM_FLOAT_BELOW_DB = 25.0
 PROBE_IMAGES = 64  # the first calibration images, enough for a stable SQNR
 

@@ -45,7 +45,7 @@ LIBRARIES = ("numpy", "onnx", "onnxruntime", "torch", "onnx2torch", "tensorflow-
 # by quantize's default_output (resnet8_int8.onnx, resnet8_uint8.onnx, resnet8_uint8_speed.onnx, resnet8_pytorch_int8.pt).
 QUANTIZED: tuple[dict[str, Any], ...] = ({"dtype": "int8"}, {"dtype": "uint8"}, {"target": "speed"}, {"backend": "pytorch", "dtype": "int8"})
 # With the openvino extra: the default OpenVINO int8 IR (ptq's QDQ quantization converted; closer to FP32
-# than NNCF's on ResNet8 and EfficientNet-Lite0, README), and the FP32 model run on OpenVINO at f32 to
+# than NNCF's on ResNet8 and EfficientNet-Lite0, docs), and the FP32 model run on OpenVINO at f32 to
 # compare it with on its own runtime.
 OPENVINO_QUANTIZED: dict[str, Any] = {"backend": "openvino"}
 # The flash the study's 4-bit model may take: MLPerf Tiny's reference is 96 KB; issue 34 asked for 60 KB.
