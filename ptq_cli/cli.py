@@ -515,32 +515,43 @@ HEARTBEAT_START_SECONDS, HEARTBEAT_SECONDS = 5.0, 30.0
 
 @contextmanager
 def _heartbeat(description: str) -> Iterator[Callable[[int, int], None]]:
-    """Where stderr is not a terminal: nothing for work done within HEARTBEAT_START_SECONDS; past it, a line saying
-    what runs (and how far, when the work counts), one at least every HEARTBEAT_SECONDS, and one when it ends."""
+    """Where stderr is not a terminal: a line when the work first counts progress (its input read, so an error
+    before it stays one line) or once it has run HEARTBEAT_START_SECONDS, one at least every HEARTBEAT_SECONDS
+    (how far, when the work counts), and one when it ends; nothing for quiet work done sooner."""
     began, state = time.monotonic(), {"done": 0, "total": 0, "said": False}
-    stopped = threading.Event()
+    stopped, lock = threading.Event(), threading.Lock()
 
     def say(text: str) -> None:
         with contextlib.suppress(OSError, ValueError):
             err.print(text, highlight=False, soft_wrap=True)
             err.file.flush()
 
+    def counted() -> str:
+        return f", {state['done']:,}/{state['total']:,}" if state["total"] else ""
+
     def beat() -> None:
         wait = HEARTBEAT_START_SECONDS
         while not stopped.wait(wait):
-            counted = f", {state['done']:,}/{state['total']:,}" if state["total"] else ""
-            say(f"{description}: running, {time.monotonic() - began:,.0f} s{counted}")
-            state["said"], wait = True, HEARTBEAT_SECONDS
+            with lock:
+                say(f"{description}: running, {time.monotonic() - began:,.0f} s{counted()}")
+                state["said"], wait = True, HEARTBEAT_SECONDS
+
+    def update(done: int, total: int) -> None:
+        with lock:
+            state.update(done=done, total=total)
+            if not state["said"]:
+                say(f"{description}: started{counted()}")
+                state["said"] = True
 
     beater = threading.Thread(target=beat, name="ptq-heartbeat", daemon=True)
     beater.start()
     try:
-        yield lambda done, total: state.update(done=done, total=total)
+        yield update
     finally:
         stopped.set()
         beater.join()
         if state["said"]:
-            say(f"{description}: ended after {time.monotonic() - began:,.0f} s")
+            say(f"{description}: ended after {time.monotonic() - began:,.1f} s")
 
 
 @contextmanager
@@ -609,7 +620,7 @@ def _byte_progress() -> Iterator[Callable[[str, int, int], None]]:
 @app.command()
 @_with_data(calibration=False)
 def convert(
-    keras: Annotated[Path | None, typer.Option(help=f"Keras .h5 model to convert. (default: ${settings.ASSETS_ENV}/mlperf-tiny-resnet8/pretrainedResnet.h5)", show_default=False)] = None,
+    keras: Annotated[Path | None, typer.Option(help=f"Keras model to convert: a .keras or .h5 file, or a TensorFlow SavedModel folder (its ops vetted before TensorFlow loads it). (default: ${settings.ASSETS_ENV}/mlperf-tiny-resnet8/pretrainedResnet.h5)", show_default=False)] = None,
     output: Annotated[Path, typer.Option(help="Where to write the ONNX model converted from Keras.")] = settings.FP32_ONNX,
     onnx_source: Annotated[Path | None, typer.Option("--onnx", help="Start from this ONNX model instead of Keras (use with --torch).", show_default=False)] = None,
     torch_output: Annotated[Path | None, typer.Option("--torch", help="Also convert the ONNX model to PyTorch (onnx2torch), saved as TorchScript here, e.g. models/resnet8.pt.", show_default=False)] = None,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 
 import numpy as np
@@ -54,3 +56,28 @@ def mcnemar_p_value(only_first: int, only_second: int) -> float:
         return 1.0
     tail = sum(math.comb(discordant, count) for count in range(min(only_first, only_second) + 1))
     return min(1.0, 2 * tail / 2**discordant)
+
+
+def packed_hits(hits: np.ndarray) -> str:
+    """Which images a model got right (a boolean per image, in the images' order) as base64 text, one bit each:
+    what lets two models measured on the same images be compared image by image later (`paired_p_value`)."""
+    return base64.b64encode(np.packbits(np.asarray(hits, dtype=bool)).tobytes()).decode("ascii")
+
+
+def unpacked_hits(text: str, images: int) -> np.ndarray:
+    """`packed_hits`'s text back as `images` booleans; ValueError for text that is not exactly that many bits."""
+    try:
+        packed = base64.b64decode(text.encode("ascii"), validate=True)
+    except (UnicodeEncodeError, binascii.Error) as error:
+        raise ValueError(f"its images right are not base64 ({error})") from error
+    if len(packed) != (images + 7) // 8:
+        raise ValueError(f"its images right hold {len(packed) * 8} bits for {images:,} images")
+    bits = np.unpackbits(np.frombuffer(packed, dtype=np.uint8))
+    if bits[images:].any():
+        raise ValueError("its images right set bits past its last image")
+    return bits[:images].astype(bool)
+
+
+def paired_p_value(first_hits: np.ndarray, second_hits: np.ndarray) -> float:
+    """McNemar's p of two models on the same images, from which each got right."""
+    return mcnemar_p_value(int(np.sum(first_hits & ~second_hits)), int(np.sum(second_hits & ~first_hits)))

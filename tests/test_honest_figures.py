@@ -58,6 +58,9 @@ def test_a_top1_near_chance_or_mean_std_in_0_1_units_is_said_and_a_right_feeding
     channel_mean_classifier(tmp_path / "m.onnx")
     right = json.loads(ok("evaluate", "--model", "m.onnx", "--data", "images", "--json", cwd=tmp_path).stdout)
     assert right["warnings"] == []
+    from ptq_cli.metrics import unpacked_hits  # which images it got right, kept for comparisons image by image
+
+    assert unpacked_hits(right["right_images"], right["images"]).sum() == right["correct"] > 0
     near_chance = ok("evaluate", "--model", "m.onnx", "--data", "images", "--bgr", cwd=tmp_path)
     warnings = [line for line in near_chance.stdout.splitlines() if "warning:" in line]
     assert len(warnings) == 1 and "within 2x of chance (33.33% on 3 classes)" in near_chance.stdout.replace("\n", " ")
@@ -100,7 +103,7 @@ def keras_zip(path: Path) -> Path:
     ("module", "a PyTorch checkpoint (torch.save of a module or state_dict)"),
     ("keras", "a Keras .keras model; convert it first: ptq convert --keras"),
     ("h5", "a Keras .h5 model (HDF5); convert it first: ptq convert --keras"),
-    ("saved_model", "a TensorFlow SavedModel folder"),
+    ("saved_model", "a TensorFlow SavedModel folder; convert it first: ptq convert --keras"),
 ])
 @pytest.mark.parametrize("command", ["evaluate", "quantize", "benchmark"])
 def test_each_file_kind_is_named_with_the_command_that_takes_it(tmp_path, kind, says, command):
@@ -120,14 +123,6 @@ def test_each_file_kind_is_named_with_the_command_that_takes_it(tmp_path, kind, 
     result = invoke(command, "--model", model.name, "--data", "images", *extra, cwd=tmp_path)
     one_line_error(result, f"{model.name}: {says}")
     assert "--trust-remote-code" not in result.stderr and "corrupt" not in result.stderr
-
-
-def test_convert_keras_names_a_saved_model_folder(tmp_path):
-    (tmp_path / "saved").mkdir()
-    (tmp_path / "saved" / "saved_model.pb").write_bytes(b"")
-    image_folder(tmp_path / "images")
-    one_line_error(invoke("convert", "--keras", "saved", "--output", "m.onnx", "--data", "images", cwd=tmp_path),
-                   "saved: a TensorFlow SavedModel folder")
 
 
 def test_an_npz_of_numbered_labels_may_hold_fewer_classes_than_the_model(tmp_path):
@@ -157,18 +152,19 @@ def test_resnet8_fed_wrongly_after_quantizing_leaves_the_true_delta(resnet8_onnx
     assert fp32["accuracy"] == 87.19 and row["delta"] == pytest.approx(row["accuracy"] - 87.19, abs=1e-6) and abs(row["delta"]) < 0.2
 
 
-def test_piped_long_work_says_it_is_alive_and_short_work_stays_quiet(tmp_path, monkeypatch):
-    """Piped (stderr no terminal), work past the start delay prints what runs, then a line at least every period, and
-    its end; work done sooner prints nothing."""
+def test_piped_work_says_when_it_starts_and_ends_and_long_work_that_it_is_alive(tmp_path, monkeypatch):
+    """Piped (stderr no terminal): evaluate and quantize say when their work starts (once it counts progress) and
+    when it ends; work past the start delay prints what runs at least every period."""
     from ptq_cli import cli
 
     image_folder(tmp_path / "images")
     channel_mean_classifier(tmp_path / "m.onnx")
-    quiet = ok("evaluate", "--model", "m.onnx", "--data", "images", cwd=tmp_path)
-    assert quiet.stderr == ""
+    for command in (("evaluate", "--model", "m.onnx", "--data", "images"), ("quantize", "--model", "m.onnx", "--data", "images", "--output", "q.onnx")):
+        lines = ok(*command, cwd=tmp_path).stderr.splitlines()
+        assert ": started" in lines[0] and ": ended after " in lines[-1] and not any(": running" in line for line in lines), lines
     monkeypatch.setattr(cli, "HEARTBEAT_START_SECONDS", 0.0)
     monkeypatch.setattr(cli, "HEARTBEAT_SECONDS", 0.01)
-    for command in (("evaluate", "--model", "m.onnx", "--data", "images"), ("quantize", "--model", "m.onnx", "--data", "images", "--output", "q.onnx")):
+    for command in (("evaluate", "--model", "m.onnx", "--data", "images"), ("quantize", "--model", "m.onnx", "--data", "images", "--output", "q2.onnx")):
         lines = ok(*command, cwd=tmp_path).stderr.splitlines()
         assert any(": running, " in line for line in lines) and ": ended after " in lines[-1], lines
 

@@ -499,3 +499,45 @@ def test_the_fastest_is_not_passed_over_for_a_loss_the_images_cannot_tell_from_c
     assert "indistinguishable from FP32 on 500 images (McNemar p 0.50)" in report_markdown(report)
     strict = build_report([fp32, slow, replace(noisy, fidelity={**noisy.fidelity, "accuracy_delta_p_value": 0.01}), worse])
     assert strict.groups[0].recommendation.fastest.model == "slow.onnx"
+
+
+def test_best_is_said_to_be_no_better_than_a_runner_up_the_images_cannot_tell_apart():
+    """500 images: best and runner-up differ on 1 image against 0 (p 1.0): "no better than"; on 20 against 0: best alone."""
+    from ptq_cli.metrics import packed_hits
+    from ptq_cli.render import report_markdown
+
+    rng = np.random.default_rng(0)
+    fp32_hits = rng.random(500) < 0.87
+
+    def measured(name, hits, speed):
+        record = _record(name, "onnxruntime", "fp32" if name == "f.onnx" else "int8", round(100.0 * hits.mean(), 4), 100, speed, [85.0, 89.0])
+        return replace(record, images=500, correct=int(hits.sum()), right_images=packed_hits(hits))
+
+    def flipped(count):
+        hits = fp32_hits.copy()
+        hits[np.flatnonzero(hits)[:count]] = False
+        return hits
+
+    close = build_report([measured("f.onnx", fp32_hits, 1000.0), measured("a.onnx", flipped(0), 2000.0), measured("b.onnx", flipped(1), 3000.0)])
+    advice = close.groups[0].recommendation
+    assert (advice.best_accuracy.model, advice.best_rival.model, advice.best_rival_p_value) == ("a.onnx", "b.onnx", 1.0)
+    assert "no better than b.onnx" in report_markdown(close) and "(McNemar p 1.00)" in report_markdown(close)
+    apart = build_report([measured("f.onnx", fp32_hits, 1000.0), measured("a.onnx", flipped(0), 2000.0), measured("b.onnx", flipped(20), 3000.0)])
+    assert apart.groups[0].recommendation.best_rival is None and "no better than" not in report_markdown(apart)
+
+
+def test_images_right_round_trip_and_a_record_whose_bits_disagree_is_refused(tmp_path):
+    from ptq_cli.errors import PtqError
+    from ptq_cli.metrics import packed_hits, unpacked_hits
+    from ptq_cli.services.measure.evaluate import read_record, save_record
+
+    hits = np.arange(13) % 3 == 0
+    assert (unpacked_hits(packed_hits(hits), 13) == hits).all()
+    for text, images in ((packed_hits(hits), 20), ("not base64!", 13), (packed_hits(np.ones(16, dtype=bool)), 13)):
+        with pytest.raises(ValueError, match="images right"):
+            unpacked_hits(text, images)
+    record = replace(_record("q.onnx", "onnxruntime", "int8", 50.0, 100, 1.0, [100.0, 0.0]), images=2, correct=1,
+                     confusion_matrix=[[1, 0], [1, 0]], right_images=packed_hits(np.array([True, False])))
+    assert read_record(save_record(record, tmp_path)).right_images == record.right_images
+    with pytest.raises(PtqError, match="images right are not its 1 correct"):
+        read_record(save_record(replace(record, right_images=packed_hits(np.array([True, True]))), tmp_path))

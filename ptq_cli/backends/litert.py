@@ -46,6 +46,7 @@ from ptq_cli.backends.base import (
     sqnr_figure,
 )
 from ptq_cli.backends.model_file import (
+    KERAS_SAVE_HINT,
     file_sha256,
     in_fixed_batches,
     load_keras,
@@ -254,6 +255,9 @@ def keras_source(onnx_model) -> Path:
         raise PtqError(f"{name}: --backend litert quantizes the Keras model an ONNX model was converted from, and this one names "
                        "none (ptq convert --keras records it); ptq does not convert ONNX graphs to TFLite")
     path = Path(str(entry.get("path", "")))
+    if path.is_dir():
+        raise PtqError(f"{name}: its TensorFlow source {path} is a SavedModel folder; --backend litert quantizes from a .keras or .h5 file "
+                       f"({KERAS_SAVE_HINT})")
     if not path.is_file():
         raise PtqError(f"{name}: its Keras source {path} is missing")
     if file_sha256(path) != entry.get("sha256"):

@@ -50,7 +50,7 @@ def foreign_kind(path: Path, head: bytes | None = None) -> str | None:
     path = Path(path)
     if path.is_dir():
         saved = (path / SAVED_MODEL).is_file()
-        return f"a TensorFlow SavedModel folder; ptq reads Keras models as .keras or .h5: {KERAS_SAVE_HINT}" if saved else None
+        return f"a TensorFlow SavedModel folder; convert it first: ptq convert --keras {path} --output {path.name}.onnx" if saved else None
     if head is None:
         head = bounded.read_head(path, 8, "model file")
     if head.startswith(HDF5_SIGNATURE):

@@ -9,16 +9,18 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ptq_cli import inputs
 from ptq_cli.backends.base import KERAS_SOURCE_METADATA_KEY, SOURCE_METADATA_KEY
-from ptq_cli.backends.model_file import KERAS_SAVE_HINT, SAVED_MODEL, file_sha256, load_keras, read_onnx
+from ptq_cli.backends.model_file import file_sha256, load_keras, read_onnx
 from ptq_cli.datasets import Dataset
 from ptq_cli.errors import CheckFailed, PtqError, first_line
 from ptq_cli.guards.atomic import atomic_output, check_outputs
 from ptq_cli.guards.library_noise import native_stderr_silenced
+from ptq_cli.services.make import saved_model
 from ptq_cli.services.models import load_model
 from ptq_cli.transforms.graph import canonical
 
@@ -125,42 +127,64 @@ def _collected_warnings(logger_name: str) -> Iterator[list[str]]:
         logger.propagate = saved[1]
 
 
+@dataclass(frozen=True)
+class _KerasModel:
+    """A Keras model as conversion uses it (saved_model.SavedModel is the other kind)."""
+
+    model: Any
+
+    @property
+    def input_shape(self) -> tuple[int | None, ...]:
+        return tuple(self.model.input_shape)
+
+    def predict(self, images: np.ndarray) -> np.ndarray:
+        return self.model.predict(images, batch_size=500, verbose=0)
+
+    def to_onnx(self, opset: int) -> Any:
+        import tensorflow as tf
+        import tf2onnx
+
+        signature = (tf.TensorSpec((None, *self.input_shape[1:]), tf.float32, name="input"),)
+        model_proto, _ = tf2onnx.convert.from_keras(self.model, input_signature=signature, opset=opset)
+        return model_proto
+
+
 def keras_to_onnx(keras_path: Path, output: Path, dataset: Dataset, opset: int = 13, check_count: int = 1000,
                   flags: inputs.PreprocessingFlags | None = None) -> ConversionResult:
-    """Keras .h5 -> ONNX with tf2onnx, checked against Keras on `check_count` test images."""
+    """A Keras .keras or .h5 file, or a TensorFlow SavedModel folder (vetted first: saved_model.py) -> ONNX with
+    tf2onnx, checked against TensorFlow on `check_count` test images."""
     keras_path = Path(keras_path)
-    if (keras_path / SAVED_MODEL).is_file():
-        raise PtqError(f"{keras_path}: a TensorFlow SavedModel folder; {KERAS_SAVE_HINT}")
-    if not keras_path.is_file():
+    folder = saved_model.is_saved_model(keras_path)
+    if not folder and not keras_path.is_file():
         raise PtqError(f"{keras_path}: Keras model file not found")
-    check_outputs([("--output", output, (".onnx",))], [keras_path])
+    check_outputs([("--output", output, (".onnx",))], [] if folder else [keras_path])
     if check_count < 1:
         raise PtqError(f"--check-images: must be at least 1, got {check_count}")
     try:
         with native_stderr_silenced():
             import tensorflow as tf
-            import tf2onnx
+            import tf2onnx  # noqa: F401  checked here, used by to_onnx
     except ImportError as error:
         raise PtqError(f"--keras: needs tensorflow-cpu and tf2onnx (pip install -e '.[keras]'): {error}") from error
-    keras_model = load_keras(tf, keras_path)
-    shape = keras_model.input_shape
+    source = saved_model.load(keras_path) if folder else _KerasModel(load_keras(tf, keras_path))
+    shape = source.input_shape
     if len(shape) != 4 or shape[3] not in (1, 3) or not shape[1] or not shape[2]:
-        raise PtqError(f"{keras_path}: Keras model input {shape} is not N x H x W x C images")
+        raise PtqError(f"{keras_path}: model input {shape} is not N x H x W x C images")
     keras_input = inputs.ModelInput("input", inputs.NHWC, shape[3], shape[1], shape[2], None)
     preprocessing = inputs.resolve(flags or inputs.PreprocessingFlags(), None)
     images = inputs.prepare(check_images(dataset, check_count, keras_input.size, keras_input.channels), keras_input, preprocessing)
-    reference = keras_model.predict(images, batch_size=500, verbose=0)
-    signature = (tf.TensorSpec((None, *keras_model.input_shape[1:]), tf.float32, name="input"),)
+    reference = source.predict(images)
 
     converter_warnings: list[str] = []
 
     def write(tmp: Path) -> None:
-        with _collected_warnings("tf2onnx") as messages:
-            model_proto, _ = tf2onnx.convert.from_keras(keras_model, input_signature=signature, opset=opset)
+        with _collected_warnings("tf2onnx") as messages, native_stderr_silenced():
+            model_proto = source.to_onnx(opset)
         converter_warnings.extend(f"tf2onnx: {message}" for message in messages)
         _require_converted(keras_path, model_proto, opset)
         model_proto = canonical(model_proto)
-        props = {KERAS_SOURCE_METADATA_KEY: json.dumps({"path": str(keras_path.resolve()), "sha256": file_sha256(keras_path)})}
+        sha256 = saved_model.digest(keras_path) if folder else file_sha256(keras_path)
+        props = {KERAS_SOURCE_METADATA_KEY: json.dumps({"path": str(keras_path.resolve()), "sha256": sha256})}
         if preprocessing != inputs.Preprocessing():
             props[inputs.INPUT_METADATA_KEY] = preprocessing.to_json()
         import onnx

@@ -26,6 +26,7 @@ from ptq_cli.errors import PtqError
 from ptq_cli.guards import bounded, hardstop
 from ptq_cli.guards.atomic import check_folder_writable, companions
 from ptq_cli.inputs import Preprocessing, PreprocessingFlags
+from ptq_cli.metrics import packed_hits, unpacked_hits
 from ptq_cli.services.executor import HERE, Executor, Workers, executor
 from ptq_cli.services.measure import emulate
 from ptq_cli.services.measure.fidelity import Fidelity, compare
@@ -88,6 +89,9 @@ class EvaluationRecord:
     # What the figures suggest went wrong before the model (plausibility_warnings): a top-1 near chance, mean/std in 0-1
     # units on 0-255 pixels. Shown by evaluate and report beside the figures.
     warnings: tuple[str, ...] = ()
+    # Which images it classified right, a bit each in the images' order (metrics.packed_hits): two models measured on
+    # the same images are then compared image by image (McNemar), not by their totals alone. None without labels.
+    right_images: str | None = None
 
     @property
     def agreement(self) -> float | None:
@@ -438,7 +442,7 @@ def _accuracy_fields(labels: np.ndarray, predictions: np.ndarray, class_names: t
     confusion = np.zeros((len(class_names), len(class_names)), dtype=np.int64)
     np.add.at(confusion, (labels, predictions), 1)
     return {"correct": int(np.trace(confusion)), "accuracy": round(100.0 * int(np.trace(confusion)) / len(labels), 4), "class_names": list(class_names),
-            "per_class_accuracy": _per_class(confusion), **_confusion_fields(confusion)}
+            "per_class_accuracy": _per_class(confusion), **_confusion_fields(confusion), "right_images": packed_hits(labels == predictions)}
 
 
 def fp32_model_for(model: LoadedModel, against: Path | None) -> Path | None:
@@ -642,7 +646,7 @@ def read_record(path: Path) -> EvaluationRecord:
         if record.fidelity is not None:
             check_fidelity(record.fidelity)
         if record.accuracy is None:  # measured against its FP32 model alone, or the FP32 model itself on images without its labels
-            if record.correct is not None or record.per_class_accuracy or record.confusion_matrix or record.confusion_counts:
+            if record.correct is not None or record.per_class_accuracy or record.confusion_matrix or record.confusion_counts or record.right_images:
                 raise ValueError("no accuracy, yet per-class figures")
             if record.fidelity is None and record.dtype != "fp32":
                 raise ValueError("a quantized model with no accuracy and no fidelity either")
@@ -681,6 +685,8 @@ def _check_figures_agree(record: EvaluationRecord) -> None:
         raise ValueError(f"its confusion matrix does not add up to its {record.images} images and {record.correct} correct")
     if record.accuracy is None or record.correct is None or abs(record.accuracy - 100.0 * record.correct / record.images) > ROUNDING:
         raise ValueError(f"accuracy {record.accuracy}% is not its {record.correct}/{record.images} correct")
+    if record.right_images is not None and int(unpacked_hits(record.right_images, record.images).sum()) != record.correct:
+        raise ValueError(f"its images right are not its {record.correct} correct")
     for index, stored in enumerate(record.per_class_accuracy):
         row = int(rows[index])
         if (stored is None) != (row == 0) or (row and abs(stored - 100.0 * diagonal[index] / row) > ROUNDING):

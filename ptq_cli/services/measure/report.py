@@ -8,6 +8,7 @@ from pathlib import Path
 from ptq_cli import backends, settings
 from ptq_cli import cpu as cpu_info
 from ptq_cli.cpu import ALL, EXACT, SATURATING
+from ptq_cli.metrics import paired_p_value, unpacked_hits
 from ptq_cli.services.measure import portability
 from ptq_cli.services.measure.benchmark import BenchmarkRecord, load_benchmarks
 from ptq_cli.services.measure.evaluate import OK, EvaluationRecord, fp32_reference, load_records, measured_classes, record_status, reference_for
@@ -80,6 +81,7 @@ class ReportRow:
     saturating_agreement: float | None = None
     saturating_top5: float | None = None
     model_sha256: str = ""  # the file its figures are of
+    right_images: str | None = None  # which images it classified right (metrics.packed_hits), for paired comparisons
 
     @property
     def loses_on_its_cpus(self) -> bool:
@@ -136,6 +138,10 @@ class Recommendation:
     fastest: ReportRow | None  # the fastest, on any runtime, within the budget of its FP32 source
     budget: float = ACCURACY_BUDGET
     by_agreement: bool = False  # no labels: the budget is AGREEMENT_BUDGET / TOP5_BUDGET
+    # The runner-up to best_accuracy when the images measured cannot tell the two apart (McNemar's p, image by image,
+    # at least SIGNIFICANCE): "best" is then no claim that it is better. None where the difference is significant.
+    best_rival: ReportRow | None = None
+    best_rival_p_value: float | None = None
 
 
 @dataclass(frozen=True)
@@ -307,6 +313,7 @@ def _row(record: EvaluationRecord, records: list[EvaluationRecord], benchmarks: 
         saturating_speedup=_saturating_speedup(record, runtime_fp32, benchmarks),
         label=record.label,
         model_sha256=record.model_sha256,
+        right_images=record.right_images,
         **_int8_fields(record, saturating, reference),
         **_fidelity_fields(record, saturating),
     )
@@ -366,7 +373,7 @@ def _group(records: list[EvaluationRecord], benchmarks: dict[MeasurementKey, Ben
         if record.dtype != "fp32" and reference is not None and record.accuracy is not None and reference.accuracy is not None:
             losses.extend(_class_losses(record, reference))
     losses.sort(key=lambda loss: loss.delta)
-    recommendation = _recommend([row for row in rows if row.status == OK])  # never a file whose figures are not its own
+    recommendation = _recommend([row for row in rows if row.status == OK], records[0].images)  # never a file whose figures are not its own
     roots = [row for record, row in zip(records, rows, strict=True) if record.model_sha256 == root]
     baseline = min(roots, key=lambda row: (row.runtime != BASE_RUNTIME, row.precision or ""), default=None) \
         or next((row for row in rows if row.dtype == "fp32"), None)
@@ -394,13 +401,29 @@ def _versus_reference(rows: list[ReportRow], reference: ReportRow | None) -> tup
     )
 
 
-def _recommend(current: list[ReportRow]) -> Recommendation | None:
+def _recommend(current: list[ReportRow], images: int) -> Recommendation | None:
     quantized = [row for row in current if row.dtype != "fp32"]
     candidates = quantized or current
     if not candidates:
         return None
-    return Recommendation(best_accuracy=max(candidates, key=lambda row: row.score), smallest=min(candidates, key=lambda row: row.size_bytes),
-                          fastest=_fastest_within_budget(quantized), by_agreement=all(row.accuracy is None for row in candidates))
+    best = max(candidates, key=lambda row: row.score)
+    rival, p_value = _rival(best, [row for row in candidates if row is not best], images)
+    return Recommendation(best_accuracy=best, smallest=min(candidates, key=lambda row: row.size_bytes),
+                          fastest=_fastest_within_budget(quantized), by_agreement=all(row.accuracy is None for row in candidates),
+                          best_rival=rival, best_rival_p_value=p_value)
+
+
+def _rival(best: ReportRow, others: list[ReportRow], images: int) -> tuple[ReportRow | None, float | None]:
+    """The runner-up by top-1 and McNemar's p between it and `best` on the images both classified, where that p says
+    the images cannot tell them apart; (None, None) where they can, or where the records hold no images right."""
+    runner_up = max((row for row in others if row.accuracy is not None and row.right_images), key=lambda row: row.score, default=None)
+    if runner_up is None or not best.right_images or best.accuracy is None:
+        return None, None
+    try:
+        p_value = paired_p_value(unpacked_hits(best.right_images, images), unpacked_hits(runner_up.right_images or "", images))
+    except ValueError:  # measured on other images than the group's (a subset): not comparable image by image
+        return None, None
+    return (runner_up, round(p_value, 4)) if p_value >= SIGNIFICANCE else (None, None)
 
 
 def _fastest_within_budget(rows: list[ReportRow]) -> ReportRow | None:
@@ -509,5 +532,5 @@ def measured_from(results_dir: Path, source_sha256: str, leaving_out: Path | Non
         rows = [row for row in group.rows if row.status == OK and not row.other_cpu
                 and (leaving_out is None or row.model != Path(leaving_out).name)]
         if any(row.dtype != "fp32" for row in rows):
-            return replace(group, rows=rows, recommendation=_recommend(rows))
+            return replace(group, rows=rows, recommendation=_recommend(rows, group.images))
     return None

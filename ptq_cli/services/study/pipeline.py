@@ -458,6 +458,9 @@ def _checked(options: StudyOptions) -> StudyOptions:
         raise PtqError("--model and --keras: give one source model, not both")
     if options.model is not None:
         read_onnx(options.model)
+    if options.keras_model is not None and Path(options.keras_model).is_dir():
+        raise PtqError(f"--keras: {options.keras_model} is a folder; convert a SavedModel with ptq convert --keras "
+                       f"{options.keras_model} --output model.onnx, then ptq run --model model.onnx")
     calibration_service.check_seed(options.seed)
     for option, value in (("--samples-per-class", options.samples_per_class or 1), ("--runs", options.benchmark_runs)):
         if value < 1:
