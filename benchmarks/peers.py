@@ -43,13 +43,13 @@ import imagenet_size  # noqa: E402
 from imagenet_table import MODEL, prepare_workdir  # noqa: E402
 
 from ptq_cli import cpu as cpu_info  # noqa: E402
-from ptq_cli.backends.model_file import read_onnx  # noqa: E402
 from ptq_cli.datasets import open_dataset  # noqa: E402
 from ptq_cli.errors import PtqError  # noqa: E402
 from ptq_cli.inputs import PreprocessingFlags, parse_triple  # noqa: E402
 from ptq_cli.metrics import sqnr_db  # noqa: E402
-from ptq_cli.services.measure import emulate  # noqa: E402
+from ptq_cli.model_file import read_onnx  # noqa: E402
 from ptq_cli.services.models import load_model  # noqa: E402
+from ptq_cli.x86 import emulate  # noqa: E402
 
 PTQ_CONFIGS = {"default": [], "int8": ["--dtype", "int8"], "vnni": ["--cpus", "vnni"], "nearest": ["--rounding", "nearest"]}  # `--ptq` names
 PREPROCESSING_OPTIONS = ("--preprocess", "--scale", "--mean", "--std")

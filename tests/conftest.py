@@ -55,16 +55,9 @@ def ptq(*args: str, cwd: Path, columns: int = 160) -> Run:
     stderr and exit code; an exception that escapes it is reported as the traceback a user would see."""
     import traceback
 
-    from typer.testing import CliRunner
+    from synthetic import invoke
 
-    from ptq_cli.cli import app
-
-    before = Path.cwd()
-    os.chdir(cwd)
-    try:
-        result = CliRunner().invoke(app, [str(arg) for arg in args], env={"PTQ_ASSETS": str(ASSETS), "COLUMNS": str(columns)}, prog_name="ptq")
-    finally:
-        os.chdir(before)
+    result = invoke(*args, cwd=cwd, columns=columns, env={"PTQ_ASSETS": str(ASSETS)})
     stderr = result.stderr
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         stderr += "Traceback (most recent call last):\n" + "".join(traceback.format_exception(result.exception))

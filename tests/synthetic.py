@@ -28,14 +28,21 @@ runner = CliRunner()
 typer.testing._get_command = functools.cache(typer.testing._get_command)
 
 
-def invoke(*args, cwd: Path, columns: int = 200):
-    """`ptq ARGS` in-process, in `cwd`, on a terminal `columns` wide."""
+def invoke(*args, cwd: Path, columns: int = 200, env: dict[str, str] | None = None):
+    """`ptq ARGS` in-process, in `cwd`, on a terminal `columns` wide: the one in-process runner of the tests."""
     before = Path.cwd()
     os.chdir(cwd)
     try:
-        return runner.invoke(app, [str(arg) for arg in args], env={"COLUMNS": str(columns)}, prog_name="ptq")
+        return runner.invoke(app, [str(arg) for arg in args], env={"COLUMNS": str(columns), **(env or {})}, prog_name="ptq")
     finally:
         os.chdir(before)
+
+
+def ok(*args, cwd: Path, columns: int = 200):
+    """`invoke`, which must succeed."""
+    result = invoke(*args, cwd=cwd, columns=columns)
+    assert result.exit_code == 0, (args, result.exit_code, result.output)
+    return result
 
 
 def one_line_error(result, mentions: str) -> None:
@@ -271,7 +278,7 @@ def scores_before_softmax(model, images: np.ndarray) -> np.ndarray:
     them on its exact int8 path (the same on CPUs with and without VNNI); `model` is an onnx.ModelProto."""
     import onnxruntime as ort
 
-    from ptq_cli.backends.model_file import EXACT_PATH_CONFIG
+    from ptq_cli.model_file import EXACT_PATH_CONFIG
 
     model = onnx.ModelProto.FromString(model.SerializeToString())
     name = next(node.input[0] for node in model.graph.node if node.op_type == "Softmax")

@@ -13,18 +13,12 @@ import pytest
 from onnx import numpy_helper
 from synthetic import invoke, png_images, scores_before_softmax, smooth_photos, two_conv_classifier
 
-from ptq_cli.backends.base import (
-    AUTO_METHOD,
-    METHOD_CANDIDATES,
-    METHOD_MARGIN_DB,
-    PER_IMAGE,
-    PER_IMAGE_PERCENTILE,
-    PER_IMAGE_TIGHT_PERCENTILE,
-    chosen_method,
-    describe_settings,
-)
+from ptq_cli.backends.base import describe_settings
+from ptq_cli.quantize import reuse
+from ptq_cli.quantize.policy import chosen_method
+from ptq_cli.quantize.ranges import FACTORS
+from ptq_cli.quantize.settings import AUTO_METHOD, METHOD_CANDIDATES, METHOD_MARGIN_DB, PER_IMAGE, PER_IMAGE_PERCENTILE, PER_IMAGE_TIGHT_PERCENTILE
 from ptq_cli.services.quant_settings import describe_method, make_settings
-from ptq_cli.transforms.ranges import FACTORS
 
 
 @pytest.fixture(scope="module")
@@ -110,17 +104,17 @@ def test_describe_method_names_the_kept_ranges_then_the_measured_ones():
 
 def test_a_percentile_onnxruntime_cannot_calibrate_leaves_minmax(project, monkeypatch):
     """A candidate that fails scores nothing, and the model is still made: MinMax, as before auto existed."""
-    from ptq_cli.backends import onnxruntime as ort_backend
     from ptq_cli.errors import PtqError
+    from ptq_cli.quantize import judges
 
-    real = ort_backend._quantize_static
+    real = judges.write_qdq
 
-    def failing_percentiles(source, target, images, input_name, fixed_batch, settings, *rest):
+    def failing_percentiles(job, target, images, settings, *rest, **keywords):
         if settings.method == "percentile":
             raise PtqError("m.onnx: onnxruntime.quantization failed (a histogram it cannot build)")
-        return real(source, target, images, input_name, fixed_batch, settings, *rest)
+        return real(job, target, images, settings, *rest, **keywords)
 
-    monkeypatch.setattr(ort_backend, "_quantize_static", failing_percentiles)
+    monkeypatch.setattr(judges, "write_qdq", failing_percentiles)
     made = _quantize(project, "minmax_kept.onnx")["settings"]
     assert made["method"] != "percentile"
     assert [db is None for _, _, db in made["method_sqnr_db"]] == [method == "percentile" for method, _ in METHOD_CANDIDATES]
@@ -128,12 +122,13 @@ def test_a_percentile_onnxruntime_cannot_calibrate_leaves_minmax(project, monkey
 
 def _candidate_parameters(project: Path, tmp_path: Path, method: str, percentile: float, histograms: dict | None) -> dict:
     """The quantization parameters of the `--method auto` candidate `method` at `percentile`, calibrated on 40 random images."""
-    from ptq_cli.backends import onnxruntime as ort_backend
+    from ptq_cli.quantize import judges
+    from ptq_cli.quantize.job import Job
 
     images = np.random.default_rng(0).uniform(0, 1, (40, 3, 16, 16)).astype(np.float32)
     settings = make_settings("uint8", method=method, percentile=percentile)
-    model = ort_backend._calibrated_model(str(project / "m.onnx"), images, "image", settings, [], None, lambda quantized: 0, tmp_path,
-                                          tmp_path / "out.onnx", "m.onnx", histograms=histograms)
+    job = Job(str(project / "m.onnx"), images, "image", [], lambda quantized: 0, tmp_path, tmp_path / "out.onnx", "m.onnx")
+    model = judges.calibrated_model(job, images, settings, None, histograms=histograms)
     path = tmp_path / f"{method}-{percentile}-{histograms is not None}.onnx"
     onnx.save(model, str(path))
     return _quantization_parameters(path)
@@ -162,12 +157,12 @@ def test_the_percentile_candidates_read_one_collection_of_histograms(project, tm
 def test_the_per_image_candidates_read_one_pass_of_image_extremes(project, tmp_path, monkeypatch):
     """`--method auto`'s per-image percentiles (99 and the tighter 90) share the extremes the first one found: the second
     runs nothing, and its model is the one a calibration of its own makes."""
-    from ptq_cli.backends import onnxruntime as ort_backend
+    from ptq_cli.quantize import calibration
 
     assert (PER_IMAGE, PER_IMAGE_TIGHT_PERCENTILE) in METHOD_CANDIDATES and PER_IMAGE_TIGHT_PERCENTILE < PER_IMAGE_PERCENTILE
     passes = []
-    real = ort_backend._image_extremes
-    monkeypatch.setattr(ort_backend, "_image_extremes", lambda *args: (passes.append(1), real(*args))[1])
+    real = calibration.image_extremes
+    monkeypatch.setattr(calibration, "image_extremes", lambda *args: (passes.append(1), real(*args))[1])
 
     def calibrated(percentile: float, histograms: dict | None):
         return _candidate_parameters(project, tmp_path, PER_IMAGE, percentile, histograms)
@@ -185,7 +180,7 @@ def test_per_image_extremes_reach_activations_whose_batch_axis_shape_inference_l
     and on two tells which first axes are the batch. A tensor whose first axis is a channel count gets none."""
     from onnx import TensorProto, helper
 
-    from ptq_cli.backends import onnxruntime as ort_backend
+    from ptq_cli.quantize import calibration
 
     rng = np.random.default_rng(0)
     weights = numpy_helper.from_array(rng.normal(0, 0.5, (4, 3, 3, 3)).astype(np.float32), "w")
@@ -205,7 +200,7 @@ def test_per_image_extremes_reach_activations_whose_batch_axis_shape_inference_l
     path = tmp_path / "gated.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), str(path))
     images = rng.uniform(0, 1, (5, 3, 8, 8)).astype(np.float32)
-    activations, found = ort_backend._image_extremes(str(path), images, "image", None)
+    activations, found = calibration.image_extremes(str(path), images, "image", None)
     assert {"features", "gate_in", "gate", "gated", "scores_map"} <= set(activations) and "channels_first" not in activations
     assert all(len(values) == len(images) for values in found)
     gate = activations.index("gate")
@@ -226,14 +221,13 @@ def test_within_one_run_a_calibration_is_loaded_not_collected_again(project, tmp
     from MinMax's): it runs nothing, and its model is the one a calibration of its own makes."""
     from onnxruntime.quantization import calibrate
 
-    from ptq_cli import backends
 
     collected = []
     real = calibrate.MinMaxCalibrater.collect_data
     monkeypatch.setattr(calibrate.MinMaxCalibrater, "collect_data", lambda self, reader: (collected.append(1), real(self, reader))[1])
     alone, per_image_alone = _candidate_parameters(project, tmp_path, "minmax", None, None), _candidate_parameters(project, tmp_path, PER_IMAGE, 99.0, None)
     assert len(collected) == 2
-    with backends.reusing_made_files():
+    with reuse.reusing_made_files():
         first, again = _candidate_parameters(project, tmp_path, "minmax", None, None), _candidate_parameters(project, tmp_path, "minmax", None, None)
         per_image = _candidate_parameters(project, tmp_path, PER_IMAGE, 99.0, None)
     assert len(collected) == 3  # the first in the run collected; the second and the per-image ranges loaded its cache
@@ -253,9 +247,9 @@ def test_a_percentile_preferred_before_rounding_is_judged_again_after_it(project
     """Where the nearest-rounded models prefer a percentile, it and MinMax are both rounded (learned rounding kept or not,
     as each measures) and judged again on the held-out images: the file is the one that measures better there (the
     percentile only by the margin), with the weight codes of that method asked for by name."""
-    from ptq_cli.backends import onnxruntime as ort_backend
+    from ptq_cli.quantize import judges
 
-    monkeypatch.setattr(ort_backend, "chosen_method", lambda measured: ("percentile", 99.99))
+    monkeypatch.setattr(judges, "chosen_method", lambda measured: ("percentile", 99.99))
     result = invoke("quantize", "--model", "m.onnx", "--data", "test", "--calibration-data", "cal", "--preprocess", "unit",
                     "--output", "rounded_auto.onnx", "--json", cwd=project)
     assert result.exit_code == 0, result.output
@@ -278,10 +272,10 @@ def test_the_second_rounding_reads_the_float_model_s_inputs_from_the_first(proje
     """The percentile model and the MinMax model are rounded from the same float model and images: the second rounding
     takes the float model's sums from the first instead of running the float model again, and the file is the same
     bytes as with every sum computed."""
-    from ptq_cli.backends import onnxruntime as ort_backend
+    from ptq_cli.quantize import judges, runs
 
-    monkeypatch.setattr(ort_backend, "chosen_method", lambda measured: ("percentile", 99.99))
-    real_batches = ort_backend._collected_batches
+    monkeypatch.setattr(judges, "chosen_method", lambda measured: ("percentile", 99.99))
+    real_batches = runs.collected_batches
     float_reads: list[str] = []
 
     def counting(input_name, images, threads, coming, chunk=16):
@@ -294,7 +288,7 @@ def test_the_second_rounding_reads_the_float_model_s_inputs_from_the_first(proje
 
         return read
 
-    monkeypatch.setattr(ort_backend, "_collected_batches", counting)
+    monkeypatch.setattr(judges, "collected_batches", counting)
 
     def made(output: str) -> tuple[bytes, int, int]:
         float_reads.clear()
@@ -305,7 +299,7 @@ def test_the_second_rounding_reads_the_float_model_s_inputs_from_the_first(proje
         return (project / output).read_bytes(), len(float_reads), layers
 
     shared, shared_reads, layers = made("memo_shared.onnx")
-    monkeypatch.setattr(ort_backend, "_float_memo", lambda float_model, images: None)
+    monkeypatch.setattr(judges, "_float_memo", lambda float_model, images: None)
     computed, computed_reads, _ = made("memo_computed.onnx")
     assert layers > 0 and computed_reads - shared_reads == layers
     assert shared.replace(b"memo_shared", b"memo_computed") == computed
@@ -316,16 +310,16 @@ def test_the_second_rounding_reads_the_float_model_s_inputs_from_the_first(proje
 def test_after_rounding_a_percentile_stays_only_where_it_still_wins_by_the_margin(percentile_db, minmax_db, kept):
     from dataclasses import replace
 
-    from ptq_cli.backends.onnxruntime import _rounded_method
+    from ptq_cli.quantize.judges import _rounded_method
 
     base = make_settings("uint8", percentile=99.99)
-    percentile = ("percentile model", replace(base, rounding="learned", rounding_learned_db=percentile_db, method_sqnr_db=(("minmax", None, 15.4),)), [])
-    minmax = ("minmax model", replace(base, method="minmax", percentile=None, rounding="learned", rounding_learned_db=minmax_db), [])
+    percentile = ("percentile model", replace(base, rounding="learned").with_evidence(rounding_learned_db=percentile_db, method_sqnr_db=(("minmax", None, 15.4),)), [])
+    minmax = ("minmax model", replace(base, method="minmax", percentile=None, rounding="learned").with_evidence(rounding_learned_db=minmax_db), [])
     model, settings, notes = _rounded_method(percentile, minmax)
     assert (model, settings.method) == (f"{kept} model", kept)
-    assert settings.method_rounded_db == (("percentile", 99.99, percentile_db), ("minmax", None, minmax_db))
-    assert settings.method_sqnr_db == (("minmax", None, 15.4),) and f"kept {kept}" in notes[-1]
-    assert describe_method(settings.method, settings.percentile, settings.method_sqnr_db, settings.method_rounded_db).endswith(
+    assert settings.evidence.method_rounded_db == (("percentile", 99.99, percentile_db), ("minmax", None, minmax_db))
+    assert settings.evidence.method_sqnr_db == (("minmax", None, 15.4),) and f"kept {kept}" in notes[-1]
+    assert describe_method(settings.method, settings.percentile, settings.evidence.method_sqnr_db, settings.evidence.method_rounded_db).endswith(
         f"after weight rounding, percentile 99.99 {percentile_db:.1f}, minmax {'-' if minmax_db is None else f'{minmax_db:.1f}'} dB)")
 
 
@@ -347,7 +341,7 @@ def test_a_plain_onnxruntime_quantize_gets_the_speed_target_and_a_type_given_kee
 def test_a_moved_input_scale_re_expresses_every_bias_it_scales(project):
     """An int32 bias's scale is its input's scale x its weights' scale: moving the input's scale rewrites that
     scale and the codes, so the bias the Conv adds is the same to within half a new step; weights and zero points stay."""
-    from ptq_cli.transforms import ranges
+    from ptq_cli.quantize import ranges
 
     _quantize(project, "rescaled.onnx", "--method", "minmax")
     model = onnx.load(str(project / "rescaled.onnx"))
@@ -371,7 +365,7 @@ def test_the_search_brings_unseen_images_back_from_a_poor_range(project):
     """Every activation range made 1.6x too wide (codes spent on values that never come): searched on the calibration
     images, the model comes closer to FP32 on test images it never saw, by moving only scales."""
     from ptq_cli.metrics import sqnr_db
-    from ptq_cli.transforms import ranges
+    from ptq_cli.quantize import ranges
 
     _quantize(project, "poor.onnx", "--method", "minmax")
     model = onnx.load(str(project / "poor.onnx"))
@@ -395,7 +389,7 @@ def test_the_search_brings_unseen_images_back_from_a_poor_range(project):
 
 
 def test_the_search_stops_at_its_budget(project, tmp_path):
-    from ptq_cli.transforms import ranges
+    from ptq_cli.quantize import ranges
 
     calls: list[int] = []
     model = onnx.load(str(two_conv_classifier(tmp_path / "float.onnx")))
@@ -411,7 +405,7 @@ def test_the_search_stops_at_its_budget(project, tmp_path):
 
 def test_the_search_makes_one_sweep_however_large_its_budget(project):
     """A second sweep fit the searched images more tightly and took held-out images further from FP32 (README)."""
-    from ptq_cli.transforms import ranges
+    from ptq_cli.quantize import ranges
 
     _quantize(project, "sweep.onnx", "--method", "minmax")
     model, calls = onnx.load(str(project / "sweep.onnx")), []
@@ -442,9 +436,8 @@ def _residual_classifier(path: Path) -> Path:
 def test_the_part_after_a_moved_scale_scores_what_the_whole_model_scores(project):
     """The search runs only what depends on the moved scale, fed the tensors the rest computes (the skip connection's
     among them): the same output SQNR as the whole model to within the search's noise floor, for every scale and factor."""
-    from ptq_cli.backends import onnxruntime as ort_backend
     from ptq_cli.metrics import image_sqnr_db
-    from ptq_cli.transforms import ranges
+    from ptq_cli.quantize import judges, ranges, runs
     from ptq_cli.transforms.graph import part_after
 
     _residual_classifier(project / "residual.onnx")
@@ -452,9 +445,9 @@ def test_the_part_after_a_moved_scale_scores_what_the_whole_model_scores(project
                   "--method", "minmax", "--output", "residual_int8.onnx", cwd=project)
     assert made.exit_code == 0, made.output
     model = onnx.load(str(project / "residual_int8.onnx"))
-    images, judged = png_images(project / "cal"), ort_backend.judged_in(model, "logits")
+    images, judged = png_images(project / "cal"), runs.judged_in(model, "logits")
     reference = scores_before_softmax(onnx.load(str(project / "residual.onnx")), images)
-    scores = ort_backend._PartScores(judged, "image", images, 1, 32, reference)
+    scores = judges.PartScores(judged, "image", images, 1, 32, reference)
     scales, producers = ranges.activation_scales(model), {output: node for node in model.graph.node for output in node.output}
     parts = {name: part_after(model, name, judged) for name in scales}
     assert parts[scales[0]] is None  # the input's scale: the whole model depends on it
@@ -466,7 +459,7 @@ def test_the_part_after_a_moved_scale_scores_what_the_whole_model_scores(project
         start = rescaler.get(name)
         for factor in (FACTORS[0], FACTORS[-1]):
             rescaler.set(name, start * factor)
-            whole = image_sqnr_db(reference, ort_backend._outputs(model, judged, "image", images, 1))
+            whole = image_sqnr_db(reference, runs.tensor_outputs(model, judged, "image", images, 1))
             assert abs(scores(model, name) - whole) < ranges.MIN_GAIN_DB, name
         rescaler.set(name, start)
 
@@ -487,7 +480,7 @@ def test_auto_searches_the_ranges_and_keeps_the_search_only_where_held_out_image
 
 
 def test_describe_ranges_names_the_kept_ranges_and_both_figures():
-    from ptq_cli.transforms.ranges import describe_ranges
+    from ptq_cli.quantize.ranges import describe_ranges
 
     assert describe_ranges(None) is None
     assert describe_ranges("searched", 30.64, 31.55) == (
@@ -495,9 +488,9 @@ def test_describe_ranges_names_the_kept_ranges_and_both_figures():
 
 
 def test_a_search_whose_one_sweep_exceeds_the_budget_is_not_run_and_says_so(project, monkeypatch):
-    from ptq_cli.backends import onnxruntime as ort_backend
+    from ptq_cli.quantize import judges
 
-    monkeypatch.setattr(ort_backend, "RANGE_SEARCH_PIXELS", 16 * 16 * 90 * 10)  # 10 runs of the 90 images not held out: under one sweep
+    monkeypatch.setattr(judges, "RANGE_SEARCH_PIXELS", 16 * 16 * 90 * 10)  # 10 runs of the 90 images not held out: under one sweep
     made = _quantize(project, "over_budget.onnx")
     assert made["settings"]["ranges"] is None and made["settings"]["ranges_searched_db"] is None
     assert any(note.startswith("range search: not run") and "budget of 10" in note for note in made["notes"])
@@ -506,14 +499,13 @@ def test_a_search_whose_one_sweep_exceeds_the_budget_is_not_run_and_says_so(proj
 def test_a_part_onnxruntime_cannot_run_alone_leaves_the_candidates_of_that_scale_to_the_whole_model(project, monkeypatch):
     from onnx import helper
 
-    from ptq_cli.backends import onnxruntime as ort_backend
     from ptq_cli.metrics import image_sqnr_db
-    from ptq_cli.transforms import ranges
+    from ptq_cli.quantize import judges, ranges, runs
     from ptq_cli.transforms.graph import part_after
 
     _quantize(project, "unrunnable.onnx", "--method", "minmax")
     model = onnx.load(str(project / "unrunnable.onnx"))
-    images, judged = png_images(project / "cal"), ort_backend.judged_in(model, "logits")
+    images, judged = png_images(project / "cal"), runs.judged_in(model, "logits")
     reference = scores_before_softmax(onnx.load(str(project / "m.onnx")), images)
 
     def unrunnable(whole, scale, output):
@@ -522,10 +514,10 @@ def test_a_part_onnxruntime_cannot_run_alone_leaves_the_candidates_of_that_scale
             part[0].graph.node.append(helper.make_node("NoSuchOp", [output], ["nothing"]))  # onnxruntime refuses to load it
         return part
 
-    monkeypatch.setattr(ort_backend, "part_after", unrunnable)
-    scores, moved = ort_backend._PartScores(judged, "image", images, 1, 32, reference), ranges.activation_scales(model)[-1]
+    monkeypatch.setattr(judges, "part_after", unrunnable)
+    scores, moved = judges.PartScores(judged, "image", images, 1, 32, reference), ranges.activation_scales(model)[-1]
     assert part_after(model, moved, judged) is not None
-    whole = image_sqnr_db(reference, ort_backend._outputs(model, judged, "image", images, 1))
+    whole = image_sqnr_db(reference, runs.tensor_outputs(model, judged, "image", images, 1))
     assert scores(model, moved) == pytest.approx(whole) and scores(model, moved) == pytest.approx(whole)
 
 
@@ -543,7 +535,7 @@ def _activations(path: Path, names: list[str], images: np.ndarray) -> list[np.nd
 def test_per_image_ranges_are_percentiles_of_each_image_s_own_extremes(project, tmp_path, opset):
     """Against numpy on the activations themselves: each range is the 99th percentile over the images of their maxima (and the
     1st of their minima), so that one image far out of range (here, 40 times brighter) does not set the scale, as MinMax lets it."""
-    from ptq_cli.backends.onnxruntime import per_image_ranges
+    from ptq_cli.quantize.calibration import per_image_ranges
 
     images = png_images(project / "cal")[:100]
     images[7] *= 40.0

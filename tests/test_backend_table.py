@@ -15,24 +15,14 @@ from onnx import numpy_helper
 from synthetic import channel_mean_classifier, colours_project, invoke, one_line_error
 
 from ptq_cli import backends, settings
-from ptq_cli.backends.base import (
-    QUANTIZATION_METADATA_KEY,
-    Backend,
-    BackendOptions,
-    QuantizationSettings,
-    QuantizedFile,
-    Quantizer,
-    RunOptions,
-    Runtime,
-    finish_load,
-    option,
-)
-from ptq_cli.backends.model_file import read_bytes
+from ptq_cli.backends.base import QUANTIZATION_METADATA_KEY, Backend, Quantizer, RunOptions, Runtime, finish_load
 from ptq_cli.errors import PtqError
+from ptq_cli.model_file import read_bytes
+from ptq_cli.quantize.settings import BackendOptions, QuantizationSettings, QuantizedFile, option
 from ptq_cli.services import quant_settings
 from ptq_cli.services.make import calibration as calibration_service
 from ptq_cli.services.make import quantize as quantize_service
-from ptq_cli.services.measure import evaluate as evaluate_service
+from ptq_cli.services.measure import evaluation_records
 
 MAGIC = b"TOYQ"
 
@@ -85,7 +75,7 @@ def _load(path: Path, options: RunOptions):
 
     import onnxruntime as ort
 
-    from ptq_cli.backends.model_file import describe_input
+    from ptq_cli.model_file import describe_input
 
     data = read_bytes(path)
     length = int.from_bytes(data[4:8], "little")
@@ -166,8 +156,8 @@ def test_the_table_decides_options_outputs_and_runtimes(toy_table, project):
     toy = _quantized_toy(project)
     one_line_error(invoke("evaluate", "--model", toy, "--data", "colours.npz", "--runtime", "openvino", cwd=project),
                    "is a model of toy; openvino runs .xml, .onnx files only")
-    assert evaluate_service.runtime_tag(project / "models" / "m.onnx", "openvino", None) == "~openvino-f32"
-    assert evaluate_service.runtime_tag(toy, "toy", None) == ""
+    assert evaluation_records.runtime_tag(project / "models" / "m.onnx", "openvino", None) == "~openvino-f32"
+    assert evaluation_records.runtime_tag(toy, "toy", None) == ""
 
 
 def test_a_file_is_told_by_its_content_and_a_pt_file_by_its_name(tmp_path):

@@ -303,7 +303,7 @@ def test_a_flatten_written_for_the_fixed_batch_is_freed_and_computes_the_same(tm
     same for an opset-8 model, whose initializers are graph inputs."""
     import onnxruntime as ort
 
-    from ptq_cli.backends.model_file import describe_input, free_batch
+    from ptq_cli.model_file import describe_input, free_batch
 
     path = _pooled_flatten_classifier(tmp_path / "m.onnx", target, constant_node, ir_version=ir_version)
     model = onnx.load(str(path))
@@ -327,7 +327,7 @@ def test_a_flatten_written_for_the_fixed_batch_is_freed_and_computes_the_same(tm
 
 
 def test_a_graph_that_mixes_the_batch_into_its_features_keeps_its_fixed_batch(tmp_path):
-    from ptq_cli.backends.model_file import describe_input, free_batch
+    from ptq_cli.model_file import describe_input, free_batch
 
     path = _pooled_flatten_classifier(tmp_path / "m.onnx", [1, 3], constant_node=False, tied=True)
     model = onnx.load(str(path))

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from synthetic import CLASSES, channel_mean_classifier, colour_images, colours_npz, colours_project, invoke, one_line_error
+from synthetic import CLASSES, channel_mean_classifier, colour_images, colours_npz, colours_project, invoke, ok, one_line_error
 
 from ptq_cli import settings
 
@@ -29,11 +29,6 @@ def project(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv(settings.CACHE_ENV, str(tmp_path / "cache"))
     return colours_project(tmp_path)
 
-
-def ok(*args, cwd: Path):
-    result = invoke(*args, cwd=cwd)
-    assert result.exit_code == 0, (result.exit_code, result.output)
-    return result
 
 
 def report_rows(cwd: Path, *extra) -> dict[str, dict]:

@@ -19,7 +19,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from synthetic import channel_mean_classifier, colours_npz, conv_classifier, image_folder, invoke, one_line_error
 
-from ptq_cli.backends.model_file import file_sha256
+from ptq_cli.model_file import file_sha256
 from ptq_cli.transforms.graph import generated_node_names, subgraph_depth
 
 PTQ = str(Path(sys.executable).with_name("ptq"))

@@ -17,10 +17,10 @@ from synthetic import channel_mean_classifier, colour_images, depthwise_classifi
 
 from ptq_cli.datasets import open_dataset
 from ptq_cli.metrics import mcnemar_p_value, wilson_interval
+from ptq_cli.quantize import overflow
 from ptq_cli.services.make.calibration import build_calibration_set, sized_indices
-from ptq_cli.services.measure.evaluate import read_record
+from ptq_cli.services.measure.evaluation_records import read_record
 from ptq_cli.services.measure.fidelity import compare
-from ptq_cli.transforms import overflow
 from ptq_cli.transforms.graph import clamped_activations
 
 
@@ -222,14 +222,14 @@ def test_calibration_in_chunks_gives_the_same_model_and_an_impossible_budget_one
     """MinMax over chunks is the MinMax of the whole set: a budget that forces one image at a time gives
     the same file; a budget that cannot hold one image's activations is refused, naming the setting."""
     _quantize(mobile, "whole.onnx", "--calibration-size", "12", "--method", "minmax")
-    from ptq_cli.backends import onnxruntime as ort_backend
+    from ptq_cli.quantize import calibration
 
-    per_image = ort_backend.ACTIVATION_COPIES * ort_backend.activation_bytes(onnx.load(str(mobile / "dw.onnx")))
+    per_image = calibration.ACTIVATION_COPIES * calibration.activation_bytes(onnx.load(str(mobile / "dw.onnx")))
     chunks = []
-    real_chunk = ort_backend.calibration_chunk
-    monkeypatch.setattr(ort_backend, "calibration_chunk", lambda *args: chunks.append(real_chunk(*args)) or chunks[-1])
+    real_chunk = calibration.calibration_chunk
+    monkeypatch.setattr(calibration, "calibration_chunk", lambda *args: chunks.append(real_chunk(*args)) or chunks[-1])
     images_bytes = 12 * 3 * 224 * 224 * 4  # the 12 calibration images as float32 model input
-    monkeypatch.setenv("PTQ_CALIBRATION_MEMORY", str(ort_backend.BASE_PROCESS_BYTES + images_bytes + 3 * (mobile / "dw.onnx").stat().st_size
+    monkeypatch.setenv("PTQ_CALIBRATION_MEMORY", str(calibration.BASE_PROCESS_BYTES + images_bytes + 3 * (mobile / "dw.onnx").stat().st_size
                                                      + int(1.5 * per_image)))
     _quantize(mobile, "chunked.onnx", "--calibration-size", "12", "--method", "minmax")
     assert chunks == [1]
@@ -246,11 +246,11 @@ def test_the_threaded_histogram_collector_builds_onnxruntime_s_own_histograms(me
     over several chunks (the later ones extending the bins)."""
     from onnxruntime.quantization import calibrate
 
-    from ptq_cli.backends import onnxruntime as ort_backend
+    from ptq_cli.quantize import calibration
 
     calibrator = type("Calibrator", (), {"method": method, "symmetric": symmetric, "num_bins": 64, "num_quantized_bins": 16,
                                          "percentile": 99.9, "scenario": "same"})()
-    threaded = ort_backend._threaded_collector(calibrator, calibrate)
+    threaded = calibration._threaded_collector(calibrator, calibrate)
     own = calibrate.HistogramCollector(method, symmetric, 64, 16, 99.9, "same")
     rng = np.random.default_rng(0)
     for chunk in range(3):
@@ -278,20 +278,20 @@ def test_the_calibration_session_keeps_to_the_cpus_a_task_is_given(mobile, monke
     """A Ray task is given one CPU (PTQ_TASK_CPUS): onnxruntime's calibration session, which takes every core
     by itself, is then made on one thread."""
     from ptq_cli import settings
-    from ptq_cli.backends import onnxruntime as ort_backend
+    from ptq_cli.quantize import calibration
 
     if task_cpus:
         monkeypatch.setenv(settings.TASK_CPUS_ENV, task_cpus)
     else:
         monkeypatch.delenv(settings.TASK_CPUS_ENV, raising=False)
     threads = []
-    real = ort_backend._within_task_cpus
+    real = calibration._within_task_cpus
 
     def spy(calibrator):
         real(calibrator)
         threads.append(calibrator.infer_session.get_session_options().intra_op_num_threads)
 
-    monkeypatch.setattr(ort_backend, "_within_task_cpus", spy)
+    monkeypatch.setattr(calibration, "_within_task_cpus", spy)
     _quantize(mobile, f"cpus_{task_cpus}.onnx", "--calibration-size", "12", "--method", "minmax")
     assert threads and all(count == (1 if task_cpus else 0) for count in threads)  # 0: onnxruntime's default, every core
 

@@ -16,13 +16,13 @@ from conftest import CIFAR, cifar_split
 from synthetic import conv_classifier, image_folder, invoke, one_line_error
 
 from ptq_cli import cpu as cpu_info
-from ptq_cli.backends.base import METHOD_MARGIN_DB
-from ptq_cli.backends.onnxruntime import SATURATING_FIRST_LAYER
 from ptq_cli.guards import cache
+from ptq_cli.quantize import overflow
+from ptq_cli.quantize.judges import SATURATING_FIRST_LAYER
+from ptq_cli.quantize.settings import METHOD_MARGIN_DB
 from ptq_cli.services.measure import benchmark as benchmark_service
-from ptq_cli.services.measure import emulate
 from ptq_cli.services.models import load_model
-from ptq_cli.transforms import overflow
+from ptq_cli.x86 import emulate
 
 AVX2_ONLY = cpu_info.Cpu("Test AVX2 CPU", "x86_64", ("avx2",))
 WITH_VNNI = cpu_info.Cpu("Test VNNI CPU", "x86_64", ("avx2", "avx512_vnni"))
@@ -225,6 +225,7 @@ def test_pytorch_pair_safe_observer_and_first_layer_walk():
     import torch
 
     from ptq_cli.backends import pytorch as torch_backend
+    from ptq_cli.quantize import torch_ao
 
     class Net(torch.nn.Module):
         def __init__(self) -> None:
@@ -240,7 +241,7 @@ def test_pytorch_pair_safe_observer_and_first_layer_walk():
     assert torch_backend.first_layer_modules(module) == ["stem"]
     weight = torch.randn(8, 3, 3, 3)
     for per_channel in (True, False):
-        observer = torch_backend._pair_safe_observer(per_channel)()
+        observer = torch_ao._pair_safe_observer(per_channel)()
         observer(weight)
         scales, zero_points = observer.calculate_qparams()
         rows = weight.reshape(8, -1).numpy()
@@ -532,8 +533,8 @@ def _two_layers_sharing_one_int8_weight() -> onnx.ModelProto:
 
 
 def test_the_exact_path_loads_layers_that_share_one_int8_weight(tmp_path):
-    from ptq_cli.backends.model_file import ort_session
-    from ptq_cli.transforms.graph import private_weight_dequantizers
+    from ptq_cli.model_file import ort_session
+    from ptq_cli.transforms.qdq_edits import private_weight_dequantizers
 
     model = _two_layers_sharing_one_int8_weight()
     private = private_weight_dequantizers(model)
@@ -592,7 +593,7 @@ def test_int8_activations_read_by_two_layers_run_on_integer_kernels_in_onnxrunti
     the quantized model gives each reader its own pair (the same arithmetic), so that its readers leave float."""
     import onnxruntime as ort
 
-    from ptq_cli.backends import onnxruntime as ort_backend
+    from ptq_cli.quantize import qdq
 
     _residual_classifier(tmp_path / "r.onnx")
     image_folder(tmp_path / "data", per_class=8)
@@ -601,7 +602,7 @@ def test_int8_activations_read_by_two_layers_run_on_integer_kernels_in_onnxrunti
     made = invoke(*common, "--output", "private.onnx", cwd=tmp_path)
     assert made.exit_code == 0, made.output
     assert any("pair(s) added" in note for note in json.loads(made.stdout)["notes"])
-    monkeypatch.setattr(ort_backend, "private_activation_quantizers", lambda model: 0)
+    monkeypatch.setattr(qdq, "private_activation_quantizers", lambda model: 0)
     assert invoke(*common, "--output", "shared.onnx", cwd=tmp_path).exit_code == 0
     private, shared = _kernels(tmp_path / "private.onnx", tmp_path / "p.onnx"), _kernels(tmp_path / "shared.onnx", tmp_path / "s.onnx")
     # Both readers of the shared activation move to integer kernels; the layer writing it stays in float either way

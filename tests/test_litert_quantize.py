@@ -13,8 +13,10 @@ from synthetic import CLASSES, channel_mean_classifier, colour_images, invoke, o
 
 from ptq_cli import settings
 from ptq_cli.backends import litert
-from ptq_cli.backends.base import METHOD_CANDIDATES, chosen_method, held_out_mask
 from ptq_cli.errors import PtqError
+from ptq_cli.quantize import reuse, tflite
+from ptq_cli.quantize.policy import chosen_method, held_out_mask
+from ptq_cli.quantize.settings import METHOD_CANDIDATES
 from ptq_cli.services import quant_settings
 from ptq_cli.services.models import load_model
 
@@ -112,11 +114,11 @@ def test_ranges_from_an_onnxruntime_model_put_the_tflite_model_on_its_grid(study
     # The first quantized activation is the image (here after tf2onnx's NHWC -> NCHW Transpose).
     first = next(node for node in qdq.graph.node if node.op_type == "QuantizeLinear" and node.input[0] not in constants)
     onnx_scale, onnx_zero_point = float(constants[first.input[1]]), int(constants[first.input[2]])
-    details = litert._interpreter_class()(model_path=str(study / "tiny_int8_ranges.tflite")).get_input_details()[0]
+    details = tflite.interpreter_class()(model_path=str(study / "tiny_int8_ranges.tflite")).get_input_details()[0]
     scale, zero_point = details["quantization"]
     # The same grid: uint8 zero point z is int8 zero point z - 128.
     assert scale == pytest.approx(onnx_scale, rel=1e-6) and zero_point == onnx_zero_point - 128
-    plain = litert._interpreter_class()(model_path=str(study / _quantize(study)["output"])).get_input_details()[0]
+    plain = tflite.interpreter_class()(model_path=str(study / _quantize(study)["output"])).get_input_details()[0]
     assert plain["quantization"][0] != pytest.approx(onnx_scale, rel=1e-6)  # the converter's own calibration differs
 
 
@@ -325,7 +327,7 @@ def test_a_flash_budget_puts_back_in_8_bits_the_4_bit_layers_that_fit_and_gain(s
     the tiny model's noise is tested); refused without int4."""
     from ai_edge_litert import schema_py_generated as schema
 
-    from ptq_cli.transforms import int4
+    from ptq_cli.quantize import int4
 
     _keras_two_conv_classifier(study / "two.h5", pooled=True)
     assert invoke("convert", "--keras", "two.h5", "--output", "two.onnx", "--data", "colours.npz", "--check-images", "30", "--scale",
@@ -364,20 +366,19 @@ def test_a_flash_budget_puts_back_in_8_bits_the_4_bit_layers_that_fit_and_gain(s
 def test_within_one_run_the_tflite_models_share_the_converters_calibration_and_the_method_comparison(study, monkeypatch):
     """`ptq run` makes its .tflite models from one Keras model and calibration set: within the run the converter
     calibrates each image set once and `--method auto` compares once, and the files are those made one by one."""
-    from ptq_cli.backends import base
 
     calibrated: list[int] = []
-    calibrate = litert._calibrate
+    calibrate = tflite.calibrate
 
     def counted(keras_path, calibration, progress=None):
         calibrated.append(len(calibration))
         return calibrate(keras_path, calibration, progress)
 
-    monkeypatch.setattr(litert, "_calibrate", counted)
+    monkeypatch.setattr(tflite, "calibrate", counted)
     made = {"int8.tflite": (), "int4.tflite": ("--weight-dtype", "int4")}
     alone = {name: _quantize(study, "--output", name, *options) for name, options in made.items()}
     one_by_one, calibrated[:] = list(calibrated), []
-    with base.reusing_made_files():
+    with reuse.reusing_made_files():
         within = {name: _quantize(study, "--output", f"run_{name}", *options) for name, options in made.items()}
     assert len(one_by_one) == 4 and sorted(calibrated) == sorted(set(one_by_one)) and len(calibrated) == 2  # the held-out split's and the whole set's
     for name in made:
@@ -398,7 +399,7 @@ def _two_conv_int8(study) -> bytes:
 def test_the_int8_models_layer_inputs_collected_several_a_pass_are_those_of_one_pass_a_layer(study, monkeypatch):
     """What 4-bit fitting reads of the unchanged int8 model: every layer's input, from one interpreter pass while they fit
     in ORIGINAL_BYTES, one pass each when only one does; the same values as a pass for each layer alone."""
-    from ptq_cli.transforms import int4
+    from ptq_cli.quantize import int4
 
     data = _two_conv_int8(study)
     schema = int4.schema_module()
@@ -431,7 +432,7 @@ def test_the_changed_models_layer_inputs_read_stretch_by_stretch_are_those_of_th
     """What fitting reads of the model it changes layer by layer (CurrentInputs): each layer's input as the model
     cut there computes it with the earlier layers' new filters, running each operator once in all; past
     CURRENT_BYTES, the cut model each time."""
-    from ptq_cli.transforms import int4
+    from ptq_cli.quantize import int4
 
     data = _two_conv_int8(study)
     schema = int4.schema_module()
@@ -469,7 +470,8 @@ def test_the_changed_models_layer_inputs_read_stretch_by_stretch_are_those_of_th
 def test_int4_codes_leave_less_output_error_than_plain_rounding():
     """Per output channel, the chosen clipping and GPTQ codes cost the layer's output no more than nearest 4-bit
     codes at the full range, weighted by the inputs' second moments, on correlated inputs; stored two codes a byte."""
-    from ptq_cli.transforms import int4, tflite_graph
+    from ptq_cli.quantize import int4
+    from ptq_cli.transforms import tflite_graph
 
     rng = np.random.default_rng(0)
     mixing = rng.normal(0, 1, (24, 24))
@@ -500,7 +502,7 @@ def test_int4_layers_take_up_the_earlier_layers_error_where_held_out_rows_show_i
     """GPTAQ's asymmetric calibration: where the inputs a layer now gets (x') are a distortion of the int8
     model's (x), aiming at W x takes it up, on rows the fit never saw; where rows are too few to fit it, the
     held-out rows choose the plain fit."""
-    from ptq_cli.transforms import int4
+    from ptq_cli.quantize import int4
 
     rng = np.random.default_rng(1)
     weights, bias = rng.normal(0, 1, (8, 24)), rng.normal(0, 0.1, 8)
@@ -572,7 +574,7 @@ def test_learned_rounding_moves_int8_codes_on_the_converter_s_grid_and_brings_un
     reference = keras.models.load_model(study / "two.h5", compile=False).predict(images, verbose=0)
 
     def sqnr(data: bytes) -> float:
-        scores = litert._judged_scores(data, images)
+        scores = tflite.judged_scores(data, images)
         return float(10 * np.log10(np.sum(reference**2) / np.sum((reference - scores) ** 2)))
 
     assert sqnr(learned) > sqnr(nearest)

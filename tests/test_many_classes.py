@@ -13,7 +13,7 @@ from synthetic import channel_mean_classifier, colour_images, invoke
 
 from ptq_cli import settings
 from ptq_cli.errors import PtqError
-from ptq_cli.services.measure import evaluate
+from ptq_cli.services.measure import evaluation_records
 
 CLASSES = 1000
 
@@ -35,7 +35,7 @@ def test_a_1000_class_record_keeps_the_nonzero_cells_and_stays_under_200_kb(thou
     assert path.stat().st_size <= 200_000
     stored = json.loads(path.read_text())
     assert stored["confusion_matrix"] == [] and sum(count for _, _, count in stored["confusion_counts"]) == 60
-    record = evaluate.read_record(path)
+    record = evaluation_records.read_record(path)
     confusion = record.confusion()
     assert confusion.shape == (CLASSES, CLASSES) and int(np.trace(confusion)) == record.correct == 60
     assert record.per_class_accuracy[:3] == [100.0, 100.0, 100.0] and record.per_class_accuracy[3] is None
@@ -48,7 +48,7 @@ def test_an_edited_cell_or_one_outside_the_classes_is_refused(thousand_classes):
     for cells, problem in (([[0, 1, 20], *stored["confusion_counts"][1:]], "does not add up"), ([[0, CLASSES, 20], *stored["confusion_counts"][1:]], "outside")):
         path.write_text(json.dumps({**stored, "confusion_counts": cells}))
         with pytest.raises(PtqError, match=problem):
-            evaluate.read_record(path)
+            evaluation_records.read_record(path)
 
 
 def test_per_class_lists_the_measured_classes_that_lose_the_most(thousand_classes):
@@ -64,12 +64,12 @@ def test_a_class_with_too_few_images_says_nothing_about_the_model(thousand_class
 
     assert invoke("evaluate", "--model", "wide.onnx", "--data", "wide.npz", "--results-dir", "res", cwd=thousand_classes).exit_code == 0
     (path,) = (thousand_classes / "res").glob("wide.onnx-*.json")
-    record = evaluate.read_record(path)
+    record = evaluation_records.read_record(path)
     # One image of class 5 (predicted as class 0): a -100-point class beside three of 20 images each.
     one_more = replace(record, confusion_counts=[*record.confusion_counts, [5, 0, 1]], images=61,
                        per_class_accuracy=[*record.per_class_accuracy[:5], 0.0, *record.per_class_accuracy[6:]])
-    assert evaluate.measured_classes(one_more) == [0, 1, 2]
-    assert evaluate.classes_to_show(one_more, None) == [0, 1, 2]
+    assert evaluation_records.measured_classes(one_more) == [0, 1, 2]
+    assert evaluation_records.classes_to_show(one_more, None) == [0, 1, 2]
 
 
 def test_a_record_declaring_many_classes_is_checked_without_a_classes_squared_array(thousand_classes, monkeypatch):
@@ -78,8 +78,8 @@ def test_a_record_declaring_many_classes_is_checked_without_a_classes_squared_ar
     stored = json.loads(path.read_text())
     names = [f"class {index}" for index in range(100_000)]  # 10^10 cells if it were made whole
     path.write_text(json.dumps({**stored, "class_names": names, "per_class_accuracy": stored["per_class_accuracy"] + [None] * (100_000 - CLASSES)}))
-    monkeypatch.setattr(evaluate.EvaluationRecord, "confusion", lambda self: pytest.fail("made the whole matrix"))
-    assert len(evaluate.read_record(path).class_names) == 100_000
+    monkeypatch.setattr(evaluation_records.EvaluationRecord, "confusion", lambda self: pytest.fail("made the whole matrix"))
+    assert len(evaluation_records.read_record(path).class_names) == 100_000
     path.write_text(json.dumps({**stored, "confusion_counts": [[0, 0, 10**30]]}))
     with pytest.raises(PtqError, match="not a ptq evaluation record"):
-        evaluate.read_record(path)
+        evaluation_records.read_record(path)

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from synthetic import CLASSES, channel_mean_classifier, colour_images, invoke, one_line_error
+from synthetic import CLASSES, channel_mean_classifier, colour_images, invoke, ok, one_line_error
 
 from ptq_cli import settings
-from ptq_cli.backends import reusing_made_files
-from ptq_cli.backends.base import METHOD_CANDIDATES, REUSED_NOTE
+from ptq_cli.quantize.reuse import REUSED_NOTE, reusing_made_files
+from ptq_cli.quantize.settings import METHOD_CANDIDATES
 
 pytest.importorskip("openvino", reason="the openvino extra is not installed")
 
@@ -29,11 +29,6 @@ def project(tmp_path, monkeypatch) -> Path:
              test_labels=test_labels, class_names=np.array(CLASSES))
     return tmp_path
 
-
-def ok(*args, cwd):
-    result = invoke(*args, cwd=cwd)
-    assert result.exit_code == 0, result.output
-    return result
 
 
 def records(results: Path) -> dict[str, dict]:

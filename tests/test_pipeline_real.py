@@ -7,7 +7,7 @@ from pathlib import Path
 
 from conftest import PIPELINE_MODELS, ptq_ok, read_json, record_of
 
-from ptq_cli.backends.base import chosen_method
+from ptq_cli.quantize.policy import chosen_method
 
 # Per-class top-1 of the FP32 model on test_batch, airplane ... truck (shared/assets/README.md).
 FP32_PER_CLASS = [87.7, 95.4, 83.9, 73.4, 87.2, 74.2, 94.6, 90.5, 92.4, 92.6]

@@ -18,8 +18,8 @@ from synthetic import depthwise_classifier, invoke, one_line_error, smooth_photo
 
 from ptq_cli import cpu as cpu_info
 from ptq_cli.backends import pytorch
-from ptq_cli.backends.base import METHOD_MARGIN_DB
-from ptq_cli.transforms import overflow
+from ptq_cli.quantize import overflow, torch_ao
+from ptq_cli.quantize.settings import METHOD_MARGIN_DB
 
 
 def _wide_classifier(path: Path) -> Path:
@@ -64,7 +64,7 @@ def _made(root: Path, output: str, *extra: str, model: str = "dw.onnx") -> dict:
     return json.loads(result.stdout)
 
 
-@pytest.mark.parametrize("bits", [pytorch.EIGHT_BIT, pytorch.SEVEN_BIT])
+@pytest.mark.parametrize("bits", [torch_ao.EIGHT_BIT, torch_ao.SEVEN_BIT])
 def test_all_layers_bounds_every_weighted_layer_by_the_pair_rule_or_keeps_7_bit_activations(bits):
     import torch
     from torch.ao.quantization.observer import ObserverBase
@@ -76,11 +76,11 @@ def test_all_layers_bounds_every_weighted_layer_by_the_pair_rule_or_keeps_7_bit_
                                  torch.nn.Flatten(), torch.nn.Linear(16 * 8 * 8, 10)).eval()
     float_module = torch.fx.symbolic_trace(layers)
     images = torch.randn(16, 3, 12, 12)
-    mapping = pytorch.qconfig_mapping(True, "minmax", overflow.ALL_LAYERS, tuple(pytorch.first_layer_modules(float_module)),
+    mapping = torch_ao.qconfig_mapping(True, "minmax", overflow.ALL_LAYERS, tuple(pytorch.first_layer_modules(float_module)),
                                       activation_bits=bits)
     prepared = prepare_fx(copy.deepcopy(float_module), mapping, (images[:1],))
     observers = [module for module in prepared.modules() if isinstance(module, ObserverBase) and module.dtype == torch.quint8]
-    assert observers and {module.quant_max for module in observers} == {255 if bits == pytorch.EIGHT_BIT else 127}
+    assert observers and {module.quant_max for module in observers} == {255 if bits == torch_ao.EIGHT_BIT else 127}
     with torch.no_grad():
         prepared(images)
     converted = convert_fx(prepared)
@@ -91,7 +91,7 @@ def test_all_layers_bounds_every_weighted_layer_by_the_pair_rule_or_keeps_7_bit_
         codes = module.weight().int_repr().numpy().astype(np.int64)
         positive, negative = overflow.pair_sums(codes.reshape(len(codes), -1))
         worst.append(int(max(positive.max(), negative.max())))
-    if bits == pytorch.EIGHT_BIT:
+    if bits == torch_ao.EIGHT_BIT:
         assert max(worst) <= overflow.PAIR_LIMIT  # 255 x 128 <= 32,767
     else:
         assert max(worst) > overflow.PAIR_LIMIT  # full-range weights: the 7-bit activations keep 2 x 127 x 128 in range
@@ -102,7 +102,7 @@ def test_the_default_measures_both_on_held_out_images_and_keeps_the_closer(proje
     assert made["settings"]["overflow_fix"] == overflow.ALL_LAYERS  # ReLU6
     note = next(note for note in made["notes"] if "7-bit activations" in note)
     eight, seven = (float(figure) for figure in re.findall(r"(-?\d+\.\d) dB", note))
-    kept = pytorch.SEVEN_BIT if seven >= eight + METHOD_MARGIN_DB else pytorch.EIGHT_BIT
+    kept = torch_ao.SEVEN_BIT if seven >= eight + METHOD_MARGIN_DB else torch_ao.EIGHT_BIT
     assert made["settings"]["activation_bits"] == kept and note.startswith(f"activations {kept}-bit")
     named = _made(project, "dw_7.pt", "--activation-bits", "7", "--method", "minmax")
     assert named["settings"]["activation_bits"] == "7" and not any("7-bit activations (" in note for note in named["notes"])
@@ -114,8 +114,8 @@ def test_a_proven_model_s_saturating_path_is_what_fbgemm_computes_without_vnni(p
     """On a VNNI CPU torch's x86 engine runs most convolutions in oneDNN, which rounds some outputs otherwise than
     fbgemm (a Keras MobileNetV3-Small's scores 50 dB apart); a model that cannot saturate is scored for CPUs without VNNI
     in fbgemm, and the emulated CPU without VNNI computes the same."""
-    from ptq_cli.services.measure import emulate
     from ptq_cli.services.models import load_model
+    from ptq_cli.x86 import emulate
 
     _made(project, "wide_8.pt", "--activation-bits", "8", "--method", "minmax", model="wide.onnx")
     model = load_model(project / "wide_8.pt", saturating_int8=True)
@@ -140,7 +140,7 @@ def test_without_clamped_activations_all_layers_is_judged_against_first_layer(pr
     judged = dict(made["overflow_fix_db"])
     assert set(judged) == {overflow.ALL_LAYERS, overflow.FIRST_LAYER} and None not in judged.values()
     kept = overflow.FIRST_LAYER if judged[overflow.FIRST_LAYER] >= judged[overflow.ALL_LAYERS] + METHOD_MARGIN_DB else overflow.ALL_LAYERS
-    assert made["overflow_fix"] == kept and made["activation_bits"] == (pytorch.EIGHT_BIT if kept == overflow.ALL_LAYERS else None)
+    assert made["overflow_fix"] == kept and made["activation_bits"] == (torch_ao.EIGHT_BIT if kept == overflow.ALL_LAYERS else None)
     named = _made(project, "relu_first.pt", "--method", "minmax", "--overflow-fix", "first-layer", model="relu.onnx")["settings"]
     assert (named["overflow_fix"], named["overflow_fix_db"]) == (overflow.FIRST_LAYER, [])
     asked = _made(project, "relu_7.pt", "--method", "minmax", "--activation-bits", "7", model="relu.onnx")["settings"]

@@ -14,8 +14,10 @@ from onnx import helper, numpy_helper
 from synthetic import invoke, png_images, smooth_photos, two_conv_classifier
 
 from ptq_cli.backends import pytorch
-from ptq_cli.backends.base import PER_IMAGE, chosen_method, per_image_range
 from ptq_cli.metrics import sqnr_db
+from ptq_cli.quantize import torch_ao
+from ptq_cli.quantize.policy import chosen_method, per_image_range
+from ptq_cli.quantize.settings import PER_IMAGE
 
 
 def _conv_head_classifier(path: Path) -> Path:
@@ -82,7 +84,7 @@ def test_the_per_image_observer_takes_percentiles_of_each_image_s_own_extremes()
     rng = np.random.default_rng(0)
     batches = [rng.normal(size=(20, 4, 5, 5)).astype(np.float32) for _ in range(3)]
     batches[1][7] *= 40  # one image far out of range
-    observer = pytorch._per_image_observer(95.0, reduce_range=False)()
+    observer = torch_ao._per_image_observer(95.0, reduce_range=False)()
     for batch in batches:
         observer(torch.from_numpy(batch))
     images = np.concatenate(batches).reshape(60, -1)

@@ -1,4 +1,4 @@
-"""Learned rounding and bias correction (transforms/rounding.py): its pieces against references (onnxruntime's
+"""Learned rounding and bias correction (quantize/rounding.py): its pieces against references (onnxruntime's
 Conv, nearest rounding, the pair rule) and `ptq quantize --rounding` end to end on a small convolutional model."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from onnx import helper, numpy_helper
 from PIL import Image
 from synthetic import invoke, one_line_error, smooth_photos, two_conv_classifier
 
-from ptq_cli.transforms import overflow, rounding
+from ptq_cli.quantize import overflow, rounding
 
 
 def _conv_layer(attributes: dict) -> rounding.Layer:
@@ -191,21 +191,21 @@ def test_auto_rounding_judges_by_the_mean_of_each_held_out_image_s_sqnr(project)
     few images with the largest scores decide (here the brightened ones)."""
     from dataclasses import replace
 
-    from ptq_cli.backends import onnxruntime as ort_backend
-    from ptq_cli.backends.base import held_out_split
     from ptq_cli.metrics import image_sqnr_db, sqnr_db
+    from ptq_cli.quantize import judges
+    from ptq_cli.quantize.policy import held_out_split
     from ptq_cli.services.quant_settings import make_settings
 
     _quantize(project, "judged_nearest.onnx", "--rounding", "nearest", "--method", "minmax")
     calibration = _test_images(project)
     calibration[3::16] *= 10  # held-out images far brighter than anything calibrated: large scores, far off FP32
     settings = replace(make_settings("int8", method="minmax"), rounding=rounding.AUTO)
-    _, judged, _ = ort_backend.refine_rounding(onnx.load(str(project / "judged_nearest.onnx")), str(project / "m.onnx"), calibration, "image",
+    _, judged, _ = judges.refine_rounding(onnx.load(str(project / "judged_nearest.onnx")), str(project / "m.onnx"), calibration, "image",
                                                settings)
     held_out = held_out_split(calibration)[0]
     reference, nearest = _logits(project / "m.onnx", held_out), _logits(project / "judged_nearest.onnx", held_out)
-    assert judged.rounding_nearest_db == round(image_sqnr_db(reference, nearest), 2)
-    assert abs(judged.rounding_nearest_db - sqnr_db(reference, nearest)) > 3
+    assert judged.evidence.rounding_nearest_db == round(image_sqnr_db(reference, nearest), 2)
+    assert abs(judged.evidence.rounding_nearest_db - sqnr_db(reference, nearest)) > 3
 
 
 def test_learned_rounding_on_a_backend_that_cannot_take_it_is_refused_in_one_line(project):
@@ -270,7 +270,7 @@ def _scores_head(bias_as_add: bool) -> onnx.ModelProto:
 
 @pytest.mark.parametrize("bias_as_add", [False, True], ids=["matmul", "matmul-add-bias"])
 def test_float_scores_removes_the_roundings_between_the_last_layer_and_the_output_and_nothing_else(bias_as_add):
-    from ptq_cli.transforms.graph import float_scores
+    from ptq_cli.transforms.qdq_edits import float_scores
 
     model = _scores_head(bias_as_add)
     x = np.random.default_rng(1).standard_normal((6, 8)).astype(np.float32) * 3
@@ -360,21 +360,21 @@ def test_layers_too_wide_to_hold_their_input_moments_keep_nearest_codes(project,
 def test_the_float_model_s_layer_inputs_collected_in_one_pass_are_those_of_a_pass_a_layer(tmp_path, monkeypatch, budget):
     """The float model does not change while the layers are refined: one pass collects the inputs of the coming layers
     (as many as the byte budget holds; with a budget of one byte, a pass a layer), batch for batch what a pass a layer gives."""
-    from ptq_cli.backends import onnxruntime as ort_backend
+    from ptq_cli.quantize import runs
 
     model = onnx.load(str(two_conv_classifier(tmp_path / "m.onnx")))
     images = np.random.default_rng(0).random((40, 3, 16, 16), dtype=np.float32)
     if budget is not None:
-        monkeypatch.setattr(ort_backend, "FLOAT_INPUTS_BYTES", budget)
+        monkeypatch.setattr(runs, "FLOAT_INPUTS_BYTES", budget)
     passes: list[list[str]] = []
-    real_session = ort_backend._probe_session
-    monkeypatch.setattr(ort_backend, "_probe_session", lambda cut, threads, *kernels: passes.append([value.name for value in cut.graph.output]) or real_session(cut, threads, *kernels))
+    real_session = runs.probe_session
+    monkeypatch.setattr(runs, "probe_session", lambda cut, threads, *kernels: passes.append([value.name for value in cut.graph.output]) or real_session(cut, threads, *kernels))
     coming = ["r1", "flat", "r1"]  # a tensor two layers read is asked for twice
-    collected = ort_backend._collected_batches("image", images, 1, coming)
+    collected = runs.collected_batches("image", images, 1, coming)
     got = {name: list(collected(model, name)) for name in coming}
     made = list(passes)
     for name in dict.fromkeys(coming):
-        expected = list(ort_backend._tensor_batches("image", images, 1)(model, name))
+        expected = list(runs.tensor_batches("image", images, 1)(model, name))
         assert len(got[name]) == len(expected) == 3 and all(np.array_equal(a, b) for a, b in zip(got[name], expected, strict=True)), name
     if budget is None:
         assert made == [["r1", "flat"], ["r1", "flat"]]  # the one-image size probe, then the one pass for both
@@ -410,13 +410,13 @@ def _residual_classifier(path: Path) -> Path:
 def test_layer_inputs_computed_from_the_earlier_layers_8_bit_activations_learn_the_same_codes(project, monkeypatch, extra):
     """Each layer's input is computed from the QuantizeLinear outputs of the passes for the layers before it (which no
     later change alters) instead of from the image: the same model, byte for byte."""
-    from ptq_cli.backends import onnxruntime as ort_backend
+    from ptq_cli.quantize import judges, runs
 
     _residual_classifier(project / "residual.onnx")
     arguments = ("--model", "residual.onnx", "--rounding", "learned", "--method", "minmax", *extra)
     name = "_".join(extra).replace("-", "") or "default"
     layer_by_layer = _quantize(project, f"residual_{name}.onnx", *arguments)
-    monkeypatch.setattr(ort_backend, "_layer_by_layer_batches", ort_backend._tensor_batches)
+    monkeypatch.setattr(judges, "layer_by_layer_batches", runs.tensor_batches)
     from_the_image = _quantize(project, f"residual_{name}_image.onnx", *arguments)
     assert layer_by_layer["settings"]["rounding"] == from_the_image["settings"]["rounding"] == "learned"
     assert (project / f"residual_{name}.onnx").read_bytes() == (project / f"residual_{name}_image.onnx").read_bytes()
@@ -427,7 +427,7 @@ def test_a_layer_s_input_is_computed_from_the_last_8_bit_activations_held(projec
     """Asked for the layers' inputs in graph order, each pass after the first starts from the 8-bit activations the
     passes before computed, batch for batch the values a pass from the image gives; with one held (a budget of one
     byte), a pass reaches back to the image where it needs an activation let go."""
-    from ptq_cli.backends import onnxruntime as ort_backend
+    from ptq_cli.quantize import runs
 
     _residual_classifier(project / "residual.onnx")
     _quantize(project, "residual_source.onnx", "--model", "residual.onnx", "--rounding", "nearest", "--method", "minmax", "--stem", "int8")
@@ -435,16 +435,16 @@ def test_a_layer_s_input_is_computed_from_the_last_8_bit_activations_held(projec
     layers = rounding.find_layers(model)
     images = np.random.default_rng(0).random((40, 3, 16, 16), dtype=np.float32)
     if budget is not None:
-        monkeypatch.setattr(ort_backend, "HELD_ACTIVATIONS_BYTES", budget)
+        monkeypatch.setattr(runs, "HELD_ACTIVATIONS_BYTES", budget)
     passes: list[set[str]] = []
-    real_session = ort_backend._probe_session
-    monkeypatch.setattr(ort_backend, "_probe_session", lambda cut, threads, *kernels: passes.append({node.name for node in cut.graph.node}) or real_session(cut, threads, *kernels))
-    source = ort_backend._layer_by_layer_batches("image", images, 1)
+    real_session = runs.probe_session
+    monkeypatch.setattr(runs, "probe_session", lambda cut, threads, *kernels: passes.append({node.name for node in cut.graph.node}) or real_session(cut, threads, *kernels))
+    source = runs.layer_by_layer_batches("image", images, 1)
     got = {layer.name: list(source(model, layer.quantized_input)) for layer in layers}
     ran_by_layer = list(passes)
     assert len(layers) == 4 and len(ran_by_layer) == 4
     for layer in layers:
-        expected = list(ort_backend._tensor_batches("image", images, 1)(model, layer.quantized_input))
+        expected = list(runs.tensor_batches("image", images, 1)(model, layer.quantized_input))
         assert len(got[layer.name]) == 3 and all(np.array_equal(a, b) for a, b in zip(got[layer.name], expected, strict=True)), layer.name
     # Layer k's pass runs layer k-1 (its input's producer) and, with the activations held, no layer before it; with one
     # held, conv3's pass needs the residual input r1 again, computed again from the image through the first layer.

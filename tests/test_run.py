@@ -8,7 +8,7 @@ from pathlib import Path
 
 from conftest import KERAS_MODEL, PIPELINE_MODELS, STUDY_EMULATION, benchmark_of, ptq_ok, read_json, record_of
 
-from ptq_cli.backends.model_file import file_sha256
+from ptq_cli.model_file import file_sha256
 
 
 def _hashes(directory: Path) -> dict[str, str]:

@@ -9,11 +9,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-from synthetic import colours_project, invoke, one_line_error
+from synthetic import colours_project, invoke, ok, one_line_error
 
 from ptq_cli import settings
 from ptq_cli.services.measure import benchmark as benchmark_service
-from ptq_cli.services.measure import evaluate as evaluate_service
+from ptq_cli.services.measure import evaluation_records
 from ptq_cli.services.records import from_dict, record_files
 
 STUDY = ("run", "--model", "models/m.onnx", "--data", "colours.npz", "--no-pytorch", "--no-openvino", "--runs", "2")
@@ -26,15 +26,10 @@ def project(tmp_path, monkeypatch) -> Path:
     return colours_project(tmp_path / "study")
 
 
-def ok(*args, cwd: Path):
-    result = invoke(*args, cwd=cwd)
-    assert result.exit_code == 0, (result.exit_code, result.output)
-    return result
-
 
 def _measured(results: Path) -> dict[tuple, tuple]:
     """(model file, runtime, precision, int8 path) -> (model sha256, top-1, images) of each evaluation record."""
-    records = [evaluate_service.read_record(path) for path in record_files(results)]
+    records = [evaluation_records.read_record(path) for path in record_files(results)]
     return {(record.name, record.runtime, record.precision, record.int8_path): (record.model_sha256, record.accuracy, record.images) for record in records}
 
 
@@ -66,10 +61,10 @@ def test_each_record_is_named_from_what_it_measured_and_the_report_reads_every_o
     monkeypatch.chdir(project)  # names hold the model's and the images' folders, relative to where ptq ran
     results = Path("results")
     for path in record_files(results):
-        assert path == evaluate_service.record_file(results, evaluate_service.read_record(path))
+        assert path == evaluation_records.record_file(results, evaluation_records.read_record(path))
     for path in sorted((results / "benchmarks").glob("*.json")):
         record = from_dict(benchmark_service.BenchmarkRecord, json.loads(path.read_text()))
-        assert path == evaluate_service.record_file(results / "benchmarks", record)
+        assert path == evaluation_records.record_file(results / "benchmarks", record)
     stages = {stage["name"]: stage for stage in result["stages"]}
     written = {path for name, stage in stages.items() if name.startswith(("evaluate", "benchmark")) for path in stage["outputs"]}
     assert written == set(stages["report"]["inputs"]) and written
@@ -103,16 +98,16 @@ def test_benchmark_times_a_file_on_a_second_runtime_in_the_same_turns(project):
 def test_the_openvino_stage_converts_the_int8_qdq_model_the_run_already_made(project, monkeypatch):
     """OpenVINO's default IR is onnxruntime's int8 QDQ model converted: within one run, that model is quantized once."""
     pytest.importorskip("openvino")
-    from ptq_cli.backends import onnxruntime as ort_backend
+    from ptq_cli.quantize import qdq
 
     made: list[str] = []
-    quantize = ort_backend._quantize
+    quantize = qdq.quantize_qdq
 
     def counted(model, output, settings, *rest, **options):
         made.append(f"{settings.dtype}/{settings.target}")
         return quantize(model, output, settings, *rest, **options)
 
-    monkeypatch.setattr(ort_backend, "_quantize", counted)
+    monkeypatch.setattr(qdq, "quantize_qdq", counted)
     ok("run", "--model", "models/m.onnx", "--data", "colours.npz", "--no-pytorch", "--no-benchmark", cwd=project)
     assert (project / "models" / "m_openvino_int8.xml").is_file() and (project / "models" / "m_openvino_int8.bin").is_file()
     assert sorted(made) == sorted(set(made)) and len(made) == 3, made  # int8, uint8 and the speed model; not the IR's again
@@ -165,8 +160,8 @@ def test_the_study_emulates_the_whole_split_at_native_speed_and_500_images_under
     (about 100x slower), and always the count the user names."""
     from dataclasses import replace
 
-    from ptq_cli.services.measure import emulate
     from ptq_cli.services.study import pipeline
+    from ptq_cli.x86 import emulate
 
     options = pipeline.StudyOptions(keras_model=None, data_dir=Path("colours.npz"))
     onnx_model, torch_model = Path("models/m_int8.onnx"), Path("models/m_pytorch_int8.pt")

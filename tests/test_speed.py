@@ -10,9 +10,9 @@ import numpy as np
 from conftest import CIFAR, assert_clean_failure, benchmark_of, cifar_split, ptq, ptq_ok, read_json, record_of
 
 from ptq_cli import settings
-from ptq_cli.backends.base import chosen_method
 from ptq_cli.backends.pytorch import TORCH_CHUNK
 from ptq_cli.datasets import cifar10 as cifar
+from ptq_cli.quantize.policy import chosen_method
 from ptq_cli.services.models import load_model as load_onnx
 from ptq_cli.services.models import load_model as load_torchscript
 

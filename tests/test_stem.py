@@ -117,8 +117,8 @@ def test_the_stem_is_found_along_the_image_s_values_not_its_shape():
     shape, not its values, and is not part of the stem."""
     from onnx import helper
 
-    from ptq_cli.backends.onnxruntime import stem_nodes
-    from ptq_cli.transforms import overflow
+    from ptq_cli.quantize import overflow
+    from ptq_cli.quantize.qdq import stem_nodes
 
     nodes = [helper.make_node("Conv", ["image", "w"], ["conv"], name="stem"),
              helper.make_node("GlobalAveragePool", ["conv"], ["pooled"], name="pool"),

@@ -1,6 +1,6 @@
 """A .tflite laid out for a microcontroller (transforms/tflite_layout.py): the same outputs bit for bit on
 TFLite Micro and LiteRT, in no more flash and arena; and the int4 layers chosen so that unpacking their filters
-does not enlarge TFLite Micro's arena (transforms/int4.py)."""
+does not enlarge TFLite Micro's arena (quantize/int4.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 from conftest import CIFAR
 from synthetic import full_integer_tflite
 
-from ptq_cli.transforms import int4, tflite_graph
+from ptq_cli.quantize import int4
+from ptq_cli.transforms import tflite_graph
 from ptq_cli.transforms.tflite_layout import microcontroller_layout
 
 pytest.importorskip("ai_edge_litert", reason="the litert extra is not installed")

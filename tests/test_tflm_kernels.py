@@ -14,8 +14,9 @@ pytest.importorskip("tflite_micro", reason="tflite-micro is not installed")
 tf = pytest.importorskip("tensorflow", reason="the keras extra is not installed")
 
 from ptq_cli.backends import tflm  # noqa: E402  (after the skips: they need the litert extra)
+from ptq_cli.quantize import int4  # noqa: E402
 from ptq_cli.services.models import load_model  # noqa: E402
-from ptq_cli.transforms import int4, tflm_kernels  # noqa: E402
+from ptq_cli.transforms import tflm_kernels  # noqa: E402
 
 ASSETS = CIFAR.parent / "mlperf-tiny-resnet8"
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 from PIL import Image
-from synthetic import CLASSES, channel_mean_classifier, colour_images, image_folder, invoke, one_line_error
+from synthetic import CLASSES, channel_mean_classifier, colour_images, image_folder, invoke, ok, one_line_error
 
 from ptq_cli import settings
 from ptq_cli.errors import PtqError
@@ -50,11 +50,6 @@ def project(tmp_path, monkeypatch) -> Path:
     np.savez(tmp_path / "colours.npz", images=images, labels=labels, class_names=np.array(CLASSES))
     return tmp_path
 
-
-def ok(*args, cwd: Path):
-    result = invoke(*args, cwd=cwd)
-    assert result.exit_code == 0, (args, result.output)
-    return result
 
 
 def refused(*args, cwd: Path, mentions: str, unchanged: Path | None = None):

@@ -17,7 +17,7 @@ from ptq_cli.errors import CheckFailed, PtqError
 from ptq_cli.guards.atomic import atomic_output, write_text
 from ptq_cli.services.make.calibration import stratified_indices
 from ptq_cli.services.make.convert import _checked_write, compare_outputs
-from ptq_cli.services.measure.evaluate import EvaluationRecord, newest_per_measurement
+from ptq_cli.services.measure.evaluation_records import EvaluationRecord, newest_per_measurement
 from ptq_cli.services.measure.report import build_report
 
 
@@ -145,7 +145,7 @@ def test_report_compares_each_model_with_its_framework_fp32():
 
 def test_the_other_choices_say_what_the_best_was_ranked_by():
     """Top-1 on labels of the model's classes is accuracy, not faithfulness: a model can beat FP32 by chance."""
-    from ptq_cli.render import describe_choices
+    from ptq_cli.render_report import describe_choices
 
     labelled = build_report([_record("q.onnx", "onnxruntime", "int8", 87.5, 100, 2000.0, [80.0, 92.0]),
                              _record("f.onnx", "onnxruntime", "fp32", 87.0, 400, 1000.0, [85.0, 89.0])])
@@ -168,7 +168,7 @@ def _study(prefix, fp32_accuracy, int8_accuracy, fp32_size, fp32_speed):
 def test_two_studies_in_one_results_folder_are_each_compared_with_their_own_source():
     import random
 
-    from ptq_cli.render import report_markdown
+    from ptq_cli.render_report import report_markdown
 
     records = _study("alpha", 70.0, 69.0, 4000, 100.0) + _study("beta", 90.0, 88.5, 800, 1000.0)
     report = build_report(records)
@@ -232,7 +232,7 @@ def test_a_model_s_evaluation_speed_is_its_run_on_the_cpu_s_own_int8_kernels():
 
 
 def test_a_model_tied_to_a_batch_runs_any_batch_in_parts_of_it():
-    from ptq_cli.backends.model_file import in_fixed_batches
+    from ptq_cli.model_file import in_fixed_batches
 
     parts = []
 
@@ -369,7 +369,7 @@ def test_a_pipeline_stage_renders_the_command_it_stands_for():
 
 
 def test_report_sets_each_tflite_model_against_the_mlperf_reference():
-    from ptq_cli.render import report_markdown
+    from ptq_cli.render_report import report_markdown
     from ptq_cli.services.measure.benchmark import BenchmarkRecord
     from ptq_cli.services.records import MeasurementKey
 
@@ -439,7 +439,7 @@ def test_tf2onnx_counters_in_node_and_tensor_names_are_renumbered_in_graph_order
 
 
 def test_average_pools_left_in_float_make_one_note_however_many():
-    from ptq_cli.backends.base import pools_in_float_note
+    from ptq_cli.quantize.policy import pools_in_float_note
 
     assert pools_in_float_note([], "onnxruntime") == []
     one = pools_in_float_note(["head/Mean"], "onnxruntime")
@@ -471,7 +471,7 @@ def test_image_sqnr_is_the_mean_of_each_image_s_own_sqnr_and_ranks_by_the_typica
 def test_a_proven_saturating_figure_shows_as_equal_only_where_it_is():
     """PyTorch's proof is measured on fbgemm, which can round an image otherwise than the exact path's oneDNN: the
     report shows its own figure then, and "=" only where the two are the same."""
-    from ptq_cli.render import no_vnni
+    from ptq_cli.render_report import no_vnni
     from ptq_cli.services.measure.report import ReportRow
 
     row = ReportRow("m.pt", "pytorch", "int8", "", 75.97, None, None, 1, None, 1.0, "evaluate", None, None,
@@ -484,7 +484,7 @@ def test_a_proven_saturating_figure_shows_as_equal_only_where_it_is():
 def test_the_fastest_is_not_passed_over_for_a_loss_the_images_cannot_tell_from_chance():
     """500 images: a model 0.4 points below FP32 on 2 images (McNemar p 0.5) is within the budget, and said to be
     indistinguishable; one 4 points below on 20 (p < 0.001) is not."""
-    from ptq_cli.render import report_markdown
+    from ptq_cli.render_report import report_markdown
 
     fp32 = replace(_record("f.onnx", "onnxruntime", "fp32", 87.0, 400, 1000.0, [85.0, 89.0]), images=500)
 
@@ -504,7 +504,7 @@ def test_the_fastest_is_not_passed_over_for_a_loss_the_images_cannot_tell_from_c
 def test_best_is_said_to_be_no_better_than_a_runner_up_the_images_cannot_tell_apart():
     """500 images: best and runner-up differ on 1 image against 0 (p 1.0): "no better than"; on 20 against 0: best alone."""
     from ptq_cli.metrics import packed_hits
-    from ptq_cli.render import report_markdown
+    from ptq_cli.render_report import report_markdown
 
     rng = np.random.default_rng(0)
     fp32_hits = rng.random(500) < 0.87
@@ -529,7 +529,7 @@ def test_best_is_said_to_be_no_better_than_a_runner_up_the_images_cannot_tell_ap
 def test_images_right_round_trip_and_a_record_whose_bits_disagree_is_refused(tmp_path):
     from ptq_cli.errors import PtqError
     from ptq_cli.metrics import packed_hits, unpacked_hits
-    from ptq_cli.services.measure.evaluate import read_record, save_record
+    from ptq_cli.services.measure.evaluation_records import read_record, save_record
 
     hits = np.arange(13) % 3 == 0
     assert (unpacked_hits(packed_hits(hits), 13) == hits).all()

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from synthetic import calibrated_colours_project, colours_project, invoke, one_line_error
+from synthetic import calibrated_colours_project, colours_project, invoke, ok, one_line_error
 
 from ptq_cli import settings
 from ptq_cli.errors import PtqError
@@ -37,11 +37,6 @@ def project(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv(settings.CACHE_ENV, str(tmp_path / "cache"))
     return calibrated_colours_project(tmp_path)
 
-
-def ok(*args, cwd: Path):
-    result = invoke(*args, cwd=cwd)
-    assert result.exit_code == 0, (result.exit_code, result.output)
-    return result
 
 
 def _figures(result: dict) -> list:
@@ -411,10 +406,10 @@ def test_a_cluster_of_another_ray_version_is_said_in_one_line(project, cluster, 
 
 def _measured(results: Path) -> dict[tuple, tuple]:
     """(model file, runtime, precision, int8 path) -> (model sha256, top-1, images, fidelity) of each evaluation record."""
-    from ptq_cli.services.measure import evaluate as evaluate_service
+    from ptq_cli.services.measure import evaluation_records
     from ptq_cli.services.records import record_files
 
-    records = [evaluate_service.read_record(path) for path in record_files(results)]
+    records = [evaluation_records.read_record(path) for path in record_files(results)]
     return {(record.name, record.runtime, record.precision, record.int8_path): (record.model_sha256, record.accuracy, record.images, record.fidelity)
             for record in records}
 

@@ -10,11 +10,11 @@ from dataclasses import fields
 from pathlib import Path
 
 from ptq_cli.backends import litert, onnxruntime, openvino, pytorch, tflm
-from ptq_cli.backends.base import Backend, reaching_saturating_path, reusing_made_files  # noqa: F401  for the services
-from ptq_cli.backends.model_file import foreign_kind, require_file
+from ptq_cli.backends.base import Backend
 from ptq_cli.errors import PtqError
 from ptq_cli.guards import bounded
 from ptq_cli.guards.atomic import declare_companions
+from ptq_cli.model_file import foreign_kind, require_file
 
 # In the order the report lists them; the first is the default backend and the runtime every speed-up
 # is also given against.

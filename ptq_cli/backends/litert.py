@@ -13,11 +13,8 @@ turns them into int8 tensors, the path TensorFlow's own QuantizationDebugger tak
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,57 +23,58 @@ from typing import ClassVar
 import numpy as np
 
 from ptq_cli.backends import base
-from ptq_cli.backends.base import (
-    AUTO_METHOD,
-    INT4,
-    METHOD_CANDIDATES,
-    Backend,
-    LoadedModel,
-    ProgressCallback,
-    QuantizationSettings,
-    QuantizedFile,
-    Quantizer,
-    RunOptions,
-    Runtime,
-    chosen_method,
-    finish_load,
-    held_out_mask,
-    held_out_split,
-    rounding_image_count,
-    sqnr_figure,
-)
-from ptq_cli.backends.model_file import (
+from ptq_cli.backends.base import Backend, LoadedModel, Quantizer, RunOptions, Runtime, finish_load
+from ptq_cli.errors import PtqError, first_line
+from ptq_cli.guards.atomic import atomic_output
+from ptq_cli.guards.library_noise import native_stderr_silenced
+from ptq_cli.model_file import (
     KERAS_SAVE_HINT,
     file_sha256,
     in_fixed_batches,
-    load_keras,
     metadata_object,
     model_input,
     num_classes,
     read_bytes,
-    read_onnx,
     resolve_threads,
 )
-from ptq_cli.errors import PtqError, first_line
-from ptq_cli.guards.atomic import atomic_output
-from ptq_cli.guards.library_noise import native_stderr_silenced
-from ptq_cli.transforms.int4 import Mixed, to_int4
-from ptq_cli.transforms.overflow import NO_FIX
-from ptq_cli.transforms.rounding import LEARNED, NEAREST
-from ptq_cli.transforms.tflite_graph import op_kind
+from ptq_cli.quantize.int4 import Mixed, to_int4
+from ptq_cli.quantize.overflow import NO_FIX
+from ptq_cli.quantize.policy import held_out_mask, held_out_split
+from ptq_cli.quantize.rounding import LEARNED, NEAREST
+from ptq_cli.quantize.settings import (
+    AUTO_METHOD,
+    INT4,
+    BackendOptions,
+    CommonChoices,
+    ProgressCallback,
+    QuantizationSettings,
+    QuantizedFile,
+    option,
+)
+from ptq_cli.quantize.tflite import (
+    INTEGER_TYPES,
+    IO_DTYPES,
+    as_input,
+    calibrated_tflite,
+    choose_method,
+    import_tensorflow,
+    interpreter_class,
+    io_quantization,
+    judged_scores,
+    quantized_tflite,
+    ranged_tensors,
+    ranges_model,
+    refined,
+    transferred_ranges,
+    with_method,
+    with_ranges,
+)
 from ptq_cli.transforms.tflite_layout import microcontroller_layout
-from ptq_cli.transforms.tflite_rounding import learned_int8
-from ptq_cli.transforms.tflm_kernels import reference_codes
 
 NAME = "litert"
 SUFFIX = ".tflite"
 FORMAT = "TFLite"
-INTEGER_TYPES = {np.dtype(np.int8): "int8", np.dtype(np.uint8): "uint8"}
 METADATA_PREFIX = "ptq."  # ptq's entries in the flatbuffer's metadata; TFLite Micro ignores metadata
-# Images run through both models to tell which onnxruntime tensor is which TFLite tensor (--ranges-from).
-MATCH_IMAGES = 32
-MATCH_TOLERANCE = 0.05  # relative distance of the per-image mean and spread of the two tensors' values
-ACTIVATION_BATCH = 100  # images per interpreter call while collecting activations
 
 
 def sniff(head: bytes) -> bool:
@@ -92,32 +90,6 @@ def available() -> bool:
     return True
 
 
-def _interpreter_class():
-    try:
-        from ai_edge_litert.interpreter import Interpreter
-    except ImportError as error:
-        raise PtqError("LiteRT is not installed: pip install 'ptq-cli[litert]' (make install does)") from error
-    return Interpreter
-
-
-def io_quantization(detail: dict) -> tuple[float, int] | None:
-    """(scale, zero point) of an integer tensor, None for a float one."""
-    if np.dtype(detail["dtype"]) not in INTEGER_TYPES:
-        return None
-    scale, zero_point = detail["quantization"]
-    return float(scale), int(zero_point)
-
-
-def as_input(images: np.ndarray, detail: dict) -> np.ndarray:
-    """Images in the model's input format (float) as its input tensor takes them: quantized with its scale and zero point."""
-    quantization = io_quantization(detail)
-    if quantization is None:
-        return images.astype(np.float32)
-    scale, zero_point = quantization
-    limits = np.iinfo(np.dtype(detail["dtype"]))
-    return np.clip(np.round(images / scale + zero_point), limits.min, limits.max).astype(detail["dtype"])
-
-
 def describe_io(detail: dict) -> str:
     """e.g. "int8 (scale 1, zero point -128)" or "float32"."""
     quantization = io_quantization(detail)
@@ -127,17 +99,16 @@ def describe_io(detail: dict) -> str:
 
 def verify(data: bytes, path: Path) -> None:
     """The flatbuffer checked by LiteRT's interpreter (its verifier), before a runtime that trusts it reads it."""
-    Interpreter = _interpreter_class()
+    Interpreter = interpreter_class()
     try:
         Interpreter(model_content=data)
     except (ValueError, RuntimeError) as error:
         raise PtqError(f"{path}: LiteRT cannot load it ({first_line(error)})") from error
 
 
-
 def _allocated(path: Path, data: bytes, threads: int):
     """LiteRT's interpreter on the model, its tensors allocated."""
-    Interpreter = _interpreter_class()
+    Interpreter = interpreter_class()
     try:
         with native_stderr_silenced():  # XNNPACK's "Created ... delegate" line; failures still raise with their reason
             interpreter = Interpreter(model_content=data, num_threads=threads)
@@ -243,8 +214,6 @@ def metadata(data: bytes) -> dict[str, str]:
 
 # Quantizing: from the Keras source, with the TFLite converter.
 
-IO_DTYPES = {"int8": "int8", "uint8": "uint8", "float": "float32"}
-
 
 def keras_source(onnx_model) -> Path:
     """The Keras file `ptq convert --keras` recorded in the ONNX model, checked to be unchanged."""
@@ -263,319 +232,6 @@ def keras_source(onnx_model) -> Path:
     if file_sha256(path) != entry.get("sha256"):
         raise PtqError(f"{name}: its Keras source {path} has changed since the conversion (sha256 differs); convert it again")
     return path
-
-
-@contextlib.contextmanager
-def _quiet():
-    """TensorFlow prints the exported signature on stdout, which is for ptq's results (--json), and logs
-    from C++ on stderr; its failures come as exceptions."""
-    with native_stderr_silenced(), open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
-        yield
-
-
-def _tensorflow():
-    try:
-        with _quiet():
-            import tensorflow as tf
-    except ImportError as error:
-        raise PtqError(f"--backend litert: needs tensorflow-cpu to convert (pip install 'ptq-cli[keras,litert]'; make install does): {error}") from error
-    return tf
-
-
-def _key(step: str, keras_path: Path, calibration: np.ndarray, *settings: object) -> Callable[[], str]:
-    """What a step's result within one `ptq run` is keyed by (base.computed_once): the Keras file, the images, settings."""
-    return lambda: base.digest(step.encode(), bytes.fromhex(file_sha256(keras_path)), repr((calibration.shape, str(calibration.dtype), settings)).encode(),
-                               np.ascontiguousarray(calibration).tobytes())
-
-
-def _calibrated(keras_path: Path, calibration: np.ndarray, progress: ProgressCallback | None = None) -> bytes:
-    """The float TFLite model with the converter's calibration statistics (min/max per tensor) over
-    `calibration`, one image per step, not yet quantized; within `ptq run`, made once for its TFLite models."""
-    return base.computed_once(_key("calibrated", keras_path, calibration), lambda: _calibrate(keras_path, calibration, progress), size=len)
-
-
-def _calibrate(keras_path: Path, calibration: np.ndarray, progress: ProgressCallback | None = None) -> bytes:
-    tf = _tensorflow()
-    with _quiet():
-        keras_model = load_keras(tf, keras_path)
-    expected = tuple(keras_model.input_shape[1:])
-    if tuple(calibration.shape[1:]) != expected:
-        raise PtqError(f"{keras_path}: takes input {expected}, the ONNX model's calibration images are {tuple(calibration.shape[1:])}")
-    converter = tf.lite.TFLiteConverter.from_keras_model(keras_model)
-    converter.optimizations = [tf.lite.Optimize.DEFAULT]
-    def one_at_a_time():
-        for index in range(len(calibration)):
-            if progress is not None:
-                progress(index, len(calibration))
-            yield [calibration[index : index + 1]]
-
-    converter.representative_dataset = one_at_a_time
-    converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
-    converter._experimental_calibrate_only = True  # noqa: SLF001  the statistics, to adjust before quantizing
-    try:
-        with _quiet():
-            return bytes(converter.convert())
-    except Exception as error:  # noqa: BLE001  the converter's own exception types
-        raise PtqError(f"{keras_path}: the TFLite converter failed ({_last_line(error)})") from error
-
-
-def _last_line(error: Exception) -> str:
-    """TensorFlow's converter errors end with the line that says what failed."""
-    text = str(error).strip()
-    return text.splitlines()[-1] if text else type(error).__name__
-
-
-def _ranged_tensors(model_object) -> list[int]:
-    """The tensors the converter calibrated (a min/max each), but the model's outputs: a softmax's output
-    range is fixed by its kernel."""
-    graph = model_object.subgraphs[0]
-    outputs = set(int(index) for index in graph.outputs)
-    return [index for index, tensor in enumerate(graph.tensors)
-            if index not in outputs and tensor.quantization is not None and tensor.quantization.min is not None
-            and len(tensor.quantization.min) == 1]
-
-
-def _activations(calibrated: bytes, tensors: list[int], images: np.ndarray):
-    """The float values of `tensors` on `images`, ACTIVATION_BATCH images at a time (index -> array)."""
-    from ai_edge_litert.interpreter import OpResolverType
-
-    Interpreter = _interpreter_class()
-    # Without the XNNPACK delegate: a delegated graph does not keep its inner tensors, whatever is asked.
-    interpreter = Interpreter(model_content=calibrated, experimental_preserve_all_tensors=True,
-                              experimental_op_resolver_type=OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES)
-    image = interpreter.get_input_details()[0]
-    for start in range(0, len(images), ACTIVATION_BATCH):
-        batch = images[start : start + ACTIVATION_BATCH]
-        interpreter.resize_tensor_input(image["index"], list(batch.shape))
-        interpreter.allocate_tensors()
-        interpreter.set_tensor(image["index"], np.ascontiguousarray(batch, dtype=np.float32))
-        interpreter.invoke()
-        yield {index: interpreter.get_tensor(index) for index in tensors}
-
-
-def _percentile_ranges(calibrated: bytes, tensors: list[int], calibration: np.ndarray, percentile: float) -> dict[int, tuple[float, float]]:
-    """ptq's --method percentile on the TFLite tensors: onnxruntime's own histogram collector, with the
-    settings onnxruntime's percentile calibration uses (2,048 bins, asymmetric)."""
-    from onnxruntime.quantization.calibrate import HistogramCollector
-
-    collector = HistogramCollector(method="percentile", symmetric=False, num_bins=2048, num_quantized_bins=128,
-                                   percentile=percentile, scenario="same")
-    with contextlib.redirect_stdout(io.StringIO()):  # it print()s its progress; stdout is ptq's own (--json)
-        for values in _activations(calibrated, tensors, calibration):
-            collector.collect({str(index): [value] for index, value in values.items()})
-        result = collector.compute_collection_result()
-    return {int(index): (float(bounds[0]), float(bounds[1])) for index, bounds in result.items()}
-
-
-def _grid_ranges(qdq) -> dict[str, tuple[float, float]]:
-    """The float range each activation QuantizeLinear of an onnxruntime QDQ model covers, by tensor name."""
-    from onnx import numpy_helper
-
-    constants = {initializer.name: numpy_helper.to_array(initializer) for initializer in qdq.graph.initializer}
-    ranges = {}
-    for node in qdq.graph.node:
-        if node.op_type != "QuantizeLinear" or node.input[0] in constants or len(node.input) < 3:
-            continue
-        scale, zero_point = constants.get(node.input[1]), constants.get(node.input[2])
-        if scale is None or zero_point is None or scale.size != 1:
-            continue
-        limits = np.iinfo(zero_point.dtype)
-        ranges[node.input[0]] = ((limits.min - int(zero_point)) * float(scale), (limits.max - int(zero_point)) * float(scale))
-    return ranges
-
-
-def _signature(values: np.ndarray) -> np.ndarray:
-    """Per image, the mean and spread of a tensor's values: the same whatever the layout."""
-    flat = values.reshape(len(values), -1).astype(np.float64)
-    return np.concatenate([flat.mean(axis=1), flat.std(axis=1)])
-
-
-def _ranges_model(ranges_from: Path, source_sha256: str | None):
-    """The onnxruntime QDQ model --ranges-from names, checked to be made by ptq from the same FP32 model."""
-    qdq = read_onnx(ranges_from)
-    made_from = {prop.key: prop.value for prop in qdq.metadata_props}.get(base.SOURCE_METADATA_KEY)
-    if source_sha256 is None or made_from != source_sha256:
-        raise PtqError(f"--ranges-from: {ranges_from} was not quantized by ptq from this FP32 model")
-    if not _grid_ranges(qdq):
-        raise PtqError(f"--ranges-from: {ranges_from} has no quantized activations (an onnxruntime QDQ model is needed)")
-    return qdq
-
-
-def _transferred_ranges(ranges_from: Path, qdq, calibrated: bytes, tensors: list[int],
-                        calibration: np.ndarray) -> tuple[dict[int, tuple[float, float]], list[int]]:
-    """The activation ranges of an onnxruntime QDQ model made from the same FP32 model, each TFLite tensor
-    matched to the onnxruntime tensor whose values it has on the same images; and the tensors left unmatched."""
-    import onnx
-    import onnxruntime
-
-    grids = _grid_ranges(qdq)
-    names = list(grids)
-    outputs = {output.name for output in qdq.graph.output}
-    qdq.graph.output.extend(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None) for name in names if name not in outputs)
-    options = onnxruntime.SessionOptions()
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    try:
-        session = onnxruntime.InferenceSession(qdq.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    except Exception as error:  # noqa: BLE001  onnxruntime's own exception types
-        raise PtqError(f"--ranges-from: {ranges_from}: onnxruntime cannot load it ({first_line(error)})") from error
-    first = session.get_inputs()[0]
-    images = calibration[:MATCH_IMAGES]
-    fixed = first.shape[0] if isinstance(first.shape[0], int) and first.shape[0] > 0 else None
-    widths: list[int] = []
-
-    def run(batch: np.ndarray) -> np.ndarray:
-        """Every named tensor, flattened per image, side by side (a tensor without the batch first: NaN)."""
-        values = [value.reshape(len(batch), -1) if value.ndim and value.shape[0] == len(batch) else np.full((len(batch), 1), np.nan)
-                  for value in session.run(names, {first.name: batch})]
-        widths[:] = [value.shape[1] for value in values]
-        return np.concatenate(values, axis=1)
-
-    flat = run(images) if fixed is None else in_fixed_batches(run, images, fixed)
-    bounds = np.cumsum([0, *widths])
-    onnx_values = {name: flat[:, bounds[k] : bounds[k + 1]] for k, name in enumerate(names)}
-    tflite_values = next(_activations(calibrated, tensors, images))
-    # onnxruntime drops a ReLU its QuantizeLinear does anyway (zero point 0): what a tensor holds is its
-    # values clipped to its grid.
-    signatures = {name: _signature(np.clip(values, *grids[name])) for name, values in onnx_values.items()}
-    matched, unmatched = {}, []
-    for index in tensors:
-        wanted = _signature(tflite_values[index])
-        width = int(np.prod(tflite_values[index].shape[1:]))
-        candidates = [(np.linalg.norm(signatures[name] - wanted) / (np.linalg.norm(wanted) + 1e-12), name)
-                      for name in names if onnx_values[name].shape[1] == width]
-        distance, name = min(candidates, default=(np.inf, None))
-        if name is not None and distance <= MATCH_TOLERANCE:
-            matched[index] = grids[name]
-        else:
-            unmatched.append(index)
-    return matched, unmatched
-
-
-def _with_ranges(calibrated: bytes, ranges: dict[int, tuple[float, float]]) -> bytes:
-    """The calibrated model with these (min, max) in place of the converter's statistics (each widened to
-    hold 0, as every quantizer does)."""
-    from tensorflow.lite.tools import flatbuffer_utils
-
-    model_object = flatbuffer_utils.convert_bytearray_to_object(calibrated)
-    tensors = model_object.subgraphs[0].tensors
-    for index, (low, high) in ranges.items():
-        tensors[index].quantization.min = np.array([min(low, 0.0)], np.float32)
-        tensors[index].quantization.max = np.array([max(high, 0.0)], np.float32)
-    return bytes(flatbuffer_utils.convert_object_to_bytearray(model_object))
-
-
-def _judged_scores(data: bytes, images: np.ndarray) -> np.ndarray:
-    """What `--method auto` compares, on reference kernels (no XNNPACK, as a microcontroller: TFLM's own where ptq's
-    copy covers the model, `tflm_kernels.reference_codes`): the scores before a final SOFTMAX (the probabilities hide
-    most differences), else the first output, in float."""
-    from ai_edge_litert import schema_py_generated as schema
-
-    model_object = schema.ModelT.InitFromObj(schema.Model.GetRootAs(data, 0))
-    graph = model_object.subgraphs[0]
-    judged = int(graph.outputs[0])
-    for operator in graph.operators:
-        if op_kind(model_object, operator) in ("SOFTMAX", "LOG_SOFTMAX") and int(operator.outputs[0]) == judged:
-            judged = int(operator.inputs[0])
-            break
-    image = _interpreter_class()(model_content=data).get_input_details()[0]
-    values = reference_codes(data, {image["index"]: as_input(images, image)}, [judged])[judged]
-    grid = graph.tensors[judged].quantization
-    if values.dtype.kind == "f" or grid is None or grid.scale is None or not len(grid.scale):
-        return values.astype(np.float64)
-    return (values.astype(np.float64) - int(grid.zeroPoint[0])) * float(grid.scale[0])
-
-
-def _with_method(calibrated: bytes, method: str, percentile: float | None, calibration: np.ndarray) -> bytes:
-    """The calibrated model with the ranges `method` gives: the converter's min/max, or ptq's percentile rule."""
-    if method != "percentile" or percentile is None:
-        return calibrated
-    from tensorflow.lite.tools import flatbuffer_utils
-
-    tensors = _ranged_tensors(flatbuffer_utils.convert_bytearray_to_object(calibrated))
-    return _with_ranges(calibrated, _percentile_ranges(calibrated, tensors, calibration, percentile))
-
-
-def _choose_method(keras_path: Path, calibration: np.ndarray, settings: QuantizationSettings, io_type) -> QuantizationSettings:
-    """`--method auto`: each METHOD_CANDIDATES range calibrated on 3/4 of the calibration images, quantized, and
-    judged by the image SQNR against the float model on the other 1/4; the settings with the best one."""
-    from ptq_cli.metrics import image_sqnr_db
-
-    held_out, rest = held_out_split(calibration)
-    if len(held_out) == 0 or len(rest) == 0:
-        return replace(settings, method=METHOD_CANDIDATES[0][0])
-
-    def scored() -> tuple[tuple[str, float | None, float | None], ...]:
-        calibrated = _calibrated(keras_path, rest)
-        reference = _judged_scores(calibrated, held_out)
-        scores: list[tuple[str, float | None, float | None]] = []
-        for method, percentile in METHOD_CANDIDATES:
-            quantized = _quantized(_with_method(calibrated, method, percentile, rest), settings, io_type, keras_path)
-            scores.append((method, percentile, sqnr_figure(image_sqnr_db(reference, _judged_scores(quantized, held_out)))))
-        return tuple(scores)
-
-    # Within `ptq run`, its TFLite models share the comparison: it reads only these settings.
-    scores = base.computed_once(_key("method scores", keras_path, calibration, settings.per_channel, str(io_type), METHOD_CANDIDATES), scored)
-    method, percentile = chosen_method(scores)
-    return replace(settings, method=method, percentile=percentile, method_sqnr_db=scores)
-
-
-def _quantized(calibrated: bytes, settings: QuantizationSettings, io_type, keras_path: Path) -> bytes:
-    """The converter's quantizer on the calibrated model: every op int8 (one line naming those left in float)."""
-    from tensorflow.lite.python.convert import mlir_quantize
-    from tensorflow.lite.tools import flatbuffer_utils
-
-    try:
-        with _quiet():
-            quantized = mlir_quantize(calibrated, not settings.per_channel, input_data_type=io_type, output_data_type=io_type)
-    except Exception as error:  # noqa: BLE001  the quantizer's own exception types
-        raise PtqError(f"{keras_path}: the TFLite quantizer failed ({_last_line(error)})") from error
-    left = _float_ops(flatbuffer_utils.convert_bytearray_to_object(quantized))
-    if left:
-        raise PtqError(f"{keras_path}: the TFLite converter left {len(left)} ops in float ({', '.join(sorted(set(left)))}); "
-                       "TFLite Micro needs every op in int8")
-    return quantized
-
-
-def _refined(quantized: bytes, calibrated: bytes, calibration: np.ndarray, settings: QuantizationSettings) -> tuple[bytes, QuantizationSettings, list[str]]:
-    """(model, settings with the rounding decided, notes): learned int8 codes and corrected biases
-    (transforms/tflite_rounding.py) where they bring the held-out calibration images' scores closer to the float
-    model's than the converter's nearest codes (or where asked)."""
-    from ptq_cli.metrics import image_sqnr_db
-
-    held_out, rest = held_out_split(calibration)
-    if settings.rounding == LEARNED or len(held_out) == 0:
-        rest = calibration
-    pixels = int(np.prod(calibration.shape[1:3]))
-    count = rounding_image_count(pixels)
-    refining = rest[np.linspace(0, len(rest) - 1, min(count, len(rest))).astype(int)]
-    image = _interpreter_class()(model_content=quantized).get_input_details()[0]
-    result = learned_int8(quantized, calibrated, as_input(refining, image))
-    notes = [f"learned rounding: {result.layers} layers, {result.codes_changed:,} of {result.codes:,} weight codes moved off nearest, "
-             f"biases corrected, from {len(refining)} calibration images"]
-    if settings.rounding == LEARNED or len(held_out) == 0:
-        return result.data, replace(settings, rounding=LEARNED), notes
-    reference = _judged_scores(calibrated, held_out)
-    nearest_db, learned_db = (image_sqnr_db(reference, _judged_scores(model, held_out)) for model in (quantized, result.data))
-    choice = LEARNED if learned_db > nearest_db else NEAREST
-    measured = replace(settings, rounding=choice, rounding_nearest_db=sqnr_figure(nearest_db), rounding_learned_db=sqnr_figure(learned_db))
-    return (result.data if choice == LEARNED else quantized), measured, notes
-
-
-def _float_ops(model_object) -> list[str]:
-    """The ops of a quantized model that still compute in float (the model's own float I/O aside)."""
-    from tensorflow.lite.python import schema_py_generated as schema
-
-    graph = model_object.subgraphs[0]
-    edges = {int(index) for index in (*graph.inputs, *graph.outputs)}
-    left = []
-    for operator in graph.operators:
-        kind = op_kind(model_object, operator)
-        if kind in ("QUANTIZE", "DEQUANTIZE"):
-            continue
-        used = [int(index) for index in (*operator.inputs, *operator.outputs) if index >= 0 and int(index) not in edges]
-        if any(graph.tensors[index].type == schema.TensorType.FLOAT32 for index in used):
-            left.append(kind)
-    return left
 
 
 def _with_metadata(quantized: bytes, entries: dict[str, str]) -> bytes:
@@ -605,26 +261,26 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     keras_path = keras_source(model)
     options = _options(settings)
     ranges_from = Path(options.ranges_from) if options.ranges_from else None
-    qdq = _ranges_model(ranges_from, stored.get(base.SOURCE_METADATA_KEY)) if ranges_from else None
+    qdq = ranges_model(ranges_from, stored.get(base.SOURCE_METADATA_KEY)) if ranges_from else None
     calibration = calibration.astype(np.float32, copy=False)
-    io_type = getattr(_tensorflow(), IO_DTYPES[options.io or "int8"])
+    io_type = getattr(import_tensorflow(), IO_DTYPES[options.io or "int8"])
     if settings.method == AUTO_METHOD:
-        settings = _choose_method(keras_path, calibration, settings, io_type)
-    calibrated = _calibrated(keras_path, calibration, progress)
+        settings = choose_method(keras_path, calibration, settings, io_type)
+    calibrated = calibrated_tflite(keras_path, calibration, progress)
     from tensorflow.lite.tools import flatbuffer_utils
 
     notes: list[str] = []
     if ranges_from:
-        tensors = _ranged_tensors(flatbuffer_utils.convert_bytearray_to_object(calibrated))
-        ranges, unmatched = _transferred_ranges(ranges_from, qdq, calibrated, tensors, calibration)
+        tensors = ranged_tensors(flatbuffer_utils.convert_bytearray_to_object(calibrated))
+        ranges, unmatched = transferred_ranges(ranges_from, qdq, calibrated, tensors, calibration)
         notes.append(f"activation ranges of {len(ranges)} of {len(tensors)} tensors from {ranges_from.name}"
                      + (f"; {len(unmatched)} kept the converter's min/max" if unmatched else ""))
-        calibrated = _with_ranges(calibrated, ranges)
+        calibrated = with_ranges(calibrated, ranges)
     else:
-        calibrated = _with_method(calibrated, settings.method, settings.percentile, calibration)
-    quantized = _quantized(calibrated, settings, io_type, keras_path)
+        calibrated = with_method(calibrated, settings.method, settings.percentile, calibration)
+    quantized = quantized_tflite(calibrated, settings, io_type, keras_path)
     if settings.weight_dtype != INT4 and settings.rounding != NEAREST:
-        quantized, settings, rounded = _refined(quantized, calibrated, calibration, settings)
+        quantized, settings, rounded = refined(quantized, calibrated, calibration, settings)
         notes += rounded
     if settings.weight_dtype == INT4:
         quantized, four_bit = _four_bit(quantized, calibrated, calibration, settings, lambda data: _entries(data, settings, stored, keras_path))
@@ -661,14 +317,14 @@ def _four_bit(quantized: bytes, calibrated: bytes, calibration: np.ndarray, sett
     written, laid out and with its metadata) fits. (model, note)."""
     from ptq_cli.metrics import sqnr_db
 
-    image = _interpreter_class()(model_content=quantized).get_input_details()[0]
+    image = interpreter_class()(model_content=quantized).get_input_details()[0]
     mixed, max_flash_kb = None, _options(settings).max_flash_kb
     if max_flash_kb is not None:
         judged_images = held_out_split(calibration)[0]
-        reference = _judged_scores(calibrated, judged_images)
+        reference = judged_scores(calibrated, judged_images)
         budget = max_flash_kb * 1024 - FLASH_SLACK
         mixed = Mixed(fits=lambda data: len(written(microcontroller_layout(data).data)) <= budget,
-                      judge=lambda data: sqnr_db(reference, _judged_scores(data, judged_images)))
+                      judge=lambda data: sqnr_db(reference, judged_scores(data, judged_images)))
     int4 = to_int4(quantized, as_input(calibration, image), mixed=mixed, held=held_out_mask(len(calibration)))
     judged = f"; 8 bits back where they gain most output SQNR on {len(judged_images)} calibration images" if mixed else ""
     aimed = (f"; aimed at the int8 model's outputs, taking up the earlier layers' error: {', '.join(int4.compensating)}" if int4.compensating
@@ -688,24 +344,24 @@ IO_TYPES = ("int8", "uint8", "float")  # the first is TFLite Micro's; float keep
 
 
 @dataclass(frozen=True)
-class Options(base.BackendOptions):
+class Options(BackendOptions):
     panel: ClassVar[str] = "LiteRT (--backend litert)"
     word: ClassVar[str] = "a LiteRT option"
 
-    io: str | None = base.option(
+    io: str | None = option(
         None, choices=IO_TYPES,
         help="Type of the .tflite's input and output tensors: int8 (what TFLite Micro wants), uint8, or float around the int8 body. (default: int8)")
-    ranges_from: str | None = base.option(
+    ranges_from: str | None = option(
         None, cli=Path,
         help="An onnxruntime QDQ model ptq quantized from the same FP32 model: its activation ranges (scale, zero point) replace the converter's "
              "calibration, tensor by tensor, so both models compute on the same grid.")
-    max_flash_kb: float | None = base.option(
+    max_flash_kb: float | None = option(
         None, cli=float,
         help="With --weight-dtype int4: the flash the .tflite may take, in KB (1,024 bytes). The 4-bit layers whose 4 bits cost most (output SQNR "
              "against the float model on calibration images, measured layer by layer) go back to 8 bits while the file stays within it. "
              "(default: none go back)")
 
-    def settle(self, common: base.CommonChoices) -> tuple[Options, base.CommonChoices]:
+    def settle(self, common: CommonChoices) -> tuple[Options, CommonChoices]:
         if "uint8" in (common.dtype, common.weight_dtype):
             raise PtqError("--dtype uint8: a full-integer TFLite model computes in int8; --io uint8 gives it uint8 input and output")
         settled = replace(self, io=self.io or IO_TYPES[0], ranges_from=str(self.ranges_from) if self.ranges_from is not None else None)
@@ -756,11 +412,11 @@ BACKEND = Backend(
     NAME, (SUFFIX,), sniff, format=FORMAT, available=available, summary="the TFLite converter, full-integer int8 .tflite for TFLite Micro",
     quantizer=Quantizer(
         # The TFLite converter's min/max, or ptq's percentile rule (onnxruntime's histogram collector) on the same tensors, by
-        # default whichever measures best (_choose_method); XNNPACK widens to int16 before adding, so no overflow fix.
+        # default whichever measures best (choose_method); XNNPACK widens to int16 before adding, so no overflow fix.
         quantize, methods=(AUTO_METHOD, "minmax", "percentile"), per_channel=True, overflow_fixes=(NO_FIX,),
         float_stem=False,  # full-integer: every layer int8
-        int4_weights=True,  # TFLite's INT4 filters (transforms/int4.py)
-        learned_rounding=True,  # _refined: GPTQ int8 codes and bias correction (transforms/tflite_rounding.py)
+        int4_weights=True,  # TFLite's INT4 filters (quantize/int4.py)
+        learned_rounding=True,  # refined: GPTQ int8 codes and bias correction (quantize/tflite_rounding.py)
         options=Options, describe=_describe, output_name=_output_name,
         tune_refused="--backend litert: tune searches onnxruntime, pytorch and openvino; for TFLite use ptq quantize --backend litert "
                      "(--method, --per-tensor, --ranges-from a tuned onnxruntime model)",

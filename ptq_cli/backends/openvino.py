@@ -1,6 +1,6 @@
 """OpenVINO: runs OpenVINO IR (.xml + .bin) and, when asked (`--runtime openvino`), ONNX files; quantizes
 into IR in one of two ways: by default ptq's own onnxruntime QDQ quantization (its calibration, pair rule,
-float stem and learned rounding; backends/onnxruntime.py), which `openvino.convert_model` turns into IR and
+float stem and learned rounding; quantize/qdq.py), which `openvino.convert_model` turns into IR and
 the CPU plugin runs on its int8 kernels; with `--method nncf`, NNCF's (`nncf.quantize`, OpenVINO backend).
 
 The CPU plugin's default inference precision on a CPU with AMX or AVX512-BF16 is bf16, which silently
@@ -25,21 +25,11 @@ import numpy as np
 
 from ptq_cli import inputs
 from ptq_cli.backends import base
-from ptq_cli.backends import onnxruntime as qdq
-from ptq_cli.backends.base import (
-    Backend,
-    LoadedModel,
-    ProgressCallback,
-    QuantizationSettings,
-    QuantizedFile,
-    Quantizer,
-    RunOptions,
-    Runtime,
-    finish_load,
-    float_parts,
-)
+from ptq_cli.backends.base import Backend, LoadedModel, Quantizer, RunOptions, Runtime, finish_load, float_parts
 from ptq_cli.backends.base import describe_settings as describe_qdq_settings
-from ptq_cli.backends.model_file import (
+from ptq_cli.errors import PtqError, first_line
+from ptq_cli.guards.library_noise import native_stderr_silenced
+from ptq_cli.model_file import (
     CONVOLUTION,
     ELEMENTWISE,
     TRANSPOSE,
@@ -52,10 +42,10 @@ from ptq_cli.backends.model_file import (
     read_onnx,
     resolve_threads,
 )
-from ptq_cli.errors import PtqError, first_line
-from ptq_cli.guards.library_noise import native_stderr_silenced
-from ptq_cli.transforms.overflow import ALL_LAYERS, FIRST_LAYER, JUDGED
-from ptq_cli.transforms.rounding import LEARNED, NEAREST
+from ptq_cli.quantize import qdq
+from ptq_cli.quantize.overflow import ALL_LAYERS, FIRST_LAYER, JUDGED
+from ptq_cli.quantize.rounding import LEARNED, NEAREST
+from ptq_cli.quantize.settings import BackendOptions, CommonChoices, ProgressCallback, QuantizationSettings, QuantizedFile, option
 
 NAME = "openvino"
 SUFFIX = ".xml"
@@ -117,7 +107,7 @@ def _files(path: Path) -> list[Path]:
 def _stored(path: Path, model) -> dict[str, str]:
     """ptq's metadata: from the IR's rt_info, or from an ONNX file's metadata_props."""
     if path.suffix != SUFFIX:
-        from ptq_cli.backends.model_file import metadata
+        from ptq_cli.model_file import metadata
 
         return metadata(read_onnx(path))
     return {key: str(model.get_rt_info([RT_INFO_SECTION, key]).astype(str)) for key in STORED_KEYS if model.has_rt_info([RT_INFO_SECTION, key])}
@@ -302,7 +292,7 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
         raise PtqError(f"--ignored-scope: NNCF's ignored scope; applies to --backend openvino --method {NNCF}")
     ov = _openvino()
     # onnxruntime's route without its space-to-depth (a regrouping for onnxruntime's own fast kernel).
-    as_qdq = replace(settings, backend=qdq.NAME, format=qdq.BACKEND.format, options=qdq.Options(space_to_depth=False))
+    as_qdq = replace(settings, backend=qdq.WRITER, format=qdq.FORMAT, options=qdq.Options(space_to_depth=False))
     with tempfile.TemporaryDirectory(prefix="ptq-openvino-") as workdir:
         written = qdq.quantize(model, Path(workdir) / f"quantized{qdq.SUFFIX}", as_qdq, calibration, dict(stored), progress=progress)
         try:
@@ -390,22 +380,22 @@ BIAS_CORRECTIONS = ("fast", "full", "none")
 
 
 @dataclass(frozen=True)
-class Options(base.BackendOptions):
+class Options(BackendOptions):
     """NNCF's own settings (`--method nncf`); given alone, they ask for it."""
 
     panel: ClassVar[str] = "NNCF (--backend openvino)"
     word: ClassVar[str] = "an NNCF option"
 
-    nncf_preset: str | None = base.option(
+    nncf_preset: str | None = option(
         None, "--nncf-preset", "--preset", choices=NNCF_PRESETS,
         help="NNCF's preset (--backend openvino; --preset is its older name): performance (symmetric activations) or mixed (asymmetric). "
              "(default: performance)")
-    bias_correction: str | None = base.option(
+    bias_correction: str | None = option(
         None, choices=BIAS_CORRECTIONS, help="NNCF bias correction: fast, full (slower, often more accurate) or none. (default: fast)")
-    subset_size: int | None = base.option(None, minimum=1, cli=int, help="Calibration samples NNCF uses. (default: the whole calibration set)")
-    ignored_scope: tuple[str, ...] = base.option((), cli=list[str], help="A layer (node name) NNCF leaves in float; repeat for several.")
+    subset_size: int | None = option(None, minimum=1, cli=int, help="Calibration samples NNCF uses. (default: the whole calibration set)")
+    ignored_scope: tuple[str, ...] = option((), cli=list[str], help="A layer (node name) NNCF leaves in float; repeat for several.")
 
-    def settle(self, common: base.CommonChoices) -> tuple[Options, base.CommonChoices]:
+    def settle(self, common: CommonChoices) -> tuple[Options, CommonChoices]:
         given = self.given()
         method = common.method or (NNCF if given else None)  # an NNCF option says which quantizer is meant
         if method != NNCF:
@@ -463,7 +453,7 @@ BACKEND = Backend(
         # ptq's onnxruntime route with its calibration methods and defaults (per-tensor unless the model has depthwise
         # convolutions, the pair rule, learned rounding), or NNCF: min/max statistics of its preset, then bias correction,
         # weights per channel. Tune searches NNCF's settings.
-        quantize, methods=(*qdq.BACKEND.quantizes.methods, NNCF), tune_methods=(NNCF,), per_channel=False, granularities=(True,),
+        quantize, methods=(*qdq.METHODS, NNCF), tune_methods=(NNCF,), per_channel=False, granularities=(True,),
         overflow_fixes=(FIRST_LAYER, ALL_LAYERS), clamped_overflow_fix=ALL_LAYERS, judges_overflow_fix=True, learned_rounding=True,
         options=Options, describe=_describe, tune_grid=_tune_grid, float_layers=layers, fast_on_x86=_fast_on_x86,
         overflow_words=_overflow_words,

@@ -16,33 +16,44 @@ import numpy as np
 
 from ptq_cli import inputs
 from ptq_cli.backends import base
-from ptq_cli.backends.base import (
-    EMULATE,
-    Backend,
-    Int8Paths,
-    LoadedModel,
-    ProgressCallback,
-    QuantizationSettings,
-    QuantizedFile,
-    Quantizer,
-    RunOptions,
-    Runtime,
-    describe_settings,
-    finish_load,
-)
-from ptq_cli.backends.model_file import describe_input, free_batch, in_fixed_batches, metadata_object, read_bytes, resolve_threads
+from ptq_cli.backends.base import EMULATE, Backend, Int8Paths, LoadedModel, Quantizer, RunOptions, Runtime, describe_settings, finish_load
 from ptq_cli.cpu import SATURATING
 from ptq_cli.errors import PtqError, first_line
 from ptq_cli.guards import bounded, trust
 from ptq_cli.guards.atomic import atomic_output
 from ptq_cli.metrics import sqnr_db
-from ptq_cli.transforms import overflow
+from ptq_cli.model_file import describe_input, free_batch, in_fixed_batches, metadata_object, read_bytes, resolve_threads
+from ptq_cli.quantize import overflow, policy, torch_ao
+from ptq_cli.quantize.settings import (
+    AUTO_METHOD,
+    HELD_OUT_EVERY,
+    HELD_OUT_MAX,
+    PER_IMAGE,
+    PER_IMAGE_PERCENTILE,
+    PER_IMAGE_TIGHT_PERCENTILE,
+    BackendOptions,
+    CommonChoices,
+    ProgressCallback,
+    QuantizationSettings,
+    QuantizedFile,
+    option,
+)
+from ptq_cli.quantize.torch_ao import (
+    ACTIVATION_BITS,
+    EIGHT_BIT,
+    SEVEN_BIT,
+    activation_bits,
+    clamp_conv_outputs,
+    drop_integer_observers,
+    qconfig_mapping,
+    seven_bit_activations,
+)
 from ptq_cli.transforms.graph import generated_node_names, preprocess, static_reshape_targets
 from ptq_cli.transforms.torch_compat import import_onnx2torch, quiet_torch_quantization_warnings
 
 NAME = "pytorch"
 SUFFIX = ".pt"
-ENGINE = "x86"  # fbgemm-based kernels for x86 CPUs (oneDNN's for most convolutions on a CPU with AVX512-VNNI)
+ENGINE = torch_ao.X86_ENGINE
 SATURATING_ENGINE = "fbgemm"  # the kernels a CPU without VNNI runs
 ZIP_MAGIC = b"PK\x03\x04"  # TorchScript files are zip archives
 # ptq's metadata inside a TorchScript archive, as this extra file: the same keys as in ONNX metadata.
@@ -54,12 +65,6 @@ CALIBRATION_BATCH = 100
 TORCH_CHUNK = 64
 # Tried, in order, on a TorchScript file ptq did not make (which says nothing of its input).
 PROBE_INPUTS = (inputs.ModelInput("input", inputs.NCHW, 3, 32, 32, None), inputs.ModelInput("input", inputs.NHWC, 3, 32, 32, None))
-
-# How `--overflow-fix all-layers` keeps fbgemm from saturating: 8-bit activations with every layer's weights under the
-# pair rule, or torch.ao's 7-bit activations (`reduce_range`). The first is judged first and kept unless the other
-# measures METHOD_MARGIN_DB closer to FP32; where nothing can be judged (a fixed batch), the second, torch.ao's own.
-EIGHT_BIT, SEVEN_BIT = "8", "7"
-ACTIVATION_BITS = (EIGHT_BIT, SEVEN_BIT)
 
 
 def sniff(head: bytes) -> bool:
@@ -116,57 +121,6 @@ def save_torchscript(module, path: Path, example: np.ndarray, stored: dict[str, 
     trust.remember(buffer.getvalue())
 
 
-def _pair_safe_observer(per_channel: bool):
-    """A weight observer whose scales follow the pair rule (services/overflow.py): per output channel, or
-    one scale for the tensor (the largest a channel needs)."""
-    import torch
-    from torch.ao.quantization.observer import MinMaxObserver, PerChannelMinMaxObserver
-
-    base = PerChannelMinMaxObserver if per_channel else MinMaxObserver
-
-    class PairSafeObserver(base):  # type: ignore[misc, valid-type]
-        def forward(self, weight):
-            self.weight_seen = weight.detach()
-            return super().forward(weight)
-
-        def calculate_qparams(self):
-            rows, _ = overflow.weight_rows("Conv", self.weight_seen.float().numpy())  # Conv and Linear: output channels first
-            scales = torch.from_numpy(overflow.pair_safe_scales(rows))
-            if not per_channel:
-                scales = scales.max().reshape(1)
-            return scales, torch.zeros(len(scales), dtype=torch.int64)
-
-    return PairSafeObserver.with_args(dtype=torch.qint8, qscheme=torch.per_channel_symmetric if per_channel else torch.per_tensor_symmetric)
-
-
-def _per_image_observer(percentile: float, reduce_range: bool):
-    """`--method per-image` in torch.ao: an activation observer whose range is base.per_image_range of each calibration
-    image's own extremes (a tensor's first axis is the batch; one without stands for one image), so that a few images
-    far out of range do not set every image's scale."""
-    import torch
-    from torch.ao.quantization.observer import MinMaxObserver
-
-    class PerImageObserver(MinMaxObserver):
-        def __init__(self, *args, **kwargs) -> None:
-            super().__init__(*args, **kwargs)
-            self.image_lows: list[np.ndarray] = []
-            self.image_highs: list[np.ndarray] = []
-
-        def forward(self, x_orig):
-            if x_orig.numel() == 0:
-                return x_orig
-            values = x_orig.detach().to(self.min_val.dtype)
-            lows, highs = torch.aminmax(values.reshape(values.shape[0] if values.dim() > 1 else 1, -1), dim=1)
-            self.image_lows.append(lows.numpy())
-            self.image_highs.append(highs.numpy())
-            low, high = base.per_image_range(np.concatenate(self.image_lows), np.concatenate(self.image_highs), percentile)
-            self.min_val.copy_(torch.tensor(low))  # what calculate_qparams, and torch.ao reading the observer, see
-            self.max_val.copy_(torch.tensor(high))
-            return x_orig
-
-    return PerImageObserver.with_args(dtype=torch.quint8, reduce_range=reduce_range)
-
-
 def first_layer_modules(module) -> list[str]:
     """The Conv/Linear modules the input reaches without passing another one (the stem), by name."""
     import torch
@@ -221,150 +175,6 @@ def whole_map_pools(module, example) -> list[str]:
     return found
 
 
-def qconfig_mapping(per_channel: bool, method: str, overflow_fix: str = overflow.NO_FIX, first_layers: tuple[str, ...] = (),  # noqa: PLR0913  one keyword each
-                    float_stem: bool = False, float_modules: tuple[str, ...] = (), percentile: float | None = None,
-                    activation_bits: str = SEVEN_BIT):
-    """Weights: signed int8, symmetric (the x86 quantized kernels need that). Activations: unsigned 8-bit.
-
-    fbgemm without VNNI adds pairs of u8 x s8 products into a saturating int16 (`--cpus all`), its depthwise kernel
-    too: "all-layers" keeps 7-bit activations (`activation_bits` "7": torch.ao's own x86 default, `reduce_range`;
-    2 * 127 * 128 never overflows) or gives every layer's weights pair-safe scales ("8": 255 * 128 never overflows);
-    "first-layer" gives the `first_layers` modules' weights pair-safe scales and keeps 8-bit activations;
-    with `float_stem` they stay in float instead (the image then meets no int8 weights). `float_modules` stay in float.
-    `percentile`: of `--method per-image`.
-    """
-    import torch
-    from torch.ao.quantization import QConfig, get_default_qconfig_mapping
-    from torch.ao.quantization.observer import HistogramObserver, MinMaxObserver, PerChannelMinMaxObserver
-
-    weight = (
-        PerChannelMinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_channel_symmetric)
-        if per_channel
-        else MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric)
-    )
-    reduce_range = overflow_fix == overflow.ALL_LAYERS and activation_bits == SEVEN_BIT
-    if overflow_fix == overflow.ALL_LAYERS and not reduce_range:
-        weight = _pair_safe_observer(per_channel)
-    if method == base.PER_IMAGE:
-        activation = _per_image_observer(base.PER_IMAGE_PERCENTILE if percentile is None else percentile, reduce_range)
-    else:
-        activation = (HistogramObserver if method == "histogram" else MinMaxObserver).with_args(dtype=torch.quint8, reduce_range=reduce_range)
-    # The x86 mapping keeps its fixed-range settings for ops like softmax; everything else gets ours.
-    mapping = get_default_qconfig_mapping(ENGINE).set_global(QConfig(activation=activation, weight=weight))
-    for name in float_modules:
-        mapping.set_module_name(name, None)
-    if float_stem:
-        for name in first_layers:
-            mapping.set_module_name(name, None)
-    elif overflow_fix == overflow.FIRST_LAYER:
-        for name in first_layers:
-            mapping.set_module_name(name, QConfig(activation=activation, weight=_pair_safe_observer(per_channel)))
-    return mapping
-
-
-def activation_bits(settings: QuantizationSettings) -> str:
-    """The activations' bits `--overflow-fix all-layers` keeps: as given or measured, else torch.ao's 7."""
-    return getattr(settings.options, "activation_bits", None) or SEVEN_BIT
-
-
-def seven_bit_activations(stored: dict | None) -> bool:
-    """Whether a model's stored settings keep 7-bit activations (ptq before `--activation-bits` stored none: 7)."""
-    stored = stored or {}
-    return stored.get("overflow_fix") == overflow.ALL_LAYERS and stored.get("activation_bits") != EIGHT_BIT
-
-
-def clamp_bounds(module) -> tuple[float, float] | None:
-    """(low, high) of a clamping activation from 0 whose quantized output can simply be its input's
-    (ReLU6, a Hardtanh(0, 6), and other Hardtanh from 0), else None."""
-    import torch
-
-    if isinstance(module, torch.nn.Hardtanh) and module.min_val == 0 and module.max_val > 0:
-        return 0.0, float(module.max_val)
-    return None
-
-
-def _module_of(graph_module, value, types):
-    """The module a graph value is the output of, if it is a call to one of `types`, else None."""
-    import torch
-
-    if not isinstance(value, torch.fx.Node) or value.op != "call_module":
-        return None
-    module = graph_module.get_submodule(value.target)
-    return module if isinstance(module, types) else None
-
-
-def clamp_conv_outputs(prepared, reduce_range: bool) -> list[str]:
-    """Give each Conv/Linear output that feeds only a ReLU6 (onnx2torch's Clip(0, 6)) the activation's
-    range, fixed: the quantized convolution then clamps as ReLU6 does, at 6/255 a code.
-
-    torch.ao shares ReLU6's quantization parameters with its input, so without this the convolution's
-    output is quantized over its whole range (-93..90 at an EfficientNet stem: 8 codes for 0..6). The
-    observer is replaced after prepare_fx rather than set in the QConfig, since a module's QConfig also
-    observes its *input*, which would clip a normalised image to [0, 6]. Returns the modules clamped."""
-    import torch
-    from torch.ao.quantization.observer import FixedQParamsObserver, ObserverBase
-
-    clamped = []
-    quant_max = 127 if reduce_range else 255
-    for node in prepared.graph.nodes:
-        clamp = _module_of(prepared, node, torch.nn.Hardtanh)
-        bounds = clamp_bounds(clamp) if clamp is not None else None
-        if bounds is None or not node.args:
-            continue
-        observed = node.args[0]
-        if _module_of(prepared, observed, ObserverBase) is None or len(observed.users) != 1:
-            continue
-        source = observed.args[0]
-        if _module_of(prepared, source, (torch.nn.Conv2d, torch.nn.Linear)) is None:
-            continue
-        low, high = bounds
-        fixed = FixedQParamsObserver(scale=(high - low) / quant_max, zero_point=0, dtype=torch.quint8, quant_min=0, quant_max=quant_max)
-        prepared.add_submodule(observed.target, fixed)
-        clamped.append(str(source.target))
-    prepared.recompile()
-    return clamped
-
-
-def drop_integer_observers(prepared, example) -> list[str]:
-    """Remove the observers prepare_fx put on integer tensors (the int64 shapes and pads of a tf2onnx graph,
-    which onnx2torch computes at run time): torch.ao cannot observe or quantize them, and they are not
-    activations. Found by running `example` once; returns the observers removed."""
-    import torch
-    from torch.ao.quantization.observer import ObserverBase
-
-    seen: dict[str, torch.dtype] = {}
-
-    class Recorder(torch.nn.Module):  # stands in for an observer during the probe: notes the dtype, passes the tensor on
-        def __init__(self, name: str) -> None:
-            super().__init__()
-            self.name = name
-
-        def forward(self, value):
-            if isinstance(value, torch.Tensor):
-                seen.setdefault(self.name, value.dtype)
-            return value
-
-    observers = {name: module for name, module in prepared.named_modules() if isinstance(module, ObserverBase)}
-    for name in observers:
-        prepared.set_submodule(name, Recorder(name))
-    try:
-        with torch.no_grad():
-            prepared(example)
-    finally:
-        for name, module in observers.items():
-            prepared.set_submodule(name, module)
-    dropped = []
-    for node in list(prepared.graph.nodes):
-        if node.op == "call_module" and str(node.target) in seen and not seen[str(node.target)].is_floating_point:
-            node.replace_all_uses_with(node.args[0])
-            prepared.graph.erase_node(node)
-            dropped.append(str(node.target))
-    if dropped:
-        prepared.graph.lint()
-        prepared.recompile()
-    return dropped
-
-
 def _batches(images: np.ndarray, fixed: int | None) -> list[np.ndarray]:
     if fixed is None:
         return [images[start : start + CALIBRATION_BATCH] for start in range(0, len(images), CALIBRATION_BATCH)]
@@ -382,8 +192,8 @@ def _scores(module, images: np.ndarray, fixed: int | None) -> np.ndarray:
 
 # `--method auto`: torch.ao's observers, each judged on held-out calibration images; the first is kept unless another
 # measures METHOD_MARGIN_DB better.
-METHOD_CANDIDATES = (("histogram", None), ("minmax", None), (base.PER_IMAGE, base.PER_IMAGE_PERCENTILE),
-                     (base.PER_IMAGE, base.PER_IMAGE_TIGHT_PERCENTILE))
+METHOD_CANDIDATES = (("histogram", None), ("minmax", None), (PER_IMAGE, PER_IMAGE_PERCENTILE),
+                     (PER_IMAGE, PER_IMAGE_TIGHT_PERCENTILE))
 
 
 def output_softmax_modules(module) -> list[str]:
@@ -466,7 +276,7 @@ def _variants(settings: QuantizationSettings) -> tuple[QuantizationSettings, Qua
 def _unjudged(settings: QuantizationSettings) -> QuantizationSettings:
     """The settings where no held-out images judge them (a fixed batch): the first method, and as before the choice
     existed, torch.ao's 7 bits for all-layers and first-layer for a judged fix."""
-    if settings.method == base.AUTO_METHOD:
+    if settings.method == AUTO_METHOD:
         settings = replace(settings, method=METHOD_CANDIDATES[0][0], percentile=METHOD_CANDIDATES[0][1])
     if settings.overflow_fix == overflow.JUDGED:
         return replace(settings, overflow_fix=overflow.FIRST_LAYER)
@@ -483,38 +293,38 @@ def _choose_by_held_out(float_module, settings: QuantizationSettings, calibratio
 
     from ptq_cli.metrics import image_sqnr_db
 
-    held_out, rest = base.held_out_split(calibration)
+    held_out, rest = policy.held_out_split(calibration)
     if len(held_out) == 0 or len(rest) == 0:
         return _unjudged(settings), ()
     reference = _scores(_scores_module(float_module), held_out, None)
     preferred, other = _variants(settings)
     methods = ([replace(preferred, method=method, percentile=percentile) for method, percentile in METHOD_CANDIDATES]
-               if settings.method == base.AUTO_METHOD else [preferred])
+               if settings.method == AUTO_METHOD else [preferred])
     figures: list[float | None] = []
 
     def judge(candidate: QuantizationSettings) -> float | None:
         index, count = len(figures), len(methods) + (other is not None)
         step = (lambda done, _total: progress(index * len(rest) + done, count * len(rest))) if progress else None
         calibrated = _calibrated(float_module, candidate, _batches(rest, None), example, float_modules, step)
-        figures.append(base.sqnr_figure(image_sqnr_db(reference, _scores(_scores_module(calibrated), held_out, None))))
+        figures.append(policy.sqnr_figure(image_sqnr_db(reference, _scores(_scores_module(calibrated), held_out, None))))
         del calibrated
         gc.collect()  # FX graph modules hold reference cycles: each candidate's copies go before the next is made
         return figures[-1]
 
     for candidate in methods:
         judge(candidate)
-    if settings.method == base.AUTO_METHOD:
+    if settings.method == AUTO_METHOD:
         scores = tuple((method, percentile, figure) for (method, percentile), figure in zip(METHOD_CANDIDATES, figures, strict=True))
-        method, percentile = base.chosen_method(scores)
-        preferred = replace(preferred, method=method, percentile=percentile, method_sqnr_db=scores)
+        method, percentile = policy.chosen_method(scores)
+        preferred = replace(preferred, method=method, percentile=percentile).with_evidence(method_sqnr_db=scores)
     if other is None:
         return preferred, ()
     preferred_db = figures[[(c.method, c.percentile) for c in methods].index((preferred.method, preferred.percentile))]
     other = replace(preferred, overflow_fix=other.overflow_fix, options=other.options)  # with the method kept
     other_db = judge(other)
-    kept = other if base.closer_by_margin(other_db, preferred_db) else preferred
+    kept = other if policy.closer_by_margin(other_db, preferred_db) else preferred
     if settings.overflow_fix == overflow.JUDGED:  # preferred: all-layers, the other first-layer
-        return replace(kept, overflow_fix_db=((overflow.ALL_LAYERS, preferred_db), (overflow.FIRST_LAYER, other_db))), ()
+        return kept.with_evidence(overflow_fix_db=((overflow.ALL_LAYERS, preferred_db), (overflow.FIRST_LAYER, other_db))), ()
     return kept, (f"activations {activation_bits(kept)}-bit (image SQNR on held-out calibration images: 8-bit activations with "  # preferred: 8
                   f"pair-safe weights {_db(preferred_db)}, 7-bit activations {_db(other_db)})",)
 
@@ -546,10 +356,10 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     pools = whole_map_pools(float_module, example)
     float_modules = (*pools, *output_softmax_modules(float_module))
     chosen: tuple[str, ...] = ()
-    if settings.method == base.AUTO_METHOD or _variants(settings)[1] is not None:
+    if settings.method == AUTO_METHOD or _variants(settings)[1] is not None:
         settings, chosen = (_choose_by_held_out(float_module, settings, calibration, example, float_modules, progress) if fixed is None
                             else (_unjudged(settings), ()))
-    judged = calibration[:: base.HELD_OUT_EVERY][: base.HELD_OUT_MAX] if fixed is None else batches[0]
+    judged = calibration[:: HELD_OUT_EVERY][: HELD_OUT_MAX] if fixed is None else batches[0]
     reference = _scores(float_module, judged, fixed)
     quantized = _calibrated(float_module, settings, batches, example, float_modules, progress)
     extra = bounded.json_loads(stored.pop(base.QUANTIZATION_METADATA_KEY, "{}"))
@@ -559,7 +369,7 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
         size = tmp.stat().st_size
     fidelity = sqnr_db(reference, _scores(quantized, judged, fixed))
     # torch.ao can lose a network outright where onnxruntime does not: said at once.
-    notes = [f"output SQNR against FP32 on {len(judged)} calibration images: {fidelity:.1f} dB", *chosen, *base.pools_in_float_note(pools, "torch.ao")]
+    notes = [f"output SQNR against FP32 on {len(judged)} calibration images: {fidelity:.1f} dB", *chosen, *policy.pools_in_float_note(pools, "torch.ao")]
     if described.batch is not None and fixed is None:
         notes.append(f"fixed batch {described.batch} made symbolic (same outputs)")
     return QuantizedFile(size, (), tuple(notes), settings=settings)
@@ -657,13 +467,13 @@ def _probe_input(path: Path, predict, candidates: tuple[inputs.ModelInput, ...])
 
 
 @dataclass(frozen=True)
-class Options(base.BackendOptions):
+class Options(BackendOptions):
     """How a model that cannot saturate keeps so (`activation_bits`); its rule on the common types."""
 
     panel: ClassVar[str] = "PyTorch (--backend pytorch)"
     word: ClassVar[str] = "a PyTorch option"
 
-    activation_bits: str | None = base.option(
+    activation_bits: str | None = option(
         None, choices=ACTIVATION_BITS,
         help="With --overflow-fix all-layers (the default on --cpus all for a model with ReLU6): 8 (every layer's weights under "
              "the pair rule) or 7 (torch.ao's reduce_range); either way fbgemm cannot saturate on a CPU without VNNI. "
@@ -672,7 +482,7 @@ class Options(base.BackendOptions):
     def without_overflow_fix(self) -> Options:
         return replace(self, activation_bits=None)
 
-    def settle(self, common: base.CommonChoices) -> tuple[Options, base.CommonChoices]:
+    def settle(self, common: CommonChoices) -> tuple[Options, CommonChoices]:
         if "uint8" in (common.dtype, common.weight_dtype):
             option = "--dtype" if common.dtype == "uint8" else "--weight-dtype"
             raise PtqError(
@@ -711,7 +521,7 @@ BACKEND = Backend(
     NAME, (SUFFIX,), sniff, format="FX", suffix_decides=True, summary="torch.ao FX graph mode, x86 engine, saved as TorchScript",
     quantizer=Quantizer(
         # PyTorch's x86 default is per-channel; FX quantizes every layer it can.
-        quantize, methods=(base.AUTO_METHOD, "histogram", "minmax", base.PER_IMAGE), tune_methods=("histogram", "minmax"), per_channel=True,
+        quantize, methods=(AUTO_METHOD, "histogram", "minmax", PER_IMAGE), tune_methods=("histogram", "minmax"), per_channel=True,
         leaves_layers_float=False,
         overflow_fixes=(overflow.FIRST_LAYER, overflow.ALL_LAYERS), clamped_overflow_fix=overflow.ALL_LAYERS, judges_overflow_fix=True,
         overflow_words=lambda settings: {overflow.ALL_LAYERS: "7-bit activations"} if seven_bit_activations(settings) else {},

@@ -22,9 +22,10 @@ import numpy as np
 
 from ptq_cli.backends import litert
 from ptq_cli.backends.base import Backend, LoadedModel, RunOptions, Runtime, finish_load
-from ptq_cli.backends.model_file import model_input, num_classes, read_bytes, resolve_threads
 from ptq_cli.backends.tflm_interpreter import arena_bytes, available, fitted_interpreter
 from ptq_cli.errors import PtqError, first_line
+from ptq_cli.model_file import model_input, num_classes, read_bytes, resolve_threads
+from ptq_cli.quantize import tflite
 from ptq_cli.transforms import tflm_kernels
 
 NAME = "tflm"
@@ -47,12 +48,12 @@ class _Scorer:
         self.path = path
         self.image, self.scores = self.interpreter.get_input_details(0), self.interpreter.get_output_details(0)
         self.input, self.output = _as_litert(self.image), _as_litert(self.scores)
-        self.output_quantization = litert.io_quantization(self.output)
+        self.output_quantization = tflite.io_quantization(self.output)
         self.batch = max(int(self.image["shape"][0]), 1)
 
     def codes(self, batch: np.ndarray) -> np.ndarray:
         """The model's int8 input for a batch in its input format."""
-        return np.ascontiguousarray(litert.as_input(batch, self.input))
+        return np.ascontiguousarray(tflite.as_input(batch, self.input))
 
     def dequantized(self, result: np.ndarray) -> np.ndarray:
         result = result.astype(np.float32)

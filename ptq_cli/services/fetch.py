@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ptq_cli.backends.model_file import HDF5_SIGNATURE
 from ptq_cli.datasets import cifar10 as cifar
 from ptq_cli.errors import PtqError
 from ptq_cli.guards import bounded
 from ptq_cli.guards.atomic import atomic_output
+from ptq_cli.model_file import HDF5_SIGNATURE
 
 CIFAR = "cifar"
 MODEL = "model"

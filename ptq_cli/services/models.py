@@ -7,10 +7,10 @@ from pathlib import Path
 
 from ptq_cli import backends, inputs
 from ptq_cli.backends.base import LoadedModel, RunOptions
-from ptq_cli.backends.model_file import read_bytes
 from ptq_cli.errors import PtqError
 from ptq_cli.guards import bounded, hardstop, trust
 from ptq_cli.guards.atomic import is_temporary
+from ptq_cli.model_file import read_bytes
 
 
 def models_in(directory: Path, suffixes: tuple[str, ...]) -> tuple[list[Path], list[Path]]:

@@ -6,21 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 from ptq_cli import backends
-from ptq_cli.backends.base import (
-    INT4,
-    PER_IMAGE,
-    PER_IMAGE_PERCENTILE,
-    CommonChoices,
-    QuantizationSettings,
-    Quantizer,
-    describe_settings,
-    short_node,
-)
+from ptq_cli.backends.base import Quantizer, describe_settings, short_node
 from ptq_cli.cpu import ALL, CPU_TARGETS, VNNI
 from ptq_cli.errors import PtqError
-from ptq_cli.transforms.overflow import ALL_LAYERS, FIRST_LAYER, NO_FIX
-from ptq_cli.transforms.rounding import AUTO as AUTO_ROUNDING
-from ptq_cli.transforms.rounding import LEARNED, NEAREST, ROUNDING_CHOICES
+from ptq_cli.quantize.overflow import ALL_LAYERS, FIRST_LAYER, NO_FIX
+from ptq_cli.quantize.rounding import AUTO as AUTO_ROUNDING
+from ptq_cli.quantize.rounding import LEARNED, NEAREST, ROUNDING_CHOICES
+from ptq_cli.quantize.settings import INT4, PER_IMAGE, PER_IMAGE_PERCENTILE, CommonChoices, QuantizationSettings
 
 __all__ = ["QuantizationSettings", "describe_cpus", "describe_method", "describe_model", "describe_quantization", "make_settings", "short_node"]
 
@@ -101,7 +93,7 @@ def make_settings(  # noqa: PLR0913,PLR0917  the common settings vocabulary, one
         method=method, percentile=_percentile(method, percentile), preprocess=preprocess, target=target, float_nodes=common.float_nodes, cpus=cpus,
         overflow_fix=common.overflow_fix or overflow_fix,  # the backend's own say first (onnxruntime's u8 x u8 kernel needs no fix)
         stem=check_stem(stem, backend),  # None: measured when quantizing (services/make/stem.py)
-        rounding=check_rounding(common.rounding, row),  # None: measured when quantizing (transforms/rounding.py)
+        rounding=check_rounding(common.rounding, row),  # None: measured when quantizing (quantize/rounding.py)
         options=own,
     )
 
@@ -109,7 +101,7 @@ def make_settings(  # noqa: PLR0913,PLR0917  the common settings vocabulary, one
 def describe_method(method: str, percentile: float | None, measured=(), rounded=()) -> str:
     """e.g. "percentile 99.99 (auto: image SQNR on held-out calibration images, minmax 23.1, percentile 99.999
     24.0, percentile 99.99 25.2 dB; after weight rounding, percentile 99.99 30.1, minmax 29.0 dB)"; `measured` is
-    QuantizationSettings.method_sqnr_db, `rounded` its method_rounded_db."""
+    QuantizationSettings.evidence.method_sqnr_db, `rounded` its evidence.method_rounded_db."""
     def label(name: str, value: float | None) -> str:
         return f"{name} {value:g}" if value is not None else name
 

@@ -15,11 +15,11 @@ import numpy as np
 
 from ptq_cli import inputs
 from ptq_cli.backends.base import KERAS_SOURCE_METADATA_KEY, SOURCE_METADATA_KEY
-from ptq_cli.backends.model_file import file_sha256, load_keras, read_onnx
 from ptq_cli.datasets import Dataset
 from ptq_cli.errors import CheckFailed, PtqError, first_line
 from ptq_cli.guards.atomic import atomic_output, check_outputs
 from ptq_cli.guards.library_noise import native_stderr_silenced
+from ptq_cli.model_file import file_sha256, load_keras, read_onnx
 from ptq_cli.services.make import saved_model
 from ptq_cli.services.models import load_model
 from ptq_cli.transforms.graph import canonical

@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 
 from ptq_cli.backends.base import PRUNING_METADATA_KEY
-from ptq_cli.backends.model_file import read_onnx
 from ptq_cli.errors import PtqError, first_line
 from ptq_cli.guards.atomic import atomic_output, check_outputs
+from ptq_cli.model_file import read_onnx
 
 SCOPES = ("global", "layer")
 PRUNABLE_OPS = ("Conv", "Gemm", "MatMul")

@@ -5,23 +5,26 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ptq_cli import backends, inputs
-from ptq_cli.backends.base import QUANTIZATION_METADATA_KEY, SOURCE_METADATA_KEY, LoadedModel, QuantizationSettings, QuantizedFile
-from ptq_cli.backends.model_file import file_sha256, read_onnx
+from ptq_cli import cpu as cpu_info
+from ptq_cli.backends.base import QUANTIZATION_METADATA_KEY, SOURCE_METADATA_KEY, LoadedModel
 from ptq_cli.errors import PtqError
 from ptq_cli.guards import bounded
 from ptq_cli.guards.atomic import check_outputs, check_writable, companions
+from ptq_cli.model_file import read_onnx
+from ptq_cli.quantize import overflow, reuse
+from ptq_cli.quantize.settings import QuantizationSettings, QuantizedFile
+from ptq_cli.services.make import portability
 from ptq_cli.services.make.calibration import CalibrationSet, for_model
 from ptq_cli.services.make.stem import resolve_stem
-from ptq_cli.services.measure import emulate, portability
-from ptq_cli.services.measure.report import DatasetGroup, measured_from
 from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressBar, ProgressCallback, no_progress_bar
-from ptq_cli.transforms import overflow
 from ptq_cli.transforms.graph import clamped_activations, dense_initializers, depthwise_convs, fixed_input_size, upgrade_opset
+from ptq_cli.x86 import emulate
 
 # QDQ needs opset 10; per-channel QDQ needs 13. Older models are converted to this opset first.
 MIN_OPSET, MIN_OPSET_PER_CHANNEL, UPGRADE_OPSET = 10, 13, 13
@@ -39,8 +42,9 @@ class QuantizeResult:
     model_input: str = ""
     preprocessing: str = ""
     portability: portability.PortabilityCost | None = None  # what running right on every x86 CPU costs it here, where measured
-    # The other models made from the same FP32 model, as their records measured them on this CPU (the report's group).
-    measured_choices: DatasetGroup | None = None
+    # The other models made from the same FP32 model, as their records measured them on this CPU (the report's group,
+    # measure/report.DatasetGroup): filled in by services/study/choices.py, which `ptq quantize` runs.
+    measured_choices: Any = None
 
     @property
     def size_ratio(self) -> float:
@@ -144,7 +148,7 @@ def quantize_source(source: SourceModel, output: Path, settings: QuantizationSet
     }
     quantize_with = backends.backend(settings.backend).quantizes.quantize
     # A backend reports its calibration's progress if it takes a `progress` callback (a plugin's may not).
-    with backends.reaching_saturating_path(emulate.native_scores):  # the judges of an overflow fix measure both x86 paths
+    with cpu_info.reaching_saturating_path(emulate.native_scores):  # the judges of an overflow fix measure both x86 paths
         return quantize_with(source.model, Path(output), settings, prepared, stored, **({"progress": progress} if progress else {}))
 
 
@@ -206,7 +210,7 @@ def quantize(model_path: Path, output: Path, settings: QuantizationSettings, cal
              portability_cost: bool = False, results_dir: Path | None = None, source: SourceModel | None = None) -> QuantizeResult:
     """Quantize the FP32 ONNX model with the settings' backend; the output is written atomically. With
     `portability_cost`, a model with an overflow fix is measured against one made for VNNI CPUs alone (portability.py).
-    With `results_dir`, the result names what the records there measured of the other models made from the same source.
+    With `results_dir`, the portability cost measured is recorded there.
     `source`: the model already loaded by load_source (a command that checked it before drawing calibration images),
     so it is loaded once."""
     model_path, output = Path(model_path), Path(output)
@@ -216,14 +220,13 @@ def quantize(model_path: Path, output: Path, settings: QuantizationSettings, cal
         source = load_source(model_path, flags or inputs.PreprocessingFlags(), settings.per_channel is not False)
     prepared = calibration_inputs(source, calibration)
     settings = with_calibration(resolve_settings(source, settings, prepared), calibration)
-    with backends.reusing_made_files():  # the model for VNNI CPUs shares what it can with this one (its float model's sums)
+    with reuse.reusing_made_files():  # the model for VNNI CPUs shares what it can with this one (its float model's sums)
         written = quantize_source(source, output, settings, calibration, prepared=prepared, progress=progress)
         settings = written.settings or settings
         measured = portability_cost and portability.applies(settings)
         cost = portability.measure(source, output, settings, calibration, prepared, quantize_source) if measured else None
     if cost is not None and cost.model_sha256 and results_dir is not None:
         portability.save(cost, results_dir)
-    choices = measured_from(results_dir, file_sha256(model_path), leaving_out=output) if results_dir is not None else None
     return QuantizeResult(model_path, output, model_path.stat().st_size, written.size_bytes, settings, written.space_to_depth,
                           source.notes + written.notes + judged_on_note(calibration), source.loaded.describe_input(), source.loaded.preprocessing.describe(),
-                          cost, choices)
+                          cost)

@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 
 from ptq_cli import backends
-from ptq_cli.backends.base import QuantizationSettings
+from ptq_cli.quantize import overflow
+from ptq_cli.quantize.settings import QuantizationSettings
 from ptq_cli.services.quant_settings import FLOAT, INT8
-from ptq_cli.transforms import overflow
 
 # An int8 stem that alone leaves less than this SQNR at the output costs about as much as a whole int8
 # model's error (docs): it stays in float.
@@ -108,7 +108,7 @@ def resolve_stem(settings: QuantizationSettings, model, images: np.ndarray, cost
     cost = costs[key]
     if cost is None:
         return replace(settings, stem=INT8)
-    return replace(settings, stem=FLOAT if cost < STEM_FLOAT_BELOW_DB else INT8, stem_sqnr_db=round(cost, 2) if np.isfinite(cost) else None)
+    return replace(settings, stem=FLOAT if cost < STEM_FLOAT_BELOW_DB else INT8).with_evidence(stem_sqnr_db=round(cost, 2) if np.isfinite(cost) else None)
 
 
 def describe_stem(stem: str | None, sqnr_db: float | None) -> str:

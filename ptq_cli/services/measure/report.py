@@ -9,10 +9,10 @@ from ptq_cli import backends, settings
 from ptq_cli import cpu as cpu_info
 from ptq_cli.cpu import ALL, EXACT, SATURATING
 from ptq_cli.metrics import paired_p_value, unpacked_hits
-from ptq_cli.services.measure import portability
+from ptq_cli.services.make import portability
+from ptq_cli.services.make.portability import PortabilityCost
 from ptq_cli.services.measure.benchmark import BenchmarkRecord, load_benchmarks
-from ptq_cli.services.measure.evaluate import OK, EvaluationRecord, fp32_reference, load_records, measured_classes, record_status, reference_for
-from ptq_cli.services.measure.portability import PortabilityCost
+from ptq_cli.services.measure.evaluation_records import OK, EvaluationRecord, fp32_reference, load_records, measured_classes, record_status, reference_for
 from ptq_cli.services.measure.sweep_records import SweepResult, load_sweeps
 from ptq_cli.services.quant_settings import describe_model
 from ptq_cli.services.records import MeasurementKey, same_feeding

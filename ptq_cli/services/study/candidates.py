@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 
 from ptq_cli import backends
-from ptq_cli.backends.base import digest
 from ptq_cli.errors import PtqError
 from ptq_cli.guards import bounded
 from ptq_cli.guards.atomic import write_bytes
 from ptq_cli.inputs import PreprocessingFlags
+from ptq_cli.quantize.reuse import digest
 from ptq_cli.services.executor import Done, Executor
 from ptq_cli.services.make.calibration import CalibrationSet, stratified_subset
 from ptq_cli.services.make.quantize import SourceModel, calibration_inputs, load_source, quantize_source

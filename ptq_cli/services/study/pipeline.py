@@ -23,21 +23,22 @@ from typing import Any
 import ptq_cli
 from ptq_cli import backends, settings
 from ptq_cli import cpu as cpu_info
-from ptq_cli.backends.model_file import read_onnx, resolve_threads
 from ptq_cli.datasets import Dataset, open_dataset
 from ptq_cli.errors import Interrupted, PtqError
 from ptq_cli.guards import bounded
 from ptq_cli.guards.atomic import check_folder_writable, check_outside, check_writable, companions, write_text
 from ptq_cli.inputs import PreprocessingFlags
+from ptq_cli.model_file import read_onnx, resolve_threads
+from ptq_cli.quantize import reuse
 from ptq_cli.services import models as models_service
 from ptq_cli.services import quant_settings
 from ptq_cli.services.executor import HERE, Executor, Workers, executor
 from ptq_cli.services.make import calibration as calibration_service
 from ptq_cli.services.make import quantize as quantize_service
-from ptq_cli.services.measure import emulate
 from ptq_cli.services.measure import evaluate as evaluate_service
 from ptq_cli.services.measure import report as report_service
 from ptq_cli.services.study.stage_task import RunCommand, StageFiles, StageTask, run_stage_task, written_by
+from ptq_cli.x86 import emulate
 
 MANIFEST_SCHEMA = 1
 LIBRARIES = ("numpy", "onnx", "onnxruntime", "torch", "onnx2torch", "tensorflow-cpu", "tf2onnx", "typer", "rich", "pillow")
@@ -586,7 +587,7 @@ def _run_plan(plan: _Plan, entries: dict[str, dict], shared: _Run, on_stage: Sta
     side in waves on Ray; a stage of an optional backend that fails takes that backend's stages out of the plan."""
     hashes, outcomes, workers = _Hashes(), [], plan.study.options.workers
     left_out: dict[str, str] = {}
-    with executor(workers) as runs, backends.reusing_made_files():
+    with executor(workers) as runs, reuse.reusing_made_files():
         index = 0
         while index < len(plan.stages):
             if index == plan.sources:  # the FP32 model exists now: what each model is measured against is known

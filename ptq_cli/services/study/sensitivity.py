@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ptq_cli.inputs import PreprocessingFlags
 from ptq_cli.metrics import sqnr_db
+from ptq_cli.quantize.rounding import NEAREST
 from ptq_cli.services.executor import HERE, Executor, InProcess, Workers, executor
 from ptq_cli.services.make.calibration import CalibrationSet
 from ptq_cli.services.make.quantize import SourceModel, load_source, with_calibration
@@ -21,7 +22,6 @@ from ptq_cli.services.records import write_record
 from ptq_cli.services.study.candidates import ScoreStore, inputs_for, score_candidates, scores_folder
 from ptq_cli.services.study.validation import ValidationSet, labels_from_fp32, score
 from ptq_cli.transforms.graph import preprocessed
-from ptq_cli.transforms.rounding import NEAREST
 
 # The layers that compute: onnxruntime quantizes these (Relu folds into the preceding layer's output
 # range; Transpose and Reshape only move quantized data).

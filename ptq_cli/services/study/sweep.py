@@ -16,13 +16,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ptq_cli import backends
-from ptq_cli.backends.base import digest
-from ptq_cli.backends.model_file import file_sha256
 from ptq_cli.datasets import Dataset
 from ptq_cli.errors import PtqError
 from ptq_cli.guards import bounded
 from ptq_cli.guards.atomic import check_outputs, companions, write_bytes
 from ptq_cli.inputs import PreprocessingFlags
+from ptq_cli.model_file import file_sha256
+from ptq_cli.quantize.reuse import digest
 from ptq_cli.services.executor import HERE, Executor, Workers, executor
 from ptq_cli.services.make import prune as prune_service
 from ptq_cli.services.make import quantize as quantize_service

@@ -17,14 +17,14 @@ import numpy as np
 
 from ptq_cli import backends
 from ptq_cli import cpu as cpu_info
-from ptq_cli.backends.base import AUTO_METHOD, QuantizationSettings
-from ptq_cli.backends.model_file import file_sha256
 from ptq_cli.errors import PtqError
 from ptq_cli.guards import bounded
 from ptq_cli.metrics import sqnr_db
+from ptq_cli.model_file import file_sha256
+from ptq_cli.quantize.overflow import NO_FIX
+from ptq_cli.quantize.settings import AUTO_METHOD, QuantizationSettings
 from ptq_cli.services.models import load_model
 from ptq_cli.services.records import from_dict, model_key, record_files, write_record
-from ptq_cli.transforms.overflow import NO_FIX
 
 MAX_IMAGES = 256  # calibration images both models are measured on, at most
 
@@ -63,10 +63,10 @@ def measure(source, portable: Path, settings: QuantizationSettings, calibration:
         return PortabilityCost(cpu.model, not_measured=f"this {cpu.model} has no VNNI: the model for all CPUs is the one for it")
     images = prepared[:MAX_IMAGES]
     reference = _scores(source.loaded, images)
-    vnni = replace(settings, cpus=cpu_info.VNNI, overflow_fix=NO_FIX, overflow_fix_db=(), options=settings.options.without_overflow_fix())
-    if settings.method_sqnr_db:  # `--method auto` judged the ranges with the fix: judged again without it, as `--cpus vnni` does
-        vnni = replace(vnni, method=AUTO_METHOD, percentile=None, method_sqnr_db=(), method_rounded_db=(), ranges=None, ranges_calibrated_db=None,
-                       ranges_searched_db=None)
+    vnni = replace(settings, cpus=cpu_info.VNNI, overflow_fix=NO_FIX, options=settings.options.without_overflow_fix()).with_evidence(overflow_fix_db=())
+    if settings.evidence.method_sqnr_db:  # `--method auto` judged the ranges with the fix: judged again without it, as `--cpus vnni` does
+        vnni = replace(vnni, method=AUTO_METHOD, percentile=None, ranges=None).with_evidence(method_sqnr_db=(), method_rounded_db=(), ranges_calibrated_db=None,
+                                                                                        ranges_searched_db=None)
     suffix = backends.backend(settings.backend).suffix
     with tempfile.TemporaryDirectory(prefix="ptq-portability-") as workdir:
         quantize_source(source, Path(workdir) / f"vnni{suffix}", vnni, calibration, prepared=prepared)

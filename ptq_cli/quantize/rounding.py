@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from ptq_cli.quantize.overflow import PAIR_LIMIT, is_depthwise, is_pair_safe, pair_sums, weight_rows
 from ptq_cli.transforms.graph import WEIGHTED_OPS
-from ptq_cli.transforms.overflow import PAIR_LIMIT, is_depthwise, is_pair_safe, pair_sums, weight_rows
 
 LEARNED, NEAREST, AUTO = "learned", "nearest", "auto"
 ROUNDING_CHOICES = (AUTO, LEARNED, NEAREST)

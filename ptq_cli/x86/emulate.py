@@ -13,7 +13,7 @@ Three ways to it, the first that works on this machine for the model:
 - `qemu-x86_64 -cpu Haswell` (Debian's qemu-user): user-mode emulation of an AVX2 CPU, about 100x slower.
 All give the same bytes (tests/test_int8_paths.py). A stratified subset (`subset_indices`) is scored either way: by
 default the whole split where it fits MASKED_INPUT_BYTES at native speed, DEFAULT_SUBSET images under qemu.
-Run as `python -m ptq_cli.services.measure.emulate MODEL INPUTS.npy OUTPUT.npy THREADS`, it is that child.
+Run as `python -m ptq_cli.x86.emulate MODEL INPUTS.npy OUTPUT.npy THREADS`, it is that child.
 """
 
 from __future__ import annotations
@@ -44,14 +44,14 @@ DEFAULT_SUBSET = 1000  # images scored by default under qemu
 # to a file for the child, which reads it whole), and at least DEFAULT_SUBSET: CIFAR-10's whole test set (123 MB).
 MASKED_INPUT_BYTES = 512 << 20
 TIMEOUT_SECONDS = 1800
-MASK_CHECK = f"import sys; from ptq_cli.services.measure.emulate import masked_here; sys.exit(0 if masked_here() else {NOT_MASKED})"
+MASK_CHECK = f"import sys; from ptq_cli.x86.emulate import masked_here; sys.exit(0 if masked_here() else {NOT_MASKED})"
 AVX2_ONNXRUNTIME_ENV = "PTQ_AVX2_ONNXRUNTIME"  # in a child: the path of the copy of onnxruntime's extension module to load
 ONNXRUNTIME_EXTENSION = "onnxruntime.capi.onnxruntime_pybind11_state"
 ONNXRUNTIME = "onnxruntime"  # the runtime whose kernels the copy changes
 XGETBV = b"\x0f\x01\xd0"
 # mov al, 6; nop: XCR0's low byte says x87, SSE and AVX state and nothing of AVX-512's (opmask, ZMM); the instruction's length.
 XGETBV_AVX2 = b"\xb0\x06\x90"
-SATURATION_CHECK = ("import sys; from ptq_cli.services.measure import emulate; "
+SATURATION_CHECK = ("import sys; from ptq_cli.x86 import emulate; "
                     f"sys.exit(0 if emulate._load_avx2_onnxruntime() and emulate.saturates_here() else {NOT_MASKED})")
 
 
@@ -348,9 +348,10 @@ def enter_avx2_child() -> None:
 
 def _child(model: str, inputs: str, outputs: str, threads: str) -> None:
     enter_avx2_child()
-    from ptq_cli.services.models import load_model
+    from ptq_cli import backends
+    from ptq_cli.backends.base import RunOptions
 
-    loaded = load_model(Path(model), int(threads))  # qemu runs each guest thread on a host thread
+    loaded = backends.for_file(Path(model)).runtime.load(Path(model), RunOptions(int(threads)))  # qemu runs each guest thread on a host thread
     batch = np.load(inputs, allow_pickle=False)
     np.save(outputs, np.concatenate([loaded.predict(part) for part in np.array_split(batch, max(1, -(-len(batch) // 256)))]))
 

@@ -18,7 +18,8 @@ from ptq_cli.errors import PtqError, first_line
 from ptq_cli.guards import bounded
 from ptq_cli.guards.atomic import companions
 from ptq_cli.inputs import ModelInput
-from ptq_cli.transforms.graph import private_weight_dequantizers, symbolic_batch
+from ptq_cli.transforms.graph import symbolic_batch
+from ptq_cli.transforms.qdq_edits import private_weight_dequantizers
 
 # Quantize records how a model was made inside the model file itself, under this metadata key.
 QUANTIZATION_METADATA_KEY = "ptq.quantization"
@@ -419,7 +420,7 @@ EXACT_PATH_CONFIG = "session.x64quantprecision"
 
 def exact_kernel_bytes(data: bytes) -> bytes:
     """The model's bytes as onnxruntime's exact kernels load them: shared int8 weights given one copy per node (same
-    arithmetic; transforms.graph.private_weight_dequantizers says why). Bytes that do not parse are left to onnxruntime."""
+    arithmetic; transforms.qdq_edits.private_weight_dequantizers says why). Bytes that do not parse are left to onnxruntime."""
     import onnx
     from google.protobuf.message import DecodeError
 

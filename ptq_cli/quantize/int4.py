@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ptq_cli.transforms.rounding import DAMPING, gptq
+from ptq_cli.quantize.rounding import DAMPING, gptq
 from ptq_cli.transforms.tflite_graph import low_peak_order, op_kind, pack_int4, pack_model, schema_module, step_peaks
 from ptq_cli.transforms.tflm_kernels import reference_codes
 

@@ -1,4 +1,4 @@
-/* ptq's AVX2 personality for a child process (services/measure/emulate.py): loaded before the process starts
+/* ptq's AVX2 personality for a child process (x86/emulate.py): loaded before the process starts
    (LD_PRELOAD), it makes the CPUID instruction fault (Linux's ARCH_SET_CPUID, on CPUs with CPUID faulting) and answers
    it as the CPU does, less AVX-512, VNNI, AMX and AVX10. The libraries' CPU dispatch (onnxruntime's MLAS, fbgemm,
    oneDNN) then picks its AVX2 kernels, run natively: the saturating u8 x s8 products of a CPU without VNNI. */

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ptq_cli.transforms.int4 import CurrentInputs, layer_rows, weighted_ops
-from ptq_cli.transforms.rounding import gptq
+from ptq_cli.quantize.int4 import CurrentInputs, layer_rows, weighted_ops
+from ptq_cli.quantize.rounding import gptq
 from ptq_cli.transforms.tflite_graph import pack_model, schema_module
 
 QMIN, QMAX = -127, 127  # TFLite's int8 filters: symmetric, zero point 0

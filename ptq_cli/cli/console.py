@@ -1,0 +1,138 @@
+"""The command line's output: tables and JSON on stdout, one-line errors, progress bars and spinners on a terminal, and
+plain progress lines where stderr is piped or logged."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TransferSpeedColumn
+from rich.text import Text
+
+from ptq_cli import render
+from ptq_cli.errors import PtqError
+
+
+class _StandardOutput:
+    """sys.stdout as it is at each write (a test runner swaps it), a failed write named as standard output's."""
+
+    def write(self, text: str) -> int:
+        try:
+            return sys.stdout.write(text)
+        except OSError as error:
+            raise PtqError(f"standard output: cannot write ({error.strerror or error})") from error
+
+    def flush(self) -> None:
+        try:
+            sys.stdout.flush()
+        except OSError as error:
+            raise PtqError(f"standard output: cannot write ({error.strerror or error})") from error
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(sys.stdout, name)
+
+
+# No markup in what is printed: names come from users' files ("[/]" in a class name is a name, not a tag).
+out = Console(file=_StandardOutput(), markup=False)  # type: ignore[arg-type]
+
+
+err = Console(stderr=True, markup=False)
+
+
+def _fail(message: str, exit_code: int) -> int:
+    message = " ".join(str(message).split())  # one line, whatever a library put in its message
+    try:
+        err.print(Text.assemble(("Error:", "red"), f" {message}"), highlight=False, soft_wrap=True)
+        sys.stderr.flush()
+    except (OSError, ValueError):  # stderr that cannot take the line (/dev/full, closed): the exit code still says it
+        pass
+    return exit_code
+
+
+def _emit(as_json: bool, result: Any, renderable: Any) -> None:
+    out.print(render.as_json(result) if as_json else renderable, soft_wrap=as_json)
+    out.file.flush()  # a full disk or closed pipe behind stdout is said now, naming it
+
+
+@contextmanager
+def _working(message: str) -> Iterator[None]:
+    """A spinner on stderr for work with no measurable progress (piped: _heartbeat's lines, for long work only)."""
+    if not err.is_terminal:
+        with _heartbeat(message.rstrip("…")):
+            yield
+        return
+    with err.status(message):
+        yield
+
+
+# Piped or logged, long work says it is alive: a line once it has run this long, then at least every HEARTBEAT_SECONDS.
+HEARTBEAT_START_SECONDS, HEARTBEAT_SECONDS = 5.0, 30.0
+
+
+@contextmanager
+def _heartbeat(description: str) -> Iterator[Callable[[int, int], None]]:
+    """Where stderr is not a terminal: nothing for work done within HEARTBEAT_START_SECONDS (an error after it stays
+    one line); past it, a line saying what runs (and how far, when the work counts), one at least every
+    HEARTBEAT_SECONDS, and one when it ends."""
+    began, state = time.monotonic(), {"done": 0, "total": 0, "said": False}
+    stopped = threading.Event()
+
+    def say(text: str) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            err.print(text, highlight=False, soft_wrap=True)
+            err.file.flush()
+
+    def beat() -> None:
+        wait = HEARTBEAT_START_SECONDS
+        while not stopped.wait(wait):
+            counted = f", {state['done']:,}/{state['total']:,}" if state["total"] else ""
+            say(f"{description}: running, {time.monotonic() - began:,.0f} s{counted}")
+            state["said"], wait = True, HEARTBEAT_SECONDS
+
+    beater = threading.Thread(target=beat, name="ptq-heartbeat", daemon=True)
+    beater.start()
+    try:
+        yield lambda done, total: state.update(done=done, total=total)
+    finally:
+        stopped.set()
+        beater.join()
+        if state["said"]:
+            say(f"{description}: ended after {time.monotonic() - began:,.0f} s")
+
+
+@contextmanager
+def _progress_bar(description: str, lines: bool = False) -> Iterator[Callable[[int, int], None]]:
+    """A progress bar on stderr (only on a terminal); yields the (done, total) callback services take. With
+    `lines`, where stderr is not a terminal (a log), one line as each step finishes instead."""
+    if lines and not err.is_terminal:
+        yield lambda done, total: err.print(f"{description}: {done}/{total}", highlight=False, soft_wrap=True)
+        return
+    if not err.is_terminal:
+        with _heartbeat(description) as update:
+            yield update
+        return
+    columns = (TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
+        task = bar.add_task(description, total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
+@contextmanager
+def _byte_progress() -> Iterator[Callable[[str, int, int], None]]:
+    """One download/copy bar per asset on stderr (only on a terminal)."""
+    columns = (TextColumn("{task.description}", markup=False), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
+        tasks: dict[str, Any] = {}
+
+        def update(asset: str, done: int, total: int) -> None:
+            if asset not in tasks:
+                tasks[asset] = bar.add_task(f"Fetching {asset}", total=total or None)
+            bar.update(tasks[asset], completed=done, total=total or None)
+
+        yield update
