@@ -158,23 +158,22 @@ def test_the_study_emulates_the_whole_split_at_native_speed_and_500_images_under
     """On a VNNI CPU a model's saturating-path stage scores evaluate's default (the whole test split) where its AVX2
     kernels run natively (CPUID masked; onnxruntime's also without AVX-512 state), RUN_EMULATED_IMAGES under qemu
     (about 100x slower), and always the count the user names."""
-    from dataclasses import replace
-
     from ptq_cli.services.study import pipeline
     from ptq_cli.x86 import emulate
+    from ptq_cli.x86 import plan as int8_plan
 
     options = pipeline.StudyOptions(keras_model=None, data_dir=Path("colours.npz"))
     onnx_model, torch_model = Path("models/m_int8.onnx"), Path("models/m_pytorch_int8.pt")
     monkeypatch.setattr(emulate, "masking_shim", lambda: Path("avx2-cpuid.so"))
-    assert pipeline._emulated_images(options, onnx_model) is None and pipeline._emulated_images(options, torch_model) is None
-    assert pipeline._emulated_images(replace(options, emulated_images=20), onnx_model) == 20
+    assert int8_plan.emulated_images(options.emulated_images, onnx_model) is None and int8_plan.emulated_images(options.emulated_images, torch_model) is None
+    assert int8_plan.emulated_images(20, onnx_model) == 20
     monkeypatch.setattr(emulate, "masking_shim", lambda: None)
     monkeypatch.setattr(emulate, "avx2_onnxruntime", lambda: Path("onnxruntime-avx2.so"))
-    assert pipeline._emulated_images(options, onnx_model) is None
-    assert pipeline._emulated_images(options, torch_model) == pipeline.RUN_EMULATED_IMAGES  # PyTorch's kernels: qemu
+    assert int8_plan.emulated_images(options.emulated_images, onnx_model) is None
+    assert int8_plan.emulated_images(options.emulated_images, torch_model) == int8_plan.RUN_EMULATED_IMAGES  # PyTorch's kernels: qemu
     monkeypatch.setattr(emulate, "avx2_onnxruntime", lambda: None)
-    assert pipeline._emulated_images(options, onnx_model) == pipeline.RUN_EMULATED_IMAGES
-    assert pipeline._emulated_images(replace(options, emulated_images=20), onnx_model) == 20
+    assert int8_plan.emulated_images(options.emulated_images, onnx_model) == int8_plan.RUN_EMULATED_IMAGES
+    assert int8_plan.emulated_images(20, onnx_model) == 20
 
 
 def test_an_interrupted_run_goes_on_from_the_stage_it_stopped_at(project, monkeypatch):

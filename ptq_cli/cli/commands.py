@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from pathlib import Path
@@ -70,7 +71,6 @@ from ptq_cli.services.study import pipeline as pipeline_service
 from ptq_cli.services.study import sensitivity as sensitivity_service
 from ptq_cli.services.study import sweep as sweep_service
 from ptq_cli.services.study import tune as tune_service
-from ptq_cli.services.study import validation as validation_service
 
 # torch's C++ side prints deprecation warnings for quantized tensors straight to stderr; ptq's stderr is
 # for its own messages. Set before torch is first imported (services import it lazily).
@@ -220,14 +220,9 @@ def prune(
     an ordinary ONNX model (`ptq quantize --model` takes it) and prints the sparsity reached per layer.
     `ptq sweep` shows what pruning costs in accuracy, with and without the re-fit.
     """
-    pruning_settings = prune_service.make_settings(sparsity, scope.value, exclude_first, exclude_classifier, reconstruct)
-    destination = output or prune_service.default_output(model, sparsity, scope.value)
-    check_model(model)
-    images = None
-    if reconstruct:
-        images = _calibration_set(calibration, choice, model).images
-    with _working("Pruning" + (" and re-fitting the kept weights…" if reconstruct else "…")):
-        result = prune_service.prune_calibrated(model, destination, pruning_settings, images, choice.flags)
+    request = prune_service.PruneRequest(model, prune_service.make_settings(sparsity, scope.value, exclude_first, exclude_classifier, reconstruct),
+                                         choice, calibration, output)
+    result = prune_service.run(request, _progress_bar)
     _emit(as_json, result, render.pruning(result))
 
 
@@ -280,12 +275,6 @@ def _calibration_set(calibration: Path | None, choice: DataChoice, model: Path):
                                              count=choice.calibration_size)
 
 
-def _calibration_and_validation(calibration: Path | None, choice: DataChoice, model: Path, validation_per_class: int):
-    calibration_set = _calibration_set(calibration, choice, model)
-    with _working("Drawing the validation split (training images only)…"):
-        return calibration_set, validation_service.build_validation_set(calibration_set, choice.validation_dataset(), validation_per_class)
-
-
 @app.command()
 @_with_quantization(COMMON_QUANTIZATION, dtype=DType("int8"), per_channel=False, method=Method("minmax"))
 @_with_data()
@@ -306,12 +295,9 @@ def sensitivity(
     Measured on the validation split (training images not in the calibration set), never the test set;
     sorted worst first. The layer names are what `ptq tune` leaves in float.
     """
-    check_model(model)
-    where = _workers(workers, ray_address)
-    calibration_set, validation_set = _calibration_and_validation(calibration, choice, model, validation_per_class)
-    with _progress_bar(f"Quantizing one layer at a time ({where.describe()})", lines=True) as progress:
-        result = sensitivity_service.sensitivity(model, quantization, calibration_set, validation_set, progress, choice.flags, where, results_dir)
-    record_file = sensitivity_service.save_result(result, results_dir)
+    request = sensitivity_service.SensitivityRequest(model, quantization, choice, calibration, validation_per_class, results_dir, _workers(workers, ray_address))
+    ran = sensitivity_service.run(request, functools.partial(_progress_bar, lines=True))
+    result, record_file = ran.result, ran.record_file
     _emit(as_json, result, render.sensitivity(result, record_file))
 
 
@@ -342,23 +328,13 @@ def tune(
     correction), calibration size, then the most sensitive layers left in float (NNCF: its ignored scope). Without any candidate in budget, the most accurate
     is kept and the command says so (exit 0).
     """
-    check_model(model)
-    tune_service.check_backend(backend.value)  # before any data is read
-    where = _workers(workers, ray_address)
-    calibration_set, validation_set = _calibration_and_validation(calibration, choice, model, validation_per_class)
-    destination = output or tune_service.default_output(model, dtype.value, backend.value)
-    with _progress_bar(f"Tuning {dtype.value} ({backend.value}, {where.describe()})", lines=True) as progress:
-        result = tune_service.tune(
-            model, dtype.value, max_drop, calibration_set, validation_set, destination, results_dir,
-            methods=tuple(m.value for m in method) if method else None,
-            granularities=(per_channel,) if per_channel is not None else (True, False),
-            max_float_layers=max_float_layers,
-            progress=progress,
-            backend=backend.value,
-            flags=choice.flags,
-            stem=stem.value,
-            workers=where,
-        )
+    request = tune_service.TuneRequest(
+        model, choice, dtype.value, backend.value, max_drop, calibration, validation_per_class, output, results_dir,
+        methods=tuple(m.value for m in method) if method else None,
+        granularities=(per_channel,) if per_channel is not None else (True, False),
+        max_float_layers=max_float_layers, stem=stem.value, workers=_workers(workers, ray_address),
+    )
+    result = tune_service.run(request, functools.partial(_progress_bar, lines=True))
     _emit(as_json, result, render.tuning(result))
 
 
@@ -491,14 +467,8 @@ def report(
     """Compare every evaluated model: accuracy, delta, size, size reduction, speed.
 
     Reads the records, never re-evaluates (unless --refresh); each row is checked against the model file now on disk, and marked stale when the file changed since it was measured, or missing."""
-    refreshed: list[Path] = []
-    if refresh:
-        with _working("Evaluating the models that changed since their records…"):
-            refreshed = evaluate_service.refresh_stale(results_dir, threads)
-    result = report_service.report_from_results(results_dir)
-    if not result.rows:
-        reason = f" ({result.skipped[0]})" if result.skipped else " (run `ptq evaluate` first)"
-        raise PtqError(f"{results_dir}: no readable evaluation records{reason}")
+    reported = report_service.run(results_dir, refresh, threads, _progress_bar)
+    result = reported.report
     if plot and markdown is None:
         markdown = settings.MARKDOWN_REPORT
     charts: list[Path] = []
@@ -511,7 +481,7 @@ def report(
     _emit(as_json, result, render_report.report(result))
     if markdown is not None and not as_json:
         console.out.print(f"Markdown report written to {markdown}" + (f"; charts: {', '.join(str(path) for path in charts)}" if charts else ""))
-    return report_service.Reported(result, (*refreshed, *((markdown,) if markdown is not None else ()), *charts))
+    return report_service.Reported(result, (*reported.written, *((markdown,) if markdown is not None else ()), *charts))
 
 
 @app.command(name="run")

@@ -31,7 +31,7 @@ from ptq_cli.services import quant_settings
 from ptq_cli.services.make import calibration as calibration_service
 from ptq_cli.services.make import prune as prune_service
 from ptq_cli.services.make import stem as stem_service
-from ptq_cli.services.measure import evaluate as evaluate_service
+from ptq_cli.x86 import plan as int8_plan
 
 
 def _choices(name: str, values) -> Any:
@@ -84,10 +84,10 @@ Rounding = _choices("Rounding", ROUNDING_CHOICES)
 MODELS_HELP = f"Model file ({', '.join(backends.suffixes())}); repeat for several. (default: every model in models/)"
 
 
-Int8Path = _choices("Int8Path", evaluate_service.INT8_PATH_CHOICES)
+Int8Path = _choices("Int8Path", int8_plan.INT8_PATH_CHOICES)
 
 
-KernelPath = _choices("KernelPath", (evaluate_service.NATIVE_PATH, cpu_info.SATURATING))
+KernelPath = _choices("KernelPath", int8_plan.KERNEL_PATH_CHOICES)
 
 
 # Which CPUs a quantized model is for, and how it stays exact on those without VNNI (one block, shared).
@@ -225,19 +225,13 @@ InputSizeOption = Annotated[str | None, typer.Option("--input-size", metavar="<s
 
 
 @dataclass(frozen=True)
-class DataChoice:
-    data: Path
-    calibration_data: Path | None
-    flags: inputs_service.PreprocessingFlags
-    calibration_size: int | None = None  # --calibration-size: calibration images in all
+class DataChoice(calibration_service.DataSource):
+    """The data block's options as the services take them (a DataSource), and whether --data was given."""
+
     data_given: bool = True  # whether --data was given (else `data` is the study's CIFAR-10)
 
     def dataset(self) -> Dataset:
         return open_dataset(self.data)
-
-    def validation_dataset(self) -> Dataset:
-        """Where tuning's validation images come from: never the images models are judged on."""
-        return calibration_service.calibration_dataset(self.data, self.calibration_data, validation=True)
 
 
 def _data(data: Path | None, calibration_data: Path | None, preset, scale: float | None, mean: str | None, std: str | None,

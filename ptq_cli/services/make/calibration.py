@@ -3,7 +3,7 @@ where the images have labels, uniform where they have none. Calibration reads no
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -270,3 +270,22 @@ def stratified_subset(calibration: CalibrationSet, samples_per_class: int) -> Ca
         samples_per_class=samples_per_class,
         source=f"{calibration.source} ({samples_per_class} per class)",
     )
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """Where a command's images come from and how they are fed: the dataset, a folder of calibration images of their
+    own if given, the preprocessing flags, and how many calibration images in all (None: the default)."""
+
+    data: Path
+    calibration_data: Path | None = None
+    flags: PreprocessingFlags = field(default_factory=PreprocessingFlags)
+    calibration_size: int | None = None
+
+    def calibration_set(self, model: Path, saved: Path | None = None) -> CalibrationSet:
+        """The calibration images for `model`: `saved` (a `ptq calibrate` file) if given, else drawn from the data."""
+        return for_model(model, self.data, self.calibration_data, saved=saved, reuse_default=True, flags=self.flags, count=self.calibration_size)
+
+    def validation_dataset(self) -> Dataset:
+        """Where tuning's validation images come from: never the images models are judged on."""
+        return calibration_dataset(self.data, self.calibration_data, validation=True)

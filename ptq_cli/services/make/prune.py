@@ -27,6 +27,8 @@ from ptq_cli.backends.base import PRUNING_METADATA_KEY
 from ptq_cli.errors import PtqError, first_line
 from ptq_cli.guards.atomic import atomic_output, check_outputs
 from ptq_cli.model_file import read_onnx
+from ptq_cli.services.make.calibration import DataSource
+from ptq_cli.services.progress import ProgressBar, no_progress_bar
 
 SCOPES = ("global", "layer")
 PRUNABLE_OPS = ("Conv", "Gemm", "MatMul")
@@ -288,3 +290,28 @@ def prune_calibrated(model_path: Path, output: Path, settings: PruningSettings, 
     images = None if calibration_images is None or not settings.reconstruct else loaded.prepare(calibration_images)
     stored = {INPUT_METADATA_KEY: loaded.preprocessing.to_json(), SOURCE_METADATA_KEY: loaded.info.sha256}
     return prune(model_path, output, settings, images, stored, named)
+
+
+@dataclass(frozen=True)
+class PruneRequest:
+    """What `ptq prune` asks: `model` pruned with `settings` (re-fitted on the calibration images unless they say
+    not to), written to `output` (None: default_output)."""
+
+    model: Path
+    settings: PruningSettings
+    source: DataSource  # the images and how they are fed
+    calibration_file: Path | None = None  # a `ptq calibrate` file, else drawn from the data
+    output: Path | None = None
+
+
+def run(request: PruneRequest, progress_bar: ProgressBar = no_progress_bar) -> PruneResult:
+    """The model checked, the calibration images drawn where the re-fit needs them, then `prune_calibrated`."""
+    settings = request.settings
+    output = request.output or default_output(request.model, settings.sparsity, settings.scope)
+    read_onnx(request.model)
+    images = None
+    if settings.reconstruct:
+        with progress_bar("Loading the calibration set"):
+            images = request.source.calibration_set(request.model, request.calibration_file).images
+    with progress_bar("Pruning" + (" and re-fitting the kept weights" if settings.reconstruct else "")):
+        return prune_calibrated(request.model, output, settings, images, request.source.flags)

@@ -25,12 +25,13 @@ from ptq_cli.guards import bounded
 from ptq_cli.guards.atomic import check_folder_writable
 from ptq_cli.inputs import PreprocessingFlags
 from ptq_cli.model_file import resolve_threads
-from ptq_cli.services.measure.evaluate import NATIVE_PATH, outside_target
+from ptq_cli.services.measure.evaluate import outside_target
 from ptq_cli.services.measure.evaluation_records import record_file
 from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressBar, ProgressCallback, Steps, no_progress_bar
 from ptq_cli.services.records import MeasurementKey, from_dict, record_files, write_record
 from ptq_cli.x86 import emulate
+from ptq_cli.x86.plan import NATIVE_PATH
 
 BENCHMARK_DIR = "benchmarks"  # under the results directory, beside the evaluation records
 

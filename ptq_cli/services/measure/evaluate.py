@@ -16,8 +16,8 @@ from typing import Any, overload
 import numpy as np
 
 import ptq_cli
-from ptq_cli import backends, settings
 from ptq_cli import cpu as cpu_info
+from ptq_cli import settings
 from ptq_cli.backends.base import EMULATE, LoadedModel
 from ptq_cli.datasets import Dataset, SplitImages, open_dataset
 from ptq_cli.errors import PtqError
@@ -28,7 +28,6 @@ from ptq_cli.metrics import packed_hits
 from ptq_cli.model_file import file_sha256, read_bytes, resolve_threads
 from ptq_cli.services.executor import HERE, Executor, Workers, executor
 from ptq_cli.services.measure.evaluation_records import (
-    NATIVE,
     OK,
     STALE,
     EvaluationRecord,
@@ -47,6 +46,7 @@ from ptq_cli.services.measure.fidelity import compare
 from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressBar, ProgressCallback, no_progress_bar
 from ptq_cli.x86 import emulate
+from ptq_cli.x86 import plan as int8_plan
 
 
 def _predict(model: LoadedModel, images: np.ndarray, batch_size: int, model_path: Path, where: str,
@@ -182,41 +182,17 @@ class _Shards(Sequence[np.ndarray]):
         return self.test.take(np.arange(start, min(start + self.per_shard, self.total)))
 
 
-def _int8_plan(model: LoadedModel, wanted: str | None, cpu: cpu_info.Cpu, model_path: Path) -> tuple[str | None, str]:
-    """(int8 path the figure holds for, how it is reached) for a model on this CPU."""
-    paths = backends.backend(model.info.runtime).int8_paths
-    if model.info.dtype == "fp32" or paths is None:
-        if wanted not in (None, cpu.int8_path):
-            raise PtqError(f"--int8-path {wanted}: {model_path} is not an 8-bit model of a runtime whose kernels differ by x86 CPU "
-                           "(its figures hold on every x86 CPU)")
-        return None, ""
-    wanted = wanted or cpu.int8_path
-    if wanted == cpu.int8_path:
-        return wanted, NATIVE
-    return wanted, paths.basis(model_path, model.info.quantization, wanted)
-
-
 def _load_for_path(model_path: Path, int8_path: str | None, cpu, loaded: LoadedModel | None,  # noqa: PLR0913  evaluate_model's state
-                   how: tuple[int | None, PreprocessingFlags | None, str | None, str | None]) -> tuple[LoadedModel, str | None, str, tuple[bool, bool]]:
-    """(the model loaded with the kernels of the int8 path measured, that path, its basis, (exact_int8, saturating_int8)).
-    `how`: threads, flags, runtime, precision. onnxruntime's exact kernels away from VNNI come from its switch; a proven
-    model's saturating path on a VNNI CPU from the kernels of CPUs without VNNI, where the runtime can load them."""
-    exact_int8 = int8_path == cpu_info.EXACT and cpu.int8_path == cpu_info.SATURATING
+                   how: tuple[int | None, PreprocessingFlags | None, str | None, str | None]) -> tuple[LoadedModel, int8_plan.Int8Plan]:
+    """(the model loaded with the kernels of the int8 path measured, the plan that says how). `how`: threads, flags,
+    runtime, precision. onnxruntime's exact kernels away from VNNI come from its switch; a proven model's saturating
+    path on a VNNI CPU from the kernels of CPUs without VNNI, where the runtime can load them (x86/plan.py)."""
+    exact_int8 = int8_plan.needs_exact_switch(int8_path, cpu)
     model = loaded if loaded is not None and not exact_int8 else load_model(model_path, *how, exact_int8=exact_int8)
-    path_measured, basis = _int8_plan(model, int8_path, cpu, model_path)
-    paths = backends.backend(model.info.runtime).int8_paths
-    saturating_int8 = (path_measured == cpu_info.SATURATING and cpu.int8_path == cpu_info.EXACT and basis not in (NATIVE, EMULATE)
-                       and paths is not None and paths.proof_loads_saturating_kernels)
-    if saturating_int8:
+    planned = int8_plan.plan(model.info, int8_path, cpu, model_path)
+    if planned.saturating_int8:
         model = load_model(model_path, *how, saturating_int8=True)
-    return model, path_measured, basis, (exact_int8, saturating_int8)
-
-
-def other_path_measurable(runtime: str, overflow_fix: str | None, int8_path: str) -> bool:
-    """Whether an 8-bit model of `runtime` made with `overflow_fix` can be scored on `int8_path` on this
-    CPU (PyTorch's exact path away from a VNNI CPU only by proof)."""
-    paths = backends.backend(runtime).int8_paths
-    return paths is not None and paths.reaches(overflow_fix, int8_path)
+    return model, planned
 
 
 def evaluate_model(  # noqa: PLR0913,PLR0917  EvaluationRequest's fields for one model, for ptq run's stages
@@ -246,7 +222,8 @@ def evaluate_model(  # noqa: PLR0913,PLR0917  EvaluationRequest's fields for one
     the record is the one a single process writes, but for the times."""
     _check_options(batch_size, int8_path)
     cpu = cpu_info.current()
-    model, path_measured, basis, kernels = _load_for_path(Path(model_path), int8_path, cpu, loaded, (threads, flags, runtime, precision))
+    model, planned = _load_for_path(Path(model_path), int8_path, cpu, loaded, (threads, flags, runtime, precision))
+    path_measured, basis, kernels = planned.path, planned.basis, (planned.exact_int8, planned.saturating_int8)
     split = dataset.evaluation_split()
     test = _as_many_classes(dataset, dataset.open_split(split, model.input.size, model.input.channels), model.num_classes)
     reference_path, labels_fit = _what_to_measure(model, test, dataset.root, against)
@@ -497,10 +474,6 @@ def evaluate_and_save(model_path: Path, dataset: Dataset, results_dir: Path, pro
     return Evaluated(record, path, reference, source, record_status(reference) if reference is not None else OK, source_path)
 
 
-NATIVE_PATH, BOTH_PATHS = "native", "both"
-INT8_PATH_CHOICES = (NATIVE_PATH, *cpu_info.INT8_PATHS, BOTH_PATHS)  # what `evaluate --int8-path` takes
-
-
 @dataclass(frozen=True)
 class EvaluationRequest:
     """What `ptq evaluate` asks: these models on the dataset's evaluation split, on these int8 paths."""
@@ -508,7 +481,7 @@ class EvaluationRequest:
     models: tuple[Path, ...]
     dataset: Dataset
     results_dir: Path
-    int8_path: str = NATIVE_PATH  # one of INT8_PATH_CHOICES
+    int8_path: str = int8_plan.NATIVE_PATH  # one of int8_plan.INT8_PATH_CHOICES
     batch_size: int = settings.EVALUATION_BATCH
     threads: int | None = None
     flags: PreprocessingFlags | None = None
@@ -526,14 +499,12 @@ def evaluate(request: EvaluationRequest, progress_bar: ProgressBar = no_progress
     CPU without VNNI needs its own session); `progress_bar(description)` gives each evaluation's progress callback."""
     if request.label is not None and len(request.models) != 1:
         raise PtqError(f"--label: names one model, but {len(request.models)} are being evaluated")
-    if request.int8_path not in INT8_PATH_CHOICES:
-        raise PtqError(f"--int8-path: '{request.int8_path}' is not one of {', '.join(INT8_PATH_CHOICES)}")
-    wanted = {NATIVE_PATH: (None,), BOTH_PATHS: cpu_info.INT8_PATHS}.get(request.int8_path, (request.int8_path,))
+    wanted = int8_plan.paths_asked(request.int8_path)
     check_folder_writable(request.results_dir)  # said before the evaluations, not after them
     with executor(request.workers) as runs:
         for model_path in request.models:
             model = load_model(model_path, request.threads, request.flags, request.runtime, request.precision)
-            for int8_path in _int8_paths(model, wanted):
+            for int8_path in int8_plan.paths_to_measure(model.info, wanted):
                 with progress_bar(f"Evaluating {Path(model_path).name}" + (f" ({int8_path} int8 path)" if int8_path else "")) as progress:
                     evaluated = evaluate_and_save(model_path, request.dataset, request.results_dir, progress, batch_size=request.batch_size,
                                                   threads=request.threads, flags=request.flags, runtime=request.runtime, precision=request.precision,
@@ -550,14 +521,3 @@ def outside_target(model_path: Path | str, target: str | None) -> str | None:
         return None
     return (f"{Path(model_path).name} is for {cpu_info.CPU_TARGETS[target]}; this CPU, {cpu.describe()}, "
             "is not among them: its figures here are not the ones it gives there")
-
-
-def _int8_paths(model: LoadedModel, paths: tuple[str | None, ...]) -> tuple[str | None, ...]:
-    """The int8 paths to evaluate a model on: both only where they differ by CPU (8-bit onnxruntime and
-    PyTorch models) and can be reached here; one evaluation otherwise."""
-    if len(paths) < 2:
-        return paths
-    if model.info.dtype == "fp32" or backends.backend(model.info.runtime).int8_paths is None:
-        return (None,)
-    fix = (model.info.quantization or {}).get("overflow_fix")
-    return tuple(path for path in paths if path == cpu_info.current().int8_path or (path is not None and other_path_measurable(model.info.runtime, fix, path)))

@@ -21,10 +21,7 @@ from ptq_cli.services.measure.fidelity import Fidelity
 from ptq_cli.services.measure.fidelity import check as check_fidelity
 from ptq_cli.services.quant_settings import describe_model
 from ptq_cli.services.records import DEFAULT_FEEDING, MeasurementKey, from_dict, model_key, record_files, same_feeding, write_record
-
-# How a figure for an int8 path was obtained.
-NATIVE = "native"
-
+from ptq_cli.x86.plan import NATIVE  # how a figure for an int8 path was obtained: the CPU's own kernels
 
 OK, STALE, MISSING = "ok", "stale", "missing"
 

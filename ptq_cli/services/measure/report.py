@@ -8,12 +8,15 @@ from pathlib import Path
 from ptq_cli import backends, settings
 from ptq_cli import cpu as cpu_info
 from ptq_cli.cpu import ALL, EXACT, SATURATING
+from ptq_cli.errors import PtqError
 from ptq_cli.metrics import paired_p_value, unpacked_hits
 from ptq_cli.services.make import portability
 from ptq_cli.services.make.portability import PortabilityCost
 from ptq_cli.services.measure.benchmark import BenchmarkRecord, load_benchmarks
+from ptq_cli.services.measure.evaluate import refresh_stale
 from ptq_cli.services.measure.evaluation_records import OK, EvaluationRecord, fp32_reference, load_records, measured_classes, record_status, reference_for
 from ptq_cli.services.measure.sweep_records import SweepResult, load_sweeps
+from ptq_cli.services.progress import ProgressBar, no_progress_bar
 from ptq_cli.services.quant_settings import describe_model
 from ptq_cli.services.records import MeasurementKey, same_feeding
 
@@ -534,3 +537,17 @@ def measured_from(results_dir: Path, source_sha256: str, leaving_out: Path | Non
         if any(row.dtype != "fp32" for row in rows):
             return replace(group, rows=rows, recommendation=_recommend(rows, group.images))
     return None
+
+
+def run(results_dir: Path, refresh: bool = False, threads: int | None = None, progress_bar: ProgressBar = no_progress_bar) -> Reported:
+    """`ptq report`: the models whose files changed since their records evaluated again first (with `refresh`), then
+    the report of the records; a PtqError where there are none to read. Reported.written: the records rewritten."""
+    refreshed: list[Path] = []
+    if refresh:
+        with progress_bar("Evaluating the models that changed since their records"):
+            refreshed = refresh_stale(results_dir, threads)
+    report = report_from_results(results_dir)
+    if not report.rows:
+        reason = f" ({report.skipped[0]})" if report.skipped else " (run `ptq evaluate` first)"
+        raise PtqError(f"{results_dir}: no readable evaluation records{reason}")
+    return Reported(report, tuple(refreshed))

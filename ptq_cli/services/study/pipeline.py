@@ -35,10 +35,9 @@ from ptq_cli.services import quant_settings
 from ptq_cli.services.executor import HERE, Executor, Workers, executor
 from ptq_cli.services.make import calibration as calibration_service
 from ptq_cli.services.make import quantize as quantize_service
-from ptq_cli.services.measure import evaluate as evaluate_service
 from ptq_cli.services.measure import report as report_service
 from ptq_cli.services.study.stage_task import RunCommand, StageFiles, StageTask, run_stage_task, written_by
-from ptq_cli.x86 import emulate
+from ptq_cli.x86 import plan as int8_plan
 
 MANIFEST_SCHEMA = 1
 LIBRARIES = ("numpy", "onnx", "onnxruntime", "torch", "onnx2torch", "tensorflow-cpu", "tf2onnx", "typer", "rich", "pillow")
@@ -59,10 +58,6 @@ LITERT_QUANTIZED: tuple[dict[str, Any], ...] = ({"backend": "litert"}, {"backend
 # The backends the study names (its recipe above is data; which of them run is the user's and the extras' say).
 # Where one cannot take the model (onnx2torch lacks an op, NNCF fails on a graph), the study goes on without it.
 PYTORCH, OPENVINO, LITERT = "pytorch", "openvino", "litert"
-# On a VNNI CPU the saturating path of a model that cannot be proven exact is emulated. With CPUID masked (native
-# speed) the study scores what `evaluate` does by default, the whole test split; under qemu (about 35 to 70 s for
-# 1,000 images on 2 cores) this many, so that `ptq run` stays within minutes.
-RUN_EMULATED_IMAGES = 500
 
 
 @dataclass(frozen=True)
@@ -83,7 +78,7 @@ class StudyOptions:
     results_dir: Path = settings.RESULTS_DIR
     markdown: Path = settings.MARKDOWN_REPORT
     force: bool = False
-    emulated_images: int | None = None  # on a VNNI CPU: images scored under emulation of the saturating path, per model (None: _emulated_images)
+    emulated_images: int | None = None  # on a VNNI CPU: images scored under emulation of the saturating path, per model (None: x86/plan.emulated_images)
     workers: Workers = HERE  # where the independent stages run: one after another here, or side by side as tasks on Ray
 
     def uses(self, backend: str) -> bool:
@@ -334,14 +329,6 @@ def _references(study: _Study) -> list[Path]:
     return [reference] if study.options.uses(LITERT) and study.options.model is None and reference.is_file() else []
 
 
-def _emulated_images(options: StudyOptions, model: Path) -> int | None:
-    """The images the model's saturating-path stage scores where it is emulated: the user's count, else evaluate's
-    default (None) where its AVX2 kernels run natively, RUN_EMULATED_IMAGES under qemu."""
-    if options.emulated_images is not None:
-        return options.emulated_images
-    return None if emulate.native_route(model) is not None else RUN_EMULATED_IMAGES
-
-
 def _evaluate_stages(study: _Study) -> list[Stage]:
     flag_options = study.flag_options
     stages = [study.evaluation(f"evaluate {model.name}", model, flag_options) for model in _models(study)]
@@ -350,8 +337,8 @@ def _evaluate_stages(study: _Study) -> list[Stage]:
     other_path = next(path for path in cpu_info.INT8_PATHS if path != cpu_info.current().int8_path)
     for output, choice in study.quantized:
         made = quant_settings.make_settings(**choice)
-        emulated = _emulated_images(study.options, output) if other_path == cpu_info.SATURATING else study.options.emulated_images
-        if evaluate_service.other_path_measurable(made.backend, made.overflow_fix, other_path):
+        emulated = int8_plan.emulated_images(study.options.emulated_images, output) if other_path == cpu_info.SATURATING else study.options.emulated_images
+        if int8_plan.other_path_measurable(made.backend, made.overflow_fix, other_path):
             stages.append(study.evaluation(f"evaluate {output.name} on the {other_path} int8 path", output,
                                            {**flag_options, "int8_path": other_path, "emulated_images": emulated},
                                            int8_path=other_path, emulated_images=emulated))

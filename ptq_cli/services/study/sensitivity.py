@@ -11,16 +11,18 @@ from pathlib import Path
 
 from ptq_cli.inputs import PreprocessingFlags
 from ptq_cli.metrics import sqnr_db
+from ptq_cli.model_file import read_onnx
 from ptq_cli.quantize.rounding import NEAREST
 from ptq_cli.services.executor import HERE, Executor, InProcess, Workers, executor
-from ptq_cli.services.make.calibration import CalibrationSet
+from ptq_cli.services.make.calibration import CalibrationSet, DataSource
 from ptq_cli.services.make.quantize import SourceModel, load_source, with_calibration
 from ptq_cli.services.models import load_model
-from ptq_cli.services.progress import ProgressCallback
+from ptq_cli.services.progress import ProgressBar, ProgressCallback, no_progress_bar
 from ptq_cli.services.quant_settings import INT8, QuantizationSettings
 from ptq_cli.services.records import write_record
 from ptq_cli.services.study.candidates import ScoreStore, inputs_for, score_candidates, scores_folder
-from ptq_cli.services.study.validation import ValidationSet, labels_from_fp32, score
+from ptq_cli.services.study.validation import ValidationSet, calibration_and_validation, labels_from_fp32, score
+from ptq_cli.settings import RESULTS_DIR, VALIDATION_PER_CLASS
 from ptq_cli.transforms.graph import preprocessed
 
 # The layers that compute: onnxruntime quantizes these (Relu folds into the preceding layer's output
@@ -98,3 +100,34 @@ def sensitivity(model_path: Path, settings: QuantizationSettings, calibration: C
 
 def save_result(result: SensitivityResult, results_dir: Path) -> Path:
     return write_record(Path(results_dir) / SENSITIVITY_DIR / f"{result.model.stem}_{result.settings.dtype}.json", result)
+
+
+@dataclass(frozen=True)
+class SensitivityRequest:
+    """What `ptq sensitivity` asks: each layer of `model` quantized alone with `settings`, judged on the validation
+    split drawn beside the calibration set."""
+
+    model: Path
+    settings: QuantizationSettings
+    source: DataSource  # the images and how they are fed
+    calibration_file: Path | None = None  # a `ptq calibrate` file, else drawn from the data
+    validation_per_class: int = VALIDATION_PER_CLASS
+    results_dir: Path = RESULTS_DIR
+    workers: Workers = HERE
+
+
+@dataclass(frozen=True)
+class SensitivityRun:
+    result: SensitivityResult
+    record_file: Path  # where the result was written (results/sensitivity/<model>_<dtype>.json)
+
+
+def run(request: SensitivityRequest, progress_bar: ProgressBar = no_progress_bar) -> SensitivityRun:
+    """The model checked, the calibration and validation sets drawn, each layer scored, and the result written."""
+    read_onnx(request.model)
+    calibration, validation = calibration_and_validation(request.model, request.source, request.calibration_file, request.validation_per_class,
+                                                         progress_bar)
+    with progress_bar(f"Quantizing one layer at a time ({request.workers.describe()})") as progress:
+        result = sensitivity(request.model, request.settings, calibration, validation, progress, request.source.flags, request.workers,
+                             request.results_dir)
+    return SensitivityRun(result, save_result(result, request.results_dir))

@@ -29,16 +29,18 @@ from ptq_cli.errors import PtqError
 from ptq_cli.guards.atomic import check_outputs
 from ptq_cli.inputs import PreprocessingFlags
 from ptq_cli.metrics import sqnr_db
+from ptq_cli.model_file import read_onnx
 from ptq_cli.services.executor import HERE, Executor, Workers, executor
-from ptq_cli.services.make.calibration import CalibrationSet, stratified_subset
+from ptq_cli.services.make.calibration import CalibrationSet, DataSource, stratified_subset
 from ptq_cli.services.make.quantize import SourceModel, calibration_inputs, load_source, quantize_source, resolve_settings, with_calibration
 from ptq_cli.services.models import load_model
-from ptq_cli.services.progress import ProgressCallback, Steps
+from ptq_cli.services.progress import ProgressBar, ProgressCallback, Steps, no_progress_bar
 from ptq_cli.services.quant_settings import QuantizationSettings, check_stem, describe_quantization, make_settings
 from ptq_cli.services.records import model_key, write_record
 from ptq_cli.services.study.candidates import TUNING_DIR, CandidateInputs, ScoreStore, inputs_for, score_candidates, scores_folder
 from ptq_cli.services.study.sensitivity import layer_sensitivity, quantizable_layers
-from ptq_cli.services.study.validation import ValidationSet, labels_from_fp32, score
+from ptq_cli.services.study.validation import ValidationSet, calibration_and_validation, labels_from_fp32, score
+from ptq_cli.settings import RESULTS_DIR, VALIDATION_PER_CLASS
 from ptq_cli.transforms.graph import preprocessed
 
 PERCENTILES = (99.9, 99.95, 99.99, 99.999)
@@ -299,3 +301,38 @@ def tune(  # noqa: PLR0913,PLR0917  the options of `ptq tune`, one each
 def default_output(model: Path, dtype: str, backend: str = backends.DEFAULT) -> Path:
     """models/resnet8.onnx -> models/resnet8_int8_tuned.onnx, resnet8_pytorch_int8_tuned.pt, ..."""
     return backends.backend(backend).tuned_output(Path(model), dtype)
+
+
+@dataclass(frozen=True)
+class TuneRequest:
+    """What `ptq tune` asks: search the settings of `backend` for `dtype` within `max_drop` points of FP32 on the
+    validation split drawn beside the calibration set, and write the chosen model."""
+
+    model: Path
+    source: DataSource  # the images and how they are fed
+    dtype: str = "int8"
+    backend: str = backends.DEFAULT
+    max_drop: float = 0.05
+    calibration_file: Path | None = None  # a `ptq calibrate` file, else drawn from the data
+    validation_per_class: int = VALIDATION_PER_CLASS
+    output: Path | None = None  # None: default_output
+    results_dir: Path = RESULTS_DIR
+    methods: tuple[str, ...] | None = None
+    granularities: tuple[bool, ...] = (True, False)
+    max_float_layers: int = MAX_FLOAT_LAYERS
+    stem: str | None = None
+    workers: Workers = HERE
+
+
+def run(request: TuneRequest, progress_bar: ProgressBar = no_progress_bar) -> TuneResult:
+    """The request checked (the model, the backend) before any image is read, the calibration and validation sets
+    drawn, then `tune`; `progress_bar(description)` gives each phase's progress callback."""
+    read_onnx(request.model)
+    check_backend(request.backend)
+    calibration, validation = calibration_and_validation(request.model, request.source, request.calibration_file, request.validation_per_class,
+                                                         progress_bar)
+    output = request.output or default_output(request.model, request.dtype, request.backend)
+    with progress_bar(f"Tuning {request.dtype} ({request.backend}, {request.workers.describe()})") as progress:
+        return tune(request.model, request.dtype, request.max_drop, calibration, validation, output, request.results_dir,
+                    methods=request.methods, granularities=request.granularities, max_float_layers=request.max_float_layers,
+                    progress=progress, backend=request.backend, flags=request.source.flags, stem=request.stem, workers=request.workers)

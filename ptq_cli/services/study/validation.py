@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 
@@ -15,8 +16,9 @@ from ptq_cli import settings
 from ptq_cli.backends.base import LoadedModel
 from ptq_cli.datasets import Dataset
 from ptq_cli.errors import PtqError
-from ptq_cli.services.make.calibration import CalibrationSet, draw_stratified
+from ptq_cli.services.make.calibration import CalibrationSet, DataSource, draw_stratified
 from ptq_cli.services.models import check_classes
+from ptq_cli.services.progress import ProgressBar, no_progress_bar
 
 
 @dataclass(frozen=True)
@@ -96,3 +98,13 @@ def labels_from_fp32(validation: ValidationSet, fp32: ValidationScore) -> tuple[
         return validation, fp32
     labels = fp32.outputs.argmax(axis=1)
     return replace(validation, labels=labels), replace(fp32, accuracy=100.0)
+
+
+def calibration_and_validation(model: Path, source: DataSource, saved: Path | None, per_class: int,
+                               progress_bar: ProgressBar = no_progress_bar) -> tuple[CalibrationSet, ValidationSet]:
+    """The calibration set for `model` (`saved`, else drawn from `source`) and the validation split drawn beside it
+    from training images it does not hold: what sensitivity and tune judge on, never the test set."""
+    with progress_bar("Loading the calibration set"):
+        calibration = source.calibration_set(model, saved)
+    with progress_bar("Drawing the validation split (training images only)"):
+        return calibration, build_validation_set(calibration, source.validation_dataset(), per_class)
