@@ -41,16 +41,7 @@ from ptq_cli.quantize.int4 import Mixed, to_int4
 from ptq_cli.quantize.overflow import NO_FIX
 from ptq_cli.quantize.policy import held_out_mask, held_out_split
 from ptq_cli.quantize.rounding import LEARNED, NEAREST
-from ptq_cli.quantize.settings import (
-    AUTO_METHOD,
-    INT4,
-    BackendOptions,
-    CommonChoices,
-    ProgressCallback,
-    QuantizationSettings,
-    QuantizedFile,
-    option,
-)
+from ptq_cli.quantize.settings import AUTO_METHOD, INT4, BackendOptions, CommonChoices, ProgressCallback, QuantizationSettings, QuantizedFile, option
 from ptq_cli.quantize.tflite import (
     INTEGER_TYPES,
     IO_DTYPES,
