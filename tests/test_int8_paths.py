@@ -593,7 +593,7 @@ def test_int8_activations_read_by_two_layers_run_on_integer_kernels_in_onnxrunti
     the quantized model gives each reader its own pair (the same arithmetic), so that its readers leave float."""
     import onnxruntime as ort
 
-    from ptq_cli.quantize import qdq
+    from ptq_cli.quantize import placement
 
     _residual_classifier(tmp_path / "r.onnx")
     image_folder(tmp_path / "data", per_class=8)
@@ -602,7 +602,7 @@ def test_int8_activations_read_by_two_layers_run_on_integer_kernels_in_onnxrunti
     made = invoke(*common, "--output", "private.onnx", cwd=tmp_path)
     assert made.exit_code == 0, made.output
     assert any("pair(s) added" in note for note in json.loads(made.stdout)["notes"])
-    monkeypatch.setattr(qdq, "private_activation_quantizers", lambda model: 0)
+    monkeypatch.setattr(placement, "private_activation_quantizers", lambda model: 0)
     assert invoke(*common, "--output", "shared.onnx", cwd=tmp_path).exit_code == 0
     private, shared = _kernels(tmp_path / "private.onnx", tmp_path / "p.onnx"), _kernels(tmp_path / "shared.onnx", tmp_path / "s.onnx")
     # Both readers of the shared activation move to integer kernels; the layer writing it stays in float either way

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +26,7 @@ from ptq_cli.model_file import (
     resolve_threads,
 )
 from ptq_cli.quantize import overflow, qdq
-from ptq_cli.quantize.qdq import Options, quantize
+from ptq_cli.quantize.placement import ONNXRUNTIME_X86, Options
 from ptq_cli.quantize.settings import (
     QuantizationSettings,
 )
@@ -115,7 +116,7 @@ def read_input(path: Path, size: tuple[int, int] | None = None) -> inputs.ModelI
 BACKEND = Backend(
     NAME, (SUFFIX,), sniff, format="QDQ", catch_all=True, read_input=read_input, summary="quantize_static, QDQ",
     quantizer=Quantizer(
-        quantize,
+        partial(qdq.quantize, placement=ONNXRUNTIME_X86),  # the QDQ engine, its pairs placed for onnxruntime's x86 kernels
         # The seed study's per-tensor default, its activation ranges chosen by measurement (choose_method).
         methods=qdq.METHODS, tune_methods=("minmax", "percentile"), per_channel=False,
         overflow_fixes=(overflow.FIRST_LAYER, overflow.ALL_LAYERS), clamped_overflow_fix=overflow.ALL_LAYERS, judges_overflow_fix=True, options=Options,

@@ -42,7 +42,7 @@ from ptq_cli.model_file import (
     read_onnx,
     resolve_threads,
 )
-from ptq_cli.quantize import qdq
+from ptq_cli.quantize import placement, qdq
 from ptq_cli.quantize.overflow import ALL_LAYERS, FIRST_LAYER, JUDGED
 from ptq_cli.quantize.rounding import LEARNED, NEAREST
 from ptq_cli.quantize.settings import BackendOptions, CommonChoices, ProgressCallback, QuantizationSettings, QuantizedFile, option
@@ -291,10 +291,12 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     if settings.float_nodes:
         raise PtqError(f"--ignored-scope: NNCF's ignored scope; applies to --backend openvino --method {NNCF}")
     ov = _openvino()
-    # onnxruntime's route without its space-to-depth (a regrouping for onnxruntime's own fast kernel).
-    as_qdq = replace(settings, backend=qdq.WRITER, format=qdq.FORMAT, options=qdq.Options(space_to_depth=False))
+    # The QDQ engine's model as placed for onnxruntime's x86 kernels (its default placement), without space-to-depth
+    # (a regrouping for onnxruntime's own fast kernel): the IR is that model converted.
+    as_qdq = replace(settings, backend=qdq.WRITER, format=qdq.FORMAT, options=placement.Options(space_to_depth=False))
     with tempfile.TemporaryDirectory(prefix="ptq-openvino-") as workdir:
-        written = qdq.quantize(model, Path(workdir) / f"quantized{qdq.SUFFIX}", as_qdq, calibration, dict(stored), progress=progress)
+        written = qdq.quantize(model, Path(workdir) / f"quantized{qdq.SUFFIX}", as_qdq, calibration, dict(stored), progress=progress,
+                               placement=placement.ONNXRUNTIME_X86)
         try:
             converted = ov.convert_model(str(Path(workdir) / f"quantized{qdq.SUFFIX}"))
         except Exception as error:  # noqa: BLE001  the converter's own exception types
@@ -402,7 +404,7 @@ class Options(BackendOptions):
             if given:
                 raise PtqError(f"{given[0]}: an NNCF option; applies to --backend openvino --method {NNCF}")
             # onnxruntime's rules, less its space-to-depth (a regrouping for onnxruntime's own fast kernel).
-            return self, qdq.Options(space_to_depth=False).settle(common)[1]
+            return self, placement.Options(space_to_depth=False).settle(common)[1]
         if "uint8" in (common.dtype, common.weight_dtype):
             raise PtqError("--dtype uint8: NNCF quantizes to int8 (its presets choose symmetric or asymmetric activations: --nncf-preset)")
         if common.per_channel is False:

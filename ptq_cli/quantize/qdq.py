@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import json
 import tempfile
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import ClassVar
 
 import numpy as np
 
@@ -26,20 +25,18 @@ from ptq_cli.quantize import overflow, policy, reuse, rounding
 from ptq_cli.quantize.calibration import warning_notes, write_qdq
 from ptq_cli.quantize.job import Job
 from ptq_cli.quantize.judges import calibrated_model, fix_overrides, judged_choices, refined
+from ptq_cli.quantize.placement import ONNXRUNTIME_X86, Placement
 from ptq_cli.quantize.settings import (
     AUTO_METHOD,
     PER_IMAGE,
-    BackendOptions,
-    CommonChoices,
     ProgressCallback,
     QuantizationSettings,
     QuantizedFile,
-    option,
     progress_after,
 )
 from ptq_cli.transforms.graph import preprocess, whole_map_average_pools
-from ptq_cli.transforms.qdq_edits import float_scores, keep_float_layers, private_activation_quantizers
-from ptq_cli.transforms.space_to_depth import Rewrite, quantized_pads, space_to_depth_convs
+from ptq_cli.transforms.qdq_edits import float_scores, keep_float_layers
+from ptq_cli.transforms.space_to_depth import Rewrite
 
 # The QDQ models the engine writes are onnxruntime.quantization's, stored with onnxruntime's settings: OpenVINO's
 # default IR is one of them converted, and within `ptq run` the same model as onnxruntime's own (reuse.made_once).
@@ -97,8 +94,8 @@ class _Prepared:
     pools: list[str]  # of those, the average pools over a whole map
 
 
-def _graph_to_quantize(model, settings: QuantizationSettings, workdir: Path) -> _Prepared:
-    """onnxruntime's pre-processing, then ptq's rewrites, saved in `workdir` for quantize_static."""
+def _graph_to_quantize(model, settings: QuantizationSettings, workdir: Path, placement: Placement) -> _Prepared:
+    """onnxruntime's pre-processing, then the runtime's rewrites (its placement), saved in `workdir` for quantize_static."""
     import onnx
 
     source = model
@@ -115,9 +112,7 @@ def _graph_to_quantize(model, settings: QuantizationSettings, workdir: Path) -> 
     missing = sorted(set(float_nodes) - {node.name for node in graph.graph.node})
     if missing:
         raise PtqError(f"{model.graph.name or 'model'}: no node named '{missing[0]}' to leave in float")
-    rewrites: list[Rewrite] = []
-    if qdq_options(settings).space_to_depth:
-        graph, rewrites = space_to_depth_convs(graph, skip=set(float_nodes))  # a float conv gains nothing
+    graph, rewrites = placement.rewrite(graph, settings, float_nodes)
     source = str(workdir / "to_quantize.onnx")
     onnx.save(graph, source)
     return _Prepared(source, rewrites, fix_overrides(graph, settings, float_nodes), float_nodes, pools)
@@ -135,20 +130,22 @@ def _stored_props(settings: QuantizationSettings, rewrites, stored: dict[str, st
     return props
 
 
-def quantize(model, output: Path, settings: QuantizationSettings, calibration: np.ndarray, stored: dict[str, str],
-             progress: ProgressCallback | None = None) -> QuantizedFile:
+def quantize(model, output: Path, settings: QuantizationSettings, calibration: np.ndarray, stored: dict[str, str],  # noqa: PLR0913  the bar, and the runtime's rule
+             progress: ProgressCallback | None = None, placement: Placement = ONNXRUNTIME_X86) -> QuantizedFile:
     """onnxruntime.quantization.quantize_static in QDQ format, written atomically.
 
     `calibration` is the calibration images in the model's input format; `stored` is metadata to keep
     in the model (settings, input contract, source sha256, tune's validation scores). Within `ptq run`, a
-    model already made from the same inputs is written again rather than made again (reuse.made_once)."""
+    model already made from the same inputs is written again rather than made again (reuse.made_once). `placement`:
+    where the runtime the model is for wants its pairs (placement.py)."""
     return reuse.made_once(lambda: reuse.digest(model.SerializeToString(), repr((calibration.shape, str(calibration.dtype))).encode(),
-                                              np.ascontiguousarray(calibration).tobytes(), repr(settings).encode(), repr(sorted(stored.items())).encode()),
-                          Path(output), lambda: quantize_qdq(model, output, settings, calibration, stored, progress))
+                                              np.ascontiguousarray(calibration).tobytes(), repr(settings).encode(), repr(sorted(stored.items())).encode(),
+                                              type(placement).__name__.encode()),
+                          Path(output), lambda: quantize_qdq(model, output, settings, calibration, stored, progress, placement))
 
 
-def quantize_qdq(model, output: Path, settings: QuantizationSettings, calibration: np.ndarray, stored: dict[str, str],
-                 progress: ProgressCallback | None = None) -> QuantizedFile:
+def quantize_qdq(model, output: Path, settings: QuantizationSettings, calibration: np.ndarray, stored: dict[str, str],  # noqa: PLR0913  quantize's
+                 progress: ProgressCallback | None = None, placement: Placement = ONNXRUNTIME_X86) -> QuantizedFile:
     """The engine's steps on one model: the graph prepared, the recipe judged (judges.judged_choices), the QDQ model
     written and finished, then refined (judges.refined); the bar goes on past the calibration images, one step per
     refined layer, then per run of the range search."""
@@ -163,10 +160,10 @@ def quantize_qdq(model, output: Path, settings: QuantizationSettings, calibratio
         notes.append(f"fixed batch {described.batch} made symbolic in the quantized model (same outputs)")
 
     with tempfile.TemporaryDirectory(prefix="ptq-quantize-") as workdir:
-        prepared = _graph_to_quantize(model, settings, Path(workdir))
+        prepared = _graph_to_quantize(model, settings, Path(workdir), placement)
         notes += policy.pools_in_float_note(prepared.pools, "onnxruntime")
         job = Job(prepared.source, calibration, described.name, prepared.float_nodes,
-                  partial(_finish, rewrites=prepared.rewrites, float_nodes=prepared.float_nodes), Path(workdir), output,
+                  partial(_finish, rewrites=prepared.rewrites, float_nodes=prepared.float_nodes, placement=placement), Path(workdir), output,
                   model.graph.name or "model", fixed_batch)
         search = settings.method == AUTO_METHOD
         settings, overrides, chosen, done = judged_choices(job, settings, prepared.overrides, progress)
@@ -178,45 +175,16 @@ def quantize_qdq(model, output: Path, settings: QuantizationSettings, calibratio
                 notes.append("output scores: left in float after the last weighted layer (computed from 8-bit inputs and weights, not rounded again)")
             minmax_model = partial(calibrated_model, job, calibration, overrides=overrides) if search and settings.percentile is not None else None
             quantized, settings, refined_notes = refined(job, quantized, settings, search, progress_after(progress, done + len(calibration)), minmax_model)
-            notes += refined_notes + _private_int8_pairs(quantized)
+            notes += refined_notes + placement.finished(quantized)
             onnx.helper.set_model_props(quantized, _stored_props(settings, prepared.rewrites, stored, model))
             onnx.save(quantized, str(tmp))
             return QuantizedFile(tmp.stat().st_size, tuple(prepared.rewrites), tuple(notes + warning_notes(warnings)), settings)
 
 
-def _finish(quantized, rewrites: list, float_nodes) -> int:
-    """ptq's edits to what quantize_static wrote; how many roundings of the output scores were removed."""
-    if rewrites:
-        quantized_pads(quantized)
+def _finish(quantized, rewrites: list, float_nodes, placement: Placement) -> int:
+    """ptq's edits to what quantize_static wrote (the runtime's first); how many roundings of the output scores were removed."""
+    placement.after_write(quantized, rewrites)
     keep_float_layers(quantized, float_nodes)
     return float_scores(quantized)
 
 
-def _private_int8_pairs(quantized) -> list[str]:
-    added = private_activation_quantizers(quantized)
-    return [f"int8 activations read by several layers: {added} QuantizeLinear/DequantizeLinear pair(s) added, one per reader, the same "
-            "arithmetic (onnxruntime on x86 runs a layer on integer kernels only where its int8 input's pair has one reader)"] if added else []
-
-
-@dataclass(frozen=True)
-class Options(BackendOptions):
-    panel: ClassVar[str] = "onnxruntime (--backend onnxruntime)"
-    word: ClassVar[str] = "an onnxruntime option"
-
-    space_to_depth: bool | None = option(
-        None, "--space-to-depth/--no-space-to-depth", cli=bool,
-        help="Regroup convolutions the fast x86 int8 kernel handles poorly (input channels not a multiple of 4, like the RGB stem; fewer than 32 "
-             "output channels) over blocks of pixels along the width; same products, more zeros in the file. (default: on for uint8 activations "
-             "with int8 weights, where that kernel runs)")
-
-    def settle(self, common: CommonChoices) -> tuple[Options, CommonChoices]:
-        settled = self
-        if self.space_to_depth is None:  # on where it speeds the model up: uint8 activations x int8 weights
-            settled = replace(self, space_to_depth=(common.dtype, common.weight_dtype) == ("uint8", "int8"))
-        if common.weight_dtype == "uint8":
-            common = replace(common, overflow_fix=overflow.NO_FIX)  # u8 x u8 runs on a kernel that widens to 16 bits first: nothing to fix
-        return settled, common
-
-
-def qdq_options(settings: QuantizationSettings) -> Options:
-    return settings.options if isinstance(settings.options, Options) else Options(space_to_depth=False)

@@ -1,0 +1,85 @@
+"""Where a runtime wants the QDQ writer's quantizer pairs, and its edits around them: the rule the engine (qdq.py) asks
+of the runtime a model is made for, one small class per runtime. The base keeps the pairs as the writer places them;
+onnxruntime's x86 kernels want some convolutions regrouped before, their pads quantized after, and each int8 input's
+pair private to its reader. OpenVINO's IR is converted from a model placed for onnxruntime (backends/openvino.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+from ptq_cli.quantize import overflow
+from ptq_cli.quantize.settings import (
+    BackendOptions,
+    CommonChoices,
+    QuantizationSettings,
+    option,
+)
+from ptq_cli.transforms.qdq_edits import private_activation_quantizers
+from ptq_cli.transforms.space_to_depth import Rewrite, quantized_pads, space_to_depth_convs
+
+
+def private_int8_pairs(quantized) -> list[str]:
+    added = private_activation_quantizers(quantized)
+    return [f"int8 activations read by several layers: {added} QuantizeLinear/DequantizeLinear pair(s) added, one per reader, the same "
+            "arithmetic (onnxruntime on x86 runs a layer on integer kernels only where its int8 input's pair has one reader)"] if added else []
+
+
+@dataclass(frozen=True)
+class Options(BackendOptions):
+    panel: ClassVar[str] = "onnxruntime (--backend onnxruntime)"
+    word: ClassVar[str] = "an onnxruntime option"
+
+    space_to_depth: bool | None = option(
+        None, "--space-to-depth/--no-space-to-depth", cli=bool,
+        help="Regroup convolutions the fast x86 int8 kernel handles poorly (input channels not a multiple of 4, like the RGB stem; fewer than 32 "
+             "output channels) over blocks of pixels along the width; same products, more zeros in the file. (default: on for uint8 activations "
+             "with int8 weights, where that kernel runs)")
+
+    def settle(self, common: CommonChoices) -> tuple[Options, CommonChoices]:
+        settled = self
+        if self.space_to_depth is None:  # on where it speeds the model up: uint8 activations x int8 weights
+            settled = replace(self, space_to_depth=(common.dtype, common.weight_dtype) == ("uint8", "int8"))
+        if common.weight_dtype == "uint8":
+            common = replace(common, overflow_fix=overflow.NO_FIX)  # u8 x u8 runs on a kernel that widens to 16 bits first: nothing to fix
+        return settled, common
+
+
+def qdq_options(settings: QuantizationSettings) -> Options:
+    return settings.options if isinstance(settings.options, Options) else Options(space_to_depth=False)
+
+
+class Placement:
+    """The writer's pairs as it places them: no rewrite before it, no edit after."""
+
+    def rewrite(self, graph: Any, settings: QuantizationSettings, float_nodes: list[str]) -> tuple[Any, list[Rewrite]]:  # noqa: ARG002  a runtime's say
+        """The float graph as the writer is to see it, and the rewrites made (stored in the model)."""
+        return graph, []
+
+    def after_write(self, quantized: Any, rewrites: list[Rewrite]) -> None:  # noqa: ARG002  a runtime's say
+        """Edits of each graph the writer made, candidates included."""
+
+    def finished(self, quantized: Any) -> list[str]:  # noqa: ARG002  a runtime's say
+        """Edits of the model kept, after its refinements; notes on what they changed."""
+        return []
+
+
+class OnnxruntimeX86(Placement):
+    """onnxruntime's x86 int8 kernels: convolutions its fast kernel handles poorly regrouped over blocks of pixels
+    where the options ask (space-to-depth), their pads quantized, and each int8 input's pair made private to its reader
+    (a layer runs on integer kernels only where its input's pair has one reader)."""
+
+    def rewrite(self, graph: Any, settings: QuantizationSettings, float_nodes: list[str]) -> tuple[Any, list[Rewrite]]:
+        if qdq_options(settings).space_to_depth:
+            return space_to_depth_convs(graph, skip=set(float_nodes))  # a float conv gains nothing
+        return graph, []
+
+    def after_write(self, quantized: Any, rewrites: list[Rewrite]) -> None:
+        if rewrites:
+            quantized_pads(quantized)
+
+    def finished(self, quantized: Any) -> list[str]:
+        return private_int8_pairs(quantized)
+
+
+ONNXRUNTIME_X86 = OnnxruntimeX86()
