@@ -97,3 +97,24 @@ def test_run_points_a_saved_model_folder_to_convert(tmp_path):
     (tmp_path / "saved").mkdir()
     (tmp_path / "saved" / "saved_model.pb").write_bytes(b"")
     one_line_error(invoke("run", "--keras", "saved", "--data", "images", cwd=tmp_path), "--keras: saved is a folder; convert a SavedModel with ptq convert --keras")
+
+
+def test_a_saver_def_naming_another_node_does_not_exempt_it(tmp_path):
+    """The saver's nodes are left out of the op check only as what TensorFlow writes (calls of its checkpoint
+    functions): a saved_model.pb edited so that `restore_op_name` names a WriteFile node is refused by that op."""
+    from tensorflow.core.framework import attr_value_pb2, node_def_pb2
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    image_folder(tmp_path / "images")
+    folder = keras_export(tmp_path / "saved")
+    saved = saved_model_pb2.SavedModel()
+    saved.ParseFromString((folder / "saved_model.pb").read_bytes())
+    graph = saved.meta_graphs[0]
+    writer = node_def_pb2.NodeDef(name="restore_all", op="WriteFile", input=["saver_filename", "saver_filename"])
+    writer.attr["T"].CopyFrom(attr_value_pb2.AttrValue(type=7))
+    graph.graph_def.node.append(writer)
+    graph.saver_def.restore_op_name = "restore_all"
+    (folder / "saved_model.pb").write_bytes(saved.SerializeToString())
+    refused = invoke("convert", "--keras", "saved", "--output", "m.onnx", "--data", "images", cwd=tmp_path)
+    one_line_error(refused, "saved: a SavedModel using TensorFlow ops ptq does not run from a SavedModel (")
+    assert "WriteFile" in refused.stderr and not (tmp_path / "m.onnx").exists()

@@ -55,9 +55,10 @@ OPS = frozenset({
     "Gather", "GatherNd", "BroadcastTo", "BroadcastArgs", "Reverse", "ReverseV2", "OneHot", "Cumsum", "Where",
 })
 
-# The checkpoint functions TensorFlow writes into every SavedModel (save: SaveV2, restore: RestoreV2): the
-# attribute of the saver's nodes that names them.
-FUNCTION_ATTRIBUTE = "f"
+# The checkpoint functions TensorFlow writes into every SavedModel (save: SaveV2, restore: RestoreV2), called by the
+# saver's nodes; what they hold besides OPS. TensorFlow's loader restores variables with its own code, never these.
+CALLS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
+CHECKPOINT_OPS = frozenset({"SaveV2", "RestoreV2", "MergeV2Checkpoints", "ShardedFilename", "StringJoin", "StaticRegexFullMatch"})
 
 
 @dataclass(frozen=True)
@@ -190,14 +191,20 @@ def _called(node: Any) -> set[str]:
 
 def _check_ops(folder: Path, graph: Any) -> None:
     saver_nodes = {graph.saver_def.save_tensor_name.split(":")[0], graph.saver_def.restore_op_name.split(":")[0]} - {""}
-    checkpoint_functions = {name for node in graph.graph_def.node if node.name in saver_nodes for name in _called(node)}
-    nodes = [(node, None) for node in graph.graph_def.node if node.name not in saver_nodes]
-    nodes += [(node, function.signature.name) for function in graph.graph_def.library.function
-              if function.signature.name not in checkpoint_functions for node in function.node_def]
-    named = set().union(*(_called(node) for node, _ in nodes)) if nodes else set()
+    savers = [node for node in graph.graph_def.node if node.name in saver_nodes]
+    checkpoint_functions = {name for node in savers for name in _called(node)}
+    checkpoint_nodes = [node for function in graph.graph_def.library.function if function.signature.name in checkpoint_functions
+                        for node in function.node_def]
+    # The saver's own nodes only call its functions, and those only read and write checkpoints: a saver_def that names
+    # any other node, or a checkpoint function that does more, is not what TensorFlow writes.
+    odd = sorted({node.op for node in savers} - CALLS) + sorted({node.op for node in checkpoint_nodes} - OPS - CHECKPOINT_OPS)
+    nodes = [node for node in graph.graph_def.node if node.name not in saver_nodes]
+    nodes += [node for function in graph.graph_def.library.function if function.signature.name not in checkpoint_functions
+              for node in function.node_def]
+    named = set().union(*(_called(node) for node in nodes)) if nodes else set()
     if named & checkpoint_functions:
         raise PtqError(f"{folder}: a SavedModel whose graph calls its checkpoint functions ({', '.join(sorted(named & checkpoint_functions))}); refused")
-    foreign = sorted({node.op for node, _ in nodes} - OPS)
+    foreign = sorted(set(odd) | ({node.op for node in nodes} - OPS))
     if foreign:
         raise PtqError(f"{folder}: a SavedModel using TensorFlow ops ptq does not run from a SavedModel ({', '.join(foreign[:8])}"
                        f"{', ...' if len(foreign) > 8 else ''}); save the model as .keras and convert that")
