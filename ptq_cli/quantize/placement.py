@@ -27,6 +27,8 @@ def private_int8_pairs(quantized) -> list[str]:
 
 @dataclass(frozen=True)
 class Options(BackendOptions):
+    """onnxruntime's own options (its --help panel): what it asks of its placement."""
+
     panel: ClassVar[str] = "onnxruntime (--backend onnxruntime)"
     word: ClassVar[str] = "an onnxruntime option"
 
