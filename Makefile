@@ -14,11 +14,11 @@ install: $(VENV)/.installed qemu
 
 # qemu-user (Debian) runs onnxruntime's real kernels as an AVX2 CPU without VNNI, so that a VNNI machine
 # can measure the saturating int8 path (`ptq evaluate --int8-path saturating`); ptq says so when it is missing.
-# binutils' objdump finds the XGETBVs of ptq's copy of onnxruntime that runs those kernels natively (emulate.py).
+# Where Linux can fault CPUID, a C compiler builds ptq's shim that runs them natively instead (x86/emulate.py).
 qemu:
-	@{ command -v qemu-x86_64 && command -v objdump; } >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq qemu-user binutils >/dev/null; } || \
-		echo "qemu-user or binutils not installed (needs apt-get as root): the saturating int8 path runs slower, or not at all, on a VNNI CPU"
+	@command -v qemu-x86_64 >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq qemu-user >/dev/null; } || \
+		echo "qemu-user not installed (needs apt-get as root): the saturating int8 path runs slower, or not at all, on a VNNI CPU"
 
 # torch is pinned to 2.13.0, the local CPU build; onnx2torch goes in with --no-deps because its
 # metadata requires torchvision, whose registry build is CUDA-only (docs/pytorch.md).

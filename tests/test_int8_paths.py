@@ -20,7 +20,6 @@ from ptq_cli.guards import cache
 from ptq_cli.quantize import overflow
 from ptq_cli.quantize.judges import SATURATING_FIRST_LAYER
 from ptq_cli.quantize.settings import METHOD_MARGIN_DB
-from ptq_cli.services.measure import benchmark as benchmark_service
 from ptq_cli.services.models import load_model
 from ptq_cli.x86 import emulate
 
@@ -97,7 +96,7 @@ def test_quantize_is_for_all_cpus_by_default_and_stores_its_target(study):
     default = _quantize(study, "all.onnx")
     judged = dict(_settings(default)["overflow_fix_db"])  # no clamped activations: all-layers judged against first-layer on held-out images
     # first-layer on both x86 paths where this machine runs the saturating one at native speed (its Gemm can saturate)
-    both = cpu_info.current().int8_path == cpu_info.SATURATING or emulate.native_route(study / "conv.onnx") is not None
+    both = cpu_info.current().int8_path == cpu_info.SATURATING or emulate.runs_natively()
     assert list(judged) == [overflow.ALL_LAYERS, overflow.FIRST_LAYER, *([SATURATING_FIRST_LAYER] if both else [])]
     assert None not in judged.values()
     worse_first = min(db for fix, db in judged.items() if fix != overflow.ALL_LAYERS)
@@ -338,48 +337,12 @@ def test_masked_cpuid_runs_the_avx2_kernels_qemu_emulates_byte_for_byte(tmp_path
     batch = np.ones((2, 3, 8, 8), np.float32)
     signed = _grouped_qdq_classifier(tmp_path / "s8.onnx", 64, output_scale=1000.0)  # int8 weights at their worst case: saturates
     masked = emulate.scores_under_emulation(signed, batch)
-    monkeypatch.setattr(emulate, "native_route", lambda model_path: None)
-    assert emulate.describe(signed).startswith("qemu")
+    monkeypatch.setattr(emulate, "masking_shim", lambda: None)
+    assert emulate.describe().startswith("qemu")
     emulated = emulate.scores_under_emulation(signed, batch)
     assert masked.tobytes() == emulated.tobytes()
     exact = load_model(signed, exact_int8=cpu_info.current().int8_path == cpu_info.SATURATING).predict(batch)
     assert not np.array_equal(masked, exact)
-
-
-def test_onnxruntime_without_avx512_state_runs_the_avx2_kernels_qemu_emulates_byte_for_byte(tmp_path, monkeypatch):
-    """Where CPUID cannot be masked, onnxruntime's copy that sees no AVX-512 state runs the kernels qemu's Haswell runs:
-    the same bytes on a model that saturates, not the exact sums; and the copy differs from onnxruntime's own module
-    only where an XGETBV was."""
-    monkeypatch.setattr(emulate, "masking_shim", lambda: None)
-    copy = emulate.avx2_onnxruntime()
-    if copy is None or emulate.qemu() is None:
-        pytest.skip("no objdump (binutils), no AVX2 kernels behind hidden AVX-512 state, or no qemu-user: nothing to compare")
-    original = emulate._onnxruntime_extension()
-    before, after = np.frombuffer(original.read_bytes(), np.uint8), np.frombuffer(copy.read_bytes(), np.uint8)
-    changed = np.flatnonzero(before != after)
-    starts = [int(offset) for offset in changed if bytes(before[offset:offset + 3]) == emulate.XGETBV]
-    assert starts and set(changed) <= {offset + step for offset in starts for step in range(3)}
-    assert all(bytes(after[offset:offset + 3]) == emulate.XGETBV_AVX2 for offset in starts)
-    batch = np.ones((2, 3, 8, 8), np.float32)
-    signed = _grouped_qdq_classifier(tmp_path / "s8.onnx", 64, output_scale=1000.0)  # int8 weights at their worst case: saturates
-    assert emulate.native_route(signed) == "onnxruntime" and emulate.native_route(tmp_path / "m.pt") is None
-    hidden = emulate.scores_under_emulation(signed, batch)
-    monkeypatch.setattr(emulate, "native_route", lambda model_path: None)
-    assert hidden.tobytes() == emulate.scores_under_emulation(signed, batch).tobytes()
-    exact = load_model(signed, exact_int8=cpu_info.current().int8_path == cpu_info.SATURATING).predict(batch)
-    assert not np.array_equal(hidden, exact)
-
-
-@pytest.mark.parametrize("child", [emulate._child, benchmark_service._child])
-def test_a_child_that_loaded_onnxruntime_s_own_module_refuses_to_score(tmp_path, monkeypatch, child):
-    """Told to run onnxruntime's AVX2 copy, a child whose onnxruntime is its own (imported before the copy could take
-    its place) says so and measures nothing: its figures would be this CPU's own path's (scores, or a benchmark's times)."""
-    import onnxruntime  # noqa: F401  the module in place before the child's check
-
-    monkeypatch.setenv(emulate.AVX2_ONNXRUNTIME_ENV, str(tmp_path / "onnxruntime-avx2.so"))
-    with pytest.raises(SystemExit, match="onnxruntime does not take the AVX2 kernels"):
-        child(*[str(tmp_path / name) for name in ("m.onnx", "in.npy", "out.npy", "1")][: 4 if child is emulate._child else 3])
-    assert not (tmp_path / "out.npy").exists()
 
 
 def test_benchmark_times_the_kernels_of_cpus_without_vnni_in_records_of_their_own(study, monkeypatch):
@@ -390,12 +353,12 @@ def test_benchmark_times_the_kernels_of_cpus_without_vnni_in_records_of_their_ow
     models = ("--model", "conv.onnx", "--model", "all.onnx", "--runs", "2", "--batch-size", "4")
     monkeypatch.setattr(cpu_info, "current", lambda: WITH_VNNI)
     timed = invoke("benchmark", *models, "--int8-path", "saturating", "--json", cwd=study)
-    if emulate.native_route(study / "conv.onnx") is None:
+    if not emulate.runs_natively():
         one_line_error(timed, "conv.onnx")
         return
     assert timed.exit_code == 0, timed.output
     records = json.loads(timed.stdout)
-    assert [(record["int8_path"], record["int8_basis"]) for record in records] == [("saturating", emulate.describe(study / "conv.onnx"))] * 2
+    assert [(record["int8_path"], record["int8_basis"]) for record in records] == [("saturating", emulate.describe())] * 2
     assert records[1]["speedup_vs_fp32"] is not None
     native = json.loads(invoke("benchmark", *models, "--json", cwd=study).stdout)
     assert [record["int8_path"] for record in native] == [None, None]
@@ -411,9 +374,7 @@ def test_benchmark_times_the_kernels_of_cpus_without_vnni_in_records_of_their_ow
     assert any(line.startswith(f"* all.onnx: {row['saturating_speedup']:.2f}x") and "without VNNI" in line for line in lines)
     assert invoke("report", "--markdown", "report.md", cwd=study).exit_code == 0
     assert f"## Speed on x86 CPUs without VNNI\n\n- all.onnx: {row['saturating_speedup']:.2f}x" in (study / "report.md").read_text()
-    if emulate.native_route(study / "conv.onnx") == "onnxruntime":  # the copy changes onnxruntime's kernels, not OpenVINO's
-        one_line_error(invoke("benchmark", *models, "--also", "conv.onnx@openvino", "--int8-path", "saturating", cwd=study), "conv.onnx")
-    monkeypatch.setattr(emulate, "native_route", lambda _model_path, _runtime=None: None)
+    monkeypatch.setattr(emulate, "masking_shim", lambda: None)
     one_line_error(invoke("benchmark", *models, "--int8-path", "saturating", cwd=study), "conv.onnx")
     monkeypatch.setattr(cpu_info, "current", lambda: AVX2_ONLY)  # the CPU's own kernels saturate: timed here
     own = json.loads(invoke("benchmark", *models, "--int8-path", "saturating", "--json", cwd=study).stdout)
@@ -422,14 +383,13 @@ def test_benchmark_times_the_kernels_of_cpus_without_vnni_in_records_of_their_ow
 
 
 def test_by_default_cpuid_masked_scores_whole_splits_and_qemu_a_thousand_images(study, monkeypatch):
-    model = Path("m.onnx")
-    monkeypatch.setattr(emulate, "native_route", lambda model_path: None)
-    assert emulate.default_subset(4 * 3 * 32 * 32, model) == emulate.DEFAULT_SUBSET
-    monkeypatch.setattr(emulate, "native_route", lambda model_path: "masked")
-    assert emulate.default_subset(4 * 3 * 32 * 32, model) >= 10_000  # CIFAR-10's whole test set
-    assert emulate.default_subset(4 * 3 * 1024 * 1024, model) == emulate.DEFAULT_SUBSET  # 12 MB an image: a thousand, not 42
+    monkeypatch.setattr(emulate, "masking_shim", lambda: None)
+    assert emulate.default_subset(4 * 3 * 32 * 32) == emulate.DEFAULT_SUBSET
+    monkeypatch.setattr(emulate, "masking_shim", lambda: Path("avx2-cpuid.so"))
+    assert emulate.default_subset(4 * 3 * 32 * 32) >= 10_000  # CIFAR-10's whole test set
+    assert emulate.default_subset(4 * 3 * 1024 * 1024) == emulate.DEFAULT_SUBSET  # 12 MB an image: a thousand, not 42
     monkeypatch.undo()
-    if emulate.native_route(Path("vnni.onnx")) is None:
+    if not emulate.runs_natively():
         return
     monkeypatch.setattr(cpu_info, "current", lambda: WITH_VNNI)
     _quantize(study, "vnni.onnx", "--cpus", "vnni")
@@ -439,18 +399,14 @@ def test_by_default_cpuid_masked_scores_whole_splits_and_qemu_a_thousand_images(
     assert f"on all {record['images']} images" in record["int8_basis"] and record["exact_accuracy_same_images"] is not None
 
 
-@pytest.mark.parametrize(("made", "unavailable"), [
-    ("masking_shim", "this machine cannot mask CPUID (no CPUID faulting or no C compiler)"),
-    ("avx2_onnxruntime", "no objdump (binutils), or no AVX2 kernels behind hidden AVX-512 state on this CPU"),
-])
-def test_code_ptq_did_not_write_is_made_again_before_a_child_loads_it(made, unavailable):
-    """The shim and the copy of onnxruntime's module run in every emulated child: a file at their name that ptq did not
-    write (edited, or put there) is replaced by a fresh one, as a TorchScript file ptq did not write is refused."""
-    path = getattr(emulate, made)()
+def test_code_ptq_did_not_write_is_made_again_before_a_child_loads_it():
+    """The shim runs in every emulated child: a file at its name that ptq did not write (edited, or put there) is
+    replaced by a fresh one, as a TorchScript file ptq did not write is refused."""
+    path = emulate.masking_shim()
     if path is None:
-        pytest.skip(unavailable)
+        pytest.skip("this machine cannot mask CPUID (no CPUID faulting or no C compiler)")
     path.write_bytes(b"\x7fELF not ptq's")
-    assert getattr(emulate, made)() == path
+    assert emulate.masking_shim() == path
     assert path.read_bytes() != b"\x7fELF not ptq's" and cache.was_written(hashlib.sha256(path.read_bytes()).hexdigest())
 
 

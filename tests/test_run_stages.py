@@ -163,17 +163,12 @@ def test_the_study_emulates_the_whole_split_at_native_speed_and_500_images_under
     from ptq_cli.x86 import plan as int8_plan
 
     options = pipeline.StudyOptions(keras_model=None, data_dir=Path("colours.npz"))
-    onnx_model, torch_model = Path("models/m_int8.onnx"), Path("models/m_pytorch_int8.pt")
     monkeypatch.setattr(emulate, "masking_shim", lambda: Path("avx2-cpuid.so"))
-    assert int8_plan.emulated_images(options.emulated_images, onnx_model) is None and int8_plan.emulated_images(options.emulated_images, torch_model) is None
-    assert int8_plan.emulated_images(20, onnx_model) == 20
+    assert int8_plan.emulated_images(options.emulated_images) is None
+    assert int8_plan.emulated_images(20) == 20
     monkeypatch.setattr(emulate, "masking_shim", lambda: None)
-    monkeypatch.setattr(emulate, "avx2_onnxruntime", lambda: Path("onnxruntime-avx2.so"))
-    assert int8_plan.emulated_images(options.emulated_images, onnx_model) is None
-    assert int8_plan.emulated_images(options.emulated_images, torch_model) == int8_plan.RUN_EMULATED_IMAGES  # PyTorch's kernels: qemu
-    monkeypatch.setattr(emulate, "avx2_onnxruntime", lambda: None)
-    assert int8_plan.emulated_images(options.emulated_images, onnx_model) == int8_plan.RUN_EMULATED_IMAGES
-    assert int8_plan.emulated_images(20, onnx_model) == 20
+    assert int8_plan.emulated_images(options.emulated_images) == int8_plan.RUN_EMULATED_IMAGES
+    assert int8_plan.emulated_images(20) == 20
 
 
 def test_an_interrupted_run_goes_on_from_the_stage_it_stopped_at(project, monkeypatch):

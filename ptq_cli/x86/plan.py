@@ -86,9 +86,9 @@ def plan(info: ModelInfo, wanted: str | None, cpu: cpu_info.Cpu, model_path: Pat
     return Int8Plan(wanted, basis, exact_int8, saturating_int8)
 
 
-def emulated_images(asked: int | None, model: Path) -> int | None:
+def emulated_images(asked: int | None) -> int | None:
     """The images `ptq run` scores a model on the saturating path: as asked, else the evaluation's default (None) where
     its AVX2 kernels run natively here, RUN_EMULATED_IMAGES under qemu."""
     if asked is not None:
         return asked
-    return None if emulate.native_route(model) is not None else RUN_EMULATED_IMAGES
+    return None if emulate.runs_natively() else RUN_EMULATED_IMAGES

@@ -318,11 +318,9 @@ def on_avx2_kernels(request: BenchmarkRequest) -> list[BenchmarkRecord]:
     (emulate.run_on_avx2_kernels; never under qemu, whose pace says nothing of a CPU's): every model, FP32 ones
     too, so that the ratios are those of such a CPU. The pixels are chosen here, the records written here."""
     runs = [*((path, request.runtime) for path in request.models), *((path, runtime) for path, runtime, _ in request.also)]
-    for path, runtime in runs:
-        if emulate.native_route(path, runtime) is None:
-            raise PtqError(f"{path}: --int8-path saturating times the kernels of CPUs without VNNI natively; on this CPU (it has VNNI) they run "
-                           "so with CPUID masked (needs CPUID faulting and a C compiler) or, for ONNX models on onnxruntime, through a copy of "
-                           "onnxruntime (needs binutils' objdump), neither of which applies here")
+    if runs and not emulate.runs_natively():
+        raise PtqError(f"{runs[0][0]}: --int8-path saturating times the kernels of CPUs without VNNI natively; on this CPU (it has VNNI) they run "
+                       "so only with CPUID masked, which needs CPUID faulting and a C compiler, not both here")
     models = [path for path, _ in runs]
     if not models:
         return []
@@ -338,7 +336,7 @@ def on_avx2_kernels(request: BenchmarkRequest) -> list[BenchmarkRecord]:
         np.save(fed, pixels)
         emulate.run_on_avx2_kernels(__name__, [str(asked), str(fed), str(measured)], models[0], resolve_threads(request.threads))
         records = [from_dict(BenchmarkRecord, record) for record in json.loads(bounded.read_text(measured, "benchmark records"))]
-    return [replace(record, int8_path=SATURATING, int8_basis=emulate.describe(models[0])) for record in records]
+    return [replace(record, int8_path=SATURATING, int8_basis=emulate.describe()) for record in records]
 
 
 def _child(asked: str, fed: str, measured: str) -> None:

@@ -410,7 +410,7 @@ def _measure(model: LoadedModel, test: SplitImages, basis: str, batch_size: int,
             scores, seconds = _predict_split(model, test, batch_size, model_path, where, progress, reference)
         return np.arange(len(test.labels)), scores, seconds, None, basis
     if subset is None:
-        subset = emulate.default_subset(4 * model.input.channels * model.input.height * model.input.width, model_path)
+        subset = emulate.default_subset(4 * model.input.channels * model.input.height * model.input.width)
     chosen = emulate.subset_indices(test.labels, subset) if labels_fit else np.arange(min(subset, len(test.labels)))
     images, labels = test.take(chosen), test.labels[chosen]
     exact_scores, seconds = _predict(model, images, batch_size, model_path, where)
@@ -420,7 +420,7 @@ def _measure(model: LoadedModel, test: SplitImages, basis: str, batch_size: int,
     exact_same = round(100.0 * float(np.mean(exact_scores.argmax(axis=1) == labels)), 4) if labels_fit else None
     on_same = f"exact path on the same images: {exact_same:.2f}%" if exact_same is not None else "no labels"
     which = f"all {len(chosen):,} images" if len(chosen) == len(test.labels) else f"{len(chosen):,} of {len(test.labels):,} images (first of each class)"
-    basis = f"emulated ({emulate.describe(model_path)}) on {which}; {on_same}"
+    basis = f"emulated ({emulate.describe()}) on {which}; {on_same}"
     return chosen, scores.astype(np.float32), seconds, exact_same, basis
 
 

@@ -337,7 +337,7 @@ def _evaluate_stages(study: _Study) -> list[Stage]:
     other_path = next(path for path in cpu_info.INT8_PATHS if path != cpu_info.current().int8_path)
     for output, choice in study.quantized:
         made = quant_settings.make_settings(**choice)
-        emulated = int8_plan.emulated_images(study.options.emulated_images, output) if other_path == cpu_info.SATURATING else study.options.emulated_images
+        emulated = int8_plan.emulated_images(study.options.emulated_images) if other_path == cpu_info.SATURATING else study.options.emulated_images
         if int8_plan.other_path_measurable(made.backend, made.overflow_fix, other_path):
             stages.append(study.evaluation(f"evaluate {output.name} on the {other_path} int8 path", output,
                                            {**flag_options, "int8_path": other_path, "emulated_images": emulated},
