@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 import imagenet_size  # noqa: E402
 
-from ptq_cli import cpu as cpu_info  # noqa: E402
+from ptq_cli.x86 import cpu as cpu_info  # noqa: E402
 
 PEAK_BYTES, SECONDS = 2 * 10**9, 60.0
 # Each method as `ptq quantize` options: the speed target is its own configuration (uint8 x int8 per-channel, percentile).

@@ -34,7 +34,7 @@ sys.path[:0] = [str(REPO / "tests"), str(REPO / "benchmarks")]
 import imagenet_size  # noqa: E402
 from calibration_224 import PEAK_WRAPPER  # noqa: E402
 
-from ptq_cli import cpu as cpu_info  # noqa: E402
+from ptq_cli.x86 import cpu as cpu_info  # noqa: E402
 
 CONFIGS = {
     "default": [],  # onnxruntime's default: --target speed

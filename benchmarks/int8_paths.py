@@ -21,7 +21,7 @@ import json
 from pipeline import ptq, setup
 from rich.table import Table
 
-from ptq_cli import cpu as cpu_info
+from ptq_cli.x86 import cpu as cpu_info
 
 FP32 = "resnet8.onnx"
 SPEED = "resnet8_uint8_speed.onnx"

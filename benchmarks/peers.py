@@ -42,14 +42,14 @@ sys.path[:0] = [str(REPO / "tests"), str(REPO / "benchmarks")]
 import imagenet_size  # noqa: E402
 from imagenet_table import MODEL, prepare_workdir  # noqa: E402
 
-from ptq_cli import cpu as cpu_info  # noqa: E402
 from ptq_cli.datasets import open_dataset  # noqa: E402
 from ptq_cli.errors import PtqError  # noqa: E402
 from ptq_cli.inputs import PreprocessingFlags, parse_triple  # noqa: E402
 from ptq_cli.metrics import sqnr_db  # noqa: E402
 from ptq_cli.model_file import read_onnx  # noqa: E402
+from ptq_cli.services import models as model_service  # noqa: E402
 from ptq_cli.services.models import load_model  # noqa: E402
-from ptq_cli.x86 import emulate  # noqa: E402
+from ptq_cli.x86 import cpu as cpu_info  # noqa: E402
 
 PTQ_CONFIGS = {"default": [], "int8": ["--dtype", "int8"], "vnni": ["--cpus", "vnni"], "nearest": ["--rounding", "nearest"]}  # `--ptq` names
 PREPROCESSING_OPTIONS = ("--preprocess", "--scale", "--mean", "--std")
@@ -225,7 +225,7 @@ def main() -> None:
     rows = []
     for name, path, seconds in made:
         exact = load_model(path, exact_int8=True).predict(test)
-        saturating = emulate.scores_under_emulation(path, test[subset]) if exact_cpu else load_model(path).predict(test)
+        saturating = model_service.scores_under_emulation(path, test[subset]) if exact_cpu else load_model(path).predict(test)
         rows.append((name, path, seconds, fidelity(reference, exact), fidelity(reference[subset], saturating)))
         print(f"{name}: {seconds:.1f} s; exact {rows[-1][3]}; saturating {rows[-1][4]}", file=sys.stderr, flush=True)
     done = subprocess.run([sys.executable, "-m", "ptq_cli", "benchmark", "--model", model, *(part for row in rows for part in ("--model", row[1].name)),

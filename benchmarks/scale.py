@@ -36,8 +36,8 @@ from pipeline import ptq, setup
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "tests"), str(REPO / "benchmarks")]
 
-from ptq_cli import cpu as cpu_info  # noqa: E402
 from ptq_cli.services.executor import Workers, executor  # noqa: E402
+from ptq_cli.x86 import cpu as cpu_info  # noqa: E402
 
 TUNE = ["tune", "--max-float-layers", "0", "--method", "minmax", "--method", "percentile", "--validation-per-class", "100", "--json"]
 PROJECTED_CANDIDATES = 64

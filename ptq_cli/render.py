@@ -11,7 +11,6 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from ptq_cli.cpu import describe_record
 from ptq_cli.services.fetch import FetchResult
 from ptq_cli.services.make.calibration import CalibrationSet
 from ptq_cli.services.make.convert import LIMIT as CONVERSION_LIMIT
@@ -26,6 +25,7 @@ from ptq_cli.services.records import to_json
 from ptq_cli.services.study.pipeline import StageOutcome
 from ptq_cli.services.study.sensitivity import SensitivityResult
 from ptq_cli.services.study.tune import TuneResult, describe
+from ptq_cli.x86.cpu import describe_record
 
 
 def plain(value: Any) -> Any:  # noqa: PLR0911  one return per kind of value

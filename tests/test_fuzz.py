@@ -744,7 +744,7 @@ ENVIRONMENT = {
 def test_fuzz_environment(template, tmp_path_factory, data):
     """Limits at their extremes and CPU descriptions ptq cannot read (a FIFO, a device, random bytes): one line or a right
     result, never a hang, a traceback or a guessed int8 path."""
-    from ptq_cli import cpu as cpu_info
+    from ptq_cli.x86 import cpu as cpu_info
 
     work = project(template, tmp_path_factory)
     variable = data.draw(st.sampled_from(sorted(ENVIRONMENT)), label="variable")
@@ -992,7 +992,7 @@ def test_fuzz_blocking_files(template, tmp_path_factory, data):
         command = ("evaluate", "--model", "models/m.onnx", "--data", "colours.npz", "--results-dir", "res")
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("PTQ_CPUINFO", BLOCKING[0])
-            from ptq_cli import cpu
+            from ptq_cli.x86 import cpu
 
             cpu.current.cache_clear()
             try:

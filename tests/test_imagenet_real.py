@@ -11,7 +11,7 @@ import imagenet_size
 import pytest
 from conftest import CIFAR, ptq, ptq_ok
 
-from ptq_cli import cpu as cpu_info
+from ptq_cli.x86 import cpu as cpu_info
 
 pytestmark = pytest.mark.real_assets
 

@@ -15,12 +15,13 @@ import pytest
 from conftest import CIFAR, cifar_split
 from synthetic import conv_classifier, image_folder, invoke, one_line_error
 
-from ptq_cli import cpu as cpu_info
 from ptq_cli.guards import cache
 from ptq_cli.quantize import overflow
 from ptq_cli.quantize.judges import SATURATING_FIRST_LAYER
 from ptq_cli.quantize.settings import METHOD_MARGIN_DB
+from ptq_cli.services import models as model_service
 from ptq_cli.services.models import load_model
+from ptq_cli.x86 import cpu as cpu_info
 from ptq_cli.x86 import emulate
 
 AVX2_ONLY = cpu_info.Cpu("Test AVX2 CPU", "x86_64", ("avx2",))
@@ -118,7 +119,7 @@ def test_quantize_is_for_all_cpus_by_default_and_stores_its_target(study):
 
 @pytest.mark.parametrize("reached", [True, False])
 def test_first_layer_is_judged_by_its_worse_x86_path(study, monkeypatch, reached):
-    """On a VNNI CPU the judge asks the service's way to the saturating path (emulate.native_scores): here one that
+    """On a VNNI CPU the judge asks the service's way to the saturating path (services/models.py native_scores): here one that
     answers scores far from FP32's, so first-layer loses there whatever it measures on the exact path; where the
     path is not reached at native speed, the judge says it measured the exact path only."""
     asked = []
@@ -128,7 +129,7 @@ def test_first_layer_is_judged_by_its_worse_x86_path(study, monkeypatch, reached
         return np.full((len(batch), 3), 100.0, np.float32) if reached else None
 
     monkeypatch.setattr(cpu_info, "current", lambda: WITH_VNNI)
-    monkeypatch.setattr(emulate, "native_scores", saturating_scores)
+    monkeypatch.setattr(model_service, "native_scores", saturating_scores)
     result = invoke("quantize", "--model", "conv.onnx", "--data", "imgs", "--target", "speed", "--no-space-to-depth", "--output", "m.onnx",
                     "--json", cwd=study)
     assert result.exit_code == 0, result.output
@@ -160,7 +161,7 @@ def test_resnet8_speed_model_for_vnni_saturates_and_the_default_one_does_not(pip
         if cpu_info.current().int8_path == cpu_info.SATURATING:
             exact, saturating = load_model(path, exact_int8=True).predict(batch), load_model(path).predict(batch)
         else:
-            exact, saturating = load_model(path).predict(batch), emulate.scores_under_emulation(path, batch)
+            exact, saturating = load_model(path).predict(batch), model_service.scores_under_emulation(path, batch)
         return float(np.mean(exact.argmax(axis=1) == saturating.argmax(axis=1)))
 
     assert agreement("resnet8_uint8_speed.onnx") >= 0.99  # default: first-layer pair rule
@@ -299,7 +300,7 @@ def test_depthwise_convolutions_cannot_saturate_and_need_no_pair_rule(tmp_path, 
     if cpu_info.current().int8_path == cpu_info.SATURATING:
         exact, saturating = load_model(path, exact_int8=True).predict(batch), load_model(path).predict(batch)
     else:
-        exact, saturating = load_model(path).predict(batch), emulate.scores_under_emulation(path, batch)
+        exact, saturating = load_model(path).predict(batch), model_service.scores_under_emulation(path, batch)
     proven, _ = overflow.saturation_proof(onnx.load(str(path)))
     assert proven == (in_per_group == 1)
     assert np.array_equal(exact, saturating) == (in_per_group == 1)
@@ -315,7 +316,7 @@ def test_uint8_weights_under_uint8_activations_cannot_saturate_and_are_proven(tm
     def both_paths(path: Path) -> tuple[np.ndarray, np.ndarray]:
         if cpu_info.current().int8_path == cpu_info.SATURATING:
             return load_model(path, exact_int8=True).predict(batch), load_model(path).predict(batch)
-        return load_model(path).predict(batch), emulate.scores_under_emulation(path, batch)
+        return load_model(path).predict(batch), model_service.scores_under_emulation(path, batch)
 
     # An output scale wide enough for the exact sums (64 x 9 x 255): a saturated sum would land on another code.
     unsigned = _grouped_qdq_classifier(tmp_path / "u8u8.onnx", 64, unsigned_weights=True, output_scale=1000.0)
@@ -336,10 +337,10 @@ def test_masked_cpuid_runs_the_avx2_kernels_qemu_emulates_byte_for_byte(tmp_path
         pytest.skip("this machine cannot mask CPUID (no CPUID faulting or no C compiler) or has no qemu-user: nothing to compare")
     batch = np.ones((2, 3, 8, 8), np.float32)
     signed = _grouped_qdq_classifier(tmp_path / "s8.onnx", 64, output_scale=1000.0)  # int8 weights at their worst case: saturates
-    masked = emulate.scores_under_emulation(signed, batch)
+    masked = model_service.scores_under_emulation(signed, batch)
     monkeypatch.setattr(emulate, "masking_shim", lambda: None)
     assert emulate.describe().startswith("qemu")
-    emulated = emulate.scores_under_emulation(signed, batch)
+    emulated = model_service.scores_under_emulation(signed, batch)
     assert masked.tobytes() == emulated.tobytes()
     exact = load_model(signed, exact_int8=cpu_info.current().int8_path == cpu_info.SATURATING).predict(batch)
     assert not np.array_equal(masked, exact)
@@ -416,7 +417,7 @@ def test_a_child_whose_cpuid_is_not_masked_refuses_to_score(tmp_path, monkeypatc
     monkeypatch.setenv(emulate.MASKED_ENV, "1")
     assert not emulate.masked_here()
     with pytest.raises(SystemExit, match="CPUID is not masked"):
-        emulate._child(str(tmp_path / "m.onnx"), str(tmp_path / "in.npy"), str(tmp_path / "out.npy"), "1")
+        model_service._child(str(tmp_path / "m.onnx"), str(tmp_path / "in.npy"), str(tmp_path / "out.npy"), "1")
     assert not (tmp_path / "out.npy").exists()
 
 def test_the_all_layers_fix_leaves_depthwise_weights_at_full_precision(tmp_path):

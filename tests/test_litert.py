@@ -162,8 +162,8 @@ def test_tflite_on_the_speed_models_ranges_agrees_with_it_more_than_on_the_conve
     input's scale."""
     from conftest import cifar_split
 
-    from ptq_cli import cpu as cpu_info
     from ptq_cli.services.models import load_model
+    from ptq_cli.x86 import cpu as cpu_info
 
     # The study's own calibration set, and the data named whole: PTQ_ASSETS may be relative to the repository.
     # Every model rounded to nearest, the ranges a percentile's (a grid the converter's MinMax does not give):

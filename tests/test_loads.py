@@ -11,7 +11,7 @@ import pytest
 from synthetic import colours_project, invoke
 
 from ptq_cli import backends, settings
-from ptq_cli import cpu as cpu_info
+from ptq_cli.x86 import cpu as cpu_info
 
 
 @pytest.fixture

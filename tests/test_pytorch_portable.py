@@ -16,10 +16,11 @@ import pytest
 from onnx import helper, numpy_helper
 from synthetic import depthwise_classifier, invoke, one_line_error, smooth_photos, two_conv_classifier
 
-from ptq_cli import cpu as cpu_info
 from ptq_cli.backends import pytorch
 from ptq_cli.quantize import overflow, torch_ao
 from ptq_cli.quantize.settings import METHOD_MARGIN_DB
+from ptq_cli.services import models as model_service
+from ptq_cli.x86 import cpu as cpu_info
 
 
 def _wide_classifier(path: Path) -> Path:
@@ -115,12 +116,11 @@ def test_a_proven_model_s_saturating_path_is_what_fbgemm_computes_without_vnni(p
     fbgemm (a Keras MobileNetV3-Small's scores 50 dB apart); a model that cannot saturate is scored for CPUs without VNNI
     in fbgemm, and the emulated CPU without VNNI computes the same."""
     from ptq_cli.services.models import load_model
-    from ptq_cli.x86 import emulate
 
     _made(project, "wide_8.pt", "--activation-bits", "8", "--method", "minmax", model="wide.onnx")
     model = load_model(project / "wide_8.pt", saturating_int8=True)
     images = np.random.default_rng(0).uniform(0, 1, (16, 3, 32, 32)).astype(np.float32)  # as --preprocess unit feeds
-    emulated = emulate.scores_under_emulation(project / "wide_8.pt", images)
+    emulated = model_service.scores_under_emulation(project / "wide_8.pt", images)
     np.testing.assert_allclose(model.predict(images), emulated, rtol=1e-6, atol=1e-6 * float(np.abs(emulated).max()))
     result = invoke("evaluate", "--model", "wide_8.pt", "--data", "test", "--against-fp32", "wide.onnx", "--int8-path", "saturating", "--json",
                     cwd=project)

@@ -156,7 +156,7 @@ def test_a_stage_task_that_may_fail_returns_its_error_and_one_that_may_not_raise
 
 def test_the_study_emulates_the_whole_split_at_native_speed_and_500_images_under_qemu(monkeypatch):
     """On a VNNI CPU a model's saturating-path stage scores evaluate's default (the whole test split) where its AVX2
-    kernels run natively (CPUID masked; onnxruntime's also without AVX-512 state), RUN_EMULATED_IMAGES under qemu
+    kernels run natively (CPUID masked), RUN_EMULATED_IMAGES under qemu
     (about 100x slower), and always the count the user names."""
     from ptq_cli.services.study import pipeline
     from ptq_cli.x86 import emulate

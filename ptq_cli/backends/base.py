@@ -27,8 +27,7 @@ from ptq_cli.model_file import (  # noqa: F401  the metadata keys, named here fo
 )
 from ptq_cli.quantize.overflow import FIRST_LAYER, OVERFLOW_FIXES
 from ptq_cli.quantize.settings import BackendOptions, QuantizationSettings, QuantizedFile
-
-EMULATE = "emulate"  # an int8 path reached by emulating a CPU of the other kind (Int8Paths.basis)
+from ptq_cli.x86.paths import Int8Paths
 
 
 @dataclass(frozen=True)
@@ -129,19 +128,6 @@ class Runtime:
     precisions: tuple[str, ...] = ()  # its inference precision hints; the first is the default
     spins_when_idle: bool = False  # its idle threads spin after a run: benchmarked apart from the others
     microcontroller: bool = False  # runs the kernels a microcontroller runs: `ptq run` scores every file it takes on it too
-
-
-@dataclass(frozen=True)
-class Int8Paths:
-    """A runtime whose x86 int8 kernels differ between CPUs with and without VNNI: whether the path this CPU does
-    not take can be scored here for a model made with an overflow fix (`reaches(overflow_fix, path)`), and how
-    (`basis(model file, its settings, path)`: words for the record, or EMULATE; a PtqError where it cannot)."""
-
-    reaches: Callable[[str | None, str], bool]
-    basis: Callable[[Path, dict | None, str], str]
-    # Where a proof gives the saturating path on a VNNI CPU: scored with the runtime's kernels for CPUs without VNNI
-    # (RunOptions.saturating_int8), which compute there what they compute here; else this CPU's own compute the same.
-    proof_loads_saturating_kernels: bool = False
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from ptq_cli import inputs
-from ptq_cli.backends.base import EMULATE, Backend, Int8Paths, LoadedModel, Quantizer, RunOptions, Runtime, finish_load
-from ptq_cli.cpu import EXACT
+from ptq_cli.backends.base import Backend, LoadedModel, Quantizer, RunOptions, Runtime, finish_load
 from ptq_cli.errors import PtqError, first_line
 from ptq_cli.model_file import (
     EXACT_PATH_CONFIG,
@@ -30,6 +29,8 @@ from ptq_cli.quantize.placement import ONNXRUNTIME_X86, Options
 from ptq_cli.quantize.settings import (
     QuantizationSettings,
 )
+from ptq_cli.x86.cpu import EXACT
+from ptq_cli.x86.paths import EMULATE, Int8Paths
 
 NAME, SUFFIX = qdq.WRITER, qdq.SUFFIX  # the engine's QDQ models are this runtime's
 # Batches smaller than this per thread are run whole: splitting them costs more than it saves.

@@ -16,8 +16,7 @@ import numpy as np
 
 from ptq_cli import inputs
 from ptq_cli.backends import base
-from ptq_cli.backends.base import EMULATE, Backend, Int8Paths, LoadedModel, Quantizer, RunOptions, Runtime, describe_settings, finish_load
-from ptq_cli.cpu import SATURATING
+from ptq_cli.backends.base import Backend, LoadedModel, Quantizer, RunOptions, Runtime, describe_settings, finish_load
 from ptq_cli.errors import PtqError, first_line
 from ptq_cli.guards import bounded, trust
 from ptq_cli.guards.atomic import atomic_output
@@ -50,6 +49,8 @@ from ptq_cli.quantize.torch_ao import (
 )
 from ptq_cli.transforms.graph import generated_node_names, preprocess, static_reshape_targets
 from ptq_cli.transforms.torch_compat import import_onnx2torch, quiet_torch_quantization_warnings
+from ptq_cli.x86.cpu import SATURATING
+from ptq_cli.x86.paths import EMULATE, Int8Paths
 
 NAME = "pytorch"
 SUFFIX = ".pt"

@@ -17,7 +17,6 @@ from typing import Annotated, Any
 import typer
 
 from ptq_cli import backends, settings
-from ptq_cli import cpu as cpu_info
 from ptq_cli import inputs as inputs_service
 from ptq_cli.datasets import Dataset, open_dataset
 from ptq_cli.errors import PtqError
@@ -31,6 +30,7 @@ from ptq_cli.services import quant_settings
 from ptq_cli.services.make import calibration as calibration_service
 from ptq_cli.services.make import prune as prune_service
 from ptq_cli.services.make import stem as stem_service
+from ptq_cli.x86 import cpu as cpu_info
 from ptq_cli.x86 import plan as int8_plan
 
 

@@ -14,8 +14,6 @@ from typing import Any
 
 import numpy as np
 
-from ptq_cli import cpu as cpu_info
-from ptq_cli.cpu import SATURATING
 from ptq_cli.errors import PtqError, first_line
 from ptq_cli.model_file import (
     resolve_threads,
@@ -48,6 +46,9 @@ from ptq_cli.transforms.graph import (
     computing_only,
     part_after,
 )
+from ptq_cli.x86 import cpu as cpu_info
+from ptq_cli.x86 import paths as int8_paths
+from ptq_cli.x86.cpu import SATURATING
 
 SEARCH_FED_BYTES = 512 << 20  # the tensors the range search keeps to feed the part after a scale, at most; past it, whole runs
 
@@ -235,7 +236,7 @@ def _saturating_figure(job: Job, model, name: str, images: np.ndarray, reference
 
 def _saturating_outputs(model, name: str, input_name: str, images: np.ndarray, threads: int, workdir: Path) -> np.ndarray | None:
     """The tensor `name` on the saturating x86 int8 path: this CPU's own kernels where they saturate, else onnxruntime's
-    AVX2 kernels where this machine runs them natively (cpu_info.saturating_outputs); None where neither can."""
+    AVX2 kernels where this machine runs them natively (x86/paths.saturating_outputs); None where neither can."""
     import onnx
 
     if cpu_info.current().int8_path == SATURATING:
@@ -250,7 +251,7 @@ def _saturating_outputs(model, name: str, input_name: str, images: np.ndarray, t
     path = workdir / "saturating-judge.onnx"
     onnx.save(cut, str(path))
     try:
-        return cpu_info.saturating_outputs(path, images, threads)
+        return int8_paths.saturating_outputs(path, images, threads)
     finally:
         path.unlink(missing_ok=True)
 

@@ -9,9 +9,9 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ptq_cli.cpu import ALL
 from ptq_cli.errors import PtqError
 from ptq_cli.quantize.overflow import NO_FIX
+from ptq_cli.x86.cpu import ALL
 
 ProgressCallback = Callable[[int, int], None]  # (images done, images in all): a backend's calibration progress
 

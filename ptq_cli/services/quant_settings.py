@@ -7,12 +7,12 @@ from typing import Any
 
 from ptq_cli import backends
 from ptq_cli.backends.base import Quantizer, describe_settings, short_node
-from ptq_cli.cpu import ALL, CPU_TARGETS, VNNI
 from ptq_cli.errors import PtqError
 from ptq_cli.quantize.overflow import ALL_LAYERS, FIRST_LAYER, NO_FIX
 from ptq_cli.quantize.rounding import AUTO as AUTO_ROUNDING
 from ptq_cli.quantize.rounding import LEARNED, NEAREST, ROUNDING_CHOICES
 from ptq_cli.quantize.settings import INT4, PER_IMAGE, PER_IMAGE_PERCENTILE, CommonChoices, QuantizationSettings
+from ptq_cli.x86.cpu import ALL, CPU_TARGETS, VNNI
 
 __all__ = ["QuantizationSettings", "describe_cpus", "describe_method", "describe_model", "describe_quantization", "make_settings", "short_node"]
 

@@ -8,7 +8,7 @@ Two ways to it, the first that works on this machine:
 - `qemu-x86_64 -cpu Haswell` (Debian's qemu-user): user-mode emulation of an AVX2 CPU, ten to a hundred times slower.
 Both give the same bytes (tests/test_int8_paths.py). A stratified subset (`subset_indices`) is scored either way: by
 default the whole split where it fits MASKED_INPUT_BYTES at native speed, DEFAULT_SUBSET images under qemu.
-Run as `python -m ptq_cli.x86.emulate MODEL INPUTS.npy OUTPUT.npy THREADS`, it is that child.
+The children are the services' (services/models.py scores a model, services/measure/benchmark.py times one).
 """
 
 from __future__ import annotations
@@ -147,30 +147,6 @@ def subset_indices(labels: np.ndarray, size: int) -> np.ndarray:
     return np.sort(chosen)[:size] if len(chosen) > size else np.sort(chosen)
 
 
-def scores_under_emulation(model_path: Path, batch: np.ndarray, threads: int = 1) -> np.ndarray:
-    """The model's scores on `batch` (already in its input format), computed as an AVX2 CPU without VNNI
-    computes them, by the model's own runtime (onnxruntime or PyTorch)."""
-    with tempfile.TemporaryDirectory(prefix="ptq-emulate-") as workdir:
-        inputs, outputs = Path(workdir) / "inputs.npy", Path(workdir) / "scores.npy"
-        np.save(inputs, batch)
-        run_on_avx2_kernels(__name__, [str(Path(model_path).resolve()), str(inputs), str(outputs), str(threads)], model_path, threads,
-                            emulated=True)
-        if not outputs.is_file():
-            raise PtqError(f"{model_path}: emulation ({describe()}) wrote no scores")
-        return np.load(outputs, allow_pickle=False)
-
-
-def native_scores(model_path: Path, batch: np.ndarray, threads: int = 1) -> np.ndarray | None:
-    """`scores_under_emulation` where this machine runs the model's AVX2 kernels natively, at a judge's pace (qemu's is
-    about a hundred times slower): None there, and where the emulation fails."""
-    if not runs_natively():
-        return None
-    try:
-        return scores_under_emulation(model_path, batch, threads)
-    except PtqError:
-        return None
-
-
 def run_on_avx2_kernels(module: str, arguments: list[str], model_path: Path, threads: int, emulated: bool = False) -> None:
     """`python -m module arguments` in a child whose runtime takes the AVX2 kernels: natively (CPUID masked), else
     under qemu where `emulated` allows it. The child calls `enter_avx2_child` first. A PtqError naming `model_path` where none can, or the child fails."""
@@ -197,17 +173,3 @@ def enter_avx2_child() -> None:
     """In a child `run_on_avx2_kernels` started: exits unless its runtime takes the AVX2 kernels after all."""
     if os.environ.get(MASKED_ENV) and not masked_here():
         sys.exit("CPUID is not masked in this process: its answers would be this CPU's own")
-
-
-def _child(model: str, inputs: str, outputs: str, threads: str) -> None:
-    enter_avx2_child()
-    from ptq_cli import backends
-    from ptq_cli.backends.base import RunOptions
-
-    loaded = backends.for_file(Path(model)).runtime.load(Path(model), RunOptions(int(threads)))  # qemu runs each guest thread on a host thread
-    batch = np.load(inputs, allow_pickle=False)
-    np.save(outputs, np.concatenate([loaded.predict(part) for part in np.array_split(batch, max(1, -(-len(batch) // 256)))]))
-
-
-if __name__ == "__main__":
-    _child(*sys.argv[1:5])

@@ -1,17 +1,17 @@
 """Which x86 int8 path a figure holds for, and how this machine gets it: the plan evaluate, benchmark and `ptq run`
-read. cpu.py says which path this CPU takes natively; a backend's Int8Paths what its runtime can do on the other
-(a session switch, a proof, kernels it can load); emulate.py how the other path's kernels run here at all."""
+read. cpu.py says which path this CPU takes natively; a backend's Int8Paths (paths.py) what its runtime can do on
+the other (a session switch, a proof, kernels it can load); emulate.py how the other path's kernels run here at all.
+The plan reads a model as an Int8Model, which the services make from a loaded model's description."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from ptq_cli import backends
-from ptq_cli import cpu as cpu_info
-from ptq_cli.backends.base import EMULATE, ModelInfo
 from ptq_cli.errors import PtqError
+from ptq_cli.x86 import cpu as cpu_info
 from ptq_cli.x86 import emulate
+from ptq_cli.x86.paths import EMULATE, Int8Paths
 
 NATIVE = "native"  # a figure's basis: the CPU's own kernels
 # What `evaluate --int8-path` and `benchmark --int8-path` take besides the two paths themselves.
@@ -22,6 +22,16 @@ KERNEL_PATH_CHOICES = (NATIVE_PATH, cpu_info.SATURATING)  # benchmark: this CPU'
 # speed) `ptq run` scores what `evaluate` does by default, the whole test split; under qemu (about 35 to 70 s for
 # 1,000 images on 2 cores) this many, so that `ptq run` stays within minutes.
 RUN_EMULATED_IMAGES = 500
+
+
+@dataclass(frozen=True)
+class Int8Model:
+    """What the plan reads of one model: its file, its runtime's int8 paths (None for a float model, or a runtime
+    whose x86 int8 kernels do not differ by CPU) and its quantization settings."""
+
+    path: Path
+    paths: Int8Paths | None
+    settings: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -45,22 +55,22 @@ def paths_asked(choice: str) -> tuple[str | None, ...]:
     return {NATIVE_PATH: (None,), BOTH_PATHS: cpu_info.INT8_PATHS}.get(choice, (choice,))
 
 
-def other_path_measurable(runtime: str, overflow_fix: str | None, int8_path: str) -> bool:
-    """Whether an 8-bit model of `runtime` made with `overflow_fix` can be scored on `int8_path` on this CPU (PyTorch's
-    exact path away from a VNNI CPU only by proof)."""
-    paths = backends.backend(runtime).int8_paths
+def other_path_measurable(paths: Int8Paths | None, overflow_fix: str | None, int8_path: str) -> bool:
+    """Whether an 8-bit model of a runtime with these `paths` made with `overflow_fix` can be scored on `int8_path` on
+    this CPU (PyTorch's exact path away from a VNNI CPU only by proof)."""
     return paths is not None and paths.reaches(overflow_fix, int8_path)
 
 
-def paths_to_measure(info: ModelInfo, asked: tuple[str | None, ...]) -> tuple[str | None, ...]:
+def paths_to_measure(model: Int8Model, asked: tuple[str | None, ...]) -> tuple[str | None, ...]:
     """The paths to score a model on: both only where they differ by CPU (8-bit onnxruntime and PyTorch models) and
     can be reached here; one otherwise."""
     if len(asked) < 2:
         return asked
-    if info.dtype == "fp32" or backends.backend(info.runtime).int8_paths is None:
+    if model.paths is None:
         return (None,)
-    fix = (info.quantization or {}).get("overflow_fix")
-    return tuple(path for path in asked if path == cpu_info.current().int8_path or (path is not None and other_path_measurable(info.runtime, fix, path)))
+    fix = (model.settings or {}).get("overflow_fix")
+    here = cpu_info.current().int8_path
+    return tuple(path for path in asked if path == here or (path is not None and other_path_measurable(model.paths, fix, path)))
 
 
 def needs_exact_switch(wanted: str | None, cpu: cpu_info.Cpu) -> bool:
@@ -68,19 +78,19 @@ def needs_exact_switch(wanted: str | None, cpu: cpu_info.Cpu) -> bool:
     return wanted == cpu_info.EXACT and cpu.int8_path == cpu_info.SATURATING
 
 
-def plan(info: ModelInfo, wanted: str | None, cpu: cpu_info.Cpu, model_path: Path) -> Int8Plan:
+def plan(model: Int8Model, wanted: str | None, cpu: cpu_info.Cpu) -> Int8Plan:
     """The plan for a model (as loaded for `wanted`) on this CPU; a PtqError where a path is asked of a model whose
     figures hold on every x86 CPU."""
-    paths, exact_int8 = backends.backend(info.runtime).int8_paths, needs_exact_switch(wanted, cpu)
-    if info.dtype == "fp32" or paths is None:
+    paths, exact_int8 = model.paths, needs_exact_switch(wanted, cpu)
+    if paths is None:
         if wanted not in (None, cpu.int8_path):
-            raise PtqError(f"--int8-path {wanted}: {model_path} is not an 8-bit model of a runtime whose kernels differ by x86 CPU "
+            raise PtqError(f"--int8-path {wanted}: {model.path} is not an 8-bit model of a runtime whose kernels differ by x86 CPU "
                            "(its figures hold on every x86 CPU)")
         return Int8Plan(None, "", exact_int8)
     wanted = wanted or cpu.int8_path
     if wanted == cpu.int8_path:
         return Int8Plan(wanted, NATIVE, exact_int8)
-    basis = paths.basis(model_path, info.quantization, wanted)
+    basis = paths.basis(model.path, model.settings, wanted)
     saturating_int8 = (wanted == cpu_info.SATURATING and cpu.int8_path == cpu_info.EXACT and basis not in (NATIVE, EMULATE)
                        and paths.proof_loads_saturating_kernels)
     return Int8Plan(wanted, basis, exact_int8, saturating_int8)

@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 
 from ptq_cli import backends
-from ptq_cli import cpu as cpu_info
 from ptq_cli.errors import PtqError
 from ptq_cli.guards import bounded
 from ptq_cli.metrics import sqnr_db
@@ -25,6 +24,7 @@ from ptq_cli.quantize.overflow import NO_FIX
 from ptq_cli.quantize.settings import AUTO_METHOD, QuantizationSettings
 from ptq_cli.services.models import load_model
 from ptq_cli.services.records import from_dict, model_key, record_files, write_record
+from ptq_cli.x86 import cpu as cpu_info
 
 MAX_IMAGES = 256  # calibration images both models are measured on, at most
 

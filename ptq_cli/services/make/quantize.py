@@ -10,7 +10,6 @@ from typing import Any
 import numpy as np
 
 from ptq_cli import backends, inputs
-from ptq_cli import cpu as cpu_info
 from ptq_cli.backends.base import QUANTIZATION_METADATA_KEY, SOURCE_METADATA_KEY, LoadedModel
 from ptq_cli.errors import PtqError
 from ptq_cli.guards import bounded
@@ -18,13 +17,14 @@ from ptq_cli.guards.atomic import check_outputs, check_writable, companions
 from ptq_cli.model_file import read_onnx
 from ptq_cli.quantize import overflow, reuse
 from ptq_cli.quantize.settings import QuantizationSettings, QuantizedFile
+from ptq_cli.services import models as model_service
 from ptq_cli.services.make import portability
 from ptq_cli.services.make.calibration import CalibrationSet, for_model
 from ptq_cli.services.make.stem import resolve_stem
 from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressBar, ProgressCallback, no_progress_bar
 from ptq_cli.transforms.graph import clamped_activations, dense_initializers, depthwise_convs, fixed_input_size, upgrade_opset
-from ptq_cli.x86 import emulate
+from ptq_cli.x86 import paths as int8_paths
 
 # QDQ needs opset 10; per-channel QDQ needs 13. Older models are converted to this opset first.
 MIN_OPSET, MIN_OPSET_PER_CHANNEL, UPGRADE_OPSET = 10, 13, 13
@@ -148,7 +148,7 @@ def quantize_source(source: SourceModel, output: Path, settings: QuantizationSet
     }
     quantize_with = backends.backend(settings.backend).quantizes.quantize
     # A backend reports its calibration's progress if it takes a `progress` callback (a plugin's may not).
-    with cpu_info.reaching_saturating_path(emulate.native_scores):  # the judges of an overflow fix measure both x86 paths
+    with int8_paths.reaching_saturating_path(model_service.native_scores):  # the judges of an overflow fix measure both x86 paths
         return quantize_with(source.model, Path(output), settings, prepared, stored, **({"progress": progress} if progress else {}))
 
 

@@ -16,9 +16,7 @@ import numpy as np
 
 import ptq_cli
 from ptq_cli import backends
-from ptq_cli import cpu as cpu_info
 from ptq_cli.backends.base import LoadedModel
-from ptq_cli.cpu import EXACT, SATURATING
 from ptq_cli.datasets import Dataset
 from ptq_cli.errors import PtqError
 from ptq_cli.guards import bounded
@@ -30,7 +28,9 @@ from ptq_cli.services.measure.evaluation_records import record_file
 from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressBar, ProgressCallback, Steps, no_progress_bar
 from ptq_cli.services.records import MeasurementKey, from_dict, record_files, write_record
+from ptq_cli.x86 import cpu as cpu_info
 from ptq_cli.x86 import emulate
+from ptq_cli.x86.cpu import EXACT, SATURATING
 from ptq_cli.x86.plan import NATIVE_PATH
 
 BENCHMARK_DIR = "benchmarks"  # under the results directory, beside the evaluation records

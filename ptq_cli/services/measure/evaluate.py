@@ -16,9 +16,8 @@ from typing import Any, overload
 import numpy as np
 
 import ptq_cli
-from ptq_cli import cpu as cpu_info
 from ptq_cli import settings
-from ptq_cli.backends.base import EMULATE, LoadedModel
+from ptq_cli.backends.base import LoadedModel
 from ptq_cli.datasets import Dataset, SplitImages, open_dataset
 from ptq_cli.errors import PtqError
 from ptq_cli.guards import bounded, hardstop
@@ -43,10 +42,12 @@ from ptq_cli.services.measure.evaluation_records import (
     source_to_evaluate,
 )
 from ptq_cli.services.measure.fidelity import compare
-from ptq_cli.services.models import load_model
+from ptq_cli.services.models import int8_model, load_model, scores_under_emulation
 from ptq_cli.services.progress import ProgressBar, ProgressCallback, no_progress_bar
+from ptq_cli.x86 import cpu as cpu_info
 from ptq_cli.x86 import emulate
 from ptq_cli.x86 import plan as int8_plan
+from ptq_cli.x86.paths import EMULATE
 
 
 def _predict(model: LoadedModel, images: np.ndarray, batch_size: int, model_path: Path, where: str,
@@ -189,7 +190,7 @@ def _load_for_path(model_path: Path, int8_path: str | None, cpu, loaded: LoadedM
     path on a VNNI CPU from the kernels of CPUs without VNNI, where the runtime can load them (x86/plan.py)."""
     exact_int8 = int8_plan.needs_exact_switch(int8_path, cpu)
     model = loaded if loaded is not None and not exact_int8 else load_model(model_path, *how, exact_int8=exact_int8)
-    planned = int8_plan.plan(model.info, int8_path, cpu, model_path)
+    planned = int8_plan.plan(int8_model(model.info), int8_path, cpu)
     if planned.saturating_int8:
         model = load_model(model_path, *how, saturating_int8=True)
     return model, planned
@@ -414,7 +415,7 @@ def _measure(model: LoadedModel, test: SplitImages, basis: str, batch_size: int,
     chosen = emulate.subset_indices(test.labels, subset) if labels_fit else np.arange(min(subset, len(test.labels)))
     images, labels = test.take(chosen), test.labels[chosen]
     exact_scores, seconds = _predict(model, images, batch_size, model_path, where)
-    scores = emulate.scores_under_emulation(model_path, model.prepare(images), resolve_threads(threads))
+    scores = scores_under_emulation(model_path, model.prepare(images), resolve_threads(threads))
     if progress:
         progress(len(chosen), len(chosen))
     exact_same = round(100.0 * float(np.mean(exact_scores.argmax(axis=1) == labels)), 4) if labels_fit else None
@@ -504,7 +505,7 @@ def evaluate(request: EvaluationRequest, progress_bar: ProgressBar = no_progress
     with executor(request.workers) as runs:
         for model_path in request.models:
             model = load_model(model_path, request.threads, request.flags, request.runtime, request.precision)
-            for int8_path in int8_plan.paths_to_measure(model.info, wanted):
+            for int8_path in int8_plan.paths_to_measure(int8_model(model.info), wanted):
                 with progress_bar(f"Evaluating {Path(model_path).name}" + (f" ({int8_path} int8 path)" if int8_path else "")) as progress:
                     evaluated = evaluate_and_save(model_path, request.dataset, request.results_dir, progress, batch_size=request.batch_size,
                                                   threads=request.threads, flags=request.flags, runtime=request.runtime, precision=request.precision,

@@ -10,7 +10,6 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ptq_cli import backends
-from ptq_cli import cpu as cpu_info
 from ptq_cli.datasets.base import split_slug
 from ptq_cli.errors import PtqError
 from ptq_cli.guards import bounded
@@ -21,6 +20,7 @@ from ptq_cli.services.measure.fidelity import Fidelity
 from ptq_cli.services.measure.fidelity import check as check_fidelity
 from ptq_cli.services.quant_settings import describe_model
 from ptq_cli.services.records import DEFAULT_FEEDING, MeasurementKey, from_dict, model_key, record_files, same_feeding, write_record
+from ptq_cli.x86 import cpu as cpu_info
 from ptq_cli.x86.plan import NATIVE  # how a figure for an int8 path was obtained: the CPU's own kernels
 
 OK, STALE, MISSING = "ok", "stale", "missing"

@@ -6,8 +6,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ptq_cli import backends, settings
-from ptq_cli import cpu as cpu_info
-from ptq_cli.cpu import ALL, EXACT, SATURATING
 from ptq_cli.errors import PtqError
 from ptq_cli.metrics import paired_p_value, unpacked_hits
 from ptq_cli.services.make import portability
@@ -19,6 +17,8 @@ from ptq_cli.services.measure.sweep_records import SweepResult, load_sweeps
 from ptq_cli.services.progress import ProgressBar, no_progress_bar
 from ptq_cli.services.quant_settings import describe_model
 from ptq_cli.services.records import MeasurementKey, same_feeding
+from ptq_cli.x86 import cpu as cpu_info
+from ptq_cli.x86.cpu import ALL, EXACT, SATURATING
 
 DTYPE_ORDER = {"fp32": 0, "int8": 1, "uint8": 2}
 # The recommendation's "fastest" is the fastest model at most this many points below its FP32 source.

@@ -92,7 +92,7 @@ def measured_here() -> tuple[bytes, ...]:
     import onnxruntime
 
     import ptq_cli
-    from ptq_cli import cpu as cpu_info
+    from ptq_cli.x86 import cpu as cpu_info
 
     return cpu_info.current().int8_path.encode(), ptq_cli.__version__.encode(), onnxruntime.__version__.encode()
 

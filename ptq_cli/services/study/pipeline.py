@@ -22,7 +22,6 @@ from typing import Any
 
 import ptq_cli
 from ptq_cli import backends, settings
-from ptq_cli import cpu as cpu_info
 from ptq_cli.datasets import Dataset, open_dataset
 from ptq_cli.errors import Interrupted, PtqError
 from ptq_cli.guards import bounded
@@ -37,6 +36,7 @@ from ptq_cli.services.make import calibration as calibration_service
 from ptq_cli.services.make import quantize as quantize_service
 from ptq_cli.services.measure import report as report_service
 from ptq_cli.services.study.stage_task import RunCommand, StageFiles, StageTask, run_stage_task, written_by
+from ptq_cli.x86 import cpu as cpu_info
 from ptq_cli.x86 import plan as int8_plan
 
 MANIFEST_SCHEMA = 1
@@ -338,7 +338,7 @@ def _evaluate_stages(study: _Study) -> list[Stage]:
     for output, choice in study.quantized:
         made = quant_settings.make_settings(**choice)
         emulated = int8_plan.emulated_images(study.options.emulated_images) if other_path == cpu_info.SATURATING else study.options.emulated_images
-        if int8_plan.other_path_measurable(made.backend, made.overflow_fix, other_path):
+        if int8_plan.other_path_measurable(backends.backend(made.backend).int8_paths, made.overflow_fix, other_path):
             stages.append(study.evaluation(f"evaluate {output.name} on the {other_path} int8 path", output,
                                            {**flag_options, "int8_path": other_path, "emulated_images": emulated},
                                            int8_path=other_path, emulated_images=emulated))

@@ -9,15 +9,10 @@ from __future__ import annotations
 
 import os
 import platform
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import TypedDict
-
-import numpy as np
 
 from ptq_cli.errors import PtqError
 from ptq_cli.guards import bounded
@@ -122,29 +117,3 @@ def current() -> Cpu:
 def covers(target: str | None, cpu: Cpu) -> bool:
     """Whether a model made for `target` CPUs is meant to run on `cpu` (None: a model ptq did not target)."""
     return target in (None, ALL) or cpu.int8_path == EXACT
-
-
-# How a backend's judges reach the saturating x86 int8 path where this CPU's own kernels are exact: given by the service
-# that quantizes (x86/emulate.py), as (model file, inputs in its format, threads) -> its outputs, or None
-# where this machine cannot run those kernels at native speed. Backends import no service: it is handed down.
-SaturatingScores = Callable[[Path, np.ndarray, int], "np.ndarray | None"]
-_SATURATING: ContextVar[SaturatingScores | None] = ContextVar("saturating_scores", default=None)
-
-
-@contextmanager
-def reaching_saturating_path(scores: SaturatingScores) -> Iterator[None]:
-    """Within it, `saturating_outputs` runs models on the saturating path with `scores`."""
-    token = _SATURATING.set(scores)
-    try:
-        yield
-    finally:
-        _SATURATING.reset(token)
-
-
-def saturating_outputs(path: Path, batch: np.ndarray, threads: int) -> np.ndarray | None:
-    """The model file's outputs on the saturating x86 path at native speed, where the service quantizing gave a way to
-    it (`reaching_saturating_path`) and this machine has one; else None."""
-    scores = _SATURATING.get()
-    return None if scores is None else scores(path, batch, threads)
-
-
