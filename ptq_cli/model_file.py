@@ -432,11 +432,14 @@ def exact_kernel_bytes(data: bytes) -> bytes:
     return data if private is model else private.SerializeToString()
 
 
-def ort_session(path: Path, data: bytes, exact_int8: bool = False):
-    """An onnxruntime session on the model's bytes: one thread, not spinning, silent; a graph it cannot load is one PtqError."""
+def ort_session(path: Path, data: bytes, exact_int8: bool = False, profile_prefix: str | None = None):
+    """An onnxruntime session on the model's bytes: one thread, not spinning, silent; a graph it cannot load is one PtqError.
+    `profile_prefix`: its profiler on, writing its events to a file that starts so."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
+    if profile_prefix is not None:
+        options.enable_profiling, options.profile_file_prefix = True, profile_prefix
     if exact_int8:
         options.add_session_config_entry(EXACT_PATH_CONFIG, "1")
         data = exact_kernel_bytes(data)

@@ -11,6 +11,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from ptq_cli.backends.base import CONVERT, FLOAT_KERNEL, INT8_KERNEL, LAYOUT, RuntimeProfile
 from ptq_cli.services.fetch import FetchResult
 from ptq_cli.services.make.calibration import CalibrationSet
 from ptq_cli.services.make.convert import LIMIT as CONVERSION_LIMIT
@@ -285,7 +286,29 @@ def pruning(result: PruneResult) -> Group:
     return Group(table, Text(summary))
 
 
-def benchmarks(records: list[BenchmarkRecord], speedups: dict[tuple, float | None]) -> Table:
+def profile_summary(profile: RuntimeProfile) -> str:
+    """e.g. "8 of 9 convolutions run int8; time: 62% int8 kernels, 9% float (Conv, Add), 17% converting, 12% moving data"."""
+    parts = []
+    for kind, words in ((INT8_KERNEL, "int8 kernels"), (FLOAT_KERNEL, "float"), (CONVERT, "converting"), (LAYOUT, "moving data")):
+        share = profile.share(kind)
+        if share >= 0.005:
+            named = [op.op for op in profile.ops if op.kind == kind][:3] if kind != INT8_KERNEL else []
+            parts.append(f"{share:.0%} {words}" + (f" ({', '.join(named)})" if named else ""))
+    return f"{profile.int8_convolutions} of {profile.convolutions} convolutions and matrix products run int8; time: {', '.join(parts)}"
+
+
+def profile_table(name: str, profile: RuntimeProfile) -> Table:
+    total = sum(op.milliseconds for op in profile.ops) or 1.0
+    table = Table(title=f"{name}: where the time goes (batch {profile.batch_size}, {profile.runs} runs; {profile.source})", title_justify="left",
+                  box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0), show_edge=False)
+    for column, justify in (("Op", "left"), ("Runs in", "left"), ("Nodes", "right"), ("ms a run", "right"), ("Share", "right")):
+        table.add_column(column, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    for op in profile.ops:
+        table.add_row(op.op, op.kind, str(op.nodes), f"{op.milliseconds:.3f}", f"{op.milliseconds / total:.1%}")
+    return table
+
+
+def benchmarks(records: list[BenchmarkRecord], speedups: dict[tuple, float | None], with_profiles: bool = False) -> Table | Group:
     settings = sorted({(record.batch_size, record.threads) for record in records})
     where = "; ".join(f"throughput at batch {batch}, {threads} thread{'s' if threads > 1 else ''}" for batch, threads in settings)
     table = Table(title=f"Benchmark: latency at batch 1, {where}", title_justify="left", box=box.SIMPLE_HEAD, padding=0, show_edge=False)
@@ -307,7 +330,12 @@ def benchmarks(records: list[BenchmarkRecord], speedups: dict[tuple, float | Non
               "theirs" for record in records if record.runs_asked]
     if fed or kernels or budget:
         table.caption, table.caption_justify = "\n".join([*fed, *kernels, *budget]), "left"
-    return table
+    if not with_profiles:
+        return table
+    found = [(record.name, profile) for record in records if (profile := record.runtime_profile()) is not None]
+    unprofiled = [Text(f"{record.name}: its runtime ({record.runtime}) has no profiler ptq reads") for record in records if record.profile is None]
+    return Group(table, *(item for name, profile in found for item in (Text(""), profile_table(name, profile), Text(profile_summary(profile)))),
+                 *unprofiled)
 
 
 def fetched(result: FetchResult) -> Group:

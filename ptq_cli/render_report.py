@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ptq_cli import settings
+from ptq_cli.backends.base import RuntimeProfile
 from ptq_cli.guards.atomic import atomic_output
 from ptq_cli.quantize.ranges import describe_ranges
 from ptq_cli.quantize.rounding import describe_rounding
@@ -24,6 +25,7 @@ from ptq_cli.render import (
     markdown_table,
     milliseconds,
     percent,
+    profile_summary,
     signed,
     size,
     speedup,
@@ -223,7 +225,7 @@ def report(report: Report) -> Group:
         parts.append(Text(NO_VNNI_NOTE, style="dim"))
         parts.append(Text("Runs as: runtime (" + ", ".join(f"{short} {name}" for name, short in SHORT_RUNTIMES.items())
                           + "), its precision hint where not f32, data type. Agree: top-1 agreement with the FP32 source, percent.", style="dim"))
-        parts += [Text(line, style="dim") for line in [*_emulated_lines(report.rows), *_saturating_speed_lines(report.rows)]]
+        parts += [Text(line, style="dim") for line in [*_emulated_lines(report.rows), *_saturating_speed_lines(report.rows), *_profile_lines(report.rows)]]
         cpus = sorted({row.measured_on for row in report.rows if row.measured_on})
         if cpus:
             parts.append(Text(f"Measured on: {'; '.join(cpus)}.", style="dim"))
@@ -242,6 +244,12 @@ def _emulated_lines(rows: list[ReportRow]) -> list[str]:
     return [f"* {_name(row)}: {row.saturating_accuracy:.2f}% on the saturating path against {row.saturating_exact_same_images:.2f}% on the exact "
             f"path, on the same {row.saturating_images:,} images" for row in rows
             if row.saturating_basis.startswith("emulated") and row.saturating_exact_same_images is not None]
+
+
+def _profile_lines(rows: list[ReportRow]) -> list[str]:
+    """Where each profiled model's time goes (`ptq benchmark --profile`)."""
+    return [f"* {_name(row)}: {profile_summary(profile)} (batch {profile.batch_size}, `ptq benchmark --profile`)"
+            for row in rows if row.profile is not None for profile in (RuntimeProfile.from_stored(row.profile),)]
 
 
 def _saturating_speed_lines(rows: list[ReportRow]) -> list[str]:
@@ -492,6 +500,9 @@ def report_markdown(report: Report, charts: list[Path] | None = None) -> str:
     speeds = _saturating_speed_lines(report.rows)
     if speeds:
         lines += ["", "## Speed on x86 CPUs without VNNI", ""] + [line.replace("* ", "- ", 1) for line in speeds]
+    profiles = _profile_lines(report.rows)
+    if profiles:
+        lines += ["", "## Where the time goes", ""] + [line.replace("* ", "- ", 1) for line in profiles]
     for result in report.sweeps:
         lines += ["", f"## {sweep_title(result)}", "",
                   "'FP32 pruned' is what pruning alone leaves (no fine-tuning); 'Quantized' is that model after quantization, "

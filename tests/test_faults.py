@@ -17,6 +17,7 @@ import torch
 from synthetic import CLASSES, channel_mean_classifier, colour_images, colours_npz, colours_project, invoke, ok, one_line_error
 
 from ptq_cli import settings
+from ptq_cli.errors import PtqError
 
 
 def files_under(directory: Path) -> list[str]:
@@ -397,3 +398,34 @@ def test_a_model_named_at_the_file_name_limit_gets_a_record(tmp_path):
     assert len(record.name.encode()) <= 255
     report = json.loads(invoke("report", "--results-dir", "res", "--json", cwd=tmp_path).stdout)
     assert [row["model"] for row in report["groups"][0]["rows"]] == [long_name]
+
+
+def test_library_warnings_are_said_once_after_the_output_and_never_beside_an_error(project, monkeypatch):
+    """A library's warnings are not hidden: each distinct one once, after the command's own output, naming its category
+    and package; where the command fails, the one error line stays alone."""
+    import warnings
+
+    from ptq_cli.services.measure import evaluate as evaluate_service
+
+    real_evaluate = evaluate_service.evaluate
+
+    def warning_evaluate(*args, **kwargs):
+        for _ in range(3):
+            warnings.warn("this call is deprecated", DeprecationWarning, stacklevel=1)
+        yield from real_evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(evaluate_service, "evaluate", warning_evaluate)
+    shown = invoke("evaluate", "--data", "colours.npz", "--json", cwd=project)
+    assert shown.exit_code == 0, shown.output
+    json.loads(shown.stdout)  # the output itself is untouched
+    said = [line for line in shown.stderr.splitlines() if line.startswith("warning:")]
+    assert len(said) == 1 and re.fullmatch(r"warning: this call is deprecated \(DeprecationWarning, [\w.]+\)", said[0]), shown.stderr
+    assert shown.stderr.rstrip().endswith(said[0])
+
+    def failing_evaluate(*args, **kwargs):
+        warnings.warn("this call is deprecated", DeprecationWarning, stacklevel=1)
+        raise PtqError("colours.npz: broken")
+        yield
+
+    monkeypatch.setattr(evaluate_service, "evaluate", failing_evaluate)
+    one_line_error(invoke("evaluate", "--data", "colours.npz", cwd=project), "colours.npz: broken")

@@ -98,8 +98,13 @@ STAGE_LINE = re.compile(r"^\[(\d+)/(\d+)\] (.+) \.\.\.(?: (\d+\.\d) s| (up to da
 
 
 def piped_stages(stderr: str) -> list[tuple[int, int, str, bool]]:
-    """The stage lines `ptq run` printed to a pipe, checked line by line: each stage starts, then ends, in order."""
+    """The stage lines `ptq run` printed to a pipe, checked line by line: each stage starts, then ends, in order; after
+    them, and only there, the libraries' warnings, each once (`warning: <text> (<category>, <package>)`)."""
     lines = [line for line in stderr.splitlines() if line.strip()]
+    warned = [line for line in lines if line.startswith("warning: ")]
+    assert lines[len(lines) - len(warned):] == warned and len(set(warned)) == len(warned), lines
+    assert not [line for line in warned if not re.fullmatch(r"warning: .+ \(\w*Warning, [\w. -]+\)", line)], warned
+    lines = lines[:len(lines) - len(warned)]
     parsed = [STAGE_LINE.match(line) for line in lines]
     assert all(parsed), [line for line, match in zip(lines, parsed, strict=True) if not match]  # nothing else: no library chatter
     stages = []

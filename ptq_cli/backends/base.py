@@ -118,11 +118,53 @@ class Quantizer:
     float_layers: Callable[[Any], list[str]] | None = None
 
 
+# What an op's time is spent on, as a runtime's profiler says (OpTime.kind): an integer kernel, a float one, converting
+# between float and 8-bit (QuantizeLinear/DequantizeLinear, a standalone FakeQuantize), or moving data (layouts, reorders).
+INT8_KERNEL, FLOAT_KERNEL, CONVERT, LAYOUT = "int8", "float", "convert", "layout"
+OP_KINDS = (INT8_KERNEL, FLOAT_KERNEL, CONVERT, LAYOUT)
+
+
+@dataclass(frozen=True)
+class OpTime:
+    """One kind of op as the runtime ran it (after its own fusions): its name there, what it computes in, how many
+    nodes, and their time in one run, summed."""
+
+    op: str  # e.g. onnxruntime's QLinearConv, OpenVINO's Convolution
+    kind: str  # one of OP_KINDS
+    nodes: int
+    milliseconds: float
+
+
+@dataclass(frozen=True)
+class RuntimeProfile:
+    """Where a model's time goes on its runtime (Runtime.profile): the ops by time, and how many of its convolutions
+    (and matrix products) run on integer kernels."""
+
+    ops: tuple[OpTime, ...]  # the most time first
+    convolutions: int  # convolutions and matrix products, as the runtime runs them
+    int8_convolutions: int
+    batch_size: int
+    runs: int  # the runs averaged (after a warm-up run)
+    source: str  # how it was measured, e.g. "onnxruntime's profiler (SessionOptions.enable_profiling), 1 intra-op thread"
+
+    @classmethod
+    def from_stored(cls, stored: dict) -> RuntimeProfile:
+        """The profile as a record holds it (dataclasses.asdict)."""
+        return cls(**{**stored, "ops": tuple(OpTime(**op) for op in stored.get("ops", ()))})
+
+    def share(self, kind: str) -> float:
+        """The fraction of the run's time in ops of `kind`."""
+        total = sum(op.milliseconds for op in self.ops)
+        return sum(op.milliseconds for op in self.ops if op.kind == kind) / total if total > 0 else 0.0
+
+
 @dataclass(frozen=True)
 class Runtime:
     """A backend's running side: how it loads a model and how it runs."""
 
     load: Callable[[Path, RunOptions], LoadedModel]
+    # Where the time goes: (model, options, a batch in its input format, runs) -> the profile, where its runtime has a profiler.
+    profile: Callable[[Path, RunOptions, np.ndarray, int], RuntimeProfile] | None = None
     settings: str = ""  # how ptq runs it, for benchmark records
     runs_suffixes: tuple[str, ...] = ()  # other backends' files it also runs when asked (`--runtime`)
     precisions: tuple[str, ...] = ()  # its inference precision hints; the first is the default

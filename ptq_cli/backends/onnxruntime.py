@@ -10,7 +10,20 @@ from pathlib import Path
 import numpy as np
 
 from ptq_cli import inputs
-from ptq_cli.backends.base import Backend, LoadedModel, Quantizer, RunOptions, Runtime, finish_load
+from ptq_cli.backends.base import (
+    CONVERT,
+    FLOAT_KERNEL,
+    INT8_KERNEL,
+    LAYOUT,
+    Backend,
+    LoadedModel,
+    OpTime,
+    Quantizer,
+    RunOptions,
+    Runtime,
+    RuntimeProfile,
+    finish_load,
+)
 from ptq_cli.errors import PtqError, first_line
 from ptq_cli.model_file import (
     EXACT_PATH_CONFIG,
@@ -93,6 +106,53 @@ def load(path: Path, options: RunOptions) -> LoadedModel:
                        sha256=hashlib.sha256(data).hexdigest(), stored=metadata(model), declared_classes=classes, quantization=quantization, note=note)
 
 
+# How onnxruntime's kernels (after its fusions) compute, by op type: QLinear* and the integer products run in 8 bits.
+INTEGER_OPS = frozenset({"QGemm", "MatMulInteger", "ConvInteger", "MatMulIntegerToFloat", "DynamicQuantizeMatMul", "QAttention"})
+CONVERT_OPS = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"})
+LAYOUT_OPS = frozenset({"Transpose", "ReorderInput", "ReorderOutput", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Concat"})
+PRODUCT_OPS = ("Conv", "Gemm", "MatMul")  # an op type holding one of these computes a convolution or a matrix product
+
+
+def op_kind(op: str) -> str:
+    if op.startswith("QLinear") or op in INTEGER_OPS:
+        return INT8_KERNEL
+    return CONVERT if op in CONVERT_OPS else LAYOUT if op in LAYOUT_OPS else FLOAT_KERNEL
+
+
+def profile(path: Path, options: RunOptions, batch: np.ndarray, runs: int) -> RuntimeProfile:
+    """onnxruntime's profiler on one session (1 intra-op thread; the exact kernels' switch as `options` say): each
+    node's kernel time over `runs` runs of `batch` after one warm-up run, summed by the op type it ran as."""
+    import json
+    import tempfile
+
+    path = Path(path)
+    data = read_bytes(path)
+    model = read_onnx(path, data)
+    described, _ = describe_input(path, model, options.flags.size)
+    freed = free_batch(path, model, described)
+    if freed is None:
+        batch = batch[: described.batch]
+    whole = (freed or model).SerializeToString()
+    with tempfile.TemporaryDirectory(prefix="ptq-profile-") as workdir:
+        session = ort_session(path, whole, exact_int8=options.exact_int8, profile_prefix=str(Path(workdir) / "ort"))
+        for _ in range(runs + 1):
+            session.run(None, {described.name: batch})
+        events = json.loads(Path(session.end_profiling()).read_text())
+    run_starts = sorted(event["ts"] for event in events if event.get("cat") == "Session" and event.get("name") == "model_run")
+    timed = [event for event in events if event.get("cat") == "Node" and str(event.get("name", "")).endswith("_kernel_time")
+             and len(run_starts) > 1 and event["ts"] >= run_starts[1]]  # the warm-up run left out
+    by_op: dict[str, tuple[set, float]] = {}
+    for event in timed:
+        names, micros = by_op.setdefault(event["args"]["op_name"], (set(), 0.0))
+        names.add(event["name"])
+        by_op[event["args"]["op_name"]] = (names, micros + event["dur"])
+    ops = sorted((OpTime(op, op_kind(op), len(names), round(micros / 1000 / runs, 4)) for op, (names, micros) in by_op.items()),
+                 key=lambda op: -op.milliseconds)
+    products = [op for op in ops if any(kind in op.op for kind in PRODUCT_OPS) or op.op in INTEGER_OPS]
+    return RuntimeProfile(tuple(ops), sum(op.nodes for op in products), sum(op.nodes for op in products if op.kind == INT8_KERNEL),
+                          len(batch), runs, "onnxruntime's profiler (SessionOptions.enable_profiling), 1 intra-op thread")
+
+
 def sniff(_head: bytes) -> bool:
     """Anything that is not another backend's file is tried as ONNX (which then says if it is not)."""
     return True
@@ -128,7 +188,7 @@ BACKEND = Backend(
         speed_by_default=True,
         learned_rounding=True,  # refine_rounding: GPTQ codes and bias correction on the QDQ model
     ),
-    runtime=Runtime(load, settings="CPUExecutionProvider, 1 intra-op thread per run, allow_spinning 0, one shard per thread"),
+    runtime=Runtime(load, profile=profile, settings="CPUExecutionProvider, 1 intra-op thread per run, allow_spinning 0, one shard per thread"),
     # Its exact u8 x s8 kernels have a session switch: the other path is always reached.
     int8_paths=Int8Paths(reaches=lambda _overflow_fix, _int8_path: True, basis=_int8_basis),
 )

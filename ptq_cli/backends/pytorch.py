@@ -48,7 +48,7 @@ from ptq_cli.quantize.torch_ao import (
     seven_bit_activations,
 )
 from ptq_cli.transforms.graph import generated_node_names, preprocess, static_reshape_targets
-from ptq_cli.transforms.torch_compat import import_onnx2torch, quiet_torch_quantization_warnings
+from ptq_cli.transforms.torch_compat import import_onnx2torch
 from ptq_cli.x86.cpu import SATURATING
 from ptq_cli.x86.paths import EMULATE, Int8Paths
 
@@ -66,6 +66,16 @@ CALIBRATION_BATCH = 100
 TORCH_CHUNK = 64
 # Tried, in order, on a TorchScript file ptq did not make (which says nothing of its input).
 PROBE_INPUTS = (inputs.ModelInput("input", inputs.NCHW, 3, 32, 32, None), inputs.ModelInput("input", inputs.NHWC, 3, 32, 32, None))
+# torch 2.13 deprecates the quantized tensors this backend's TorchScript models hold (pytorch#184982). torch's C++ side
+# says so on its own stderr line (kept quiet by TORCH_CPP_LOG_LEVEL, transforms/torch_compat.py); ptq says it instead,
+# as a warning shown once after the command's output.
+QUANTIZED_TENSORS_DEPRECATED = ("torch deprecates the quantized tensors (quint8, qint8) of --backend pytorch's TorchScript models "
+                                "(pytorch#184982); torchao's PT2E flow replaces them")
+
+
+def _warn_if_quantized(dtype: str) -> None:
+    if dtype != "fp32":
+        warnings.warn(QUANTIZED_TENSORS_DEPRECATED, DeprecationWarning, stacklevel=3)
 
 
 def sniff(head: bytes) -> bool:
@@ -348,7 +358,7 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
             raise PtqError("--activation-bits: applies to --overflow-fix all-layers (on --cpus all, the default for a model with ReLU6, "
                            "and judged for the others); PyTorch's other models keep 8-bit activations")
 
-    quiet_torch_quantization_warnings()
+    _warn_if_quantized("int8")
     torch.backends.quantized.engine = ENGINE
     model, described, fixed = torch_ready(model, Path(model.graph.name or "model"))
     float_module = onnx_to_graph_module(model, fold=settings.preprocess)
@@ -391,7 +401,6 @@ def _read_metadata(raw: str) -> dict:
 def load(path: Path, options: RunOptions) -> LoadedModel:
     import torch
 
-    quiet_torch_quantization_warnings()
     path = Path(path)
     threads = resolve_threads(options.threads)
     data = read_bytes(path)
@@ -406,6 +415,7 @@ def load(path: Path, options: RunOptions) -> LoadedModel:
     stored = _read_metadata(extra_files[TORCHSCRIPT_METADATA_FILE])
     quantization = metadata_object(path, stored, base.QUANTIZATION_METADATA_KEY)
     dtype = (quantization or {}).get("dtype") or ("int8" if "quantize_per_tensor" in module.inlined_graph.str() else "fp32")
+    _warn_if_quantized(dtype)
     torch.set_num_threads(threads)
 
     def call(batch: np.ndarray) -> np.ndarray:

@@ -22,7 +22,7 @@ from typer._click.exceptions import ClickException, UsageError  # typer >= 0.22 
 
 from ptq_cli import settings
 from ptq_cli.cli import console
-from ptq_cli.cli.console import _fail
+from ptq_cli.cli.console import _fail, show_library_warnings
 from ptq_cli.errors import Interrupted, PtqError, Terminated, TerminateSignal
 from ptq_cli.guards import atomic, bounded, hardstop, trust
 
@@ -40,11 +40,13 @@ class PtqGroup(typer.core.TyperGroup):
         args = _fill_optional_values(given)
         _tolerant_streams()
         try:
-            with _terminate_as_interrupt(), trust.scope(), warnings.catch_warnings():
-                # Library warnings (numpy overflow on odd inputs, deprecations) are not ptq's messages:
-                # what matters to the user is turned into ptq's own line or record field.
-                warnings.simplefilter("ignore")
+            with _terminate_as_interrupt(), trust.scope(), warnings.catch_warnings(record=True) as caught:
+                # Library warnings (deprecations above all) are kept, not hidden, and said once each after the
+                # command's own output, where they cannot break a table or a progress line.
+                warnings.simplefilter("default")
                 code = super().main(args, prog_name, complete_var, standalone_mode=False, windows_expand_args=windows_expand_args, **extra)
+            if not isinstance(code, int) or code == 0:  # a command's value, or a clean exit: never beside an error line
+                show_library_warnings(caught)
         except PtqError as error:
             code = _fail(str(error), error.exit_code)
         except UsageError as error:

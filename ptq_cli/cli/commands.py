@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -71,10 +70,6 @@ from ptq_cli.services.study import pipeline as pipeline_service
 from ptq_cli.services.study import sensitivity as sensitivity_service
 from ptq_cli.services.study import sweep as sweep_service
 from ptq_cli.services.study import tune as tune_service
-
-# torch's C++ side prints deprecation warnings for quantized tensors straight to stderr; ptq's stderr is
-# for its own messages. Set before torch is first imported (services import it lazily).
-os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 
 @app.command()
@@ -410,6 +405,7 @@ def benchmark(
     precision: PrecisionOption = None,
     also: Annotated[list[str] | None, typer.Option(help="Also time this model on another runtime in the same turns, as MODEL@RUNTIME[:PRECISION] (e.g. models/resnet8.onnx@openvino:f32: the ONNX file on OpenVINO at f32 beside its onnxruntime run); repeat for several.", show_default=False, rich_help_panel="Runtime")] = None,
     int8_path: Annotated[KernelPath, typer.Option(help="The kernels to time: native (this CPU's) or saturating (those of x86 CPUs without VNNI, AVX2: the speed an 8-bit model gives there). On a CPU with VNNI, every model, FP32 ones too, is timed in a child process that takes the AVX2 kernels at native speed: CPUID masked where Linux can fault CPUID (and a C compiler builds ptq's shim); never under qemu, whose pace says nothing of a CPU's. Records are kept apart from native ones (…~saturating.json).", rich_help_panel="Runtime")] = KernelPath("native"),
+    profile: Annotated[bool, typer.Option("--profile", help="Also where the time goes at --batch-size, from each runtime's profiler: per op type its share of the time and whether it ran on an integer kernel, in float, converting to and from 8 bits, or moving data; kept in the record, summed up by `ptq report`.")] = False,
     trust_remote_code: TrustOption = False,  # noqa: ARG001  taken by its callback while parsing
     as_json: JsonFlag = False,
 ) -> benchmark_service.Benchmarked:
@@ -426,12 +422,12 @@ def benchmark(
     dataset = choice.dataset() if choice.data_given or choice.data.exists() else None
     request = benchmark_service.BenchmarkRequest(tuple(model or _default_models()), dataset, results_dir, batch_size, threads, runs, choice.flags,
                                                  runtime and runtime.value, precision and precision.value,
-                                                 tuple(map(benchmark_service.parse_also, also or ())), int8_path.value)
+                                                 tuple(map(benchmark_service.parse_also, also or ())), int8_path.value, profile)
     result = benchmark_service.run(request, _progress_bar)
     for warning in result.warnings:
         console.err.print(f"warning: {warning}", soft_wrap=True)
     _emit(as_json, [{**render.plain(record), "speedup_vs_fp32": result.speedups[benchmark_service.run_key(record)]} for record in result.records],
-          render.benchmarks(result.records, result.speedups))
+          render.benchmarks(result.records, result.speedups, with_profiles=profile))
     return result
 
 

@@ -7,8 +7,10 @@ import contextlib
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -136,3 +138,27 @@ def _byte_progress() -> Iterator[Callable[[str, int, int], None]]:
             bar.update(tasks[asset], completed=done, total=total or None)
 
         yield update
+
+
+def show_library_warnings(caught: list[warnings.WarningMessage]) -> None:
+    """Each distinct warning the libraries gave during a command, once, on stderr after the command's own output:
+    `warning: <first line> (<category>, <package>)`."""
+    said = set()
+    for warning in caught:
+        text = str(warning.message).strip().splitlines()[0] if str(warning.message).strip() else warning.category.__name__
+        origin = _package_of(warning.filename)
+        if (warning.category, text) in said:
+            continue
+        said.add((warning.category, text))
+        print(f"warning: {text} ({warning.category.__name__}, {origin})", file=sys.stderr)
+
+
+def _package_of(filename: str) -> str:
+    """The top-level package a warning came from (`torch`, `onnxruntime`), else the file's name ("generated code" for
+    code a library wrote and ran, such as torch.fx's)."""
+    if filename.startswith("<"):
+        return "generated code"
+    parts = Path(filename).parts
+    if "site-packages" in parts and parts.index("site-packages") + 1 < len(parts):
+        return Path(parts[parts.index("site-packages") + 1]).stem
+    return "ptq" if "ptq_cli" in parts else Path(filename).name

@@ -1,4 +1,4 @@
-"""Compatibility with the CPU-only torch this project pins: onnx2torch without torchvision, quiet torch.ao.
+"""Compatibility with the CPU-only torch this project pins: onnx2torch without torchvision.
 
 onnx2torch imports torchvision at import time, for its NMS and RoiAlign converters only. The registry's
 torchvision is a CUDA build that cannot import next to the CPU torch 2.13.0, so the project never
@@ -13,13 +13,14 @@ import importlib
 import os
 import sys
 import types
-import warnings
 
 TORCHVISION_FUNCTIONS = ("nms", "box_convert", "roi_align")
 
-# The same deprecation notice, printed by torch's C++ side when a quantized TorchScript model runs; it
-# reads this before torch is imported, which is why every torch user in ptq imports this module first.
+# torch's C++ side prints its deprecation of quantized tensors on a line of its own, in the middle of ptq's progress:
+# the pytorch backend says it as a Python warning instead (backends/pytorch.py QUANTIZED_TENSORS_DEPRECATED), shown
+# once after the command's output. torch reads this before it is imported; every torch user in ptq imports this module first.
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
 
 
 def _torchvision_stand_in() -> types.ModuleType:
@@ -47,16 +48,3 @@ def import_onnx2torch() -> types.ModuleType:
         sys.modules["torchvision"] = stand_in
         sys.modules["torchvision.ops"] = stand_in.ops
     return importlib.import_module("onnx2torch")
-
-
-def quiet_torch_quantization_warnings() -> None:
-    """torch 2.13 warns on every use that torch.ao.quantization and quantized tensors move to torchao.
-
-    They still work (and are what this project targets); the warnings would bury ptq's own output.
-    """
-    for message in (
-        r".*torch\.ao\.quantization is deprecated.*",
-        r".*quantized tensor creation functions.*",
-        r".*reduce_range will be deprecated.*",
-    ):
-        warnings.filterwarnings("ignore", message=message)

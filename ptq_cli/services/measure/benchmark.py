@@ -16,7 +16,7 @@ import numpy as np
 
 import ptq_cli
 from ptq_cli import backends
-from ptq_cli.backends.base import LoadedModel
+from ptq_cli.backends.base import LoadedModel, RunOptions, RuntimeProfile
 from ptq_cli.datasets import Dataset
 from ptq_cli.errors import PtqError
 from ptq_cli.guards import bounded
@@ -67,10 +67,16 @@ class BenchmarkRecord:
     # "saturating": timed on the kernels of x86 CPUs without VNNI, on a CPU with VNNI (`int8_basis` says how); None: this CPU's own
     int8_path: str | None = None
     int8_basis: str = ""
+    # `--profile`: where the time goes at batch_size (backends.base.RuntimeProfile as a dict); None where not asked or
+    # its runtime has no profiler.
+    profile: dict | None = None
 
     @property
     def name(self) -> str:
         return Path(self.model_path).name
+
+    def runtime_profile(self) -> RuntimeProfile | None:
+        return None if self.profile is None else RuntimeProfile.from_stored(self.profile)
 
 
 # The study's batch at CIFAR-10's 32x32; a larger input gets as many pixels a batch (its activations and its
@@ -277,6 +283,10 @@ class BenchmarkRequest:
     precision: str | None = None
     also: tuple[tuple[Path, str, str | None], ...] = ()  # more runs in the same turns, each (model, runtime, precision): see parse_also
     int8_path: str = NATIVE_PATH  # or SATURATING: the kernels of x86 CPUs without VNNI (`on_avx2_kernels`)
+    profile: bool = False  # also where the time goes, from each runtime's profiler (`profiled`)
+
+
+PROFILE_RUNS = 10  # runs of the throughput batch the profiler averages, after one warm-up run
 
 
 @dataclass(frozen=True)
@@ -302,15 +312,36 @@ def run(request: BenchmarkRequest, progress_bar: ProgressBar = no_progress_bar) 
     if request.int8_path not in (NATIVE_PATH, SATURATING):
         raise PtqError(f"--int8-path: {request.int8_path} is not {NATIVE_PATH} or {SATURATING}")
     count = len(request.models) + len(request.also)
+    on_avx2 = request.int8_path == SATURATING and cpu_info.current().int8_path == EXACT
+    if request.profile and on_avx2:
+        raise PtqError("--profile: profiles this CPU's own kernels; not with --int8-path saturating on a CPU with VNNI")
     with progress_bar(f"Benchmarking {count} model{'s' if count > 1 else ''} in turns") as progress:
-        if request.int8_path == SATURATING and cpu_info.current().int8_path == EXACT:
+        if on_avx2:
             records = on_avx2_kernels(request)
         else:
             records = benchmark_models(list(request.models), request.dataset, request.batch_size, request.threads, request.runs, progress=progress,
                                        flags=request.flags, runtime=request.runtime, precision=request.precision, also=request.also)
+    if request.profile:
+        with progress_bar(f"Profiling {count} model{'s' if count > 1 else ''}") as progress:
+            records = [profiled(record, request, progress) for record in records]
     written = tuple(save_benchmark(record, request.results_dir) for record in records)
     warnings = tuple(warning for record in records if (warning := outside_target(record.model_path, record.target_cpus)))
     return Benchmarked(records, speedups(records, load_benchmarks(request.results_dir)), warnings, written)
+
+
+def profiled(record: BenchmarkRecord, request: BenchmarkRequest, progress: ProgressCallback | None = None) -> BenchmarkRecord:
+    """The record with where its model's time goes at its batch, from its runtime's profiler (PROFILE_RUNS runs of the
+    same pixels); as it was where the runtime has none."""
+    backend = backends.for_file(Path(record.model_path), record.runtime)
+    if backend.runtime.profile is None:
+        return record
+    model = load_model(Path(record.model_path), request.threads, request.flags, record.runtime, record.precision)
+    pixels, _ = _pixels(request.dataset, model, record.batch_size)
+    options = RunOptions(request.threads, request.flags or PreprocessingFlags(), record.precision)
+    found = backend.runtime.profile(Path(record.model_path), options, model.prepare(pixels), PROFILE_RUNS)
+    if progress:
+        progress(1, 1)
+    return replace(record, profile=asdict(found))
 
 
 def on_avx2_kernels(request: BenchmarkRequest) -> list[BenchmarkRecord]:

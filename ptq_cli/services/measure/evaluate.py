@@ -104,6 +104,19 @@ def _images_per_part(model: LoadedModel, batch_size: int) -> int:
 
 
 @dataclass(frozen=True)
+class _Pass:
+    """One model's pass over one split, as every step of measuring it reads it."""
+
+    model: LoadedModel
+    model_path: Path
+    test: SplitImages
+    where: str  # the dataset and split, for messages
+    batch_size: int
+    threads: int | None
+    labels_fit: bool  # whether the split's labels are the model's classes
+
+
+@dataclass(frozen=True)
 class ShardedModel:
     """A model as every shard's task loads it: its files by content (the model and those that stand with it) and
     the options it was loaded with here, so that each image is computed as it is in one process."""
@@ -139,15 +152,14 @@ def predict_shard(images: np.ndarray, shared: ShardedModel) -> tuple[np.ndarray,
     return _predict(model, images, shared.batch_size, Path(shared.files[0][0]), shared.where)
 
 
-def _predict_in_shards(runs: Executor, model: LoadedModel, test: SplitImages, batch_size: int, how: ShardedModel,  # noqa: PLR0913,PLR0917  the model, its images and how to load it elsewhere
-                       progress: ProgressCallback | None) -> tuple[np.ndarray, float]:
+def _predict_in_shards(runs: Executor, run: _Pass, how: ShardedModel, progress: ProgressCallback | None) -> tuple[np.ndarray, float]:
     """The split in one shard per worker call, cut at whole calls (so that every image is computed as in one
     process), each scored as a task; (scores, wall seconds). Each shard is read as it is sent (_Shards)."""
-    values = math.prod(model.input.shape(1))
-    calls = bounded.images_per_call(values, batch_size)
-    total = len(test.labels)
+    values = math.prod(run.model.input.shape(1))
+    calls = bounded.images_per_call(values, run.batch_size)
+    total = len(run.test.labels)
     per_shard = calls * max(1, min(math.ceil(math.ceil(total / calls) / SHARDS_PER_RUN), SHARD_BYTES // (4 * values * calls)))
-    shards = _Shards(test, per_shard)
+    shards = _Shards(run.test, per_shard)
     began = time.perf_counter()
     done = (lambda finished, _total: progress(min(finished * per_shard, total), total)) if progress else None
     scored = runs.map(predict_shard, shards, how, done=done)
@@ -228,14 +240,15 @@ def evaluate_model(  # noqa: PLR0913,PLR0917  EvaluationRequest's fields for one
     split = dataset.evaluation_split()
     test = _as_many_classes(dataset, dataset.open_split(split, model.input.size, model.input.channels), model.num_classes)
     reference_path, labels_fit = _what_to_measure(model, test, dataset.root, against)
-    where = f"{dataset.root} ({split})"
-    sharded = None if runs is None else ShardedModel(tuple((path.name, read_bytes(path)) for path in companions(Path(model_path))), flags, runtime,
-                                                     precision, *kernels, threads, batch_size, where)
-    alongside = _reference_alongside(reference_path, model, test, batch_size, threads, basis != EMULATE and sharded is None)
-    chosen, scores, inference_seconds, exact_same, basis = _measure(model, test, basis, batch_size, Path(model_path), where,
-                                                                    threads, subset, progress, labels_fit, (runs, sharded), alongside)
-    own_runtime = runtime is None and precision is None
-    fidelity = _fidelity(model, test, chosen, scores, reference_path, (batch_size, threads, where), own_runtime, labels_fit)
+    run = _Pass(model, Path(model_path), test, f"{dataset.root} ({split})", batch_size, threads, labels_fit)
+    if basis == EMULATE:
+        chosen, scores, inference_seconds, exact_same, basis = _emulated_subset(run, subset, progress)
+    else:
+        sharded = None if runs is None else ShardedModel(tuple((path.name, read_bytes(path)) for path in companions(Path(model_path))), flags,
+                                                         runtime, precision, *kernels, threads, batch_size, run.where)
+        alongside = _reference_alongside(reference_path, run) if sharded is None else None
+        chosen, scores, inference_seconds, exact_same = _whole_split(run, progress, runs, sharded, alongside)
+    fidelity = _fidelity(run, chosen, scores, reference_path, own_runtime=runtime is None and precision is None)
     record = EvaluationRecord(
         **_model_fields(model), dataset=str(dataset.root), images=len(chosen),
         **_accuracy_fields(test.labels[chosen], scores.argmax(axis=1), test.class_names if labels_fit else None),
@@ -273,16 +286,15 @@ def _as_many_classes(dataset: Dataset, test: SplitImages, classes: int) -> Split
     return replace(test, class_names=tuple(str(index) for index in range(classes)))
 
 
-def _fidelity(model: LoadedModel, test: SplitImages, chosen: np.ndarray, scores: np.ndarray, reference_path: Path | None,  # noqa: PLR0913,PLR0917  evaluate_model's state, split out of it
-              calls: tuple[int, int | None, str], own_runtime: bool, labels_fit: bool) -> dict | None:
+def _fidelity(run: _Pass, chosen: np.ndarray, scores: np.ndarray, reference_path: Path | None, own_runtime: bool) -> dict | None:
     """Fidelity to the FP32 model at `reference_path` on the chosen images (None without one), with the images each
     alone classifies right where the labels are the model's classes; a float model's scores on its own runtime, over
-    the whole split, are kept for the models made from it. `calls`: (batch size, threads, where)."""
-    fidelity = None
+    the whole split, are kept for the models made from it."""
+    fidelity, test, model = None, run.test, run.model
     if reference_path is not None:
-        batch_size, threads, where = calls
-        reference = _reference_scores(reference_path, test, model, batch_size, threads, where)
-        fidelity = asdict(compare(reference[chosen], scores, str(reference_path), file_sha256(reference_path), test.labels[chosen] if labels_fit else None))
+        reference = _reference_scores(reference_path, test, model, run.batch_size, run.threads, run.where)
+        fidelity = asdict(compare(reference[chosen], scores, str(reference_path), file_sha256(reference_path),
+                                  test.labels[chosen] if run.labels_fit else None))
     if model.info.dtype == "fp32" and own_runtime and np.array_equal(chosen, np.arange(len(test.labels))):
         _keep_reference_scores(_reference_key(model.info.sha256, test, model), scores)  # the models made from it compare with these
     return fidelity
@@ -349,15 +361,15 @@ def _reference_model(path: Path, sha256: str, model: LoadedModel, threads: int |
     return reference
 
 
-def _reference_alongside(reference_path: Path | None, model: LoadedModel, test: SplitImages, batch_size: int, threads: int | None,
-                         single_process: bool) -> tuple[LoadedModel, Path, tuple] | None:
-    """The FP32 source to score in the model's own pass over the split: where its scores are not at hand yet and the
-    split is decoded a part at a time (else the split is held whole, and scoring the two apart costs nothing more)."""
-    if reference_path is None or not single_process or len(test.labels) <= _images_per_part(model, batch_size):
+def _reference_alongside(reference_path: Path | None, run: _Pass) -> tuple[LoadedModel, Path, tuple] | None:
+    """The FP32 source to score in the model's own pass over the split (in one process): where its scores are not at
+    hand yet and the split is decoded a part at a time (else the split is held whole, and scoring the two apart costs
+    nothing more)."""
+    if reference_path is None or len(run.test.labels) <= _images_per_part(run.model, run.batch_size):
         return None
     sha256 = file_sha256(reference_path)
-    key = _reference_key(sha256, test, model)
-    return None if key in _REFERENCE_SCORES else (_reference_model(reference_path, sha256, model, threads), reference_path, key)
+    key = _reference_key(sha256, run.test, run.model)
+    return None if key in _REFERENCE_SCORES else (_reference_model(reference_path, sha256, run.model, run.threads), reference_path, key)
 
 
 def _reference_scores(path: Path, test: SplitImages, model: LoadedModel, batch_size: int, threads: int | None, where: str) -> np.ndarray:
@@ -396,33 +408,34 @@ def _model_fields(model: LoadedModel) -> dict:
     }
 
 
-def _measure(model: LoadedModel, test: SplitImages, basis: str, batch_size: int, model_path: Path, where: str, threads: int | None,  # noqa: PLR0913,PLR0917  evaluate_model's state, split out of it
-             subset: int | None, progress: ProgressCallback | None, labels_fit: bool = True,
-             elsewhere: tuple[Executor | None, ShardedModel | None] = (None, None),
-             reference: tuple[LoadedModel, Path, tuple] | None = None) -> tuple[np.ndarray, np.ndarray, float, float | None, str]:
-    """(the images measured, their scores, inference seconds, the exact path's top-1 on an emulated subset, basis):
-    the whole split, or under emulation its `subset` (the first images of each class; the first ones
-    where the labels are not the model's). `reference`: the FP32 source, scored on the whole split in the same pass."""
-    if basis != EMULATE:
-        runs, sharded = elsewhere
-        if runs is not None and sharded is not None:
-            scores, seconds = _predict_in_shards(runs, model, test, batch_size, sharded, progress)
-        else:
-            scores, seconds = _predict_split(model, test, batch_size, model_path, where, progress, reference)
-        return np.arange(len(test.labels)), scores, seconds, None, basis
+def _whole_split(run: _Pass, progress: ProgressCallback | None, runs: Executor | None, sharded: ShardedModel | None,
+                 reference: tuple[LoadedModel, Path, tuple] | None) -> tuple[np.ndarray, np.ndarray, float, None]:
+    """(every image of the split, their scores, inference seconds, None): here, or in shards on `runs` with the model
+    loaded as `sharded` says. `reference`: the FP32 source, scored on the whole split in the same pass."""
+    if runs is not None and sharded is not None:
+        scores, seconds = _predict_in_shards(runs, run, sharded, progress)
+    else:
+        scores, seconds = _predict_split(run.model, run.test, run.batch_size, run.model_path, run.where, progress, reference)
+    return np.arange(len(run.test.labels)), scores, seconds, None
+
+
+def _emulated_subset(run: _Pass, subset: int | None, progress: ProgressCallback | None) -> tuple[np.ndarray, np.ndarray, float, float | None, str]:
+    """(the images measured, their scores on the saturating path under emulation, the exact path's inference seconds,
+    the exact path's top-1 on them, the basis): `subset` images of the split, the first of each class (the first ones
+    where the labels are not the model's; None: emulate.default_subset)."""
+    model, test = run.model, run.test
     if subset is None:
         subset = emulate.default_subset(4 * model.input.channels * model.input.height * model.input.width)
-    chosen = emulate.subset_indices(test.labels, subset) if labels_fit else np.arange(min(subset, len(test.labels)))
+    chosen = emulate.subset_indices(test.labels, subset) if run.labels_fit else np.arange(min(subset, len(test.labels)))
     images, labels = test.take(chosen), test.labels[chosen]
-    exact_scores, seconds = _predict(model, images, batch_size, model_path, where)
-    scores = scores_under_emulation(model_path, model.prepare(images), resolve_threads(threads))
+    exact_scores, seconds = _predict(model, images, run.batch_size, run.model_path, run.where)
+    scores = scores_under_emulation(run.model_path, model.prepare(images), resolve_threads(run.threads))
     if progress:
         progress(len(chosen), len(chosen))
-    exact_same = round(100.0 * float(np.mean(exact_scores.argmax(axis=1) == labels)), 4) if labels_fit else None
+    exact_same = round(100.0 * float(np.mean(exact_scores.argmax(axis=1) == labels)), 4) if run.labels_fit else None
     on_same = f"exact path on the same images: {exact_same:.2f}%" if exact_same is not None else "no labels"
     which = f"all {len(chosen):,} images" if len(chosen) == len(test.labels) else f"{len(chosen):,} of {len(test.labels):,} images (first of each class)"
-    basis = f"emulated ({emulate.describe()}) on {which}; {on_same}"
-    return chosen, scores.astype(np.float32), seconds, exact_same, basis
+    return chosen, scores.astype(np.float32), seconds, exact_same, f"emulated ({emulate.describe()}) on {which}; {on_same}"
 
 
 def refresh_stale(results_dir: Path, threads: int | None = None, progress_for: Callable[[str], ProgressCallback | None] | None = None) -> list[Path]:

@@ -69,6 +69,8 @@ class ReportRow:
     # Throughput against the FP32 source, both timed on the kernels of x86 CPUs without VNNI on a CPU with VNNI
     # (`ptq benchmark --int8-path saturating`); on a CPU without VNNI, `speedup` is that figure.
     saturating_speedup: float | None = None
+    # Where the time goes at the benchmark's batch (`ptq benchmark --profile`): backends.base.RuntimeProfile as a dict.
+    profile: dict | None = None
     cpus: str | None = None  # the CPUs the model is for (`--cpus`), if ptq made it
     arena_bytes: int | None = None  # the working memory its runtime measured for it (TFLM's tensor arena)
     measured_on: str = ""  # the CPU of the row's figures
@@ -305,6 +307,7 @@ def _row(record: EvaluationRecord, records: list[EvaluationRecord], benchmarks: 
         speed_source=source,
         speedup=speedup,
         latency_ms_p50=benchmark.latency_ms_p50 if benchmark else None,
+        profile=benchmark.profile if benchmark else None,
         validation_accuracy=validation.get("accuracy"),
         validation_fp32_accuracy=validation.get("fp32_accuracy"),
         per_class_accuracy=tuple(record.per_class_accuracy),
