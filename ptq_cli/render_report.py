@@ -113,7 +113,7 @@ def _report_cells(row: ReportRow) -> list[str]:
         size(row.size_bytes),
         percent(row.size_reduction),
         f"{row.images_per_second:,.0f}" + ("" if row.speed_source == "benchmark" else " (eval)"),
-        speedup(row.speedup),
+        speedup(row.speedup) + (f"; batch 1: {speedup(row.speedup_batch1)}" if row.speedup_batch1 is not None else ""),
         speedup(row.speedup_vs_onnxruntime),
         milliseconds(row.latency_ms_p50),
         _measured_on(row),
@@ -225,7 +225,8 @@ def report(report: Report) -> Group:
         parts.append(Text(NO_VNNI_NOTE, style="dim"))
         parts.append(Text("Runs as: runtime (" + ", ".join(f"{short} {name}" for name, short in SHORT_RUNTIMES.items())
                           + "), its precision hint where not f32, data type. Agree: top-1 agreement with the FP32 source, percent.", style="dim"))
-        parts += [Text(line, style="dim") for line in [*_emulated_lines(report.rows), *_saturating_speed_lines(report.rows), *_profile_lines(report.rows)]]
+        parts += [Text(line, style="dim") for line in [*_emulated_lines(report.rows), *_saturating_speed_lines(report.rows), *_batch1_lines(report.rows),
+                                                           *_profile_lines(report.rows)]]
         cpus = sorted({row.measured_on for row in report.rows if row.measured_on})
         if cpus:
             parts.append(Text(f"Measured on: {'; '.join(cpus)}.", style="dim"))
@@ -244,6 +245,12 @@ def _emulated_lines(rows: list[ReportRow]) -> list[str]:
     return [f"* {_name(row)}: {row.saturating_accuracy:.2f}% on the saturating path against {row.saturating_exact_same_images:.2f}% on the exact "
             f"path, on the same {row.saturating_images:,} images" for row in rows
             if row.saturating_basis.startswith("emulated") and row.saturating_exact_same_images is not None]
+
+
+def _batch1_lines(rows: list[ReportRow]) -> list[str]:
+    """Speed-ups at batch 1 (latency), beside the table's throughput ones."""
+    timed = [f"{_name(row)} {speedup(row.speedup_batch1)}" for row in rows if row.speedup_batch1 is not None]
+    return [f"* At batch 1 (median latency against the FP32 source's): {', '.join(timed)}"] if timed else []
 
 
 def _profile_lines(rows: list[ReportRow]) -> list[str]:

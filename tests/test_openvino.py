@@ -60,26 +60,24 @@ def _weight_codes_of_ir(path: Path) -> list[tuple[int, bytes]]:
                   if op.get_type_name() == "Constant" and op.get_element_type() == ov.Type.i8)
 
 
-def _weight_codes_of_qdq(path: Path) -> list[tuple[int, bytes]]:
-    import onnx
-    from onnx import numpy_helper
+def test_the_default_ir_is_ptq_s_own_quantization_with_quantizers_only_where_the_cpu_plugin_fuses_them(project):
+    """By default the IR is ptq's QDQ engine's model (calibration, pair rule, learned rounding) converted, its pairs
+    placed for OpenVINO: a FakeQuantize on an activation only at the input of a convolution, matrix product or residual
+    join (whose output stays float, for the plugin's post-op fusions); and the IR says how it was made."""
+    import openvino as ov
 
-    model = onnx.load(str(path))
-    initializers = {init.name: init for init in model.graph.initializer}
-    weights = [initializers[node.input[0]] for node in model.graph.node if node.op_type == "DequantizeLinear" and node.input[0] in initializers]
-    return sorted((int(np.prod(init.dims)), numpy_helper.to_array(init).tobytes()) for init in weights if init.data_type == onnx.TensorProto.INT8)
-
-
-def test_the_default_ir_runs_the_weight_codes_of_ptq_s_own_quantization(project):
-    """By default the IR is ptq's onnxruntime QDQ model (calibration, pair rule, learned rounding) converted: the
-    CPU plugin's int8 weights are that model's codes, and the IR says how it was made."""
     made = json.loads(ok("quantize", "--model", "m.onnx", "--data", "colours.npz", "--backend", "openvino", "--rounding", "learned", "--json",
                          cwd=project).stdout)["settings"]
     assert (made["rounding"], made["nncf_preset"], made["format"]) == ("learned", None, "IR")
     assert (made["method"], made["percentile"]) in METHOD_CANDIDATES and len(made["method_sqnr_db"]) == len(METHOD_CANDIDATES)  # --method auto
-    ok("quantize", "--model", "m.onnx", "--data", "colours.npz", "--rounding", "learned", "--output", "q.onnx", cwd=project)
-    codes = _weight_codes_of_ir(project / "m_openvino_int8.xml")
-    assert codes and codes == _weight_codes_of_qdq(project / "q.onnx")
+    assert _weight_codes_of_ir(project / "m_openvino_int8.xml")
+    graph = ov.Core().read_model(str(project / "m_openvino_int8.xml"))
+    activations = [op for op in graph.get_ordered_ops() if op.get_type_name() == "FakeQuantize"
+                   and op.input_value(0).get_node().get_type_name() not in ("Constant", "Convert")]
+    assert activations
+    for quantizer in activations:  # never before an activation or an elementwise product: those fuse into the convolution
+        readers = {target.get_node().get_type_name() for target in quantizer.output(0).get_target_inputs()}
+        assert readers <= {"Convolution", "GroupConvolution", "MatMul", "Add"}, readers
     ok("evaluate", "--model", "m_openvino_int8.xml", "--data", "colours.npz", "--results-dir", "res", cwd=project)
     (record,) = [record for record in records(project / "res").values() if record["model_path"].endswith(".xml")]
     assert record["runtime"] == "openvino" and record["quantization"]["rounding"] == "learned"
@@ -230,22 +228,15 @@ def test_each_new_batch_size_runs_on_its_own_static_compile_up_to_the_limit_with
     assert static == [f"[{size},3,8,8]" for size in [1, *sizes[: backend.STATIC_SHAPES - 1]]]  # each once, the rest dynamic
 
 
-def test_within_one_run_the_default_ir_is_the_int8_qdq_model_already_made_and_the_same_bytes(project):
-    """`ptq run` quantizes for onnxruntime int8 before OpenVINO; the default IR is that QDQ model converted, so within
-    one run the QDQ model is written again rather than made again, and the IR has the bytes of one made on its own."""
+def test_within_one_run_the_default_ir_is_made_for_openvino_not_taken_from_onnxruntime_s_model(project):
+    """`ptq run` quantizes for onnxruntime int8 before OpenVINO; the IR's pairs are placed for OpenVINO, so it is not
+    that QDQ model written again but made on its own, with the bytes of one made alone."""
     ok("quantize", "--model", "m.onnx", "--data", "colours.npz", "--backend", "openvino", "--output", "alone.xml", cwd=project)
     with reusing_made_files():
-        made = json.loads(ok("quantize", "--model", "m.onnx", "--data", "colours.npz", "--dtype", "int8", "--output", "q.onnx", "--json",
-                             cwd=project).stdout)
-        ok("quantize", "--model", "m.onnx", "--data", "colours.npz", "--target", "speed", "--output", "speed.onnx", cwd=project)  # as the run does
-        reused = json.loads(ok("quantize", "--model", "m.onnx", "--data", "colours.npz", "--backend", "openvino", "--output", "reused.xml", "--json",
-                               cwd=project).stdout)
-    assert REUSED_NOTE not in made["notes"] and REUSED_NOTE in reused["notes"]
-    assert (project / "reused.bin").read_bytes() == (project / "alone.bin").read_bytes()
-    # The graphs are the same but for the numbers OpenVINO gives unnamed nodes, which count up within a process.
-    numbered = re.compile(r'name="([A-Za-z]+)_\d+"')
-    assert numbered.sub(r'name="\1"', (project / "reused.xml").read_text()) == numbered.sub(r'name="\1"', (project / "alone.xml").read_text())
-    # Outside a run nothing is kept: the same command makes its model again.
-    again = json.loads(ok("quantize", "--model", "m.onnx", "--data", "colours.npz", "--backend", "openvino", "--output", "again.xml", "--json",
-                          cwd=project).stdout)
+        ok("quantize", "--model", "m.onnx", "--data", "colours.npz", "--dtype", "int8", "--output", "q.onnx", cwd=project)
+        again = json.loads(ok("quantize", "--model", "m.onnx", "--data", "colours.npz", "--backend", "openvino", "--output", "again.xml", "--json",
+                              cwd=project).stdout)
     assert REUSED_NOTE not in again["notes"]
+    assert (project / "again.bin").read_bytes() == (project / "alone.bin").read_bytes()
+    numbered = re.compile(r'name="([A-Za-z]+)_\d+"')  # OpenVINO numbers unnamed nodes, counting up within a process
+    assert numbered.sub(r'name="\1"', (project / "again.xml").read_text()) == numbered.sub(r'name="\1"', (project / "alone.xml").read_text())

@@ -9,6 +9,7 @@ from synthetic import depthwise_classifier, invoke, ok, one_line_error, photo_fo
 
 from ptq_cli.backends.base import CONVERT, FLOAT_KERNEL, INT8_KERNEL, OP_KINDS, RuntimeProfile
 from ptq_cli.backends.onnxruntime import op_kind
+from ptq_cli.backends.openvino import layer_kind
 from ptq_cli.x86 import cpu as cpu_info
 
 
@@ -35,13 +36,33 @@ def test_the_profile_says_which_kernels_ran_and_where_the_time_went(study):
     assert int8.int8_convolutions >= 1 and int8.share(INT8_KERNEL) > 0
     # The record keeps it; the report sums it up, in the terminal and in Markdown.
     ok("evaluate", "--model", "dw.onnx", "--model", "dw_int8.onnx", "--data", "photos", "--against-fp32", "dw.onnx", cwd=study)
+    rows = {row["model"]: row for group in json.loads(ok("report", "--json", cwd=study).stdout)["groups"] for row in group["rows"]}
+    latencies = {name: records[name]["latency_ms_p50"] for name in ("dw.onnx", "dw_int8.onnx")}
+    assert rows["dw_int8.onnx"]["speedup_batch1"] == pytest.approx(latencies["dw.onnx"] / latencies["dw_int8.onnx"], abs=1e-3)
     lines = ok("report", cwd=study).stdout.splitlines()
+    assert any(line.startswith("* At batch 1") and "dw_int8.onnx" in line for line in lines), lines
     said = f"{int8.int8_convolutions} of {int8.convolutions} convolutions and matrix products run int8"
     assert any(said in line for line in lines), lines
     ok("report", "--markdown", "report.md", cwd=study)
     assert "## Where the time goes" in (study / "report.md").read_text() and said in (study / "report.md").read_text()
     shown = ok("benchmark", "--model", "dw_int8.onnx", "--runs", "2", "--batch-size", "8", "--profile", cwd=study).stdout
     assert "where the time goes" in shown and "QLinear" in shown and said in shown
+
+
+def test_openvino_profiles_the_layers_it_ran(study):
+    """The same ONNX file on OpenVINO (`--also MODEL@openvino`): its performance counters, by layer type and precision."""
+    timed = ok("benchmark", "--model", "dw_int8.onnx", "--also", "dw_int8.onnx@openvino", "--runs", "2", "--batch-size", "8", "--profile", "--json",
+               cwd=study)
+    records = {record["runtime"]: record for record in json.loads(timed.stdout)}
+    profile = RuntimeProfile.from_stored(records["openvino"]["profile"])
+    assert "OpenVINO" in profile.source and profile.batch_size == 8 and profile.convolutions >= 3
+    assert {op.op for op in profile.ops} & {"Convolution", "GroupConvolution"} and sum(profile.share(kind) for kind in OP_KINDS) == pytest.approx(1.0)
+
+
+def test_openvino_layers_are_sorted_by_the_precision_they_ran_in():
+    assert [layer_kind(*layer) for layer in (("Convolution", "brgconv_avx512_I8"), ("Convolution", "brgconv_avx512_f32"), ("FakeQuantize", "jit_avx512_f32"),
+                                             ("Reorder", "jit_uni_f32"), ("AvgPool", "jit_avx2_u8"))] == [
+        INT8_KERNEL, FLOAT_KERNEL, CONVERT, "layout", INT8_KERNEL]
 
 
 def test_onnxruntime_ops_are_sorted_into_what_they_compute_in():

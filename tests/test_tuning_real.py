@@ -115,7 +115,7 @@ def test_tune_on_two_ray_workers_chooses_and_writes_what_it_does_in_one_process(
     tests in test_workers.py search tune's default methods)."""
     pytest.importorskip("ray")
     tune = ("tune", "--max-drop", "0.05", "--method", "minmax", "--per-channel", "--max-float-layers", "1",
-            "--validation-per-class", "50", "--data-dir", train_only_data, "--json")
+            "--validation-per-class", "20", "--data-dir", train_only_data, "--json")
     runs = {}
     for name, extra in (("here", ()), ("ray", ("--workers", "2"))):
         output = tmp_path / f"{name}.onnx"

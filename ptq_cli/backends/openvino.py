@@ -1,7 +1,8 @@
 """OpenVINO: runs OpenVINO IR (.xml + .bin) and, when asked (`--runtime openvino`), ONNX files; quantizes
-into IR in one of two ways: by default ptq's own onnxruntime QDQ quantization (its calibration, pair rule,
-float stem and learned rounding; quantize/qdq.py), which `openvino.convert_model` turns into IR and
-the CPU plugin runs on its int8 kernels; with `--method nncf`, NNCF's (`nncf.quantize`, OpenVINO backend).
+into IR in one of two ways: by default ptq's own QDQ quantization (its calibration, pair rule, float stem and
+learned rounding; quantize/qdq.py), its pairs placed where the CPU plugin fuses them (quantize/placement.py
+OpenVinoCpu), which `openvino.convert_model` turns into IR and the CPU plugin runs on its int8 kernels; with
+`--method nncf`, NNCF's (`nncf.quantize`, OpenVINO backend).
 
 The CPU plugin's default inference precision on a CPU with AMX or AVX512-BF16 is bf16, which silently
 costs accuracy; ptq always sets the hint (`f32` unless told) and records it with every figure.
@@ -235,6 +236,50 @@ def load(path: Path, options: RunOptions) -> LoadedModel:
                        stored=stored, declared_classes=classes, quantization=quantization, note=note)
 
 
+# How OpenVINO's CPU plugin ran each layer (ProfilingInfo.node_type, exec_type): an exec type ending _i8/_u8 is an
+# integer kernel; a standalone FakeQuantize or Convert converts precision; reorders and reshapes move data.
+CONVERT_LAYERS = frozenset({"FakeQuantize", "Convert"})
+LAYOUT_LAYERS = frozenset({"Reorder", "Transpose", "Reshape", "Concat", "Split", "Gather"})
+PRODUCT_LAYERS = frozenset({"Convolution", "GroupConvolution", "FullyConnected", "MatMul", "Deconvolution"})
+
+
+def layer_kind(node_type: str, exec_type: str) -> str:
+    if exec_type.lower().endswith(("_i8", "_u8")):
+        return base.INT8_KERNEL
+    return base.CONVERT if node_type in CONVERT_LAYERS else base.LAYOUT if node_type in LAYOUT_LAYERS else base.FLOAT_KERNEL
+
+
+def profile(path: Path, options: RunOptions, batch: np.ndarray, runs: int) -> base.RuntimeProfile:
+    """OpenVINO's performance counters (PERF_COUNT) on the model compiled for `batch`'s shape, 1 thread, the precision
+    hint `options` gives: each executed layer's time over `runs` runs after a warm-up run, summed by its layer type
+    and how it ran (its exec type's precision)."""
+    ov = _openvino()
+    core = ov.Core()
+    model, _, _ = _read(core, Path(path))
+    try:
+        model.reshape({model.inputs[0].get_any_name(): ov.PartialShape(list(batch.shape))})
+    except Exception:  # noqa: BLE001  a graph tied to its batch: profiled at that batch
+        batch = batch[: _dims(model.inputs[0].get_partial_shape())[0] or 1]
+    config = {"PERF_COUNT": "YES", "INFERENCE_NUM_THREADS": 1, "INFERENCE_PRECISION_HINT": options.precision or DEFAULT_PRECISION}
+    try:
+        request = core.compile_model(model, "CPU", config).create_infer_request()
+        request.infer({0: np.ascontiguousarray(batch)})
+        layers: dict[tuple[str, str], tuple[set, float]] = {}
+        for _ in range(runs):
+            request.infer({0: np.ascontiguousarray(batch)})
+            for info in (info for info in request.get_profiling_info() if str(info.status).endswith("EXECUTED")):
+                key = (info.node_type, layer_kind(info.node_type, info.exec_type))
+                names, micros = layers.get(key, (set(), 0.0))
+                layers[key] = ({*names, info.node_name}, micros + info.real_time.total_seconds() * 1e6)
+    except Exception as error:  # noqa: BLE001  OpenVINO's own exception types
+        raise PtqError(f"{path}: OpenVINO cannot profile it ({first_line(error)})") from error
+    ops = sorted((base.OpTime(op, kind, len(names), round(micros / 1000 / runs, 4)) for (op, kind), (names, micros) in layers.items()),
+                 key=lambda op: -op.milliseconds)
+    products = [op for op in ops if op.op in PRODUCT_LAYERS]
+    return base.RuntimeProfile(tuple(ops), sum(op.nodes for op in products), sum(op.nodes for op in products if op.kind == base.INT8_KERNEL),
+                               len(batch), runs, "OpenVINO's performance counters (PERF_COUNT), 1 thread")
+
+
 def _convert(model):
     """openvino.convert_model of an ONNX model (onnx.ModelProto), its weighted layers named stably."""
     ov = _openvino()
@@ -291,12 +336,13 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     if settings.float_nodes:
         raise PtqError(f"--ignored-scope: NNCF's ignored scope; applies to --backend openvino --method {NNCF}")
     ov = _openvino()
-    # The QDQ engine's model as placed for onnxruntime's x86 kernels (its default placement), without space-to-depth
-    # (a regrouping for onnxruntime's own fast kernel): the IR is that model converted.
+    # The QDQ engine's model with its pairs where OpenVINO's CPU plugin fuses them (placement.OpenVinoCpu: at the inputs of
+    # convolutions and matrix products only), without space-to-depth (a regrouping for onnxruntime's own fast kernel):
+    # the IR is that model converted.
     as_qdq = replace(settings, backend=qdq.WRITER, format=qdq.FORMAT, options=placement.Options(space_to_depth=False))
     with tempfile.TemporaryDirectory(prefix="ptq-openvino-") as workdir:
         written = qdq.quantize(model, Path(workdir) / f"quantized{qdq.SUFFIX}", as_qdq, calibration, dict(stored), progress=progress,
-                               placement=placement.ONNXRUNTIME_X86)
+                               placement=placement.OPENVINO_CPU)
         try:
             converted = ov.convert_model(str(Path(workdir) / f"quantized{qdq.SUFFIX}"))
         except Exception as error:  # noqa: BLE001  the converter's own exception types
@@ -461,6 +507,6 @@ BACKEND = Backend(
         overflow_words=_overflow_words,
     ),
     # ONNX files too (`--runtime openvino`), always with a precision hint.
-    runtime=Runtime(load, runs_suffixes=(".onnx",), precisions=PRECISIONS,
+    runtime=Runtime(load, profile=profile, runs_suffixes=(".onnx",), precisions=PRECISIONS,
                     settings="CPU plugin, INFERENCE_NUM_THREADS threads, one synchronous infer request, compiled for each batch size"),
 )

@@ -344,6 +344,10 @@ def _batch_first(session, extremes, images: np.ndarray, input_name: str, fixed_b
     return [name in extremes.known or (len(one[2 * index]) == 1 and len(two[2 * index]) == 2) for index, name in enumerate(extremes.activations)]
 
 
+# A placement's writer options that are quantize_static's arguments, not extra options.
+OP_TYPES, EXCLUDED = "op_types_to_quantize", "nodes_to_exclude"
+
+
 def write_qdq(job: Job, target: Path, images: np.ndarray, settings: QuantizationSettings, overrides: dict | None,  # noqa: PLR0913  the bar, the shared histograms, the batch
               progress: ProgressCallback | None, histograms: dict | None = None, *, fixed_batch: int | None) -> list[str]:
     """onnxruntime's quantize_static (QDQ) of the job's graph into `target`, calibrated on `images` with the settings'
@@ -355,6 +359,8 @@ def write_qdq(job: Job, target: Path, images: np.ndarray, settings: Quantization
     source, input_name, float_nodes, output, model_name = job.source, job.input_name, job.float_nodes, job.output, job.model_name
 
     extra_options: dict[str, object] = {"CalibPercentile": settings.percentile} if settings.method == "percentile" else {}
+    placed = dict(job.writer_options)
+    extra_options |= {name: list(value) if isinstance(value, tuple) else value for name, value in placed.items() if name not in (OP_TYPES, EXCLUDED)}
     if overrides:
         extra_options["TensorQuantOverrides"] = overrides
     fitting = calibration_chunk(source, images, fixed_batch, model_name)
@@ -375,7 +381,8 @@ def write_qdq(job: Job, target: Path, images: np.ndarray, settings: Quantization
                 activation_type=getattr(QuantType, QUANT_TYPES[settings.dtype]),
                 weight_type=getattr(QuantType, QUANT_TYPES[settings.weight_dtype]),
                 calibrate_method=getattr(CalibrationMethod, CALIBRATION_METHODS[settings.method]),
-                nodes_to_exclude=float_nodes,
+                nodes_to_exclude=[*float_nodes, *placed.get(EXCLUDED, ())],
+                op_types_to_quantize=list(placed.get(OP_TYPES, ())) or None,
                 extra_options=extra_options,
                 calibration_cache_path=cached_ranges,
             )

@@ -23,6 +23,8 @@ class Job:
     output: Path  # the file being made: named in write errors
     model_name: str  # named in the library's errors
     fixed_batch: int | None = None  # the batch the graph is tied to, if any: calibration runs in it, no choice is judged
+    # The runtime's say in where pairs go (placement.Placement.writer_options): quantize_static's extra options.
+    writer_options: tuple[tuple[str, Any], ...] = ()
 
     @property
     def files(self) -> tuple[Path, Path, str]:

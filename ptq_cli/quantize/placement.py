@@ -1,7 +1,8 @@
 """Where a runtime wants the QDQ writer's quantizer pairs, and its edits around them: the rule the engine (qdq.py) asks
 of the runtime a model is made for, one small class per runtime. The base keeps the pairs as the writer places them;
 onnxruntime's x86 kernels want some convolutions regrouped before, their pads quantized after, and each int8 input's
-pair private to its reader. OpenVINO's IR is converted from a model placed for onnxruntime (backends/openvino.py)."""
+pair private to its reader. OpenVINO's CPU plugin wants pairs only at the inputs of its integer layers, their outputs
+left float for its post-op fusions (backends/openvino.py converts that model to IR)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,12 @@ def qdq_options(settings: QuantizationSettings) -> Options:
 class Placement:
     """The writer's pairs as it places them: no rewrite before it, no edit after."""
 
+    def writer_options(self, graph: Any) -> tuple[tuple[str, Any], ...]:  # noqa: ARG002  a runtime's say
+        """What the writer (onnxruntime's quantize_static) is told of where pairs go in `graph` (as it is to see it):
+        its `op_types_to_quantize`, nodes it leaves alone (`nodes_to_exclude`, beside the float nodes) and extra
+        options; () for its own placement."""
+        return ()
+
     def rewrite(self, graph: Any, settings: QuantizationSettings, float_nodes: list[str]) -> tuple[Any, list[Rewrite]]:  # noqa: ARG002  a runtime's say
         """The float graph as the writer is to see it, and the rewrites made (stored in the model)."""
         return graph, []
@@ -85,3 +92,21 @@ class OnnxruntimeX86(Placement):
 
 
 ONNXRUNTIME_X86 = OnnxruntimeX86()
+
+
+class OpenVinoCpu(Placement):
+    """OpenVINO's CPU plugin: pairs only at the inputs of the layers it runs on integer kernels (convolutions, matrix
+    products) and of residual joins (an Add of two computed tensors), as NNCF places its FakeQuantize; their outputs
+    stay float, so that the activations after them (ReLU, HardSwish, the squeeze-excitation's products) fuse into the
+    convolution as post-ops and the next layer's input quantizer with them, instead of running as float layers between
+    standalone FakeQuantizes. An Add of a constant (HardSwish's x + 3) is left to those fusions."""
+
+    LAYERS = ("Conv", "ConvTranspose", "MatMul", "Gemm", "Add")
+
+    def writer_options(self, graph: Any) -> tuple[tuple[str, Any], ...]:
+        constants = {init.name for init in graph.graph.initializer} | {out for node in graph.graph.node if node.op_type == "Constant" for out in node.output}
+        not_joins = tuple(node.name for node in graph.graph.node if node.op_type == "Add" and any(name in constants for name in node.input))
+        return (("op_types_to_quantize", self.LAYERS), ("OpTypesToExcludeOutputQuantization", self.LAYERS), ("nodes_to_exclude", not_joins))
+
+
+OPENVINO_CPU = OpenVinoCpu()

@@ -92,6 +92,7 @@ class _Prepared:
     overrides: dict | None  # the weight scales of the overflow fix
     float_nodes: list[str]  # the nodes left in float
     pools: list[str]  # of those, the average pools over a whole map
+    writer_options: tuple[tuple[str, object], ...] = ()  # the runtime's say in where pairs go (Placement.writer_options)
 
 
 def _graph_to_quantize(model, settings: QuantizationSettings, workdir: Path, placement: Placement) -> _Prepared:
@@ -115,7 +116,7 @@ def _graph_to_quantize(model, settings: QuantizationSettings, workdir: Path, pla
     graph, rewrites = placement.rewrite(graph, settings, float_nodes)
     source = str(workdir / "to_quantize.onnx")
     onnx.save(graph, source)
-    return _Prepared(source, rewrites, fix_overrides(graph, settings, float_nodes), float_nodes, pools)
+    return _Prepared(source, rewrites, fix_overrides(graph, settings, float_nodes), float_nodes, pools, placement.writer_options(graph))
 
 
 LEARNED, NEAREST = rounding.LEARNED, rounding.NEAREST
@@ -164,7 +165,7 @@ def quantize_qdq(model, output: Path, settings: QuantizationSettings, calibratio
         notes += policy.pools_in_float_note(prepared.pools, "onnxruntime")
         job = Job(prepared.source, calibration, described.name, prepared.float_nodes,
                   partial(_finish, rewrites=prepared.rewrites, float_nodes=prepared.float_nodes, placement=placement), Path(workdir), output,
-                  model.graph.name or "model", fixed_batch)
+                  model.graph.name or "model", fixed_batch, prepared.writer_options)
         search = settings.method == AUTO_METHOD
         settings, overrides, chosen, done = judged_choices(job, settings, prepared.overrides, progress)
         notes += chosen

@@ -71,6 +71,8 @@ class ReportRow:
     saturating_speedup: float | None = None
     # Where the time goes at the benchmark's batch (`ptq benchmark --profile`): backends.base.RuntimeProfile as a dict.
     profile: dict | None = None
+    # Batch 1: the FP32 model's median latency over this one's (both from `ptq benchmark`, same runtime); `speedup` is throughput's.
+    speedup_batch1: float | None = None
     cpus: str | None = None  # the CPUs the model is for (`--cpus`), if ptq made it
     arena_bytes: int | None = None  # the working memory its runtime measured for it (TFLM's tensor arena)
     measured_on: str = ""  # the CPU of the row's figures
@@ -248,6 +250,16 @@ def _ratio(record: EvaluationRecord | None, reference: EvaluationRecord | None, 
     return round(speed / reference_speed, 3) if reference_source == source and reference_speed > 0 else None
 
 
+def _latency_ratio(record: EvaluationRecord, reference: EvaluationRecord | None, benchmarks: dict[MeasurementKey, BenchmarkRecord]) -> float | None:
+    """Batch 1: the reference's median latency over the model's, where `ptq benchmark` timed both (this CPU's kernels)."""
+    if reference is None:
+        return None
+    timed = [benchmarks.get(MeasurementKey.of(measured, with_dataset=False)) for measured in (record, reference)]
+    if timed[0] is None or timed[1] is None or timed[0].latency_ms_p50 <= 0:
+        return None
+    return round(timed[1].latency_ms_p50 / timed[0].latency_ms_p50, 3)
+
+
 def _saturating_speedup(record: EvaluationRecord, reference: EvaluationRecord | None, benchmarks: dict[MeasurementKey, BenchmarkRecord]) -> float | None:
     """Throughput against the reference's where both were timed on the kernels of CPUs without VNNI on a CPU with VNNI."""
     if reference is None:
@@ -287,8 +299,10 @@ def _row(record: EvaluationRecord, records: list[EvaluationRecord], benchmarks: 
     speedup = size_reduction = None
     if runtime_fp32 is not None and (runtime_fp32.model_sha256 == record.model_sha256 or record.dtype == "fp32"):
         runtime_fp32 = None  # itself, or a float model: nothing to compare
+    speedup_batch1 = None
     if runtime_fp32 is not None:
         speedup = _ratio(compared, runtime_fp32, benchmarks)
+        speedup_batch1 = _latency_ratio(record, runtime_fp32, benchmarks)
         size_reduction = round(1.0 - record.model_size_bytes / runtime_fp32.model_size_bytes, 4)
     benchmark = benchmarks.get(MeasurementKey.of(record, with_dataset=False))
     validation = (record.quantization or {}).get("validation") or {}
@@ -308,6 +322,7 @@ def _row(record: EvaluationRecord, records: list[EvaluationRecord], benchmarks: 
         speedup=speedup,
         latency_ms_p50=benchmark.latency_ms_p50 if benchmark else None,
         profile=benchmark.profile if benchmark else None,
+        speedup_batch1=speedup_batch1,
         validation_accuracy=validation.get("accuracy"),
         validation_fp32_accuracy=validation.get("fp32_accuracy"),
         per_class_accuracy=tuple(record.per_class_accuracy),
