@@ -95,8 +95,9 @@ def test_benchmark_times_a_file_on_a_second_runtime_in_the_same_turns(project):
     one_line_error(invoke("benchmark", "--model", "models/m.onnx", "--also", "models/m.onnx", cwd=project), "--also: 'models/m.onnx' is not MODEL@RUNTIME")
 
 
-def test_the_openvino_stage_converts_the_int8_qdq_model_the_run_already_made(project, monkeypatch):
-    """OpenVINO's default IR is onnxruntime's int8 QDQ model converted: within one run, that model is quantized once."""
+def test_each_qdq_model_of_a_run_is_quantized_once_the_openvino_one_with_its_own_placement(project, monkeypatch):
+    """Within one run each QDQ model is quantized once: onnxruntime's int8, uint8 and speed models, and OpenVINO's,
+    whose pairs are placed for OpenVINO (not onnxruntime's int8 model converted)."""
     pytest.importorskip("openvino")
     from ptq_cli.quantize import qdq
 
@@ -104,13 +105,14 @@ def test_the_openvino_stage_converts_the_int8_qdq_model_the_run_already_made(pro
     quantize = qdq.quantize_qdq
 
     def counted(model, output, settings, *rest, **options):
-        made.append(f"{settings.dtype}/{settings.target}")
+        made.append(f"{settings.dtype}/{settings.target}/{type(options.get('placement', rest[-1] if rest else None)).__name__}")
         return quantize(model, output, settings, *rest, **options)
 
     monkeypatch.setattr(qdq, "quantize_qdq", counted)
     ok("run", "--model", "models/m.onnx", "--data", "colours.npz", "--no-pytorch", "--no-benchmark", cwd=project)
     assert (project / "models" / "m_openvino_int8.xml").is_file() and (project / "models" / "m_openvino_int8.bin").is_file()
-    assert sorted(made) == sorted(set(made)) and len(made) == 3, made  # int8, uint8 and the speed model; not the IR's again
+    assert sorted(made) == sorted(set(made)) and len(made) == 4, made  # int8, uint8, the speed model, and the IR's
+    assert sum(entry.endswith("/OpenVinoCpu") for entry in made) == 1, made
 
 
 def test_a_backend_that_cannot_take_the_model_is_left_out_and_the_study_goes_on(project, monkeypatch):

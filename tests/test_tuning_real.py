@@ -76,7 +76,7 @@ def test_tune_with_an_impossible_budget_keeps_the_best_and_never_reads_the_test_
 
 def test_sensitivity_lists_every_quantizable_layer_worst_first(pipeline, train_only_data, tmp_path):
     run = ptq_ok(
-        "sensitivity", "--dtype", "int8", "--validation-per-class", "50", "--data-dir", train_only_data,
+        "sensitivity", "--dtype", "int8", "--method", "minmax", "--validation-per-class", "50", "--data-dir", train_only_data,
         "--results-dir", tmp_path / "results", "--json", cwd=pipeline,
     )
     result = json.loads(run.stdout)

@@ -111,7 +111,7 @@ StemOption = Annotated[
 
 RoundingOption = Annotated[
     Rounding,
-    typer.Option(help="How weights are rounded to their 8-bit codes: nearest (each weight alone), or learned (GPTQ: layer by layer, each rounding error moved onto the weights not yet rounded, weighted by the calibration inputs, then each bias corrected for the mean output error against FP32; same scales, pair rule kept). auto learns the rounding on 3/4 of the calibration images and keeps it where the output is closer to FP32 on the other 1/4. onnxruntime, openvino (its QDQ model converted) and litert (on the converter's grid); pytorch and --method nncf round to nearest."),
+    typer.Option(help="How weights are rounded to their 8-bit codes: nearest (each weight alone), or learned (GPTQ: layer by layer, each rounding error moved onto the weights not yet rounded, weighted by the calibration inputs, then each bias corrected for the mean output error against FP32; same scales, pair rule kept). auto learns the rounding on 3/4 of the calibration images and keeps it where the output is closer to FP32 on the other 1/4. onnxruntime, openvino (its QDQ model, placed for OpenVINO, converted) and litert (on the converter's grid); pytorch and --method nncf round to nearest."),
 ]
 
 

@@ -39,7 +39,8 @@ from ptq_cli.transforms.qdq_edits import float_scores, keep_float_layers
 from ptq_cli.transforms.space_to_depth import Rewrite
 
 # The QDQ models the engine writes are onnxruntime.quantization's, stored with onnxruntime's settings: OpenVINO's
-# default IR is one of them converted, and within `ptq run` the same model as onnxruntime's own (reuse.made_once).
+# default IR is one of them (its pairs placed for OpenVINO) converted; within `ptq run` a model made from the same
+# inputs and placement is written again, not made again (reuse.made_once).
 WRITER, FORMAT, SUFFIX = "onnxruntime", "QDQ", ".onnx"
 # The activation ranges it calibrates. Entropy is not tuned: quantize_static does not pass a histogram size to it,
 # and with its default 128 bins equal to its 128 quantized bins the KL search has a single candidate, the full range.

@@ -1,5 +1,5 @@
 """Within one `ptq run`, what a quantizer made (files, intermediate models, choices) handed back when the same inputs
-come again: the run makes several models from one FP32 model, and OpenVINO's default IR is the int8 QDQ model converted."""
+come again: the run makes several models from one FP32 model, some of them from the same inputs."""
 
 from __future__ import annotations
 
