@@ -111,10 +111,10 @@ def test_tune_pytorch_path_writes_torchscript_with_its_validation_score(pipeline
 
 def test_tune_on_two_ray_workers_chooses_and_writes_what_it_does_in_one_process(pipeline, train_only_data, tmp_path):
     """Issue 38's target: ResNet8 tuned with --workers 2 gives the same choice and byte-identical model as in-process
-    (MinMax, per-channel; two calibration sizes; one float layer: 4 candidates and 15 layers ranked; the synthetic
-    tests in test_workers.py search tune's default methods)."""
+    (MinMax, per-channel; two calibration sizes. The float-layer stage on Ray, its layers ranked there, is
+    test_workers.py's, on a synthetic model, with tune's default methods)."""
     pytest.importorskip("ray")
-    tune = ("tune", "--max-drop", "0.05", "--method", "minmax", "--per-channel", "--max-float-layers", "1",
+    tune = ("tune", "--max-drop", "0.05", "--method", "minmax", "--per-channel", "--max-float-layers", "0",
             "--validation-per-class", "20", "--data-dir", train_only_data, "--json")
     runs = {}
     for name, extra in (("here", ()), ("ray", ("--workers", "2"))):
@@ -122,7 +122,7 @@ def test_tune_on_two_ray_workers_chooses_and_writes_what_it_does_in_one_process(
         result = json.loads(ptq_ok(*tune, *extra, "--output", output, "--results-dir", tmp_path / name, cwd=pipeline).stdout)
         runs[name] = (result["chosen"]["settings"], [(c["stage"], c["settings"], c["validation_accuracy"], c["output_sqnr_db"], c["size_bytes"])
                                                        for c in result["candidates"]], output.read_bytes())
-    assert len(runs["here"][1]) >= 4
+    assert len(runs["here"][1]) >= 2
     assert runs["ray"] == runs["here"]
 
 
