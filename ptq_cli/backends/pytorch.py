@@ -7,7 +7,6 @@ import hashlib
 import io
 import json
 import tempfile
-import warnings
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import ClassVar
@@ -66,16 +65,17 @@ CALIBRATION_BATCH = 100
 TORCH_CHUNK = 64
 # Tried, in order, on a TorchScript file ptq did not make (which says nothing of its input).
 PROBE_INPUTS = (inputs.ModelInput("input", inputs.NCHW, 3, 32, 32, None), inputs.ModelInput("input", inputs.NHWC, 3, 32, 32, None))
-# torch 2.13 deprecates the quantized tensors this backend's TorchScript models hold (pytorch#184982). torch's C++ side
-# says so on its own stderr line (kept quiet by TORCH_CPP_LOG_LEVEL, transforms/torch_compat.py); ptq says it instead,
-# as a warning shown once after the command's output.
-QUANTIZED_TENSORS_DEPRECATED = ("torch deprecates the quantized tensors (quint8, qint8) of --backend pytorch's TorchScript models "
-                                "(pytorch#184982); torchao's PT2E flow replaces them")
 
 
-def _warn_if_quantized(dtype: str) -> None:
-    if dtype != "fp32":
-        warnings.warn(QUANTIZED_TENSORS_DEPRECATED, DeprecationWarning, stacklevel=3)
+def _warn_if_quantized(data: bytes) -> None:
+    """torch 2.13 deprecates the quantized tensors a quantized TorchScript model holds (pytorch#184982), once a process,
+    from its C++ side: run by the TorchScript interpreter, that warning is a raw line in the middle of ptq's progress;
+    called from Python first, it is a Python warning, which the command shows after its output (and the interpreter's
+    runs then say it no more)."""
+    import torch
+
+    if b"torch.classes.quantized" in data:  # its packed quantized weights, named in the archive's pickles
+        torch.quantize_per_tensor(torch.zeros(1), 1.0, 0, torch.quint8)
 
 
 def sniff(head: bytes) -> bool:
@@ -118,10 +118,9 @@ def save_torchscript(module, path: Path, example: np.ndarray, stored: dict[str, 
     """Trace to TorchScript (loads without this project's code) with ptq's metadata inside the file."""
     import torch
 
-    with torch.no_grad(), warnings.catch_warnings():
-        # The tracer warns that Reshape's target becomes a constant: static_reshape_targets made it
-        # [-1, ...] beforehand, so the trace holds for any batch size (the conversion check runs 1000 images).
-        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+    # The tracer may warn that Reshape's target becomes a constant: static_reshape_targets made it [-1, ...] beforehand,
+    # so the trace holds for any batch size (the conversion check runs 1000 images); its warning is shown, not hidden.
+    with torch.no_grad():
         scripted = torch.jit.trace(module, torch.from_numpy(example), check_trace=False)
     # Saved through a buffer: given a path, torch names the archive's root folder after the file, so
     # the temporary name would make two identical models differ byte for byte.
@@ -358,7 +357,6 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
             raise PtqError("--activation-bits: applies to --overflow-fix all-layers (on --cpus all, the default for a model with ReLU6, "
                            "and judged for the others); PyTorch's other models keep 8-bit activations")
 
-    _warn_if_quantized("int8")
     torch.backends.quantized.engine = ENGINE
     model, described, fixed = torch_ready(model, Path(model.graph.name or "model"))
     float_module = onnx_to_graph_module(model, fold=settings.preprocess)
@@ -406,6 +404,7 @@ def load(path: Path, options: RunOptions) -> LoadedModel:
     data = read_bytes(path)
     trust.require(path, data, "TorchScript")
     extra_files = {TORCHSCRIPT_METADATA_FILE: ""}
+    _warn_if_quantized(data)
     try:
         with _quantized_engine(SATURATING_ENGINE if options.saturating_int8 else ENGINE):
             module = torch.jit.load(io.BytesIO(data), map_location="cpu", _extra_files=extra_files)
@@ -415,7 +414,6 @@ def load(path: Path, options: RunOptions) -> LoadedModel:
     stored = _read_metadata(extra_files[TORCHSCRIPT_METADATA_FILE])
     quantization = metadata_object(path, stored, base.QUANTIZATION_METADATA_KEY)
     dtype = (quantization or {}).get("dtype") or ("int8" if "quantize_per_tensor" in module.inlined_graph.str() else "fp32")
-    _warn_if_quantized(dtype)
     torch.set_num_threads(threads)
 
     def call(batch: np.ndarray) -> np.ndarray:

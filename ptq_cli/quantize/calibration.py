@@ -285,7 +285,8 @@ def warning_notes(warnings: list[str]) -> list[str]:
     clipped = [line for line in warnings if "exceeds the range of a int32" in line]
     notes = [f"onnxruntime clipped the int32 biases of {len(clipped)} layer{'s' if len(clipped) > 1 else ''}: their scale "
              "(input scale x weight scale) is too small for them"] if clipped else []
-    return notes + [f"onnxruntime: {line}" for line in dict.fromkeys(warnings) if line not in clipped][:3]
+    others = [f"onnxruntime: {line}" for line in dict.fromkeys(warnings) if line not in clipped]
+    return notes + others[:3] + ([f"onnxruntime: {len(others) - 3} more warnings of the same run"] if len(others) > 3 else [])
 
 
 QUANT_TYPES = {"int8": "QInt8", "uint8": "QUInt8"}

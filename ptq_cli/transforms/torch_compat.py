@@ -10,16 +10,10 @@ other plain classifiers use none of them.
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 import types
 
 TORCHVISION_FUNCTIONS = ("nms", "box_convert", "roi_align")
-
-# torch's C++ side prints its deprecation of quantized tensors on a line of its own, in the middle of ptq's progress:
-# the pytorch backend says it as a Python warning instead (backends/pytorch.py QUANTIZED_TENSORS_DEPRECATED), shown
-# once after the command's output. torch reads this before it is imported; every torch user in ptq imports this module first.
-os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 
 
