@@ -8,7 +8,7 @@ PTQ_ASSETS ?= ../shared/assets
 export PTQ_ASSETS
 ONNX2TORCH := onnx2torch==1.5.15
 
-.PHONY: install qemu run tune sweep test test-fast lint bench bench-runtimes bench-int8 peers clean
+.PHONY: install qemu run tune sweep test test-fast lint bench bench-runtimes bench-int8 bench-speed peers clean
 
 install: $(VENV)/.installed qemu
 
@@ -78,6 +78,10 @@ bench-runtimes: install
 # ptq's default models on both x86 int8 paths and their speed, with issue 22's targets for this CPU's instruction set.
 bench-int8: install
 	$(BIN)/python benchmarks/int8_paths.py
+
+# Each classifier's 8-bit models (ptq on onnxruntime and OpenVINO, NNCF on OpenVINO) against FP32 at batch 1 and 32 (benchmarks/speed.py).
+bench-speed: install
+	$(BIN)/python benchmarks/speed.py $(if $(WORKDIR),--workdir $(WORKDIR))
 
 # ptq against plain onnxruntime, NNCF (full bias correction) and AIMET-ONNX (AdaRound) on EfficientNet-Lite0 and photos
 # (benchmarks/peers.py). AIMET-ONNX gets its own virtual environment (2 GB), outside `make test` and CI. STAMPS=DIR measures on Tux Paint's stamp photographs, WORKDIR=DIR keeps the files.

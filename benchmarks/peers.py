@@ -44,7 +44,7 @@ from imagenet_table import MODEL, prepare_workdir  # noqa: E402
 
 from ptq_cli.datasets import open_dataset  # noqa: E402
 from ptq_cli.errors import PtqError  # noqa: E402
-from ptq_cli.inputs import PreprocessingFlags, parse_triple  # noqa: E402
+from ptq_cli.inputs import PreprocessingFlags, parse_size, parse_triple  # noqa: E402
 from ptq_cli.metrics import sqnr_db  # noqa: E402
 from ptq_cli.model_file import read_onnx  # noqa: E402
 from ptq_cli.services import models as model_service  # noqa: E402
@@ -72,7 +72,8 @@ class Subject:
     def flags(self) -> PreprocessingFlags:
         scale = self.given.get("--scale")
         return PreprocessingFlags(preset=self.given.get("--preprocess"), scale=None if scale is None else float(scale),
-                                  mean=parse_triple("--mean", self.given.get("--mean")), std=parse_triple("--std", self.given.get("--std")))
+                                  mean=parse_triple("--mean", self.given.get("--mean")), std=parse_triple("--std", self.given.get("--std")),
+                                  size=parse_size("--input-size", self.given.get("--input-size")))
 
 
 def own_workdir(workdir: Path, model: Path, calibration: Path, test: Path) -> None:

@@ -287,3 +287,39 @@ def scores_before_softmax(model, images: np.ndarray) -> np.ndarray:
     options.add_session_config_entry(EXACT_PATH_CONFIG, "1")
     first = model.graph.input[0].name
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run([name], {first: images})[0]
+
+
+def squeeze_excite_classifier(path: Path, size: int = 16) -> Path:
+    """A MobileNetV3-like block, NCHW 3 x size x size, opset 14: Conv 3->16 -> HardSwish (the op) -> squeeze-excitation
+    (ReduceMean over the map, Conv 16->4, Relu, Conv 4->16, HardSigmoid, Mul) -> Conv 16->24 -> HardSwish spelled out
+    as Keras exports it (x * Clip(x + 3, 0, 6) / 6) -> ReduceMean over the map -> Flatten -> Gemm -> 3 scores -> Softmax."""
+    rng = np.random.default_rng(5)
+
+    def weight(name: str, *shape: int, std: float) -> onnx.TensorProto:
+        return numpy_helper.from_array(rng.normal(0, std, shape).astype(np.float32), name)
+
+    constants = [numpy_helper.from_array(np.array(value, np.float32), name) for name, value in (("three", 3.0), ("zero", 0.0), ("six", 6.0))]
+    initializers = [weight("w1", 16, 3, 3, 3, std=0.03), weight("b1", 16, std=0.1), weight("w_squeeze", 4, 16, 1, 1, std=0.3),
+                    weight("w_excite", 16, 4, 1, 1, std=0.3), weight("w2", 24, 16, 3, 3, std=0.1), weight("b2", 24, std=0.1),
+                    weight("w3", 24, 3, std=0.5), *constants]
+    nodes = [helper.make_node("Conv", ["image", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+             helper.make_node("HardSwish", ["c1"], ["h1"], name="hardswish1"),
+             helper.make_node("ReduceMean", ["h1"], ["squeezed"], axes=[2, 3], keepdims=1, name="se_mean"),
+             helper.make_node("Conv", ["squeezed", "w_squeeze"], ["s1"], name="se_squeeze"),
+             helper.make_node("Relu", ["s1"], ["s2"]),
+             helper.make_node("Conv", ["s2", "w_excite"], ["s3"], name="se_excite"),
+             helper.make_node("HardSigmoid", ["s3"], ["gate"], alpha=1.0 / 6, beta=0.5, name="se_gate"),
+             helper.make_node("Mul", ["h1", "gate"], ["excited"], name="se_mul"),
+             helper.make_node("Conv", ["excited", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1], strides=[2, 2], name="conv2"),
+             helper.make_node("Add", ["c2", "three"], ["shifted"], name="hs2_add"),
+             helper.make_node("Clip", ["shifted", "zero", "six"], ["clipped"], name="hs2_clip"),
+             helper.make_node("Div", ["clipped", "six"], ["sixths"], name="hs2_div"),
+             helper.make_node("Mul", ["c2", "sixths"], ["h2"], name="hs2_mul"),
+             helper.make_node("ReduceMean", ["h2"], ["pooled"], axes=[2, 3], keepdims=1, name="pool"),
+             helper.make_node("Flatten", ["pooled"], ["flat"]),
+             helper.make_node("Gemm", ["flat", "w3"], ["logits"], name="classifier"),
+             helper.make_node("Softmax", ["logits"], ["scores"], axis=1)]
+    graph = helper.make_graph(nodes, "squeeze_excite", [helper.make_tensor_value_info("image", onnx.TensorProto.FLOAT, ["N", 3, size, size])],
+                              [helper.make_tensor_value_info("scores", onnx.TensorProto.FLOAT, ["N", 3])], initializers)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)], ir_version=8), str(path))
+    return path

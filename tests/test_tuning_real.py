@@ -7,6 +7,7 @@ import hashlib
 import json
 
 import numpy as np
+import onnx
 import pytest
 from conftest import CIFAR, cifar_split, ptq, ptq_ok, read_json
 
@@ -123,7 +124,12 @@ def test_tune_on_two_ray_workers_chooses_and_writes_what_it_does_in_one_process(
         runs[name] = (result["chosen"]["settings"], [(c["stage"], c["settings"], c["validation_accuracy"], c["output_sqnr_db"], c["size_bytes"])
                                                        for c in result["candidates"]], output.read_bytes())
     assert len(runs["here"][1]) >= 2
-    assert runs["ray"] == runs["here"]
+    # Part by part, so that a failure shows which differs: the choice, the candidates' scores, then the bytes.
+    assert runs["ray"][0] == runs["here"][0], "chosen settings"
+    assert runs["ray"][1] == runs["here"][1], "candidates"
+    ray_model, here_model = (onnx.load_from_string(runs[name][2]) for name in ("ray", "here"))
+    assert {p.key: p.value for p in ray_model.metadata_props} == {p.key: p.value for p in here_model.metadata_props}
+    assert runs["ray"][2] == runs["here"][2], "model bytes"
 
 
 def test_resnet8_evaluated_in_shards_on_two_ray_workers_writes_the_record_of_one_process(pipeline, tmp_path):

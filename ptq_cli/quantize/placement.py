@@ -16,7 +16,8 @@ from ptq_cli.quantize.settings import (
     QuantizationSettings,
     option,
 )
-from ptq_cli.transforms.qdq_edits import private_activation_quantizers
+from ptq_cli.transforms.integer_forms import hard_activations_spelled_out, reduce_means_as_global_pools
+from ptq_cli.transforms.qdq_edits import folded_constant_scalings, private_activation_quantizers
 from ptq_cli.transforms.space_to_depth import Rewrite, quantized_pads, space_to_depth_convs
 
 
@@ -75,10 +76,14 @@ class Placement:
 
 class OnnxruntimeX86(Placement):
     """onnxruntime's x86 int8 kernels: convolutions its fast kernel handles poorly regrouped over blocks of pixels
-    where the options ask (space-to-depth), their pads quantized, and each int8 input's pair made private to its reader
-    (a layer runs on integer kernels only where its input's pair has one reader)."""
+    where the options ask (space-to-depth), their pads quantized; whole-map ReduceMeans as GlobalAveragePool (its
+    integer kernel) and multiplications by a constant folded into the scale before them (none of its QLinearMuls);
+    each int8 input's pair made private to its reader (a layer runs on integer kernels only where its input's pair
+    has one reader)."""
 
     def rewrite(self, graph: Any, settings: QuantizationSettings, float_nodes: list[str]) -> tuple[Any, list[Rewrite]]:
+        reduce_means_as_global_pools(graph)  # its integer QLinearGlobalAveragePool, where a ReduceMean runs in float
+        hard_activations_spelled_out(graph)  # QLinearAdd and QLinearMul, where HardSigmoid and HardSwish run in float
         if qdq_options(settings).space_to_depth:
             return space_to_depth_convs(graph, skip=set(float_nodes))  # a float conv gains nothing
         return graph, []
@@ -86,6 +91,7 @@ class OnnxruntimeX86(Placement):
     def after_write(self, quantized: Any, rewrites: list[Rewrite]) -> None:
         if rewrites:
             quantized_pads(quantized)
+        folded_constant_scalings(quantized)  # x * 1/6 in HardSwish: one QLinearMul fewer, and exact
 
     def finished(self, quantized: Any) -> list[str]:
         return private_int8_pairs(quantized)

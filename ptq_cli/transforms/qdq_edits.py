@@ -264,3 +264,88 @@ def _first_axis(value) -> str | int | None:
     if not dims:
         return None
     return dims[0].dim_param or (dims[0].dim_value if dims[0].HasField("dim_value") else None)
+
+
+def _positive_scalar(name: str, producers: dict, initializers: dict) -> float | None:
+    """The value of `name` where it is one positive number: an initializer, a Constant, or a DequantizeLinear of an
+    initializer (a quantized operand); else None."""
+    from onnx import numpy_helper
+
+    node = producers.get(name)
+    if node is None and name in initializers:
+        value = numpy_helper.to_array(initializers[name]).astype(np.float64)
+    elif node is not None and node.op_type == "Constant":
+        value = next((numpy_helper.to_array(attribute.t).astype(np.float64) for attribute in node.attribute if attribute.name == "value"), np.zeros(2))
+    elif node is not None and node.op_type == "DequantizeLinear" and all(part in initializers for part in node.input):
+        quantized, scale, *zero = (numpy_helper.to_array(initializers[part]).astype(np.float64) for part in node.input)
+        value = (quantized - (zero[0] if zero else 0.0)) * scale if scale.size == 1 and (not zero or zero[0].size == 1) else np.zeros(2)
+    else:
+        return None
+    if value.size != 1:
+        return None
+    number = float(value.reshape(-1)[0])
+    return number if number > 0 and np.isfinite(number) else None
+
+
+def _scaling(node, producers: dict, initializers: dict) -> tuple[Any, float] | None:
+    """(the DequantizeLinear of the activation, the factor) where `node` multiplies an activation dequantized per
+    tensor by a positive constant, or divides it by one; else None."""
+    if node.domain not in ("", "ai.onnx") or len(node.input) != 2 or node.op_type not in ("Mul", "Div"):
+        return None
+    slots = (0, 1) if node.op_type == "Mul" else (0,)
+    for slot in slots:
+        factor, source = _positive_scalar(node.input[1 - slot], producers, initializers), producers.get(node.input[slot])
+        if (factor is not None and source is not None and source.op_type == "DequantizeLinear" and source.input[1] in initializers
+                and int(np.prod(initializers[source.input[1]].dims)) == 1):  # a per-tensor scale
+            return source, factor if node.op_type == "Mul" else 1.0 / factor
+    return None
+
+
+def _requantized_readers(node, readers: dict[str, list[tuple[Any, int]]], outputs: set[str]) -> list | None:
+    """The DequantizeLinear nodes that read `node`'s output through its one reader, a QuantizeLinear; None where
+    anything else reads it or it is a graph output."""
+    quantizers = [reader for reader, _ in readers.get(node.output[0], [])]
+    if node.output[0] in outputs or len(quantizers) != 1 or quantizers[0].op_type != "QuantizeLinear" or quantizers[0].output[0] in outputs:
+        return None
+    dequantizers = [reader for reader, _ in readers.get(quantizers[0].output[0], [])]
+    if not dequantizers or any(reader.op_type != "DequantizeLinear" or reader.output[0] in outputs for reader in dequantizers):
+        return None
+    return dequantizers
+
+
+def folded_constant_scalings(model) -> int:
+    """In place: each Mul (or Div) of a quantized activation by a positive one-element constant (HardSwish's and
+    hard-sigmoid's x * 1/6 or x / 6, a rescaling of the input), whose output is quantized and read only through
+    DequantizeLinear, is folded into a DequantizeLinear of the activation's codes with the scale multiplied: the
+    product rounded onto a third grid becomes exact, and onnxruntime runs one QLinearMul (or a float Div between
+    conversions) fewer. Returns the nodes folded."""
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    initializers, readers = {init.name: init for init in graph.initializer}, _readers(graph)
+    producers = {out: node for node in graph.node for out in node.output}
+    outputs = {value.name for value in graph.output}
+    fresh = fresh_names(set(initializers) | {name for node in graph.node for name in (node.name, *node.output)})
+    folded, added = 0, []
+    for node in list(graph.node):
+        found = _scaling(node, producers, initializers)
+        dequantizers = _requantized_readers(node, readers, outputs) if found else None
+        if found is None or dequantizers is None:
+            continue
+        source, factor = found
+        scale = numpy_helper.to_array(initializers[source.input[1]])
+        scale_name = fresh(f"{source.input[1]}_times_{node.name or node.output[0]}")
+        graph.initializer.append(numpy_helper.from_array((scale * np.float32(factor)).astype(scale.dtype), scale_name))
+        scaled = helper.make_node("DequantizeLinear", [source.input[0], scale_name, *source.input[2:]], [fresh(node.output[0])],
+                                  name=fresh(node.name or node.output[0]))
+        scaled.attribute.extend(source.attribute)
+        added.append((node, scaled))
+        for dequantize in dequantizers:
+            for reader, position in readers.get(dequantize.output[0], []):
+                reader.input[position] = scaled.output[0]
+        folded += 1
+    for mul, scaled in added:  # each beside the Mul it replaces, so the graph stays in order
+        graph.node.insert(list(graph.node).index(mul), scaled)
+    drop_dead_nodes(model)
+    drop_unused_initializers(model)
+    return folded
