@@ -551,6 +551,8 @@ def quantization(result: QuantizeResult) -> Table:
                 for rewrite in result.space_to_depth
             ),
             ("output", f"{result.output} ({size(result.output_size_bytes)}, {result.size_ratio:.1%} of {size(result.source_size_bytes)})"),
+            *((("where the time goes", f"{profile_summary(result.profile)} (batch 1, this CPU; ptq benchmark --profile for each op)"),)
+              if result.profile else ()),
         ],
     )
 

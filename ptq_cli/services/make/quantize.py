@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from ptq_cli import backends, inputs
-from ptq_cli.backends.base import QUANTIZATION_METADATA_KEY, SOURCE_METADATA_KEY, LoadedModel
+from ptq_cli.backends.base import QUANTIZATION_METADATA_KEY, SOURCE_METADATA_KEY, LoadedModel, RunOptions, RuntimeProfile
 from ptq_cli.errors import PtqError
 from ptq_cli.guards import bounded
 from ptq_cli.guards.atomic import check_outputs, check_writable, companions
@@ -45,6 +45,8 @@ class QuantizeResult:
     # The other models made from the same FP32 model, as their records measured them on this CPU (the report's group,
     # measure/report.DatasetGroup): filled in by services/study/choices.py, which `ptq quantize` runs.
     measured_choices: Any = None
+    # Where the model's time goes on this CPU at batch 1, from its runtime's profiler (None where the runtime has none).
+    profile: RuntimeProfile | None = None
 
     @property
     def size_ratio(self) -> float:
@@ -229,4 +231,17 @@ def quantize(model_path: Path, output: Path, settings: QuantizationSettings, cal
         portability.save(cost, results_dir)
     return QuantizeResult(model_path, output, model_path.stat().st_size, written.size_bytes, settings, written.space_to_depth,
                           source.notes + written.notes + judged_on_note(calibration), source.loaded.describe_input(), source.loaded.preprocessing.describe(),
-                          cost)
+                          cost, profile=where_time_goes(output, settings.backend, prepared, flags))
+
+
+PROFILE_RUNS = 10  # runs of one image the profiler averages for `quantize`'s "where the time goes"
+
+
+def where_time_goes(path: Path, backend_name: str, prepared: np.ndarray, flags: inputs.PreprocessingFlags | None = None) -> RuntimeProfile | None:
+    """Where a model's time goes on this CPU, one image at a time (PROFILE_RUNS runs of the first of `prepared`, the
+    model's inputs), from its runtime's profiler; None where the runtime has none or its inputs are not the float
+    model's (a LiteRT model with 8-bit input)."""
+    runtime = backends.backend(backend_name).runtime
+    if runtime.profile is None or len(prepared) == 0:
+        return None
+    return runtime.profile(path, RunOptions(None, flags or inputs.PreprocessingFlags()), prepared[:1], PROFILE_RUNS)
