@@ -20,6 +20,7 @@ from ptq_cli.quantize import overflow
 from ptq_cli.quantize.judges import SATURATING_FIRST_LAYER
 from ptq_cli.quantize.settings import METHOD_MARGIN_DB
 from ptq_cli.services import models as model_service
+from ptq_cli.services.make import portability
 from ptq_cli.services.models import load_model
 from ptq_cli.x86 import cpu as cpu_info
 from ptq_cli.x86 import emulate
@@ -470,6 +471,15 @@ def test_quantize_says_what_portability_costs_against_the_model_for_vnni_cpus_al
     assert json.loads(invoke("quantize", *by_default, "--output", "default.onnx", cwd=tmp_path).stdout)["portability"] is None
     monkeypatch.delenv("PTQ_PORTABILITY_COST")
     assert json.loads(invoke("quantize", *by_default, "--output", "default.onnx", cwd=tmp_path).stdout)["portability"]["not_measured"]
+    # By default, measured only where the model was quick to make (it takes a second quantization); asked, always.
+    monkeypatch.setattr(cpu_info, "current", lambda: WITH_VNNI)
+    quick = json.loads(invoke("quantize", *by_default, "--output", "quick_default.onnx", cwd=tmp_path).stdout)["portability"]
+    assert quick["portable_sqnr_db"] == cost["portable_sqnr_db"] and not quick["not_measured"]
+    monkeypatch.setattr(portability, "QUICK_SECONDS", 0.0)
+    slow = json.loads(invoke("quantize", *by_default, "--output", "slow.onnx", cwd=tmp_path).stdout)["portability"]
+    assert "--portability-cost measures it" in slow["not_measured"] and slow["portable_sqnr_db"] is None
+    asked = json.loads(invoke("quantize", *common, "--output", "asked.onnx", cwd=tmp_path).stdout)["portability"]
+    assert asked["portable_sqnr_db"] == cost["portable_sqnr_db"] and not asked["not_measured"]
 
 
 def _two_layers_sharing_one_int8_weight() -> onnx.ModelProto:

@@ -60,6 +60,7 @@ from ptq_cli.services.make import convert as convert_service
 from ptq_cli.services.make import export as export_service
 from ptq_cli.services.make import prune as prune_service
 from ptq_cli.services.make import quantize as quantize_service
+from ptq_cli.services.make.portability import QUICK_SECONDS
 from ptq_cli.services.measure import benchmark as benchmark_service
 from ptq_cli.services.measure import evaluate as evaluate_service
 from ptq_cli.services.measure import evaluation_records
@@ -171,7 +172,7 @@ def quantize(
     calibration: CalibrationFile = None,
     output: Annotated[Path | None, typer.Option(help="Where to write the quantized model. (default: beside the model, <model>_<dtype>.onnx, <model>_pytorch_<dtype>.pt, <model>_openvino_<dtype>.xml or <model>_<dtype>.tflite)", show_default=False)] = None,
     results_dir: Annotated[Path, typer.Option(help="Records of earlier evaluations and benchmarks: the models made from the same FP32 model that they measured are named after quantizing, as the other choices.")] = settings.RESULTS_DIR,
-    portability_cost: Annotated[bool, typer.Option("--portability-cost/--no-portability-cost", help="On a CPU with VNNI, for a model made for all CPUs with an overflow fix: quantize it again for VNNI CPUs alone (--cpus vnni) and say what running right on every x86 CPU costs, both measured against FP32 on the calibration images. Takes one more quantization. (env: PTQ_PORTABILITY_COST=0 turns the default off)", envvar="PTQ_PORTABILITY_COST", show_envvar=False, rich_help_panel="Quantization")] = True,
+    portability_cost: Annotated[bool | None, typer.Option("--portability-cost/--no-portability-cost", help=f"On a CPU with VNNI, for a model made for all CPUs with an overflow fix: quantize it again for VNNI CPUs alone (--cpus vnni) and say what running right on every x86 CPU costs, both measured against FP32 on the calibration images. Takes one more quantization. (default: measured where the model took at most {QUICK_SECONDS:.0f} s to make; env: PTQ_PORTABILITY_COST=0 turns it off)", envvar="PTQ_PORTABILITY_COST", show_envvar=False, show_default=False, rich_help_panel="Quantization")] = None,
     choice: DataChoice = NO_CHOICE,
     as_json: JsonFlag = False,
 ) -> quantize_service.QuantizeResult:

@@ -48,6 +48,22 @@ class PortabilityCost:
         return None if self.portable_sqnr_db is None or self.vnni_sqnr_db is None else round(self.vnni_sqnr_db - self.portable_sqnr_db, 2)
 
 
+# By default (`--portability-cost` not given), measured only where the model took at most this long to make: the
+# measurement makes a second model, in about as long again.
+QUICK_SECONDS = 30.0
+
+
+def left_out_as_slow(seconds: float, asked: bool | None) -> PortabilityCost | None:
+    """Why the measurement is left out by default for a model that took `seconds` to make (on a CPU with VNNI, where
+    it would take a second quantization); None where it is to be measured (asked, quick, or nothing to quantize)."""
+    cpu = cpu_info.current()
+    if asked is not None or seconds <= QUICK_SECONDS or cpu.int8_path != cpu_info.EXACT:
+        return None
+    why = (f"not measured: making the model took {seconds:.0f} s and the model for VNNI CPUs alone would take about as long again "
+           f"(by default measured up to {QUICK_SECONDS:.0f} s; --portability-cost measures it)")
+    return PortabilityCost(cpu.model, not_measured=why)
+
+
 def applies(settings: QuantizationSettings) -> bool:
     """Whether the model carries a portability fix at all (`--cpus all` with an overflow fix)."""
     return settings.cpus == cpu_info.ALL and settings.overflow_fix not in (None, NO_FIX)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -188,7 +189,7 @@ class QuantizeRequest:
     flags: inputs.PreprocessingFlags = field(default_factory=inputs.PreprocessingFlags)
     output: Path | None = None  # default_output's name, beside the model
     results_dir: Path | None = None  # names what its records measured of the other models made from the same FP32 model
-    portability_cost: bool = False
+    portability_cost: bool | None = False  # None: measured where the model was quick to make (portability.QUICK_SECONDS)
 
 
 def run(request: QuantizeRequest, progress_bar: ProgressBar = no_progress_bar) -> QuantizeResult:
@@ -209,9 +210,10 @@ def run(request: QuantizeRequest, progress_bar: ProgressBar = no_progress_bar) -
 
 def quantize(model_path: Path, output: Path, settings: QuantizationSettings, calibration: CalibrationSet,  # noqa: PLR0913,PLR0917  QuantizeRequest's fields once the model and calibration set are loaded
              flags: inputs.PreprocessingFlags | None = None, progress: ProgressCallback | None = None,
-             portability_cost: bool = False, results_dir: Path | None = None, source: SourceModel | None = None) -> QuantizeResult:
+             portability_cost: bool | None = False, results_dir: Path | None = None, source: SourceModel | None = None) -> QuantizeResult:
     """Quantize the FP32 ONNX model with the settings' backend; the output is written atomically. With
-    `portability_cost`, a model with an overflow fix is measured against one made for VNNI CPUs alone (portability.py).
+    `portability_cost`, a model with an overflow fix is measured against one made for VNNI CPUs alone (portability.py);
+    with None, where it was quick to make (portability.QUICK_SECONDS), else the result says why not.
     With `results_dir`, the portability cost measured is recorded there.
     `source`: the model already loaded by load_source (a command that checked it before drawing calibration images),
     so it is loaded once."""
@@ -223,10 +225,13 @@ def quantize(model_path: Path, output: Path, settings: QuantizationSettings, cal
     prepared = calibration_inputs(source, calibration)
     settings = with_calibration(resolve_settings(source, settings, prepared), calibration)
     with reuse.reusing_made_files():  # the model for VNNI CPUs shares what it can with this one (its float model's sums)
+        began = time.perf_counter()
         written = quantize_source(source, output, settings, calibration, prepared=prepared, progress=progress)
         settings = written.settings or settings
-        measured = portability_cost and portability.applies(settings)
-        cost = portability.measure(source, output, settings, calibration, prepared, quantize_source) if measured else None
+        cost = None
+        if portability_cost is not False and portability.applies(settings):
+            cost = portability.left_out_as_slow(time.perf_counter() - began, portability_cost)
+            cost = cost or portability.measure(source, output, settings, calibration, prepared, quantize_source)
     if cost is not None and cost.model_sha256 and results_dir is not None:
         portability.save(cost, results_dir)
     return QuantizeResult(model_path, output, model_path.stat().st_size, written.size_bytes, settings, written.space_to_depth,
