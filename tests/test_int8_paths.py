@@ -581,3 +581,24 @@ def test_int8_activations_read_by_two_layers_run_on_integer_kernels_in_onnxrunti
     scores = [ort.InferenceSession(str(tmp_path / name), options, providers=["CPUExecutionProvider"]).run(None, {"image": images})[0]
               for name in ("private.onnx", "shared.onnx")]
     assert np.array_equal(*scores)
+
+
+def test_a_mask_probe_that_did_not_finish_is_asked_again_not_taken_as_the_machine_s_answer(tmp_path, monkeypatch):
+    """A judge's view of the saturating path hangs on the probe: one that timed out on a loaded machine must not leave
+    the process without the AVX2 kernels for good (the judge would quietly judge on the exact path alone)."""
+    import subprocess
+
+    answers = iter([subprocess.TimeoutExpired("python", emulate.PROBE_SECONDS), subprocess.CompletedProcess([], 0), subprocess.CompletedProcess([], 1)])
+
+    def probe(*_args, **_kwargs):
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(emulate.subprocess, "run", probe)
+    monkeypatch.setattr(emulate, "_MASKS", {})
+    shim = tmp_path / "shim.so"
+    assert emulate._masks(shim) is False  # timed out: no answer
+    assert emulate._masks(shim) is True  # asked again: the machine's answer...
+    assert emulate._masks(shim) is True  # ...kept for the process

@@ -13,7 +13,6 @@ The children are the services' (services/models.py scores a model, services/meas
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import platform
@@ -92,14 +91,20 @@ def _build(compiler: str, shim: Path) -> bool:
     return True
 
 
-@functools.cache
+_MASKS: dict[Path, bool] = {}
+PROBE_SECONDS = 300  # a Python start that imports ptq_cli: about a second, far longer on a machine loaded by other work
+
+
 def _masks(shim: Path) -> bool:
-    """Whether a process started with the shim sees CPUID masked (once per process: the answer is the machine's)."""
-    try:
-        probe = subprocess.run([sys.executable, "-c", MASK_CHECK], env=_environment(shim, 1), capture_output=True, timeout=60, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return probe.returncode == 0
+    """Whether a process started with the shim sees CPUID masked (once per process: the answer is the machine's; a
+    probe that could not run, or did not finish, is not an answer and is asked again next time)."""
+    if shim not in _MASKS:
+        try:
+            probe = subprocess.run([sys.executable, "-c", MASK_CHECK], env=_environment(shim, 1), capture_output=True, timeout=PROBE_SECONDS, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        _MASKS[shim] = probe.returncode == 0
+    return _MASKS[shim]
 
 
 def masked_here() -> bool:
