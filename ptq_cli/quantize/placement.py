@@ -1,8 +1,9 @@
 """Where a runtime wants the QDQ writer's quantizer pairs, and its edits around them: the rule the engine (qdq.py) asks
 of the runtime a model is made for, one small class per runtime. The base keeps the pairs as the writer places them;
-onnxruntime's x86 kernels want some convolutions regrouped before, their pads quantized after, and each int8 input's
-pair private to its reader. OpenVINO's CPU plugin wants pairs only at the inputs of its integer layers, their outputs
-left float for its post-op fusions (backends/openvino.py converts that model to IR)."""
+onnxruntime's x86 kernels want some convolutions regrouped before, their pads quantized after, the ops they have no
+integer kernel for rewritten into ones they have, and each int8 input's pair private to its reader. OpenVINO's CPU
+plugin wants pairs only at the inputs of its integer layers, their outputs left float for its post-op fusions
+(backends/openvino.py converts that model to IR)."""
 
 from __future__ import annotations
 
@@ -76,10 +77,10 @@ class Placement:
 
 class OnnxruntimeX86(Placement):
     """onnxruntime's x86 int8 kernels: convolutions its fast kernel handles poorly regrouped over blocks of pixels
-    where the options ask (space-to-depth), their pads quantized; whole-map ReduceMeans as GlobalAveragePool (its
-    integer kernel) and multiplications by a constant folded into the scale before them (none of its QLinearMuls);
-    each int8 input's pair made private to its reader (a layer runs on integer kernels only where its input's pair
-    has one reader)."""
+    where the options ask (space-to-depth), their pads quantized; whole-map ReduceMeans as GlobalAveragePool and
+    HardSigmoid/HardSwish spelled out as products and sums (ops it has integer kernels for), and products by a constant
+    folded into the scale before them (one QLinearMul fewer each); each int8 input's pair made private to its reader
+    (a layer runs on integer kernels only where its input's pair has one reader)."""
 
     def rewrite(self, graph: Any, settings: QuantizationSettings, float_nodes: list[str]) -> tuple[Any, list[Rewrite]]:
         reduce_means_as_global_pools(graph)  # its integer QLinearGlobalAveragePool, where a ReduceMean runs in float
