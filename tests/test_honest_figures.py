@@ -162,6 +162,33 @@ def test_piped_long_work_says_it_is_alive_and_short_work_stays_quiet(tmp_path, m
         assert any(": running, " in line for line in lines) and ": ended after " in lines[-1], lines
 
 
+def test_a_long_phase_says_how_long_it_has_left_at_its_own_pace(monkeypatch):
+    """Piped, a counted phase says about how long it has left, at the pace measured since its total was set (a new
+    phase's total starts a new pace); before there is a pace, and when done, it says none."""
+    import time
+
+    from ptq_cli.cli import console
+
+    monkeypatch.setattr(console, "HEARTBEAT_START_SECONDS", 0.0)
+    monkeypatch.setattr(console, "HEARTBEAT_SECONDS", 0.05)
+    said: list[str] = []
+    monkeypatch.setattr(console.err, "print", lambda text, **_: said.append(text))
+    clock = {"now": 1000.0}
+    monkeypatch.setattr(console.time, "monotonic", lambda: clock["now"])
+    with console._heartbeat("Working") as update:
+        update(0, 100)
+        clock["now"] += 10.0
+        update(20, 100)  # 20 steps in 10 s: 80 left, about 40 s
+        time.sleep(0.2)
+        paced = [line for line in said if "left" in line]
+        update(0, 10)  # a new phase: no pace yet
+        said.clear()
+        time.sleep(0.2)
+        fresh = list(said)
+    assert paced and paced[-1].endswith("20/100, about 40 s left"), said
+    assert fresh and not any("left" in line for line in fresh), fresh
+
+
 def test_per_class_tables_count_their_images_and_no_labels_is_said(tmp_path):
     image_folder(tmp_path / "images", per_class=4)
     channel_mean_classifier(tmp_path / "m.onnx")

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TransferSpeedColumn
+from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.text import Text
 
 from ptq_cli import render
@@ -83,7 +83,21 @@ def _heartbeat(description: str) -> Iterator[Callable[[int, int], None]]:
     one line); past it, a line saying what runs (and how far, when the work counts), one at least every
     HEARTBEAT_SECONDS, and one when it ends."""
     began, state = time.monotonic(), {"done": 0, "total": 0, "said": False}
+    counting: dict = {"total": None, "since": began, "from": 0}  # where the count towards the present total began
     stopped = threading.Event()
+
+    def update(done: int, total: int) -> None:
+        if total != counting["total"]:  # a new phase, or a total that grew: its pace is measured afresh
+            counting.update(total=total, since=time.monotonic(), **{"from": done})
+        state.update(done=done, total=total)
+
+    def left() -> str:
+        """", about N s left" at the pace since the present total began, once there is a pace to go by."""
+        done, total, counted = state["done"], state["total"], state["done"] - counting["from"]
+        elapsed = time.monotonic() - counting["since"]
+        if not total or counted <= 0 or done >= total or elapsed < 1.0:
+            return ""
+        return f", about {elapsed / counted * (total - done):,.0f} s left"
 
     def say(text: str) -> None:
         with contextlib.suppress(OSError, ValueError):
@@ -93,14 +107,14 @@ def _heartbeat(description: str) -> Iterator[Callable[[int, int], None]]:
     def beat() -> None:
         wait = HEARTBEAT_START_SECONDS
         while not stopped.wait(wait):
-            counted = f", {state['done']:,}/{state['total']:,}" if state["total"] else ""
+            counted = f", {state['done']:,}/{state['total']:,}{left()}" if state["total"] else ""
             say(f"{description}: running, {time.monotonic() - began:,.0f} s{counted}")
             state["said"], wait = True, HEARTBEAT_SECONDS
 
     beater = threading.Thread(target=beat, name="ptq-heartbeat", daemon=True)
     beater.start()
     try:
-        yield lambda done, total: state.update(done=done, total=total)
+        yield update
     finally:
         stopped.set()
         beater.join()
@@ -119,7 +133,7 @@ def _progress_bar(description: str, lines: bool = False) -> Iterator[Callable[[i
         with _heartbeat(description) as update:
             yield update
         return
-    columns = (TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task(description, total=None)
         yield lambda done, total: bar.update(task, completed=done, total=total)
