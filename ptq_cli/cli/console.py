@@ -83,17 +83,17 @@ def _heartbeat(description: str) -> Iterator[Callable[[int, int], None]]:
     one line); past it, a line saying what runs (and how far, when the work counts), one at least every
     HEARTBEAT_SECONDS, and one when it ends."""
     began, state = time.monotonic(), {"done": 0, "total": 0, "said": False}
-    counting: dict = {"total": None, "since": began, "from": 0}  # where the count towards the present total began
+    counting: dict = {"total": None, "since": began, "start": 0}  # when and where the count towards the present total began
     stopped = threading.Event()
 
     def update(done: int, total: int) -> None:
         if total != counting["total"]:  # a new phase, or a total that grew: its pace is measured afresh
-            counting.update(total=total, since=time.monotonic(), **{"from": done})
+            counting.update(total=total, since=time.monotonic(), start=done)
         state.update(done=done, total=total)
 
     def left() -> str:
         """", about N s left" at the pace since the present total began, once there is a pace to go by."""
-        done, total, counted = state["done"], state["total"], state["done"] - counting["from"]
+        done, total, counted = state["done"], state["total"], state["done"] - counting["start"]
         elapsed = time.monotonic() - counting["since"]
         if not total or counted <= 0 or done >= total or elapsed < 1.0:
             return ""

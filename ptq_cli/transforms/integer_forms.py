@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from ptq_cli.transforms.graph import fresh_names
+
 
 def _constants(graph) -> dict[str, Any]:
     from onnx import numpy_helper
@@ -80,16 +82,7 @@ def hard_activations_spelled_out(model) -> list[str]:
     from onnx import helper, numpy_helper
 
     graph, rewritten, spelled = model.graph, [], []
-    taken = {init.name for init in graph.initializer} | {name for node in graph.node for name in (node.name, *node.output, *node.input)}
-
-    def fresh(base: str) -> str:
-        name, index = base, 0
-        while name in taken:
-            index += 1
-            name = f"{base}_{index}"
-        taken.add(name)
-        return name
-
+    fresh = fresh_names({init.name for init in graph.initializer} | {name for node in graph.node for name in (node.name, *node.output, *node.input)})
     for node in graph.node:
         if node.op_type not in ("HardSigmoid", "HardSwish") or node.domain not in ("", "ai.onnx") or len(node.input) != 1:
             spelled.append(node)
