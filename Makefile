@@ -8,7 +8,7 @@ PTQ_ASSETS ?= ../shared/assets
 export PTQ_ASSETS
 ONNX2TORCH := onnx2torch==1.5.15
 
-.PHONY: install qemu run tune sweep test test-fast lint bench bench-runtimes bench-int8 bench-speed peers clean
+.PHONY: install qemu run tune sweep test test-fast lint docs bench bench-runtimes bench-int8 bench-speed peers clean
 
 install: $(VENV)/.installed qemu
 
@@ -65,6 +65,13 @@ test: install
 lint: install
 	$(BIN)/ruff check ptq_cli tests benchmarks tools
 	$(BIN)/mypy
+	$(BIN)/python tools/cli_reference.py --check
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir "$$(mktemp -d)"
+
+# The documentation site: the CLI reference regenerated from the app, then built (MkDocs, strict) into site/.
+docs: install
+	$(BIN)/python tools/cli_reference.py
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 test-fast: install
 	PTQ_FUZZ_SCALE=0.25 $(BIN)/python -m pytest -n 2 --dist loadgroup -m "not real_assets"

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,6 @@ from rich.text import Text
 
 from ptq_cli import settings
 from ptq_cli.backends.base import RuntimeProfile
-from ptq_cli.guards.atomic import atomic_output
 from ptq_cli.quantize.ranges import describe_ranges
 from ptq_cli.quantize.rounding import describe_rounding
 from ptq_cli.render import (
@@ -24,7 +24,6 @@ from ptq_cli.render import (
     key_value_table,
     markdown_table,
     milliseconds,
-    percent,
     profile_summary,
     signed,
     size,
@@ -42,10 +41,11 @@ from ptq_cli.services.measure.report import AGREEMENT_BUDGET, BASE_RUNTIME, TOP5
 from ptq_cli.services.quant_settings import describe_cpus, describe_method
 from ptq_cli.services.study.pipeline import RunResult
 
-REPORT_COLUMNS = (
-    "Model", "Runtime", "Data type", "Configuration", "Accuracy", "Delta vs FP32 source (McNemar p)", "Agreement with FP32 (top-1 (95% interval) / top-5)",
-    "Accuracy without VNNI", "Model size", "Size reduction", "Images/s", "Speed-up", "Speed-up vs onnxruntime FP32", "Latency p50 (ms)", "Measured on",
-)
+# The Markdown report's main table: what a reader compares, a figure a cell; how each model was made is a section below.
+REPORT_COLUMNS = ("Model", "Runtime", "Type", "Top-1", "Delta (McNemar p)", "Agreement top-1 (95% CI) / top-5", "Without VNNI", "Size (reduction)",
+                  "Speed-up")
+SPEED_COLUMNS = ("Model", "Runtime", "Images/s", "Latency p50 (ms)", "Speed-up at batch 1", "Speed-up vs onnxruntime FP32")
+CONFIGURATION_WIDTH = 100  # the configuration's lines, at most
 
 
 def top1(accuracy: float | None, unit: str = "%") -> str:
@@ -100,24 +100,70 @@ def _model_cell(row: ReportRow) -> str:
     return _name(row) if row.status == "ok" else f"{_name(row)} ({row.status})"
 
 
+def _no_vnni_cell(row: ReportRow) -> str:
+    """The short form with its unit: "87.17%*", "=", "-"."""
+    shown = no_vnni(row, short=True)
+    return shown if shown in ("=", "-") else shown.replace("*", "") + "%" + ("*" if shown.endswith("*") else "")
+
+
+def _eval_mark(row: ReportRow) -> str:
+    return "" if row.speed_source == "benchmark" else " (eval)"
+
+
 def _report_cells(row: ReportRow) -> list[str]:
-    return [
-        _model_cell(row),
-        _runtime(row),
-        row.dtype,
-        row.configuration,
-        top1(row.accuracy),
-        delta_with_p(row),
-        agreement(row),
-        no_vnni(row),
-        size(row.size_bytes),
-        percent(row.size_reduction),
-        f"{row.images_per_second:,.0f}" + ("" if row.speed_source == "benchmark" else " (eval)"),
-        speedup(row.speedup) + (f"; batch 1: {speedup(row.speedup_batch1)}" if row.speedup_batch1 is not None else ""),
-        speedup(row.speedup_vs_onnxruntime),
-        milliseconds(row.latency_ms_p50),
-        _measured_on(row),
-    ]
+    reduction = "" if row.size_reduction is None else f" ({-row.size_reduction:.1%})"
+    return [_model_cell(row), _runtime(row), row.dtype, top1(row.accuracy), delta_with_p(row), agreement(row), _no_vnni_cell(row),
+            size(row.size_bytes) + reduction, speedup(row.speedup) + (_eval_mark(row) if row.speedup is not None else "")]
+
+
+def _speed_cells(row: ReportRow) -> list[str]:
+    return [_model_cell(row), _runtime(row), f"{row.images_per_second:,.0f}" + _eval_mark(row), milliseconds(row.latency_ms_p50),
+            speedup(row.speedup_batch1), speedup(row.speedup_vs_onnxruntime)]
+
+
+def _top_level_parts(text: str) -> list[str]:
+    """`text` split at its commas and semicolons outside parentheses."""
+    parts: list[str] = []
+    depth, start = 0, 0
+    for index, char in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth == 0 and char in ",;" and text[index + 1 : index + 2] == " ":
+            parts.append(text[start:index].strip())
+            start = index + 1
+    return [part for part in (*parts, text[start:].strip()) if part]
+
+
+def without_evidence(configuration: str) -> str:
+    """A configuration without the judges' figures ("; judged: image SQNR ... dB"), which records and --json keep."""
+    return re.sub(r"; judged: [^()]*(?:\([^()]*\)[^()]*)*(?=\))", "", configuration)
+
+
+def configuration_lines(configuration: str, width: int = CONFIGURATION_WIDTH) -> list[str]:
+    """A configuration in lines of at most `width` characters, broken after a comma or semicolon: the same text,
+    between its parts where they fit, inside a part's parentheses where one does not."""
+    lines: list[str] = []
+    for part in _top_level_parts(configuration):
+        words = re.split(r"(?<=[,;]) ", part) if len(part) > width else [part]
+        for index, word in enumerate(words):
+            joiner = ", " if index == 0 else " "
+            if lines and len(lines[-1]) + len(joiner) + len(word) <= width:
+                lines[-1] += joiner + word
+            else:
+                if lines and index == 0:
+                    lines[-1] += ","
+                lines.append(word if len(word) <= width else shortened(word, width))
+    return lines
+
+
+def _made_lines(row: ReportRow) -> list[str]:
+    """How one model was made and fed, and where it was measured, as short lines."""
+    lines = [f"**{_model_cell(row)}** on {_runtime(row)}, measured on {_measured_on(row)}", ""]
+    fed = ", ".join(part for part in (row.model_input, row.preprocessing and f"preprocessing {row.preprocessing}") if part)
+    if fed:
+        lines.append(f"- {fed}")
+    wrapped = configuration_lines(row.configuration)
+    lines += [f"- {wrapped[0]}", *(f"  {line}" for line in wrapped[1:])]
+    return [*lines, ""]
 
 
 def _score(row: ReportRow) -> str:
@@ -165,7 +211,7 @@ def _recommendation_lines(group: DatasetGroup) -> list[str]:
         f"Smallest: {_name(smallest)} ({size(smallest.size_bytes)}, {_score(smallest)})",
         f"Fastest {budget}: {_name(fastest)} on {_runtime(fastest)} ({fastest.images_per_second:,.0f} images/s"
         + (f", {fastest.speedup_vs_onnxruntime:.2f}x onnxruntime FP32" if fastest.speedup_vs_onnxruntime else "")
-        + f", {_score(fastest)}; {fastest.configuration})"
+        + f", {_score(fastest)}; {without_evidence(fastest.configuration)})"
         + _indistinguishable(fastest, group.images)
         if fastest else f"Fastest {budget}: none",
         *portable,
@@ -207,10 +253,10 @@ def _group_title(group: DatasetGroup) -> str:
 
 # Narrower than REPORT_COLUMNS so the table fits an 80-column terminal; the Markdown keeps the long names.
 # Without labels of the model's classes, agreement with FP32 takes the place of top-1 and its delta.
-TERMINAL_COLUMNS = ("Model", "Runs as", "Top-1", "Delta", "Agree", "noVNNI", "KB", "img/s", "Speed")
+TERMINAL_COLUMNS = ("Model", "Runs as", "Top-1", "Delta", "Agree", "noVNNI", "KB", "Speed")
 
 
-TERMINAL_COLUMNS_UNLABELLED = ("Model", "Runs as", "Agree", "Top-5", "noVNNI", "KB", "img/s", "Speed")
+TERMINAL_COLUMNS_UNLABELLED = ("Model", "Runs as", "Agree", "Top-5", "noVNNI", "KB", "Speed")
 
 
 def report(report: Report) -> Group:
@@ -219,13 +265,14 @@ def report(report: Report) -> Group:
         parts += _group_tables(group)
     parts += [sweep_table(result) for result in report.sweeps]
     if any(row.speed_source == "evaluate" for row in report.rows):
-        parts.append(Text(f"img/s: from `ptq benchmark` where it measured the file, else from evaluation (batch {settings.EVALUATION_BATCH}); "
-                          "speed-ups compare like with like.", style="dim"))
+        parts.append(Text(f"Speed: throughput against the FP32 model on the same runtime, from `ptq benchmark` where it measured the file, "
+                          f"else from evaluation (batch {settings.EVALUATION_BATCH}); speed-ups compare like with like.", style="dim"))
     if report.rows:
         parts.append(Text(NO_VNNI_NOTE, style="dim"))
         parts.append(Text("Runs as: runtime (" + ", ".join(f"{short} {name}" for name, short in SHORT_RUNTIMES.items())
                           + "), its precision hint where not f32, data type. Agree: top-1 agreement with the FP32 source, percent.", style="dim"))
         parts += [Text(line, style="dim") for line in [*_emulated_lines(report.rows), *_saturating_speed_lines(report.rows), *_batch1_lines(report.rows),
+                                                           *_versus_onnxruntime_lines(report.rows),
                                                            *_profile_lines(report.rows)]]
         cpus = sorted({row.measured_on for row in report.rows if row.measured_on})
         if cpus:
@@ -245,6 +292,13 @@ def _emulated_lines(rows: list[ReportRow]) -> list[str]:
     return [f"* {_name(row)}: {row.saturating_accuracy:.2f}% on the saturating path against {row.saturating_exact_same_images:.2f}% on the exact "
             f"path, on the same {row.saturating_images:,} images" for row in rows
             if row.saturating_basis.startswith("emulated") and row.saturating_exact_same_images is not None]
+
+
+def _versus_onnxruntime_lines(rows: list[ReportRow]) -> list[str]:
+    """Throughput against onnxruntime's FP32 run, for the models of other runtimes."""
+    timed = [f"{_name(row)} ({runs_as(row)}) {speedup(row.speedup_vs_onnxruntime)}" for row in rows
+             if row.runtime != BASE_RUNTIME and row.speedup_vs_onnxruntime is not None]
+    return [f"* Against onnxruntime's FP32 run (throughput): {', '.join(timed)}"] if timed else []
 
 
 def _batch1_lines(rows: list[ReportRow]) -> list[str]:
@@ -307,18 +361,16 @@ def shortened(name: str, width: int) -> str:
 def _main_table(group: DatasetGroup) -> Group:
     """Numbers never wrap nor get cut. File names lose the stem they share (said in the title); a name that still
     does not fit the 80 columns is shortened at a word boundary, marked (a), (b)... and given in full below the table.
-    "xORT" (the speed-up against onnxruntime's FP32 run) only when another runtime is in the table."""
+    One speed-up, against the FP32 model on the same runtime; against onnxruntime's FP32 run is a line below."""
     labelled = group.baseline is None or group.baseline.accuracy is not None or any(row.accuracy is not None for row in group.rows)
     stem = shared_stem([row.model for row in group.rows if not row.label])
-    other_runtimes = any(row.runtime != BASE_RUNTIME for row in group.rows)
-    columns = (TERMINAL_COLUMNS if labelled else TERMINAL_COLUMNS_UNLABELLED) + (("xORT",) if other_runtimes else ())
+    columns = TERMINAL_COLUMNS if labelled else TERMINAL_COLUMNS_UNLABELLED
     names, cells = [], []
     for row in group.rows:
         name = _model_cell(row)
         names.append("*" + name[len(stem):] if stem and not row.label and name.startswith(stem) else name)
         scores = ([top1(row.accuracy, ""), delta(row.delta), share(row.agreement)] if labelled else [share(row.agreement), share(row.top5)])
-        cells.append([runs_as(row), *scores, no_vnni(row, short=True), f"{row.size_bytes / 1024:,.0f}", f"{row.images_per_second:,.0f}",
-                      speedup(row.speedup), *((speedup(row.speedup_vs_onnxruntime),) if other_runtimes else ())])
+        cells.append([runs_as(row), *scores, no_vnni(row, short=True), f"{row.size_bytes / 1024:,.0f}", speedup(row.speedup)])
     widths = [max([len(column), *(len(row[index]) for row in cells)]) for index, column in enumerate(columns[1:])]
     room = max(TABLE_WIDTH - sum(widths) - len(widths), 12)  # one space between columns
     keys: dict[str, str] = {}  # full name -> its mark
@@ -351,7 +403,7 @@ def _group_tables(group: DatasetGroup) -> list[Any]:
     configurations.add_column("Val / test", justify="right", no_wrap=True)
     configurations.add_column("p50 ms", justify="right", no_wrap=True)
     for row in group.rows:
-        configurations.add_row(_model_cell(row), row.configuration, _validation_and_test(row), milliseconds(row.latency_ms_p50))
+        configurations.add_row(_model_cell(row), without_evidence(row.configuration), _validation_and_test(row), milliseconds(row.latency_ms_p50))
     parts: list[Any] = [table, configurations]
     if group.class_losses:
         losses = Table(title="Classes that lose the most (vs each model's FP32 source)", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
@@ -398,82 +450,29 @@ def _validation_and_test(row: ReportRow) -> str:
     return f"{validation} / {top1(row.accuracy)}"
 
 
-def write_charts(report: Report, paths: dict[str, Path]) -> list[Path]:
-    """PNG charts beside the Markdown report: per-class accuracy of every model, and (when a sweep was run)
-    accuracy against compressed size. matplotlib with its non-interactive Agg backend."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    written = []
-    main = report.groups[0] if report.groups else None
-    per_class = {row.model: [value for value in row.per_class_accuracy if value is not None] for row in (main.rows if main else [])}
-    rows = [row for row in (main.rows if main else []) if row.per_class_accuracy and len(per_class[row.model]) == len(row.per_class_accuracy)]
-    if main is not None and rows and "per_class" in paths:
-        figure, axes = plt.subplots(figsize=(12, 5))
-        width = 0.8 / len(rows)
-        positions = np.arange(len(main.class_names))
-        for index, row in enumerate(rows):
-            axes.bar(positions + (index - (len(rows) - 1) / 2) * width, per_class[row.model], width, label=f"{row.model} ({row.accuracy:.2f}%)")
-        axes.set_xticks(positions, main.class_names)
-        axes.set_ylabel("top-1 accuracy (%)")
-        axes.set_ylim(max(0.0, min(min(per_class[row.model]) for row in rows) - 5), 100)
-        axes.set_title(f"Per-class accuracy on {main.label}")
-        axes.legend(fontsize="small", ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.08), frameon=False)
-        axes.grid(axis="y", alpha=0.3)
-        written.append(_save(figure, paths["per_class"]))
-    if report.sweeps and "sweep" in paths:
-        figure, axes = plt.subplots(figsize=(8, 5))
-        for result in report.sweeps:
-            for label, sizes, accuracies in (
-                (f"{result.dtype} ({result.scope})", [p.compressed_bytes for p in result.points], [p.accuracy for p in result.points]),
-                (f"fp32 pruned ({result.scope})", [p.fp32_compressed_bytes for p in result.points], [p.fp32_accuracy for p in result.points]),
-            ):
-                axes.plot([s / 1024 for s in sizes], accuracies, marker="o", label=label)
-                for point, x, y in zip(result.points, sizes, accuracies, strict=True):
-                    axes.annotate(f"{point.sparsity:.0%}", (x / 1024, y), textcoords="offset points", xytext=(4, 4), fontsize="small")
-        baseline = report.sweeps[0].fp32_accuracy
-        if baseline is not None:
-            axes.axhline(baseline, color="gray", linestyle="--", linewidth=1, label=f"FP32 baseline {baseline:.2f}%")
-        axes.set_xlabel("gzip -9 size of the model file (KB)")
-        axes.set_ylabel("top-1 accuracy (%)")
-        axes.set_title("Prune then quantize: accuracy against compressed size (labels: sparsity)")
-        axes.legend(fontsize="small")
-        axes.grid(alpha=0.3)
-        written.append(_save(figure, paths["sweep"]))
-    return written
-
-
-def _save(figure, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    figure.tight_layout()
-    with atomic_output(path) as tmp:
-        figure.savefig(tmp, format="png", dpi=100)
-    plt.close(figure)
-    return path
-
-
 def _group_markdown(group: DatasetGroup) -> list[str]:
     """One group's section: its table, how each model was configured, the classes that lose most, the
     comparison with the reference, the recommendation."""
     lines = ["", f"## {_group_title(group)[0].upper()}{_group_title(group)[1:]}", ""]
     lines += markdown_table(REPORT_COLUMNS, [_report_cells(row) for row in group.rows])
-    lines += ["", "### How each model was configured", "",
-              "Validation: the training-image split `ptq tune` decided on (FP32 in brackets); '-' for models not tuned.", ""]
-    lines += markdown_table(
-        ("Model", "Input", "Preprocessing", "Configuration", "Validation top-1", "Test top-1"),
-        [[row.model, row.model_input or "-", row.preprocessing or "-", row.configuration,
-          "-" if row.validation_accuracy is None else f"{row.validation_accuracy:.2f}% (FP32 {row.validation_fp32_accuracy:.2f}%)",
-          top1(row.accuracy)] for row in group.rows],
-    )
+    lines += ["", "### Speed", "", "Images/s at `ptq benchmark`'s batch size ('(eval)': during evaluation instead); latency at batch 1.", ""]
+    lines += markdown_table(SPEED_COLUMNS, [_speed_cells(row) for row in group.rows])
+    lines += ["", "### How each model was made", ""]
+    for row in group.rows:
+        lines += _made_lines(row)
+    tuned = [row for row in group.rows if row.validation_accuracy is not None]
+    if tuned:
+        lines += ["### Tuned models on the validation split", "",
+                  "Validation: the training-image split `ptq tune` decided on; the test split only judged the choice.", ""]
+        lines += markdown_table(("Model", "Runtime", "Validation top-1", "FP32 on validation", "Test top-1"),
+                                [[row.model, _runtime(row), top1(row.validation_accuracy), top1(row.validation_fp32_accuracy), top1(row.accuracy)]
+                                 for row in tuned])
     if group.class_losses:
         lines += ["", "### Classes that lose the most", ""]
         lines += markdown_table(
-            ("Model", "Class", "Accuracy", "FP32", "Delta"),
-            [[loss.model, loss.class_name, f"{loss.accuracy:.1f}%", f"{loss.reference_accuracy:.1f}%", signed(loss.delta)] for loss in group.class_losses],
+            ("Model", "Runtime", "Class", "Accuracy", "FP32", "Delta"),
+            [[loss.model, loss.runtime or "-", loss.class_name, f"{loss.accuracy:.1f}%", f"{loss.reference_accuracy:.1f}%", signed(loss.delta)]
+             for loss in group.class_losses],
         )
     if group.versus_reference and group.reference is not None:
         lines += ["", f"### TFLite models vs the {group.reference.label}, both on {_runtime(group.reference)}", "",
@@ -490,14 +489,13 @@ def report_markdown(report: Report, charts: list[Path] | None = None) -> str:
     lines = [
         "# Quantization analysis",
         "",
-        "Delta: percentage points against the FP32 model each model was made from, measured on the same images. "
-        "Size reduction and speed-up are against the FP32 model of the same runtime. "
-        "Images/s and latency come from `ptq benchmark` (throughput at its batch size, latency at batch 1); "
-        f"'(eval)' marks throughput measured during evaluation instead (batch {settings.EVALUATION_BATCH}). "
-        "Agreement with FP32: the share of images whose top-1 class is the FP32 source's, and whose FP32 top-1 class is in the model's top 5 "
-        "(no labels needed: where the images' labels are not the model's classes, it is the measure). "
-        "Accuracy without VNNI: top-1 on x86 CPUs without VNNI (the saturating int8 path; without labels, its agreement with FP32); "
-        "'=' the same by proof or for a float model, '*' emulated (on the images its line below names), '-' not measured.",
+        "- **Delta**: points against the FP32 model each model was made from, on the same images, fed the same way.",
+        "- **Agreement**: the share of images whose top-1 class is the FP32 source's, and whose FP32 top-1 class is in the",
+        "  model's top 5 (no labels needed: where the images' labels are not the model's classes, it is the measure).",
+        "- **Without VNNI**: top-1 on x86 CPUs without VNNI (the saturating int8 path); '=' the same by proof or for a float",
+        "  model, '*' emulated (on the images its line below names), '-' not measured.",
+        "- **Size** and **speed-up**: against the FP32 model on the same runtime; the speed-up is throughput from `ptq benchmark`",
+        f"  ('(eval)': measured during evaluation, batch {settings.EVALUATION_BATCH}); the Speed table has batch 1.",
     ]
     status = _status_lines(report)
     if status:

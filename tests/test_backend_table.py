@@ -173,7 +173,7 @@ def test_a_file_is_told_by_its_content_and_a_pt_file_by_its_name(tmp_path):
 
 
 def test_a_backends_own_options_reach_the_command_line_its_checks_and_the_stored_settings(toy_table, project):
-    shown = invoke("quantize", "--help", cwd=project)
+    shown = invoke("quantize", "--help-all", cwd=project)
     assert shown.exit_code == 0, shown.output
     panel = shown.output[shown.output.index("Toy (--backend toy)"):]
     assert "--grid-bits" in panel and "--rounding-mode" in panel and "nearest|down" in panel and "toy:" in shown.output  # --backend offers it

@@ -27,7 +27,23 @@ def test_each_command_has_its_own_help(command):
     assert f"Usage: ptq {command} [OPTIONS]" in " ".join(result.stdout.split())
 
 
-def test_quantize_help_explains_options():
-    result = invoke("quantize", "--help", cwd=Path.cwd())
-    for option in ("--dtype", "--weight-dtype", "--per-channel", "--method", "--calibration", "--output", "--data", "--preprocess"):
-        assert option in result.stdout
+def test_quantize_help_fits_a_screen_and_help_all_shows_every_option():
+    """--help: the options a first run needs, a sentence each, in at most 120 lines at 80 columns; --help-all: every
+    option with its whole text (each backend's panel too), and the short form comes back after it."""
+    short = invoke("quantize", "--help", cwd=Path.cwd(), columns=80)
+    assert short.exit_code == 0, short.output
+    assert len(short.stdout.splitlines()) <= 120
+    for option in ("--model", "--backend", "--dtype", "--per-channel", "--method", "--cpus", "--output", "--data", "--preprocess", "--mean", "--json"):
+        assert option in short.stdout
+    assert "--weight-dtype" not in short.stdout and "--help-all" in short.stdout
+    every = invoke("quantize", "--help-all", cwd=Path.cwd(), columns=80)
+    assert every.exit_code == 0, every.output
+    for option in ("--weight-dtype", "--calibration", "--overflow-fix", "--rounding", "--percentile", "NNCF (--backend openvino)", "LiteRT (--backend litert)"):
+        assert option in every.stdout
+    assert len(every.stdout.splitlines()) > 2 * len(short.stdout.splitlines())
+    assert invoke("quantize", "--help", cwd=Path.cwd(), columns=80).stdout == short.stdout
+
+
+def test_shell_completion_is_offered():
+    shown = invoke("--help", cwd=Path.cwd()).stdout
+    assert "--install-completion" in shown and "--show-completion" in shown

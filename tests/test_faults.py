@@ -283,7 +283,7 @@ def test_help_shows_every_default_and_name_whole():
 
     group = typer.main.get_command(app)
     for name, command in group.commands.items():
-        rendered = " ".join(invoke(name, "--help", cwd=Path.cwd()).stdout.replace("│", " ").split())
+        rendered = " ".join(invoke(name, "--help-all", cwd=Path.cwd()).stdout.replace("│", " ").split())
         for param in command.params:
             if type(param).__name__ != "TyperOption" or not param.help:
                 continue

@@ -66,7 +66,7 @@ def test_a_top1_near_chance_or_mean_std_in_0_1_units_is_said_and_a_right_feeding
 
 
 def test_the_presets_values_and_the_channel_order_are_in_the_help(tmp_path):
-    shown = " ".join(invoke("evaluate", "--help", cwd=tmp_path, columns=400).stdout.split())
+    shown = " ".join(invoke("evaluate", "--help-all", cwd=tmp_path, columns=400).stdout.split())
     assert "cifar10-normalized (x1/255, mean 0.4914,0.4822,0.4465, std 0.247,0.2435,0.2616)" in shown
     assert "imagenet (x1/255, mean 0.485,0.456,0.406, std 0.229,0.224,0.225)" in shown
     assert "B,G,R with --bgr" in shown

@@ -107,7 +107,8 @@ def test_report_plot_writes_png_charts_linked_from_the_markdown(swept, pipeline)
     run = ptq_ok("report", "--plot", cwd=pipeline)
     markdown = (pipeline / "reports" / "QUANTIZATION_ANALYSIS.md").read_text()
     links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", markdown)
-    assert sorted(links) == ["QUANTIZATION_ANALYSIS_per_class_accuracy.png", "QUANTIZATION_ANALYSIS_sweep_accuracy_vs_compressed_size.png"]
+    assert sorted(links) == ["QUANTIZATION_ANALYSIS_accuracy_vs_speed_and_size.png", "QUANTIZATION_ANALYSIS_per_class_delta.png",
+                             "QUANTIZATION_ANALYSIS_sweep_accuracy_vs_compressed_size.png"]
     for link in links:
         data = (pipeline / "reports" / link).read_bytes()
         assert data.startswith(PNG_SIGNATURE) and len(data) > 10_000, link

@@ -252,11 +252,13 @@ def test_no_output_overwrites_an_input_or_another_output(project):
 
 
 def test_two_reports_with_charts_in_one_folder_keep_their_own_charts(project):
-    ok("evaluate", "--data", "colours.npz", "--per-class", cwd=project)
+    ok("quantize", "--model", "models/m.onnx", "--data", "colours.npz", "--output", "models/m_int8.onnx", cwd=project)
+    ok("evaluate", "--model", "models/m.onnx", "--model", "models/m_int8.onnx", "--data", "colours.npz", "--per-class", cwd=project)
     ok("report", "--plot", "--markdown", "out/first.md", cwd=project)
     ok("report", "--plot", "--markdown", "out/second.md", cwd=project)
-    assert sorted(path.name for path in (project / "out").glob("*.png")) == ["first_per_class_accuracy.png", "second_per_class_accuracy.png"]
-    assert "first_per_class_accuracy.png" in (project / "out" / "first.md").read_text()
+    charts = ("accuracy_vs_speed_and_size.png", "per_class_delta.png")
+    assert sorted(path.name for path in (project / "out").glob("*.png")) == sorted(f"{report}_{chart}" for report in ("first", "second") for chart in charts)
+    assert all(f"first_{chart}" in (project / "out" / "first.md").read_text() for chart in charts)
 
 
 def test_leftover_clean_up_deletes_only_files_ptq_named_and_owns(tmp_path):

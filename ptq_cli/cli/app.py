@@ -22,6 +22,7 @@ from typer._click.exceptions import ClickException, UsageError  # typer >= 0.22 
 
 from ptq_cli import settings
 from ptq_cli.cli import console
+from ptq_cli.cli import help as help_fit
 from ptq_cli.cli.console import _fail, show_library_warnings
 from ptq_cli.errors import Interrupted, PtqError, Terminated, TerminateSignal
 from ptq_cli.guards import atomic, bounded, hardstop, trust
@@ -39,6 +40,8 @@ class PtqGroup(typer.core.TyperGroup):
         COMMAND_LINE.set(("ptq", *given))
         args = _fill_optional_values(given)
         _tolerant_streams()
+        args, show_all = help_fit.asked_for_all(args)
+        help_fit.fit(self, show_all)
         try:
             with _terminate_as_interrupt(), trust.scope(), warnings.catch_warnings(record=True) as caught:
                 # Library warnings (deprecations above all) are kept, not hidden, and said once each after the
@@ -133,7 +136,6 @@ app = typer.Typer(
     help="Post-training quantization of image classifiers (ONNX in; 8-bit models out for onnxruntime, PyTorch, OpenVINO and LiteRT), measured on your images. Defaults: the MLPerf Tiny ResNet8 study on CIFAR-10.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    add_completion=False,
     rich_markup_mode="rich",  # paragraphs reflow to the width; markdown mode ate `_x_` and `<name>` in defaults
 )
 

@@ -13,7 +13,7 @@ from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from ptq_cli import backends, render, render_report, settings
+from ptq_cli import backends, render, render_charts, render_report, settings
 from ptq_cli.cli import console
 from ptq_cli.cli.app import COMMAND_LINE, _guarding_inputs, _reflow, app, run_stage_command
 from ptq_cli.cli.console import _byte_progress, _emit, _progress_bar, _working
@@ -473,7 +473,7 @@ def report(
         chart_paths = report_service.chart_paths(markdown) if plot else {}
         check_outputs([("--markdown", markdown, (".md",)), *(("--plot", path, (".png",)) for path in chart_paths.values())],
                       [*report_service.input_files(results_dir)])
-        charts = render_report.write_charts(result, chart_paths)
+        charts = render_charts.write_charts(result, chart_paths)
         write_text(markdown, render_report.report_markdown(result, charts))
     _emit(as_json, result, render_report.report(result))
     if markdown is not None and not as_json:

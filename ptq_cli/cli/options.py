@@ -141,7 +141,7 @@ MAX_THREADS = 4 * (os.cpu_count() or 1)  # more threads than that only slows inf
 
 ThreadsOption = Annotated[
     int | None,
-    typer.Option(min=1, max=MAX_THREADS, help=f"Inference threads, 1 to {MAX_THREADS}. (default: all cores)", show_default=False),
+    typer.Option(min=1, max=MAX_THREADS, help="Inference threads, from 1 to 4 per core. (default: all cores)", show_default=False),
 ]
 
 

@@ -132,6 +132,7 @@ class ClassLoss:
     class_name: str
     accuracy: float
     reference_accuracy: float
+    runtime: str = ""  # the runtime the model's figures are from (the same file can have a row on two)
 
     @property
     def delta(self) -> float:
@@ -375,7 +376,7 @@ def _class_losses(record: EvaluationRecord, reference: EvaluationRecord) -> list
     """Per class, against the reference; only classes with enough images to say something (measured_classes)."""
     counted = set(measured_classes(record))
     return [
-        ClassLoss(record.name, name, accuracy, reference_accuracy)
+        ClassLoss(record.name, name, accuracy, reference_accuracy, record.runtime + (f" {record.precision}" if record.precision else ""))
         for index, (name, accuracy, reference_accuracy) in enumerate(zip(record.class_names, record.per_class_accuracy,
                                                                          reference.per_class_accuracy, strict=False))
         if accuracy is not None and reference_accuracy is not None and index in counted
@@ -515,7 +516,7 @@ def build_report(
 
 
 # The charts of `report --plot`, named after the Markdown report: two reports in one folder keep their own.
-CHARTS = {"per_class": "per_class_accuracy", "sweep": "sweep_accuracy_vs_compressed_size"}
+CHARTS = {"per_class": "per_class_delta", "tradeoff": "accuracy_vs_speed_and_size", "sweep": "sweep_accuracy_vs_compressed_size"}
 
 
 def chart_paths(markdown: Path) -> dict[str, Path]:
