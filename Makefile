@@ -8,9 +8,15 @@ PTQ_ASSETS ?= ../shared/assets
 export PTQ_ASSETS
 ONNX2TORCH := onnx2torch==1.5.15
 
-.PHONY: install qemu run tune sweep test test-fast lint docs bench bench-runtimes bench-int8 bench-speed peers clean
+.PHONY: install qemu cxx run tune sweep test test-fast lint docs bench bench-runtimes bench-int8 bench-speed peers clean
 
-install: $(VENV)/.installed qemu
+install: $(VENV)/.installed qemu cxx
+
+# `--backend pt2e` models run through torch.compile, whose Inductor builds C++ kernels: a C++ compiler (Debian's g++).
+cxx:
+	@command -v g++ >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null; } || \
+		echo "g++ not installed (needs apt-get as root): --backend pt2e models cannot be compiled for x86"
 
 # qemu-user (Debian) runs onnxruntime's real kernels as an AVX2 CPU without VNNI, so that a VNNI machine
 # can measure the saturating int8 path (`ptq evaluate --int8-path saturating`); ptq says so when it is missing.

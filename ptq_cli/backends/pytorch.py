@@ -6,7 +6,6 @@ import contextlib
 import hashlib
 import io
 import json
-import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import ClassVar
@@ -20,7 +19,7 @@ from ptq_cli.errors import PtqError, first_line
 from ptq_cli.guards import bounded, trust
 from ptq_cli.guards.atomic import atomic_output
 from ptq_cli.metrics import sqnr_db
-from ptq_cli.model_file import describe_input, free_batch, in_fixed_batches, metadata_object, read_bytes, resolve_threads
+from ptq_cli.model_file import in_fixed_batches, metadata_object, read_bytes, resolve_threads
 from ptq_cli.quantize import overflow, policy, torch_ao
 from ptq_cli.quantize.settings import (
     AUTO_METHOD,
@@ -46,7 +45,7 @@ from ptq_cli.quantize.torch_ao import (
     qconfig_mapping,
     seven_bit_activations,
 )
-from ptq_cli.transforms.graph import generated_node_names, preprocess, static_reshape_targets
+from ptq_cli.quantize.torch_graph import onnx_to_graph_module, torch_ready
 from ptq_cli.transforms.torch_compat import import_onnx2torch
 from ptq_cli.x86.cpu import SATURATING
 from ptq_cli.x86.paths import EMULATE, Int8Paths
@@ -80,38 +79,6 @@ def _warn_if_quantized(data: bytes) -> None:
 
 def sniff(head: bytes) -> bool:
     return head.startswith(ZIP_MAGIC)
-
-
-def onnx_to_graph_module(model, fold: bool = True):
-    """The ONNX model as a torch.fx GraphModule (onnx2torch).
-
-    With `fold`, onnxruntime's own graph optimizer (quant_pre_process) first folds the batch-norm
-    Mul/Add that tf2onnx leaves after each Conv, so the torch graph is plain Conv/ReLU/add/Linear that
-    FX quantization fuses and quantizes end to end.
-    """
-    import onnx
-
-    onnx2torch = import_onnx2torch()
-    named = model.graph.name or "model"  # the file, as the services name it
-    if fold:
-        with tempfile.TemporaryDirectory(prefix="ptq-torch-") as workdir:
-            folded = Path(workdir) / "folded.onnx"
-            preprocess(model, folded)
-            model = onnx.load(str(folded))
-    try:
-        return onnx2torch.convert(generated_node_names(static_reshape_targets(model))).eval()
-    except Exception as error:  # onnx2torch raises NotImplementedError and others for ops it lacks
-        raise PtqError(f"{named}: onnx2torch cannot convert it ({type(error).__name__}: {first_line(error, '')})") from error
-
-
-def torch_ready(model, path: Path, size: tuple[int, int] | None = None):
-    """(model, ModelInput, fixed batch or None): a fixed batch is made symbolic where that computes the same; `size`
-    gives the height and width a model leaves open (--input-size)."""
-    described, _ = describe_input(path, model, size)
-    if described.batch is None:
-        return model, described, None
-    freed = free_batch(path, model, described)
-    return (freed, described, None) if freed is not None else (model, described, described.batch)
 
 
 def save_torchscript(module, path: Path, example: np.ndarray, stored: dict[str, str], described: inputs.ModelInput) -> None:

@@ -110,7 +110,7 @@ def convert(
     keras: Annotated[Path | None, typer.Option(help=f"Keras model to convert: a .keras or .h5 file, or a TensorFlow SavedModel folder (its ops vetted before TensorFlow loads it). (default: ${settings.ASSETS_ENV}/mlperf-tiny-resnet8/pretrainedResnet.h5)", show_default=False)] = None,
     output: Annotated[Path, typer.Option(help="Where to write the ONNX model converted from Keras.")] = settings.FP32_ONNX,
     onnx_source: Annotated[Path | None, typer.Option("--onnx", help="Start from this ONNX model instead of Keras (use with --torch).", show_default=False)] = None,
-    torch_output: Annotated[Path | None, typer.Option("--torch", help="Also convert the ONNX model to PyTorch (onnx2torch), saved as TorchScript here, e.g. models/resnet8.pt.", show_default=False)] = None,
+    torch_output: Annotated[Path | None, typer.Option("--torch", help="Also convert the ONNX model to PyTorch (onnx2torch), saved here: a torch.export program for a .pt2 path, TorchScript for .pt (e.g. models/resnet8.pt).", show_default=False)] = None,
     opset: Annotated[int, typer.Option(min=10, max=21, help="ONNX opset for tf2onnx.")] = 13,
     check_images: Annotated[int, typer.Option(min=1, help=f"Test images (at least 1: every conversion is checked) on which source and converted outputs must agree within {convert_service.LIMIT}.")] = 1000,
     choice: DataChoice = NO_CHOICE,
@@ -125,7 +125,7 @@ def convert(
         raise PtqError("--keras and --onnx: give one source model, not both")
     if onnx_source is not None and torch_output is None:
         raise PtqError("--onnx: converts an existing ONNX model to PyTorch and needs --torch PATH")
-    check_outputs([("--output", None if onnx_source is not None else output, (".onnx",)), ("--torch", torch_output, (".pt",))],
+    check_outputs([("--output", None if onnx_source is not None else output, (".onnx",)), ("--torch", torch_output, (".pt", ".pt2"))],
                   [keras or (settings.keras_model_path() if onnx_source is None else None), onnx_source])
     dataset = choice.dataset()
     results = []
@@ -170,7 +170,7 @@ def quantize(
     model: Annotated[Path, typer.Option(help="FP32 ONNX model to quantize (the PyTorch backend converts it with onnx2torch first; LiteRT starts from the Keras model `ptq convert --keras` made it from).")] = settings.FP32_ONNX,
     quantization: QuantizationSettings = NO_QUANTIZATION,
     calibration: CalibrationFile = None,
-    output: Annotated[Path | None, typer.Option(help="Where to write the quantized model. (default: beside the model, <model>_<dtype>.onnx, <model>_pytorch_<dtype>.pt, <model>_openvino_<dtype>.xml or <model>_<dtype>.tflite)", show_default=False)] = None,
+    output: Annotated[Path | None, typer.Option(help="Where to write the quantized model. (default: beside the model, <model>_<dtype>.onnx, <model>_pytorch_<dtype>.pt, <model>_pt2e_<dtype>.pt2, <model>_openvino_<dtype>.xml or <model>_<dtype>.tflite)", show_default=False)] = None,
     results_dir: Annotated[Path, typer.Option(help="Records of earlier evaluations and benchmarks: the models made from the same FP32 model that they measured are named after quantizing, as the other choices.")] = settings.RESULTS_DIR,
     portability_cost: Annotated[bool | None, typer.Option("--portability-cost/--no-portability-cost", help=f"On a CPU with VNNI, for a model made for all CPUs with an overflow fix: quantize it again for VNNI CPUs alone (--cpus vnni) and say what running right on every x86 CPU costs, both measured against FP32 on the calibration images. Takes one more quantization. (default: measured where the model took at most {QUICK_SECONDS:.0f} s to make; env: PTQ_PORTABILITY_COST=0 turns it off)", envvar="PTQ_PORTABILITY_COST", show_envvar=False, show_default=False, rich_help_panel="Quantization")] = None,
     choice: DataChoice = NO_CHOICE,

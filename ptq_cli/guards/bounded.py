@@ -46,6 +46,8 @@ class Limit:
 
 # protobuf cannot hold more than 2 GiB: a larger .onnx keeps its weights in external data files.
 MODEL_BYTES = Limit("PTQ_MAX_MODEL_BYTES", 2**31, "bytes for one model file")
+# Members of one zip archive ptq reads (a torch.export program's weights are one member each).
+ARCHIVE_MEMBERS = Limit("PTQ_MAX_ARCHIVE_MEMBERS", 100_000, "members in one archive")
 # What one ONNX model may hold once its external data is read in: protobuf serializes at most 2 GiB, less its framing.
 PROTOBUF_BYTES = 2**31 - 2**24
 # One array of a dataset .npz, a calibration set or a cache entry (CIFAR-10's training set is 150 MB).
@@ -75,7 +77,7 @@ CALIBRATION_BYTES = Limit("PTQ_CALIBRATION_MEMORY", 2 * 10**9, "bytes of memory 
 # split is scored a part at a time.
 HELD_IMAGE_BYTES = Limit("PTQ_IMAGES_MEMORY", 2**28, "bytes of images held at once")
 LIMITS = (MODEL_BYTES, ARRAY_BYTES, IMAGE_PIXELS, CLASSES, INPUT_ELEMENTS, CALL_ELEMENTS, TEXT_BYTES, CALL_SECONDS, CALIBRATION_BYTES,
-          HELD_IMAGE_BYTES, DOWNLOAD_SECONDS, C_ARRAY_BYTES, BENCHMARK_SECONDS)
+          HELD_IMAGE_BYTES, DOWNLOAD_SECONDS, C_ARRAY_BYTES, BENCHMARK_SECONDS, ARCHIVE_MEMBERS)
 
 NPZ_MEMBERS = 1000
 JSON_DEPTH = 64  # ptq's own JSON nests a few levels; a record or metadata deeper than this is not ptq's

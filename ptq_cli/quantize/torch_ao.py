@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from ptq_cli.quantize import overflow, policy
+from ptq_cli.quantize.pt2e import pair_safe_observer_class
 from ptq_cli.quantize.settings import (
     PER_IMAGE,
     PER_IMAGE_PERCENTILE,
@@ -26,26 +27,13 @@ ACTIVATION_BITS = (EIGHT_BIT, SEVEN_BIT)
 
 
 def _pair_safe_observer(per_channel: bool):
-    """A weight observer whose scales follow the pair rule (services/overflow.py): per output channel, or
+    """A weight observer whose scales follow the pair rule (quantize/overflow.py): per output channel, or
     one scale for the tensor (the largest a channel needs)."""
     import torch
     from torch.ao.quantization.observer import MinMaxObserver, PerChannelMinMaxObserver
 
-    base = PerChannelMinMaxObserver if per_channel else MinMaxObserver
-
-    class PairSafeObserver(base):  # type: ignore[misc, valid-type]
-        def forward(self, weight):
-            self.weight_seen = weight.detach()
-            return super().forward(weight)
-
-        def calculate_qparams(self):
-            rows, _ = overflow.weight_rows("Conv", self.weight_seen.float().numpy())  # Conv and Linear: output channels first
-            scales = torch.from_numpy(overflow.pair_safe_scales(rows))
-            if not per_channel:
-                scales = scales.max().reshape(1)
-            return scales, torch.zeros(len(scales), dtype=torch.int64)
-
-    return PairSafeObserver.with_args(dtype=torch.qint8, qscheme=torch.per_channel_symmetric if per_channel else torch.per_tensor_symmetric)
+    observer = pair_safe_observer_class(PerChannelMinMaxObserver if per_channel else MinMaxObserver, per_channel)
+    return observer.with_args(dtype=torch.qint8, qscheme=torch.per_channel_symmetric if per_channel else torch.per_tensor_symmetric)
 
 
 def _per_image_observer(percentile: float, reduce_range: bool):

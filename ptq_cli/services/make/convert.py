@@ -210,11 +210,13 @@ def _require_converted(keras_path: Path, model_proto, opset: int) -> None:
 
 def onnx_to_torchscript(onnx_path: Path, output: Path, dataset: Dataset, check_count: int = 1000,
                         flags: inputs.PreprocessingFlags | None = None) -> ConversionResult:
-    """ONNX -> PyTorch with onnx2torch, saved as TorchScript (with the model's input contract), checked
-    against onnxruntime. NCHW and NHWC models alike; a fixed batch is made symbolic where that computes the same."""
-    from ptq_cli.backends import pytorch
+    """ONNX -> PyTorch with onnx2torch, saved as TorchScript (.pt) or as a torch.export program (.pt2), with the model's
+    input contract, checked against onnxruntime. NCHW and NHWC models alike; a fixed batch is made symbolic where that
+    computes the same."""
+    from ptq_cli.backends import pt2e, pytorch
+    from ptq_cli.quantize.pt2e import exportable
 
-    check_outputs([("--torch", output, (".pt",))], [onnx_path])
+    check_outputs([("--torch", output, (".pt", ".pt2"))], [onnx_path])
     onnx_path = Path(onnx_path)
     source = load_model(onnx_path, None, flags)
     pixels = check_images(dataset, check_count, source.input.size)
@@ -227,6 +229,9 @@ def onnx_to_torchscript(onnx_path: Path, output: Path, dataset: Dataset, check_c
     stored = {inputs.INPUT_METADATA_KEY: source.preprocessing.to_json(), SOURCE_METADATA_KEY: source.info.sha256}
 
     def write(tmp: Path) -> None:
-        pytorch.save_torchscript(module, tmp, images[: fixed or 8], stored, described)
+        if Path(output).suffix == pt2e.SUFFIX:
+            pt2e.save_program(exportable(module), tmp, images[: fixed or 2], stored, described)
+        else:
+            pytorch.save_torchscript(module, tmp, images[: fixed or 8], stored, described)
 
     return _checked_write(onnx_path, output, write, reference, lambda tmp: load_model(tmp).predict(images))

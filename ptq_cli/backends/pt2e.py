@@ -1,0 +1,206 @@
+"""PyTorch 2 export (`--backend pt2e`): torchao's PT2E quantization of the ONNX model (converted by onnx2torch, then
+torch.export), written as a torch.export program (`.pt2`) that plain torch loads, and run on oneDNN's x86 int8 kernels
+after Inductor's x86 lowering (quantize/pt2e.py). Loading a `.pt2` runs nothing written in the file
+(guards/pt2_archive.py), so no `--trust-remote-code` is asked."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from ptq_cli import inputs
+from ptq_cli.backends import base
+from ptq_cli.backends.base import Backend, LoadedModel, Quantizer, RunOptions, Runtime, describe_settings, finish_load
+from ptq_cli.errors import PtqError
+from ptq_cli.guards import bounded, pt2_archive
+from ptq_cli.guards.atomic import atomic_output
+from ptq_cli.metrics import sqnr_db
+from ptq_cli.model_file import in_fixed_batches, metadata_object, model_input, read_bytes, resolve_threads
+from ptq_cli.quantize import overflow, pt2e
+from ptq_cli.quantize.settings import HELD_OUT_EVERY, HELD_OUT_MAX, ProgressCallback, QuantizationSettings, QuantizedFile
+from ptq_cli.quantize.torch_graph import onnx_to_graph_module, torch_ready
+from ptq_cli.x86.cpu import SATURATING
+from ptq_cli.x86.paths import EMULATE, Int8Paths
+
+NAME = "pt2e"
+SUFFIX = ".pt2"
+METADATA_FILE = "ptq.json"  # ptq's metadata, an extra file of the archive: the same keys as in ONNX metadata
+MODEL_INPUT_KEY = "ptq.model_input"
+CALIBRATION_BATCH = 100
+CHUNK = 64  # images a call: a large batch runs in chunks whose activations stay in cache
+
+
+def sniff(_head: bytes) -> bool:
+    return False  # a zip archive, as TorchScript's: told apart by its suffix
+
+
+def _batches(images: np.ndarray, fixed: int | None) -> list[np.ndarray]:
+    if fixed is None:
+        return [images[start : start + CALIBRATION_BATCH] for start in range(0, len(images), CALIBRATION_BATCH)]
+    return [images[start : start + fixed] for start in range(0, len(images) - fixed + 1, fixed)]
+
+
+def _gated(program, recipe: pt2e.Recipe, batches: list[np.ndarray], judged: np.ndarray, fixed: int | None,
+           progress: ProgressCallback | None) -> tuple[object, pt2e.Recipe, list[str]]:
+    """The converted module whose compiled form computes what it computes (output SQNR at least pt2e.LOWERING_SQNR_DB
+    on held-out calibration images): as asked, else with the fully-connected layers in float; else refused."""
+    notes: list[str] = []
+    for attempt in (recipe, pt2e.Recipe(recipe.per_channel, recipe.method, recipe.pair_safe, float_linears=True)):
+        converted = pt2e.calibrated(program, attempt, batches, progress)
+        figure = pt2e.lowering_sqnr(converted, pt2e.compiled(converted), judged, fixed or CHUNK)
+        if figure >= pt2e.LOWERING_SQNR_DB:
+            return converted, attempt, notes
+        notes.append(f"x86 lowering {'with fully-connected layers in float ' if attempt.float_linears else ''}changed the outputs "
+                     f"(SQNR {figure:.1f} dB against the program before it)")
+    raise PtqError(f"torchao's x86 lowering changes what the quantized model computes ({'; '.join(notes)}); no model written")
+
+
+def save_program(module, path: Path, example: np.ndarray, stored: dict[str, str], described: inputs.ModelInput) -> None:
+    """A torch module as a torch.export program (torch.export.save), ptq's metadata and the input contract beside it:
+    plain `torch.export.load` runs it."""
+    import torch
+
+    program = module if hasattr(module, "graph_signature") else pt2e.export(module, example, described.batch is not None)
+    contents = {**stored, MODEL_INPUT_KEY: json.dumps(asdict(described))}
+    buffer = io.BytesIO()
+    torch.export.save(program, buffer, extra_files={METADATA_FILE: json.dumps(contents, sort_keys=True)})
+    Path(path).write_bytes(buffer.getvalue())
+
+
+def quantize(model, output: Path, settings: QuantizationSettings, calibration: np.ndarray, stored: dict[str, str],
+             progress: ProgressCallback | None = None) -> QuantizedFile:
+    """ONNX -> onnx2torch -> torch.export -> prepare_pt2e (X86InductorQuantizer) -> calibrate -> convert_pt2e, the
+    lowering judged, saved with torch.export.save."""
+    model, described, fixed = torch_ready(model, Path(model.graph.name or "model"))
+    float_module = pt2e.exportable(onnx_to_graph_module(model, fold=settings.preprocess))
+    batches = _batches(calibration, fixed)
+    example = batches[0][:2] if fixed is None else batches[0]
+    judged = calibration[::HELD_OUT_EVERY][:HELD_OUT_MAX] if fixed is None else batches[0]
+    program = pt2e.export(float_module, example, fixed is not None)
+    recipe = pt2e.Recipe(per_channel=bool(settings.per_channel), method=settings.method,
+                         pair_safe=settings.overflow_fix == overflow.ALL_LAYERS)
+    converted, recipe, notes = _gated(program, recipe, batches, judged, fixed, progress)
+    fidelity = sqnr_db(pt2e.scores(float_module, judged), pt2e.scores(converted, judged))
+    extra = bounded.json_loads(stored.pop(base.QUANTIZATION_METADATA_KEY, "{}"))
+    contents = {**stored, base.QUANTIZATION_METADATA_KEY: json.dumps({**settings.as_dict(), **extra, "float_linears": recipe.float_linears})}
+    with atomic_output(output) as tmp:
+        save_program(pt2e.export(converted, example, fixed is not None), tmp, example, contents, described)
+        size = tmp.stat().st_size
+    notes += [f"output SQNR against FP32 on {len(judged)} calibration images: {fidelity:.1f} dB"]
+    if recipe.float_linears:
+        notes.append("fully-connected layers kept in float: torchao's x86 lowering of them changed the outputs")
+    if described.batch is not None and fixed is None:
+        notes.append("fixed batch made symbolic (same outputs)")
+    return QuantizedFile(size, (), tuple(notes), settings=settings)
+
+
+def _described(path: Path, program, stored: dict[str, str]) -> inputs.ModelInput:
+    """The input contract ptq stored, else read from the program's input: its shape, a free batch symbolic."""
+    if MODEL_INPUT_KEY in stored:
+        try:
+            return inputs.ModelInput(**bounded.json_loads(stored[MODEL_INPUT_KEY]))
+        except (ValueError, TypeError):
+            pass
+    placeholders = [node for node in program.graph.nodes if node.op == "placeholder" and node.name in program.graph_signature.user_inputs]
+    if len(placeholders) != 1 or "val" not in placeholders[0].meta:
+        raise PtqError(f"{path}: takes {len(placeholders)} inputs, not one image batch")
+    shape = [dim if isinstance(dim, int) else None for dim in placeholders[0].meta["val"].shape]
+    return model_input(path, placeholders[0].name, shape)
+
+
+def load(path: Path, options: RunOptions) -> LoadedModel:
+    import torch
+
+    path = Path(path)
+    threads = resolve_threads(options.threads)
+    data = read_bytes(path)
+    program, extra_files = pt2_archive.load(path, data)
+    stored = bounded.json_loads(extra_files.get(METADATA_FILE) or "{}")
+    stored = stored if isinstance(stored, dict) else {}
+    described = _described(path, program, stored)
+    quantized = any("quantized_decomposed" in str(node.target) for node in program.graph.nodes)
+    torch.set_num_threads(threads)
+    module = program.module()
+    compile_seconds: list[float] = []
+    if quantized:
+        module = pt2e.compiled(module)
+        started = time.perf_counter()
+        module(torch.from_numpy(np.zeros(described.shape(described.batch or CHUNK), np.float32)))  # compiled for its usual shape now
+        compile_seconds.append(time.perf_counter() - started)
+
+    def call(batch: np.ndarray) -> np.ndarray:
+        with torch.inference_mode():
+            result = module(torch.from_numpy(batch))
+        result = result[0] if isinstance(result, (tuple, list)) and result else result
+        if not isinstance(result, torch.Tensor):
+            raise PtqError(f"{path}: returns {type(result).__name__}, not a tensor of class scores")
+        return result.float().numpy()
+
+    compiled_sizes: set[int] = {described.batch or CHUNK} if quantized else set()
+    seen_sizes: set[int] = set()
+
+    def padded_call(chunk: np.ndarray) -> np.ndarray:
+        """A compiled program compiles once for each batch size: a size met for the first time runs padded to one
+        compiled already (a split's last, partial batch), a size met again is compiled (a benchmark's batches)."""
+        fits = [size for size in compiled_sizes if size > len(chunk)]
+        if quantized and len(chunk) not in compiled_sizes and fits and len(chunk) not in seen_sizes:
+            seen_sizes.add(len(chunk))
+            padding = np.zeros((min(fits) - len(chunk), *chunk.shape[1:]), chunk.dtype)
+            return call(np.concatenate([chunk, padding]))[: len(chunk)]
+        if quantized:
+            compiled_sizes.add(len(chunk))
+        return call(chunk)
+
+    def predict(batch: np.ndarray) -> np.ndarray:
+        if described.batch is not None:
+            return in_fixed_batches(call, batch, described.batch)
+        if len(batch) == 1:  # one image (latency), at its own size
+            return call(batch)
+        return np.concatenate([padded_call(batch[start : start + CHUNK]) for start in range(0, len(batch), CHUNK)])
+
+    note = f"compiled for x86 (Inductor, oneDNN int8) in {compile_seconds[0]:.1f} s" if compile_seconds else None
+
+    quantization = metadata_object(path, stored, base.QUANTIZATION_METADATA_KEY)
+    dtype = (quantization or {}).get("dtype") or ("int8" if quantized else "fp32")
+    return finish_load(path, BACKEND, options, described=described, predict=predict, dtype=dtype, size_bytes=len(data),
+                       sha256=hashlib.sha256(data).hexdigest(), stored=stored, declared_classes=None, quantization=quantization, note=note)
+
+
+def _describe(settings: dict) -> str:
+    floats = ", fully-connected layers float" if settings.get("float_linears") else ""
+    return describe_settings(settings, types="a:uint8 w:int8") + floats
+
+
+def _reaches_int8_path(overflow_fix: str | None, int8_path: str) -> bool:
+    return int8_path == SATURATING or overflow_fix == overflow.ALL_LAYERS
+
+
+def _int8_basis(path: Path, settings: dict | None, int8_path: str) -> str:
+    """oneDNN has no switch for its exact path: a model under the pair rule on every layer computes the same on both
+    (proof); another's saturating path is emulated, its exact path needs a CPU with VNNI or AMX."""
+    if (settings or {}).get("overflow_fix") == overflow.ALL_LAYERS:
+        return "proof (the pair rule on every layer: 255 x 128 <= 32,767): the same on both paths"
+    if int8_path == SATURATING:
+        return EMULATE
+    raise PtqError(f"--int8-path exact: {path} is a PT2E model with 8-bit weights beyond the pair rule; oneDNN's exact path "
+                   "needs a CPU with VNNI or AMX (no emulator here has them)")
+
+
+BACKEND = Backend(
+    NAME, (SUFFIX,), sniff, format="PT2E", suffix_decides=True,
+    summary="torchao PT2E (X86InductorQuantizer), a torch.export program (.pt2) run on oneDNN's int8 kernels after Inductor's x86 lowering",
+    quantizer=Quantizer(
+        quantize, methods=pt2e.METHODS, per_channel=True, leaves_layers_float=False, float_stem=False,
+        overflow_fixes=(overflow.ALL_LAYERS,), describe=_describe,
+        tune_refused="tune does not search --backend pt2e yet; use --backend pytorch or onnxruntime",
+    ),
+    runtime=Runtime(load, settings="torch.set_num_threads(threads); int8: torchao's x86 lowering (oneDNN), chunks of 64 images",
+                    spins_when_idle=True),
+    int8_paths=Int8Paths(reaches=_reaches_int8_path, basis=_int8_basis),
+)

@@ -1,0 +1,168 @@
+"""`--backend pt2e`: torchao's PT2E quantization written as a torch.export program (.pt2), run after Inductor's x86
+lowering; the lowering judged against the program before it; and a .pt2 from anyone loaded without running anything
+written in it (a crafted archive for each way torch.export.load would run code)."""
+
+from __future__ import annotations
+
+import io
+import json
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from synthetic import conv_classifier, image_folder, invoke, ok, one_line_error
+
+from ptq_cli.errors import PtqError
+from ptq_cli.guards import pt2_archive
+from ptq_cli.quantize import pt2e
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("pt2e")
+    conv_classifier(root / "m.onnx", size=16)
+    image_folder(root / "images", per_class=12, size=16)
+    return root
+
+
+@pytest.fixture(scope="module")
+def quantized(project) -> Path:
+    made = json.loads(ok("quantize", "--model", "m.onnx", "--data", "images", "--backend", "pt2e", "--output", "m.pt2", "--json", cwd=project).stdout)
+    assert made["settings"]["backend"] == "pt2e" and made["settings"]["overflow_fix"] == "all-layers"
+    return project / "m.pt2"
+
+
+def test_a_pt2e_model_is_a_torch_export_program_that_evaluates_like_its_source(project, quantized):
+    program, extra = pt2_archive.load(quantized, quantized.read_bytes())
+    assert any("quantized_decomposed" in str(node.target) for node in program.graph.nodes)
+    assert json.loads(extra["ptq.json"])["ptq.model_input"]
+    shown = json.loads(ok("evaluate", "--model", "m.pt2", "--model", "m.onnx", "--data", "images", "--json", cwd=project).stdout)
+    records = {Path(record["model_path"]).name: record for record in shown}
+    assert records["m.pt2"]["runtime"] == "pt2e" and records["m.pt2"]["dtype"] == "int8"
+    assert records["m.pt2"]["fidelity"]["top1_agreement"] >= 90.0
+    assert "compiled for x86" in records["m.pt2"]["model_input"]
+    # Right on every x86 CPU by proof: the pair rule on every layer, so its saturating path is its exact path.
+    both = json.loads(ok("evaluate", "--model", "m.pt2", "--data", "images", "--int8-path", "both", "--json", cwd=project).stdout)
+    assert {record["int8_path"] for record in both} == {"exact", "saturating"}
+    assert len({record["correct"] for record in both}) == 1 and all("proof" in record["int8_basis"] or record["int8_basis"] == "native" for record in both)
+
+
+def test_convert_writes_a_float_torch_export_program_that_computes_what_the_onnx_model_does(project):
+    made = json.loads(ok("convert", "--onnx", "m.onnx", "--torch", "m_fp32.pt2", "--data", "images", "--json", cwd=project).stdout)
+    assert made["check"]["top1_agreement"] == 1.0
+    program, _ = pt2_archive.load(project / "m_fp32.pt2", (project / "m_fp32.pt2").read_bytes())
+    assert not any("quantized_decomposed" in str(node.target) for node in program.graph.nodes)
+    shown = json.loads(ok("evaluate", "--model", "m_fp32.pt2", "--data", "images", "--json", cwd=project).stdout)
+    assert (shown["runtime"], shown["dtype"]) == ("pt2e", "fp32")
+
+
+def test_a_lowering_that_changes_the_outputs_is_refused_and_nothing_is_written(project, monkeypatch):
+    # Lowering that returns a different module (the scores negated): the gate compares it with the program it came from.
+    monkeypatch.setattr(pt2e, "compiled", lambda module: lambda batch: -module(batch))
+    result = invoke("quantize", "--model", "m.onnx", "--data", "images", "--backend", "pt2e", "--output", "bad.pt2", cwd=project)
+    one_line_error(result, "x86 lowering changes what the quantized model computes")
+    assert not (project / "bad.pt2").exists()
+
+
+def test_a_users_own_torch_export_program_evaluates_without_onnx(project):
+    class Small(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+            self.fc = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.fc(torch.relu(self.conv(x)).mean((2, 3)))
+
+    torch.manual_seed(0)
+    program = torch.export.export(Small().eval(), (torch.rand(2, 3, 16, 16),), dynamic_shapes={"x": {0: torch.export.Dim("batch")}})
+    torch.export.save(program, project / "user.pt2")
+    shown = json.loads(ok("evaluate", "--model", "user.pt2", "--data", "images", "--json", cwd=project).stdout)
+    assert shown["runtime"] == "pt2e" and shown["dtype"] == "fp32" and shown["images"] == 36
+    assert "NCHW 3x16x16" in shown["model_input"]
+
+
+def _rewritten(source: Path, target: Path, edit_program=None, extra_member: tuple[str, bytes] | None = None) -> Path:
+    """A copy of a .pt2 archive with its program's JSON edited, or a member added."""
+    with zipfile.ZipFile(source) as archive, zipfile.ZipFile(target, "w") as written:
+        for member in archive.infolist():
+            data = archive.read(member)
+            if member.filename.endswith("models/model.json") and edit_program is not None:
+                program = json.loads(data)
+                edit_program(program)
+                data = json.dumps(program).encode()
+            written.writestr(member, data)
+        if extra_member is not None:
+            written.writestr(extra_member[0], extra_member[1])
+    return target
+
+
+def _first_node(program: dict) -> dict:
+    return program["graph_module"]["graph"]["nodes"][0]
+
+
+def _poisoned_expression(program: dict) -> None:
+    """The first symbolic size's expression made Python that sympify would run."""
+    holder = next(holder for key, _value, holder in pt2_archive._walk(program) if key == "expr_str")
+    holder["expr_str"] = "__import__('pathlib').Path('PWNED').touch()"
+
+
+CRAFTED = {
+    "guard code": (lambda program: program.__setitem__("guards_code", ["__import__('pathlib').Path('PWNED').touch() or True"]), None,
+                   "guard code"),
+    "a target outside torch.ops": (lambda program: _first_node(program).__setitem__("target", "torch.os.system"), None, "not a PyTorch operator"),
+    "a shape expression": (_poisoned_expression, None, "shape expression"),
+    "an AOTInductor library": (None, ("archive/data/aotinductor/model/model.so", b"\x7fELF"), "AOTInductor"),
+}
+
+
+@pytest.mark.parametrize("kind", list(CRAFTED))
+def test_a_crafted_archive_is_refused_before_anything_in_it_runs(project, quantized, kind, monkeypatch):
+    edit, member, mentions = CRAFTED[kind]
+    crafted = _rewritten(quantized, project / f"crafted_{kind.replace(' ', '_')}.pt2", edit, member)
+    monkeypatch.chdir(project)
+    with pytest.raises(PtqError, match=mentions):
+        pt2_archive.load(crafted, crafted.read_bytes())
+    result = invoke("evaluate", "--model", crafted.name, "--data", "images", cwd=project)
+    one_line_error(result, crafted.name)
+    assert not (project / "PWNED").exists()
+
+
+def test_pickled_objects_other_than_tensors_are_refused(project, quantized):
+    """A weight stored as a pickle (torch.export writes tensor subclasses so) is read weights-only: an object whose
+    unpickling would run code is refused, not built."""
+    class Payload:
+        def __reduce__(self):
+            return (Path("PWNED").touch, ())
+
+    buffer = io.BytesIO()
+    torch.save(Payload(), buffer)
+    with zipfile.ZipFile(quantized) as archive:
+        config_name = next(name for name in archive.namelist() if name.endswith("weights/model_weights_config.json"))
+        config = json.loads(archive.read(config_name))
+    name, entry = next(iter(config["config"].items()))
+    entry["use_pickle"] = True
+    crafted = project / "pickled.pt2"
+    with zipfile.ZipFile(quantized) as archive, zipfile.ZipFile(crafted, "w") as written:
+        for member in archive.infolist():
+            data = archive.read(member)
+            if member.filename == config_name:
+                data = json.dumps(config).encode()
+            elif member.filename.endswith("weights/" + entry["path_name"]):
+                data = buffer.getvalue()
+            written.writestr(member, data)
+    with pytest.raises(PtqError):
+        pt2_archive.load(crafted, crafted.read_bytes())
+    assert not (project / "PWNED").exists() and not Path("PWNED").exists()
+
+
+def test_the_vetting_accepts_what_export_writes_for_symbolic_sizes():
+    assert pt2_archive._expression_ok("Symbol('s6', positive=True, integer=True)")
+    assert pt2_archive._expression_ok("2*s6 + Max(1, s6)")
+    assert not pt2_archive._expression_ok("__import__('os').system('x')")
+    assert not pt2_archive._expression_ok("s6.__class__")
+    assert pt2_archive._target_ok("torch.ops.aten.conv2d.default") and pt2_archive._target_ok("_operator.getitem")
+    assert not pt2_archive._target_ok("torch.ops.my_lib.run.default") and not pt2_archive._target_ok("torch.load")
+    assert np.isfinite(pt2e.LOWERING_SQNR_DB)
