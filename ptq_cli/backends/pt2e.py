@@ -114,61 +114,67 @@ def _described(path: Path, program, stored: dict[str, str]) -> inputs.ModelInput
     return model_input(path, placeholders[0].name, shape)
 
 
+class _Runner:
+    """A program as evaluate and benchmark call it: a float one eagerly, a quantized one compiled for x86, which
+    compiles once for each batch size: a size met for the first time runs padded to one compiled already (a split's
+    last, partial batch), a size met again is compiled (a benchmark's batches)."""
+
+    def __init__(self, path: Path, program, described: inputs.ModelInput, quantized: bool) -> None:
+        self.path, self.described, self.quantized = path, described, quantized
+        self.module = pt2e.compiled(program.module()) if quantized else program.module()
+        self.compiled_sizes: set[int] = set()
+        self.seen_sizes: set[int] = set()
+        self.compile_seconds: float | None = None
+        if quantized:  # compiled now for its usual batch, the time said apart from the throughput
+            started = time.perf_counter()
+            self.call(np.zeros(described.shape(described.batch or CHUNK), np.float32))
+            self.compile_seconds = time.perf_counter() - started
+            self.compiled_sizes.add(described.batch or CHUNK)
+
+    def call(self, batch: np.ndarray) -> np.ndarray:
+        import torch
+
+        with torch.inference_mode():
+            result = self.module(torch.from_numpy(batch))
+        result = result[0] if isinstance(result, (tuple, list)) and result else result
+        if not isinstance(result, torch.Tensor):
+            raise PtqError(f"{self.path}: returns {type(result).__name__}, not a tensor of class scores")
+        return result.float().numpy()
+
+    def _chunk(self, chunk: np.ndarray) -> np.ndarray:
+        fits = [size for size in self.compiled_sizes if size > len(chunk)]
+        if self.quantized and len(chunk) not in self.compiled_sizes and fits and len(chunk) not in self.seen_sizes:
+            self.seen_sizes.add(len(chunk))
+            padding = np.zeros((min(fits) - len(chunk), *chunk.shape[1:]), chunk.dtype)
+            return self.call(np.concatenate([chunk, padding]))[: len(chunk)]
+        if self.quantized:
+            self.compiled_sizes.add(len(chunk))
+        return self.call(chunk)
+
+    def predict(self, batch: np.ndarray) -> np.ndarray:
+        if self.described.batch is not None:
+            return in_fixed_batches(self.call, batch, self.described.batch)
+        if len(batch) == 1:  # one image (latency), at its own size
+            return self.call(batch)
+        return np.concatenate([self._chunk(batch[start : start + CHUNK]) for start in range(0, len(batch), CHUNK)])
+
+
 def load(path: Path, options: RunOptions) -> LoadedModel:
     import torch
 
     path = Path(path)
-    threads = resolve_threads(options.threads)
     data = read_bytes(path)
     program, extra_files = pt2_archive.load(path, data)
     stored = bounded.json_loads(extra_files.get(METADATA_FILE) or "{}")
     stored = stored if isinstance(stored, dict) else {}
     described = _described(path, program, stored)
     quantized = any("quantized_decomposed" in str(node.target) for node in program.graph.nodes)
-    torch.set_num_threads(threads)
-    module = program.module()
-    compile_seconds: list[float] = []
-    if quantized:
-        module = pt2e.compiled(module)
-        started = time.perf_counter()
-        module(torch.from_numpy(np.zeros(described.shape(described.batch or CHUNK), np.float32)))  # compiled for its usual shape now
-        compile_seconds.append(time.perf_counter() - started)
-
-    def call(batch: np.ndarray) -> np.ndarray:
-        with torch.inference_mode():
-            result = module(torch.from_numpy(batch))
-        result = result[0] if isinstance(result, (tuple, list)) and result else result
-        if not isinstance(result, torch.Tensor):
-            raise PtqError(f"{path}: returns {type(result).__name__}, not a tensor of class scores")
-        return result.float().numpy()
-
-    compiled_sizes: set[int] = {described.batch or CHUNK} if quantized else set()
-    seen_sizes: set[int] = set()
-
-    def padded_call(chunk: np.ndarray) -> np.ndarray:
-        """A compiled program compiles once for each batch size: a size met for the first time runs padded to one
-        compiled already (a split's last, partial batch), a size met again is compiled (a benchmark's batches)."""
-        fits = [size for size in compiled_sizes if size > len(chunk)]
-        if quantized and len(chunk) not in compiled_sizes and fits and len(chunk) not in seen_sizes:
-            seen_sizes.add(len(chunk))
-            padding = np.zeros((min(fits) - len(chunk), *chunk.shape[1:]), chunk.dtype)
-            return call(np.concatenate([chunk, padding]))[: len(chunk)]
-        if quantized:
-            compiled_sizes.add(len(chunk))
-        return call(chunk)
-
-    def predict(batch: np.ndarray) -> np.ndarray:
-        if described.batch is not None:
-            return in_fixed_batches(call, batch, described.batch)
-        if len(batch) == 1:  # one image (latency), at its own size
-            return call(batch)
-        return np.concatenate([padded_call(batch[start : start + CHUNK]) for start in range(0, len(batch), CHUNK)])
-
-    note = f"compiled for x86 (Inductor, oneDNN int8) in {compile_seconds[0]:.1f} s" if compile_seconds else None
-
+    torch.set_num_threads(resolve_threads(options.threads))
+    runner = _Runner(path, program, described, quantized)
+    note = None if runner.compile_seconds is None else f"compiled for x86 (Inductor, oneDNN int8) in {runner.compile_seconds:.1f} s"
     quantization = metadata_object(path, stored, base.QUANTIZATION_METADATA_KEY)
     dtype = (quantization or {}).get("dtype") or ("int8" if quantized else "fp32")
-    return finish_load(path, BACKEND, options, described=described, predict=predict, dtype=dtype, size_bytes=len(data),
+    return finish_load(path, BACKEND, options, described=described, predict=runner.predict, dtype=dtype, size_bytes=len(data),
                        sha256=hashlib.sha256(data).hexdigest(), stored=stored, declared_classes=None, quantization=quantization, note=note)
 
 
