@@ -8,7 +8,7 @@ PTQ_ASSETS ?= ../shared/assets
 export PTQ_ASSETS
 ONNX2TORCH := onnx2torch==1.5.15
 
-.PHONY: install qemu cxx run tune sweep test test-fast lint docs bench bench-runtimes bench-int8 bench-speed peers clean
+.PHONY: install qemu cxx run tune sweep test test-fast lint docs benchmarks-page bench bench-runtimes bench-int8 bench-speed peers clean
 
 install: $(VENV)/.installed qemu cxx
 
@@ -73,6 +73,10 @@ lint: install
 	$(BIN)/mypy
 	$(BIN)/python tools/cli_reference.py --check
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir "$$(mktemp -d)"
+
+# docs/benchmarks.md from the study's records (after `make run`): the report's tables, none typed by hand.
+benchmarks-page: install
+	$(BIN)/python tools/benchmarks_page.py --results-dir results
 
 # The documentation site: the CLI reference regenerated from the app, then built (MkDocs, strict) into site/.
 docs: install

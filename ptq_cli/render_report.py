@@ -111,7 +111,7 @@ def _eval_mark(row: ReportRow) -> str:
 
 
 def _report_cells(row: ReportRow) -> list[str]:
-    reduction = "" if row.size_reduction is None else f" ({-row.size_reduction:.1%})"
+    reduction = "" if row.size_reduction is None else f" ({-row.size_reduction:+.1%})"
     return [_model_cell(row), _runtime(row), row.dtype, top1(row.accuracy), delta_with_p(row), agreement(row), _no_vnni_cell(row),
             size(row.size_bytes) + reduction, speedup(row.speedup) + (_eval_mark(row) if row.speedup is not None else "")]
 

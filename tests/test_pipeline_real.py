@@ -121,7 +121,7 @@ def test_report_markdown_has_one_row_per_record_with_its_numbers(pipeline):
         assert speed == f"{(native or [record])[0]['images_per_second']:,.0f} (eval)"
         kilobytes = f"{record['model_size_bytes'] / 1024:,.1f} KB"
         if record["dtype"] != "fp32" and record["runtime"] in fp32_size:  # the reduction as stored in the report
-            assert size == f"{kilobytes} ({-round(1 - record['model_size_bytes'] / fp32_size[record['runtime']], 4):.1%})"
+            assert size == f"{kilobytes} ({-round(1 - record['model_size_bytes'] / fp32_size[record['runtime']], 4):+.1%})"
         else:
             assert size == kilobytes  # TFLite: no FP32 .tflite of the same runtime to compare with
 

@@ -5,6 +5,7 @@ deltas and of accuracy against speed and size (the Pareto front)."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from synthetic import conv_classifier, image_folder, ok
 
@@ -25,7 +26,7 @@ def _tables(markdown: str) -> list[list[list[str]]]:
     return tables
 
 
-def test_the_markdown_report_has_a_short_main_table_and_each_models_configuration_below(tmp_path):
+def test_the_markdown_report_has_a_short_main_table_and_each_models_configuration_below(tmp_path, monkeypatch):
     conv_classifier(tmp_path / "m.onnx")
     image_folder(tmp_path / "images", per_class=8)
     for dtype in ("int8", "uint8"):
@@ -51,6 +52,20 @@ def test_the_markdown_report_has_a_short_main_table_and_each_models_configuratio
     charts = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", markdown)
     assert sorted(charts) == ["report_accuracy_vs_speed_and_size.png", "report_per_class_delta.png"]
     assert all((tmp_path / chart).read_bytes().startswith(PNG_SIGNATURE) for chart in charts)
+    # The docs' Benchmarks page and the README's table come from the same records, by a script.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("benchmarks_page", Path(__file__).resolve().parent.parent / "tools" / "benchmarks_page.py")
+    page_tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(page_tool)
+    monkeypatch.chdir(tmp_path)  # the records name their models relative to the study's folder
+    page = page_tool.render(tmp_path / "results")
+    assert page.startswith("# Benchmarks") and "| m_int8.onnx | onnxruntime | int8 |" in page
+    table = page_tool.readme_table(tmp_path / "results")
+    readme = f"before\n{page_tool.BEGIN}\nold\n{page_tool.END}\nafter\n"
+    rewritten = page_tool._with_readme_table(readme, table)
+    assert rewritten.startswith("before\n") and rewritten.endswith(f"{page_tool.END}\nafter\n") and "old" not in rewritten
+    assert "| m_uint8.onnx | onnxruntime uint8 |" in rewritten
 
 
 def test_configuration_lines_keep_the_text_and_break_between_its_parts():
