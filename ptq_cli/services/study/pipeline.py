@@ -48,7 +48,7 @@ QUANTIZED: tuple[dict[str, Any], ...] = ({"dtype": "int8"}, {"dtype": "uint8"}, 
 # than NNCF's on ResNet8 and EfficientNet-Lite0, docs), and the FP32 model run on OpenVINO at f32 to
 # compare it with on its own runtime.
 OPENVINO_QUANTIZED: dict[str, Any] = {"backend": "openvino"}
-# The flash the study's 4-bit model may take: MLPerf Tiny's reference is 96 KB; issue 34 asked for 60 KB.
+# The flash the study's 4-bit model may take: MLPerf Tiny's reference is 96 KB; the study aims at 60 KB.
 MICROCONTROLLER_FLASH_KB = 60
 # With the litert extra (the study only: LiteRT quantizes the Keras source): the converter's own calibration,
 # the same with the activation ranges of the `--target speed` onnxruntime model (both models on one grid), and
