@@ -20,29 +20,30 @@ ADVANCED = frozenset({
 # Whole panels a first run does not need: each backend's own options, and the workers.
 ADVANCED_PANELS = frozenset({"Workers"})
 
-# Where an option's first sentence does not say what it is for.
+# Where an option's first sentence does not say what it is for: by name, or by command and name.
 SHORT = {
-    "backend": "Where the model will run: " + ", ".join(backends.quantizers()) + f" ({HELP_ALL}: what each does).",
-    "target": "speed: the fast x86 configuration (onnxruntime: uint8 activations, int8 per-channel weights).",
+    "quantize.backend": "Where the model will run: " + ", ".join(backends.quantizers()) + f" ({HELP_ALL}: what each does).",
+    "quantize.target": "speed: the fast x86 configuration (onnxruntime: uint8 activations, int8 per-channel weights).",
     "method": "Activation calibration, the backend's own; auto judges several on held-out calibration images.",
     "cpus": "all: right on every x86 CPU, with or without VNNI, and ARM; vnni: the full 8-bit range for VNNI/AMX and ARM only.",
     "per_channel": "One weight scale per output channel, or one per tensor. (default: the backend's)",
     "data": "Images: CIFAR-10 python batches, an image folder (ROOT/<class>/*.jpg, ROOT/*.jpg) or an .npz.",
     "preprocess": "The model's input normalisation: raw255, unit (x1/255), imagenet or cifar10-normalized.",
-    "model": "The FP32 ONNX model to quantize.",
+    "quantize.model": "The FP32 ONNX model to quantize.",
     "dtype": "Activation and weight type.",
 }
 
 _DEFAULT = re.compile(r"\s*\((?:default|env)[^()]*(?:\([^()]*\)[^()]*)*\)\s*$")
 
 
-def short_help(text: str, name: str = "") -> str:
+def short_help(text: str, name: str = "", command: str = "") -> str:
     """An option's help in a sentence: its own short form (SHORT), else the first sentence (up to a semicolon) without
     long asides, with its "(default: ...)" when that is short."""
     default = _DEFAULT.search(text)
     body = text[: default.start()] if default else text
-    if name in SHORT:
-        first = SHORT[name]
+    own = SHORT.get(f"{command}.{name}", SHORT.get(name))
+    if own is not None:
+        first = own
     else:
         end = re.search(r"(?<=[a-z0-9)\]])(\.(?=\s+[A-Z(]|\s*$)|;)", body)
         first = re.sub(r" \([^()]{30,}\)", "", body[: end.start()] if end else body).rstrip(".:,; ") + "."
@@ -71,7 +72,7 @@ def fit(group: Any, show_all: bool = False) -> None:
                 continue
             if not hasattr(param, "ptq_full_help"):
                 param.ptq_full_help = param.help or ""
-            param.help = param.ptq_full_help if show_all else short_help(param.ptq_full_help, param.name or "")
+            param.help = param.ptq_full_help if show_all else short_help(param.ptq_full_help, param.name or "", name)
             param.hidden = not show_all and _advanced(param)
             hides = hides or param.hidden or param.help != param.ptq_full_help
         command.epilog = f"Every option, each with its whole text: ptq {name} {HELP_ALL}" if hides else None
