@@ -59,18 +59,14 @@ def _chart_label(row: ReportRow) -> str:
 
 
 def _per_class_deltas(plt, group: DatasetGroup):
-    """A heat map: a row per 8-bit model, a column per class, each cell its points against the FP32 source's
-    class accuracy (red: lost, blue: gained), written in the cell."""
+    """A heat map: a row per 8-bit model, a column per class, each cell its points against its own FP32 source's
+    class accuracy on the same images (red: lost, blue: gained), written in the cell."""
     import numpy as np
 
-    baseline = group.baseline
-    if baseline is None or not baseline.per_class_accuracy:
-        return None
-    rows = [row for row in group.rows if row.dtype != "fp32" and len(row.per_class_accuracy) == len(baseline.per_class_accuracy)]
+    rows = [row for row in group.rows if row.dtype != "fp32" and len(row.per_class_delta) == len(group.class_names)]
     if not rows:
         return None
-    deltas = np.array([[np.nan if value is None or base is None else value - base for value, base in
-                        zip(row.per_class_accuracy, baseline.per_class_accuracy, strict=True)] for row in rows])
+    deltas = np.array([[np.nan if value is None else value for value in row.per_class_delta] for row in rows])
     bound = max(1.0, float(np.nanmax(np.abs(deltas))) if np.isfinite(deltas).any() else 1.0)
     figure, axes = plt.subplots(figsize=(max(9.0, 5.0 + 0.9 * len(group.class_names)), 1.4 + 0.45 * len(rows)))
     image = axes.imshow(deltas, cmap="RdBu", vmin=-bound, vmax=bound, aspect="auto")
@@ -80,7 +76,7 @@ def _per_class_deltas(plt, group: DatasetGroup):
         if np.isfinite(value):
             axes.text(x, y, f"{value:+.1f}", ha="center", va="center", fontsize="small", color="white" if abs(value) > 0.6 * bound else "black")
     figure.colorbar(image, ax=axes, label="points against FP32")
-    axes.set_title(f"Per-class accuracy against FP32 ({baseline.model}), points")
+    axes.set_title("Per-class accuracy against each model's FP32 source, points")
     return figure
 
 
@@ -104,8 +100,10 @@ def _tradeoff(plt, group: DatasetGroup):
     if len(rows) < 2:
         return None
     figure, (speed_axes, size_axes) = plt.subplots(1, 2, figsize=(13, 5.5), sharey=True)
-    timed = [row for row in rows if (row.speedup_vs_onnxruntime or row.speedup) is not None or row.dtype == "fp32" and row.runtime == BASE_RUNTIME]
-    speed = [(row.speedup_vs_onnxruntime or row.speedup or 1.0, score(row)) for row in timed]
+    # One baseline for every point: onnxruntime's FP32 run (itself at 1x), never a runtime's own FP32.
+    onnxruntime_fp32 = [row for row in rows if row.dtype == "fp32" and row.runtime == BASE_RUNTIME]
+    timed = [row for row in rows if row.speedup_vs_onnxruntime is not None or row in onnxruntime_fp32]
+    speed = [(row.speedup_vs_onnxruntime or 1.0, score(row)) for row in timed]
     size_points = [(-row.size_bytes / 1024, score(row)) for row in rows]
     for axes, chosen, points, sign, xlabel in ((speed_axes, timed, speed, 1, "throughput against onnxruntime FP32 (x)"),
                                                (size_axes, rows, size_points, -1, "model size (KB)")):

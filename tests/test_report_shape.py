@@ -59,9 +59,12 @@ def test_the_markdown_report_has_a_short_main_table_and_each_models_configuratio
     page_tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(page_tool)
     monkeypatch.chdir(tmp_path)  # the records name their models relative to the study's folder
-    page = page_tool.render(tmp_path / "results")
+    from ptq_cli.services.measure.report import run
+
+    study = run(tmp_path / "results").report
+    page = page_tool.render(study)
     assert page.startswith("# Benchmarks") and "| m_int8.onnx | onnxruntime | int8 |" in page
-    table = page_tool.readme_table(tmp_path / "results")
+    table = page_tool.readme_table(study)
     readme = f"before\n{page_tool.BEGIN}\nold\n{page_tool.END}\nafter\n"
     rewritten = page_tool._with_readme_table(readme, table)
     assert rewritten.startswith("before\n") and rewritten.endswith(f"{page_tool.END}\nafter\n") and "old" not in rewritten

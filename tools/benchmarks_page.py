@@ -18,11 +18,10 @@ README = ROOT / "README.md"
 BEGIN, END = "<!-- results: tools/benchmarks_page.py writes this table -->", "<!-- /results -->"
 
 
-def render(results_dir: Path) -> str:
+def render(report) -> str:
+    """The page for a report (`ptq_cli.services.measure.report.run(results_dir).report`)."""
     from ptq_cli.render_report import report_markdown
-    from ptq_cli.services.measure.report import run
 
-    report = run(results_dir).report
     cpus = sorted({row.measured_on for row in report.rows if row.measured_on})
     body = report_markdown(report).split("\n", 1)[1]  # its own title gives way to the page's
     header = ["# Benchmarks", "",
@@ -32,12 +31,10 @@ def render(results_dir: Path) -> str:
     return "\n".join(header) + "\n" + body.rstrip() + "\n"
 
 
-def readme_table(results_dir: Path) -> str:
+def readme_table(report) -> str:
     """The study's first group as five columns (model, runtime, top-1, size, speed-up), with its CPU and command."""
     from ptq_cli.render import size, speedup
-    from ptq_cli.services.measure.report import run
 
-    report = run(results_dir).report
     group = report.groups[0]
     cpus = sorted({row.measured_on for row in group.rows if row.measured_on})
     lines = [f"`make run` on {'; '.join(cpus)}, {group.images:,} test images ([all of it](docs/benchmarks.md)):", "",
@@ -57,8 +54,11 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results-dir", type=Path, default=Path("results"))
     arguments = parser.parse_args(argv)
-    PAGE.write_text(render(arguments.results_dir), encoding="utf-8")
-    README.write_text(_with_readme_table(README.read_text(encoding="utf-8"), readme_table(arguments.results_dir)), encoding="utf-8")
+    from ptq_cli.services.measure.report import run
+
+    report = run(arguments.results_dir).report  # the records read once, for the page and the README's table
+    PAGE.write_text(render(report), encoding="utf-8")
+    README.write_text(_with_readme_table(README.read_text(encoding="utf-8"), readme_table(report)), encoding="utf-8")
     print(f"wrote {PAGE} and the results table of {README}")
     return 0
 

@@ -9,7 +9,7 @@ import hashlib
 import io
 import json
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -46,14 +46,14 @@ def _batches(images: np.ndarray, fixed: int | None) -> list[np.ndarray]:
     return [images[start : start + fixed] for start in range(0, len(images) - fixed + 1, fixed)]
 
 
-def _gated(program, recipe: pt2e.Recipe, batches: list[np.ndarray], judged: np.ndarray, fixed: int | None,
+def _gated(program, recipe: pt2e.Recipe, batches: list[np.ndarray], judged: np.ndarray, per_call: int,
            progress: ProgressCallback | None) -> tuple[object, pt2e.Recipe, list[str]]:
     """The converted module whose compiled form computes what it computes (output SQNR at least pt2e.LOWERING_SQNR_DB
     on held-out calibration images): as asked, else with the fully-connected layers in float; else refused."""
     notes: list[str] = []
     for attempt in (recipe, pt2e.Recipe(recipe.per_channel, recipe.method, recipe.pair_safe, float_linears=True)):
         converted = pt2e.calibrated(program, attempt, batches, progress)
-        figure = pt2e.lowering_sqnr(converted, pt2e.compiled(converted), judged, fixed or CHUNK)
+        figure = pt2e.lowering_sqnr(converted, pt2e.compiled(converted), judged, per_call)
         if figure >= pt2e.LOWERING_SQNR_DB:
             return converted, attempt, notes
         notes.append(f"x86 lowering {'with fully-connected layers in float ' if attempt.float_linears else ''}changed the outputs "
@@ -61,12 +61,11 @@ def _gated(program, recipe: pt2e.Recipe, batches: list[np.ndarray], judged: np.n
     raise PtqError(f"torchao's x86 lowering changes what the quantized model computes ({'; '.join(notes)}); no model written")
 
 
-def save_program(module, path: Path, example: np.ndarray, stored: dict[str, str], described: inputs.ModelInput) -> None:
-    """A torch module as a torch.export program (torch.export.save), ptq's metadata and the input contract beside it:
-    plain `torch.export.load` runs it."""
+def save_program(program, path: Path, stored: dict[str, str], described: inputs.ModelInput) -> None:
+    """A torch.export program saved (torch.export.save), ptq's metadata and the input contract beside it: plain
+    `torch.export.load` runs it."""
     import torch
 
-    program = module if hasattr(module, "graph_signature") else pt2e.export(module, example, described.batch is not None)
     contents = {**stored, MODEL_INPUT_KEY: json.dumps(asdict(described))}
     buffer = io.BytesIO()
     torch.export.save(program, buffer, extra_files={METADATA_FILE: json.dumps(contents, sort_keys=True)})
@@ -82,15 +81,17 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     batches = _batches(calibration, fixed)
     example = batches[0][:2] if fixed is None else batches[0]
     judged = calibration[::HELD_OUT_EVERY][:HELD_OUT_MAX] if fixed is None else batches[0]
+    per_call = fixed or CHUNK  # images a call when judging: a fixed batch takes no other
     program = pt2e.export(float_module, example, fixed is not None)
     recipe = pt2e.Recipe(per_channel=bool(settings.per_channel), method=settings.method,
                          pair_safe=settings.overflow_fix == overflow.ALL_LAYERS)
-    converted, recipe, notes = _gated(program, recipe, batches, judged, fixed, progress)
-    fidelity = sqnr_db(pt2e.scores(float_module, judged), pt2e.scores(converted, judged))
+    converted, recipe, notes = _gated(program, recipe, batches, judged, per_call, progress)
+    fidelity = sqnr_db(pt2e.scores(float_module, judged, per_call), pt2e.scores(converted, judged, per_call))
     extra = bounded.json_loads(stored.pop(base.QUANTIZATION_METADATA_KEY, "{}"))
     contents = {**stored, base.QUANTIZATION_METADATA_KEY: json.dumps({**settings.as_dict(), **extra, "float_linears": recipe.float_linears})}
     with atomic_output(output) as tmp:
-        save_program(pt2e.export(converted, example, fixed is not None), tmp, example, contents, described)
+        # A fixed batch made symbolic is exported open: the program runs any batch, and says so.
+        save_program(pt2e.export(converted, example, fixed is not None), tmp, contents, described if fixed is not None else replace(described, batch=None))
         size = tmp.stat().st_size
     notes += [f"output SQNR against FP32 on {len(judged)} calibration images: {fidelity:.1f} dB"]
     if recipe.float_linears:

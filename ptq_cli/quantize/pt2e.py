@@ -79,7 +79,7 @@ def export(module: Any, example: np.ndarray, fixed_batch: bool = False) -> Any:
 
 @dataclass(frozen=True)
 class Recipe:
-    """What the quantizer is told: weight granularity, activation observer, 7-bit activations, layers kept float."""
+    """What the quantizer is told: weight granularity, activation observer, the pair rule, layers kept float."""
 
     per_channel: bool = True
     method: str = "histogram"

@@ -214,7 +214,7 @@ def onnx_to_torchscript(onnx_path: Path, output: Path, dataset: Dataset, check_c
     input contract, checked against onnxruntime. NCHW and NHWC models alike; a fixed batch is made symbolic where that
     computes the same."""
     from ptq_cli.backends import pt2e, pytorch
-    from ptq_cli.quantize.pt2e import exportable
+    from ptq_cli.quantize.pt2e import export, exportable
 
     check_outputs([("--torch", output, (".pt", ".pt2"))], [onnx_path])
     onnx_path = Path(onnx_path)
@@ -230,7 +230,7 @@ def onnx_to_torchscript(onnx_path: Path, output: Path, dataset: Dataset, check_c
 
     def write(tmp: Path) -> None:
         if Path(output).suffix == pt2e.SUFFIX:
-            pt2e.save_program(exportable(module), tmp, images[: fixed or 2], stored, described)
+            pt2e.save_program(export(exportable(module), images[: fixed or 2], fixed is not None), tmp, stored, described)
         else:
             pytorch.save_torchscript(module, tmp, images[: fixed or 8], stored, described)
 

@@ -52,6 +52,7 @@ class ReportRow:
     validation_accuracy: float | None = None
     validation_fp32_accuracy: float | None = None
     per_class_accuracy: tuple[float | None, ...] = ()  # percent, in the group's class_names order
+    per_class_delta: tuple[float | None, ...] = ()  # points per class against the FP32 model it was made from (as `delta`)
     model_input: str = ""
     preprocessing: str = ""
     status: str = OK  # "stale": the file changed since it was measured; "missing": it is gone
@@ -313,8 +314,6 @@ def _row(record: EvaluationRecord, records: list[EvaluationRecord], benchmarks: 
         dtype=record.dtype,
         configuration=describe_model(record.quantization, record.pruning),
         accuracy=record.accuracy,
-        delta=None if reference is None or record.accuracy is None or reference.accuracy is None else round(record.accuracy - reference.accuracy, 4),
-        reference=None if reference is None else reference.name,
         size_bytes=record.model_size_bytes,
         arena_bytes=record.arena_bytes,
         size_reduction=size_reduction,
@@ -336,9 +335,21 @@ def _row(record: EvaluationRecord, records: list[EvaluationRecord], benchmarks: 
         label=record.label,
         model_sha256=record.model_sha256,
         right_images=record.right_images,
+        **_against_source(record, reference),
         **_int8_fields(record, saturating, reference),
         **_fidelity_fields(record, saturating),
     )
+
+
+def _against_source(record: EvaluationRecord, reference: EvaluationRecord | None) -> dict:
+    """The row's delta against its FP32 source measured on the same images, overall and per class, and the source's name."""
+    if reference is None:
+        return {"delta": None, "reference": None}
+    delta = None if record.accuracy is None or reference.accuracy is None else round(record.accuracy - reference.accuracy, 4)
+    per_class = () if len(reference.per_class_accuracy) != len(record.per_class_accuracy) else tuple(
+        None if value is None or base is None else round(value - base, 4)
+        for value, base in zip(record.per_class_accuracy, reference.per_class_accuracy, strict=True))
+    return {"delta": delta, "reference": reference.name, "per_class_delta": per_class}
 
 
 def _fidelity_fields(record: EvaluationRecord, saturating: EvaluationRecord | None) -> dict:
