@@ -15,6 +15,8 @@ import pytest
 from conftest import CIFAR, cifar_split
 from synthetic import conv_classifier, image_folder, invoke, one_line_error
 
+from ptq_cli import settings
+from ptq_cli.errors import PtqError
 from ptq_cli.guards import cache
 from ptq_cli.quantize import overflow
 from ptq_cli.quantize.judges import SATURATING_FIRST_LAYER
@@ -118,15 +120,17 @@ def test_quantize_is_for_all_cpus_by_default_and_stores_its_target(study):
                    "--cpus vnni")
 
 
-@pytest.mark.parametrize("reached", [True, False])
+@pytest.mark.parametrize("reached", [True, False, "failed"])
 def test_first_layer_is_judged_by_its_worse_x86_path(study, monkeypatch, reached):
     """On a VNNI CPU the judge asks the service's way to the saturating path (services/models.py native_scores): here one that
     answers scores far from FP32's, so first-layer loses there whatever it measures on the exact path; where the
-    path is not reached at native speed, the judge says it measured the exact path only."""
+    path is not reached at native speed, or its run failed, the judge says it measured the exact path only, and why."""
     asked = []
 
     def saturating_scores(path, batch, _threads):
         asked.append(load_model(path).predict(batch).shape)  # the model handed over computes the judged scores
+        if reached == "failed":
+            raise PtqError(f"{path}: emulation (masked) failed (killed)")
         return np.full((len(batch), 3), 100.0, np.float32) if reached else None
 
     monkeypatch.setattr(cpu_info, "current", lambda: WITH_VNNI)
@@ -137,12 +141,13 @@ def test_first_layer_is_judged_by_its_worse_x86_path(study, monkeypatch, reached
     made = json.loads(result.stdout)
     judged = dict(made["settings"]["overflow_fix_db"])
     assert asked and asked[0][1:] == (3,)
-    if reached:
+    if reached is True:
         assert judged[SATURATING_FIRST_LAYER] < 0 < judged[overflow.FIRST_LAYER]
         assert made["settings"]["overflow_fix"] == overflow.ALL_LAYERS
     else:
         assert list(judged) == [overflow.ALL_LAYERS, overflow.FIRST_LAYER]
-        assert any("judged on the exact int8 path only" in note for note in made["notes"])
+        why = "could not be run: " if reached == "failed" else "does not run the saturating path natively"
+        assert any("judged on the exact int8 path only" in note and why in note for note in made["notes"])
 
 
 def test_resnet8_speed_model_for_vnni_saturates_and_the_default_one_does_not(pipeline_snapshot):
@@ -401,9 +406,11 @@ def test_by_default_cpuid_masked_scores_whole_splits_and_qemu_a_thousand_images(
     assert f"on all {record['images']} images" in record["int8_basis"] and record["exact_accuracy_same_images"] is not None
 
 
-def test_code_ptq_did_not_write_is_made_again_before_a_child_loads_it():
+def test_code_ptq_did_not_write_is_made_again_before_a_child_loads_it(tmp_path, monkeypatch):
     """The shim runs in every emulated child: a file at its name that ptq did not write (edited, or put there) is
-    replaced by a fresh one, as a TorchScript file ptq did not write is refused."""
+    replaced by a fresh one, as a TorchScript file ptq did not write is refused. (In a cache of its own: the shared one's
+    shim is loaded by the emulated children of tests running beside it.)"""
+    monkeypatch.setenv(settings.CACHE_ENV, str(tmp_path / "cache"))
     path = emulate.masking_shim()
     if path is None:
         pytest.skip("this machine cannot mask CPUID (no CPUID faulting or no C compiler)")
@@ -588,7 +595,8 @@ def test_a_mask_probe_that_did_not_finish_is_asked_again_not_taken_as_the_machin
     the process without the AVX2 kernels for good (the judge would quietly judge on the exact path alone)."""
     import subprocess
 
-    answers = iter([subprocess.TimeoutExpired("python", emulate.PROBE_SECONDS), subprocess.CompletedProcess([], 0), subprocess.CompletedProcess([], 1)])
+    answers = iter([subprocess.TimeoutExpired("python", emulate.PROBE_SECONDS), subprocess.CompletedProcess([], -9), subprocess.CompletedProcess([], 0),
+                    subprocess.CompletedProcess([], emulate.NOT_MASKED)])
 
     def probe(*_args, **_kwargs):
         answer = next(answers)
@@ -600,5 +608,6 @@ def test_a_mask_probe_that_did_not_finish_is_asked_again_not_taken_as_the_machin
     monkeypatch.setattr(emulate, "_MASKS", {})
     shim = tmp_path / "shim.so"
     assert emulate._masks(shim) is False  # timed out: no answer
+    assert emulate._masks(shim) is False  # killed: no answer either
     assert emulate._masks(shim) is True  # asked again: the machine's answer...
     assert emulate._masks(shim) is True  # ...kept for the process

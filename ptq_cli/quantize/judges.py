@@ -227,7 +227,10 @@ def _saturating_figure(job: Job, model, name: str, images: np.ndarray, reference
 
     if overflow.saturation_proof(model)[0]:
         return (), []
-    outputs = _saturating_outputs(model, name, job.input_name, images, resolve_threads(None), job.workdir)
+    try:
+        outputs = _saturating_outputs(model, name, job.input_name, images, resolve_threads(None), job.workdir)
+    except PtqError as error:
+        return (), [f"overflow fix: judged on the exact int8 path only (the saturating path could not be run: {first_line(error)})"]
     if outputs is None:
         return (), ["overflow fix: judged on the exact int8 path only (this machine does not run the saturating path natively for this "
                     "model; under emulation it is too slow for a judge)"]

@@ -89,13 +89,14 @@ def scores_under_emulation(model_path: Path, batch: np.ndarray, threads: int = 1
 
 def native_scores(model_path: Path, batch: np.ndarray, threads: int = 1) -> np.ndarray | None:
     """`scores_under_emulation` where this machine runs the model's AVX2 kernels natively, at a judge's pace (qemu's is
-    about a hundred times slower): None there, and where the emulation fails."""
+    about a hundred times slower): None where it does not. A child that failed is started once more (a loaded machine
+    can kill one); a PtqError if it fails again."""
     if not emulate.runs_natively():
         return None
     try:
         return scores_under_emulation(model_path, batch, threads)
     except PtqError:
-        return None
+        return scores_under_emulation(model_path, batch, threads)
 
 
 def _child(model: str, fed: str, outputs: str, threads: str) -> None:

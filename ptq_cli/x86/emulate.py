@@ -97,11 +97,14 @@ PROBE_SECONDS = 300  # a Python start that imports ptq_cli: about a second, far 
 
 def _masks(shim: Path) -> bool:
     """Whether a process started with the shim sees CPUID masked (once per process: the answer is the machine's; a
-    probe that could not run, or did not finish, is not an answer and is asked again next time)."""
+    probe that could not run, did not finish or failed otherwise (killed, out of memory) is not an answer and is asked
+    again next time)."""
     if shim not in _MASKS:
         try:
             probe = subprocess.run([sys.executable, "-c", MASK_CHECK], env=_environment(shim, 1), capture_output=True, timeout=PROBE_SECONDS, check=False)
         except (OSError, subprocess.TimeoutExpired):
+            return False
+        if probe.returncode not in (0, NOT_MASKED):
             return False
         _MASKS[shim] = probe.returncode == 0
     return _MASKS[shim]

@@ -28,8 +28,8 @@ class Int8Paths:
 
 
 # How a backend's judges reach the saturating x86 int8 path where this CPU's own kernels are exact: given by the service
-# that quantizes (x86/emulate.py through services/models.py), as (model file, inputs in its format, threads) -> its outputs, or None
-# where this machine cannot run those kernels at native speed. Backends import no service: it is handed down.
+# that quantizes (x86/emulate.py through services/models.py), as (model file, inputs in its format, threads) -> its outputs, None
+# where this machine cannot run those kernels at native speed, a PtqError where it can but the run failed. Backends import no service: it is handed down.
 SaturatingScores = Callable[[Path, np.ndarray, int], "np.ndarray | None"]
 _SATURATING: ContextVar[SaturatingScores | None] = ContextVar("saturating_scores", default=None)
 
@@ -46,7 +46,7 @@ def reaching_saturating_path(scores: SaturatingScores) -> Iterator[None]:
 
 def saturating_outputs(path: Path, batch: np.ndarray, threads: int) -> np.ndarray | None:
     """The model file's outputs on the saturating x86 path at native speed, where the service quantizing gave a way to
-    it (`reaching_saturating_path`) and this machine has one; else None."""
+    it (`reaching_saturating_path`) and this machine has one; else None (a PtqError where that run failed)."""
     scores = _SATURATING.get()
     return None if scores is None else scores(path, batch, threads)
 
