@@ -31,7 +31,7 @@ qemu:
 # uv installs what pip would, in a fraction of its time (docs/installing.md); it reads neither pip's configuration
 # (tools/uv_options.py passes it on) nor pip's rule of the best version over all indexes (unsafe-best-match is
 # that rule). Where uv cannot install, pip does.
-EXTRAS := '.[keras,dev,openvino,litert,ray]'
+EXTRAS := '.[keras,dev,openvino,litert,executorch,ray]'
 UV_VERSION := uv==0.13.9
 $(VENV)/.installed: pyproject.toml Makefile tools/uv_options.py
 	$(PYTHON) -m venv $(VENV)

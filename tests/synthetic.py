@@ -323,3 +323,27 @@ def squeeze_excite_classifier(path: Path, size: int = 16) -> Path:
                               [helper.make_tensor_value_info("scores", onnx.TensorProto.FLOAT, ["N", 3])], initializers)
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)], ir_version=8), str(path))
     return path
+
+
+def conv_project(root: Path, size: int = 16) -> Path:
+    """ROOT/m.onnx (conv_classifier) and ROOT/images (12 images a class, train and test): a model and its images."""
+    conv_classifier(root / "m.onnx", size=size)
+    image_folder(root / "images", per_class=12, size=size)
+    return root
+
+
+def small_torch_classifier():
+    """A user's own nn.Module, seeded: Conv 3->4 (3x3) -> ReLU -> spatial mean -> Linear 4->3, for NCHW images."""
+    import torch
+
+    class Small(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+            self.fc = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.fc(torch.relu(self.conv(x)).mean((2, 3)))
+
+    torch.manual_seed(0)
+    return Small().eval()

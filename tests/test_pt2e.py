@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from synthetic import conv_classifier, image_folder, invoke, ok, one_line_error
+from synthetic import conv_project, invoke, ok, one_line_error, small_torch_classifier
 
 from ptq_cli.errors import PtqError
 from ptq_cli.guards import pt2_archive
@@ -21,10 +21,7 @@ from ptq_cli.quantize import pt2e
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("pt2e")
-    conv_classifier(root / "m.onnx", size=16)
-    image_folder(root / "images", per_class=12, size=16)
-    return root
+    return conv_project(tmp_path_factory.mktemp("pt2e"))
 
 
 @pytest.fixture(scope="module")
@@ -67,17 +64,7 @@ def test_a_lowering_that_changes_the_outputs_is_refused_and_nothing_is_written(p
 
 
 def test_a_users_own_torch_export_program_evaluates_without_onnx(project):
-    class Small(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
-            self.fc = torch.nn.Linear(4, 3)
-
-        def forward(self, x):
-            return self.fc(torch.relu(self.conv(x)).mean((2, 3)))
-
-    torch.manual_seed(0)
-    program = torch.export.export(Small().eval(), (torch.rand(2, 3, 16, 16),), dynamic_shapes={"x": {0: torch.export.Dim("batch")}})
+    program = torch.export.export(small_torch_classifier(), (torch.rand(2, 3, 16, 16),), dynamic_shapes={"x": {0: torch.export.Dim("batch")}})
     torch.export.save(program, project / "user.pt2")
     shown = json.loads(ok("evaluate", "--model", "user.pt2", "--data", "images", "--json", cwd=project).stdout)
     assert shown["runtime"] == "pt2e" and shown["dtype"] == "fp32" and shown["images"] == 36

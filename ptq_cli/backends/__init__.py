@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import fields
 from pathlib import Path
 
-from ptq_cli.backends import litert, onnxruntime, openvino, pt2e, pytorch, tflm
+from ptq_cli.backends import executorch, litert, onnxruntime, openvino, pt2e, pytorch, tflm
 from ptq_cli.backends.base import Backend
 from ptq_cli.errors import PtqError
 from ptq_cli.guards import bounded
@@ -28,7 +28,7 @@ def register(row: Backend) -> Backend:
     return row
 
 
-for _module in (onnxruntime, pytorch, pt2e, openvino, litert, tflm):
+for _module in (onnxruntime, pytorch, pt2e, executorch, openvino, litert, tflm):
     register(_module.BACKEND)
 
 

@@ -20,11 +20,9 @@ from ptq_cli.backends.base import Backend, LoadedModel, Quantizer, RunOptions, R
 from ptq_cli.errors import PtqError
 from ptq_cli.guards import bounded, pt2_archive
 from ptq_cli.guards.atomic import atomic_output
-from ptq_cli.metrics import sqnr_db
 from ptq_cli.model_file import in_fixed_batches, metadata_object, model_input, read_bytes, resolve_threads
 from ptq_cli.quantize import overflow, pt2e
-from ptq_cli.quantize.settings import HELD_OUT_EVERY, HELD_OUT_MAX, ProgressCallback, QuantizationSettings, QuantizedFile
-from ptq_cli.quantize.torch_graph import onnx_to_graph_module, torch_ready
+from ptq_cli.quantize.settings import ProgressCallback, QuantizationSettings, QuantizedFile
 from ptq_cli.x86.cpu import SATURATING
 from ptq_cli.x86.paths import EMULATE, Int8Paths
 
@@ -32,32 +30,24 @@ NAME = "pt2e"
 SUFFIX = ".pt2"
 METADATA_FILE = "ptq.json"  # ptq's metadata, an extra file of the archive: the same keys as in ONNX metadata
 MODEL_INPUT_KEY = "ptq.model_input"
-CALIBRATION_BATCH = 100
-CHUNK = 64  # images a call: a large batch runs in chunks whose activations stay in cache
+CHUNK = pt2e.CHUNK  # images a call: a large batch runs in chunks whose activations stay in cache
 
 
 def sniff(_head: bytes) -> bool:
     return False  # a zip archive, as TorchScript's: told apart by its suffix
 
 
-def _batches(images: np.ndarray, fixed: int | None) -> list[np.ndarray]:
-    if fixed is None:
-        return [images[start : start + CALIBRATION_BATCH] for start in range(0, len(images), CALIBRATION_BATCH)]
-    return [images[start : start + fixed] for start in range(0, len(images) - fixed + 1, fixed)]
-
-
-def _gated(program, recipe: pt2e.Recipe, batches: list[np.ndarray], judged: np.ndarray, per_call: int,
-           progress: ProgressCallback | None) -> tuple[object, pt2e.Recipe, list[str]]:
-    """The converted module whose compiled form computes what it computes (output SQNR at least pt2e.LOWERING_SQNR_DB
-    on held-out calibration images): as asked, else with the fully-connected layers in float; else refused."""
+def _gated(program, recipe: pt2e.Recipe, source: pt2e.TorchSource,
+           progress: ProgressCallback | None) -> tuple[object, pt2e.Recipe, pt2e.LoweringJudgement, list[str]]:
+    """The converted module whose compiled form keeps its fidelity (pt2e.LoweringJudgement) on held-out calibration
+    images: as asked, else with the fully-connected layers in float; else refused."""
     notes: list[str] = []
-    for attempt in (recipe, pt2e.Recipe(recipe.per_channel, recipe.method, recipe.pair_safe, float_linears=True)):
-        converted = pt2e.calibrated(program, attempt, batches, progress)
-        figure = pt2e.lowering_sqnr(converted, pt2e.compiled(converted), judged, per_call)
-        if figure >= pt2e.LOWERING_SQNR_DB:
-            return converted, attempt, notes
-        notes.append(f"x86 lowering {'with fully-connected layers in float ' if attempt.float_linears else ''}changed the outputs "
-                     f"(SQNR {figure:.1f} dB against the program before it)")
+    for attempt in (recipe, replace(recipe, float_linears=True)):
+        converted = pt2e.calibrated(program, attempt, source.batches, progress)
+        judged = pt2e.judge_lowering(source.module, converted, pt2e.compiled(converted), source.judged, source.per_call)
+        if judged.kept:
+            return converted, attempt, judged, notes
+        notes.append(f"x86 lowering {'with fully-connected layers in float ' if attempt.float_linears else ''}changed the outputs ({judged.describe()})")
     raise PtqError(f"torchao's x86 lowering changes what the quantized model computes ({'; '.join(notes)}); no model written")
 
 
@@ -76,24 +66,20 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
              progress: ProgressCallback | None = None) -> QuantizedFile:
     """ONNX -> onnx2torch -> torch.export -> prepare_pt2e (X86InductorQuantizer) -> calibrate -> convert_pt2e, the
     lowering judged, saved with torch.export.save."""
-    model, described, fixed = torch_ready(model, Path(model.graph.name or "model"))
-    float_module = pt2e.exportable(onnx_to_graph_module(model, fold=settings.preprocess))
-    batches = _batches(calibration, fixed)
-    example = batches[0][:2] if fixed is None else batches[0]
-    judged = calibration[::HELD_OUT_EVERY][:HELD_OUT_MAX] if fixed is None else batches[0]
-    per_call = fixed or CHUNK  # images a call when judging: a fixed batch takes no other
-    program = pt2e.export(float_module, example, fixed is not None)
+    source = pt2e.torch_source(model, calibration, fold=settings.preprocess)
+    described, fixed, judged, example = source.described, source.fixed_batch, source.judged, source.example
+    program = pt2e.export(source.module, example, fixed is not None)
     recipe = pt2e.Recipe(per_channel=bool(settings.per_channel), method=settings.method,
                          pair_safe=settings.overflow_fix == overflow.ALL_LAYERS)
-    converted, recipe, notes = _gated(program, recipe, batches, judged, per_call, progress)
-    fidelity = sqnr_db(pt2e.scores(float_module, judged, per_call), pt2e.scores(converted, judged, per_call))
+    converted, recipe, lowering, notes = _gated(program, recipe, source, progress)
     extra = bounded.json_loads(stored.pop(base.QUANTIZATION_METADATA_KEY, "{}"))
     contents = {**stored, base.QUANTIZATION_METADATA_KEY: json.dumps({**settings.as_dict(), **extra, "float_linears": recipe.float_linears})}
     with atomic_output(output) as tmp:
         # A fixed batch made symbolic is exported open: the program runs any batch, and says so.
         save_program(pt2e.export(converted, example, fixed is not None), tmp, contents, described if fixed is not None else replace(described, batch=None))
         size = tmp.stat().st_size
-    notes += [f"output SQNR against FP32 on {len(judged)} calibration images: {fidelity:.1f} dB"]
+    notes += [f"output SQNR against FP32 on {len(judged)} calibration images: {lowering.lowered_db:.1f} dB (compiled for x86; "
+              f"{lowering.program_db:.1f} dB before, {lowering.against_program_db:.1f} dB between the two)"]
     if recipe.float_linears:
         notes.append("fully-connected layers kept in float: torchao's x86 lowering of them changed the outputs")
     if described.batch is not None and fixed is None:

@@ -52,6 +52,9 @@ from ptq_cli.x86.paths import EMULATE, Int8Paths
 
 NAME = "pytorch"
 SUFFIX = ".pt"
+# PyTorch deprecates every layer of this path (torch.ao.quantization, its quantized tensors, TorchScript): said with every model.
+DEPRECATED = ("deprecated: torch.ao FX quantization and TorchScript are deprecated by PyTorch; --backend pytorch goes in ptq 0.6 "
+              "(use --backend pt2e for x86, --backend executorch for phones and ARM)")
 ENGINE = torch_ao.X86_ENGINE
 SATURATING_ENGINE = "fbgemm"  # the kernels a CPU without VNNI runs
 ZIP_MAGIC = b"PK\x03\x04"  # TorchScript files are zip archives
@@ -345,7 +348,8 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
         size = tmp.stat().st_size
     fidelity = sqnr_db(reference, _scores(quantized, judged, fixed))
     # torch.ao can lose a network outright where onnxruntime does not: said at once.
-    notes = [f"output SQNR against FP32 on {len(judged)} calibration images: {fidelity:.1f} dB", *chosen, *policy.pools_in_float_note(pools, "torch.ao")]
+    notes = [f"output SQNR against FP32 on {len(judged)} calibration images: {fidelity:.1f} dB", *chosen, *policy.pools_in_float_note(pools, "torch.ao"),
+             DEPRECATED]
     if described.batch is not None and fixed is None:
         notes.append(f"fixed batch {described.batch} made symbolic (same outputs)")
     return QuantizedFile(size, (), tuple(notes), settings=settings)
@@ -494,7 +498,7 @@ def _int8_basis(path: Path, settings: dict | None, int8_path: str) -> str:
 
 
 BACKEND = Backend(
-    NAME, (SUFFIX,), sniff, format="FX", suffix_decides=True, summary="torch.ao FX graph mode, x86 engine, saved as TorchScript",
+    NAME, (SUFFIX,), sniff, format="FX", suffix_decides=True, summary="torch.ao FX graph mode, x86 engine, saved as TorchScript (deprecated: goes in ptq 0.6)",
     quantizer=Quantizer(
         # PyTorch's x86 default is per-channel; FX quantizes every layer it can.
         quantize, methods=(AUTO_METHOD, "histogram", "minmax", PER_IMAGE), tune_methods=("histogram", "minmax"), per_channel=True,

@@ -170,7 +170,7 @@ def quantize(
     model: Annotated[Path, typer.Option(help="FP32 ONNX model to quantize (the PyTorch backend converts it with onnx2torch first; LiteRT starts from the Keras model `ptq convert --keras` made it from).")] = settings.FP32_ONNX,
     quantization: QuantizationSettings = NO_QUANTIZATION,
     calibration: CalibrationFile = None,
-    output: Annotated[Path | None, typer.Option(help="Where to write the quantized model. (default: beside the model, <model>_<dtype>.onnx, <model>_pytorch_<dtype>.pt, <model>_pt2e_<dtype>.pt2, <model>_openvino_<dtype>.xml or <model>_<dtype>.tflite)", show_default=False)] = None,
+    output: Annotated[Path | None, typer.Option(help="Where to write the quantized model. (default: beside the model, <model>_<dtype>.onnx, <model>_pytorch_<dtype>.pt, <model>_pt2e_<dtype>.pt2, <model>_executorch_<dtype>.pte, <model>_openvino_<dtype>.xml or <model>_<dtype>.tflite)", show_default=False)] = None,
     results_dir: Annotated[Path, typer.Option(help="Records of earlier evaluations and benchmarks: the models made from the same FP32 model that they measured are named after quantizing, as the other choices.")] = settings.RESULTS_DIR,
     portability_cost: Annotated[bool | None, typer.Option("--portability-cost/--no-portability-cost", help=f"On a CPU with VNNI, for a model made for all CPUs with an overflow fix: quantize it again for VNNI CPUs alone (--cpus vnni) and say what running right on every x86 CPU costs, both measured against FP32 on the calibration images. Takes one more quantization. (default: measured where the model took at most {QUICK_SECONDS:.0f} s to make; env: PTQ_PORTABILITY_COST=0 turns it off)", envvar="PTQ_PORTABILITY_COST", show_envvar=False, show_default=False, rich_help_panel="Quantization")] = None,
     choice: DataChoice = NO_CHOICE,
@@ -410,7 +410,7 @@ def benchmark(
     trust_remote_code: TrustOption = False,  # noqa: ARG001  taken by its callback while parsing
     as_json: JsonFlag = False,
 ) -> benchmark_service.Benchmarked:
-    """Latency at batch 1 (p50/p95/p99) and throughput at --batch-size, after warm-up, for ONNX, TorchScript, OpenVINO IR and TFLite models.
+    """Latency at batch 1 (p50/p95/p99) and throughput at --batch-size, after warm-up, for every model kind ptq runs (ONNX, TorchScript, torch.export, ExecuTorch, OpenVINO IR, TFLite).
 
     The models are measured in turns, one run of each at a time, so that the machine's ups and downs reach
     them all alike: compare models in one call. At a batch, onnxruntime (spinning off), OpenVINO and TFLite

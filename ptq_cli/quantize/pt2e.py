@@ -1,7 +1,8 @@
-"""The engine over torchao's PT2E quantization (`--backend pt2e`): a torch module exported with torch.export, annotated
-by torchao's X86InductorQuantizer, calibrated on ptq's calibration images, converted to a quantize/dequantize program,
-then compiled for x86 (torch.compile, Inductor's freezing passes: oneDNN's int8 kernels, the rest fused) and judged
-after compiling: a lowering that changes what the program computes is refused, not shipped.
+"""The engine over torchao's PT2E quantization (`--backend pt2e`, `--backend executorch`): a torch module exported with
+torch.export, annotated by the quantizer of the target (torchao's X86InductorQuantizer; ExecuTorch's XNNPACKQuantizer),
+calibrated on ptq's calibration images, converted to a quantize/dequantize program, then lowered by the backend
+(torch.compile for x86: Inductor's freezing passes, oneDNN's int8 kernels, the rest fused; ExecuTorch's XNNPACK
+delegate) and judged after lowering: a lowering that changes what the program computes is refused, not shipped.
 
 What the flow carries of ptq's choices: per-channel or per-tensor weights, the activation observer (histogram or
 minmax), the pair rule on every layer's weights for a model right on every x86 CPU (`--cpus all`: no pair of u8 x s8
@@ -16,20 +17,50 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ptq_cli import inputs
 from ptq_cli.errors import PtqError, first_line
 from ptq_cli.metrics import sqnr_db
 from ptq_cli.quantize import overflow
+from ptq_cli.quantize.settings import HELD_OUT_EVERY, HELD_OUT_MAX
+from ptq_cli.quantize.torch_graph import onnx_to_graph_module, torch_ready
 
 METHODS = ("histogram", "minmax")
 MOST_BATCH = 65_536  # the batch dimension of an exported program: open up to this
-# The compiled program must compute what the quantize/dequantize program computes: output SQNR between the two, on
-# held-out calibration images, at least this (rounding differences between the reference ops and oneDNN's kernels
-# stay far above it; a wrong kernel falls far below: ResNet8's classifier, 86.7% top-1 before lowering, 16% after).
+CALIBRATION_BATCH = 100  # images a calibration call, where the model's batch is open
+X86, XNNPACK = "x86", "xnnpack"  # the quantizer's target: oneDNN through Inductor, or ExecuTorch's XNNPACK delegate
+# A lowering is kept where it computes what the quantize/dequantize program computes (output SQNR between the two, on
+# held-out calibration images, at least LOWERING_SQNR_DB: rounding differences between the reference ops and the
+# integer kernels stay above it on small networks), or where it is at most LOWERING_LOSS_DB further from FP32 than the
+# program (a deep network's integer kernels round each layer otherwise, and their differences grow with depth without
+# costing fidelity). A wrong kernel fails both: ResNet8's classifier, 86.7% top-1 before lowering, 16% after.
 LOWERING_SQNR_DB = 25.0
+LOWERING_LOSS_DB = 1.0
+
+
+@dataclass(frozen=True)
+class LoweringJudgement:
+    """A lowered model's output SQNR against the program it was lowered from, and both models' against FP32."""
+
+    against_program_db: float
+    program_db: float  # the quantize/dequantize program against FP32
+    lowered_db: float  # the lowered model against FP32
+
+    @classmethod
+    def of(cls, float_scores: np.ndarray, program_scores: np.ndarray, lowered_scores: np.ndarray) -> LoweringJudgement:
+        return cls(sqnr_db(program_scores, lowered_scores), sqnr_db(float_scores, program_scores), sqnr_db(float_scores, lowered_scores))
+
+    @property
+    def kept(self) -> bool:
+        return self.against_program_db >= LOWERING_SQNR_DB or self.lowered_db >= self.program_db - LOWERING_LOSS_DB
+
+    def describe(self) -> str:
+        return (f"SQNR {self.against_program_db:.1f} dB against the program before it; against FP32 {self.lowered_db:.1f} dB lowered, "
+                f"{self.program_db:.1f} dB before")
 
 
 def _imports() -> None:
@@ -78,13 +109,45 @@ def export(module: Any, example: np.ndarray, fixed_batch: bool = False) -> Any:
 
 
 @dataclass(frozen=True)
+class TorchSource:
+    """The ONNX model as the PT2E flow takes it: its torch module, its input, and the calibration images in calls."""
+
+    module: Any  # the float torch module (onnx2torch), exportable
+    described: inputs.ModelInput
+    fixed_batch: int | None  # the batch the graph is tied to, None where it is open
+    batches: list[np.ndarray]  # the calibration images, a call each
+    example: np.ndarray  # what torch.export traces with: two images (one would specialise the batch), or the fixed batch
+    judged: np.ndarray  # held-out calibration images the lowering and the fidelity are judged on
+
+    @property
+    def per_call(self) -> int:
+        """Images a judging call: a fixed batch takes no other."""
+        return self.fixed_batch or CHUNK
+
+
+CHUNK = 64  # images a call where the batch is open: activations stay in cache
+
+
+def torch_source(model, calibration: np.ndarray, fold: bool) -> TorchSource:
+    """The ONNX model (its graph named by its file) converted by onnx2torch and made exportable, with its calibration images."""
+    model, described, fixed = torch_ready(model, Path(model.graph.name or "model"))
+    module = exportable(onnx_to_graph_module(model, fold=fold))
+    if fixed is None:
+        batches = [calibration[start : start + CALIBRATION_BATCH] for start in range(0, len(calibration), CALIBRATION_BATCH)]
+        return TorchSource(module, described, None, batches, batches[0][:2], calibration[::HELD_OUT_EVERY][:HELD_OUT_MAX])
+    batches = [calibration[start : start + fixed] for start in range(0, len(calibration) - fixed + 1, fixed)]
+    return TorchSource(module, described, fixed, batches, batches[0], batches[0])
+
+
+@dataclass(frozen=True)
 class Recipe:
-    """What the quantizer is told: weight granularity, activation observer, the pair rule, layers kept float."""
+    """What the quantizer is told: its target, weight granularity, activation observer, the pair rule, layers kept float."""
 
     per_channel: bool = True
     method: str = "histogram"
     pair_safe: bool = True  # every layer's weights under the pair rule (--cpus all)
     float_linears: bool = False  # the fully-connected layers kept in float
+    target: str = X86
 
 
 def pair_safe_observer_class(base: Any, per_channel: bool) -> Any:
@@ -113,11 +176,56 @@ def _pair_safe_observer(per_channel: bool) -> Any:
     return pair_safe_observer_class(PerChannelMinMaxObserver if per_channel else MinMaxObserver, per_channel).with_args(eps=2**-12)
 
 
+def _clamps_fused(model: Any, output_spec: Any) -> None:
+    """XNNPACKQuantizer fuses a ReLU into the convolution or linear layer before it, not a clamp (ReLU6, hardtanh): it
+    quantizes the layer's output on its whole pre-activation range and gives the clamp that same scale, which leaves
+    ReLU6 networks a few codes for 0..6 (EfficientNet-Lite0's output SQNR 2.7 dB, against 15.3 dB with the x86
+    quantizer's fusion). Here a clamp whose input is such a layer's only use is annotated as a fused ReLU is: the
+    layer's output left unquantized, the clamp's output observed on its own range. XNNPACK's delegate fuses the clamp
+    into the layer's output bounds (FuseActivationPass)."""
+    import torch
+    from torchao.quantization.pt2e.quantizer import QuantizationAnnotation
+
+    clamps = (torch.ops.aten.hardtanh.default, torch.ops.aten.hardtanh_.default)
+    layers = (torch.ops.aten.conv2d.default, torch.ops.aten.conv1d.default, torch.ops.aten.convolution.default, torch.ops.aten.linear.default)
+    key = "quantization_annotation"
+    for node in model.graph.nodes:
+        if node.op != "call_function" or node.target not in clamps or not node.args:
+            continue
+        layer = node.args[0]
+        if getattr(layer, "target", None) not in layers or len(layer.users) != 1 or key not in layer.meta or key not in node.meta:
+            continue
+        layer.meta[key].output_qspec = None
+        node.meta[key] = QuantizationAnnotation(input_qspec_map={}, output_qspec=output_spec, _annotated=True)
+
+
+def _xnnpack_quantizer(recipe: Recipe) -> Any:
+    """ExecuTorch's XNNPACKQuantizer, symmetric int8 (XNNPACK's kernels widen before adding: no pair rule), its
+    activation observer as the method says, clamps fused into the layers before them (`_clamps_fused`)."""
+    from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import XNNPACKQuantizer, get_symmetric_quantization_config
+    from torchao.quantization.pt2e.observer import MinMaxObserver
+
+    config = get_symmetric_quantization_config(is_per_channel=recipe.per_channel)
+    if recipe.method == "minmax":
+        activation = replace(config.input_activation, observer_or_fake_quant_ctr=MinMaxObserver.with_args(eps=2**-12))
+        config = replace(config, input_activation=activation, output_activation=activation)
+
+    class ClampsFused(XNNPACKQuantizer):  # type: ignore[misc, valid-type]
+        def annotate(self, model):
+            model = super().annotate(model)
+            _clamps_fused(model, config.output_activation)
+            return model
+
+    return ClampsFused().set_global(config)
+
+
 def _quantizer(recipe: Recipe) -> Any:
     import torch
     from torchao.quantization.pt2e.observer import MinMaxObserver
     from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as x86
 
+    if recipe.target == XNNPACK:
+        return _xnnpack_quantizer(recipe)
     config = x86.get_default_x86_inductor_quantization_config()
     if recipe.method == "minmax":
         activation = replace(config.input_activation, observer_or_fake_quant_ctr=MinMaxObserver.with_args(eps=2**-12))
@@ -183,7 +291,7 @@ def compiled(module: Any) -> Callable[[Any], Any]:
 
 
 def scores(module: Any, images: np.ndarray, batch: int = 100) -> np.ndarray:
-    """The module's first output, `batch` images a call (the last call padded to `batch`: one shape for a compiled
+    """The module's first output (a tensor, or an array from a runtime), `batch` images a call (the last call padded to `batch`: one shape for a compiled
     module)."""
     import torch
 
@@ -194,10 +302,10 @@ def scores(module: Any, images: np.ndarray, batch: int = 100) -> np.ndarray:
             padded = np.concatenate([part, np.zeros((batch - len(part), *part.shape[1:]), part.dtype)]) if len(part) < batch else part
             output = module(torch.from_numpy(padded))
             outputs.append((output[0] if isinstance(output, (tuple, list)) else output)[: len(part)])
-    return np.concatenate([output.float().numpy() for output in outputs])
+    return np.concatenate([output if isinstance(output, np.ndarray) else output.float().numpy() for output in outputs])
 
 
-def lowering_sqnr(reference: Any, lowered_module: Any, images: np.ndarray, batch: int) -> float:
-    """Output SQNR of the compiled module against the quantize/dequantize program it was compiled from, run in
-    batches of `batch` images (the compiled module's one shape)."""
-    return sqnr_db(scores(reference, images, batch), scores(lowered_module, images, batch))
+def judge_lowering(float_module: Any, program: Any, lowered: Any, images: np.ndarray, batch: int) -> LoweringJudgement:
+    """The lowered module (a module, or a function of a batch) against the quantize/dequantize program it came from
+    and against FP32, run in batches of `batch` images (the lowered module's one shape)."""
+    return LoweringJudgement.of(scores(float_module, images, batch), scores(program, images, batch), scores(lowered, images, batch))
