@@ -10,13 +10,18 @@ import zipfile
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 import torch
-from synthetic import conv_project, invoke, ok, one_line_error, small_torch_classifier
+from synthetic import conv_project, depthwise_classifier, image_folder, invoke, ok, one_line_error, small_torch_classifier
 
 from ptq_cli.errors import PtqError
 from ptq_cli.guards import pt2_archive
-from ptq_cli.quantize import pt2e
+from ptq_cli.metrics import sqnr_db
+from ptq_cli.quantize import overflow, pt2e
+from ptq_cli.services import models as model_service
+from ptq_cli.x86 import cpu as cpu_info
+from ptq_cli.x86 import emulate
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +158,28 @@ def test_the_vetting_accepts_what_export_writes_for_symbolic_sizes():
     assert pt2_archive._target_ok("torch.ops.aten.conv2d.default") and pt2_archive._target_ok("_operator.getitem")
     assert not pt2_archive._target_ok("torch.ops.my_lib.run.default") and not pt2_archive._target_ok("torch.load")
     assert np.isfinite(pt2e.LOWERING_SQNR_DB)
+
+
+def test_depthwise_convolutions_leave_the_pair_rule_and_still_compute_the_same_on_both_x86_paths(tmp_path):
+    """oneDNN widens a depthwise convolution's products before adding them: a model for every CPU keeps its depthwise
+    filters at full range (pairs of codes beyond the rule), and its compiled scores on the AVX2 kernels (CPUID masked)
+    are this CPU's within float rounding, where a dense layer's pairs would saturate (thousands apart)."""
+    model = onnx.load(str(depthwise_classifier(tmp_path / "dw.onnx", size=32, classes=10)))
+    model.graph.name = "dw.onnx"
+    depthwise = pt2e.depthwise_modules(pt2e.torch_source(model, np.zeros((2, 3, 32, 32), np.float32), fold=True).module)
+    assert len(depthwise) == 1
+    image_folder(tmp_path / "images", per_class=12, size=32)
+    ok("quantize", "--model", "dw.onnx", "--data", "images", "--backend", "pt2e", "--output", "dw.pt2", cwd=tmp_path)
+    program, _ = pt2_archive.load(tmp_path / "dw.pt2", (tmp_path / "dw.pt2").read_bytes())
+    weights = {tuple(value.shape): value.int().numpy() for value in program.state_dict.values() if value.dtype == torch.int8}
+    sums = {shape: max(overflow.pair_sums(codes.reshape(len(codes), -1))[0].max(), overflow.pair_sums(codes.reshape(len(codes), -1))[1].max())
+            for shape, codes in weights.items()}
+    assert sums[(8, 1, 3, 3)] > overflow.PAIR_LIMIT  # the depthwise filters at full range
+    assert all(total <= overflow.PAIR_LIMIT for shape, total in sums.items() if shape != (8, 1, 3, 3))  # every other layer under the rule
+    if cpu_info.current().int8_path == cpu_info.SATURATING or not emulate.runs_natively():
+        pytest.skip("the other x86 path is not reached natively here")
+    loaded = model_service.load_model(tmp_path / "dw.pt2", 1)
+    batch = np.full(loaded.input.shape(8), 255.0, np.float32)
+    batch[::2, :, ::2] = np.random.default_rng(0).uniform(0, 255, batch[::2, :, ::2].shape)
+    here, avx2 = loaded.predict(batch), model_service.scores_under_emulation(tmp_path / "dw.pt2", batch, 1)
+    assert sqnr_db(here, avx2) > 60.0

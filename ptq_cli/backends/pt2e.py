@@ -70,7 +70,7 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     described, fixed, judged, example = source.described, source.fixed_batch, source.judged, source.example
     program = pt2e.export(source.module, example, fixed is not None)
     recipe = pt2e.Recipe(per_channel=bool(settings.per_channel), method=settings.method,
-                         pair_safe=settings.overflow_fix == overflow.ALL_LAYERS)
+                         pair_safe=settings.overflow_fix == overflow.ALL_LAYERS, depthwise=pt2e.depthwise_modules(source.module))
     converted, recipe, lowering, notes = _gated(program, recipe, source, progress)
     extra = bounded.json_loads(stored.pop(base.QUANTIZATION_METADATA_KEY, "{}"))
     contents = {**stored, base.QUANTIZATION_METADATA_KEY: json.dumps({**settings.as_dict(), **extra, "float_linears": recipe.float_linears})}
@@ -178,7 +178,8 @@ def _int8_basis(path: Path, settings: dict | None, int8_path: str) -> str:
     """oneDNN has no switch for its exact path: a model under the pair rule on every layer computes the same on both
     (proof); another's saturating path is emulated, its exact path needs a CPU with VNNI or AMX."""
     if (settings or {}).get("overflow_fix") == overflow.ALL_LAYERS:
-        return "proof (the pair rule on every layer: 255 x 128 <= 32,767): the same on both paths"
+        return ("proof (the pair rule on every layer but the depthwise ones, which oneDNN widens before adding: 255 x 128 <= 32,767): "
+                "the same on both paths")
     if int8_path == SATURATING:
         return EMULATE
     raise PtqError(f"--int8-path exact: {path} is a PT2E model with 8-bit weights beyond the pair rule; oneDNN's exact path "

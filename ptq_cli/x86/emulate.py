@@ -30,6 +30,7 @@ from ptq_cli.guards import cache, trust
 QEMU = "qemu-x86_64"
 QEMU_CPU = "Haswell"  # AVX2 and FMA, no AVX-512, no VNNI: what onnxruntime's CPU dispatch then picks is the saturating kernel
 SHIM_SOURCE = Path(__file__).with_name("avx2_cpuid.c")
+SHIM_PREFIX = "avx2-cpuid-"  # the compiled shim's file name: this, then its source's digest
 MASKED_ENV = "PTQ_AVX2_SHIM"  # set in a child started with the shim: it checks that CPUID is masked before it loads a model
 NOT_MASKED = 3  # the child's exit status where CPUID is not masked after all
 DEFAULT_SUBSET = 1000  # images scored by default under qemu
@@ -66,7 +67,7 @@ def masking_shim() -> Path | None:
         root = None
     if root is None:
         return None
-    shim = root / f"avx2-cpuid-{hashlib.sha256(SHIM_SOURCE.read_bytes()).hexdigest()[:16]}.so"
+    shim = root / f"{SHIM_PREFIX}{hashlib.sha256(SHIM_SOURCE.read_bytes()).hexdigest()[:16]}.so"
     # Code every emulated child loads: used only as ptq wrote it (cache.was_written), else built again.
     if not (shim.is_file() and cache.was_written(_digest(shim))) and not _build(compiler, shim):
         return None
@@ -178,6 +179,14 @@ def run_on_avx2_kernels(module: str, arguments: list[str], model_path: Path, thr
 
 
 def enter_avx2_child() -> None:
-    """In a child `run_on_avx2_kernels` started: exits unless its runtime takes the AVX2 kernels after all."""
+    """In a child `run_on_avx2_kernels` started: exits unless its runtime takes the AVX2 kernels after all. The shim
+    leaves LD_PRELOAD for the programs the child starts (a C++ compiler that Inductor runs, whose own SIGSEGV handler
+    would take the shim's and crash at its first CPUID): the child's runtime is masked, what it compiles is not."""
     if os.environ.get(MASKED_ENV) and not masked_here():
         sys.exit("CPUID is not masked in this process: its answers would be this CPU's own")
+    if os.environ.get(MASKED_ENV):
+        kept = [entry for entry in os.environ.get("LD_PRELOAD", "").split(":") if entry and not Path(entry).name.startswith(SHIM_PREFIX)]
+        if kept:
+            os.environ["LD_PRELOAD"] = ":".join(kept)
+        else:
+            os.environ.pop("LD_PRELOAD", None)
