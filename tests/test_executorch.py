@@ -106,3 +106,14 @@ def test_a_clamp_after_a_convolution_gets_its_own_range_as_a_fused_relu_does(tmp
         assert clamp.args[0] not in quantized  # the convolution's output goes to the clamp unquantized
         scale = float(quantized[clamp].args[1])
         assert scale <= 6.0 / 255 * 1.01, scale  # 0..6 over the 256 codes, not the convolution's range
+
+
+def test_weights_from_a_qdq_model_with_a_float_stem_leave_the_stem_float_on_xnnpack(project):
+    """--weights-from on ExecuTorch: the layers the onnxruntime model quantized carry its weights, and the stem it keeps
+    in float is left unannotated (XNNPACKQuantizer takes no per-layer None), so it stays float; the lowering still judged."""
+    ok("quantize", "--model", "m.onnx", "--data", "images", "--stem", "float", "--no-space-to-depth", "--output", "stem_float.onnx", cwd=project)
+    made = json.loads(ok("quantize", "--model", "m.onnx", "--data", "images", "--backend", "executorch", "--weights-from", "stem_float.onnx",
+                         "--output", "carried.pte", "--json", cwd=project).stdout)
+    assert any(note.startswith("weights of 1 layers from stem_float.onnx") and "kept float as there: node_0" in note for note in made["notes"]), made["notes"]
+    shown = json.loads(ok("evaluate", "--model", "carried.pte", "--model", "m.onnx", "--data", "images", "--json", cwd=project).stdout)
+    assert next(record for record in shown if record["model_path"].endswith("carried.pte"))["fidelity"]["top1_agreement"] >= 90.0

@@ -183,3 +183,30 @@ def test_depthwise_convolutions_leave_the_pair_rule_and_still_compute_the_same_o
     batch[::2, :, ::2] = np.random.default_rng(0).uniform(0, 255, batch[::2, :, ::2].shape)
     here, avx2 = loaded.predict(batch), model_service.scores_under_emulation(tmp_path / "dw.pt2", batch, 1)
     assert sqnr_db(here, avx2) > 60.0
+
+
+def test_weights_from_a_qdq_model_carry_its_codes_and_float_layers_into_the_program(project):
+    """--weights-from: the onnxruntime model's 8-bit weights (learned rounding chose each code) are the program's, code
+    for code, in the granularity it has; a model ptq did not make from this FP32 model, or a granularity asked against
+    its, is one line."""
+    from onnx import numpy_helper
+
+    made = json.loads(ok("quantize", "--model", "m.onnx", "--data", "images", "--cpus", "vnni", "--no-space-to-depth", "--output", "m_int8.onnx", "--json",
+                         cwd=project).stdout)
+    qdq = onnx.load(str(project / "m_int8.onnx"))
+    codes = [array for array in (numpy_helper.to_array(item) for item in qdq.graph.initializer) if array.dtype == np.int8 and array.ndim >= 2]
+    carried = json.loads(ok("quantize", "--model", "m.onnx", "--data", "images", "--backend", "pt2e", "--cpus", "vnni", "--weights-from", "m_int8.onnx",
+                            "--output", "carried.pt2", "--json", cwd=project).stdout)
+    assert carried["settings"]["per_channel"] == made["settings"]["per_channel"]
+    assert any(note.startswith(f"weights of {len(codes)} layers from m_int8.onnx") for note in carried["notes"]), (len(codes), "|".join(carried["notes"]))
+    program, _ = pt2_archive.load(project / "carried.pt2", (project / "carried.pt2").read_bytes())
+    ours = [value.numpy() for value in program.state_dict.values() if value.dtype == torch.int8]  # a layer lowering kept float has none
+    assert ours
+    for mine in ours:
+        assert any(theirs.shape == mine.shape and np.array_equal(theirs, mine) for theirs in codes)
+    one_line_error(invoke("quantize", "--model", "m.onnx", "--data", "images", "--backend", "pt2e", "--weights-from", "m.onnx", "--output", "x.pt2",
+                          cwd=project), "was not quantized by ptq from this FP32 model")
+    other = "--per-tensor" if made["settings"]["per_channel"] else "--per-channel"
+    one_line_error(invoke("quantize", "--model", "m.onnx", "--data", "images", "--backend", "pt2e", other, "--weights-from", "m_int8.onnx",
+                          "--output", "x.pt2", cwd=project), "leave the granularity to them")
+    assert not (project / "x.pt2").exists()

@@ -28,6 +28,7 @@ from ptq_cli.guards import bounded
 from ptq_cli.guards.atomic import atomic_output
 from ptq_cli.model_file import in_fixed_batches, metadata_object, model_input, read_bytes, resolve_threads
 from ptq_cli.quantize import overflow, pt2e
+from ptq_cli.quantize.carried import carried_for, carried_note
 from ptq_cli.quantize.settings import ProgressCallback, QuantizationSettings, QuantizedFile
 
 NAME = "executorch"
@@ -108,8 +109,9 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     delegate -> .pte; the program run on ExecuTorch's runtime and judged against the module it was lowered from."""
     source = pt2e.torch_source(model, calibration, fold=settings.preprocess)
     batch = source.fixed_batch or 1
-    recipe = pt2e.Recipe(per_channel=bool(settings.per_channel), method=settings.method, pair_safe=False, target=pt2e.XNNPACK)
-    converted = pt2e.calibrated(pt2e.export(source.module, source.example, source.fixed_batch is not None), recipe, source.batches, progress)
+    module, carried = carried_for(source.module, settings.options, stored.get(base.SOURCE_METADATA_KEY))
+    recipe = pt2e.Recipe(per_channel=bool(settings.per_channel), method=settings.method, pair_safe=False, target=pt2e.XNNPACK, carried=carried)
+    converted = pt2e.calibrated(pt2e.export(module, source.example, source.fixed_batch is not None), recipe, source.batches, progress)
     described = replace(source.described, batch=batch)
     extra = bounded.json_loads(stored.pop(base.QUANTIZATION_METADATA_KEY, "{}"))
     contents = {**stored, MODEL_INPUT_KEY: json.dumps(asdict(described)),
@@ -122,7 +124,7 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     with atomic_output(output) as tmp:
         tmp.write_bytes(data)
     portable = sorted(op for op, counts in delegation.items() if counts["portable"])
-    notes = (f"output SQNR against FP32 on {len(source.judged)} calibration images: {judged.lowered_db:.1f} dB (lowered by XNNPACK; "
+    notes = (*carried_note(carried), f"output SQNR against FP32 on {len(source.judged)} calibration images: {judged.lowered_db:.1f} dB (lowered by XNNPACK; "
              f"{judged.program_db:.1f} dB before, {judged.against_program_db:.1f} dB between the two)",
              f"XNNPACK runs {sum(counts['xnnpack'] for counts in delegation.values())} of its nodes; "
              + (f"on ExecuTorch's portable kernels: {', '.join(portable)}" if portable else "none left to the portable kernels"),
@@ -202,7 +204,7 @@ BACKEND = Backend(
     summary="torchao PT2E with ExecuTorch's XNNPACKQuantizer, an ExecuTorch program (.pte) on the XNNPACK delegate, as phones run it",
     quantizer=Quantizer(
         # XNNPACK widens its int8 products before adding them: exact on every CPU, so no overflow fix.
-        quantize, methods=pt2e.METHODS, per_channel=True, overflow_fixes=(overflow.NO_FIX,), leaves_layers_float=False, float_stem=False,
+        quantize, methods=pt2e.METHODS, per_channel=True, overflow_fixes=(overflow.NO_FIX,), leaves_layers_float=False, float_stem=False, options=pt2e.Options,
         describe=_describe, tune_refused="tune does not search --backend executorch yet; use --backend onnxruntime",
     ),
     runtime=Runtime(load, settings="ExecuTorch runtime (Python bindings), XNNPACK delegate, threadpool of `threads`, batch of the program"),

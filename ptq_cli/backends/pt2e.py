@@ -22,6 +22,7 @@ from ptq_cli.guards import bounded, pt2_archive
 from ptq_cli.guards.atomic import atomic_output
 from ptq_cli.model_file import in_fixed_batches, metadata_object, model_input, read_bytes, resolve_threads
 from ptq_cli.quantize import overflow, pt2e
+from ptq_cli.quantize.carried import carried_for, carried_note
 from ptq_cli.quantize.settings import ProgressCallback, QuantizationSettings, QuantizedFile
 from ptq_cli.x86.cpu import SATURATING
 from ptq_cli.x86.paths import EMULATE, Int8Paths
@@ -68,9 +69,10 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     lowering judged, saved with torch.export.save."""
     source = pt2e.torch_source(model, calibration, fold=settings.preprocess)
     described, fixed, judged, example = source.described, source.fixed_batch, source.judged, source.example
-    program = pt2e.export(source.module, example, fixed is not None)
+    module, carried = carried_for(source.module, settings.options, stored.get(base.SOURCE_METADATA_KEY))
+    program = pt2e.export(module, example, fixed is not None)
     recipe = pt2e.Recipe(per_channel=bool(settings.per_channel), method=settings.method,
-                         pair_safe=settings.overflow_fix == overflow.ALL_LAYERS, depthwise=pt2e.depthwise_modules(source.module))
+                         pair_safe=settings.overflow_fix == overflow.ALL_LAYERS, depthwise=pt2e.depthwise_modules(source.module), carried=carried)
     converted, recipe, lowering, notes = _gated(program, recipe, source, progress)
     extra = bounded.json_loads(stored.pop(base.QUANTIZATION_METADATA_KEY, "{}"))
     contents = {**stored, base.QUANTIZATION_METADATA_KEY: json.dumps({**settings.as_dict(), **extra, "float_linears": recipe.float_linears})}
@@ -78,7 +80,7 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
         # A fixed batch made symbolic is exported open: the program runs any batch, and says so.
         save_program(pt2e.export(converted, example, fixed is not None), tmp, contents, described if fixed is not None else replace(described, batch=None))
         size = tmp.stat().st_size
-    notes += [f"output SQNR against FP32 on {len(judged)} calibration images: {lowering.lowered_db:.1f} dB (compiled for x86; "
+    notes += [*carried_note(carried), f"output SQNR against FP32 on {len(judged)} calibration images: {lowering.lowered_db:.1f} dB (compiled for x86; "
               f"{lowering.program_db:.1f} dB before, {lowering.against_program_db:.1f} dB between the two)"]
     if recipe.float_linears:
         notes.append("fully-connected layers kept in float: torchao's x86 lowering of them changed the outputs")
@@ -190,7 +192,7 @@ BACKEND = Backend(
     NAME, (SUFFIX,), sniff, format="PT2E", suffix_decides=True,
     summary="torchao PT2E (X86InductorQuantizer), a torch.export program (.pt2) run on oneDNN's int8 kernels after Inductor's x86 lowering",
     quantizer=Quantizer(
-        quantize, methods=pt2e.METHODS, per_channel=True, leaves_layers_float=False, float_stem=False,
+        quantize, methods=pt2e.METHODS, per_channel=True, leaves_layers_float=False, float_stem=False, options=pt2e.Options,
         overflow_fixes=(overflow.ALL_LAYERS,), describe=_describe,
         tune_refused="tune does not search --backend pt2e yet; use --backend pytorch or onnxruntime",
     ),

@@ -18,7 +18,7 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -26,7 +26,8 @@ from ptq_cli import inputs
 from ptq_cli.errors import PtqError, first_line
 from ptq_cli.metrics import sqnr_db
 from ptq_cli.quantize import overflow
-from ptq_cli.quantize.settings import HELD_OUT_EVERY, HELD_OUT_MAX
+from ptq_cli.quantize.carried import CarriedWeights, carried_observer_class, stored_settings
+from ptq_cli.quantize.settings import HELD_OUT_EVERY, HELD_OUT_MAX, BackendOptions, CommonChoices, option
 from ptq_cli.quantize.torch_graph import onnx_to_graph_module, torch_ready
 
 METHODS = ("histogram", "minmax")
@@ -109,6 +110,34 @@ def export(module: Any, example: np.ndarray, fixed_batch: bool = False) -> Any:
 
 
 @dataclass(frozen=True)
+class Options(BackendOptions):
+    """The options of the backends over this flow (pt2e, executorch)."""
+
+    panel: ClassVar[str] = "PT2E (--backend pt2e, executorch)"
+    word: ClassVar[str] = "a PT2E option"
+
+    weights_from: str | None = option(
+        None, cli=Path,
+        help="An onnxruntime QDQ model ptq quantized from the same FP32 model (its default has learned rounding): its 8-bit weights, each "
+             "code and scale, go into the program, and the layers it keeps float (a float stem) stay float, so both compute with the same weights.")
+
+    def settle(self, common: CommonChoices) -> tuple[Options, CommonChoices]:
+        if self.weights_from is None:
+            return self, common
+        per_channel = bool(stored_settings(Path(self.weights_from)).get("per_channel", True))
+        if common.per_channel is not None and common.per_channel != per_channel:
+            given, granularity = ("--per-channel", "per-tensor") if common.per_channel else ("--per-tensor", "per-channel")
+            raise PtqError(f"{given}: the weights from {self.weights_from} are {granularity}; leave the granularity to them")
+        return replace(self, weights_from=str(self.weights_from)), replace(common, per_channel=per_channel)
+
+    def describe(self) -> str:
+        return f"weights from {self.weights_from}" if self.weights_from else ""
+
+    def input_files(self) -> tuple[Path, ...]:
+        return (Path(self.weights_from),) if self.weights_from else ()
+
+
+@dataclass(frozen=True)
 class TorchSource:
     """The ONNX model as the PT2E flow takes it: its torch module, its input, and the calibration images in calls."""
 
@@ -149,6 +178,7 @@ class Recipe:
     float_linears: bool = False  # the fully-connected layers kept in float
     target: str = X86
     depthwise: tuple[str, ...] = ()  # the depthwise convolutions (module names): exempt from the pair rule (`depthwise_modules`)
+    carried: CarriedWeights | None = None  # weights carried from a QDQ model (`--weights-from`): their scales, and the layers kept float
 
 
 def depthwise_modules(module: Any) -> tuple[str, ...]:
@@ -223,13 +253,37 @@ def _xnnpack_quantizer(recipe: Recipe) -> Any:
         activation = replace(config.input_activation, observer_or_fake_quant_ctr=MinMaxObserver.with_args(eps=2**-12))
         config = replace(config, input_activation=activation, output_activation=activation)
 
+    config = _with_carried_scales(config, recipe.carried, pair_safe=False)
+    floats = recipe.carried.float_layers if recipe.carried is not None else ()
+
     class ClampsFused(XNNPACKQuantizer):  # type: ignore[misc, valid-type]
         def annotate(self, model):
             model = super().annotate(model)
             _clamps_fused(model, config.output_activation)
+            _left_float(model, floats)
             return model
 
     return ClampsFused().set_global(config)
+
+
+def _left_float(model: Any, layers: tuple[str, ...]) -> None:
+    """The nodes of these modules unannotated (XNNPACKQuantizer takes no per-module None): they compute in float, and the
+    output of the activation after them, where that was quantized, is what the next layer reads."""
+    from torchao.quantization.pt2e.quantizer import QuantizationAnnotation
+
+    for node in model.graph.nodes:
+        paths = {str(owner[0]) for owner in node.meta.get("nn_module_stack", {}).values()}
+        if node.op == "call_function" and paths & set(layers) and "quantization_annotation" in node.meta:
+            node.meta["quantization_annotation"] = QuantizationAnnotation(_annotated=True)
+
+
+def _with_carried_scales(config: Any, carried: CarriedWeights | None, pair_safe: bool) -> Any:
+    """The config whose weight observer hands back the scales of weights carried from a QDQ model."""
+    if carried is None:
+        return config
+    observer = config.weight.observer_or_fake_quant_ctr
+    base, arguments = (observer.p.func, observer.p.keywords) if hasattr(observer, "p") else (observer, {})  # a class .with_args(...)
+    return replace(config, weight=replace(config.weight, observer_or_fake_quant_ctr=carried_observer_class(base, carried, pair_safe).with_args(**arguments)))
 
 
 def _quantizer(recipe: Recipe) -> Any:
@@ -246,12 +300,15 @@ def _quantizer(recipe: Recipe) -> Any:
     if not recipe.per_channel:
         weight = replace(config.weight, qscheme=torch.per_tensor_symmetric, ch_axis=None, observer_or_fake_quant_ctr=MinMaxObserver.with_args(eps=2**-12))
         config = replace(config, weight=weight)
-    plain = config
+    plain = _with_carried_scales(config, recipe.carried, pair_safe=False)
     if recipe.pair_safe:
         config = replace(config, weight=replace(config.weight, observer_or_fake_quant_ctr=_pair_safe_observer(recipe.per_channel)))
+    config = _with_carried_scales(config, recipe.carried, recipe.pair_safe)
     quantizer = x86.X86InductorQuantizer().set_global(config)
     for name in recipe.depthwise if recipe.pair_safe else ():
         quantizer.set_module_name_qconfig(name, plain)
+    for name in recipe.carried.float_layers if recipe.carried is not None else ():
+        quantizer.set_module_name_qconfig(name, None)
     if recipe.float_linears:
         quantizer.set_module_type_qconfig(torch.nn.Linear, None)
         quantizer.set_function_type_qconfig(torch.nn.functional.linear, None)

@@ -1,0 +1,182 @@
+"""An onnxruntime QDQ model's 8-bit weights carried into a torch module for the PT2E flow (`--weights-from`): what ptq's
+engine chose for them there (learned rounding: each weight's code; the pair rule: each channel's scale) becomes the
+module's weights, and the PT2E weight observer hands back the QDQ model's scales, so both models compute with the same
+codes. The layers the QDQ model keeps in float (a float stem) stay float.
+
+Layers are matched by their weights' values, not their names: onnx2torch, onnxruntime's pre-processing and ptq's
+placement name nodes differently, while a layer's 8-bit weights lie within a few per cent of its float ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ptq_cli import model_file
+from ptq_cli.errors import PtqError
+from ptq_cli.quantize import overflow
+
+MATCH_TOLERANCE = 0.05  # relative distance between a layer's float weights and its 8-bit ones, at most
+
+
+@dataclass(frozen=True)
+class CarriedWeights:
+    """What a QDQ model gives a torch module: each matched layer's weights (dequantized, torch layout), the scales of
+    each by the digest of those weights (what the weight observer sees), and the layers it keeps in float."""
+
+    source: Path
+    weights: dict[str, np.ndarray] = field(default_factory=dict)  # module name -> weights
+    scales: dict[str, np.ndarray] = field(default_factory=dict)  # digest of the weights -> per output channel (or one)
+    float_layers: tuple[str, ...] = ()  # layers whose float weights the QDQ model computes with
+    own_layers: tuple[str, ...] = ()  # layers matched to neither (rewritten there): quantized here, as without --weights-from
+    per_channel: bool = True
+
+    def scales_of(self, weight: np.ndarray) -> np.ndarray | None:
+        return self.scales.get(digest(weight))
+
+
+def digest(weight: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(weight, dtype=np.float32).tobytes()).hexdigest()
+
+
+def qdq_model(path: Path, source_sha256: str | None):
+    """The QDQ model `--weights-from` names, checked to be made by ptq from the same FP32 model."""
+    qdq = model_file.read_onnx(Path(path))
+    made_from = {prop.key: prop.value for prop in qdq.metadata_props}.get(model_file.SOURCE_METADATA_KEY)
+    if source_sha256 is None or made_from != source_sha256:
+        raise PtqError(f"--weights-from: {path} was not quantized by ptq from this FP32 model")
+    return qdq
+
+
+def stored_settings(path: Path) -> dict:
+    """The settings ptq stored in a QDQ model ({} for a model ptq did not make)."""
+    qdq = model_file.read_onnx(Path(path))
+    stored = {prop.key: prop.value for prop in qdq.metadata_props}
+    return model_file.metadata_object(Path(path), stored, model_file.QUANTIZATION_METADATA_KEY) or {}
+
+
+def _float_weights(qdq) -> list[np.ndarray]:
+    """The float weights the QDQ model's layers compute with (no DequantizeLinear before them)."""
+    from onnx import numpy_helper
+
+    constants = {initializer.name: initializer for initializer in qdq.graph.initializer}
+    return [numpy_helper.to_array(constants[node.input[1]]) for node in qdq.graph.node
+            if node.op_type in ("Conv", "Gemm", "MatMul") and len(node.input) > 1 and node.input[1] in constants
+            and constants[node.input[1]].data_type == 1]  # FLOAT
+
+
+def _closest(weight: np.ndarray, candidates: list[tuple[np.ndarray, Any]]) -> tuple[float, np.ndarray | None, Any]:
+    """(relative distance, values in the weight's layout, what came with them) of the candidate closest to `weight`:
+    the same shape, or a 2-D one transposed (a Gemm's)."""
+    options = [(option, extra) for values, extra in candidates for option in (values, values.T if values.ndim == 2 else None)
+               if option is not None and option.shape == weight.shape]
+    scored = [(float(np.linalg.norm(option - weight) / (np.linalg.norm(weight) + 1e-12)), option, extra) for option, extra in options]
+    return min(scored, key=lambda row: row[0], default=(np.inf, None, None))
+
+
+def _quantized_weights(qdq) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each 8-bit weight of the QDQ model as (dequantized values, scales along its quantized axis or one)."""
+    from onnx import numpy_helper
+
+    constants = {initializer.name: numpy_helper.to_array(initializer) for initializer in qdq.graph.initializer}
+    found = []
+    for node in qdq.graph.node:
+        codes = constants.get(node.input[0]) if node.op_type == "DequantizeLinear" else None
+        if codes is None or codes.dtype not in (np.int8, np.uint8) or codes.ndim < 2 or node.input[1] not in constants:
+            continue
+        scale = constants[node.input[1]].astype(np.float32)
+        zero = constants[node.input[2]].astype(np.float32) if len(node.input) > 2 and node.input[2] in constants else np.zeros_like(scale)
+        axis = next((attribute.i for attribute in node.attribute if attribute.name == "axis"), 1) % codes.ndim
+        shape = [1] * codes.ndim
+        if scale.size > 1:
+            shape[axis] = scale.size
+        values = (codes.astype(np.float32) - zero.reshape(shape)) * scale.reshape(shape)
+        found.append((values, scale.reshape(-1)))  # per output channel: axis 0 of a Conv's, 1 of a Gemm's (transposed for torch)
+    return found
+
+
+def carried_weights(module: Any, qdq, source: Path) -> CarriedWeights:
+    """Each convolution and fully-connected layer of the torch module matched to the QDQ model's 8-bit weights closest
+    to its own (the same shape, or transposed for a Gemm's), within MATCH_TOLERANCE; a layer with none is one the
+    QDQ model keeps float."""
+    import torch
+
+    candidates = _quantized_weights(qdq)
+    floats_there = [(values, None) for values in _float_weights(qdq)]
+    weights: dict[str, np.ndarray] = {}
+    scales_by_digest: dict[str, np.ndarray] = {}
+    floats: list[str] = []
+    own: list[str] = []
+    for name, layer in module.named_modules():
+        if not isinstance(layer, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Linear)):
+            continue
+        weight = layer.weight.detach().numpy()
+        distance, values, scales = _closest(weight, candidates)
+        if values is not None and scales is not None and distance <= MATCH_TOLERANCE:
+            weights[name] = np.ascontiguousarray(values, dtype=np.float32)
+            scales_by_digest[digest(weights[name])] = scales
+        elif _closest(weight, floats_there)[0] <= 1e-5:
+            floats.append(name)
+        else:
+            own.append(name)
+    if not weights:
+        raise PtqError(f"--weights-from: {source}: none of its 8-bit weights fits a layer of this model")
+    return CarriedWeights(Path(source), weights, scales_by_digest, tuple(floats), tuple(own), any(scales.size > 1 for _, scales in candidates))
+
+
+def carry_into(module: Any, carried: CarriedWeights) -> None:
+    """The module's matched layers given the QDQ model's weights, in place."""
+    import torch
+
+    with torch.no_grad():
+        for name, values in carried.weights.items():
+            module.get_submodule(name).weight.copy_(torch.from_numpy(values))
+
+
+def carried_observer_class(base: Any, carried: CarriedWeights, pair_safe: bool) -> Any:
+    """`base` (a weight observer class) handing back the QDQ model's scales for the weights carried from it, where
+    they keep the codes the QDQ model has (and, with `pair_safe`, follow the pair rule); `base`'s own elsewhere."""
+    import torch
+
+    class CarriedObserver(base):  # type: ignore[misc, valid-type]
+        def forward(self, weight):
+            self.carried_seen = weight.detach()
+            return super().forward(weight)
+
+        def calculate_qparams(self):
+            weight = self.carried_seen.float().numpy()
+            scales = carried.scales_of(weight)
+            if scales is not None:
+                rows, _ = overflow.weight_rows("Conv", weight)
+                codes = overflow.quantize_rows(rows, np.broadcast_to(scales, (len(rows),)).astype(np.float32))
+                if not pair_safe or overflow.is_pair_safe(codes):
+                    return torch.from_numpy(np.ascontiguousarray(scales)), torch.zeros(scales.size, dtype=torch.int64)
+            return super().calculate_qparams()
+
+    return CarriedObserver
+
+
+def carried_for(module: Any, options: Any, source_sha256: str | None) -> tuple[Any, CarriedWeights | None]:
+    """(the module to quantize, the weights carried): with `--weights-from` (the backend's options), a copy of the
+    module given that QDQ model's weights (the float module stays what fidelity is measured against); else the module."""
+    import copy
+
+    path = getattr(options, "weights_from", None)
+    if path is None:
+        return module, None
+    carried = carried_weights(module, qdq_model(Path(path), source_sha256), Path(path))
+    quantized = copy.deepcopy(module)
+    carry_into(quantized, carried)
+    return quantized, carried
+
+
+def carried_note(carried: CarriedWeights | None) -> tuple[str, ...]:
+    if carried is None:
+        return ()
+    floats = f"; kept float as there: {', '.join(carried.float_layers)}" if carried.float_layers else ""
+    own = f"; quantized here (rewritten there): {', '.join(carried.own_layers)}" if carried.own_layers else ""
+    return (f"weights of {len(carried.weights)} layers from {carried.source.name} (its codes and scales){floats}{own}",)
