@@ -47,6 +47,11 @@ def available() -> bool:
     return True
 
 
+def _require() -> None:
+    if not available():
+        raise PtqError("ExecuTorch is not installed: pip install 'ptq-cli[executorch]' (make install does)")
+
+
 def sniff(head: bytes) -> bool:
     return head[4:8] == IDENTIFIER
 
@@ -107,6 +112,7 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
              progress: ProgressCallback | None = None) -> QuantizedFile:
     """ONNX -> onnx2torch -> torch.export -> prepare_pt2e (XNNPACKQuantizer) -> calibrate -> convert_pt2e -> XNNPACK
     delegate -> .pte; the program run on ExecuTorch's runtime and judged against the module it was lowered from."""
+    _require()
     source = pt2e.torch_source(model, calibration, fold=settings.preprocess)
     batch = source.fixed_batch or 1
     module, carried = carried_for(source.module, settings.options, stored.get(base.SOURCE_METADATA_KEY))
@@ -183,6 +189,7 @@ def _described(path: Path, runner: _Program, stored: dict[str, str]) -> inputs.M
 
 
 def load(path: Path, options: RunOptions) -> LoadedModel:
+    _require()
     path = Path(path)
     data = read_bytes(path)
     runner = _Program(path, data, None, resolve_threads(options.threads))
