@@ -34,6 +34,8 @@ def quantized(project) -> Path:
     made = json.loads(result.stdout)
     assert made["settings"]["backend"] == "executorch" and made["settings"]["overflow_fix"] == "none"
     assert any("XNNPACK runs" in note for note in made["notes"])
+    # By default the weights are those ptq's onnxruntime model chose (learned rounding), made first from the same images.
+    assert made["settings"]["weights_from"] == "onnxruntime" and any(note.startswith("weights of 2 layers from ptq's onnxruntime model") for note in made["notes"])
     return project / "m.pte"
 
 
@@ -106,6 +108,12 @@ def test_a_clamp_after_a_convolution_gets_its_own_range_as_a_fused_relu_does(tmp
         assert clamp.args[0] not in quantized  # the convolution's output goes to the clamp unquantized
         scale = float(quantized[clamp].args[1])
         assert scale <= 6.0 / 255 * 1.01, scale  # 0..6 over the 256 codes, not the convolution's range
+
+
+def test_weights_from_none_keeps_the_flows_own_rounding(project):
+    made = json.loads(ok("quantize", "--model", "m.onnx", "--data", "images", "--backend", "executorch", "--weights-from", "none", "--output", "own.pte",
+                         "--json", cwd=project).stdout)
+    assert made["settings"]["weights_from"] == "none" and not any(note.startswith("weights of") for note in made["notes"])
 
 
 def test_weights_from_a_qdq_model_with_a_float_stem_leave_the_stem_float_on_xnnpack(project):

@@ -69,7 +69,7 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     lowering judged, saved with torch.export.save."""
     source = pt2e.torch_source(model, calibration, fold=settings.preprocess)
     described, fixed, judged, example = source.described, source.fixed_batch, source.judged, source.example
-    module, carried = carried_for(source.module, settings.options, stored.get(base.SOURCE_METADATA_KEY))
+    module, carried = carried_for(source.module, settings.options, stored.get(base.SOURCE_METADATA_KEY), settings.overflow_fix == overflow.ALL_LAYERS)
     program = pt2e.export(module, example, fixed is not None)
     recipe = pt2e.Recipe(per_channel=bool(settings.per_channel), method=settings.method,
                          pair_safe=settings.overflow_fix == overflow.ALL_LAYERS, depthwise=pt2e.depthwise_modules(source.module), carried=carried)

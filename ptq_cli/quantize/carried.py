@@ -10,6 +10,10 @@ placement name nodes differently, while a layer's 8-bit weights lie within a few
 from __future__ import annotations
 
 import hashlib
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +25,23 @@ from ptq_cli.errors import PtqError
 from ptq_cli.quantize import overflow
 
 MATCH_TOLERANCE = 0.05  # relative distance between a layer's float weights and its 8-bit ones, at most
+MADE_HERE = "onnxruntime"  # --weights-from's default: ptq's onnxruntime model, made first from the same images
+NONE = "none"  # --weights-from none: the PT2E flow's own rounding
+
+# How the PT2E backends have ptq's onnxruntime model made (MADE_HERE): given by the service that quantizes, as
+# (where to write it, whether its weights must follow the pair rule on every layer). Backends import no service.
+WeightsMaker = Callable[[Path, bool], None]
+_MAKER: ContextVar[WeightsMaker | None] = ContextVar("weights_maker", default=None)
+
+
+@contextmanager
+def making_weights(maker: WeightsMaker) -> Iterator[None]:
+    """Within it, `--weights-from onnxruntime` has ptq's onnxruntime model made by `maker`."""
+    token = _MAKER.set(maker)
+    try:
+        yield
+    finally:
+        _MAKER.reset(token)
 
 
 @dataclass(frozen=True)
@@ -160,15 +181,26 @@ def carried_observer_class(base: Any, carried: CarriedWeights, pair_safe: bool) 
     return CarriedObserver
 
 
-def carried_for(module: Any, options: Any, source_sha256: str | None) -> tuple[Any, CarriedWeights | None]:
+def carried_for(module: Any, options: Any, source_sha256: str | None, pair_safe: bool = False) -> tuple[Any, CarriedWeights | None]:
     """(the module to quantize, the weights carried): with `--weights-from` (the backend's options), a copy of the
-    module given that QDQ model's weights (the float module stays what fidelity is measured against); else the module."""
+    module given that QDQ model's weights (the float module stays what fidelity is measured against); else the module.
+    MADE_HERE has the service make ptq's onnxruntime model first (under the pair rule on every layer with `pair_safe`);
+    where no service gives a way to (`making_weights`), the flow keeps its own rounding."""
     import copy
 
     path = getattr(options, "weights_from", None)
-    if path is None:
+    if path is None or str(path) == NONE:
         return module, None
-    carried = carried_weights(module, qdq_model(Path(path), source_sha256), Path(path))
+    if str(path) == MADE_HERE:
+        maker = _MAKER.get()
+        if maker is None:
+            return module, None
+        with tempfile.TemporaryDirectory(prefix="ptq-weights-") as workdir:
+            made = Path(workdir) / "onnxruntime_int8.onnx"
+            maker(made, pair_safe)
+            carried = carried_weights(module, model_file.read_onnx(made), Path("ptq's onnxruntime model"))
+    else:
+        carried = carried_weights(module, qdq_model(Path(path), source_sha256), Path(path))
     quantized = copy.deepcopy(module)
     carry_into(quantized, carried)
     return quantized, carried

@@ -26,7 +26,7 @@ from ptq_cli import inputs
 from ptq_cli.errors import PtqError, first_line
 from ptq_cli.metrics import sqnr_db
 from ptq_cli.quantize import overflow
-from ptq_cli.quantize.carried import CarriedWeights, carried_observer_class, stored_settings
+from ptq_cli.quantize.carried import MADE_HERE, NONE, CarriedWeights, carried_observer_class, stored_settings
 from ptq_cli.quantize.settings import HELD_OUT_EVERY, HELD_OUT_MAX, BackendOptions, CommonChoices, option
 from ptq_cli.quantize.torch_graph import onnx_to_graph_module, torch_ready
 
@@ -118,23 +118,26 @@ class Options(BackendOptions):
 
     weights_from: str | None = option(
         None, cli=Path,
-        help="An onnxruntime QDQ model ptq quantized from the same FP32 model (its default has learned rounding): its 8-bit weights, each "
-             "code and scale, go into the program, and the layers it keeps float (a float stem) stay float, so both compute with the same weights.")
+        help="Whose 8-bit weights the program takes: 'onnxruntime' (ptq's own onnxruntime model, made first from the same images: learned "
+             "rounding, its scales, its float stem), an onnxruntime QDQ model ptq quantized from the same FP32 model, or 'none' (the "
+             "PT2E flow's own rounding). (default: onnxruntime)")
 
     def settle(self, common: CommonChoices) -> tuple[Options, CommonChoices]:
-        if self.weights_from is None:
-            return self, common
-        per_channel = bool(stored_settings(Path(self.weights_from)).get("per_channel", True))
+        weights_from = str(self.weights_from) if self.weights_from is not None else MADE_HERE
+        if weights_from in (MADE_HERE, NONE):
+            return replace(self, weights_from=weights_from), common
+        per_channel = bool(stored_settings(Path(weights_from)).get("per_channel", True))
         if common.per_channel is not None and common.per_channel != per_channel:
             given, granularity = ("--per-channel", "per-tensor") if common.per_channel else ("--per-tensor", "per-channel")
-            raise PtqError(f"{given}: the weights from {self.weights_from} are {granularity}; leave the granularity to them")
-        return replace(self, weights_from=str(self.weights_from)), replace(common, per_channel=per_channel)
+            raise PtqError(f"{given}: the weights from {weights_from} are {granularity}; leave the granularity to them")
+        return replace(self, weights_from=weights_from), replace(common, per_channel=per_channel)
 
     def describe(self) -> str:
-        return f"weights from {self.weights_from}" if self.weights_from else ""
+        return {MADE_HERE: "weights: ptq's onnxruntime model (learned rounding)", NONE: "weights: PT2E's own rounding"}.get(
+            str(self.weights_from), f"weights from {self.weights_from}")
 
     def input_files(self) -> tuple[Path, ...]:
-        return (Path(self.weights_from),) if self.weights_from else ()
+        return (Path(self.weights_from),) if self.weights_from not in (None, MADE_HERE, NONE) else ()
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from ptq_cli.errors import PtqError
 from ptq_cli.guards import bounded
 from ptq_cli.guards.atomic import check_outputs, check_writable, companions
 from ptq_cli.model_file import read_onnx
-from ptq_cli.quantize import overflow, reuse
+from ptq_cli.quantize import carried, overflow, reuse
 from ptq_cli.quantize.settings import QuantizationSettings, QuantizedFile
 from ptq_cli.services import models as model_service
 from ptq_cli.services.make import portability
@@ -24,6 +24,7 @@ from ptq_cli.services.make.calibration import CalibrationSet, for_model
 from ptq_cli.services.make.stem import resolve_stem
 from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressBar, ProgressCallback, no_progress_bar
+from ptq_cli.services.quant_settings import make_settings
 from ptq_cli.transforms.graph import clamped_activations, dense_initializers, depthwise_convs, fixed_input_size, upgrade_opset
 from ptq_cli.x86 import paths as int8_paths
 
@@ -151,8 +152,21 @@ def quantize_source(source: SourceModel, output: Path, settings: QuantizationSet
     }
     quantize_with = backends.backend(settings.backend).quantizes.quantize
     # A backend reports its calibration's progress if it takes a `progress` callback (a plugin's may not).
-    with int8_paths.reaching_saturating_path(model_service.native_scores):  # the judges of an overflow fix measure both x86 paths
+    with int8_paths.reaching_saturating_path(model_service.native_scores), carried.making_weights(_weights_maker(source, calibration, prepared, settings)):
+        # the judges of an overflow fix measure both x86 paths; the PT2E backends take ptq's onnxruntime weights
         return quantize_with(source.model, Path(output), settings, prepared, stored, **({"progress": progress} if progress else {}))
+
+
+def _weights_maker(source: SourceModel, calibration: CalibrationSet, prepared: np.ndarray, settings: QuantizationSettings) -> carried.WeightsMaker:
+    """How a PT2E backend has ptq's onnxruntime model made from the same source and images (`--weights-from onnxruntime`):
+    the default onnxruntime model in the settings' granularity, without space-to-depth (whose regrouped weights match no
+    layer of the torch module), for every CPU under the pair rule on every layer, else for VNNI CPUs."""
+    def make(path: Path, pair_safe: bool) -> None:
+        asked = make_settings(backend=backends.DEFAULT, per_channel=settings.per_channel, cpus="all" if pair_safe else "vnni",
+                              overflow_fix=overflow.ALL_LAYERS if pair_safe else None, space_to_depth=False)
+        quantize_source(source, path, with_calibration(resolve_settings(source, asked, prepared), calibration), calibration, prepared=prepared)
+
+    return make
 
 
 def with_calibration(settings: QuantizationSettings, calibration: CalibrationSet) -> QuantizationSettings:
