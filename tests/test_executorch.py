@@ -16,8 +16,10 @@ from synthetic import conv_project, depthwise_classifier, invoke, ok, one_line_e
 
 from ptq_cli import backends
 from ptq_cli.backends import executorch as executorch_backend
+from ptq_cli.errors import PtqError
 from ptq_cli.quantize import pt2e
 from ptq_cli.services import models as model_service
+from ptq_cli.services.make import quantize as quantize_service
 from ptq_cli.x86 import cpu as cpu_info
 from ptq_cli.x86 import emulate
 
@@ -113,7 +115,19 @@ def test_a_clamp_after_a_convolution_gets_its_own_range_as_a_fused_relu_does(tmp
 def test_weights_from_none_keeps_the_flows_own_rounding(project):
     made = json.loads(ok("quantize", "--model", "m.onnx", "--data", "images", "--backend", "executorch", "--weights-from", "none", "--output", "own.pte",
                          "--json", cwd=project).stdout)
-    assert made["settings"]["weights_from"] == "none" and not any(note.startswith("weights of") for note in made["notes"])
+    assert made["settings"]["weights_from"] == "none" and not any(note.startswith("weights") for note in made["notes"])
+
+
+def test_a_model_onnxruntimes_flow_cannot_take_keeps_the_flows_own_rounding_and_says_why(project, monkeypatch):
+    def cannot(_path, _pair_safe):
+        raise PtqError("m.onnx: onnxruntime cannot quantize it (an op it lacks)")
+
+    monkeypatch.setattr(quantize_service, "_weights_maker", lambda *_args: cannot)
+    made = json.loads(ok("quantize", "--model", "m.onnx", "--data", "images", "--backend", "executorch", "--output", "fallback.pte", "--json",
+                         cwd=project).stdout)
+    assert any(note.startswith("weights: PT2E's own rounding (ptq's onnxruntime model could not be made: m.onnx: onnxruntime cannot")
+               for note in made["notes"]), made["notes"]
+    assert (project / "fallback.pte").is_file()
 
 
 def test_weights_from_a_qdq_model_with_a_float_stem_leave_the_stem_float_on_xnnpack(project):

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ptq_cli import model_file
-from ptq_cli.errors import PtqError
+from ptq_cli.errors import PtqError, first_line
 from ptq_cli.quantize import overflow
 
 MATCH_TOLERANCE = 0.05  # relative distance between a layer's float weights and its 8-bit ones, at most
@@ -55,6 +55,7 @@ class CarriedWeights:
     float_layers: tuple[str, ...] = ()  # layers whose float weights the QDQ model computes with
     own_layers: tuple[str, ...] = ()  # layers matched to neither (rewritten there): quantized here, as without --weights-from
     per_channel: bool = True
+    failed: str = ""  # why ptq's onnxruntime model could not give its weights (MADE_HERE): the flow's own rounding then
 
     def scales_of(self, weight: np.ndarray) -> np.ndarray | None:
         return self.scales.get(digest(weight))
@@ -195,10 +196,14 @@ def carried_for(module: Any, options: Any, source_sha256: str | None, pair_safe:
         maker = _MAKER.get()
         if maker is None:
             return module, None
+        named = Path("ptq's onnxruntime model")
         with tempfile.TemporaryDirectory(prefix="ptq-weights-") as workdir:
             made = Path(workdir) / "onnxruntime_int8.onnx"
-            maker(made, pair_safe)
-            carried = carried_weights(module, model_file.read_onnx(made), Path("ptq's onnxruntime model"))
+            try:  # a model onnxruntime's flow cannot take is still quantized by PT2E's own
+                maker(made, pair_safe)
+                carried = carried_weights(module, model_file.read_onnx(made), named)
+            except PtqError as error:
+                return module, CarriedWeights(named, failed=first_line(error))
     else:
         carried = carried_weights(module, qdq_model(Path(path), source_sha256), Path(path))
     quantized = copy.deepcopy(module)
@@ -209,6 +214,8 @@ def carried_for(module: Any, options: Any, source_sha256: str | None, pair_safe:
 def carried_note(carried: CarriedWeights | None) -> tuple[str, ...]:
     if carried is None:
         return ()
+    if carried.failed:
+        return (f"weights: PT2E's own rounding ({carried.source} could not be made: {carried.failed})",)
     floats = f"; kept float as there: {', '.join(carried.float_layers)}" if carried.float_layers else ""
     own = f"; quantized here (rewritten there): {', '.join(carried.own_layers)}" if carried.own_layers else ""
     return (f"weights of {len(carried.weights)} layers from {carried.source.name} (its codes and scales){floats}{own}",)

@@ -282,7 +282,7 @@ def _left_float(model: Any, layers: tuple[str, ...]) -> None:
 
 def _with_carried_scales(config: Any, carried: CarriedWeights | None, pair_safe: bool) -> Any:
     """The config whose weight observer hands back the scales of weights carried from a QDQ model."""
-    if carried is None:
+    if carried is None or not carried.weights:
         return config
     observer = config.weight.observer_or_fake_quant_ctr
     base, arguments = (observer.p.func, observer.p.keywords) if hasattr(observer, "p") else (observer, {})  # a class .with_args(...)
