@@ -152,6 +152,15 @@ def read_onnx(path: Path, data: bytes | None = None):
     return model
 
 
+def read_made_from(path: Path, source_sha256: str | None, flag: str):
+    """An ONNX model a `flag` option names, checked to be one ptq quantized from the FP32 model of this sha256."""
+    model = read_onnx(path)
+    made_from = {prop.key: prop.value for prop in model.metadata_props}.get(SOURCE_METADATA_KEY)
+    if source_sha256 is None or made_from != source_sha256:
+        raise PtqError(f"{flag}: {path} was not quantized by ptq from this FP32 model")
+    return model
+
+
 def _read_external_data(path: Path, model, held: int = 0) -> None:
     """Weights kept beside the model (onnx's external data) read into it, from files inside its folder only.
 

@@ -59,8 +59,8 @@ def sniff(head: bytes) -> bool:
 @contextlib.contextmanager
 def _runtime_log(path: Path) -> Iterator[None]:
     """ExecuTorch's runtime logs to the process's stderr (its threadpool's CPU probing at every first run, its errors),
-    through the C library or through Python's sys.stderr: kept aside during a call, and its last line put in the
-    one-line error where the call fails."""
+    through the C library or through Python's sys.stderr: kept aside while a program loads and first runs, and its last
+    line put in the one-line error where that fails."""
     sys.stderr.flush()
     saved, said = os.dup(2), io.StringIO()
     with tempfile.TemporaryFile() as log:
@@ -156,6 +156,9 @@ class _Program:
             if meta.num_inputs() != 1 or meta.num_outputs() < 1:
                 raise ValueError(f"takes {meta.num_inputs()} inputs, not one image batch")
             self.shape = list(meta.input_tensor_meta(0).sizes())
+            # The first run, its log kept aside too (the threadpool probes the CPU then): the calls after it run bare,
+            # since keeping the log aside costs as much as running a small model.
+            self.forward.execute([_tensor(np.zeros(self.shape, np.float32))])
         self.batch = batch if batch is not None else (self.shape[0] if self.shape else 1)
 
     def stored(self) -> dict[str, str]:
@@ -171,14 +174,22 @@ class _Program:
     def call(self, batch: np.ndarray) -> np.ndarray:
         import torch
 
-        with _runtime_log(self.path):
-            result = self.forward.execute([torch.from_numpy(np.ascontiguousarray(batch, dtype=np.float32))])
+        try:
+            result = self.forward.execute([_tensor(batch)])
+        except Exception as error:  # the runtime's RuntimeError: one line
+            raise PtqError(f"{self.path}: ExecuTorch's runtime failed ({type(error).__name__}: {first_line(error, '')})") from None
         if not result or not isinstance(result[0], torch.Tensor):
             raise PtqError(f"{self.path}: returns {type(result[0]).__name__ if result else 'nothing'}, not a tensor of class scores")
         return result[0].float().numpy()
 
     def predict(self, images: np.ndarray) -> np.ndarray:
         return in_fixed_batches(self.call, images, self.batch)
+
+
+def _tensor(batch: np.ndarray):
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(batch, dtype=np.float32))
 
 
 def _described(path: Path, runner: _Program, stored: dict[str, str]) -> inputs.ModelInput:

@@ -65,15 +65,6 @@ def digest(weight: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(weight, dtype=np.float32).tobytes()).hexdigest()
 
 
-def qdq_model(path: Path, source_sha256: str | None):
-    """The QDQ model `--weights-from` names, checked to be made by ptq from the same FP32 model."""
-    qdq = model_file.read_onnx(Path(path))
-    made_from = {prop.key: prop.value for prop in qdq.metadata_props}.get(model_file.SOURCE_METADATA_KEY)
-    if source_sha256 is None or made_from != source_sha256:
-        raise PtqError(f"--weights-from: {path} was not quantized by ptq from this FP32 model")
-    return qdq
-
-
 def stored_settings(path: Path) -> dict:
     """The settings ptq stored in a QDQ model ({} for a model ptq did not make)."""
     qdq = model_file.read_onnx(Path(path))
@@ -101,7 +92,7 @@ def _closest(weight: np.ndarray, candidates: list[tuple[np.ndarray, Any]]) -> tu
 
 
 def _quantized_weights(qdq) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Each 8-bit weight of the QDQ model as (dequantized values, scales along its quantized axis or one)."""
+    """Each symmetric 8-bit weight of the QDQ model as (dequantized values, scales along its quantized axis or one)."""
     from onnx import numpy_helper
 
     constants = {initializer.name: numpy_helper.to_array(initializer) for initializer in qdq.graph.initializer}
@@ -112,19 +103,21 @@ def _quantized_weights(qdq) -> list[tuple[np.ndarray, np.ndarray]]:
             continue
         scale = constants[node.input[1]].astype(np.float32)
         zero = constants[node.input[2]].astype(np.float32) if len(node.input) > 2 and node.input[2] in constants else np.zeros_like(scale)
+        if np.any(zero != 0):  # asymmetric (uint8) weights: no symmetric int8 code gives them, so the layer is quantized here
+            continue
         axis = next((attribute.i for attribute in node.attribute if attribute.name == "axis"), 1) % codes.ndim
         shape = [1] * codes.ndim
         if scale.size > 1:
             shape[axis] = scale.size
-        values = (codes.astype(np.float32) - zero.reshape(shape)) * scale.reshape(shape)
+        values = codes.astype(np.float32) * scale.reshape(shape)
         found.append((values, scale.reshape(-1)))  # per output channel: axis 0 of a Conv's, 1 of a Gemm's (transposed for torch)
     return found
 
 
 def carried_weights(module: Any, qdq, source: Path) -> CarriedWeights:
     """Each convolution and fully-connected layer of the torch module matched to the QDQ model's 8-bit weights closest
-    to its own (the same shape, or transposed for a Gemm's), within MATCH_TOLERANCE; a layer with none is one the
-    QDQ model keeps float."""
+    to its own (the same shape, or transposed for a Gemm's), within MATCH_TOLERANCE; else to the float weights it
+    computes with (a layer it keeps float); else to neither (a layer it rewrote, quantized here)."""
     import torch
 
     candidates = _quantized_weights(qdq)
@@ -205,7 +198,7 @@ def carried_for(module: Any, options: Any, source_sha256: str | None, pair_safe:
             except PtqError as error:
                 return module, CarriedWeights(named, failed=first_line(error))
     else:
-        carried = carried_weights(module, qdq_model(Path(path), source_sha256), Path(path))
+        carried = carried_weights(module, model_file.read_made_from(Path(path), source_sha256, "--weights-from"), Path(path))
     quantized = copy.deepcopy(module)
     carry_into(quantized, carried)
     return quantized, carried

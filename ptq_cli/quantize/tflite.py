@@ -20,7 +20,6 @@ from ptq_cli.model_file import (
     file_sha256,
     in_fixed_batches,
     load_keras,
-    read_onnx,
 )
 from ptq_cli.quantize import reuse
 from ptq_cli.quantize.policy import chosen_method, held_out_split, rounding_image_count, sqnr_figure
@@ -111,10 +110,7 @@ def signature(values: np.ndarray) -> np.ndarray:
 
 def ranges_model(ranges_from: Path, source_sha256: str | None):
     """The onnxruntime QDQ model --ranges-from names, checked to be made by ptq from the same FP32 model."""
-    qdq = read_onnx(ranges_from)
-    made_from = {prop.key: prop.value for prop in qdq.metadata_props}.get(model_file.SOURCE_METADATA_KEY)
-    if source_sha256 is None or made_from != source_sha256:
-        raise PtqError(f"--ranges-from: {ranges_from} was not quantized by ptq from this FP32 model")
+    qdq = model_file.read_made_from(ranges_from, source_sha256, "--ranges-from")
     if not grid_ranges(qdq):
         raise PtqError(f"--ranges-from: {ranges_from} has no quantized activations (an onnxruntime QDQ model is needed)")
     return qdq
