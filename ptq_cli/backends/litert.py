@@ -18,7 +18,6 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import ClassVar
 
 import numpy as np
 
@@ -335,9 +334,8 @@ IO_TYPES = ("int8", "uint8", "float")  # the first is TFLite Micro's; float keep
 
 
 @dataclass(frozen=True)
-class Options(BackendOptions):
-    panel: ClassVar[str] = "LiteRT (--backend litert)"
-    word: ClassVar[str] = "a LiteRT option"
+class Options(BackendOptions, owner="LiteRT", backends="litert"):
+    """LiteRT's own options: the flatbuffer's I/O types, whose activation ranges it takes, what must fit a microcontroller."""
 
     io: str | None = option(
         None, choices=IO_TYPES,

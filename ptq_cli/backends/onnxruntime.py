@@ -42,8 +42,7 @@ from ptq_cli.quantize.placement import ONNXRUNTIME_X86, Options
 from ptq_cli.quantize.settings import (
     QuantizationSettings,
 )
-from ptq_cli.x86.cpu import EXACT
-from ptq_cli.x86.paths import EMULATE, Int8Paths
+from ptq_cli.x86 import paths as int8_paths
 
 NAME, SUFFIX = qdq.WRITER, qdq.SUFFIX  # the engine's QDQ models are this runtime's
 # Batches smaller than this per thread are run whole: splitting them costs more than it saves.
@@ -162,12 +161,9 @@ def _output_name(stem: str, settings: QuantizationSettings) -> str:
     return f"{stem}_{settings.dtype}{'_' + settings.target if settings.target else ''}{SUFFIX}"
 
 
-def _int8_basis(path: Path, _settings: dict | None, int8_path: str) -> str:
-    """The exact path through the session option; the saturating one proven equal, or emulated."""
-    if int8_path == EXACT:
-        return f"onnxruntime {EXACT_PATH_CONFIG}=1"
+def _saturation_proof(path: Path) -> str | None:
     proven, why = overflow.saturation_proof(read_onnx(path))
-    return f"proof ({why}): same as the exact path" if proven else EMULATE
+    return why if proven else None
 
 
 def read_input(path: Path, size: tuple[int, int] | None = None) -> inputs.ModelInput:
@@ -190,5 +186,5 @@ BACKEND = Backend(
     ),
     runtime=Runtime(load, profile=profile, settings="CPUExecutionProvider, 1 intra-op thread per run, allow_spinning 0, one shard per thread"),
     # Its exact u8 x s8 kernels have a session switch: the other path is always reached.
-    int8_paths=Int8Paths(reaches=lambda _overflow_fix, _int8_path: True, basis=_int8_basis),
+    int8_paths=int8_paths.with_exact_switch(f"onnxruntime {EXACT_PATH_CONFIG}=1", _saturation_proof),
 )

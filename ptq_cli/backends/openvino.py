@@ -20,7 +20,7 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
@@ -428,11 +428,8 @@ BIAS_CORRECTIONS = ("fast", "full", "none")
 
 
 @dataclass(frozen=True)
-class Options(BackendOptions):
+class Options(BackendOptions, owner="NNCF", backends="openvino", article="an"):
     """NNCF's own settings (`--method nncf`); given alone, they ask for it."""
-
-    panel: ClassVar[str] = "NNCF (--backend openvino)"
-    word: ClassVar[str] = "an NNCF option"
 
     nncf_preset: str | None = option(
         None, "--nncf-preset", "--preset", choices=NNCF_PRESETS,

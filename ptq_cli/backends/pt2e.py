@@ -24,8 +24,7 @@ from ptq_cli.model_file import in_fixed_batches, metadata_object, model_input, r
 from ptq_cli.quantize import overflow, pt2e
 from ptq_cli.quantize.carried import carried_for, carried_note
 from ptq_cli.quantize.settings import ProgressCallback, QuantizationSettings, QuantizedFile
-from ptq_cli.x86.cpu import SATURATING
-from ptq_cli.x86.paths import EMULATE, Int8Paths
+from ptq_cli.x86 import paths as int8_paths
 
 NAME = "pt2e"
 SUFFIX = ".pt2"
@@ -172,20 +171,9 @@ def _describe(settings: dict) -> str:
     return describe_settings(settings, types="a:uint8 w:int8") + floats
 
 
-def _reaches_int8_path(overflow_fix: str | None, int8_path: str) -> bool:
-    return int8_path == SATURATING or overflow_fix == overflow.ALL_LAYERS
-
-
-def _int8_basis(path: Path, settings: dict | None, int8_path: str) -> str:
-    """oneDNN has no switch for its exact path: a model under the pair rule on every layer computes the same on both
-    (proof); another's saturating path is emulated, its exact path needs a CPU with VNNI or AMX."""
-    if (settings or {}).get("overflow_fix") == overflow.ALL_LAYERS:
-        return ("proof (the pair rule on every layer but the depthwise ones, which oneDNN widens before adding: 255 x 128 <= 32,767): "
-                "the same on both paths")
-    if int8_path == SATURATING:
-        return EMULATE
-    raise PtqError(f"--int8-path exact: {path} is a PT2E model with 8-bit weights beyond the pair rule; oneDNN's exact path "
-                   "needs a CPU with VNNI or AMX (no emulator here has them)")
+def _proof(_settings: dict, _int8_path: str) -> str:
+    return ("proof (the pair rule on every layer but the depthwise ones, which oneDNN widens before adding: 255 x 128 <= 32,767): "
+            "the same on both paths")
 
 
 BACKEND = Backend(
@@ -198,5 +186,6 @@ BACKEND = Backend(
     ),
     runtime=Runtime(load, settings="torch.set_num_threads(threads); int8: torchao's x86 lowering (oneDNN), chunks of 64 images",
                     spins_when_idle=True),
-    int8_paths=Int8Paths(reaches=_reaches_int8_path, basis=_int8_basis),
+    # oneDNN has no switch for its exact path: a model under the pair rule on every layer computes the same on both.
+    int8_paths=int8_paths.without_exact_switch("a PT2E model", "oneDNN", overflow.ALL_LAYERS, _proof),
 )

@@ -8,7 +8,6 @@ import io
 import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import ClassVar
 
 import numpy as np
 
@@ -47,8 +46,8 @@ from ptq_cli.quantize.torch_ao import (
 )
 from ptq_cli.quantize.torch_graph import onnx_to_graph_module, torch_ready
 from ptq_cli.transforms.torch_compat import import_onnx2torch
+from ptq_cli.x86 import paths as int8_paths
 from ptq_cli.x86.cpu import SATURATING
-from ptq_cli.x86.paths import EMULATE, Int8Paths
 
 NAME = "pytorch"
 SUFFIX = ".pt"
@@ -447,11 +446,8 @@ def _probe_input(path: Path, predict, candidates: tuple[inputs.ModelInput, ...])
 
 
 @dataclass(frozen=True)
-class Options(BackendOptions):
+class Options(BackendOptions, owner="PyTorch", backends="pytorch"):
     """How a model that cannot saturate keeps so (`activation_bits`); its rule on the common types."""
-
-    panel: ClassVar[str] = "PyTorch (--backend pytorch)"
-    word: ClassVar[str] = "a PyTorch option"
 
     activation_bits: str | None = option(
         None, choices=ACTIVATION_BITS,
@@ -477,24 +473,14 @@ def _describe(settings: dict) -> str:
     return describe_settings(settings, types="a:quint8 w:qint8")
 
 
-def _reaches_int8_path(overflow_fix: str | None, int8_path: str) -> bool:
-    return int8_path == SATURATING or overflow_fix == overflow.ALL_LAYERS
-
-
-def _int8_basis(path: Path, settings: dict | None, int8_path: str) -> str:
-    """fbgemm has no switch for its exact path. A model that cannot saturate (all-layers) computes in fbgemm on a
-    CPU with VNNI what it computes without: its saturating path is scored here in fbgemm (torch's x86 engine runs
-    most convolutions in oneDNN on a VNNI CPU, which rounds some outputs differently); away from VNNI its exact path
-    is fbgemm's own figure. Otherwise the saturating path can be emulated; the exact one needs a CPU with VNNI or AMX."""
-    if (settings or {}).get("overflow_fix") == overflow.ALL_LAYERS:
-        why = "7-bit activations: 2 x 127 x 128 <= 32,767" if seven_bit_activations(settings) else "the pair rule on every layer: 255 x 128 <= 32,767"
-        if int8_path == SATURATING:
-            return f"proof ({why}): fbgemm's kernels run here, as on a CPU without VNNI"
-        return f"proof ({why}): fbgemm's figure; on a CPU with AVX512-VNNI torch runs most convolutions in oneDNN, which rounds some outputs differently"
+def _proof(settings: dict, int8_path: str) -> str:
+    """A model that cannot saturate (all-layers) computes in fbgemm on a CPU with VNNI what it computes without: its
+    saturating path is scored here in fbgemm (torch's x86 engine runs most convolutions in oneDNN on a VNNI CPU, which
+    rounds some outputs differently); away from VNNI its exact path is fbgemm's own figure."""
+    why = "7-bit activations: 2 x 127 x 128 <= 32,767" if seven_bit_activations(settings) else "the pair rule on every layer: 255 x 128 <= 32,767"
     if int8_path == SATURATING:
-        return EMULATE
-    raise PtqError(f"--int8-path exact: {path} is a PyTorch model with 8-bit activations; fbgemm's exact path "
-                   "needs a CPU with VNNI or AMX (no emulator here has them)")
+        return f"proof ({why}): fbgemm's kernels run here, as on a CPU without VNNI"
+    return f"proof ({why}): fbgemm's figure; on a CPU with AVX512-VNNI torch runs most convolutions in oneDNN, which rounds some outputs differently"
 
 
 BACKEND = Backend(
@@ -509,5 +495,5 @@ BACKEND = Backend(
     ),
     # fbgemm's kernels differ by CPU, with no switch; its OpenMP threads spin after a run.
     runtime=Runtime(load, settings="torch.set_num_threads(threads), chunks of 64 images", spins_when_idle=True),
-    int8_paths=Int8Paths(reaches=_reaches_int8_path, basis=_int8_basis, proof_loads_saturating_kernels=True),
+    int8_paths=int8_paths.without_exact_switch("a PyTorch model", "fbgemm", overflow.ALL_LAYERS, _proof, proof_loads_saturating_kernels=True),
 )

@@ -7,26 +7,21 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-from collections.abc import Iterator
 from contextvars import ContextVar
 from pathlib import Path
 
 from ptq_cli.errors import PtqError
 from ptq_cli.guards import cache
+from ptq_cli.handed import handed_down
 
 ENV = "PTQ_TRUST_REMOTE_CODE"
 OPTION = "--trust-remote-code"
 _trusted: ContextVar[bool] = ContextVar("trust_remote_code", default=False)
 
 
-@contextlib.contextmanager
-def scope() -> Iterator[None]:
+def scope() -> contextlib.AbstractContextManager[None]:
     """One command's extent: trust given by its option ends with it."""
-    token = _trusted.set(False)
-    try:
-        yield
-    finally:
-        _trusted.reset(token)
+    return handed_down(_trusted, False)
 
 
 def trust_remote_code(enabled: bool = True) -> None:

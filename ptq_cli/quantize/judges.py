@@ -48,7 +48,6 @@ from ptq_cli.transforms.graph import (
 )
 from ptq_cli.x86 import cpu as cpu_info
 from ptq_cli.x86 import paths as int8_paths
-from ptq_cli.x86.cpu import SATURATING
 
 SEARCH_FED_BYTES = 512 << 20  # the tensors the range search keeps to feed the part after a scale, at most; past it, whole runs
 
@@ -242,7 +241,7 @@ def _saturating_outputs(model, name: str, input_name: str, images: np.ndarray, t
     AVX2 kernels where this machine runs them natively (x86/paths.saturating_outputs); None where neither can."""
     import onnx
 
-    if cpu_info.current().int8_path == SATURATING:
+    if not cpu_info.current().exact_int8:
         return tensor_outputs(model, name, input_name, images, threads, exact_kernels=False)
     cut = computing_only(model, name)
     if cut is None:

@@ -8,7 +8,7 @@ plugin wants pairs only at the inputs of its integer layers, their outputs left 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from typing import Any
 
 from ptq_cli.quantize import overflow
 from ptq_cli.quantize.settings import (
@@ -29,11 +29,8 @@ def private_int8_pairs(quantized) -> list[str]:
 
 
 @dataclass(frozen=True)
-class Options(BackendOptions):
+class Options(BackendOptions, owner="onnxruntime", backends="onnxruntime", article="an"):
     """onnxruntime's own options (its --help panel): what it asks of its placement."""
-
-    panel: ClassVar[str] = "onnxruntime (--backend onnxruntime)"
-    word: ClassVar[str] = "an onnxruntime option"
 
     space_to_depth: bool | None = option(
         None, "--space-to-depth/--no-space-to-depth", cli=bool,

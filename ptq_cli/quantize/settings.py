@@ -70,6 +70,12 @@ class BackendOptions:
     panel: ClassVar[str] = ""  # the --help panel of its options, e.g. "NNCF (--backend openvino)"
     word: ClassVar[str] = ""  # what its options are called in a message, e.g. "an NNCF option"
 
+    def __init_subclass__(cls, owner: str = "", backends: str = "", article: str = "a", **kwargs: Any) -> None:
+        """`class Options(BackendOptions, owner="NNCF", backends="openvino", article="an")` names its panel and its word."""
+        super().__init_subclass__(**kwargs)
+        if owner:
+            cls.panel, cls.word = f"{owner} (--backend {backends})", f"{article} {owner} option"
+
     @classmethod
     def flag(cls, name: str) -> str:
         """The command-line option that sets field `name`."""

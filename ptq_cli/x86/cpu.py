@@ -47,6 +47,11 @@ class Cpu:
             return EXACT
         return EXACT if any(flag in self.flags for flag in VNNI_FLAGS) else SATURATING
 
+    @property
+    def exact_int8(self) -> bool:
+        """Whether its u8 x s8 int8 kernels are exact (VNNI, AMX, ARM); else they saturate (AVX2)."""
+        return self.int8_path == EXACT
+
     def describe(self) -> str:
         """e.g. "AMD EPYC (avx2; saturating int8 path)"."""
         return f"{describe_record(self.as_record())[:-1]}; {self.int8_path} int8 path)"

@@ -3,13 +3,17 @@ proof, or emulation), and the hand-off through which the quantization engine's j
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from ptq_cli.errors import PtqError
+from ptq_cli.handed import handed_down
+from ptq_cli.x86.cpu import EXACT, SATURATING
 
 EMULATE = "emulate"  # an int8 path reached by emulating a CPU of the other kind (Int8Paths.basis)
 
@@ -27,6 +31,38 @@ class Int8Paths:
     proof_loads_saturating_kernels: bool = False
 
 
+def with_exact_switch(switch: str, saturation_proof: Callable[[Path], str | None]) -> Int8Paths:
+    """A runtime with a session switch to its exact kernels (onnxruntime, `switch` names it): the exact path is always
+    reached by it; the saturating one by `saturation_proof(model file)` (why the model cannot saturate, else None), or
+    by emulation."""
+
+    def basis(path: Path, _settings: dict | None, int8_path: str) -> str:
+        if int8_path == EXACT:
+            return switch
+        why = saturation_proof(path)
+        return f"proof ({why}): same as the exact path" if why else EMULATE
+
+    return Int8Paths(reaches=lambda _overflow_fix, _int8_path: True, basis=basis)
+
+
+def without_exact_switch(kind: str, kernels: str, proven_fix: str, proof: Callable[[dict, str], str],
+                         proof_loads_saturating_kernels: bool = False) -> Int8Paths:
+    """A runtime with no switch to its exact kernels (`kernels`: fbgemm, oneDNN). A model made with the overflow fix
+    `proven_fix` computes the same on both paths (`proof(settings, path)` words it); another's saturating path is
+    emulated, and its exact path needs a CPU with VNNI or AMX (no emulator here has them)."""
+
+    def basis(path: Path, settings: dict | None, int8_path: str) -> str:
+        if (settings or {}).get("overflow_fix") == proven_fix:
+            return proof(settings or {}, int8_path)
+        if int8_path == SATURATING:
+            return EMULATE
+        raise PtqError(f"--int8-path exact: {path} is {kind} that can saturate; {kernels}'s exact path needs a CPU with VNNI or AMX "
+                       "(no emulator here has them)")
+
+    return Int8Paths(reaches=lambda overflow_fix, int8_path: int8_path == SATURATING or overflow_fix == proven_fix, basis=basis,
+                     proof_loads_saturating_kernels=proof_loads_saturating_kernels)
+
+
 # How a backend's judges reach the saturating x86 int8 path where this CPU's own kernels are exact: given by the service
 # that quantizes (x86/emulate.py through services/models.py), as (model file, inputs in its format, threads) -> its outputs, None
 # where this machine cannot run those kernels at native speed, a PtqError where it can but the run failed. Backends import no service: it is handed down.
@@ -34,14 +70,9 @@ SaturatingScores = Callable[[Path, np.ndarray, int], "np.ndarray | None"]
 _SATURATING: ContextVar[SaturatingScores | None] = ContextVar("saturating_scores", default=None)
 
 
-@contextmanager
-def reaching_saturating_path(scores: SaturatingScores) -> Iterator[None]:
+def reaching_saturating_path(scores: SaturatingScores) -> AbstractContextManager[None]:
     """Within it, `saturating_outputs` runs models on the saturating path with `scores`."""
-    token = _SATURATING.set(scores)
-    try:
-        yield
-    finally:
-        _SATURATING.reset(token)
+    return handed_down(_SATURATING, scores)
 
 
 def saturating_outputs(path: Path, batch: np.ndarray, threads: int) -> np.ndarray | None:

@@ -57,7 +57,7 @@ def left_out_as_slow(seconds: float, asked: bool | None) -> PortabilityCost | No
     """Why the measurement is left out by default for a model that took `seconds` to make (on a CPU with VNNI, where
     it would take a second quantization); None where it is to be measured (asked, quick, or nothing to quantize)."""
     cpu = cpu_info.current()
-    if asked is not None or seconds <= QUICK_SECONDS or cpu.int8_path != cpu_info.EXACT:
+    if asked is not None or seconds <= QUICK_SECONDS or not cpu.exact_int8:
         return None
     why = (f"not measured: making the model took {seconds:.0f} s and the model for VNNI CPUs alone would take about as long again "
            f"(by default measured up to {QUICK_SECONDS:.0f} s; --portability-cost measures it)")
@@ -75,7 +75,7 @@ def measure(source, portable: Path, settings: QuantizationSettings, calibration:
     `quantize_source` (services/make/quantize.py's, passed in: it calls this module) and measure both against FP32 on
     up to MAX_IMAGES calibration images. `calibration`: the CalibrationSet quantize calibrated on, handed back to it."""
     cpu = cpu_info.current()
-    if cpu.int8_path != cpu_info.EXACT:
+    if not cpu.exact_int8:
         return PortabilityCost(cpu.model, not_measured=f"this {cpu.model} has no VNNI: the model for all CPUs is the one for it")
     images = prepared[:MAX_IMAGES]
     reference = _scores(source.loaded, images)

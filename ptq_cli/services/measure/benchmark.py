@@ -30,7 +30,7 @@ from ptq_cli.services.progress import ProgressBar, ProgressCallback, Steps, no_p
 from ptq_cli.services.records import MeasurementKey, from_dict, record_files, write_record
 from ptq_cli.x86 import cpu as cpu_info
 from ptq_cli.x86 import emulate
-from ptq_cli.x86.cpu import EXACT, SATURATING
+from ptq_cli.x86 import plan as int8_plan
 from ptq_cli.x86.plan import NATIVE_PATH
 
 BENCHMARK_DIR = "benchmarks"  # under the results directory, beside the evaluation records
@@ -309,10 +309,8 @@ def parse_also(text: str) -> tuple[Path, str, str | None]:
 def run(request: BenchmarkRequest, progress_bar: ProgressBar = no_progress_bar) -> Benchmarked:
     """The records' folder checked before the timing, the models timed in turns, their records written."""
     check_folder_writable(Path(request.results_dir) / BENCHMARK_DIR)
-    if request.int8_path not in (NATIVE_PATH, SATURATING):
-        raise PtqError(f"--int8-path: {request.int8_path} is not {NATIVE_PATH} or {SATURATING}")
+    on_avx2 = int8_plan.times_in_avx2_child(request.int8_path, cpu_info.current())
     count = len(request.models) + len(request.also)
-    on_avx2 = request.int8_path == SATURATING and cpu_info.current().int8_path == EXACT
     if request.profile and on_avx2:
         raise PtqError("--profile: profiles this CPU's own kernels; not with --int8-path saturating on a CPU with VNNI")
     with progress_bar(f"Benchmarking {count} model{'s' if count > 1 else ''} in turns") as progress:
@@ -349,9 +347,8 @@ def on_avx2_kernels(request: BenchmarkRequest) -> list[BenchmarkRecord]:
     (emulate.run_on_avx2_kernels; never under qemu, whose pace says nothing of a CPU's): every model, FP32 ones
     too, so that the ratios are those of such a CPU. The pixels are chosen here, the records written here."""
     runs = [*((path, request.runtime) for path in request.models), *((path, runtime) for path, runtime, _ in request.also)]
-    if runs and not emulate.runs_natively():
-        raise PtqError(f"{runs[0][0]}: --int8-path saturating times the kernels of CPUs without VNNI natively; on this CPU (it has VNNI) they run "
-                       "so only with CPUID masked, which needs CPUID faulting and a C compiler, not both here")
+    if runs:
+        int8_plan.check_avx2_timing(runs[0][0])
     models = [path for path, _ in runs]
     if not models:
         return []
@@ -367,7 +364,8 @@ def on_avx2_kernels(request: BenchmarkRequest) -> list[BenchmarkRecord]:
         np.save(fed, pixels)
         emulate.run_on_avx2_kernels(__name__, [str(asked), str(fed), str(measured)], models[0], resolve_threads(request.threads))
         records = [from_dict(BenchmarkRecord, record) for record in json.loads(bounded.read_text(measured, "benchmark records"))]
-    return [replace(record, int8_path=SATURATING, int8_basis=emulate.describe()) for record in records]
+    path, basis = int8_plan.timed_in_avx2_child()
+    return [replace(record, int8_path=path, int8_basis=basis) for record in records]
 
 
 def _child(asked: str, fed: str, measured: str) -> None:

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any, overload
 
@@ -195,19 +196,6 @@ class _Shards(Sequence[np.ndarray]):
         return self.test.take(np.arange(start, min(start + self.per_shard, self.total)))
 
 
-def _load_for_path(model_path: Path, int8_path: str | None, cpu, loaded: LoadedModel | None,  # noqa: PLR0913  evaluate_model's state
-                   how: tuple[int | None, PreprocessingFlags | None, str | None, str | None]) -> tuple[LoadedModel, int8_plan.Int8Plan]:
-    """(the model loaded with the kernels of the int8 path measured, the plan that says how). `how`: threads, flags,
-    runtime, precision. onnxruntime's exact kernels away from VNNI come from its switch; a proven model's saturating
-    path on a VNNI CPU from the kernels of CPUs without VNNI, where the runtime can load them (x86/plan.py)."""
-    exact_int8 = int8_plan.needs_exact_switch(int8_path, cpu)
-    model = loaded if loaded is not None and not exact_int8 else load_model(model_path, *how, exact_int8=exact_int8)
-    planned = int8_plan.plan(int8_model(model.info), int8_path, cpu)
-    if planned.saturating_int8:
-        model = load_model(model_path, *how, saturating_int8=True)
-    return model, planned
-
-
 def evaluate_model(  # noqa: PLR0913,PLR0917  EvaluationRequest's fields for one model, for ptq run's stages
     model_path: Path,
     dataset: Dataset,
@@ -227,16 +215,16 @@ def evaluate_model(  # noqa: PLR0913,PLR0917  EvaluationRequest's fields for one
     """Top-1 on the dataset's evaluation split, and fidelity to the FP32 model (`against`, else the source it
     was made from while that file is at hand) on the same images: the only measure where the labels are not
     the model's classes, and then a model with no FP32 model to compare with is refused. `runtime`
-    "openvino" runs an ONNX file on OpenVINO with the `precision` hint; `label` names the model in the report. `int8_path` ("exact" or "saturating",
-    default this CPU's) says which x86 int8 path the figure is for: the other path than this CPU's own
-    comes from onnxruntime's exact-kernel option, a proof that the model cannot saturate, or emulation
-    of an AVX2 CPU on `subset` images of the split (stratified). `loaded`: the model already loaded with these
+    "openvino" runs an ONNX file on OpenVINO with the `precision` hint; `label` names the model in the report. `int8_path`
+    ("exact" or "saturating", default this CPU's): the x86 int8 path the figure is for, as x86/plan.py reaches it (an
+    emulated path on `subset` images of the split, stratified). `loaded`: the model already loaded with these
     options, where the path needs no other session. `runs`: an executor that scores the split in shards (Ray's);
     the record is the one a single process writes, but for the times."""
     _check_options(batch_size, int8_path)
     cpu = cpu_info.current()
-    model, planned = _load_for_path(Path(model_path), int8_path, cpu, loaded, (threads, flags, runtime, precision))
-    path_measured, basis, kernels = planned.path, planned.basis, (planned.exact_int8, planned.saturating_int8)
+    model, planned = int8_plan.loaded_for_path(int8_path, cpu, partial(load_model, Path(model_path), threads, flags, runtime, precision),
+                                               lambda loaded_model: int8_model(loaded_model.info), loaded)
+    basis = planned.basis
     split = dataset.evaluation_split()
     test = _as_many_classes(dataset, dataset.open_split(split, model.input.size, model.input.channels), model.num_classes)
     reference_path, labels_fit = _what_to_measure(model, test, dataset.root, against)
@@ -244,8 +232,8 @@ def evaluate_model(  # noqa: PLR0913,PLR0917  EvaluationRequest's fields for one
     if basis == EMULATE:
         chosen, scores, inference_seconds, exact_same, basis = _emulated_subset(run, subset, progress)
     else:
-        sharded = None if runs is None else ShardedModel(tuple((path.name, read_bytes(path)) for path in companions(Path(model_path))), flags,
-                                                         runtime, precision, *kernels, threads, batch_size, run.where)
+        sharded = None if runs is None else ShardedModel(_model_files(Path(model_path)), flags, runtime, precision, planned.exact_int8,
+                                                         planned.saturating_int8, threads, batch_size, run.where)
         alongside = _reference_alongside(reference_path, run) if sharded is None else None
         chosen, scores, inference_seconds, exact_same = _whole_split(run, progress, runs, sharded, alongside)
     fidelity = _fidelity(run, chosen, scores, reference_path, own_runtime=runtime is None and precision is None)
@@ -254,10 +242,15 @@ def evaluate_model(  # noqa: PLR0913,PLR0917  EvaluationRequest's fields for one
         **_accuracy_fields(test.labels[chosen], scores.argmax(axis=1), test.class_names if labels_fit else None),
         images_per_second=round(len(chosen) / max(inference_seconds, 1e-9), 1), batch_size=batch_size, threads=resolve_threads(threads),
         timestamp=datetime.now(UTC).isoformat(timespec="seconds"), tool_version=ptq_cli.__version__, dataset_format=dataset.format, split=split,
-        dataset_sha256=test.content_sha256, label=label, cpu=cpu.as_record(), int8_path=path_measured, int8_basis=basis,
+        dataset_sha256=test.content_sha256, label=label, cpu=cpu.as_record(), int8_path=planned.path, int8_basis=basis,
         exact_accuracy_same_images=exact_same, fidelity=fidelity,
     )
     return replace(record, warnings=plausibility_warnings(record.accuracy, len(record.class_names), asdict(model.preprocessing)))
+
+
+def _model_files(model_path: Path) -> tuple[tuple[str, bytes], ...]:
+    """The model file and its companions (an IR's weights), as a shard's worker receives them."""
+    return tuple((path.name, read_bytes(path)) for path in companions(model_path))
 
 
 # A top-1 under this many times chance is no measurement of a model but of how its images were fed.
@@ -303,8 +296,7 @@ def _fidelity(run: _Pass, chosen: np.ndarray, scores: np.ndarray, reference_path
 def _check_options(batch_size: int, int8_path: str | None) -> None:
     if batch_size < 1:
         raise PtqError(f"--batch-size: must be at least 1, got {batch_size}")
-    if int8_path not in (None, *cpu_info.INT8_PATHS):
-        raise PtqError(f"--int8-path: '{int8_path}' is not one of {', '.join(cpu_info.INT8_PATHS)}")
+    int8_plan.check_path(int8_path)
 
 
 def _what_to_measure(model: LoadedModel, test: SplitImages, root: Path, against: Path | None) -> tuple[Path | None, bool]:

@@ -18,7 +18,8 @@ from ptq_cli.services.progress import ProgressBar, no_progress_bar
 from ptq_cli.services.quant_settings import describe_model
 from ptq_cli.services.records import MeasurementKey, same_feeding
 from ptq_cli.x86 import cpu as cpu_info
-from ptq_cli.x86.cpu import ALL, EXACT, SATURATING
+from ptq_cli.x86 import plan as int8_plan
+from ptq_cli.x86.cpu import ALL, SATURATING
 
 DTYPE_ORDER = {"fp32": 0, "int8": 1, "uint8": 2}
 # The recommendation's "fastest" is the fastest model at most this many points below its FP32 source.
@@ -272,24 +273,6 @@ def _saturating_speedup(record: EvaluationRecord, reference: EvaluationRecord | 
     return round(timed[0].images_per_second / timed[1].images_per_second, 3)
 
 
-def _fold_int8_paths(records: list[EvaluationRecord]) -> tuple[list[EvaluationRecord], dict[int, EvaluationRecord]]:
-    """(the records that make rows, the saturating-path record beside each exact-path one by id)."""
-    by_model: dict[tuple, list[EvaluationRecord]] = {}
-    for record in records:
-        by_model.setdefault((record.model_path, record.model_sha256, record.runtime, record.precision), []).append(record)
-    rows, saturating = [], {}
-    for group in by_model.values():
-        paths = {record.int8_path: record for record in group}
-        rows += [record for record in group if record.int8_path is None]
-        if EXACT in paths:
-            rows.append(paths[EXACT])
-            if SATURATING in paths:
-                saturating[id(paths[EXACT])] = paths[SATURATING]
-        elif SATURATING in paths:
-            rows.append(paths[SATURATING])
-    return rows, saturating
-
-
 def _row(record: EvaluationRecord, records: list[EvaluationRecord], benchmarks: dict[MeasurementKey, BenchmarkRecord], status: str,
          saturating: EvaluationRecord | None = None) -> ReportRow:
     reference = fp32_reference(records, record) if (record.dtype != "fp32" or record.source_sha256) else None
@@ -369,7 +352,7 @@ def _int8_fields(record: EvaluationRecord, saturating: EvaluationRecord | None, 
     row = backends.TABLE.get(record.runtime)
     fields: dict = {"int8_path": record.int8_path, "int8_kernels_vary": bool(row and row.int8_paths), "cpus": (record.quantization or {}).get("cpus"),
                     "measured_on": cpu_info.describe_record(record.cpu),
-                    "other_cpu": bool(record.cpu) and (record.cpu or {}).get("int8_path") != cpu_info.current().int8_path}
+                    "other_cpu": int8_plan.measured_on_other_path(record.cpu)}
     if saturating is not None:
         fields.update(saturating_accuracy=saturating.accuracy, saturating_basis=saturating.int8_basis, saturating_images=saturating.images,
                       saturating_exact_same_images=saturating.exact_accuracy_same_images)
@@ -398,7 +381,7 @@ def _group(records: list[EvaluationRecord], benchmarks: dict[MeasurementKey, Ben
            statuses: dict[str, str], root: str | None = None, several: bool = False) -> DatasetGroup:
     records = sorted(records, key=lambda r: (backends.order(r.runtime), DTYPE_ORDER.get(r.dtype, 9), r.name, r.model_path, r.precision or "",
                                              r.int8_path or ""))
-    records, saturating = _fold_int8_paths(records)
+    records, saturating = int8_plan.fold_paths(records, lambda r: (r.model_path, r.model_sha256, r.runtime, r.precision))
     rows = [_row(record, records, benchmarks, statuses.get(record.model_path, OK), saturating.get(id(record))) for record in records]
     losses: list[ClassLoss] = []
     for record in records:

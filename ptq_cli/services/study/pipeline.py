@@ -334,7 +334,7 @@ def _evaluate_stages(study: _Study) -> list[Stage]:
     stages = [study.evaluation(f"evaluate {model.name}", model, flag_options) for model in _models(study)]
     # Both x86 int8 paths of the 8-bit models whose runtime's kernels differ by CPU: the one this CPU does
     # not take, from the exact kernels' switch, a proof, or emulation (records "~exact" / "~saturating").
-    other_path = next(path for path in cpu_info.INT8_PATHS if path != cpu_info.current().int8_path)
+    other_path = int8_plan.other_path(cpu_info.current())
     for output, choice in study.quantized:
         made = quant_settings.make_settings(**choice)
         emulated = int8_plan.emulated_images(study.options.emulated_images) if other_path == cpu_info.SATURATING else study.options.emulated_images
