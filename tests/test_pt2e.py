@@ -210,3 +210,65 @@ def test_weights_from_a_qdq_model_carry_its_codes_and_float_layers_into_the_prog
     one_line_error(invoke("quantize", "--model", "m.onnx", "--data", "images", "--backend", "pt2e", other, "--weights-from", "m_int8.onnx",
                           "--output", "x.pt2", cwd=project), "leave the granularity to them")
     assert not (project / "x.pt2").exists()
+
+
+def test_weights_from_a_qdq_model_carry_the_biases_it_adds_bias_correction_included(tmp_path):
+    """Learned rounding corrects each layer's bias for its rounding (quantize/rounding.py): the program adds the bias the
+    QDQ model adds, not the float model's."""
+    from onnx import numpy_helper
+    from synthetic import two_conv_classifier
+
+    from ptq_cli.quantize import carried as carried_weights
+
+    project = tmp_path
+    two_conv_classifier(project / "m.onnx")
+    image_folder(project / "images", per_class=12, size=16)
+    ok("quantize", "--model", "m.onnx", "--data", "images", "--cpus", "vnni", "--no-space-to-depth", "--output", "m_int8_b.onnx", cwd=project)
+    qdq = onnx.load(str(project / "m_int8_b.onnx"))
+    constants = {item.name: numpy_helper.to_array(item) for item in qdq.graph.initializer}
+    dequantized = [constants[node.input[0]].astype(np.float64) * constants[node.input[1]] for node in qdq.graph.node
+                   if node.op_type == "DequantizeLinear" and constants.get(node.input[0], np.zeros(0, np.int8)).dtype == np.int32]
+    module = pt2e.torch_source(onnx.load(str(project / "m.onnx")), np.zeros((2, 3, 16, 16), np.float32), fold=False).module
+    float_biases = {name: layer.bias.detach().numpy().copy() for name, layer in module.named_modules() if getattr(layer, "bias", None) is not None}
+    found = carried_weights.carried_weights(module, qdq, project / "m_int8_b.onnx")
+    carried_weights.carry_into(module, found)
+    assert found.biases and set(found.biases) <= set(found.weights)
+    for name in found.biases:
+        bias = module.get_submodule(name).bias.detach().numpy()
+        assert any(there.shape == bias.shape and np.allclose(there, bias, rtol=1e-6, atol=1e-7) for there in dequantized)
+    assert any(not np.array_equal(module.get_submodule(name).bias.detach().numpy(), float_biases[name]) for name in found.biases)
+
+
+def _tf2onnx_shaped(path: Path) -> Path:
+    """What tf2onnx writes for Keras: Pad's pads, Squeeze's and Unsqueeze's axes and Reshape's shape as constant inputs."""
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(5)
+    constants = {"w": rng.normal(0, 0.3, (8, 3, 3, 3)).astype(np.float32), "pads": np.array([0, 0, 1, 1, 0, 0, 1, 1], np.int64),
+                 "hw": np.array([2, 3], np.int64), "last": np.array([2], np.int64), "flat": np.array([-1, 8], np.int64),
+                 "zero": np.array(0.0, np.float32)}
+    nodes = [helper.make_node("Pad", ["image", "pads", "zero"], ["padded"]),
+             helper.make_node("Conv", ["padded", "w"], ["conv"], strides=[2, 2]),
+             helper.make_node("Relu", ["conv"], ["relu"]),
+             helper.make_node("GlobalAveragePool", ["relu"], ["pooled"]),
+             helper.make_node("Squeeze", ["pooled", "hw"], ["squeezed"]),
+             helper.make_node("Unsqueeze", ["squeezed", "last"], ["again"]),
+             helper.make_node("Reshape", ["again", "flat"], ["scores"])]
+    graph = helper.make_graph(nodes, "tf2onnx_shaped", [helper.make_tensor_value_info("image", onnx.TensorProto.FLOAT, ["N", 3, 16, 16])],
+                              [helper.make_tensor_value_info("scores", onnx.TensorProto.FLOAT, ["N", 8])],
+                              [numpy_helper.from_array(value, name) for name, value in constants.items()])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=7), str(path))
+    return path
+
+
+def test_shapes_axes_and_pads_given_as_constant_inputs_export_as_the_onnx_model_computes(tmp_path):
+    import onnxruntime
+
+    path = _tf2onnx_shaped(tmp_path / "m.onnx")
+    images = np.random.default_rng(0).uniform(0, 1, (4, 3, 16, 16)).astype(np.float32)
+    source = pt2e.torch_source(onnx.load(str(path)), images, fold=False)
+    # onnx2torch's layers read these at run time; each becomes a plain torch function of its constants.
+    assert [node.target for node in source.module.graph.nodes if node.op == "call_module" and len(node.args) > 1] == []
+    program = pt2e.export(source.module, images[:2])
+    expected = onnxruntime.InferenceSession(str(path)).run(None, {"image": images})[0]
+    np.testing.assert_allclose(program.module()(torch.from_numpy(images)).detach().numpy(), expected, rtol=1e-5, atol=1e-5)

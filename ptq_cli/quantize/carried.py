@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import tempfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +22,7 @@ import numpy as np
 
 from ptq_cli import model_file
 from ptq_cli.errors import PtqError, first_line
+from ptq_cli.handed import handed_down
 from ptq_cli.quantize import overflow
 
 MATCH_TOLERANCE = 0.05  # relative distance between a layer's float weights and its 8-bit ones, at most
@@ -34,14 +35,9 @@ WeightsMaker = Callable[[Path, bool], None]
 _MAKER: ContextVar[WeightsMaker | None] = ContextVar("weights_maker", default=None)
 
 
-@contextmanager
-def making_weights(maker: WeightsMaker) -> Iterator[None]:
+def making_weights(maker: WeightsMaker) -> AbstractContextManager[None]:
     """Within it, `--weights-from onnxruntime` has ptq's onnxruntime model made by `maker`."""
-    token = _MAKER.set(maker)
-    try:
-        yield
-    finally:
-        _MAKER.reset(token)
+    return handed_down(_MAKER, maker)
 
 
 @dataclass(frozen=True)
@@ -51,6 +47,7 @@ class CarriedWeights:
 
     source: Path
     weights: dict[str, np.ndarray] = field(default_factory=dict)  # module name -> weights
+    biases: dict[str, np.ndarray] = field(default_factory=dict)  # module name -> the bias the QDQ model adds (bias correction in it)
     scales: dict[str, np.ndarray] = field(default_factory=dict)  # digest of the weights -> per output channel (or one)
     float_layers: tuple[str, ...] = ()  # layers whose float weights the QDQ model computes with
     own_layers: tuple[str, ...] = ()  # layers matched to neither (rewritten there): quantized here, as without --weights-from
@@ -91,11 +88,14 @@ def _closest(weight: np.ndarray, candidates: list[tuple[np.ndarray, Any]]) -> tu
     return min(scored, key=lambda row: row[0], default=(np.inf, None, None))
 
 
-def _quantized_weights(qdq) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Each symmetric 8-bit weight of the QDQ model as (dequantized values, scales along its quantized axis or one)."""
+def _quantized_weights(qdq) -> list[tuple[np.ndarray, tuple[np.ndarray, np.ndarray | None]]]:
+    """Each symmetric 8-bit weight of the QDQ model as (dequantized values, (scales along its quantized axis or one, the
+    bias its layer adds, as that model computes it: learned rounding's bias correction is in it))."""
     from onnx import numpy_helper
 
     constants = {initializer.name: numpy_helper.to_array(initializer) for initializer in qdq.graph.initializer}
+    producers = {output: node for node in qdq.graph.node for output in node.output}
+    layers = {node.input[1]: node for node in qdq.graph.node if node.op_type in ("Conv", "Gemm") and len(node.input) > 1}
     found = []
     for node in qdq.graph.node:
         codes = constants.get(node.input[0]) if node.op_type == "DequantizeLinear" else None
@@ -110,8 +110,22 @@ def _quantized_weights(qdq) -> list[tuple[np.ndarray, np.ndarray]]:
         if scale.size > 1:
             shape[axis] = scale.size
         values = codes.astype(np.float32) * scale.reshape(shape)
-        found.append((values, scale.reshape(-1)))  # per output channel: axis 0 of a Conv's, 1 of a Gemm's (transposed for torch)
+        # per output channel: axis 0 of a Conv's, 1 of a Gemm's (transposed for torch)
+        found.append((values, (scale.reshape(-1), _bias(layers.get(node.output[0]), constants, producers))))
     return found
+
+
+def _bias(layer, constants: dict[str, np.ndarray], producers: dict) -> np.ndarray | None:
+    """The bias a QDQ model's layer adds: a float constant, or int32 codes dequantized (None: none, or another form)."""
+    if layer is None or len(layer.input) < 3 or not layer.input[2]:
+        return None
+    name = layer.input[2]
+    if name in constants:
+        return constants[name].astype(np.float32).reshape(-1)
+    dequantize = producers.get(name)
+    if dequantize is None or dequantize.op_type != "DequantizeLinear" or dequantize.input[0] not in constants or dequantize.input[1] not in constants:
+        return None
+    return (constants[dequantize.input[0]].astype(np.float64) * constants[dequantize.input[1]].astype(np.float64)).astype(np.float32).reshape(-1)
 
 
 def carried_weights(module: Any, qdq, source: Path) -> CarriedWeights:
@@ -123,6 +137,7 @@ def carried_weights(module: Any, qdq, source: Path) -> CarriedWeights:
     candidates = _quantized_weights(qdq)
     floats_there = [(values, None) for values in _float_weights(qdq)]
     weights: dict[str, np.ndarray] = {}
+    biases: dict[str, np.ndarray] = {}
     scales_by_digest: dict[str, np.ndarray] = {}
     floats: list[str] = []
     own: list[str] = []
@@ -130,17 +145,20 @@ def carried_weights(module: Any, qdq, source: Path) -> CarriedWeights:
         if not isinstance(layer, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Linear)):
             continue
         weight = layer.weight.detach().numpy()
-        distance, values, scales = _closest(weight, candidates)
-        if values is not None and scales is not None and distance <= MATCH_TOLERANCE:
+        distance, values, extra = _closest(weight, candidates)
+        if values is not None and extra is not None and distance <= MATCH_TOLERANCE:
             weights[name] = np.ascontiguousarray(values, dtype=np.float32)
-            scales_by_digest[digest(weights[name])] = scales
+            scales_by_digest[digest(weights[name])], bias = extra
+            if bias is not None and layer.bias is not None and bias.shape == tuple(layer.bias.shape):
+                biases[name] = bias
         elif _closest(weight, floats_there)[0] <= 1e-5:
             floats.append(name)
         else:
             own.append(name)
     if not weights:
         raise PtqError(f"--weights-from: {source}: none of its 8-bit weights fits a layer of this model")
-    return CarriedWeights(Path(source), weights, scales_by_digest, tuple(floats), tuple(own), any(scales.size > 1 for _, scales in candidates))
+    return CarriedWeights(Path(source), weights, biases, scales_by_digest, tuple(floats), tuple(own),
+                          any(scales.size > 1 for _, (scales, _bias) in candidates))
 
 
 def carry_into(module: Any, carried: CarriedWeights) -> None:
@@ -150,6 +168,8 @@ def carry_into(module: Any, carried: CarriedWeights) -> None:
     with torch.no_grad():
         for name, values in carried.weights.items():
             module.get_submodule(name).weight.copy_(torch.from_numpy(values))
+        for name, bias in carried.biases.items():
+            module.get_submodule(name).bias.copy_(torch.from_numpy(bias))
 
 
 def carried_observer_class(base: Any, carried: CarriedWeights, pair_safe: bool) -> Any:

@@ -15,10 +15,11 @@ into ONNX QDQ models.
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
@@ -69,30 +70,55 @@ def _imports() -> None:
     import torchao.quantization.pt2e.quantize_pt2e  # noqa: F401
 
 
-def exportable(module: Any) -> Any:
-    """onnx2torch's Reshape reads its target shape at run time and branches on it, which torch.export cannot trace;
-    where the target is a constant of the graph, the module becomes torch.reshape with that shape."""
+def _static_call(layer: Any, constants: list) -> tuple[Any, tuple, dict] | None:
+    """(function, its arguments after the input, its keywords) computing what one of onnx2torch's run-time-shaped
+    layers computes, given its other inputs' constant values; None for a layer of another kind."""
     import torch
-    from onnx2torch.node_converters.reshape import OnnxReshape
+    from onnx2torch.node_converters import pad, reshape, squeeze, unsqueeze
 
+    values = [None if value is None else [int(v) if float(v).is_integer() else float(v) for v in value.reshape(-1).tolist()] for value in constants]
+    if isinstance(layer, reshape.OnnxReshape) and values[0] is not None:
+        return torch.reshape, (tuple(values[0]),), {}
+    if isinstance(layer, squeeze.OnnxSqueezeDynamicAxes) and values and values[0]:
+        return torch.squeeze, (tuple(values[0]),), {}
+    if isinstance(layer, unsqueeze.OnnxUnsqueezeDynamicAxes) and values and values[0] is not None and len(values[0]) == 1:
+        return torch.unsqueeze, (values[0][0],), {}
+    if isinstance(layer, pad.OnnxPadDynamic) and values and values[0] is not None:
+        pads = pad._torch_padding_to_mode_format(pad._onnx_padding_to_torch(values[0]), layer.mode)  # noqa: SLF001  onnx2torch's own conversion
+        value = float(values[1][0]) if len(values) > 1 and values[1] else 0.0
+        return torch.nn.functional.pad, (), {"pad": pads, "mode": layer.mode, "value": value}
+    return None
+
+
+def exportable(module: Any) -> Any:
+    """onnx2torch's Reshape, Squeeze, Unsqueeze and Pad read their shapes, axes or pads at run time (`.tolist()` on a
+    tensor), which torch.export cannot trace (tf2onnx writes Squeeze's axes and Pad's pads as inputs); where those are
+    constants of the graph, the layer becomes the torch function with them."""
     changed = False
     for node in list(module.graph.nodes):
-        if node.op != "call_module" or not isinstance(module.get_submodule(node.target), OnnxReshape) or len(node.args) != 2:
+        if node.op != "call_module" or len(node.args) < 2:
             continue
-        shape_node = node.args[1]
-        if getattr(shape_node, "op", None) != "get_attr":
+        operands = node.args[1:]
+        if any(operand is not None and getattr(operand, "op", None) != "get_attr" for operand in operands):
             continue
-        shape = module
-        for part in str(shape_node.target).split("."):
-            shape = getattr(shape, part)
+        call = _static_call(module.get_submodule(node.target), [None if operand is None else _attribute(module, operand.target) for operand in operands])
+        if call is None:
+            continue
+        function, arguments, keywords = call
         with module.graph.inserting_after(node):
-            reshaped = module.graph.call_function(torch.reshape, (node.args[0], tuple(int(value) for value in shape)))
-        node.replace_all_uses_with(reshaped)
+            static = module.graph.call_function(function, (node.args[0], *arguments), keywords)
+        node.replace_all_uses_with(static)
         module.graph.erase_node(node)
         changed = True
     if changed:
         module.graph.eliminate_dead_code()
         module.recompile()
+    return module
+
+
+def _attribute(module: Any, target: str) -> Any:
+    for part in target.split("."):
+        module = getattr(module, part)
     return module
 
 
@@ -103,18 +129,22 @@ def export(module: Any, example: np.ndarray, fixed_batch: bool = False) -> Any:
 
     name = next(iter(inspect.signature(module.forward).parameters))
     dynamic = None if fixed_batch else {name: {0: torch.export.Dim("batch", max=MOST_BATCH)}}
+    # Where tracing fails on a value read at run time, torch's shape solver first logs the whole graph as a warning: the
+    # error below says what failed, in one line.
+    shapes_log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = shapes_log.level
+    shapes_log.setLevel(logging.ERROR)
     try:
         return torch.export.export(module, (torch.from_numpy(example),), dynamic_shapes=dynamic)
     except Exception as error:  # torch raises UserError, GuardOnDataDependentSymNode, RuntimeError...
         raise PtqError(f"torch.export cannot capture the model ({type(error).__name__}: {first_line(error, '')})") from error
+    finally:
+        shapes_log.setLevel(level)
 
 
 @dataclass(frozen=True)
-class Options(BackendOptions):
+class Options(BackendOptions, owner="PT2E", backends="pt2e, executorch"):
     """The options of the backends over this flow (pt2e, executorch)."""
-
-    panel: ClassVar[str] = "PT2E (--backend pt2e, executorch)"
-    word: ClassVar[str] = "a PT2E option"
 
     weights_from: str | None = option(
         None, cli=Path,
