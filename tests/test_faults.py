@@ -430,3 +430,27 @@ def test_library_warnings_are_said_once_after_the_output_and_never_beside_an_err
 
     monkeypatch.setattr(evaluate_service, "evaluate", failing_evaluate)
     one_line_error(invoke("evaluate", "--data", "colours.npz", cwd=project), "colours.npz: broken")
+
+
+def test_a_librarys_logged_warning_is_said_after_the_output_as_warnings_are(project, monkeypatch):
+    """torchao logs "Failed to load ..." through a logger with no handler of its own, which Python prints wherever it
+    happens (through a table or a progress line): it is kept and said once after the output, as warnings are."""
+    import logging
+
+    from ptq_cli.services.measure import evaluate as evaluate_service
+
+    real_evaluate = evaluate_service.evaluate
+
+    def logging_evaluate(*args, **kwargs):
+        for _ in range(2):
+            logging.getLogger("somelibrary.extensions").warning("Failed to load %s", "_C_cuda.so")
+        yield from real_evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(evaluate_service, "evaluate", logging_evaluate)
+    shown = invoke("evaluate", "--data", "colours.npz", "--json", cwd=project)
+    assert shown.exit_code == 0, shown.output
+    json.loads(shown.stdout)
+    said = [line for line in shown.stderr.splitlines() if "_C_cuda.so" in line]
+    assert len(said) == 1 and re.fullmatch(r"warning: Failed to load _C_cuda\.so \(log, [\w.]+\)", said[0]), shown.stderr
+    assert shown.stderr.rstrip().endswith(said[0])
+    assert logging.getLogger().handlers == [handler for handler in logging.getLogger().handlers if type(handler).__name__ != "_KeepLogged"]

@@ -23,7 +23,7 @@ from typer._click.exceptions import ClickException, UsageError  # typer >= 0.22 
 from ptq_cli import settings
 from ptq_cli.cli import console
 from ptq_cli.cli import help as help_fit
-from ptq_cli.cli.console import _fail, show_library_warnings
+from ptq_cli.cli.console import _fail, keeping_library_logs, show_library_warnings
 from ptq_cli.errors import Interrupted, PtqError, Terminated, TerminateSignal
 from ptq_cli.guards import atomic, bounded, hardstop, trust
 
@@ -43,7 +43,7 @@ class PtqGroup(typer.core.TyperGroup):
         args, show_all = help_fit.asked_for_all(args)
         help_fit.fit(self, show_all)
         try:
-            with _terminate_as_interrupt(), trust.scope(), warnings.catch_warnings(record=True) as caught:
+            with _terminate_as_interrupt(), trust.scope(), warnings.catch_warnings(record=True) as caught, keeping_library_logs(caught):
                 # Library warnings (deprecations above all) are kept, not hidden, and said once each after the
                 # command's own output, where they cannot break a table or a progress line.
                 warnings.simplefilter("default")

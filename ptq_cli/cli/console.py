@@ -4,6 +4,7 @@ plain progress lines where stderr is piped or logged."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import threading
 import time
@@ -154,6 +155,32 @@ def _byte_progress() -> Iterator[Callable[[str, int, int], None]]:
         yield update
 
 
+class LibraryLog(UserWarning):
+    """A warning a library logged through Python's logging with no handler of its own (torchao's "Failed to load" of
+    its CUDA extensions): kept with the warnings and said the same way, after the command's output."""
+
+
+class _KeepLogged(logging.Handler):
+    def __init__(self, caught: list[warnings.WarningMessage]) -> None:
+        super().__init__(logging.WARNING)
+        self.caught = caught
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.caught.append(warnings.WarningMessage(record.getMessage(), LibraryLog, record.pathname, record.lineno))
+
+
+@contextmanager
+def keeping_library_logs(caught: list[warnings.WarningMessage]) -> Iterator[None]:
+    """Within it, warnings logged to the root logger (by libraries whose loggers have no handler) join `caught`
+    instead of being printed where they happen, through a table or a progress line."""
+    handler, root = _KeepLogged(caught), logging.getLogger()
+    root.addHandler(handler)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+
+
 def show_library_warnings(caught: list[warnings.WarningMessage]) -> None:
     """Each distinct warning the libraries gave during a command, once, on stderr after the command's own output:
     `warning: <first line> (<category>, <package>)`."""
@@ -164,7 +191,8 @@ def show_library_warnings(caught: list[warnings.WarningMessage]) -> None:
         if (warning.category, text) in said:
             continue
         said.add((warning.category, text))
-        print(f"warning: {text} ({warning.category.__name__}, {origin})", file=sys.stderr)
+        kind = "log" if warning.category is LibraryLog else warning.category.__name__
+        print(f"warning: {text} ({kind}, {origin})", file=sys.stderr)
 
 
 def _package_of(filename: str) -> str:
