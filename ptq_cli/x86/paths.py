@@ -1,5 +1,6 @@
-"""How a runtime reaches the x86 int8 path this CPU does not take: each backend's `Int8Paths` (a session switch, a
-proof, or emulation), and the hand-off through which the quantization engine's judges reach the saturating path."""
+"""How a runtime reaches the x86 int8 path this CPU does not take: each backend's `Int8Paths`, one of two kinds
+(`with_exact_switch`: onnxruntime's session switch; `without_exact_switch`: a proof, or emulation, for kernels with no
+switch), and the hand-off through which the quantization engine's judges reach the saturating path."""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
-"""Which x86 int8 path a figure holds for, and how this machine gets it: the plan evaluate, benchmark and `ptq run`
-read. cpu.py says which path this CPU takes natively; a backend's Int8Paths (paths.py) what its runtime can do on
-the other (a session switch, a proof, kernels it can load); emulate.py how the other path's kernels run here at all.
-The plan reads a model as an Int8Model, which the services make from a loaded model's description."""
+"""Which x86 int8 path a figure holds for, and how this machine gets it: the plan evaluate, benchmark, `ptq run` and
+report read (which paths a model is scored on, how it is loaded for one, whether the AVX2 kernels can be timed here,
+a model's two records folded into one row). cpu.py says which path this CPU takes natively; a backend's Int8Paths
+(paths.py) what its runtime can do on the other (a session switch, a proof, kernels it can load); emulate.py how the
+other path's kernels run here at all. The plan reads a model as an Int8Model, which the services make from a loaded
+model's description, and loads it through the services' loader: nothing here imports a service or a backend."""
 
 from __future__ import annotations
 
