@@ -161,24 +161,27 @@ class LibraryLog(UserWarning):
 
 
 class _KeepLogged(logging.Handler):
-    def __init__(self, caught: list[warnings.WarningMessage]) -> None:
+    def __init__(self) -> None:
         super().__init__(logging.WARNING)
-        self.caught = caught
+        self.records: list[logging.LogRecord] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.caught.append(warnings.WarningMessage(record.getMessage(), LibraryLog, record.pathname, record.lineno))
+        self.records.append(record)
 
 
 @contextmanager
 def keeping_library_logs(caught: list[warnings.WarningMessage]) -> Iterator[None]:
-    """Within it, warnings logged to the root logger (by libraries whose loggers have no handler) join `caught`
-    instead of being printed where they happen, through a table or a progress line."""
-    handler, root = _KeepLogged(caught), logging.getLogger()
+    """Within it, warnings logged to the root logger (by libraries whose loggers have no handler) join `caught` at its
+    end instead of being printed where they happen, through a table or a progress line; those a service kept for its
+    result (marked `ptq_kept`, as onnxruntime.quantization's are: quantize/calibration.py) are not said twice."""
+    handler, root = _KeepLogged(), logging.getLogger()
     root.addHandler(handler)
     try:
         yield
     finally:
         root.removeHandler(handler)
+        caught.extend(warnings.WarningMessage(record.getMessage(), LibraryLog, record.pathname, record.lineno)
+                      for record in handler.records if not getattr(record, "ptq_kept", False))
 
 
 def show_library_warnings(caught: list[warnings.WarningMessage]) -> None:

@@ -272,6 +272,7 @@ def _library_warnings(into: list[str]):
     class Keep(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             into.append(record.getMessage())
+            record.ptq_kept = True  # said in the result: the CLI does not say it again (cli/console.py)
 
     root, handler = logging.getLogger(), Keep(logging.WARNING)
     root.addHandler(handler)
