@@ -161,6 +161,11 @@ def read_made_from(path: Path, source_sha256: str | None, flag: str):
     return model
 
 
+def files_of(path: Path) -> tuple[tuple[str, bytes], ...]:
+    """The model file and its companions (an IR's weights) as (name, bytes): what a worker process is given."""
+    return tuple((companion.name, read_bytes(companion)) for companion in companions(Path(path)))
+
+
 def _read_external_data(path: Path, model, held: int = 0) -> None:
     """Weights kept beside the model (onnx's external data) read into it, from files inside its folder only.
 

@@ -454,3 +454,22 @@ def test_a_librarys_logged_warning_is_said_after_the_output_as_warnings_are(proj
     assert len(said) == 1 and re.fullmatch(r"warning: Failed to load _C_cuda\.so \(log, [\w.]+\)", said[0]), shown.stderr
     assert shown.stderr.rstrip().endswith(said[0])
     assert logging.getLogger().handlers == [handler for handler in logging.getLogger().handlers if type(handler).__name__ != "_KeepLogged"]
+
+
+def test_a_logged_warning_whose_arguments_do_not_fit_its_text_is_said_as_written(project, monkeypatch):
+    """A library's log call whose arguments do not fit its format string does not break the command after its output."""
+    import logging
+
+    from ptq_cli.services.measure import evaluate as evaluate_service
+
+    real_evaluate = evaluate_service.evaluate
+
+    def logging_evaluate(*args, **kwargs):
+        logging.getLogger("somelibrary").warning("loaded %s from %s", "only one")
+        yield from real_evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(evaluate_service, "evaluate", logging_evaluate)
+    monkeypatch.setattr(logging, "raiseExceptions", False)  # as a released program runs: pytest's own log handler raises otherwise
+    shown = invoke("evaluate", "--data", "colours.npz", "--json", cwd=project)
+    assert shown.exit_code == 0, shown.output
+    assert re.search(r"^warning: loaded %s from %s \(log, [\w.]+\)$", shown.stderr, re.MULTILINE), shown.stderr

@@ -180,8 +180,17 @@ def keeping_library_logs(caught: list[warnings.WarningMessage]) -> Iterator[None
         yield
     finally:
         root.removeHandler(handler)
-        caught.extend(warnings.WarningMessage(record.getMessage(), LibraryLog, record.pathname, record.lineno)
+        caught.extend(warnings.WarningMessage(_message(record), LibraryLog, record.pathname, record.lineno)
                       for record in handler.records if not getattr(record, "ptq_kept", False))
+
+
+def _message(record: logging.LogRecord) -> str:
+    """The record's text; its bare format string where a library's arguments do not fit it (logging's own handlers
+    report that and go on: so does ptq, after the command)."""
+    try:
+        return record.getMessage()
+    except (TypeError, ValueError):
+        return str(record.msg)
 
 
 def show_library_warnings(caught: list[warnings.WarningMessage]) -> None:

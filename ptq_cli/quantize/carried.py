@@ -1,7 +1,8 @@
 """An onnxruntime QDQ model's 8-bit weights carried into a torch module for the PT2E flow (`--weights-from`): what ptq's
 engine chose for them there (learned rounding: each weight's code; the pair rule: each channel's scale) becomes the
 module's weights, and the PT2E weight observer hands back the QDQ model's scales, so both models compute with the same
-codes. The layers the QDQ model keeps in float (a float stem) stay float.
+codes. Each matched layer also adds the bias the QDQ model adds (learned rounding corrects it for the layer's
+codes). The layers the QDQ model keeps in float (a float stem) stay float.
 
 Layers are matched by their weights' values, not their names: onnx2torch, onnxruntime's pre-processing and ptq's
 placement name nodes differently, while a layer's 8-bit weights lie within a few per cent of its float ones.
@@ -42,8 +43,9 @@ def making_weights(maker: WeightsMaker) -> AbstractContextManager[None]:
 
 @dataclass(frozen=True)
 class CarriedWeights:
-    """What a QDQ model gives a torch module: each matched layer's weights (dequantized, torch layout), the scales of
-    each by the digest of those weights (what the weight observer sees), and the layers it keeps in float."""
+    """What a QDQ model gives a torch module: each matched layer's weights (dequantized, torch layout) and the bias it
+    adds, the scales of each by the digest of those weights (what the weight observer sees), and the layers it keeps
+    in float."""
 
     source: Path
     weights: dict[str, np.ndarray] = field(default_factory=dict)  # module name -> weights
@@ -231,4 +233,5 @@ def carried_note(carried: CarriedWeights | None) -> tuple[str, ...]:
         return (f"weights: PT2E's own rounding ({carried.source} could not be made: {carried.failed})",)
     floats = f"; kept float as there: {', '.join(carried.float_layers)}" if carried.float_layers else ""
     own = f"; quantized here (rewritten there): {', '.join(carried.own_layers)}" if carried.own_layers else ""
-    return (f"weights of {len(carried.weights)} layers from {carried.source.name} (its codes and scales){floats}{own}",)
+    biases = f", the biases of {len(carried.biases)}" if carried.biases else ""
+    return (f"weights of {len(carried.weights)} layers from {carried.source.name} (its codes and scales{biases}){floats}{own}",)

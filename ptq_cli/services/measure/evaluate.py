@@ -22,10 +22,10 @@ from ptq_cli.backends.base import LoadedModel
 from ptq_cli.datasets import Dataset, SplitImages, open_dataset
 from ptq_cli.errors import PtqError
 from ptq_cli.guards import bounded, hardstop
-from ptq_cli.guards.atomic import check_folder_writable, companions
+from ptq_cli.guards.atomic import check_folder_writable
 from ptq_cli.inputs import PreprocessingFlags
 from ptq_cli.metrics import packed_hits
-from ptq_cli.model_file import file_sha256, read_bytes, resolve_threads
+from ptq_cli.model_file import file_sha256, files_of, resolve_threads
 from ptq_cli.services.executor import HERE, Executor, Workers, executor
 from ptq_cli.services.measure.evaluation_records import (
     OK,
@@ -232,7 +232,7 @@ def evaluate_model(  # noqa: PLR0913,PLR0917  EvaluationRequest's fields for one
     if basis == EMULATE:
         chosen, scores, inference_seconds, exact_same, basis = _emulated_subset(run, subset, progress)
     else:
-        sharded = None if runs is None else ShardedModel(_model_files(Path(model_path)), flags, runtime, precision, planned.exact_int8,
+        sharded = None if runs is None else ShardedModel(files_of(Path(model_path)), flags, runtime, precision, planned.exact_int8,
                                                          planned.saturating_int8, threads, batch_size, run.where)
         alongside = _reference_alongside(reference_path, run) if sharded is None else None
         chosen, scores, inference_seconds, exact_same = _whole_split(run, progress, runs, sharded, alongside)
@@ -246,11 +246,6 @@ def evaluate_model(  # noqa: PLR0913,PLR0917  EvaluationRequest's fields for one
         exact_accuracy_same_images=exact_same, fidelity=fidelity,
     )
     return replace(record, warnings=plausibility_warnings(record.accuracy, len(record.class_names), asdict(model.preprocessing)))
-
-
-def _model_files(model_path: Path) -> tuple[tuple[str, bytes], ...]:
-    """The model file and its companions (an IR's weights), as a shard's worker receives them."""
-    return tuple((path.name, read_bytes(path)) for path in companions(model_path))
 
 
 # A top-1 under this many times chance is no measurement of a model but of how its images were fed.

@@ -19,9 +19,9 @@ from ptq_cli import backends
 from ptq_cli.datasets import Dataset
 from ptq_cli.errors import PtqError
 from ptq_cli.guards import bounded
-from ptq_cli.guards.atomic import check_outputs, companions, write_bytes
+from ptq_cli.guards.atomic import check_outputs, write_bytes
 from ptq_cli.inputs import PreprocessingFlags
-from ptq_cli.model_file import file_sha256
+from ptq_cli.model_file import file_sha256, files_of
 from ptq_cli.quantize.reuse import digest
 from ptq_cli.services.executor import HERE, Executor, Workers, executor
 from ptq_cli.services.make import prune as prune_service
@@ -202,7 +202,7 @@ def sweep(  # noqa: PLR0913,PLR0917  the options of `ptq sweep`, one each
     model_path = Path(model_path)
     if quantization.backend != backends.DEFAULT:
         raise PtqError(f"--backend: the sweep quantizes with {backends.DEFAULT} (pruned ONNX models in, ONNX out)")
-    inputs = PointInputs(tuple((path.name, bounded.read_bytes(path)) for path in companions(model_path)), model_path, Path(models_dir),
+    inputs = PointInputs(files_of(model_path), model_path, Path(models_dir),
                          pruning or prune_service.make_settings(0.0), quantization, calibration, flags)
     record = Path(results_dir) / SWEEP_DIR / f"{model_path.stem}_{quantization.dtype}_{inputs.pruning.scope}.json"
     outputs: list[tuple[str, Path | None, tuple[str, ...]]] = [("--results-dir", record, (".json",))]
