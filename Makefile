@@ -61,9 +61,10 @@ sweep: install
 	$(PTQ) sweep --sparsity 0,0.3,0.5,0.7 --dtype int8
 	$(PTQ) report --markdown --plot
 
-# Two pytest workers (pytest-xdist): the study's `ptq run` on one, the other tests beside it (tests/conftest.py groups them).
+# Two pytest workers (pytest-xdist): the study's `ptq run` on one, the other tests beside it (tests/conftest.py groups
+# them, and orders the groups longest first: xdist hands them out in that order).
 test: install
-	$(BIN)/python -m pytest -n 2 --dist loadgroup --durations=40
+	$(BIN)/python -m pytest -n 2 --dist loadgroup --no-loadscope-reorder --durations=40
 
 # Everything but the real-asset tests (no study run, no CIFAR): in-process, synthetic models and data;
 # the fuzz harness runs a quarter of its cases.
@@ -84,7 +85,7 @@ docs: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 test-fast: install
-	PTQ_FUZZ_SCALE=0.25 $(BIN)/python -m pytest -n 2 --dist loadgroup -m "not real_assets"
+	PTQ_FUZZ_SCALE=0.25 $(BIN)/python -m pytest -n 2 --dist loadgroup --no-loadscope-reorder -m "not real_assets"
 
 bench: install
 	$(BIN)/python benchmarks/pipeline.py

@@ -110,6 +110,23 @@ def pytest_itemcollected(item) -> None:
     item.add_marker(pytest.mark.xdist_group("study" if STUDY_FIXTURES & fixtures else module))
 
 
+# The groups that take longest, longest first (`make test`, measured): pytest-xdist hands groups out in the order they
+# are collected (`--no-loadscope-reorder`; by default it orders them by their number of tests), so that the workers
+# end together when the long ones start first. The others follow in file order.
+LONGEST_GROUPS = ("study", "test_fuzz.py", "test_workers.py", "test_tuning_real.py", "test_contracts_real.py", "test_imagenet_real.py",
+                  "test_executorch.py", "test_bad_input.py")
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """The tests in the order their groups should start in (LONGEST_GROUPS first), each group's in file order."""
+    def rank(item) -> int:
+        marker = item.get_closest_marker("xdist_group")
+        group = marker.args[0] if marker and marker.args else ""
+        return LONGEST_GROUPS.index(group) if group in LONGEST_GROUPS else len(LONGEST_GROUPS)
+
+    items.sort(key=rank)  # stable: file order within a rank
+
+
 @pytest.fixture(scope="session")
 def assets() -> Path:
     if not CIFAR.is_dir() or not KERAS_MODEL.is_file():
@@ -124,6 +141,17 @@ def resnet8_onnx(tmp_path_factory, assets) -> Path:
     work = tmp_path_factory.mktemp("converted")
     ptq_ok("convert", "--output", "resnet8.onnx", cwd=work)
     return work / "resnet8.onnx"
+
+
+@pytest.fixture
+def fp32_study(resnet8_onnx, tmp_path) -> Path:
+    """A study directory holding only the FP32 ResNet8 where `ptq run` puts it (models/resnet8.onnx, `ptq convert`):
+    for the commands that read the study's FP32 model and nothing `ptq run` made from it. Not the study: such a
+    test runs on either worker."""
+    work = tmp_path / "fp32-study"
+    (work / "models").mkdir(parents=True)
+    shutil.copy(resnet8_onnx, work / "models" / "resnet8.onnx")
+    return work
 
 
 @pytest.fixture(scope="session")

@@ -93,7 +93,7 @@ def test_run_on_a_users_model_and_image_folder(tmp_path, resnet8_onnx, test_fold
     contract_variant(resnet8_onnx, tmp_path / "third.onnx")
     # On a VNNI CPU the saturating path is emulated (about 100x slower under qemu) on a few images, as in the study's run.
     # 30 calibration images a class (the default 100 is the study's): what is tested is the run over a user's contract and folder.
-    ptq_ok("run", "--model", "third.onnx", "--data", test_folders / "png", *NORMALIZED, "--samples-per-class", "30", "--no-benchmark", "--no-pytorch",
+    ptq_ok("run", "--model", "third.onnx", "--data", test_folders / "png", *NORMALIZED, "--samples-per-class", "30", "--no-benchmark", "--no-pytorch", "--no-openvino",
            *STUDY_EMULATION, cwd=tmp_path)
     fp32, speed = record_of(tmp_path / "results", "third.onnx"), record_of(tmp_path / "results", "third_uint8_speed.onnx")
     # Issue 22's bar (within 0.5 points), and the speed model follows FP32 on all but a few images.

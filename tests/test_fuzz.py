@@ -8,12 +8,15 @@ Cases are derandomized: a failure reproduces.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import pickle
 import shutil
+import stat
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -71,7 +74,7 @@ def torch_payload(path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def template(tmp_path_factory) -> Path:
+def template(tmp_path_factory) -> Iterator[Path]:
     """Every kind of file ptq reads, made by ptq itself where ptq writes it."""
     root = tmp_path_factory.mktemp("fuzz-template")
     (root / "models").mkdir()
@@ -92,41 +95,64 @@ def template(tmp_path_factory) -> Path:
                         ("evaluate", "--model", "big.onnx", "--data", "cifar", "--results-dir", "cifar-results")):
             result = invoke(*command, cwd=root)
             assert result.exit_code == 0, (command, result.output)
-    return root
+    made = contents(root)
+    yield root
+    # The cases' files are hard links to these (`project`): a write into one instead of a new file would show here.
+    assert contents(root) == made, sorted(name for name in set(made) | set(contents(root)) if made.get(name) != contents(root).get(name))
 
 
-def snapshot(directory: Path) -> dict[str, bytes]:
-    """Every file's bytes; a symbolic link as where it points (a case's link may lead to a file that blocks when read)."""
-    return {str(path.relative_to(directory)): b"-> " + os.fsencode(os.readlink(path)) if path.is_symlink() else path.read_bytes()
-            for path in sorted(directory.rglob("*"))
-            if (path.is_symlink() or path.is_file()) and not str(path.relative_to(directory)).startswith("cache")}
+def contents(directory: Path) -> dict[str, str]:
+    """Every regular file's sha256 below `directory`."""
+    return {str(path.relative_to(directory)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(directory.rglob("*")) if path.is_file() and not path.is_symlink()}
+
+
+def snapshot(directory: Path) -> dict[str, tuple]:
+    """Every file as what a write changes: its inode, size and modification and change times (ptq writes a new file
+    and renames it, which gives a new inode; a write into the file moves its times); a symbolic link as where it points
+    (a case's link may lead to a file that blocks when read). Stat, not bytes: a case's files are read twice a case."""
+    found: dict[str, tuple] = {}
+    for root, folders, files in os.walk(directory):
+        place = Path(root).relative_to(directory)
+        if place == Path() and "cache" in folders:
+            folders.remove("cache")
+        for name in [*files, *(folder for folder in folders if (Path(root) / folder).is_symlink())]:
+            path = Path(root) / name
+            status = path.lstat()
+            if path.is_symlink():
+                found[str(place / name)] = ("->", os.readlink(path))
+            elif stat.S_ISREG(status.st_mode):
+                found[str(place / name)] = (status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns)
+    return found
 
 
 _CASES: list[Path] = []  # the folder of the example being run
 
 
 def project(template: Path, tmp_path_factory) -> Path:
-    """A copy of the template for one example; the previous example's copy is removed (the last one stays, for a failure).
-    The cache's files are hard links to the template's: ptq replaces a cache file (temp file, then rename) and never
-    writes into one, so a case cannot change the template's; a test that damages one first makes it its own (`own_copy`)."""
+    """The template's files for one example, as hard links to them (a copy of each would take most of a case's time);
+    the previous example's folder is removed (the last one stays, for a failure). ptq writes a new file and renames it
+    over an old one, never into it, so a case cannot change the template's files; a test that writes into one first
+    makes it its own (`own`), and the template's teardown checks that none changed."""
     while _CASES:
         shutil.rmtree(_CASES.pop(), ignore_errors=True)
     work = tmp_path_factory.mktemp("case")
     _CASES.append(work)
-    shutil.copytree(template, work, dirs_exist_ok=True, ignore=shutil.ignore_patterns("cache"))
-    shutil.copytree(template / "cache", work / "cache", copy_function=os.link)
+    shutil.copytree(template, work, dirs_exist_ok=True, copy_function=os.link)
     return work
 
 
-def own_copy(path: Path) -> Path:
-    """`path` no longer a hard link to the template's file: a file of its own with the same bytes."""
-    data = path.read_bytes()
-    path.unlink()
-    path.write_bytes(data)
+def own(path: Path) -> Path:
+    """`path`, to be written into: a hard link to the template's file becomes a file of its own with the same bytes;
+    a name the case does not hold yet stays as it is."""
+    if path.is_file() and not path.is_symlink() and path.stat().st_nlink > 1:
+        data = path.read_bytes()
+        path.unlink()
+        path.write_bytes(data)
     return path
 
 
-def check_contract(result, before: dict[str, bytes], after: dict[str, bytes], command) -> None:
+def check_contract(result, work: Path, before: dict[str, tuple], after: dict[str, tuple], command) -> None:
     assert result.exception is None or isinstance(result.exception, SystemExit), (command, repr(result.exception), result.output)
     assert "Traceback" not in result.output, (command, result.output)
     assert result.exit_code in (0, 2), (command, result.exit_code, result.output)
@@ -135,9 +161,9 @@ def check_contract(result, before: dict[str, bytes], after: dict[str, bytes], co
         assert len(lines) == 1 and lines[0].startswith("Error:"), (command, result.stderr)
         assert after == before, (command, sorted(set(after) ^ set(before)) or [k for k in after if after[k] != before.get(k)])
         return
-    for name, data in after.items():
-        if name.endswith(".json") and (name not in before or before[name] != data):
-            json.loads(data, parse_constant=lambda constant, name=name: pytest.fail(f"{command}: {name} holds {constant}"))
+    for name, written in after.items():
+        if name.endswith(".json") and before.get(name) != written and written[0] != "->":
+            json.loads((work / name).read_bytes(), parse_constant=lambda constant, name=name: pytest.fail(f"{command}: {name} holds {constant}"))
 
 
 def run_case(work: Path, *command):
@@ -145,7 +171,7 @@ def run_case(work: Path, *command):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(ptq_settings.CACHE_ENV, str(work / "cache"))
         result = invoke(*command, cwd=work)
-    check_contract(result, before, snapshot(work), command)
+    check_contract(result, work, before, snapshot(work), command)
     return result
 
 
@@ -229,7 +255,7 @@ def mutate_npz(path: Path, draw) -> None:
         arrays["x_" + key] = arrays.pop(key)
     else:
         arrays[key] = odd_array(draw, arrays[key])
-    np.savez(path, **arrays)
+    np.savez(own(path), **arrays)
 
 
 # The fuzz tests, one per kind of file, and one for option values.
@@ -262,9 +288,9 @@ def test_fuzz_model_file(template, tmp_path_factory, data):
             entry = proto.metadata_props.add()
             entry.key = data.draw(st.sampled_from(["ptq.input", "ptq.quantization", "ptq.source_sha256", "ptq.pruning"]))
             entry.value = data.draw(st.one_of(st.text(max_size=20), ODD_VALUES.map(json.dumps)))
-        model.write_bytes(proto.SerializeToString())
+        own(model).write_bytes(proto.SerializeToString())
     else:
-        model.write_bytes(mutate_bytes(model.read_bytes(), data.draw))
+        own(model).write_bytes(mutate_bytes(model.read_bytes(), data.draw))
     command = data.draw(st.sampled_from([
         ("evaluate", "--model", "models/m.onnx", "--data", "colours.npz", "--results-dir", "res"),
         ("benchmark", "--model", "models/m.onnx", "--runs", "1", "--batch-size", "4", "--results-dir", "res"),
@@ -297,17 +323,17 @@ def test_fuzz_image_folder(template, tmp_path_factory, data):
     if target == "image":
         images = sorted(folder.rglob("*.png"))
         victim = images[data.draw(st.integers(0, len(images) - 1))]
-        victim.write_bytes(mutate_bytes(victim.read_bytes(), data.draw))
+        own(victim).write_bytes(mutate_bytes(victim.read_bytes(), data.draw))
     elif target == "classes.txt":
-        (folder / "classes.txt").write_text(data.draw(st.text(max_size=40)))
+        own(folder / "classes.txt").write_text(data.draw(st.text(max_size=40)))
     elif target == "stray file":
-        (folder / "test" / "red" / data.draw(st.sampled_from(["notes.txt", "x.jpg", ".DS_Store", "Thumbs.db"]))).write_bytes(data.draw(st.binary(max_size=20)))
+        own(folder / "test" / "red" / data.draw(st.sampled_from(["notes.txt", "x.jpg", ".DS_Store", "Thumbs.db"]))).write_bytes(data.draw(st.binary(max_size=20)))
     elif target == "empty class":
         for image in (folder / "train" / "green").iterdir():
             image.unlink()
     else:
         (folder / "test" / "purple").mkdir()
-        shutil.copy(next((folder / "test" / "red").iterdir()), folder / "test" / "purple" / "0.png")
+        shutil.copy(next((folder / "test" / "red").iterdir()), own(folder / "test" / "purple" / "0.png"))
     run_case(work, "evaluate", "--model", "models/m.onnx", "--data", "folder", "--results-dir", "res")
 
 
@@ -317,14 +343,14 @@ def test_fuzz_cifar_batches(template, tmp_path_factory, data):
     work = project(template, tmp_path_factory)
     victim = work / "cifar" / data.draw(st.sampled_from(["test_batch", "batches.meta", "data_batch_1"]), label="file")
     if data.draw(st.booleans(), label="bytes"):
-        victim.write_bytes(mutate_bytes(victim.read_bytes(), data.draw))
+        own(victim).write_bytes(mutate_bytes(victim.read_bytes(), data.draw))
     else:
         with open(victim, "rb") as handle:
             content = pickle.load(handle, encoding="bytes")
         key = data.draw(st.sampled_from(sorted(content)))
         content[key] = data.draw(st.one_of(ODD_VALUES, st.just(np.zeros((2, 5), np.uint8)), st.just([b"x"] * 2),
                                            st.just(np.full((6, 3072), 255, np.float64))))
-        with open(victim, "wb") as handle:
+        with open(own(victim), "wb") as handle:
             pickle.dump(content, handle)
     command = data.draw(st.sampled_from([
         ("evaluate", "--model", "big.onnx", "--data", "cifar", "--results-dir", "res"),
@@ -338,7 +364,7 @@ def test_fuzz_cifar_batches(template, tmp_path_factory, data):
 def test_fuzz_calibration_file(template, tmp_path_factory, data):
     work = project(template, tmp_path_factory)
     if data.draw(st.booleans(), label="bytes"):
-        (work / "calib.npz").write_bytes(mutate_bytes((work / "calib.npz").read_bytes(), data.draw))
+        own(work / "calib.npz").write_bytes(mutate_bytes((work / "calib.npz").read_bytes(), data.draw))
     else:
         mutate_npz(work / "calib.npz", data.draw)
     run_case(work, "quantize", "--model", "models/m.onnx", "--data", "colours.npz", "--calibration", "calib.npz", "--output", "q.onnx")
@@ -351,9 +377,9 @@ def test_fuzz_records(template, tmp_path_factory, data):
     records = sorted((work / "results").rglob("*.json"))
     victim = records[data.draw(st.integers(0, len(records) - 1))]
     if data.draw(st.booleans(), label="bytes"):
-        victim.write_bytes(mutate_bytes(victim.read_bytes(), data.draw))
+        own(victim).write_bytes(mutate_bytes(victim.read_bytes(), data.draw))
     else:
-        victim.write_text(json.dumps(mutate_json(json.loads(victim.read_text()), data.draw)))
+        own(victim).write_text(json.dumps(mutate_json(json.loads(victim.read_text()), data.draw)))
     command = data.draw(st.sampled_from([
         ("report", "--json"),
         ("report", "--markdown", "report.md"),
@@ -370,9 +396,9 @@ def test_fuzz_manifest(template, tmp_path_factory, data):
     work = project(template, tmp_path_factory)
     manifest = work / "results" / "manifest.json"
     if data.draw(st.booleans(), label="bytes"):
-        manifest.write_bytes(mutate_bytes(manifest.read_bytes(), data.draw))
+        own(manifest).write_bytes(mutate_bytes(manifest.read_bytes(), data.draw))
     else:
-        manifest.write_text(json.dumps(mutate_json(json.loads(manifest.read_text()), data.draw)))
+        own(manifest).write_text(json.dumps(mutate_json(json.loads(manifest.read_text()), data.draw)))
     run_case(work, "run", "--model", "models/m.onnx", "--data", "colours.npz", "--no-pytorch", "--no-openvino", "--no-benchmark", "--json")
 
 
@@ -382,9 +408,9 @@ def test_fuzz_cache(template, tmp_path_factory, data):
     """A damaged cache is rebuilt: the result is the one the intact data gives."""
     work = project(template, tmp_path_factory)
     caches = sorted((work / "cache").glob("*.npz"))
-    victim = own_copy(caches[data.draw(st.integers(0, len(caches) - 1))])
+    victim = own(caches[data.draw(st.integers(0, len(caches) - 1))])
     if data.draw(st.booleans(), label="bytes"):
-        victim.write_bytes(mutate_bytes(victim.read_bytes(), data.draw))
+        own(victim).write_bytes(mutate_bytes(victim.read_bytes(), data.draw))
     else:
         try:
             mutate_npz(victim, data.draw)
@@ -483,7 +509,7 @@ def test_fuzz_security_payloads(template, tmp_path_factory, data):
             content[b"filenames"] = [b"a.png", {b"x": payload}]
         else:
             content[b"payload" if where == "new key" else data.draw(st.sampled_from(sorted(content)))] = payload
-        victim.write_bytes(pickle.dumps(content, protocol=data.draw(st.integers(0, pickle.HIGHEST_PROTOCOL), label="protocol")))
+        own(victim).write_bytes(pickle.dumps(content, protocol=data.draw(st.integers(0, pickle.HIGHEST_PROTOCOL), label="protocol")))
         command = data.draw(st.sampled_from([
             ("evaluate", "--model", "big.onnx", "--data", "cifar", "--results-dir", "res"),
             ("calibrate", "--data", "cifar", "--samples-per-class", "1", "--output", "calib_out.npz"),
@@ -496,7 +522,7 @@ def test_fuzz_security_payloads(template, tmp_path_factory, data):
         read = {"evaluate": {"batches.meta", "test_batch"}, "calibrate": {"batches.meta", "data_batch_1", "data_batch_5"}}.get(command[0])
         assert result.exit_code == 2 or (read is not None and victim.name not in read), command
         return
-    shutil.copy(template / "evil.pt", work / data.draw(st.sampled_from(["models/evil.pt", "evil.pt", "models/evil.onnx", "x.xml"]), label="as"))
+    shutil.copy(template / "evil.pt", own(work / data.draw(st.sampled_from(["models/evil.pt", "evil.pt", "models/evil.onnx", "x.xml"]), label="as")))
     named = next(path for path in (work / "models" / "evil.pt", work / "evil.pt", work / "models" / "evil.onnx", work / "x.xml") if path.exists())
     command = data.draw(st.sampled_from([
         ("evaluate", "--data", "colours.npz", "--results-dir", "res"),
@@ -582,11 +608,11 @@ def test_fuzz_resource_bombs(template, tmp_path_factory, data):
     if kind == "label":
         images, labels = colour_images(2)
         labels[data.draw(st.integers(0, len(labels) - 1))] = big
-        np.savez(work / "colours.npz", images=images, labels=labels)
+        np.savez(own(work / "colours.npz"), images=images, labels=labels)
     elif kind == "npz shape":
         member = data.draw(st.sampled_from(["images", "labels"]), label="member")
         images, labels = colour_images(2)
-        with zipfile.ZipFile(work / "colours.npz", "w") as archive:
+        with zipfile.ZipFile(own(work / "colours.npz"), "w") as archive:
             for name, array in (("images", images), ("labels", labels)):
                 if name == member:
                     shape = (big, 8, 8, 3) if name == "images" else (big,)
@@ -596,7 +622,7 @@ def test_fuzz_resource_bombs(template, tmp_path_factory, data):
                         np.lib.format.write_array(handle, array)
     elif kind == "png pixels":
         width = data.draw(st.integers(1, 2**31 - 1), label="width")
-        (work / "folder" / "test" / "red" / "0000.png").write_bytes(png_declaring(width, max(1, big % (2**31 - 1))))
+        own(work / "folder" / "test" / "red" / "0000.png").write_bytes(png_declaring(width, max(1, big % (2**31 - 1))))
         command = ("evaluate", "--model", "models/m.onnx", "--data", "folder", "--results-dir", "res")
     elif kind in ("model dims", "fixed batch", "output classes"):
         proto = onnx.load(str(work / "models" / "m.onnx"))
@@ -604,11 +630,11 @@ def test_fuzz_resource_bombs(template, tmp_path_factory, data):
         index = 1 if kind == "output classes" else 0 if kind == "fixed batch" else data.draw(st.integers(1, 3))
         dims[index].Clear()
         dims[index].dim_value = big
-        (work / "models" / "m.onnx").write_bytes(proto.SerializeToString())
+        own(work / "models" / "m.onnx").write_bytes(proto.SerializeToString())
     else:
         images, labels = colour_images(2)
         count = data.draw(st.integers(100_001, 300_000), label="names")
-        np.savez(work / "colours.npz", images=images, labels=labels, class_names=np.array([f"c{index}" for index in range(count)]))
+        np.savez(own(work / "colours.npz"), images=images, labels=labels, class_names=np.array([f"c{index}" for index in range(count)]))
     run_case(work, *command)
 
 
@@ -636,7 +662,7 @@ def test_fuzz_output_collisions(template, tmp_path_factory, data):
     command, inputs = data.draw(st.sampled_from(COLLISION_COMMANDS), label="command")
     chosen = data.draw(COLLISION_PATHS, label="output")
     if chosen == "models/m.bin":
-        (work / "models" / "m.bin").write_bytes((work / "models" / "m.onnx").read_bytes())
+        own(work / "models" / "m.bin").write_bytes((work / "models" / "m.onnx").read_bytes())
     if chosen in ("alias", "link"):
         victim = data.draw(st.sampled_from([*inputs, "models/m_uint8.onnx"]), label="victim")
         suffix = data.draw(st.sampled_from([".onnx", ".npz", ".pt", ".md", ".xml"]), label="suffix")
@@ -681,9 +707,9 @@ def test_fuzz_deep_json(template, tmp_path_factory, data):
     if role.startswith("model"):
         proto = onnx.load(str(target))
         onnx.helper.set_model_props(proto, {**{prop.key: prop.value for prop in proto.metadata_props}, role.split()[1]: text})
-        target.write_bytes(proto.SerializeToString())
+        own(target).write_bytes(proto.SerializeToString())
     else:
-        target.write_text(text)
+        own(target).write_text(text)
     run_case(work, *command)
 
 
@@ -713,14 +739,14 @@ def test_fuzz_names(template, tmp_path_factory, data):
         elif where == "image file":
             (work / "folder" / "test" / "red" / "0000.png").rename(work / "folder" / "test" / "red" / f"{name[:200]}.png")
         elif where == "model file":
-            shutil.copy(work / "models" / "m.onnx", work / f"{name[:200]}.onnx")
+            shutil.copy(work / "models" / "m.onnx", own(work / f"{name[:200]}.onnx"))
             command = ("evaluate", "--model", f"{name[:200]}.onnx", "--data", "colours.npz", "--results-dir", "res")
         elif where == "npz class name":
             images, labels = colour_images(2)
-            np.savez(work / "colours.npz", images=images, labels=labels, class_names=np.array([name, "green", "blue"]))
+            np.savez(own(work / "colours.npz"), images=images, labels=labels, class_names=np.array([name, "green", "blue"]))
             command = ("evaluate", "--model", "models/m.onnx", "--data", "colours.npz", "--results-dir", "res", "--per-class")
         else:
-            (work / "folder" / "classes.txt").write_bytes(b"\xef\xbb\xbf" + (work / "folder" / "classes.txt").read_bytes())
+            own(work / "folder" / "classes.txt").write_bytes(b"\xef\xbb\xbf" + (work / "folder" / "classes.txt").read_bytes())
     except OSError:  # a name this file system refuses (too long in bytes): nothing to test
         return
     result = run_case(work, *command)
@@ -753,9 +779,9 @@ def test_fuzz_environment(template, tmp_path_factory, data):
         if value == "fifo":
             os.mkfifo(work / "fifo")
         elif value == "random":
-            (work / "random").write_bytes(np.random.default_rng(data.draw(st.integers(0, 99))).bytes(200))
+            own(work / "random").write_bytes(np.random.default_rng(data.draw(st.integers(0, 99))).bytes(200))
         elif value == "cpuinfo":
-            (work / "cpuinfo").write_text("model name : Drawn CPU\nflags : avx2\n")
+            own(work / "cpuinfo").write_text("model name : Drawn CPU\nflags : avx2\n")
         value = value if value.startswith("/") else str(work / value)
     command = data.draw(st.sampled_from([("evaluate", "--model", "models/m_uint8.onnx", "--data", "colours.npz", "--results-dir", "res", "--json"),
                                          ("report", "--json")]), label="command")
@@ -783,7 +809,7 @@ def test_fuzz_study_outputs_over_user_files(template, tmp_path_factory, data):
     target.parent.mkdir(parents=True, exist_ok=True)
     target.unlink(missing_ok=True)
     if how == "file":
-        shutil.copy(work / "colours.npz", target)
+        shutil.copy(work / "colours.npz", own(target))
         data_path = where
     else:
         (os.link if how == "hard link" else os.symlink)(work / "colours.npz", target)
@@ -800,7 +826,7 @@ def test_fuzz_container_bombs(template, tmp_path_factory, data):
     work = project(template, tmp_path_factory)
     if data.draw(st.booleans(), label="npz"):
         members = data.draw(st.integers(2, 6), label="members")
-        with zipfile.ZipFile(work / "colours.npz", "w", zipfile.ZIP_DEFLATED) as archive:
+        with zipfile.ZipFile(own(work / "colours.npz"), "w", zipfile.ZIP_DEFLATED) as archive:
             for index in range(members):
                 with archive.open(f"{'images' if index == 0 else f'extra{index}'}.npy", "w") as handle:
                     np.lib.format.write_array(handle, np.zeros((60, 8, 8, 3), np.uint8))
@@ -813,7 +839,7 @@ def test_fuzz_container_bombs(template, tmp_path_factory, data):
         return
     row = np.zeros(3072, np.uint8)
     count = data.draw(st.integers(1000, 300_000), label="references")
-    (work / "cifar" / "test_batch").write_bytes(pickle.dumps({b"data": [row] * count, b"labels": [0] * count}, protocol=2))
+    own(work / "cifar" / "test_batch").write_bytes(pickle.dumps({b"data": [row] * count, b"labels": [0] * count}, protocol=2))
     result = run_case(work, "evaluate", "--model", "big.onnx", "--data", "cifar", "--results-dir", "res")
     assert result.exit_code == 2 and "test_batch" in result.stderr
 
@@ -833,12 +859,12 @@ def test_fuzz_export_symbols(template, tmp_path_factory, data):
         pytest.skip("needs the MLPerf Tiny int8 .tflite (../shared/assets)")
     work = project(template, tmp_path_factory)
     if data.draw(st.booleans(), label="symbol given"):
-        shutil.copy(tflite, work / "model.tflite")
+        shutil.copy(tflite, own(work / "model.tflite"))
         command = ("export", "--model", "model.tflite", "--c-array", "--no-arena", "--output-dir", "out", "--symbol", data.draw(SYMBOL_TEXT, label="symbol"))
     else:
         name = data.draw(NAME_TEXT, label="file name").strip()[:100] or "x"
         try:
-            shutil.copy(tflite, work / f"{name}.tflite")
+            shutil.copy(tflite, own(work / f"{name}.tflite"))
         except OSError:
             return
         command = ("export", "--model", f"{name}.tflite", "--c-array", "--no-arena", "--output-dir", "out")
@@ -885,7 +911,7 @@ def test_fuzz_node_names_with_code(template, tmp_path_factory, data):
             node.name = data.draw(st.text(max_size=30), label="text") + f"#{index}"
         elif kind == "empty":
             node.name = ""
-    onnx.save(model, str(work / "models" / "named.onnx"))
+    onnx.save(model, str(own(work / "models" / "named.onnx")))
     command = data.draw(st.sampled_from([
         ("convert", "--onnx", "models/named.onnx", "--torch", "out/named.pt", "--data", "colours.npz", "--check-images", "4"),
         ("quantize", "--backend", "pytorch", "--model", "models/named.onnx", "--data", "colours.npz", "--calibration", "calib.npz",
@@ -922,7 +948,7 @@ def test_fuzz_image_impostors(template, tmp_path_factory, data):
     content = IMAGE_IMPOSTORS[kind] + data.draw(st.binary(max_size=16), label="tail")
     victim.unlink()
     victim = victim.with_suffix(data.draw(st.sampled_from([".png", ".jpg", ".jpeg", ".bmp", ".webp"]), label="suffix"))
-    victim.write_bytes(content)
+    own(victim).write_bytes(content)
     ran: list = []
     command = data.draw(st.sampled_from([
         ("evaluate", "--model", "models/m.onnx", "--data", "folder", "--results-dir", "res"),
@@ -946,7 +972,7 @@ def test_fuzz_aliased_external_data(template, tmp_path_factory, data):
     model = onnx.load(str(work / "models" / "m.onnx"))
     files = {name: data.draw(st.integers(0, 4096), label=f"{name} bytes") for name in ("a.bin", "b.bin")}
     for name, size in files.items():
-        (work / "models" / name).write_bytes(bytes(size))
+        own(work / "models" / name).write_bytes(bytes(size))
     for index in range(data.draw(st.integers(1, 12), label="tensors")):
         location = data.draw(st.sampled_from(["a.bin", "b.bin", "missing.bin", "../colours.npz", "/etc/passwd", ""]), label="location")
         count = data.draw(st.integers(0, 600), label="floats")
@@ -957,7 +983,7 @@ def test_fuzz_aliased_external_data(template, tmp_path_factory, data):
                 entry = tensor.external_data.add()
                 entry.key, entry.value = key, str(value)
         model.graph.initializer.append(tensor)
-    onnx.save(model, str(work / "models" / "aliased.onnx"))
+    onnx.save(model, str(own(work / "models" / "aliased.onnx")))
     limit = data.draw(st.sampled_from(["", "2000", "20000"]), label="limit")
     command = data.draw(st.sampled_from([
         ("evaluate", "--model", "models/aliased.onnx", "--data", "colours.npz", "--results-dir", "res"),

@@ -46,12 +46,12 @@ def train_only_data(tmp_path):
     return data
 
 
-def test_tune_with_an_impossible_budget_keeps_the_best_and_never_reads_the_test_batch(pipeline, train_only_data, tmp_path):
+def test_tune_with_an_impossible_budget_keeps_the_best_and_never_reads_the_test_batch(fp32_study, train_only_data, tmp_path):
     output = tmp_path / "tuned.onnx"
     run = ptq_ok(
         "tune", "--dtype", "int8", "--max-drop", "0", "--method", "minmax", "--per-tensor", "--max-float-layers", "0", "--stem", "int8",
         "--validation-per-class", "100", "--data-dir", train_only_data, "--output", output, "--results-dir", tmp_path / "results",
-        "--json", cwd=pipeline,
+        "--json", cwd=fp32_study,
     )
     result = json.loads(run.stdout)
     drops = [candidate["accuracy_drop"] for candidate in result["candidates"]]
@@ -62,7 +62,7 @@ def test_tune_with_an_impossible_budget_keeps_the_best_and_never_reads_the_test_
     assert output.is_file() and read_json(next((tmp_path / "results" / "tuning").glob("tuned.onnx-??????.json")))["met_budget"] is False
     assert result["validation"]["images"] == 1000
 
-    evaluated = ptq_ok("evaluate", "--model", output, "--results-dir", tmp_path / "results", "--json", cwd=pipeline)
+    evaluated = ptq_ok("evaluate", "--model", output, "--results-dir", tmp_path / "results", "--json", cwd=fp32_study)
     quantization = json.loads(evaluated.stdout)["quantization"]
     assert quantization["validation"]["accuracy"] == result["chosen"]["validation_accuracy"]
     assert quantization["per_channel"] is False and quantization["method"] == "minmax"
@@ -70,15 +70,15 @@ def test_tune_with_an_impossible_budget_keeps_the_best_and_never_reads_the_test_
     # The same tuning as text (its candidates read from the store the run above left): the user is told.
     text = ptq("tune", "--dtype", "int8", "--max-drop", "0", "--method", "minmax", "--per-tensor", "--max-float-layers", "0", "--stem", "int8",
                "--validation-per-class", "100", "--data-dir", train_only_data, "--output", tmp_path / "t.onnx", "--results-dir", tmp_path / "results",
-               cwd=pipeline)
+               cwd=fp32_study)
     assert text.returncode == 0, text.stderr
     assert "No candidate met the budget" in text.stdout and "kept the most accurate" in text.stdout
 
 
-def test_sensitivity_lists_every_quantizable_layer_worst_first(pipeline, train_only_data, tmp_path):
+def test_sensitivity_lists_every_quantizable_layer_worst_first(fp32_study, train_only_data, tmp_path):
     run = ptq_ok(
         "sensitivity", "--dtype", "int8", "--method", "minmax", "--validation-per-class", "50", "--data-dir", train_only_data,
-        "--results-dir", tmp_path / "results", "--json", cwd=pipeline,
+        "--results-dir", tmp_path / "results", "--json", cwd=fp32_study,
     )
     result = json.loads(run.stdout)
     layers = result["layers"]
@@ -92,11 +92,11 @@ def test_sensitivity_lists_every_quantizable_layer_worst_first(pipeline, train_o
     assert read_json(tmp_path / "results" / "sensitivity" / "resnet8_int8.json")["layers"] == layers
 
 
-def test_tune_pytorch_path_writes_torchscript_with_its_validation_score(pipeline, train_only_data, tmp_path):
+def test_tune_pytorch_path_writes_torchscript_with_its_validation_score(fp32_study, train_only_data, tmp_path):
     output = tmp_path / "tuned.pt"
     run = ptq_ok(
         "tune", "--backend", "pytorch", "--max-drop", "5", "--method", "histogram", "--per-channel", "--validation-per-class", "100",
-        "--data-dir", train_only_data, "--output", output, "--results-dir", tmp_path / "results", "--json", cwd=pipeline,
+        "--data-dir", train_only_data, "--output", output, "--results-dir", tmp_path / "results", "--json", cwd=fp32_study,
     )
     result = json.loads(run.stdout)
     assert {c["settings"]["backend"] for c in result["candidates"]} == {"pytorch"}
@@ -105,12 +105,12 @@ def test_tune_pytorch_path_writes_torchscript_with_its_validation_score(pipeline
     # within the budget, the candidate closest to FP32 is kept
     eligible = [c for c in result["candidates"] if c["within_budget"]]
     assert result["chosen"]["output_sqnr_db"] == max(c["output_sqnr_db"] for c in eligible)
-    evaluated = json.loads(ptq_ok("evaluate", "--model", output, "--results-dir", tmp_path / "results", "--json", cwd=pipeline).stdout)
+    evaluated = json.loads(ptq_ok("evaluate", "--model", output, "--results-dir", tmp_path / "results", "--json", cwd=fp32_study).stdout)
     assert evaluated["runtime"] == "pytorch" and evaluated["dtype"] == "int8"
     assert evaluated["quantization"]["validation"]["accuracy"] == result["chosen"]["validation_accuracy"]
 
 
-def test_tune_on_two_ray_workers_chooses_and_writes_what_it_does_in_one_process(pipeline, train_only_data, tmp_path):
+def test_tune_on_two_ray_workers_chooses_and_writes_what_it_does_in_one_process(fp32_study, train_only_data, tmp_path):
     """Issue 38's target: ResNet8 tuned with --workers 2 gives the same choice and byte-identical model as in-process
     (MinMax, per-channel; two calibration sizes. The float-layer stage on Ray, its layers ranked there, is
     test_workers.py's, on a synthetic model, with tune's default methods)."""
@@ -120,7 +120,7 @@ def test_tune_on_two_ray_workers_chooses_and_writes_what_it_does_in_one_process(
     runs = {}
     for name, extra in (("here", ()), ("ray", ("--workers", "2"))):
         output = tmp_path / f"{name}.onnx"
-        result = json.loads(ptq_ok(*tune, *extra, "--output", output, "--results-dir", tmp_path / name, cwd=pipeline).stdout)
+        result = json.loads(ptq_ok(*tune, *extra, "--output", output, "--results-dir", tmp_path / name, cwd=fp32_study).stdout)
         runs[name] = (result["chosen"]["settings"], [(c["stage"], c["settings"], c["validation_accuracy"], c["output_sqnr_db"], c["size_bytes"])
                                                        for c in result["candidates"]], output.read_bytes())
     assert len(runs["here"][1]) >= 2

@@ -41,7 +41,8 @@ class PtqGroup(typer.core.TyperGroup):
         args = _fill_optional_values(given)
         _tolerant_streams()
         args, show_all = help_fit.asked_for_all(args)
-        help_fit.fit(self, show_all)
+        if help_fit.may_show_help(args):  # fitting every command's options takes longer than a small command
+            help_fit.fit(self, show_all)
         try:
             with _terminate_as_interrupt(), trust.scope(), warnings.catch_warnings(record=True) as caught, keeping_library_logs(caught):
                 # Library warnings (deprecations above all) are kept, not hidden, and said once each after the

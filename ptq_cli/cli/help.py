@@ -62,6 +62,11 @@ def asked_for_all(args: list[str]) -> tuple[list[str], bool]:
     return [("--help" if arg == HELP_ALL else arg) for arg in args], HELP_ALL in args
 
 
+def may_show_help(args: list[str]) -> bool:
+    """Whether these arguments can show a command's options: --help, or no command (the app's own help)."""
+    return "--help" in args or len(args) == 0
+
+
 def fit(group: Any, show_all: bool = False) -> None:
     """Each command's options as its help shows them: all of them with their whole text, or the common ones in a
     sentence each (the full text kept on the option, set back by the next call)."""

@@ -426,14 +426,14 @@ def library_versions() -> dict[str, str | None]:
     return versions
 
 
-def _manifest(options: StudyOptions, last_run: dict, stages: list[dict]) -> dict:
+def _manifest(options: StudyOptions, last_run: dict, stages: list[dict], libraries: dict[str, str | None]) -> dict:
     return {
         "schema": MANIFEST_SCHEMA,
         "tool": "ptq",
         "tool_version": ptq_cli.__version__,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
-        "libraries": library_versions(),
+        "libraries": libraries,
         "seed": options.seed,
         "last_run": last_run,
         "stages": stages,
@@ -619,12 +619,13 @@ def run(
     for path in to_write:
         check_writable(path)  # a read-only directory fails now, not after minutes of work
     check_folder_writable(options.results_dir)
+    libraries = library_versions()  # read once: the manifest is written after every stage
 
     def stage_done(position: int, total: int, stage: Stage, outcome: StageOutcome | None) -> None:
         # After each stage that ran, the manifest holds it: a run stopped later goes on from there, not from the start.
         if outcome is not None and outcome.ran:
             so_far = {"command": command_line, "started_at": started_at, "unfinished": True}
-            write_text(manifest_file, json.dumps(_manifest(options, so_far, list(entries.values())), indent=2) + "\n")
+            write_text(manifest_file, json.dumps(_manifest(options, so_far, list(entries.values()), libraries), indent=2) + "\n")
         if on_stage:
             on_stage(position, total, stage, outcome)
 
@@ -636,5 +637,5 @@ def run(
                     "ran": [outcome.name for outcome in outcomes if outcome.ran], "up_to_date": [outcome.name for outcome in outcomes if not outcome.ran],
                     "left_out": left_out}
         # Stages in plan order; a stage that was up to date keeps the entry of the run that made its outputs.
-        write_text(manifest_file, json.dumps(_manifest(options, last_run, [entries[stage.name] for stage in plan.stages]), indent=2) + "\n")
+        write_text(manifest_file, json.dumps(_manifest(options, last_run, [entries[stage.name] for stage in plan.stages], libraries), indent=2) + "\n")
     return RunResult(outcomes, wall, manifest_file, written, report_service.report_from_results(options.results_dir), left_out)
