@@ -98,7 +98,8 @@ def template(tmp_path_factory) -> Iterator[Path]:
     made = contents(root)
     yield root
     # The cases' files are hard links to these (`project`): a write into one instead of a new file would show here.
-    assert contents(root) == made, sorted(name for name in set(made) | set(contents(root)) if made.get(name) != contents(root).get(name))
+    after = contents(root)
+    assert after == made, sorted(name for name in set(made) | set(after) if made.get(name) != after.get(name))
 
 
 def contents(directory: Path) -> dict[str, str]:
@@ -119,7 +120,7 @@ def snapshot(directory: Path) -> dict[str, tuple]:
         for name in [*files, *(folder for folder in folders if (Path(root) / folder).is_symlink())]:
             path = Path(root) / name
             status = path.lstat()
-            if path.is_symlink():
+            if stat.S_ISLNK(status.st_mode):
                 found[str(place / name)] = ("->", os.readlink(path))
             elif stat.S_ISREG(status.st_mode):
                 found[str(place / name)] = (status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns)
@@ -162,7 +163,8 @@ def check_contract(result, work: Path, before: dict[str, tuple], after: dict[str
         assert after == before, (command, sorted(set(after) ^ set(before)) or [k for k in after if after[k] != before.get(k)])
         return
     for name, written in after.items():
-        if name.endswith(".json") and before.get(name) != written and written[0] != "->":
+        if name.endswith(".json") and before.get(name) != written:
+            assert written[0] != "->", (command, f"{name}: a symbolic link written")
             json.loads((work / name).read_bytes(), parse_constant=lambda constant, name=name: pytest.fail(f"{command}: {name} holds {constant}"))
 
 
