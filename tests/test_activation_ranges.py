@@ -4,6 +4,7 @@ calibration batches of unequal sizes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -566,3 +567,91 @@ def test_per_image_method_is_kept_in_the_model_and_bounds_the_scales_below_minma
     activation_scales = [key for key in narrowed if key.endswith("_scale") and narrowed[key].size == 1 and not key.startswith("w")]
     assert activation_scales and all(narrowed[key] <= full[key] * (1 + 1e-6) for key in activation_scales)
     assert any(narrowed[key] < full[key] * 0.99 for key in activation_scales)  # the extreme image no longer sets them
+
+
+def _minmax_images(monkeypatch) -> list[int]:
+    """The images onnxruntime's MinMax calibrators are fed, batch by batch, from now on."""
+    from onnxruntime.quantization import calibrate
+
+    seen: list[int] = []
+    real = calibrate.MinMaxCalibrater.collect_data
+
+    def collect(self, reader):
+        get_next = reader.get_next
+
+        def counted():
+            batch = get_next()
+            if batch:
+                seen.append(len(next(iter(batch.values()))))
+            return batch
+
+        reader.get_next = counted
+        try:
+            return real(self, reader)
+        finally:
+            del reader.get_next
+
+    monkeypatch.setattr(calibrate.MinMaxCalibrater, "collect_data", collect)
+    return seen
+
+
+def test_the_minmax_model_of_every_image_calibrates_only_the_held_out_ones_and_is_what_a_whole_pass_makes(project, monkeypatch):
+    """`--method auto` has MinMax's ranges over the 3/4 its candidates calibrate on: the model of every image runs only the
+    held-out quarter through onnxruntime's MinMax calibrator and merges the two, and the file is byte for byte the one
+    a MinMax pass over every image makes."""
+    from ptq_cli.quantize import calibration
+    from ptq_cli.quantize.policy import held_out_split
+
+    images = _minmax_images(monkeypatch)
+    _quantize(project, "merged.onnx", "--method", "auto")
+    merged = sum(images)
+    images.clear()
+    monkeypatch.setattr(calibration, "_minmax_of_all", lambda *_: None)
+    _quantize(project, "whole.onnx", "--method", "auto")
+    held_out, rest = held_out_split(np.arange(len(png_images(project / "cal"))))
+    assert sum(images) - merged == len(rest) and len(held_out) > 0
+    assert (project / "merged.onnx").read_bytes() == (project / "whole.onnx").read_bytes()
+
+
+def test_the_judges_run_the_float_model_once_for_each_set_of_images_they_compare_on(project, monkeypatch):
+    """The ranges, the overflow fix, the rounding and the range search each compare with FP32's output on the held-out
+    images (the search on its own images too): the float model runs once for each set, not once a judge."""
+    from ptq_cli.quantize import judges
+
+    float_runs: list[tuple[int, ...]] = []
+    real = judges.tensor_outputs
+
+    def counted(model, name, input_name, images, *args, **kwargs):
+        if not any(node.op_type == "QuantizeLinear" for node in model.graph.node):
+            float_runs.append(images.shape)
+        return real(model, name, input_name, images, *args, **kwargs)
+
+    monkeypatch.setattr(judges, "tensor_outputs", counted)
+    settings = _quantize(project, "judged.onnx", "--method", "auto", "--rounding", "auto")["settings"]
+    assert settings["ranges"] == "searched" or settings["ranges"] == "calibrated"  # every judge ran
+    assert settings["rounding_nearest_db"] is not None and len(float_runs) == len(set(float_runs)) == 2, float_runs
+
+
+def test_each_weight_is_quantized_once_for_all_the_candidates_and_the_file_is_the_same(project, monkeypatch):
+    """`--method auto` writes a QDQ model per candidate, most with the same weight codes: onnxruntime's writer computes
+    the codes of a weight with the same scales once, and the model is byte for byte the one it writes computing them
+    every time."""
+    import importlib
+
+    from ptq_cli.quantize import calibration
+
+    writer = importlib.import_module("onnxruntime.quantization.qdq_quantizer")
+    real, computed = writer.quantize_onnx_initializer, []
+
+    def counted(weight, quant_type, zero_point, scale, *args, **kwargs):
+        computed.append((weight.SerializeToString(), quant_type, np.asarray(zero_point).tobytes(), np.asarray(scale).tobytes(), args))
+        return real(weight, quant_type, zero_point, scale, *args, **kwargs)
+
+    monkeypatch.setattr(writer, "quantize_onnx_initializer", counted)
+    _quantize(project, "codes_once.onnx", "--method", "auto")
+    assert computed and len(computed) == len(set(computed))
+    monkeypatch.setattr(calibration, "_weights_quantized_once", contextlib.nullcontext)
+    computed.clear()
+    _quantize(project, "codes_each_time.onnx", "--method", "auto")
+    assert len(computed) > len(set(computed))
+    assert (project / "codes_once.onnx").read_bytes() == (project / "codes_each_time.onnx").read_bytes()

@@ -450,3 +450,42 @@ def test_a_layer_s_input_is_computed_from_the_last_8_bit_activations_held(projec
     # held, conv3's pass needs the residual input r1 again, computed again from the image through the first layer.
     assert [[layer.name for layer in layers if layer.name in ran] for ran in ran_by_layer] == \
         [[], ["conv1"], ["conv2"] if budget is None else ["conv1", "conv2"], ["conv3"]]
+
+
+@pytest.mark.parametrize("shape", [(5_000, 96, 9), (3_000, 1, 288), (4_000, 7, 1), (200_000, 1, 1), (0, 4, 9)])
+def test_the_float_sums_of_layer_rows_are_bit_for_bit_those_of_a_float64_copy(shape):
+    """Bias correction's float sums skip the float64 copy of the rows: the same sum to the last bit (rows of large and
+    small magnitudes, where another order of the additions would round otherwise)."""
+    from ptq_cli.quantize.rounding import _row_sum
+
+    rng = np.random.default_rng(len(shape) + shape[0])
+    rows = (rng.normal(size=shape) * rng.choice([1e-3, 1.0, 1e4], size=shape)).astype(np.float32)
+    assert np.array_equal(_row_sum(rows), rows.astype(np.float64).sum(axis=0))
+
+
+@pytest.mark.parametrize("shape", [(1_500, 672, 25), (5_000, 96, 9), (3_000, 1, 1_152), (4_000, 4, 72), (40_000, 8, 1), (20_000, 1, 1), (0, 3, 9)])
+def test_the_input_moments_are_bit_for_bit_those_of_groups_first_float64_rows(shape):
+    """Learned rounding's x x^T and x sums per group, from the rows as they are unfolded: to the last bit what the
+    groups-first float64 copy gives to batched BLAS (depthwise, pointwise, grouped and one-input layers)."""
+    from ptq_cli.quantize.rounding import Moments
+
+    rng = np.random.default_rng(shape[0] + shape[1])
+    rows = (rng.normal(size=shape) * rng.choice([1e-3, 1.0, 1e4], size=shape)).astype(np.float32)
+    moments = Moments()
+    moments.add(rows)
+    grouped = np.ascontiguousarray(rows.astype(np.float64).transpose(1, 0, 2))  # the reference: groups x rows x inputs
+    assert np.array_equal(moments.second, np.matmul(grouped.transpose(0, 2, 1), grouped))
+    assert np.array_equal(moments.quantized_sum, grouped.sum(axis=1)) and moments.rows == shape[0]
+
+
+@pytest.mark.parametrize("auto_pad", ["NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID"])
+@pytest.mark.parametrize(("kernel", "stride", "dilation"), [(1, 1, 1), (3, 2, 1), (5, 1, 2), (3, 3, 1)])
+def test_a_convolution_s_row_count_is_the_number_of_rows_it_unfolds(auto_pad, kernel, stride, dilation):
+    """The rows a layer's sample is drawn over, counted from the geometry alone, are the rows unfolding gives."""
+    from ptq_cli.quantize.rounding import Layer, row_count, unfold
+
+    attributes = {"strides": [stride, stride], "dilations": [dilation, dilation], "auto_pad": auto_pad,
+                  **({"pads": [1, 2, 0, 1]} if auto_pad == "NOTSET" else {})}
+    layer = Layer("conv", "Conv", "x", "x", "w", "s", None, None, None, attributes, None)
+    inputs = np.zeros((2, 3, 11, 9), np.float32)
+    assert row_count(layer, inputs, (4, 3, kernel, kernel)) == len(unfold(layer, inputs, (4, 3, kernel, kernel)))

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import io
 import logging
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,7 +25,7 @@ from ptq_cli.model_file import (
 )
 from ptq_cli.quantize import reuse
 from ptq_cli.quantize.job import Job
-from ptq_cli.quantize.policy import image_pixels, per_image_range
+from ptq_cli.quantize.policy import held_out_split, image_pixels, per_image_range
 from ptq_cli.quantize.settings import (
     PER_IMAGE,
     ProgressCallback,
@@ -185,7 +187,7 @@ def _replayed(calibrator, shared: dict | None) -> bool:
 
 
 @contextlib.contextmanager
-def _histograms(reader, chunked: bool, shared: dict | None = None):
+def _histograms(reader, chunked: bool, shared: dict | None = None, minmax_cache: Path | None = None):
     """onnxruntime's histogram calibrators (percentile, entropy), with threaded collectors, and over chunks
     the one-pass histograms, bin for bin; with `shared`, percentile histograms collected once for every percentile
     (`_replayed`), kept there once the calibration succeeded.
@@ -194,7 +196,9 @@ def _histograms(reader, chunked: bool, shared: dict | None = None):
     chunked calibration would find other ranges than one pass over the whole set (ResNet8's speed model:
     86.66% against 87.06%). Where ptq chunks, a MinMax pass over the same chunks first finds each tensor's
     largest magnitude, and the histogram collector starts from empty histograms over exactly the range one
-    pass would have used: every chunk then adds its counts to the same bins."""
+    pass would have used: every chunk then adds its counts to the same bins. That pass is MinMax's own: read from
+    `minmax_cache` where a MinMax calibration of the same images left it (`--method auto`'s first candidate), kept
+    there otherwise."""
     import importlib
 
     from onnxruntime.quantization import calibrate
@@ -212,12 +216,16 @@ def _histograms(reader, chunked: bool, shared: dict | None = None):
         collected.append(collector)
         if not chunked:
             return calibrator
-        ranges = real(model, op_types, augmented_model_path=str(Path(augmented_model_path).with_suffix(".minmax.onnx")),
-                      calibrate_method=calibrate.CalibrationMethod.MinMax, **{**options, "extra_options": {}})
-        for start in range(0, len(reader), reader.stride):
-            reader.set_range(start, start + reader.stride)
-            ranges.collect_data(reader)
-        _empty_bins(collector, ranges.compute_data().data)
+        if minmax_cache is not None and minmax_cache.is_file():
+            found = calibrate.load_tensors_data(minmax_cache)
+        else:
+            ranges = real(model, op_types, augmented_model_path=str(Path(augmented_model_path).with_suffix(".minmax.onnx")),
+                          calibrate_method=calibrate.CalibrationMethod.MinMax, **{**options, "extra_options": {}})
+            _within_task_cpus(ranges)
+            found = _collected(ranges, reader)
+            if minmax_cache is not None:
+                calibrate.save_tensors_data(found, minmax_cache)
+        _empty_bins(collector, found.data)
         reader.set_range(0, len(reader))
         return calibrator
 
@@ -229,6 +237,46 @@ def _histograms(reader, chunked: bool, shared: dict | None = None):
             shared.update((_histogram_key(collector), collector) for collector in collected if collector.method == "percentile")
     finally:
         setattr(ort_quantize, "create_calibrator", real)  # noqa: B010
+
+
+def _collected(calibrator, reader):
+    """What `calibrator` computes over every batch of `reader`, a stride at a time (as quantize_static's strided loop)."""
+    for start in range(0, len(reader), reader.stride):
+        reader.set_range(start, start + reader.stride)
+        calibrator.collect_data(reader)
+    return calibrator.compute_data()
+
+
+@contextlib.contextmanager
+def _weights_quantized_once():
+    """Within one run (reuse.computed_once), onnxruntime's QDQ writer hands back the codes it computed before for the
+    same weight, type, scales and zero points: `--method auto`'s candidates and the final model differ in their
+    activations' ranges, and the writer quantizes each weight channel by channel in Python. Its own function still
+    computes each, once."""
+    import importlib
+
+    writer = importlib.import_module("onnxruntime.quantization.qdq_quantizer")
+    real = getattr(writer, "quantize_onnx_initializer", None)
+    if real is None:  # an onnxruntime whose writer quantizes otherwise
+        yield
+        return
+
+    def once(weight, quant_type, zero_point, scale, axis=None, quant_weight_name=None, block_size=0):
+        def key() -> str:
+            arrays = (np.ascontiguousarray(zero_point).tobytes(), np.ascontiguousarray(scale).tobytes())
+            described = (quant_type, axis, quant_weight_name, block_size, *((np.shape(value), np.asarray(value).dtype.str) for value in (zero_point, scale)))
+            return reuse.digest(b"weight codes", weight.SerializeToString(), *arrays, repr(described).encode())
+
+        blocks = {"block_size": block_size} if block_size else {}  # onnxruntime before block-wise quantization has no such argument
+        made = reuse.computed_once(key, lambda: real(weight, quant_type, zero_point, scale, axis, quant_weight_name, **blocks),
+                                   size=lambda codes: codes.ByteSize())
+        return copy.deepcopy(made)
+
+    writer.quantize_onnx_initializer = once
+    try:
+        yield
+    finally:
+        writer.quantize_onnx_initializer = real
 
 
 def _empty_bins(collector, ranges: dict) -> None:
@@ -292,6 +340,7 @@ def warning_notes(warnings: list[str]) -> list[str]:
 
 QUANT_TYPES = {"int8": "QInt8", "uint8": "QUInt8"}
 CALIBRATION_METHODS = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile", PER_IMAGE: "MinMax"}
+MINMAX = CALIBRATION_METHODS["minmax"]
 
 
 def per_image_ranges(source: str, images: np.ndarray, input_name: str, percentile: float, fixed_batch: int | None = None,  # noqa: PLR0913  one keyword more
@@ -359,7 +408,6 @@ def write_qdq(job: Job, target: Path, images: np.ndarray, settings: Quantization
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     source, input_name, float_nodes, output, model_name = job.source, job.input_name, job.float_nodes, job.output, job.model_name
-
     extra_options: dict[str, object] = {"CalibPercentile": settings.percentile} if settings.method == "percentile" else {}
     placed = dict(job.writer_options)
     extra_options |= {name: list(value) if isinstance(value, tuple) else value for name, value in placed.items() if name not in (OP_TYPES, EXCLUDED)}
@@ -368,11 +416,14 @@ def write_qdq(job: Job, target: Path, images: np.ndarray, settings: Quantization
     fitting = calibration_chunk(source, images, fixed_batch, model_name)
     reader = _reader(input_name, images, fixed_batch, progress)
     _in_chunks(reader, fitting, extra_options)
-    cached_ranges = _calibration_cache(source, images, settings, extra_options)
+    cached_ranges, minmax_cache = _calibration_caches(source, images, extra_options, CALIBRATION_METHODS[settings.method], MINMAX)
     # quantize_static print()s its histogram progress; stdout belongs to ptq's own output (--json).
     warnings: list[str] = []
-    with contextlib.redirect_stdout(io.StringIO()), _histograms(reader, "CalibStridedMinMax" in extra_options, histograms), _library_warnings(warnings):
+    with contextlib.redirect_stdout(io.StringIO()), _histograms(reader, "CalibStridedMinMax" in extra_options, histograms, minmax_cache), \
+            _library_warnings(warnings), _weights_quantized_once():
         try:
+            if images is job.calibration and fixed_batch is None and (cached_ranges == minmax_cache or "CalibStridedMinMax" in extra_options):
+                _minmax_of_all(job, settings, overrides, minmax_cache)  # read by the calibration, or by its histograms' bins
             if settings.method == PER_IMAGE and settings.percentile is not None:
                 extra_options["TensorQuantOverrides"] = {**per_image_ranges(source, images, input_name, settings.percentile, fixed_batch,
                                                                         histograms), **(overrides or {})}
@@ -400,12 +451,58 @@ def write_qdq(job: Job, target: Path, images: np.ndarray, settings: Quantization
     return warnings
 
 
-def _calibration_cache(source: str, images: np.ndarray, settings: QuantizationSettings, extra_options: dict) -> Path | None:
-    """Within one run (reuse.reused_file), onnxruntime's calibration cache for these ranges: what its calibrator
+def _calibration_caches(source: str, images: np.ndarray, extra_options: dict, *methods: str) -> list[Path | None]:
+    """Within one run (reuse.reused_file), onnxruntime's calibration cache for each method's ranges: what its calibrator
     computed from the same float model, images and calibration options, loaded instead of collected again (`--method
     auto`'s candidates, the overflow fix's judge and the model for VNNI CPUs calibrate alike; per-image ranges start
-    from MinMax's). Weights, overrides and excluded nodes play no part in calibration."""
-    options = {name: value for name, value in extra_options.items() if name.startswith("Calib")}
-    method = CALIBRATION_METHODS[settings.method]
-    return reuse.reused_file(lambda: reuse.digest(b"calibration", Path(source).read_bytes(), np.ascontiguousarray(images).reshape(-1).view(np.uint8).data,
-                                                repr((images.shape, str(images.dtype), method, sorted(options.items()))).encode()), ".json")
+    from MinMax's, and percentile histograms from MinMax's ranges where calibration runs in chunks). Weights,
+    overrides and excluded nodes play no part in calibration; nor do chunks in MinMax's (the smallest and largest
+    value of each tensor, which no grouping of the images changes), nor a percentile. The model and images are
+    hashed once for all the methods."""
+    @functools.cache
+    def inputs() -> str:
+        return reuse.digest(b"calibration", Path(source).read_bytes(), np.ascontiguousarray(images).reshape(-1).view(np.uint8).data)
+
+    def key(method: str) -> str:
+        ignored = ("CalibStridedMinMax", "CalibPercentile") if method == MINMAX else ()
+        options = {name: value for name, value in extra_options.items() if name.startswith("Calib") and name not in ignored}
+        return reuse.digest(inputs().encode(), repr((images.shape, str(images.dtype), method, sorted(options.items()))).encode())
+
+    return [reuse.reused_file(functools.partial(key, method), ".json") for method in methods]
+
+
+def _minmax_of_all(job: Job, settings: QuantizationSettings, overrides: dict | None, cache: Path | None) -> None:
+    """MinMax's ranges over all the job's calibration images, into `cache` (which quantize_static then reads), where
+    `--method auto` left those of the images it calibrates its candidates on (policy.held_out_split): the held-out
+    images calibrated alone and merged into them, a quarter of the images run instead of all. onnxruntime reduces each
+    tensor to its smallest and largest value (NaN left out), which the two parts give as they are. Nothing where the
+    writer would calibrate another graph than the job's (quantize_static converts an old opset first)."""
+    import onnx
+    from onnxruntime.quantization import QuantType
+    from onnxruntime.quantization.calibrate import CalibrationMethod, TensorData, TensorsData, create_calibrator, load_tensors_data, save_tensors_data
+    from onnxruntime.quantization.quant_utils import update_opset_version
+    from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
+
+    held_out, rest = held_out_split(job.calibration)
+    (part,) = _calibration_caches(job.source, rest, {}, MINMAX)
+    if cache is None or cache.is_file() or part is None or not part.is_file() or len(held_out) == 0:
+        return
+    graph = onnx.load(job.source, load_external_data=False)
+    types = [getattr(QuantType, QUANT_TYPES[dtype]) for dtype in (settings.weight_dtype, settings.dtype)]
+    if update_opset_version(graph, *types, tensor_quant_overrides=overrides, block_size=0) is not graph:
+        return
+    op_types = list(dict(job.writer_options).get(OP_TYPES, ())) or list(set(QLinearOpsRegistry) | set(QDQRegistry))  # as quantize_static
+    reader = _reader(job.input_name, held_out, None)
+    _in_chunks(reader, calibration_chunk(job.source, held_out, None, job.model_name), {})
+    with tempfile.TemporaryDirectory(prefix="ort.quant.", dir=job.workdir) as scratch:
+        calibrator = create_calibrator(Path(job.source), op_types, augmented_model_path=str(Path(scratch) / "augmented_model.onnx"),
+                                       calibrate_method=CalibrationMethod.MinMax, extra_options={})
+        _within_task_cpus(calibrator)
+        held = _collected(calibrator, reader).data
+        del calibrator
+    calibrated = load_tensors_data(part).data
+    if set(held) != set(calibrated):
+        return
+    merged = {name: TensorData(lowest=np.fmin(calibrated[name].range_value[0], held[name].range_value[0]),
+                               highest=np.fmax(calibrated[name].range_value[1], held[name].range_value[1])) for name in calibrated}
+    save_tensors_data(TensorsData(CalibrationMethod.MinMax, merged), cache)

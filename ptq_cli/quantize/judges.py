@@ -67,6 +67,19 @@ def _float_memo(float_model, images: np.ndarray) -> rounding.FloatMemo:
     return memo
 
 
+def float_outputs(float_model, name: str, input_name: str, images: np.ndarray, threads: int) -> np.ndarray:
+    """The float model's tensor `name` on `images` (runs.tensor_outputs); within one run (reuse.computed_once), computed
+    once for the judges that compare with it (the ranges, the overflow fix, the rounding, the range search)."""
+    return reuse.computed_once(lambda: reuse.digest(b"float outputs", float_model.SerializeToString(), name.encode(), np.ascontiguousarray(images).tobytes(),
+                                                    repr((images.shape, str(images.dtype), threads)).encode()),
+                               lambda: _read_only(tensor_outputs(float_model, name, input_name, images, threads)), size=lambda outputs: outputs.nbytes)
+
+
+def _read_only(values: np.ndarray) -> np.ndarray:
+    values.setflags(write=False)  # shared by the judges: none may write into another's reference
+    return values
+
+
 def _quantized_source(layers: list[rounding.Layer]):
     """How the refinement reads the quantized model's layer inputs: layer by layer, unless a layer shares its codes or
     bias with an earlier one (changing it changes that one too), where each input is computed from the image."""
@@ -110,7 +123,7 @@ def refine_rounding(quantized, float_path: str, calibration: np.ndarray, input_n
     if settings.rounding == LEARNED or len(held_out) == 0:
         return refined, replace(settings, rounding=LEARNED), notes
     judged = judged_output(float_model)
-    reference = tensor_outputs(float_model, judged, input_name, held_out, threads)
+    reference = float_outputs(float_model, judged, input_name, held_out, threads)
     quantized_judged = judged_in(refined, judged)
     nearest_db = image_sqnr_db(reference, tensor_outputs(nearest_model, quantized_judged, input_name, held_out, threads))
     learned_db = image_sqnr_db(reference, tensor_outputs(refined, quantized_judged, input_name, held_out, threads))
@@ -142,7 +155,7 @@ def choose_method(job: Job, settings: QuantizationSettings, overrides: dict | No
     threads = resolve_threads(None)
     float_model = onnx.load(job.source)
     judged = judged_output(float_model)
-    reference = tensor_outputs(float_model, judged, job.input_name, held_out, threads)
+    reference = float_outputs(float_model, judged, job.input_name, held_out, threads)
     scores: list[tuple[str, float | None, float | None]] = []
     histograms: dict = {}  # the percentiles read off one collection of histograms
     for index, (method, percentile) in enumerate(METHOD_CANDIDATES):
@@ -199,7 +212,7 @@ def _judge_overflow_fix(job: Job, settings: QuantizationSettings, all_layers: di
                                                                                  "calibration images, or a graph tied to its fixed batch)"]
     threads = resolve_threads(None)
     judged = judged_output(float_model)
-    reference = tensor_outputs(float_model, judged, job.input_name, held_out, threads)
+    reference = float_outputs(float_model, judged, job.input_name, held_out, threads)
 
     def score(overrides: dict | None) -> tuple[float | None, Any]:
         quantized = calibrated_model(job, rest, settings, overrides)
@@ -337,7 +350,7 @@ def search_ranges(quantized, float_path: str, calibration: np.ndarray, input_nam
     float_model = onnx.load(float_path)
     judged = judged_output(float_model)
     name = judged_in(quantized, judged)
-    reference, held_reference = (tensor_outputs(float_model, judged, input_name, images, threads) for images in (searching, held_out))
+    reference, held_reference = (float_outputs(float_model, judged, input_name, images, threads) for images in (searching, held_out))
     calibrated = onnx.ModelProto.FromString(quantized.SerializeToString())
     try:
         chunk = max(16, SEARCH_CHUNK_PIXELS // pixels)  # small images in few runs: the search calls the model hundreds of times

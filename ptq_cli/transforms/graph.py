@@ -28,6 +28,8 @@ def static_reshape_targets(model):
     """
     import onnx
     from onnx import numpy_helper
+
+    without_torch_import()
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
     try:
@@ -582,12 +584,40 @@ def clamped_activations(model) -> list[str]:
     return names
 
 
+TORCH_HELPERS = "onnxruntime.tools.pytorch_export_helpers"
+
+
+def without_torch_import() -> None:
+    """Imports onnxruntime.tools (its shape inference) without the torch import its package makes, where torch is
+    installed, for a helper of its own ptq never calls (3.5 s of a `ptq quantize` that runs no torch): while the package
+    is first imported, that helper's module is a stand-in whose one name imports the real module when called."""
+    import importlib
+    import sys
+    import types
+
+    if "onnxruntime.tools" in sys.modules or "torch" in sys.modules or TORCH_HELPERS in sys.modules:
+        return
+    stand_in = types.ModuleType(TORCH_HELPERS)
+
+    def infer_input_info(*args, **kwargs):
+        return importlib.import_module(TORCH_HELPERS).infer_input_info(*args, **kwargs)
+
+    stand_in.infer_input_info = infer_input_info  # type: ignore[attr-defined]
+    sys.modules[TORCH_HELPERS] = stand_in
+    try:
+        importlib.import_module("onnxruntime.tools")
+    finally:
+        if sys.modules.get(TORCH_HELPERS) is stand_in:
+            del sys.modules[TORCH_HELPERS]  # an import of it from now on is the real one
+
+
 def preprocess(model, output: Path | str) -> None:
     """onnxruntime's recommended pre-quantization step: shape inference plus its basic graph optimizer,
     which folds the batch-norm Mul/Add after each Conv into the Conv. `output` is in a folder of ptq's own."""
     import onnx
     from onnxruntime.quantization import quant_pre_process
 
+    without_torch_import()  # quant_pre_process imports onnxruntime.tools
     try:
         if subgraph_depth(model.graph) > SYMBOLIC_NESTING:
             raise ValueError("nested too deep for symbolic shape inference")
