@@ -272,3 +272,25 @@ def test_shapes_axes_and_pads_given_as_constant_inputs_export_as_the_onnx_model_
     program = pt2e.export(source.module, images[:2])
     expected = onnxruntime.InferenceSession(str(path)).run(None, {"image": images})[0]
     np.testing.assert_allclose(program.module()(torch.from_numpy(images)).detach().numpy(), expected, rtol=1e-5, atol=1e-5)
+
+
+TORCHAO_IMPORT = """
+import logging
+from ptq_cli.guards.library_noise import torchao_pt2e_imported
+torchao_pt2e_imported()
+torch_logger = logging.getLogger("torch")
+print(len(torch_logger.handlers), torch_logger.propagate)
+"""
+
+
+def test_torchao_s_import_warnings_go_through_python_s_logging_not_torch_s_own_printer():
+    """In a fresh interpreter (torchao logs its deprecation once, when first imported): the warning reaches stderr as
+    Python's logging says it (which the CLI gathers and says once after its output), not in torch's own format in the
+    middle of the output; torch's handler is back afterwards."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", TORCHAO_IMPORT], capture_output=True, text=True, check=True)
+    said = [line for line in done.stderr.splitlines() if "KernelPreference" in line]
+    assert said and not any(line.startswith(("W1", "W0")) for line in said), done.stderr  # nothing silenced, none as torch prints
+    assert done.stdout.split() == ["1", "False"], done.stdout

@@ -23,6 +23,7 @@ from typing import Any
 
 from ptq_cli.errors import PtqError, first_line
 from ptq_cli.guards import bounded
+from ptq_cli.guards.library_noise import torchao_pt2e_imported
 
 # The operator namespaces a quantized or float classifier's program holds.
 NAMESPACES = frozenset({"aten", "prims", "quantized_decomposed", "torchao", "higher_order"})
@@ -149,8 +150,9 @@ def _weights_only() -> Iterator[None]:
 def load(path: Path, data: bytes) -> tuple[Any, dict[str, str]]:
     """(the archive's ExportedProgram, its extra files), once vetted, read by torch's own reader with tensors only
     unpickled."""
-    import torchao.quantization.pt2e.quantize_pt2e  # noqa: F401  registers the quantized_decomposed operators programs call
     from torch.export.pt2_archive._package import load_pt2
+
+    torchao_pt2e_imported()  # registers the quantized_decomposed operators programs call
 
     vet(path, data)
     try:

@@ -25,6 +25,7 @@ import numpy as np
 
 from ptq_cli import inputs
 from ptq_cli.errors import PtqError, first_line
+from ptq_cli.guards.library_noise import torchao_pt2e_imported
 from ptq_cli.metrics import sqnr_db
 from ptq_cli.quantize import overflow
 from ptq_cli.quantize.carried import MADE_HERE, NONE, CarriedWeights, carried_observer_class, stored_settings
@@ -67,7 +68,7 @@ class LoweringJudgement:
 
 def _imports() -> None:
     """torchao's PT2E modules, which also register the quantized_decomposed operators a program calls."""
-    import torchao.quantization.pt2e.quantize_pt2e  # noqa: F401
+    torchao_pt2e_imported()
 
 
 def _static_call(layer: Any, constants: list) -> tuple[Any, tuple, dict] | None:
