@@ -606,6 +606,8 @@ def without_torch_import() -> None:
     sys.modules[TORCH_HELPERS] = stand_in
     try:
         importlib.import_module("onnxruntime.tools")
+    except ImportError:  # an onnxruntime whose package wants more of the helper: imported whole by the caller, torch and all
+        sys.modules.pop("onnxruntime.tools", None)
     finally:
         if sys.modules.get(TORCH_HELPERS) is stand_in:
             del sys.modules[TORCH_HELPERS]  # an import of it from now on is the real one
