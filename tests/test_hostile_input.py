@@ -252,3 +252,18 @@ def test_quantize_of_deeply_nested_control_flow_ends(tmp_path):
     run = run_with_deadline(["quantize", "--model", "nested.onnx", "--data", "colours.npz", "--output", "q.onnx"], tmp_path, seconds=120)
     assert run.returncode in (0, 2), run.stderr
     assert run.returncode == 0 or len(run.stderr.strip().splitlines()) == 1
+
+
+def test_names_with_emoji_codes_and_markup_are_printed_as_they_are(tmp_path):
+    """A class named like an emoji code or a rich tag is that name, in the table and in the JSON (which stays the data)."""
+    names = np.array([":cat:", "[bold]green[/bold]", ":thumbs_up: blue"])
+    colours_npz(tmp_path / "odd.npz", class_names=names)
+    channel_mean_classifier(tmp_path / "m.onnx")
+    table = invoke("evaluate", "--model", "m.onnx", "--data", "odd.npz", "--results-dir", "res", "--per-class", cwd=tmp_path)
+    assert table.exit_code == 0, table.output
+    assert all(name in table.stdout for name in names) and "\N{CAT FACE}" not in table.stdout, table.stdout
+    as_json = invoke("evaluate", "--model", "m.onnx", "--data", "odd.npz", "--results-dir", "res", "--json", cwd=tmp_path)
+    assert as_json.exit_code == 0, as_json.output
+    assert json.loads(as_json.stdout)["class_names"] == list(names)
+    report = invoke("report", "--results-dir", "res", "--json", cwd=tmp_path)
+    assert report.exit_code == 0 and ":thumbs_up: blue" in report.stdout and "\N{THUMBS UP SIGN}" not in report.stdout

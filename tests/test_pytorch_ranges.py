@@ -69,7 +69,10 @@ def test_the_output_softmax_stays_float_where_a_reshape_hands_it_the_scores(proj
 
 
 def test_auto_keeps_the_observer_the_held_out_images_prefer(project):
+    import gc
+
     made = _quantize(project, "head_auto.pt")["settings"]
+    assert gc.get_freeze_count() == 0  # the judging's frozen objects are scanned again after it
     measured = [tuple(score) for score in made["method_sqnr_db"]]
     assert [(method, percentile) for method, percentile, _ in measured] == list(pytorch.METHOD_CANDIDATES)
     assert all(db is not None for _, _, db in measured)

@@ -165,7 +165,7 @@ def run_stage_command(command: str, arguments: tuple[str, ...]) -> Any:
     progress kept off the terminal (the run shows its stages); returns the command's result. Its errors are
     the run's, said once by the run's own handler."""
     shown = console.out, console.err  # each command prints through these; a stage's go nowhere
-    console.out = console.err = Console(file=io.StringIO(), markup=False)
+    console.out = console.err = Console(file=io.StringIO(), markup=False, emoji=False)
     try:
         group = _command_group()
         with group.make_context("ptq", _fill_optional_values([command, *arguments])) as context:

@@ -389,7 +389,7 @@ def evaluate(
             shown = (evaluation_records.classes_to_show(evaluated.record, evaluated.reference) if labelled else []) if per_class else None
             console.out.print(render.evaluation(evaluated.record, evaluated.reference, shown, evaluated.path, evaluated.reference_status))
     if as_json:
-        console.out.print(render.as_json([evaluated.record for evaluated in done] if len(done) > 1 else done[0].record), soft_wrap=True)
+        _emit(True, [evaluated.record for evaluated in done] if len(done) > 1 else done[0].record, None)
     return done
 
 

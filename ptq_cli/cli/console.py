@@ -41,11 +41,12 @@ class _StandardOutput:
         return getattr(sys.stdout, name)
 
 
-# No markup in what is printed: names come from users' files ("[/]" in a class name is a name, not a tag).
-out = Console(file=_StandardOutput(), markup=False)  # type: ignore[arg-type]
+# No markup and no emoji codes in what is printed: names come from users' files ("[/]" in a class name is a name, not a
+# tag; ":cat:" is a name, not a cat).
+out = Console(file=_StandardOutput(), markup=False, emoji=False)  # type: ignore[arg-type]
 
 
-err = Console(stderr=True, markup=False)
+err = Console(stderr=True, markup=False, emoji=False)
 
 
 def _fail(message: str, exit_code: int) -> int:
@@ -59,7 +60,10 @@ def _fail(message: str, exit_code: int) -> int:
 
 
 def _emit(as_json: bool, result: Any, renderable: Any) -> None:
-    out.print(render.as_json(result) if as_json else renderable, soft_wrap=as_json)
+    if as_json:  # the text itself, unwrapped: nothing of rich's (highlighting took longer than the command on a large report)
+        out.file.write(render.as_json(result) + "\n")
+    else:
+        out.print(renderable)
     out.file.flush()  # a full disk or closed pipe behind stdout is said now, naming it
 
 

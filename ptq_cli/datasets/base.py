@@ -77,9 +77,14 @@ class Dataset(ABC):
     format: str = "?"
     labelled: bool = True  # False: images without labels (class_names() is empty, every label UNLABELLED)
     names_its_classes: bool = True  # False: labels numbered only, so the classes may be more than the highest label says
+    # What its root is, in a user's words, and whether it is one file (else a directory): opening it checks that first.
+    root_noun: str = "data"
+    root_is_file: bool = False
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
+        if not (self.root.is_file() if self.root_is_file else self.root.is_dir()):
+            raise PtqError(f"{self.root}: {self.root_noun} not found")
 
     @abstractmethod
     def splits(self) -> tuple[str, ...]:

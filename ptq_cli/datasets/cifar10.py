@@ -33,11 +33,7 @@ def is_cifar_directory(path: Path) -> bool:
 
 class Cifar10(Dataset):
     format = "cifar10"
-
-    def __init__(self, root: Path) -> None:
-        super().__init__(root)
-        if not self.root.is_dir():
-            raise PtqError(f"{self.root}: CIFAR-10 data directory not found")
+    root_noun = "CIFAR-10 data directory"
 
     def splits(self) -> tuple[str, ...]:
         present = tuple(split for split, names in BATCHES.items() if all((self.root / name).exists() for name in names))

@@ -48,13 +48,12 @@ def _images_in(directory: Path) -> list[Path]:
 
 class ImageFolder(Dataset):
     format = "folder"
+    root_noun = "image folder"
     resizes_on_decode = True
     decoding = "2"  # 2: wide grey (16-bit, float) scaled to 0-255, not clipped
 
     def __init__(self, root: Path) -> None:
         super().__init__(root)
-        if not self.root.is_dir():
-            raise PtqError(f"{self.root}: image folder not found")
         folders = _subfolders(self.root)
         named = [name for name in folders if name in SPLITS]
         self._split_dirs = {name: self.root / name for name in named} if named else {TEST: self.root}

@@ -15,11 +15,11 @@ from ptq_cli.guards import bounded
 
 class NpzDataset(Dataset):
     format = "npz"
+    root_noun = ".npz file"
+    root_is_file = True
 
     def __init__(self, root: Path) -> None:
         super().__init__(root)
-        if not self.root.is_file():
-            raise PtqError(f"{self.root}: .npz file not found")
         arrays = bounded.npz_arrays(self.root)  # every member checked once, labels and names kept
         self._keys = set(arrays)
         names = arrays.get("class_names")

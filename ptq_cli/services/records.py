@@ -73,7 +73,7 @@ def _check_nested(key: str, value: Any, schema: type) -> None:
     each of that class's fields present must fit its annotation (`NESTED_FIELDS` of a record class names them)."""
     if not isinstance(value, dict):
         return
-    hints, known = _annotations(schema) if is_dataclass(schema) else (typing.get_type_hints(schema), frozenset(typing.get_type_hints(schema)))
+    hints, known = _annotations(schema)
     for name in known & value.keys():
         if not _fits(value[name], hints[name]):
             raise TypeError(f"field '{key}.{name}' is {json.dumps(value[name])[:40]}, expected {hints[name]}")
@@ -81,32 +81,44 @@ def _check_nested(key: str, value: Any, schema: type) -> None:
 
 @cache
 def _annotations(cls: type) -> tuple[dict[str, Any], frozenset[str]]:
-    """A record class's resolved type hints and field names (resolving them is most of a small record's reading)."""
-    return typing.get_type_hints(cls), frozenset(field.name for field in fields(cls))
+    """A record class's (or TypedDict's) resolved type hints and field names (resolving them is most of a small record's reading)."""
+    hints = typing.get_type_hints(cls)
+    return hints, frozenset(field.name for field in fields(cls)) if is_dataclass(cls) else frozenset(hints)
 
 
-def _fits(value: Any, hint: Any) -> bool:  # noqa: PLR0911  one return per kind of type hint
+def _fits(value: Any, hint: Any) -> bool:
+    return _checker(hint)(value)
+
+
+@cache
+def _checker(hint: Any) -> typing.Callable[[Any], bool]:  # noqa: PLR0911  one return per kind of type hint
+    """Whether a value fits `hint`, as a function made once per hint (a record holds thousands of values)."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint is Any:
-        return True
+        return _anything
     if origin in (typing.Union, types.UnionType):
-        return any(_fits(value, arg) for arg in args)
+        options = tuple(_checker(arg) for arg in args)
+        return lambda value: any(check(value) for check in options)
     if hint is type(None):
-        return value is None
+        return lambda value: value is None
     if hint is bool:
-        return isinstance(value, bool)
+        return lambda value: isinstance(value, bool)
     if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return lambda value: isinstance(value, int) and not isinstance(value, bool)
     if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        return lambda value: isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if hint is str:
-        return isinstance(value, str)
+        return lambda value: isinstance(value, str)
     if hint is dict or origin is dict:
-        return isinstance(value, dict)
+        return lambda value: isinstance(value, dict)
     if hint in (list, tuple) or origin in (list, tuple):
-        element = args[0] if args else Any
-        return isinstance(value, list) and all(_fits(item, element) for item in value)
-    return True  # nested records are checked by their own from_dict
+        element = _checker(args[0] if args else Any)
+        return lambda value: isinstance(value, list) and all(element(item) for item in value)
+    return _anything  # nested records are checked by their own from_dict
+
+
+def _anything(_value: Any) -> bool:
+    return True
 
 
 def record_files(directory: Path) -> list[Path]:
