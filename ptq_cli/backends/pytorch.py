@@ -266,9 +266,11 @@ def _unjudged(settings: QuantizationSettings) -> QuantizationSettings:
 @contextlib.contextmanager
 def _made_before_not_scanned() -> Iterator[None]:
     """The collections after each candidate scan only what was made since (gc.freeze): torch's own objects are so many
-    that a full collection took 0.3 s, longer than a candidate of a small model."""
+    that a full collection took 0.3 s, longer than a candidate of a small model. One full collection first: garbage
+    frozen with the living would stay until the end (the float graph's conversion leaves some)."""
     import gc
 
+    gc.collect()
     gc.freeze()
     try:
         yield
