@@ -73,6 +73,13 @@ def test_auto_keeps_the_observer_the_held_out_images_prefer(project):
 
     made = _quantize(project, "head_auto.pt")["settings"]
     assert gc.get_freeze_count() == 0  # the judging's frozen objects are scanned again after it
+    gc.freeze()  # a caller's own frozen objects stay frozen
+    try:
+        frozen = gc.get_freeze_count()
+        _quantize(project, "head_auto_frozen.pt")
+        assert 0 < gc.get_freeze_count() <= frozen  # none unfrozen, none added (some freed as their last reference went)
+    finally:
+        gc.unfreeze()
     measured = [tuple(score) for score in made["method_sqnr_db"]]
     assert [(method, percentile) for method, percentile, _ in measured] == list(pytorch.METHOD_CANDIDATES)
     assert all(db is not None for _, _, db in measured)

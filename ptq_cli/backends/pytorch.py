@@ -267,9 +267,13 @@ def _unjudged(settings: QuantizationSettings) -> QuantizationSettings:
 def _made_before_not_scanned() -> Iterator[None]:
     """The collections after each candidate scan only what was made since (gc.freeze): torch's own objects are so many
     that a full collection took 0.3 s, longer than a candidate of a small model. One full collection first: garbage
-    frozen with the living would stay until the end (the float graph's conversion leaves some)."""
+    frozen with the living would stay until the end (the float graph's conversion leaves some). A process that froze
+    objects of its own (a server using ptq's API) keeps them frozen: nothing is frozen or unfrozen there."""
     import gc
 
+    if gc.get_freeze_count():
+        yield
+        return
     gc.collect()
     gc.freeze()
     try:
@@ -351,9 +355,11 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     float_modules = (*pools, *output_softmax_modules(float_module))
     chosen: tuple[str, ...] = ()
     if settings.method == AUTO_METHOD or _variants(settings)[1] is not None:
-        with _made_before_not_scanned():
-            settings, chosen = (_choose_by_held_out(float_module, settings, calibration, example, float_modules, progress) if fixed is None
-                                else (_unjudged(settings), ()))
+        if fixed is not None:
+            settings = _unjudged(settings)
+        else:
+            with _made_before_not_scanned():
+                settings, chosen = _choose_by_held_out(float_module, settings, calibration, example, float_modules, progress)
     judged = calibration[:: HELD_OUT_EVERY][: HELD_OUT_MAX] if fixed is None else batches[0]
     reference = _scores(float_module, judged, fixed)
     quantized = _calibrated(float_module, settings, batches, example, float_modules, progress)
