@@ -655,3 +655,41 @@ def test_each_weight_is_quantized_once_for_all_the_candidates_and_the_file_is_th
     _quantize(project, "codes_each_time.onnx", "--method", "auto")
     assert len(computed) > len(set(computed))
     assert (project / "codes_once.onnx").read_bytes() == (project / "codes_each_time.onnx").read_bytes()
+
+
+def test_candidates_past_the_activation_budget_are_calibrated_on_an_even_draw_and_the_model_kept_on_every_image(project, monkeypatch):
+    """Where the images not held out would read more than CANDIDATE_VALUES activation values, `--method auto`'s candidates
+    are calibrated on an even draw of them within it (and says so); the model kept is calibrated on every image: its
+    MinMax ranges merge the draw's with the other images', byte for byte the model a MinMax pass over every image makes."""
+    from ptq_cli.quantize import calibration
+    from ptq_cli.quantize.policy import held_out_split
+
+    count = len(png_images(project / "cal"))
+    held_out, rest = held_out_split(np.arange(count))
+    per_image = calibration.activation_bytes(str(project / "m.onnx")) // 4
+    monkeypatch.setattr(calibration, "CANDIDATE_VALUES", per_image * 40)  # a few dozen of the 90 not held out (the prepared graph has more)
+    images = _minmax_images(monkeypatch)
+    drawn = _quantize(project, "drawn.onnx", "--method", "auto")
+    notes = " ".join(drawn["notes"])
+    candidates = int(notes.split("candidates calibrated on ")[1].split()[0])
+    assert 4 <= candidates < len(rest) and f"of the {len(rest)} images not held out" in notes and f"the model kept on all {count}" in notes
+    assert images[0] == candidates and sum(images) == count  # the draw's MinMax, then every other image's, once
+    images.clear()
+    monkeypatch.setattr(calibration, "_minmax_of_all", lambda *_: None)
+    _quantize(project, "drawn_whole.onnx", "--method", "auto")
+    assert sum(images) == candidates + count and len(held_out) > 0
+    assert (project / "drawn.onnx").read_bytes() == (project / "drawn_whole.onnx").read_bytes()
+
+
+def test_within_the_budget_the_candidates_read_every_image_not_held_out(project):
+    """Under CANDIDATE_VALUES the candidates' images are policy.held_out_split's rest, in its order (the ranges, and the
+    files, of a model that fits are those they always were), and the others the held-out quarter."""
+    from ptq_cli.quantize.calibration import judged_images
+    from ptq_cli.quantize.job import Job
+    from ptq_cli.quantize.policy import held_out_split
+
+    images = np.arange(30 * 4, dtype=np.float32).reshape(30, 1, 2, 2)
+    job = Job(str(project / "m.onnx"), images, "input", [], lambda _model: 0, project, project / "unused.onnx", "m", None, ())
+    split = judged_images(job)
+    held_out, rest = held_out_split(images)
+    assert np.array_equal(split.calibrating, rest) and np.array_equal(split.held_out, held_out) and np.array_equal(split.others, held_out)

@@ -489,3 +489,37 @@ def test_a_convolution_s_row_count_is_the_number_of_rows_it_unfolds(auto_pad, ke
     layer = Layer("conv", "Conv", "x", "x", "w", "s", None, None, None, attributes, None)
     inputs = np.zeros((2, 3, 11, 9), np.float32)
     assert row_count(layer, inputs, (4, 3, kernel, kernel)) == len(unfold(layer, inputs, (4, 3, kernel, kernel)))
+
+
+@pytest.mark.parametrize("attributes, groups", [({}, 1), ({"group": 2}, 2), ({"auto_pad": "SAME_UPPER"}, 1), ({"strides": [2, 2]}, 1),
+                                                ({"pads": [1, 0, 0, 1]}, 1)],
+                         ids=["pointwise", "grouped", "same-upper", "strided", "padded"])
+def test_a_1x1_convolution_s_rows_are_its_input_s_positions_as_onnxruntime_convolves_them(attributes, groups):
+    """A 1x1 convolution of stride 1 without padding is unfolded from its input's positions directly (no padded copy, no
+    windows): the same rows, whole or sampled, as onnxruntime's convolution reads; strided or padded ones through windows."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 4, 7, 5)).astype(np.float32)
+    weight = rng.standard_normal((6, 4 // groups, 1, 1)).astype(np.float32)
+    expected = _ort_conv(x, weight, attributes)
+    layer = _conv_layer(attributes)
+    rows = rounding.unfold(layer, x, weight.shape)
+    got = np.einsum("rgi,goi->rgo", rows, rounding.weight_matrix(layer, weight))
+    np.testing.assert_allclose(got.reshape(3, expected.shape[2], expected.shape[3], 6).transpose(0, 3, 1, 2), expected, rtol=1e-4, atol=1e-4)
+    keep = rng.random(rounding.row_count(layer, x, weight.shape)) < 0.4
+    assert np.array_equal(rounding.unfold(layer, x, weight.shape, keep), rows[keep])
+    assert rounding._pointwise(layer, x, weight.shape) == (attributes.get("strides") is None and attributes.get("pads") is None)
+
+
+@pytest.mark.parametrize("depthwise", [True, False])
+def test_a_depthwise_layer_s_statistics_are_drawn_from_fewer_rows(monkeypatch, depthwise):
+    """Each group of a depthwise convolution reads its own channel's window alone (H is k^2 x k^2): its rows are drawn
+    within DEPTHWISE_ROWS, every other layer's within MAX_ROWS."""
+    monkeypatch.setattr(rounding, "DEPTHWISE_ROWS", 200)
+    monkeypatch.setattr(rounding, "MAX_ROWS", 2000)
+    channels = 4
+    attributes = {"group": channels, "pads": [1, 1, 1, 1]} if depthwise else {"pads": [1, 1, 1, 1]}
+    weight_shape = (channels, 1, 3, 3) if depthwise else (channels, channels, 3, 3)
+    inputs = np.random.default_rng(2).standard_normal((20, channels, 16, 16)).astype(np.float32)  # 5,120 rows
+    parts = list(rounding._sampled_rows(_conv_layer(attributes), iter([inputs[:10], inputs[10:]]), weight_shape, 20, np.random.default_rng(3)))
+    drawn = sum(len(part) for part in parts)
+    assert (100 < drawn < 300) if depthwise else (1700 < drawn < 2300), drawn

@@ -11,6 +11,7 @@ import io
 import logging
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -25,8 +26,10 @@ from ptq_cli.model_file import (
 )
 from ptq_cli.quantize import reuse
 from ptq_cli.quantize.job import Job
-from ptq_cli.quantize.policy import held_out_split, image_pixels, per_image_range
+from ptq_cli.quantize.policy import held_out_mask, image_pixels, per_image_range
 from ptq_cli.quantize.settings import (
+    CANDIDATE_VALUES,
+    HELD_OUT_EVERY,
     PER_IMAGE,
     ProgressCallback,
     QuantizationSettings,
@@ -273,10 +276,49 @@ def _weights_quantized_once():
         return copy.deepcopy(made)
 
     writer.quantize_onnx_initializer = once
+    quantizer = getattr(writer, "QDQQuantizer", None)
+    real_params = getattr(quantizer, "_calc_initializer_quant_params", None)
+    if real_params is not None:
+        quantizer._calc_initializer_quant_params = _params_computed_once(real_params)  # type: ignore[union-attr]
     try:
         yield
     finally:
         writer.quantize_onnx_initializer = real
+        if real_params is not None:
+            quantizer._calc_initializer_quant_params = real_params  # type: ignore[union-attr]
+
+
+def _params_computed_once(real):
+    """onnxruntime's QDQ writer's scales and zero points of every weight (`_calc_initializer_quant_params`, a Python loop
+    over each output channel: a second of EfficientNet-Lite0's every candidate), within one run (reuse.computed_once)
+    handed back from an earlier writer of the same weights, types and options. What it reads: the initializers it
+    quantizes, each one's role and axis, their overrides, the types and the options of symmetry, range and blocks."""
+    def params(self):
+        def key() -> str:
+            initializers = {init.name: init for init in self.model.initializer()}
+            named = sorted(name for name in self.tensors_to_quantize if name in initializers)
+            described = [(name, self.tensors_to_quantize[name].tensor_type, self.tensors_to_quantize[name].axis,
+                          self.tensors_to_quantize[name].data_type, _spelled(self.tensor_quant_overrides.get(name))) for name in named]
+            options = (self.weight_qType, self.activation_qType, self.reduce_range, self._is_weight_symmetric, self.is_activation_symmetric,
+                       getattr(self, "block_size", 0), getattr(self, "min_real_range", None))
+            return reuse.digest(b"initializer quant params", *(initializers[name].SerializeToString() for name in named),
+                                repr((described, options)).encode())
+
+        return copy.deepcopy(reuse.computed_once(key, lambda: real(self)))
+
+    return params
+
+
+def _spelled(value):
+    """`value` (overrides: lists and dicts of numbers, arrays, types) for a key: each array by its type, shape and bytes
+    (numpy's repr elides a long one)."""
+    if isinstance(value, np.ndarray):
+        return value.dtype.str, value.shape, value.tobytes()
+    if isinstance(value, dict):
+        return sorted((key, _spelled(item)) for key, item in value.items())
+    if isinstance(value, list | tuple):
+        return [_spelled(item) for item in value]
+    return value
 
 
 def _empty_bins(collector, ranges: dict) -> None:
@@ -471,29 +513,63 @@ def _calibration_caches(source: str, images: np.ndarray, extra_options: dict, *m
     return [reuse.reused_file(functools.partial(key, method), ".json") for method in methods]
 
 
+@dataclass(frozen=True)
+class JudgedImages:
+    """How a job's calibration images serve the judges: the held-out images that judge, the images the candidates are
+    calibrated on, and the others (every image in one of the two, once)."""
+
+    held_out: np.ndarray
+    calibrating: np.ndarray
+    others: np.ndarray
+
+
+def judged_images(job: Job) -> JudgedImages:
+    """The held-out images (policy.held_out_split) and, of the rest, those `--method auto`'s candidates are calibrated
+    on: every one, or an even draw of them within CANDIDATE_VALUES activation values."""
+    count = len(job.calibration)
+    rest = np.delete(np.arange(count), np.arange(HELD_OUT_EVERY - 1, count, HELD_OUT_EVERY))
+    fitting = max(1, CANDIDATE_VALUES // max(1, _activation_values(job.source)))
+    chosen = rest if len(rest) <= fitting else rest[np.linspace(0, len(rest) - 1, fitting).astype(int)]
+    return JudgedImages(job.calibration[held_out_mask(count)], job.calibration[chosen], job.calibration[np.setdiff1d(np.arange(count), chosen)])
+
+
+@functools.lru_cache(maxsize=4)
+def _activation_values_of(source: str, _version: tuple[int, int]) -> int:
+    return activation_bytes(source) // 4
+
+
+def _activation_values(source: str) -> int:
+    """Float values of every activation of one image (activation_bytes), read once for a file as it is (its size and
+    time of change in the key)."""
+    status = Path(source).stat()
+    return _activation_values_of(source, (status.st_size, status.st_mtime_ns))
+
+
 def _minmax_of_all(job: Job, settings: QuantizationSettings, overrides: dict | None, cache: Path | None) -> None:
     """MinMax's ranges over all the job's calibration images, into `cache` (which quantize_static then reads), where
-    `--method auto` left those of the images it calibrates its candidates on (policy.held_out_split): the held-out
-    images calibrated alone and merged into them, a quarter of the images run instead of all. onnxruntime reduces each
-    tensor to its smallest and largest value (NaN left out), which the two parts give as they are. Nothing where the
-    writer would calibrate another graph than the job's (quantize_static converts an old opset first)."""
+    `--method auto` left those of the images it calibrates its candidates on (`judged_images`): the other images
+    calibrated alone and merged into them (a quarter of the images, where the candidates read all the rest).
+    onnxruntime reduces each tensor to its smallest and largest value (NaN left out), which the two parts give as they
+    are. Nothing where the writer would calibrate another graph than the job's (quantize_static converts an old opset
+    first)."""
     import onnx
     from onnxruntime.quantization import QuantType
     from onnxruntime.quantization.calibrate import CalibrationMethod, TensorData, TensorsData, create_calibrator, load_tensors_data, save_tensors_data
     from onnxruntime.quantization.quant_utils import update_opset_version
     from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
 
-    held_out, rest = held_out_split(job.calibration)
-    (part,) = _calibration_caches(job.source, rest, {}, MINMAX)
-    if cache is None or cache.is_file() or part is None or not part.is_file() or len(held_out) == 0:
+    judged = judged_images(job)
+    (part,) = _calibration_caches(job.source, judged.calibrating, {}, MINMAX)
+    others = judged.others
+    if cache is None or cache.is_file() or part is None or not part.is_file() or len(others) == 0:
         return
     graph = onnx.load(job.source, load_external_data=False)
     types = [getattr(QuantType, QUANT_TYPES[dtype]) for dtype in (settings.weight_dtype, settings.dtype)]
     if update_opset_version(graph, *types, tensor_quant_overrides=overrides, block_size=0) is not graph:
         return
     op_types = list(dict(job.writer_options).get(OP_TYPES, ())) or list(set(QLinearOpsRegistry) | set(QDQRegistry))  # as quantize_static
-    reader = _reader(job.input_name, held_out, None)
-    _in_chunks(reader, calibration_chunk(job.source, held_out, None, job.model_name), {})
+    reader = _reader(job.input_name, others, None)
+    _in_chunks(reader, calibration_chunk(job.source, others, None, job.model_name), {})
     with tempfile.TemporaryDirectory(prefix="ort.quant.", dir=job.workdir) as scratch:
         calibrator = create_calibrator(Path(job.source), op_types, augmented_model_path=str(Path(scratch) / "augmented_model.onnx"),
                                        calibrate_method=CalibrationMethod.MinMax, extra_options={})

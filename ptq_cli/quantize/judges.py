@@ -19,7 +19,7 @@ from ptq_cli.model_file import (
     resolve_threads,
 )
 from ptq_cli.quantize import overflow, ranges, reuse, rounding
-from ptq_cli.quantize.calibration import SEARCH_CHUNK_PIXELS, write_qdq
+from ptq_cli.quantize.calibration import SEARCH_CHUNK_PIXELS, judged_images, write_qdq
 from ptq_cli.quantize.job import Job
 from ptq_cli.quantize.policy import chosen_method, closer_by_margin, held_out_split, image_pixels, rounding_image_count, sqnr_figure
 from ptq_cli.quantize.rounding import LEARNED, NEAREST
@@ -35,6 +35,7 @@ from ptq_cli.quantize.runs import (
 )
 from ptq_cli.quantize.settings import (
     AUTO_METHOD,
+    CANDIDATE_VALUES,
     METHOD_CANDIDATES,
     METHOD_MARGIN_DB,
     RANGE_SEARCH_PIXELS,
@@ -141,17 +142,21 @@ def refine_rounding(quantized, float_path: str, calibration: np.ndarray, input_n
 def choose_method(job: Job, settings: QuantizationSettings, overrides: dict | None,
                   progress: ProgressCallback | None) -> tuple[QuantizationSettings, list[str]]:
     """(settings with the activation ranges chosen, notes): each METHOD_CANDIDATES range calibrated on 3/4 of the
-    calibration images, nearest-rounded, and judged by the image SQNR against FP32 on the other 1/4 (the
-    scores before a final Softmax); `chosen_method` keeps one (MinMax unless a percentile measures better by a
-    margin). A candidate onnxruntime cannot calibrate scores nothing."""
+    calibration images (an even draw of them past CANDIDATE_VALUES activation values: `judged_images`), nearest-rounded,
+    and judged by the image SQNR against FP32 on the other 1/4 (the scores before a final Softmax); `chosen_method` keeps
+    one (MinMax unless a percentile measures better by a margin). A candidate onnxruntime cannot calibrate scores nothing."""
     import onnx
 
     from ptq_cli.metrics import image_sqnr_db
 
-    held_out, rest = held_out_split(job.calibration)
+    split = judged_images(job)
+    held_out, rest = split.held_out, split.calibrating
     if len(held_out) == 0 or len(rest) == 0:
         first = METHOD_CANDIDATES[0][0]
         return replace(settings, method=first, percentile=None), [f"method auto: {first} (too few calibration images to compare ranges)"]
+    notes = [] if len(split.others) == len(held_out) else \
+        [f"method auto: candidates calibrated on {len(rest)} of the {len(rest) + len(split.others) - len(held_out)} images not held out "
+         f"(an even draw within {CANDIDATE_VALUES / 1e9:g} G activation values), the model kept on all {len(job.calibration)}"]
     threads = resolve_threads(None)
     float_model = onnx.load(job.source)
     judged = judged_output(float_model)
@@ -171,7 +176,7 @@ def choose_method(job: Job, settings: QuantizationSettings, overrides: dict | No
         name = judged_in(quantized, judged)
         scores.append((method, percentile, sqnr_figure(image_sqnr_db(reference, tensor_outputs(quantized, name, job.input_name, held_out, threads)))))
     method, percentile = chosen_method(tuple(scores))
-    return replace(settings, method=method, percentile=percentile).with_evidence(method_sqnr_db=tuple(scores)), []
+    return replace(settings, method=method, percentile=percentile).with_evidence(method_sqnr_db=tuple(scores)), notes
 
 
 def judged_choices(job: Job, settings: QuantizationSettings, overrides: dict | None,
@@ -188,7 +193,7 @@ def judged_choices(job: Job, settings: QuantizationSettings, overrides: dict | N
         else:
             settings, chosen = choose_method(job, settings, overrides, progress)
             notes += chosen
-            done = len(METHOD_CANDIDATES) * len(held_out_split(job.calibration)[1])
+            done = len(METHOD_CANDIDATES) * len(judged_images(job).calibrating)
     if settings.overflow_fix == overflow.JUDGED:
         settings, overrides, judged = _judge_overflow_fix(job, settings, overrides)
         notes += judged
@@ -206,7 +211,8 @@ def _judge_overflow_fix(job: Job, settings: QuantizationSettings, all_layers: di
 
     float_model = onnx.load(job.source)
     first_layer = fix_overrides(float_model, replace(settings, overflow_fix=overflow.FIRST_LAYER), job.float_nodes)
-    held_out, rest = held_out_split(job.calibration)
+    split = judged_images(job)  # those `--method auto`'s candidates were calibrated on: its MinMax figure is all-layers'
+    held_out, rest = split.held_out, split.calibrating
     if job.fixed_batch is not None or len(held_out) == 0 or len(rest) == 0:
         return replace(settings, overflow_fix=overflow.FIRST_LAYER), first_layer, [f"overflow fix: {overflow.FIRST_LAYER} (not judged: too few "
                                                                                  "calibration images, or a graph tied to its fixed batch)"]

@@ -31,6 +31,10 @@ DAMPING = 0.01  # of the mean diagonal of H, as in GPTQ: keeps H invertible wher
 BLOCK = 128  # columns rounded between two full error updates (GPTQ's lazy batch)
 ROW_BUDGET = 8_000_000  # floats of unfolded input rows held at once
 MAX_ROWS = 65_536  # rows (output positions) a layer's statistics are drawn from, at most
+# A depthwise convolution's rows, at most: each channel reads only its own kernel window, so its H is k^2 x k^2 (25 x 25
+# at 5x5), which this many rows estimate as well as MAX_ROWS do a 1x1 convolution's hundreds of inputs, at an eighth of
+# the time (the depthwise layers were three quarters of EfficientNet-Lite0's learned rounding).
+DEPTHWISE_ROWS = 8_192
 MAX_INPUTS = 8_192  # inputs per group at most: H is inputs x inputs float64 (512 MB here); wider layers keep nearest codes
 
 
@@ -124,6 +128,12 @@ def unfold(layer: Layer, inputs: np.ndarray, weight_shape: tuple[int, ...], keep
         rows = inputs.reshape(-1, 1, inputs.shape[-1])
         return rows if keep is None else rows[keep]
     groups = int(layer.attributes.get("group", 1))
+    if _pointwise(layer, inputs, weight_shape):  # each row one position's channels: no windows, no padded copy
+        count, channels, height, width = inputs.shape
+        if keep is None:
+            return inputs.transpose(0, 2, 3, 1).reshape(count * height * width, groups, channels // groups)
+        image, row, column = np.unravel_index(np.flatnonzero(keep), (count, height, width))
+        return inputs[image, :, row, column].reshape(len(image), groups, channels // groups)
     windows = _windows(layer, inputs, weight_shape)
     count, channels, out_h, out_w = windows.shape[:4]
     columns = (channels // groups) * weight_shape[2] * weight_shape[3]
@@ -142,6 +152,14 @@ def row_count(layer: Layer, inputs: np.ndarray, weight_shape: tuple[int, ...]) -
     out_h, out_w = (max(0, -(-(size + before + after - (k - 1) * d) // s)) for size, before, after, k, d, s in
                     zip(inputs.shape[2:], (top, left), (bottom, right), kernel, dilations, strides, strict=True))
     return inputs.shape[0] * out_h * out_w
+
+
+def _pointwise(layer: Layer, inputs: np.ndarray, weight_shape: tuple[int, ...]) -> bool:
+    """A 1x1 Conv of stride 1 without padding: its windows are its input's positions."""
+    if tuple(weight_shape[2:]) != (1, 1) or inputs.ndim != 4:
+        return False
+    kernel, strides, dilations = _geometry(layer, weight_shape)
+    return tuple(strides) == (1, 1) and _pads(layer.attributes, inputs.shape[2:], kernel, strides, dilations) == (0, 0, 0, 0)  # type: ignore[arg-type]
 
 
 def _geometry(layer: Layer, weight_shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
@@ -198,12 +216,13 @@ class Moments:
 def _sampled_rows(layer: Layer, batches: Iterator[np.ndarray], weight_shape: tuple[int, ...], images: int,
                   rng: np.random.Generator) -> Iterator[np.ndarray]:
     """The layer's unfolded rows over the batches of its input, a sample of at most about MAX_ROWS of them over
-    `images` images (the rows drawn by `rng`: the same rows of the quantized and the float input for the same state),
-    a few images at a time."""
+    `images` images (DEPTHWISE_ROWS where each group reads one channel; the rows drawn by `rng`: the same rows of the
+    quantized and the float input for the same state), a few images at a time."""
     fraction = 1.0
+    most = DEPTHWISE_ROWS if layer.op_type == "Conv" and weight_shape[1] == 1 and int(layer.attributes.get("group", 1)) > 1 else MAX_ROWS
     for index, batch in enumerate(batches):
         if index == 0:
-            fraction = min(1.0, MAX_ROWS / max(1, row_count(layer, batch[:1], weight_shape) * images))
+            fraction = min(1.0, most / max(1, row_count(layer, batch[:1], weight_shape) * images))
         per_image = max(1, int(np.prod(batch.shape[1:])) * (int(np.prod(weight_shape[2:])) if layer.op_type == "Conv" else 1))
         step = max(1, ROW_BUDGET // per_image)
         for start in range(0, len(batch), step):
