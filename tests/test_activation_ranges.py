@@ -681,15 +681,19 @@ def test_candidates_past_the_activation_budget_are_calibrated_on_an_even_draw_an
     assert (project / "drawn.onnx").read_bytes() == (project / "drawn_whole.onnx").read_bytes()
 
 
-def test_within_the_budget_the_candidates_read_every_image_not_held_out(project):
+@pytest.mark.parametrize("count", [30, 1100])
+def test_within_the_budget_the_candidates_read_every_image_not_held_out(project, count):
     """Under CANDIDATE_VALUES the candidates' images are policy.held_out_split's rest, in its order (the ranges, and the
-    files, of a model that fits are those they always were), and the others the held-out quarter."""
+    files, of a model that fits are those they always were); the others are every image besides, once: the held-out
+    quarter, and past HELD_OUT_MAX held-out images the quarter's images beyond it too (MinMax over every image merges the two)."""
     from ptq_cli.quantize.calibration import judged_images
     from ptq_cli.quantize.job import Job
     from ptq_cli.quantize.policy import held_out_split
 
-    images = np.arange(30 * 4, dtype=np.float32).reshape(30, 1, 2, 2)
+    images = np.arange(count * 4, dtype=np.float32).reshape(count, 1, 2, 2)
     job = Job(str(project / "m.onnx"), images, "input", [], lambda _model: 0, project, project / "unused.onnx", "m", None, ())
     split = judged_images(job)
     held_out, rest = held_out_split(images)
-    assert np.array_equal(split.calibrating, rest) and np.array_equal(split.held_out, held_out) and np.array_equal(split.others, held_out)
+    assert np.array_equal(split.calibrating, rest) and np.array_equal(split.held_out, held_out)
+    assert np.array_equal(np.sort(np.concatenate([split.calibrating, split.others]).reshape(-1)), images.reshape(-1))
+    assert len(split.others) == count - len(rest) and len(split.others) >= len(held_out)
