@@ -33,7 +33,7 @@ ROW_BUDGET = 8_000_000  # floats of unfolded input rows held at once
 MAX_ROWS = 65_536  # rows (output positions) a layer's statistics are drawn from, at most
 # A depthwise convolution's rows, at most: each channel reads only its own kernel window, so its H is k^2 x k^2 (25 x 25
 # at 5x5), which this many rows estimate as well as MAX_ROWS do a 1x1 convolution's hundreds of inputs, at an eighth of
-# the time (the depthwise layers were three quarters of EfficientNet-Lite0's learned rounding).
+# the time (the depthwise layers took three quarters of EfficientNet-Lite0's input moments).
 DEPTHWISE_ROWS = 8_192
 MAX_INPUTS = 8_192  # inputs per group at most: H is inputs x inputs float64 (512 MB here); wider layers keep nearest codes
 
