@@ -697,3 +697,4 @@ def test_within_the_budget_the_candidates_read_every_image_not_held_out(project,
     assert np.array_equal(split.calibrating, rest) and np.array_equal(split.held_out, held_out)
     assert np.array_equal(np.sort(np.concatenate([split.calibrating, split.others]).reshape(-1)), images.reshape(-1))
     assert len(split.others) == count - len(rest) and len(split.others) >= len(held_out)
+    assert not split.drawn and split.not_held_out == len(rest)  # nothing said of a draw that was not made

@@ -26,10 +26,9 @@ from ptq_cli.model_file import (
 )
 from ptq_cli.quantize import reuse
 from ptq_cli.quantize.job import Job
-from ptq_cli.quantize.policy import held_out_mask, image_pixels, per_image_range
+from ptq_cli.quantize.policy import held_out_mask, image_pixels, judged_indices, per_image_range
 from ptq_cli.quantize.settings import (
     CANDIDATE_VALUES,
-    HELD_OUT_EVERY,
     PER_IMAGE,
     ProgressCallback,
     QuantizationSettings,
@@ -516,21 +515,36 @@ def _calibration_caches(source: str, images: np.ndarray, extra_options: dict, *m
 @dataclass(frozen=True)
 class JudgedImages:
     """How a job's calibration images serve the judges: the held-out images that judge, the images the candidates are
-    calibrated on, and the others (every image in one of the two, once)."""
+    calibrated on, and the others (every image in one of the two, once), each taken from the images where it is read."""
 
-    held_out: np.ndarray
-    calibrating: np.ndarray
-    others: np.ndarray
+    images: np.ndarray
+    calibrating_index: np.ndarray
+    others_index: np.ndarray
+    not_held_out: int  # the images the candidates would read within the budget
+
+    @property
+    def held_out(self) -> np.ndarray:
+        return self.images[held_out_mask(len(self.images))]
+
+    @property
+    def calibrating(self) -> np.ndarray:
+        return self.images[self.calibrating_index]
+
+    @property
+    def others(self) -> np.ndarray:
+        return self.images[self.others_index]
+
+    @property
+    def drawn(self) -> bool:
+        """Whether the candidates read a draw of the images not held out rather than all of them."""
+        return len(self.calibrating_index) < self.not_held_out
 
 
 def judged_images(job: Job) -> JudgedImages:
     """The held-out images (policy.held_out_split) and, of the rest, those `--method auto`'s candidates are calibrated
-    on: every one, or an even draw of them within CANDIDATE_VALUES activation values."""
-    count = len(job.calibration)
-    rest = np.delete(np.arange(count), np.arange(HELD_OUT_EVERY - 1, count, HELD_OUT_EVERY))
+    on: every one, or an even draw of them within CANDIDATE_VALUES activation values (policy.judged_indices)."""
     fitting = max(1, CANDIDATE_VALUES // max(1, _activation_values(job.source)))
-    chosen = rest if len(rest) <= fitting else rest[np.linspace(0, len(rest) - 1, fitting).astype(int)]
-    return JudgedImages(job.calibration[held_out_mask(count)], job.calibration[chosen], job.calibration[np.setdiff1d(np.arange(count), chosen)])
+    return JudgedImages(job.calibration, *judged_indices(len(job.calibration), fitting))
 
 
 @functools.lru_cache(maxsize=4)
@@ -560,9 +574,9 @@ def _minmax_of_all(job: Job, settings: QuantizationSettings, overrides: dict | N
 
     judged = judged_images(job)
     (part,) = _calibration_caches(job.source, judged.calibrating, {}, MINMAX)
-    others = judged.others
-    if cache is None or cache.is_file() or part is None or not part.is_file() or len(others) == 0:
+    if cache is None or cache.is_file() or part is None or not part.is_file() or len(judged.others_index) == 0:
         return
+    others = judged.others
     graph = onnx.load(job.source, load_external_data=False)
     types = [getattr(QuantType, QUANT_TYPES[dtype]) for dtype in (settings.weight_dtype, settings.dtype)]
     if update_opset_version(graph, *types, tensor_quant_overrides=overrides, block_size=0) is not graph:

@@ -21,7 +21,7 @@ from ptq_cli.model_file import (
 from ptq_cli.quantize import overflow, ranges, reuse, rounding
 from ptq_cli.quantize.calibration import SEARCH_CHUNK_PIXELS, judged_images, write_qdq
 from ptq_cli.quantize.job import Job
-from ptq_cli.quantize.policy import chosen_method, closer_by_margin, held_out_split, image_pixels, rounding_image_count, sqnr_figure
+from ptq_cli.quantize.policy import chosen_method, closer_by_margin, even_draw, held_out_split, image_pixels, rounding_image_count, sqnr_figure
 from ptq_cli.quantize.rounding import LEARNED, NEAREST
 from ptq_cli.quantize.runs import (
     chunked_run,
@@ -101,7 +101,7 @@ def refine_rounding(quantized, float_path: str, calibration: np.ndarray, input_n
     if settings.rounding == LEARNED or len(held_out) == 0:
         rest = calibration  # nothing to judge with, or nothing to judge: every image refines
     count = rounding_image_count(image_pixels(calibration))
-    refining = rest[np.linspace(0, len(rest) - 1, min(count, len(rest))).astype(int)] if len(rest) else rest
+    refining = rest[even_draw(len(rest), count)]
     threads = resolve_threads(None)
     float_model = onnx.load(float_path)
     nearest_model = onnx.ModelProto.FromString(quantized.SerializeToString())
@@ -154,9 +154,8 @@ def choose_method(job: Job, settings: QuantizationSettings, overrides: dict | No
     if len(held_out) == 0 or len(rest) == 0:
         first = METHOD_CANDIDATES[0][0]
         return replace(settings, method=first, percentile=None), [f"method auto: {first} (too few calibration images to compare ranges)"]
-    notes = [] if len(split.others) == len(held_out) else \
-        [f"method auto: candidates calibrated on {len(rest)} of the {len(rest) + len(split.others) - len(held_out)} images not held out "
-         f"(an even draw within {CANDIDATE_VALUES / 1e9:g} G activation values), the model kept on all {len(job.calibration)}"]
+    notes = [f"method auto: candidates calibrated on {len(rest)} of the {split.not_held_out} images not held out (an even draw within "
+             f"{CANDIDATE_VALUES / 1e9:g} G activation values), the model kept on all {len(job.calibration)}"] if split.drawn else []
     threads = resolve_threads(None)
     float_model = onnx.load(job.source)
     judged = judged_output(float_model)
@@ -193,7 +192,7 @@ def judged_choices(job: Job, settings: QuantizationSettings, overrides: dict | N
         else:
             settings, chosen = choose_method(job, settings, overrides, progress)
             notes += chosen
-            done = len(METHOD_CANDIDATES) * len(judged_images(job).calibrating)
+            done = len(METHOD_CANDIDATES) * len(judged_images(job).calibrating_index)
     if settings.overflow_fix == overflow.JUDGED:
         settings, overrides, judged = _judge_overflow_fix(job, settings, overrides)
         notes += judged
@@ -347,7 +346,7 @@ def search_ranges(quantized, float_path: str, calibration: np.ndarray, input_nam
     if len(held_out) == 0 or len(rest) == 0:
         return quantized, settings, []
     pixels = image_pixels(calibration)
-    searching = rest[np.linspace(0, len(rest) - 1, min(rounding_image_count(pixels), len(rest))).astype(int)]
+    searching = rest[even_draw(len(rest), rounding_image_count(pixels))]
     runs, needed = max(1, RANGE_SEARCH_PIXELS // (pixels * len(searching))), len(ranges.activation_scales(quantized)) * len(ranges.FACTORS) + 1
     if needed > runs:  # a sweep cut short would search the first layers only: none at all, and said
         return quantized, settings, [f"range search: not run (one sweep over its activation scales takes {needed} runs of {len(searching)} "

@@ -21,11 +21,29 @@ def held_out_mask(count: int) -> np.ndarray:
     return mask
 
 
+def _rest(count: int) -> np.ndarray:
+    """The indices of the images choices are made on: all but every HELD_OUT_EVERY-th, held out or not."""
+    return np.delete(np.arange(count), np.arange(HELD_OUT_EVERY - 1, count, HELD_OUT_EVERY))
+
+
 def held_out_split(calibration: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(held-out images, the rest): the held_out_mask images judge choices made on the rest (which leaves out
     every HELD_OUT_EVERY-th image, held out or not)."""
-    rest = np.delete(calibration, np.arange(HELD_OUT_EVERY - 1, len(calibration), HELD_OUT_EVERY), axis=0)
-    return calibration[held_out_mask(len(calibration))], rest
+    return calibration[held_out_mask(len(calibration))], calibration[_rest(len(calibration))]
+
+
+def even_draw(count: int, most: int) -> np.ndarray:
+    """The indices of at most `most` of `count` items, evenly spread from the first to the last (all where they fit)."""
+    return np.linspace(0, count - 1, min(most, count)).astype(int)
+
+
+def judged_indices(count: int, most: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """(the images choices are calibrated on, the others, how many were not held out): of `count` calibration images,
+    held_out_split's rest, or an even draw of at most `most` of them; the others every image besides, once (the
+    held-out ones among them)."""
+    rest = _rest(count)
+    chosen = rest[even_draw(len(rest), most)]
+    return chosen, np.setdiff1d(np.arange(count), chosen), len(rest)
 
 
 def image_pixels(images: np.ndarray) -> int:

@@ -22,7 +22,7 @@ from ptq_cli.model_file import (
     load_keras,
 )
 from ptq_cli.quantize import reuse
-from ptq_cli.quantize.policy import chosen_method, held_out_split, rounding_image_count, sqnr_figure
+from ptq_cli.quantize.policy import chosen_method, even_draw, held_out_split, rounding_image_count, sqnr_figure
 from ptq_cli.quantize.rounding import LEARNED, NEAREST
 from ptq_cli.quantize.settings import (
     METHOD_CANDIDATES,
@@ -245,7 +245,7 @@ def refined(quantized: bytes, calibrated: bytes, calibration: np.ndarray, settin
         rest = calibration
     pixels = int(np.prod(calibration.shape[1:3]))
     count = rounding_image_count(pixels)
-    refining = rest[np.linspace(0, len(rest) - 1, min(count, len(rest))).astype(int)]
+    refining = rest[even_draw(len(rest), count)]
     image = interpreter_class()(model_content=quantized).get_input_details()[0]
     result = learned_int8(quantized, calibrated, as_input(refining, image))
     notes = [f"learned rounding: {result.layers} layers, {result.codes_changed:,} of {result.codes:,} weight codes moved off nearest, "
