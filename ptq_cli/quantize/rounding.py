@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ptq_cli.quantize.overflow import PAIR_LIMIT, is_depthwise, is_pair_safe, pair_sums, weight_rows
-from ptq_cli.transforms.graph import WEIGHTED_OPS
+from ptq_cli.transforms.graph import WEIGHTED_OPS, depthwise_multiplier
 
 LEARNED, NEAREST, AUTO = "learned", "nearest", "auto"
 ROUNDING_CHOICES = (AUTO, LEARNED, NEAREST)
@@ -219,7 +219,7 @@ def _sampled_rows(layer: Layer, batches: Iterator[np.ndarray], weight_shape: tup
     `images` images (DEPTHWISE_ROWS where each group reads one channel; the rows drawn by `rng`: the same rows of the
     quantized and the float input for the same state), a few images at a time."""
     fraction = 1.0
-    most = DEPTHWISE_ROWS if layer.op_type == "Conv" and weight_shape[1] == 1 and int(layer.attributes.get("group", 1)) > 1 else MAX_ROWS
+    most = DEPTHWISE_ROWS if depthwise_multiplier(layer.node, weight_shape) else MAX_ROWS
     for index, batch in enumerate(batches):
         if index == 0:
             fraction = min(1.0, most / max(1, row_count(layer, batch[:1], weight_shape) * images))

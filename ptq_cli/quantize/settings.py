@@ -34,8 +34,8 @@ HELD_OUT_MAX = 256
 # `--method auto`'s candidates (and the overflow fix's) are calibrated on at most this many activation values (every
 # float tensor of one image, as quantize/calibration.activation_bytes counts them, times the images), drawn evenly from
 # the images not held out; the model kept is then calibrated on every image. ResNet8 (0.34 M values an image): all its
-# 750; EfficientNet-Lite0 at 224x224 (18 M): 66 of its 225 (the same model as from 110 of them at 2 G, 5 s sooner:
-# each candidate image costs its histograms and five calibrations, an image left to the kept model's MinMax one pass).
+# 750; EfficientNet-Lite0 at 224x224 (18 M): 66 of its 225. An image in the draw costs its histograms and five
+# calibrations; an image left out, its share of the kept model's one MinMax pass (docs/speed.md: the same model, sooner).
 CANDIDATE_VALUES = 1_200_000_000
 # Learned rounding reads at most this many image pixels per layer: 512 images at 32x32, 79 at 224x224.
 ROUNDING_PIXELS = 4_000_000
