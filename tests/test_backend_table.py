@@ -18,7 +18,7 @@ from ptq_cli import backends, settings
 from ptq_cli.backends.base import QUANTIZATION_METADATA_KEY, Backend, Quantizer, RunOptions, Runtime, finish_load
 from ptq_cli.errors import PtqError
 from ptq_cli.model_file import read_bytes
-from ptq_cli.quantize.settings import BackendOptions, QuantizationSettings, QuantizedFile, option
+from ptq_cli.quantize.settings import BackendOptions, QuantizeCall, QuantizedFile, option
 from ptq_cli.services import quant_settings
 from ptq_cli.services.make import calibration as calibration_service
 from ptq_cli.services.make import quantize as quantize_service
@@ -53,9 +53,9 @@ class ToyOptions(BackendOptions):
         return f"{self.grid_bits}-bit grid, rounded {self.rounding_mode}"
 
 
-def _quantize(model: onnx.ModelProto, output: Path, settings: QuantizationSettings, calibration: np.ndarray,
-              stored: dict[str, str], progress=None) -> QuantizedFile:
+def _quantize(call: QuantizeCall) -> QuantizedFile:
     """Weights on a symmetric grid of the options' bits, one scale per tensor (simulated: the graph stays float)."""
+    model, output, settings, stored = call.model, call.output, call.settings, call.stored
     options = settings.options
     assert isinstance(options, ToyOptions) and options.grid_bits is not None
     quantized = onnx.ModelProto.FromString(model.SerializeToString())

@@ -104,9 +104,9 @@ def test_each_qdq_model_of_a_run_is_quantized_once_the_openvino_one_with_its_own
     made: list[str] = []
     quantize = qdq.quantize_qdq
 
-    def counted(model, output, settings, *rest, **options):
-        made.append(f"{settings.dtype}/{settings.target}/{type(options.get('placement', rest[-1] if rest else None)).__name__}")
-        return quantize(model, output, settings, *rest, **options)
+    def counted(call, placement):
+        made.append(f"{call.settings.dtype}/{call.settings.target}/{type(placement).__name__}")
+        return quantize(call, placement)
 
     monkeypatch.setattr(qdq, "quantize_qdq", counted)
     ok("run", "--model", "models/m.onnx", "--data", "colours.npz", "--no-pytorch", "--no-benchmark", cwd=project)

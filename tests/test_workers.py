@@ -88,13 +88,27 @@ def _left_over(sessions_before: set[Path]) -> tuple[dict[int, set[bytes]], set[P
         time.sleep(0.5)
 
 
-def test_tune_on_ray_chooses_what_it_chooses_here_and_writes_the_same_bytes(project):
+def test_tune_on_ray_chooses_what_it_chooses_here_and_writes_the_same_bytes(project, monkeypatch):
+    """On 1 and 2 workers, the figures and bytes of this process; with 2 workers, one piped progress line per finished
+    candidate; and the candidates Ray scored (in a shared results folder) are not scored again here."""
     here = json.loads(ok(*TUNE, "--output", "models/here.onnx", "--results-dir", "here", cwd=project).stdout)
     assert len(here["candidates"]) >= 4
     for workers in ("1", "2"):
-        there = json.loads(ok(*TUNE, "--workers", workers, "--output", f"models/w{workers}.onnx", "--results-dir", f"w{workers}", cwd=project).stdout)
+        result = ok(*TUNE, "--workers", workers, "--output", f"models/w{workers}.onnx", "--results-dir", "shared" if workers == "2" else "w1", cwd=project)
+        there = json.loads(result.stdout)
         assert _figures(there) == _figures(here), workers
         assert (project / "models" / f"w{workers}.onnx").read_bytes() == (project / "models" / "here.onnx").read_bytes(), workers
+    steps = [line for line in result.stderr.splitlines() if line.startswith("Tuning int8 (onnxruntime, local Ray instance, 2 workers): ")]
+    total = int(steps[-1].rsplit("/", 1)[1])
+    assert [int(line.rsplit(": ", 1)[1].split("/")[0]) for line in steps] == list(range(1, total + 1))
+
+    def scored_again(job, inputs):
+        raise AssertionError(f"scored again: {job}")
+
+    monkeypatch.setattr(candidates, "score_candidate", scored_again)
+    again = json.loads(ok(*TUNE, "--output", "models/again.onnx", "--results-dir", "shared", cwd=project).stdout)
+    assert _figures(again) == _figures(here)
+    assert (project / "models" / "again.onnx").read_bytes() == (project / "models" / "here.onnx").read_bytes()
 
 
 @pytest.mark.parametrize("scratch_path", ["short", "long"])
@@ -286,13 +300,6 @@ def test_a_port_that_answers_but_is_not_ray_is_said_in_one_line(project):
     assert not ray.is_initialized()
 
 
-def test_piped_progress_is_one_line_per_finished_candidate(project):
-    result = ok(*TUNE, "--workers", "2", "--output", "models/t.onnx", cwd=project)
-    steps = [line for line in result.stderr.splitlines() if line.startswith("Tuning int8 (onnxruntime, local Ray instance, 2 workers): ")]
-    total = int(steps[-1].rsplit("/", 1)[1])
-    assert [int(line.rsplit(": ", 1)[1].split("/")[0]) for line in steps] == list(range(1, total + 1))
-
-
 def test_sensitivity_on_ray_ranks_the_layers_as_it_does_here(project):
     sensitivity = ("sensitivity", "--model", "models/m.onnx", "--data", "colours.npz", "--calibration", "cal.npz", "--validation-per-class", "20", "--json")
     here = json.loads(ok(*sensitivity, "--results-dir", "here", cwd=project).stdout)
@@ -331,18 +338,6 @@ def test_sweep_on_ray_makes_the_models_and_the_record_it_makes_here(project):
     assert len(made) == 5 and made == sorted(path.name for path in (project / "made").glob("*.onnx"))  # two pruned, three quantized
     for name in made:
         assert (project / "made" / name).read_bytes() == (project / "made_here" / name).read_bytes(), name
-
-
-def test_candidates_scored_on_ray_are_not_scored_again_here(project, monkeypatch):
-    there = json.loads(ok(*TUNE, "--workers", "2", "--output", "models/ray.onnx", "--results-dir", "shared", cwd=project).stdout)
-
-    def scored_again(job, inputs):
-        raise AssertionError(f"scored again: {job}")
-
-    monkeypatch.setattr(candidates, "score_candidate", scored_again)
-    here = json.loads(ok(*TUNE, "--output", "models/here.onnx", "--results-dir", "shared", cwd=project).stdout)
-    assert _figures(here) == _figures(there)
-    assert (project / "models" / "here.onnx").read_bytes() == (project / "models" / "ray.onnx").read_bytes()
 
 
 def test_a_cluster_gone_mid_run_is_said_in_one_line_and_nothing_is_left():

@@ -26,7 +26,7 @@ from ptq_cli.model_file import (  # noqa: F401  the metadata keys, named here fo
     metadata_object,
 )
 from ptq_cli.quantize.overflow import FIRST_LAYER, OVERFLOW_FIXES
-from ptq_cli.quantize.settings import BackendOptions, QuantizationSettings, QuantizedFile
+from ptq_cli.quantize.settings import BackendOptions, QuantizationSettings, QuantizeCall, QuantizedFile
 from ptq_cli.x86.paths import Int8Paths
 
 
@@ -89,7 +89,7 @@ def _fast_when_u8s8(settings: QuantizationSettings) -> bool:
 class Quantizer:
     """A backend's quantizing side: how it quantizes, what it takes and decides, and how it is tuned."""
 
-    quantize: Callable[..., QuantizedFile]  # (onnx model, output, settings, calibration inputs, stored metadata, progress=)
+    quantize: Callable[[QuantizeCall], QuantizedFile]  # the model, its calibration inputs, settings, output, metadata and the service's aids
     methods: tuple[str, ...] = ("minmax",)  # its calibration methods; the first is the default
     per_channel: bool = True  # its default weight granularity
     overflow_fixes: tuple[str, ...] = (FIRST_LAYER, *[fix for fix in OVERFLOW_FIXES if fix != FIRST_LAYER])  # the first is the default

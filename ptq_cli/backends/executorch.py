@@ -29,7 +29,7 @@ from ptq_cli.guards.atomic import atomic_output
 from ptq_cli.model_file import in_fixed_batches, metadata_object, model_input, read_bytes, resolve_threads
 from ptq_cli.quantize import overflow, pt2e
 from ptq_cli.quantize.carried import carried_for, carried_note
-from ptq_cli.quantize.settings import ProgressCallback, QuantizationSettings, QuantizedFile
+from ptq_cli.quantize.settings import QuantizeCall, QuantizedFile
 
 NAME = "executorch"
 SUFFIX = ".pte"
@@ -108,14 +108,14 @@ def _lowered(converted, example: np.ndarray, metadata: dict[str, str]) -> tuple[
         raise PtqError(f"ExecuTorch cannot lower the quantized model ({type(error).__name__}: {first_line(error, '')})") from error
 
 
-def quantize(model, output: Path, settings: QuantizationSettings, calibration: np.ndarray, stored: dict[str, str],
-             progress: ProgressCallback | None = None) -> QuantizedFile:
+def quantize(call: QuantizeCall) -> QuantizedFile:
     """ONNX -> onnx2torch -> torch.export -> prepare_pt2e (XNNPACKQuantizer) -> calibrate -> convert_pt2e -> XNNPACK
     delegate -> .pte; the program run on ExecuTorch's runtime and judged against the module it was lowered from."""
+    model, settings, calibration, stored, progress = call.model, call.settings, call.calibration, call.stored, call.progress
     _require()
     source = pt2e.torch_source(model, calibration, fold=settings.preprocess)
     batch = source.fixed_batch or 1
-    module, carried = carried_for(source.module, settings.options, stored.get(base.SOURCE_METADATA_KEY))
+    module, carried = carried_for(source.module, settings.options, stored.get(base.SOURCE_METADATA_KEY), call.make_weights)
     recipe = pt2e.Recipe(per_channel=bool(settings.per_channel), method=settings.method, pair_safe=False, target=pt2e.XNNPACK, carried=carried)
     converted = pt2e.calibrated(pt2e.export(module, source.example, source.fixed_batch is not None), recipe, source.batches, progress)
     described = replace(source.described, batch=batch)
@@ -123,11 +123,11 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     contents = {**stored, MODEL_INPUT_KEY: json.dumps(asdict(described)),
                 base.QUANTIZATION_METADATA_KEY: json.dumps({**settings.as_dict(), **extra})}
     data, delegation = _lowered(converted, source.example[:batch], contents)
-    runner = _Program(Path(output), data, batch, resolve_threads(None))
+    runner = _Program(Path(call.output), data, batch, resolve_threads(None))
     judged = pt2e.judge_lowering(source.module, converted, lambda images: runner.call(images.numpy()), source.judged, batch)
     if not judged.kept:
         raise PtqError(f"ExecuTorch's XNNPACK lowering changes what the quantized model computes ({judged.describe()}); no model written")
-    with atomic_output(output) as tmp:
+    with atomic_output(call.output) as tmp:
         tmp.write_bytes(data)
     portable = sorted(op for op, counts in delegation.items() if counts["portable"])
     notes = (*carried_note(carried), f"output SQNR against FP32 on {len(source.judged)} calibration images: {judged.lowered_db:.1f} dB (lowered by XNNPACK; "

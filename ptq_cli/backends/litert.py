@@ -40,7 +40,16 @@ from ptq_cli.quantize.int4 import Mixed, to_int4
 from ptq_cli.quantize.overflow import NO_FIX
 from ptq_cli.quantize.policy import held_out_mask, held_out_split
 from ptq_cli.quantize.rounding import LEARNED, NEAREST
-from ptq_cli.quantize.settings import AUTO_METHOD, INT4, BackendOptions, CommonChoices, ProgressCallback, QuantizationSettings, QuantizedFile, option
+from ptq_cli.quantize.settings import (
+    AUTO_METHOD,
+    INT4,
+    BackendOptions,
+    CommonChoices,
+    QuantizationSettings,
+    QuantizeCall,
+    QuantizedFile,
+    option,
+)
 from ptq_cli.quantize.tflite import (
     INTEGER_TYPES,
     IO_DTYPES,
@@ -240,12 +249,12 @@ def _with_metadata(quantized: bytes, entries: dict[str, str]) -> bytes:
     return bytes(flatbuffer_utils.convert_object_to_bytearray(model_object))
 
 
-def quantize(model, output: Path, settings: QuantizationSettings, calibration: np.ndarray, stored: dict[str, str],
-             progress: ProgressCallback | None = None) -> QuantizedFile:
+def quantize(call: QuantizeCall) -> QuantizedFile:
     """A full-integer .tflite of the Keras model the ONNX `model` was converted from, calibrated on
     `calibration` (images in the model's input format, which is the Keras model's); ptq's settings and
     input contract go into the flatbuffer's metadata."""
-    output = Path(output)
+    model, settings, calibration, stored, progress = call.model, call.settings, call.calibration, call.stored, call.progress
+    output = Path(call.output)
     if output.suffix != SUFFIX:
         raise PtqError(f"--output: {output} must end in {SUFFIX}")
     keras_path = keras_source(model)

@@ -46,7 +46,7 @@ from ptq_cli.model_file import (
 from ptq_cli.quantize import placement, qdq
 from ptq_cli.quantize.overflow import ALL_LAYERS, FIRST_LAYER, JUDGED
 from ptq_cli.quantize.rounding import LEARNED, NEAREST
-from ptq_cli.quantize.settings import BackendOptions, CommonChoices, ProgressCallback, QuantizationSettings, QuantizedFile, option
+from ptq_cli.quantize.settings import BackendOptions, CommonChoices, QuantizationSettings, QuantizeCall, QuantizedFile, option
 
 NAME = "openvino"
 SUFFIX = ".xml"
@@ -322,12 +322,12 @@ def layers(model) -> list[str]:
     return _weighted_layers(_convert(model))
 
 
-def quantize(model, output: Path, settings: QuantizationSettings, calibration: np.ndarray, stored: dict[str, str],
-             progress: ProgressCallback | None = None) -> QuantizedFile:
+def quantize(call: QuantizeCall) -> QuantizedFile:
     """The ONNX model (onnx.ModelProto) quantized on `calibration` (images in the model's input format) and
     written as IR (.xml + .bin, weights not compressed to fp16), both files through temporary names: with
     NNCF for `--method nncf`, else through ptq's onnxruntime QDQ quantization."""
-    output = Path(output)
+    model, settings, calibration, stored = call.model, call.settings, call.calibration, call.stored
+    output = Path(call.output)
     if output.suffix != SUFFIX:
         raise PtqError(f"--output: {output} must end in .xml (an OpenVINO IR is written as .xml and .bin)")
     if settings.method == NNCF:  # NNCF has its own overflow fix: first-layer where ptq's route would judge
@@ -341,7 +341,7 @@ def quantize(model, output: Path, settings: QuantizationSettings, calibration: n
     # the IR is that model converted.
     as_qdq = replace(settings, backend=qdq.WRITER, format=qdq.FORMAT, options=placement.Options(space_to_depth=False))
     with tempfile.TemporaryDirectory(prefix="ptq-openvino-") as workdir:
-        written = qdq.quantize(model, Path(workdir) / f"quantized{qdq.SUFFIX}", as_qdq, calibration, dict(stored), progress=progress,
+        written = qdq.quantize(replace(call, output=Path(workdir) / f"quantized{qdq.SUFFIX}", settings=as_qdq, stored=dict(stored)),
                                placement=placement.OPENVINO_CPU)
         try:
             converted = ov.convert_model(str(Path(workdir) / f"quantized{qdq.SUFFIX}"))

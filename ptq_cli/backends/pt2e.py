@@ -23,7 +23,7 @@ from ptq_cli.guards.atomic import atomic_output
 from ptq_cli.model_file import in_fixed_batches, metadata_object, model_input, read_bytes, resolve_threads
 from ptq_cli.quantize import overflow, pt2e
 from ptq_cli.quantize.carried import carried_for, carried_note
-from ptq_cli.quantize.settings import ProgressCallback, QuantizationSettings, QuantizedFile
+from ptq_cli.quantize.settings import ProgressCallback, QuantizeCall, QuantizedFile
 from ptq_cli.x86 import paths as int8_paths
 
 NAME = "pt2e"
@@ -62,20 +62,21 @@ def save_program(program, path: Path, stored: dict[str, str], described: inputs.
     Path(path).write_bytes(buffer.getvalue())
 
 
-def quantize(model, output: Path, settings: QuantizationSettings, calibration: np.ndarray, stored: dict[str, str],
-             progress: ProgressCallback | None = None) -> QuantizedFile:
+def quantize(call: QuantizeCall) -> QuantizedFile:
     """ONNX -> onnx2torch -> torch.export -> prepare_pt2e (X86InductorQuantizer) -> calibrate -> convert_pt2e, the
     lowering judged, saved with torch.export.save."""
+    model, settings, calibration, stored, progress = call.model, call.settings, call.calibration, call.stored, call.progress
     source = pt2e.torch_source(model, calibration, fold=settings.preprocess)
     described, fixed, judged, example = source.described, source.fixed_batch, source.judged, source.example
-    module, carried = carried_for(source.module, settings.options, stored.get(base.SOURCE_METADATA_KEY), settings.overflow_fix == overflow.ALL_LAYERS)
+    module, carried = carried_for(source.module, settings.options, stored.get(base.SOURCE_METADATA_KEY), call.make_weights,
+                                  settings.overflow_fix == overflow.ALL_LAYERS)
     program = pt2e.export(module, example, fixed is not None)
     recipe = pt2e.Recipe(per_channel=bool(settings.per_channel), method=settings.method,
                          pair_safe=settings.overflow_fix == overflow.ALL_LAYERS, depthwise=pt2e.depthwise_modules(source.module), carried=carried)
     converted, recipe, lowering, notes = _gated(program, recipe, source, progress)
     extra = bounded.json_loads(stored.pop(base.QUANTIZATION_METADATA_KEY, "{}"))
     contents = {**stored, base.QUANTIZATION_METADATA_KEY: json.dumps({**settings.as_dict(), **extra, "float_linears": recipe.float_linears})}
-    with atomic_output(output) as tmp:
+    with atomic_output(call.output) as tmp:
         # A fixed batch made symbolic is exported open: the program runs any batch, and says so.
         save_program(pt2e.export(converted, example, fixed is not None), tmp, contents, described if fixed is not None else replace(described, batch=None))
         size = tmp.stat().st_size

@@ -32,6 +32,7 @@ from ptq_cli.quantize.settings import (
     CommonChoices,
     ProgressCallback,
     QuantizationSettings,
+    QuantizeCall,
     QuantizedFile,
     option,
 )
@@ -332,11 +333,11 @@ def _db(figure: float | None) -> str:
     return "n/a" if figure is None else f"{figure:.1f} dB"
 
 
-def quantize(model, output: Path, settings: QuantizationSettings, calibration: np.ndarray, stored: dict[str, str],
-             progress: ProgressCallback | None = None) -> QuantizedFile:
+def quantize(call: QuantizeCall) -> QuantizedFile:
     """prepare_fx -> calibrate -> convert_fx, saved as TorchScript (NCHW and NHWC models alike); `--method auto`
     first chooses the observers, and all-layers the activations' bits, on held-out calibration images (not where the
     graph is tied to a fixed batch)."""
+    model, output, settings, calibration, stored, progress = call.model, call.output, call.settings, call.calibration, call.stored, call.progress
     import torch
 
     if getattr(settings.options, "activation_bits", None) is not None:

@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import tempfile
-from collections.abc import Callable
-from contextlib import AbstractContextManager
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,23 +20,12 @@ import numpy as np
 
 from ptq_cli import model_file
 from ptq_cli.errors import PtqError, first_line
-from ptq_cli.handed import handed_down
 from ptq_cli.quantize import overflow
+from ptq_cli.quantize.settings import WeightsMaker
 
 MATCH_TOLERANCE = 0.05  # relative distance between a layer's float weights and its 8-bit ones, at most
 MADE_HERE = "onnxruntime"  # --weights-from's default: ptq's onnxruntime model, made first from the same images
 NONE = "none"  # --weights-from none: the PT2E flow's own rounding
-
-# How the PT2E backends have ptq's onnxruntime model made (MADE_HERE): given by the service that quantizes, as
-# (where to write it, whether its weights must follow the pair rule on every layer). Backends import no service.
-WeightsMaker = Callable[[Path, bool], None]
-_MAKER: ContextVar[WeightsMaker | None] = ContextVar("weights_maker", default=None)
-
-
-def making_weights(maker: WeightsMaker) -> AbstractContextManager[None]:
-    """Within it, `--weights-from onnxruntime` has ptq's onnxruntime model made by `maker`."""
-    return handed_down(_MAKER, maker)
-
 
 @dataclass(frozen=True)
 class CarriedWeights:
@@ -197,18 +183,18 @@ def carried_observer_class(base: Any, carried: CarriedWeights, pair_safe: bool) 
     return CarriedObserver
 
 
-def carried_for(module: Any, options: Any, source_sha256: str | None, pair_safe: bool = False) -> tuple[Any, CarriedWeights | None]:
+def carried_for(module: Any, options: Any, source_sha256: str | None, maker: WeightsMaker | None,  # noqa: PLR0913  the module, its options and the service's maker
+                pair_safe: bool = False) -> tuple[Any, CarriedWeights | None]:
     """(the module to quantize, the weights carried): with `--weights-from` (the backend's options), a copy of the
     module given that QDQ model's weights (the float module stays what fidelity is measured against); else the module.
-    MADE_HERE has the service make ptq's onnxruntime model first (under the pair rule on every layer with `pair_safe`);
-    where no service gives a way to (`making_weights`), the flow keeps its own rounding."""
+    MADE_HERE has `maker` (QuantizeCall.make_weights) make ptq's onnxruntime model first (under the pair rule on every
+    layer with `pair_safe`); where no service gave a maker, the flow keeps its own rounding."""
     import copy
 
     path = getattr(options, "weights_from", None)
     if path is None or str(path) == NONE:
         return module, None
     if str(path) == MADE_HERE:
-        maker = _MAKER.get()
         if maker is None:
             return module, None
         named = Path("ptq's onnxruntime model")

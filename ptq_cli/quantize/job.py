@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from ptq_cli.quantize.settings import SaturatingScores
+
 
 @dataclass(frozen=True)
 class Job:
@@ -25,6 +27,8 @@ class Job:
     fixed_batch: int | None = None  # the batch the graph is tied to, if any: calibration runs in it, no choice is judged
     # The runtime's say in where pairs go (placement.Placement.writer_options): quantize_static's extra options.
     writer_options: tuple[tuple[str, Any], ...] = ()
+    # The saturating x86 int8 path at native speed, from the service quantizing (QuantizeCall.saturating_scores).
+    saturating_scores: SaturatingScores | None = None
 
     @property
     def files(self) -> tuple[Path, Path, str]:

@@ -9,7 +9,6 @@ import copy
 from collections.abc import Callable
 from dataclasses import replace
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -48,7 +47,6 @@ from ptq_cli.transforms.graph import (
     part_after,
 )
 from ptq_cli.x86 import cpu as cpu_info
-from ptq_cli.x86 import paths as int8_paths
 
 SEARCH_FED_BYTES = 512 << 20  # the tensors the range search keeps to feed the part after a scale, at most; past it, whole runs
 
@@ -245,7 +243,7 @@ def _saturating_figure(job: Job, model, name: str, images: np.ndarray, reference
     if overflow.saturation_proof(model)[0]:
         return (), []
     try:
-        outputs = _saturating_outputs(model, name, job.input_name, images, resolve_threads(None), job.workdir)
+        outputs = _saturating_outputs(job, model, name, images, resolve_threads(None))
     except PtqError as error:
         return (), [f"overflow fix: judged on the exact int8 path only (the saturating path could not be run: {first_line(error)})"]
     if outputs is None:
@@ -254,24 +252,24 @@ def _saturating_figure(job: Job, model, name: str, images: np.ndarray, reference
     return ((SATURATING_FIRST_LAYER, sqnr_figure(image_sqnr_db(reference, outputs))),), []
 
 
-def _saturating_outputs(model, name: str, input_name: str, images: np.ndarray, threads: int, workdir: Path) -> np.ndarray | None:
+def _saturating_outputs(job: Job, model, name: str, images: np.ndarray, threads: int) -> np.ndarray | None:
     """The tensor `name` on the saturating x86 int8 path: this CPU's own kernels where they saturate, else onnxruntime's
-    AVX2 kernels where this machine runs them natively (x86/paths.saturating_outputs); None where neither can."""
+    AVX2 kernels where this machine runs them natively (the service's `job.saturating_scores`); None where neither can."""
     import onnx
 
     if not cpu_info.current().exact_int8:
-        return tensor_outputs(model, name, input_name, images, threads, exact_kernels=False)
+        return tensor_outputs(model, name, job.input_name, images, threads, exact_kernels=False)
     cut = computing_only(model, name)
-    if cut is None:
+    if cut is None or job.saturating_scores is None:
         return None
     typed = copy.deepcopy(model.graph.output[0])  # for the loader's checker: the scores a final Softmax reads have its type
     typed.name = name
     del cut.graph.output[:]
     cut.graph.output.append(typed)
-    path = workdir / "saturating-judge.onnx"
+    path = job.workdir / "saturating-judge.onnx"
     onnx.save(cut, str(path))
     try:
-        return int8_paths.saturating_outputs(path, images, threads)
+        return job.saturating_scores(path, images, threads)
     finally:
         path.unlink(missing_ok=True)
 

@@ -29,8 +29,8 @@ from ptq_cli.quantize.placement import ONNXRUNTIME_X86, Placement
 from ptq_cli.quantize.settings import (
     AUTO_METHOD,
     PER_IMAGE,
-    ProgressCallback,
     QuantizationSettings,
+    QuantizeCall,
     QuantizedFile,
     progress_after,
 )
@@ -132,27 +132,27 @@ def _stored_props(settings: QuantizationSettings, rewrites, stored: dict[str, st
     return props
 
 
-def quantize(model, output: Path, settings: QuantizationSettings, calibration: np.ndarray, stored: dict[str, str],  # noqa: PLR0913  the bar, and the runtime's rule
-             progress: ProgressCallback | None = None, placement: Placement = ONNXRUNTIME_X86) -> QuantizedFile:
+def quantize(call: QuantizeCall, placement: Placement = ONNXRUNTIME_X86) -> QuantizedFile:
     """onnxruntime.quantization.quantize_static in QDQ format, written atomically.
 
-    `calibration` is the calibration images in the model's input format; `stored` is metadata to keep
+    `call.calibration` is the calibration images in the model's input format; `call.stored` is metadata to keep
     in the model (settings, input contract, source sha256, tune's validation scores). Within `ptq run`, a
     model already made from the same inputs is written again rather than made again (reuse.made_once). `placement`:
     where the runtime the model is for wants its pairs (placement.py)."""
+    model, settings, calibration, stored = call.model, call.settings, call.calibration, call.stored
     return reuse.made_once(lambda: reuse.digest(model.SerializeToString(), repr((calibration.shape, str(calibration.dtype))).encode(),
                                               np.ascontiguousarray(calibration).tobytes(), repr(settings).encode(), repr(sorted(stored.items())).encode(),
                                               type(placement).__name__.encode()),
-                          Path(output), lambda: quantize_qdq(model, output, settings, calibration, stored, progress, placement))
+                          Path(call.output), lambda: quantize_qdq(call, placement))
 
 
-def quantize_qdq(model, output: Path, settings: QuantizationSettings, calibration: np.ndarray, stored: dict[str, str],  # noqa: PLR0913  quantize's
-                 progress: ProgressCallback | None = None, placement: Placement = ONNXRUNTIME_X86) -> QuantizedFile:
+def quantize_qdq(call: QuantizeCall, placement: Placement = ONNXRUNTIME_X86) -> QuantizedFile:
     """The engine's steps on one model: the graph prepared, the recipe judged (judges.judged_choices), the QDQ model
     written and finished, then refined (judges.refined); the bar goes on past the calibration images, one step per
     refined layer, then per run of the range search."""
     import onnx
 
+    model, output, settings, calibration, progress = call.model, call.output, call.settings, call.calibration, call.progress
     described, _ = describe_input(Path(model.graph.name or "model"), model)
     notes: list[str] = []
     fixed_batch = described.batch
@@ -166,7 +166,7 @@ def quantize_qdq(model, output: Path, settings: QuantizationSettings, calibratio
         notes += policy.pools_in_float_note(prepared.pools, "onnxruntime")
         job = Job(prepared.source, calibration, described.name, prepared.float_nodes,
                   partial(_finish, rewrites=prepared.rewrites, float_nodes=prepared.float_nodes, placement=placement), Path(workdir), output,
-                  model.graph.name or "model", fixed_batch, prepared.writer_options)
+                  model.graph.name or "model", fixed_batch, prepared.writer_options, call.saturating_scores)
         search = settings.method == AUTO_METHOD
         settings, overrides, chosen, done = judged_choices(job, settings, prepared.overrides, progress)
         notes += chosen
@@ -178,7 +178,7 @@ def quantize_qdq(model, output: Path, settings: QuantizationSettings, calibratio
             minmax_model = partial(calibrated_model, job, calibration, overrides=overrides) if search and settings.percentile is not None else None
             quantized, settings, refined_notes = refined(job, quantized, settings, search, progress_after(progress, done + len(calibration)), minmax_model)
             notes += refined_notes + placement.finished(quantized)
-            onnx.helper.set_model_props(quantized, _stored_props(settings, prepared.rewrites, stored, model))
+            onnx.helper.set_model_props(quantized, _stored_props(settings, prepared.rewrites, call.stored, model))
             onnx.save(quantized, str(tmp))
             return QuantizedFile(tmp.stat().st_size, tuple(prepared.rewrites), tuple(notes + warning_notes(warnings)), settings)
 

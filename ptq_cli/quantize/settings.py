@@ -7,13 +7,23 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ptq_cli.errors import PtqError
 from ptq_cli.quantize.overflow import NO_FIX
 from ptq_cli.x86.cpu import ALL
 
+if TYPE_CHECKING:
+    import numpy as np
+
 ProgressCallback = Callable[[int, int], None]  # (images done, images in all): a backend's calibration progress
+# What only the service quantizing can give a backend (backends import no service), handed in QuantizeCall:
+# the outputs of a model file on the saturating x86 int8 path at native speed, as (model file, inputs in its format, threads)
+# -> its outputs, None where this machine cannot run those kernels at native speed (a PtqError where it can but the run failed);
+SaturatingScores = Callable[[Path, "np.ndarray", int], "np.ndarray | None"]
+# and ptq's onnxruntime model made from the same source and images, as (where to write it, whether its weights must
+# follow the pair rule on every layer): the PT2E backends' `--weights-from onnxruntime`.
+WeightsMaker = Callable[[Path, bool], None]
 
 INT4 = "int4"  # 4-bit weights (`--weight-dtype int4`), for a backend whose format holds them (Quantizer.int4_weights)
 # `--method auto`: the activation ranges each of these gives (method, percentile) are judged by the output on held-out
@@ -216,6 +226,23 @@ class QuantizedFile:
     space_to_depth: tuple = ()  # the convolutions regrouped before quantizing (onnxruntime only)
     notes: tuple[str, ...] = ()  # what the backend changed on the way (a fixed batch made symbolic, ...)
     settings: QuantizationSettings | None = None  # the settings as it applied them, where it decided some (the rounding)
+
+
+@dataclass(frozen=True)
+class QuantizeCall:
+    """What a backend's quantize is handed (Quantizer.quantize): the float model and the calibration images in its input
+    format, the settings, where to write, the metadata to keep in the model (input contract, source sha256, tune's
+    validation scores), and what only the service quantizing can give (None where no service gives it: a judge of the
+    overflow fix then measures the exact path alone; `--weights-from onnxruntime` keeps the flow's own rounding)."""
+
+    model: Any  # onnx.ModelProto
+    output: Path
+    settings: QuantizationSettings
+    calibration: np.ndarray
+    stored: dict[str, str]
+    progress: ProgressCallback | None = None
+    saturating_scores: SaturatingScores | None = None
+    make_weights: WeightsMaker | None = None
 
 
 def progress_after(progress: ProgressCallback | None, done: int) -> ProgressCallback | None:

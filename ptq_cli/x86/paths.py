@@ -1,19 +1,15 @@
 """How a runtime reaches the x86 int8 path this CPU does not take: each backend's `Int8Paths`, one of two kinds
 (`with_exact_switch`: onnxruntime's session switch; `without_exact_switch`: a proof, or emulation, for kernels with no
-switch), and the hand-off through which the quantization engine's judges reach the saturating path."""
+switch). The saturating path at native speed reaches the quantization engine's judges from the service quantizing
+(QuantizeCall.saturating_scores), not through here."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager
-from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from ptq_cli.errors import PtqError
-from ptq_cli.handed import handed_down
 from ptq_cli.x86.cpu import EXACT, SATURATING
 
 EMULATE = "emulate"  # an int8 path reached by emulating a CPU of the other kind (Int8Paths.basis)
@@ -62,24 +58,3 @@ def without_exact_switch(kind: str, kernels: str, proven_fix: str, proof: Callab
 
     return Int8Paths(reaches=lambda overflow_fix, int8_path: int8_path == SATURATING or overflow_fix == proven_fix, basis=basis,
                      proof_loads_saturating_kernels=proof_loads_saturating_kernels)
-
-
-# How a backend's judges reach the saturating x86 int8 path where this CPU's own kernels are exact: given by the service
-# that quantizes (x86/emulate.py through services/models.py), as (model file, inputs in its format, threads) -> its outputs, None
-# where this machine cannot run those kernels at native speed, a PtqError where it can but the run failed. Backends import no service: it is handed down.
-SaturatingScores = Callable[[Path, np.ndarray, int], "np.ndarray | None"]
-_SATURATING: ContextVar[SaturatingScores | None] = ContextVar("saturating_scores", default=None)
-
-
-def reaching_saturating_path(scores: SaturatingScores) -> AbstractContextManager[None]:
-    """Within it, `saturating_outputs` runs models on the saturating path with `scores`."""
-    return handed_down(_SATURATING, scores)
-
-
-def saturating_outputs(path: Path, batch: np.ndarray, threads: int) -> np.ndarray | None:
-    """The model file's outputs on the saturating x86 path at native speed, where the service quantizing gave a way to
-    it (`reaching_saturating_path`) and this machine has one; else None (a PtqError where that run failed)."""
-    scores = _SATURATING.get()
-    return None if scores is None else scores(path, batch, threads)
-
-

@@ -16,8 +16,8 @@ from ptq_cli.errors import PtqError
 from ptq_cli.guards import bounded
 from ptq_cli.guards.atomic import check_outputs, check_writable, companions
 from ptq_cli.model_file import read_onnx
-from ptq_cli.quantize import carried, overflow, reuse
-from ptq_cli.quantize.settings import QuantizationSettings, QuantizedFile
+from ptq_cli.quantize import overflow, reuse
+from ptq_cli.quantize.settings import QuantizationSettings, QuantizeCall, QuantizedFile, WeightsMaker
 from ptq_cli.services import models as model_service
 from ptq_cli.services.make import portability
 from ptq_cli.services.make.calibration import CalibrationSet, for_model
@@ -26,7 +26,6 @@ from ptq_cli.services.models import load_model
 from ptq_cli.services.progress import ProgressBar, ProgressCallback, no_progress_bar
 from ptq_cli.services.quant_settings import make_settings
 from ptq_cli.transforms.graph import clamped_activations, dense_initializers, depthwise_convs, fixed_input_size, upgrade_opset
-from ptq_cli.x86 import paths as int8_paths
 
 # QDQ needs opset 10; per-channel QDQ needs 13. Older models are converted to this opset first.
 MIN_OPSET, MIN_OPSET_PER_CHANNEL, UPGRADE_OPSET = 10, 13, 13
@@ -150,14 +149,13 @@ def quantize_source(source: SourceModel, output: Path, settings: QuantizationSet
         inputs.INPUT_METADATA_KEY: source.loaded.preprocessing.to_json(),
         SOURCE_METADATA_KEY: source.loaded.info.sha256,
     }
-    quantize_with = backends.backend(settings.backend).quantizes.quantize
-    # A backend reports its calibration's progress if it takes a `progress` callback (a plugin's may not).
-    with int8_paths.reaching_saturating_path(model_service.native_scores), carried.making_weights(_weights_maker(source, calibration, prepared, settings)):
-        # the judges of an overflow fix measure both x86 paths; the PT2E backends take ptq's onnxruntime weights
-        return quantize_with(source.model, Path(output), settings, prepared, stored, **({"progress": progress} if progress else {}))
+    # The judges of an overflow fix measure both x86 paths; the PT2E backends take ptq's onnxruntime weights.
+    return backends.backend(settings.backend).quantizes.quantize(QuantizeCall(
+        source.model, Path(output), settings, prepared, stored, progress,
+        saturating_scores=model_service.native_scores, make_weights=_weights_maker(source, calibration, prepared, settings)))
 
 
-def _weights_maker(source: SourceModel, calibration: CalibrationSet, prepared: np.ndarray, settings: QuantizationSettings) -> carried.WeightsMaker:
+def _weights_maker(source: SourceModel, calibration: CalibrationSet, prepared: np.ndarray, settings: QuantizationSettings) -> WeightsMaker:
     """How a PT2E backend has ptq's onnxruntime model made from the same source and images (`--weights-from onnxruntime`):
     the default onnxruntime model in the settings' granularity, without space-to-depth (whose regrouped weights match no
     layer of the torch module), for every CPU under the pair rule on every layer, else for VNNI CPUs."""
