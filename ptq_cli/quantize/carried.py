@@ -183,7 +183,7 @@ def carried_observer_class(base: Any, carried: CarriedWeights, pair_safe: bool) 
     return CarriedObserver
 
 
-def carried_for(module: Any, options: Any, source_sha256: str | None, maker: WeightsMaker | None,  # noqa: PLR0913  the module, its options and the service's maker
+def carried_for(module: Any, options: Any, source_sha256: str | None, maker: WeightsMaker | None,
                 pair_safe: bool = False) -> tuple[Any, CarriedWeights | None]:
     """(the module to quantize, the weights carried): with `--weights-from` (the backend's options), a copy of the
     module given that QDQ model's weights (the float module stays what fidelity is measured against); else the module.
