@@ -1,5 +1,6 @@
 """A value a caller hands down to the code it calls, for the extent of a `with` block (a ContextVar set, then reset):
-how a service gives backends and the quantization engine what they may not import (emulation, a model maker)."""
+one command's trust in code-carrying files (guards/trust.py). What a service gives a backend's quantize travels in
+its QuantizeCall instead (quantize/settings.py)."""
 
 from __future__ import annotations
 
