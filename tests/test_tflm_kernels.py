@@ -73,6 +73,24 @@ def test_the_copy_gives_the_interpreter_s_bytes_on_every_op_it_covers():
     assert np.array_equal(tflm_kernels.covers(four_bit)(codes).reshape(len(codes), -1), _interpreter_outputs(four_bit, codes))
 
 
+def test_depthwise_convolutions_strided_dilated_and_multiplied_give_the_interpreter_s_bytes():
+    """The copy sums a depthwise convolution tap by tap over strided slices: every stride, dilation and depth
+    multiplier must read the input positions TFLM's kernel reads (valid and same padding)."""
+    keras = tf.keras
+    image = keras.Input((13, 13, 4), batch_size=1)
+    body = keras.layers.DepthwiseConv2D(3, strides=2, padding="same")(image)
+    body = keras.layers.DepthwiseConv2D(3, dilation_rate=2, depth_multiplier=3, padding="same", activation="relu")(body)
+    body = keras.layers.DepthwiseConv2D((2, 3), strides=(1, 2), padding="valid")(body)
+    model = keras.Model(image, keras.layers.Flatten()(body))
+    data = full_integer_tflite(model, np.random.default_rng(21), 0.4, 30)
+    codes = np.random.default_rng(22).integers(-128, 128, (40, 13, 13, 4), dtype=np.int8)
+    kernels = tflm_kernels.covers(data)
+    assert callable(kernels), kernels
+    expected = _interpreter_outputs(data, codes)
+    assert np.array_equal(kernels(codes).reshape(len(codes), -1), expected)
+    assert expected.shape[1] == 6 * 3 * 12 and len(np.unique(expected)) > 50  # the outputs say something
+
+
 def test_reference_codes_are_tflm_s_inside_the_model_and_litert_s_where_the_copy_lacks_an_op():
     """What LiteRT quantization reads of a model (its judged scores, learned rounding's and 4-bit's layer inputs):
     every op's output as TFLM computes it (the interpreter's bytes on the model cut there), over more images than a

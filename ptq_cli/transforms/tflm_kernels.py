@@ -172,16 +172,41 @@ def _padding(size: int, kernel: int, stride: int, dilation: int, same: bool) -> 
     return out, total // 2
 
 
-def _windows(x: np.ndarray, kernel: tuple[int, int], strides: tuple[int, int], dilations: tuple[int, int], same: bool, fill: int) -> np.ndarray:
-    """(N, OH, OW, KH, KW, C) windows of an NHWC batch, outside positions holding `fill`."""
+def _padded(x: np.ndarray, kernel: tuple[int, int], strides: tuple[int, int], dilations: tuple[int, int], same: bool,
+            fill: int) -> tuple[np.ndarray, tuple[int, int]]:
+    """(an NHWC batch padded as the op pads it, outside positions holding `fill`; the output's (OH, OW))."""
     _, height, width, _ = x.shape
     (out_h, pad_h), (out_w, pad_w) = (_padding(size, k, s, d, same) for size, k, s, d in zip((height, width), kernel, strides, dilations, strict=True))
     need_h = (out_h - 1) * strides[0] + (kernel[0] - 1) * dilations[0] + 1
     need_w = (out_w - 1) * strides[1] + (kernel[1] - 1) * dilations[1] + 1
     padded = np.pad(x, ((0, 0), (pad_h, max(need_h - height - pad_h, 0)), (pad_w, max(need_w - width - pad_w, 0)), (0, 0)), constant_values=fill)
+    return padded, (out_h, out_w)
+
+
+def _windows(x: np.ndarray, kernel: tuple[int, int], strides: tuple[int, int], dilations: tuple[int, int], same: bool, fill: int) -> np.ndarray:
+    """(N, OH, OW, KH, KW, C) windows of an NHWC batch, outside positions holding `fill`."""
+    padded, (out_h, out_w) = _padded(x, kernel, strides, dilations, same, fill)
     span = ((kernel[0] - 1) * dilations[0] + 1, (kernel[1] - 1) * dilations[1] + 1)
     windows = np.lib.stride_tricks.sliding_window_view(padded, span, axis=(1, 2))[:, ::strides[0], ::strides[1], :, ::dilations[0], ::dilations[1]]
     return windows[:, :out_h, :out_w].transpose(0, 1, 2, 4, 5, 3)
+
+
+def _depthwise(x: np.ndarray, taps: np.ndarray, strides: tuple[int, int], dilations: tuple[int, int], same: bool, multiplier: int) -> np.ndarray:
+    """A depthwise convolution's sums (N, OH, OW, O) of an NHWC batch (input - zero point, in the exact float type) and
+    its KH x KW x O taps, one strided slice of the padded batch per tap, each output channel o reading input channel
+    o // multiplier."""
+    kernel = taps.shape[:2]
+    padded, (out_h, out_w) = _padded(x, kernel, strides, dilations, same, 0)
+    if multiplier > 1:
+        padded = np.repeat(padded, multiplier, axis=-1)
+    sums = np.zeros((len(x), out_h, out_w, taps.shape[2]), taps.dtype)
+    for row in range(kernel[0]):
+        for column in range(kernel[1]):
+            top, left = row * dilations[0], column * dilations[1]
+            rows = slice(top, top + (out_h - 1) * strides[0] + 1, strides[0])
+            columns = slice(left, left + (out_w - 1) * strides[1] + 1, strides[1])
+            sums += padded[:, rows, columns] * taps[row, column]
+    return sums
 
 
 def kernel_terms(weights: np.ndarray) -> int:
@@ -287,6 +312,7 @@ class _Model:
         terms = int(np.prod(weights.shape[1:])) if kind == "CONV_2D" else kernel_terms(weights)
         exact = np.float32 if terms * 255 * int(np.abs(weights).max(initial=0)) < (1 << 24) else np.float64
         matrix = weights.reshape(outputs, -1).T.astype(exact) if kind == "CONV_2D" else None
+        taps = weights[0].astype(exact) if kind != "CONV_2D" else np.empty(0, exact)  # DEPTHWISE_CONV_2D: KH x KW x O
 
         def run(values: dict[int, np.ndarray]) -> None:
             x = values[inputs[0]]
@@ -296,12 +322,12 @@ class _Model:
             chunk = max(1, WINDOW_VALUES // (out_h * out_w * kernel[0] * kernel[1] * x.shape[3] * multiplier))
             for start in range(0, len(x), chunk):
                 # Positions outside the image add nothing: the kernel skips them, here they hold input - zero point = 0.
-                windows = _windows((x[start : start + chunk] - input_zero).astype(exact), kernel, strides, dilations, same, 0)
+                part = (x[start : start + chunk] - input_zero).astype(exact)
                 if kind == "CONV_2D":
+                    windows = _windows(part, kernel, strides, dilations, same, 0)
                     accumulators = (windows.reshape(*windows.shape[:3], -1) @ matrix).astype(np.int64)  # whole numbers, exactly
                 else:
-                    repeated = np.repeat(windows, multiplier, axis=-1)
-                    accumulators = np.einsum("nhwabc,abc->nhwc", repeated, weights[0].astype(exact)).astype(np.int64)
+                    accumulators = _depthwise(part, taps, strides, dilations, same, multiplier).astype(np.int64)
                 accumulators += bias
                 results.append(requantized(accumulators))
             values[int(operator.outputs[0])] = np.concatenate(results)
