@@ -73,13 +73,16 @@ def test_the_copy_gives_the_interpreter_s_bytes_on_every_op_it_covers():
     assert np.array_equal(tflm_kernels.covers(four_bit)(codes).reshape(len(codes), -1), _interpreter_outputs(four_bit, codes))
 
 
-def test_depthwise_convolutions_strided_dilated_and_multiplied_give_the_interpreter_s_bytes():
-    """The copy sums a depthwise convolution tap by tap over strided slices: every stride, dilation and depth
-    multiplier must read the input positions TFLM's kernel reads (valid and same padding)."""
+def test_depthwise_and_pointwise_convolutions_give_the_interpreter_s_bytes():
+    """The copy sums a depthwise convolution tap by tap over strided slices, and multiplies a 1 x 1 convolution's
+    batch itself: every stride, dilation and depth multiplier must read the input positions TFLM's kernel reads
+    (valid and same padding)."""
     keras = tf.keras
     image = keras.Input((13, 13, 4), batch_size=1)
     body = keras.layers.DepthwiseConv2D(3, strides=2, padding="same")(image)
+    body = keras.layers.Conv2D(4, 1, activation="relu")(body)
     body = keras.layers.DepthwiseConv2D(3, dilation_rate=2, depth_multiplier=3, padding="same", activation="relu")(body)
+    body = keras.layers.Conv2D(12, 1, strides=(1, 1))(body)
     body = keras.layers.DepthwiseConv2D((2, 3), strides=(1, 2), padding="valid")(body)
     model = keras.Model(image, keras.layers.Flatten()(body))
     data = full_integer_tflite(model, np.random.default_rng(21), 0.4, 30)

@@ -129,13 +129,18 @@ class _Calls:
         """The copied kernels on `threads` parts of the call at once: numpy lets go of the GIL in its array work, so
         threads share it out without the processes the interpreter needs; the images stay independent."""
         assert callable(self.kernels)
+        from threadpoolctl import threadpool_limits
+
         parts = min(self.threads, len(codes))  # no empty part, whatever --threads says
         if parts < 2:
-            return self.kernels(codes)
+            with threadpool_limits(self.threads, user_api="blas"):
+                return self.kernels(codes)
         if self.kernel_threads is None:
             self.kernel_threads = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="tflm-kernels")
             weakref.finalize(self, self.kernel_threads.shutdown, wait=False, cancel_futures=True)
-        return np.concatenate(list(self.kernel_threads.map(self.kernels, np.array_split(codes, parts))))
+        # One core a thread: a convolution's matrix product left to BLAS's own threads in each would share the cores twice over.
+        with threadpool_limits(1, user_api="blas"):
+            return np.concatenate(list(self.kernel_threads.map(self.kernels, np.array_split(codes, parts))))
 
     def _in_workers(self, batch: np.ndarray) -> np.ndarray:
         if self.pool is None:

@@ -191,6 +191,23 @@ def _windows(x: np.ndarray, kernel: tuple[int, int], strides: tuple[int, int], d
     return windows[:, :out_h, :out_w].transpose(0, 1, 2, 4, 5, 3)
 
 
+def _window_rows(x: np.ndarray, kernel: tuple[int, int], strides: tuple[int, int], dilations: tuple[int, int], same: bool) -> np.ndarray:
+    """The windows of an NHWC batch as rows, (N x OH x OW, KH x KW x C), zero outside: one matrix product then computes
+    a convolution. Without dilation a window's KW x C values of one row lie together in the padded batch, and copy as
+    one run; a 1 x 1 window of stride 1 is the batch itself."""
+    if kernel == (1, 1) and strides == (1, 1):
+        return x.reshape(-1, x.shape[3])
+    if dilations != (1, 1):
+        windows = _windows(x, kernel, strides, dilations, same, 0)
+        return windows.reshape(-1, int(np.prod(windows.shape[3:])))
+    padded, (out_h, out_w) = _padded(x, kernel, strides, dilations, same, 0)
+    count, _, _, channels = padded.shape
+    batch, row, column, channel = padded.strides
+    windows = np.lib.stride_tricks.as_strided(padded, (count, out_h, out_w, kernel[0], kernel[1] * channels),
+                                              (batch, strides[0] * row, strides[1] * column, row, channel), writeable=False)
+    return windows.reshape(count * out_h * out_w, -1)
+
+
 def _depthwise(x: np.ndarray, taps: np.ndarray, strides: tuple[int, int], dilations: tuple[int, int], same: bool, multiplier: int) -> np.ndarray:
     """A depthwise convolution's sums (N, OH, OW, O) of an NHWC batch (input - zero point, in the exact float type) and
     its KH x KW x O taps, one strided slice of the padded batch per tap, each output channel o reading input channel
@@ -324,8 +341,8 @@ class _Model:
                 # Positions outside the image add nothing: the kernel skips them, here they hold input - zero point = 0.
                 part = (x[start : start + chunk] - input_zero).astype(exact)
                 if kind == "CONV_2D":
-                    windows = _windows(part, kernel, strides, dilations, same, 0)
-                    accumulators = (windows.reshape(*windows.shape[:3], -1) @ matrix).astype(np.int64)  # whole numbers, exactly
+                    sums = _window_rows(part, kernel, strides, dilations, same) @ matrix  # whole numbers, exactly
+                    accumulators = sums.astype(np.int64).reshape(len(part), out_h, out_w, outputs)
                 else:
                     accumulators = _depthwise(part, taps, strides, dilations, same, multiplier).astype(np.int64)
                 accumulators += bias
