@@ -338,7 +338,8 @@ def test_own_error_bias_correction_is_the_layer_s_codes_mean_error_on_its_8_bit_
     def corrected(own_error: bool) -> float:
         initializers = {"bias_codes": numpy_helper.from_array(np.array([0], np.int32), "bias_codes"),
                         "bias_scale": numpy_helper.from_array(np.array([1e-4], np.float32), "bias_scale")}
-        assert rounding._correct_bias(layer, initializers, float_node, float_initializers, weights, codes, scale, zero, moments, own_error)
+        fitted = rounding.Fitted(weights, codes, scale, zero)
+        assert rounding._correct_bias(layer, initializers, rounding._float_bias(float_node, float_initializers), fitted, moments, own_error)
         return float(numpy_helper.to_array(initializers["bias_codes"])[0]) * 1e-4
 
     dequantized, mean_quantized, mean_float = codes[0, 0] * 0.1, np.array([1.0, 2.0]), np.array([10.0, -5.0])

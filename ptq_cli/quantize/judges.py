@@ -106,9 +106,10 @@ def refine_rounding(quantized, float_path: str, calibration: np.ndarray, input_n
 
     def refine(model, own_error: bool = False):
         found = rounding.find_layers(model)
-        return rounding.refine(model, float_model, _quantized_source(found)(input_name, refining, threads),
-                               collected_batches(input_name, refining, threads, [layer.float_input for layer in found]), len(refining),
-                               progress=progress, float_memo=_float_memo(float_model, refining), own_error=own_error)
+        following = rounding.Refinement(float_model, _quantized_source(found)(input_name, refining, threads),
+                                        collected_batches(input_name, refining, threads, [layer.float_input for layer in found]), len(refining),
+                                        float_memo=_float_memo(float_model, refining))
+        return rounding.refine(model, following, progress=progress, own_error=own_error)
     try:
         refined, layers = refine(quantized)
     except Exception as error:  # noqa: BLE001  onnxruntime's and numpy's own errors: the user keeps the nearest-rounded model

@@ -298,21 +298,34 @@ def keep_pair_rule(learned: np.ndarray, rounded: np.ndarray, depthwise: bool) ->
 ActivationSource = Callable[[object, str], Iterator[np.ndarray]]  # (model, tensor name) -> batches of that tensor
 
 
-def refine(quantized, float_model, quantized_batches: ActivationSource, float_batches: ActivationSource, images: int, seed: int = 0,  # noqa: PLR0913  the two models, their sources, and the refinement's own knobs
-           progress: Callable[[int, int], None] | None = None, float_memo: FloatMemo | None = None, *,
+FloatMemo = Callable[[tuple, Callable[[], tuple[np.ndarray | None, int]]], tuple[np.ndarray | None, int]]
+
+
+@dataclass(frozen=True)
+class Refinement:
+    """What learned rounding follows (`refine`): the float model, where each model's layer inputs come from on the same
+    refinement images, and how many images those are.
+
+    `quantized_batches(model, name)` yields the named tensor as the (current) QDQ model computes it on the images,
+    `float_batches(float_model, name)` as the float graph does on the same images, in the same batches. `float_memo`
+    (see `_moments`) shares the float model's sums between refinements of the same float model and images."""
+
+    float_model: Any  # onnx.ModelProto
+    quantized_batches: ActivationSource
+    float_batches: ActivationSource
+    images: int
+    float_memo: FloatMemo | None = None
+
+
+def refine(quantized, following: Refinement, seed: int = 0, progress: Callable[[int, int], None] | None = None, *,
            own_error: bool = False) -> tuple[Any, list[LayerResult]]:
     """The QDQ model with learned weight codes and corrected biases, in place, layer by layer in graph order.
-    `float_memo` (see `_moments`) shares the float model's sums between refinements of the same float model and images.
-    `own_error`: each bias takes up only the mean error of its own layer's codes, (W - Q) mu_int8 (see `_correct_bias`).
-
-    `quantized_batches(model, name)` yields the named tensor as the (current) QDQ model computes it on the
-    `images` refinement images, `float_batches(float_model, name)` as the float graph does on the same images,
-    in the same batches."""
+    `own_error`: each bias takes up only the mean error of its own layer's codes, (W - Q) mu_int8 (see `_correct_bias`)."""
     from onnx import numpy_helper
 
     initializers = {init.name: init for init in quantized.graph.initializer}
-    float_nodes = {node.name: node for node in float_model.graph.node}
-    float_initializers = {init.name: init for init in float_model.graph.initializer}
+    float_nodes = {node.name: node for node in following.float_model.graph.node}
+    float_initializers = {init.name: init for init in following.float_model.graph.initializer}
     results: list[LayerResult] = []
     layers = [layer for layer in find_layers(quantized) if _float_weight(float_nodes.get(layer.name), float_initializers) is not None]
     rng = np.random.default_rng(seed)
@@ -333,7 +346,7 @@ def refine(quantized, float_model, quantized_batches: ActivationSource, float_ba
             continue  # not one scale per tensor or per output channel, or too wide to hold H
         per_row_scale = np.broadcast_to(scale.reshape(-1) if scale.size > 1 else scale.reshape(1), (groups * rows,)).reshape(groups, rows)
         per_row_zero = np.broadcast_to(zero.reshape(-1) if zero.size > 1 else zero.reshape(1), (groups * rows,)).reshape(groups, rows)
-        moments = _moments(layer, quantized, float_model, quantized_batches, float_batches, codes_now.shape, rng, images, float_memo)
+        moments = _moments(layer, quantized, following, codes_now.shape, rng)
         if moments.second is None or moments.rows == 0 or not np.all(np.isfinite(moments.second)):
             continue
         try:
@@ -343,7 +356,8 @@ def refine(quantized, float_model, quantized_batches: ActivationSource, float_ba
         rounded = weight_matrix(layer, codes_now.astype(np.float64))
         learned, kept = keep_pair_rule(learned, rounded, depthwise=layer.op_type == "Conv" and is_depthwise(layer.node, codes_now.shape))
         codes_init.CopyFrom(numpy_helper.from_array(from_matrix(layer, learned, codes_now.shape).astype(codes_now.dtype), layer.codes))
-        corrected = _correct_bias(layer, initializers, float_node, float_initializers, matrix, learned, per_row_scale, per_row_zero, moments, own_error)
+        fitted = Fitted(matrix, learned, per_row_scale, per_row_zero)
+        corrected = _correct_bias(layer, initializers, _float_bias(float_node, float_initializers), fitted, moments, own_error)
         results.append(LayerResult(layer.name, int(np.sum(learned != rounded)), int(learned.size), kept, corrected))
         if progress:
             progress(index + 1, len(layers))
@@ -359,13 +373,9 @@ def _float_weight(node, initializers: dict) -> np.ndarray | None:
     return weight if np.issubdtype(weight.dtype, np.floating) and weight.ndim >= 2 else None
 
 
-FloatMemo = Callable[[tuple, Callable[[], tuple[np.ndarray | None, int]]], tuple[np.ndarray | None, int]]
-
-
-def _moments(layer: Layer, quantized, float_model, quantized_batches: ActivationSource, float_batches: ActivationSource,  # noqa: PLR0913,PLR0917  both models and their sources, the layer and the sampling
-             weight_shape: tuple[int, ...], rng: np.random.Generator, images: int, float_memo: FloatMemo | None = None) -> Moments:
+def _moments(layer: Layer, quantized, following: Refinement, weight_shape: tuple[int, ...], rng: np.random.Generator) -> Moments:
     """The layer's input statistics over the refinement images, streamed a batch at a time: the quantized model's, then
-    the float model's sum over the same rows. `float_memo(key, compute)` may hand back that sum from an earlier
+    the float model's sum over the same rows. `following.float_memo(key, compute)` may hand back that sum from an earlier
     refinement of another quantized model of the same float model and images (the float model does not change)."""
     state = rng.bit_generator.state
 
@@ -373,16 +383,16 @@ def _moments(layer: Layer, quantized, float_model, quantized_batches: Activation
         same_rows = np.random.default_rng()
         same_rows.bit_generator.state = state
         total, rows = None, 0
-        for part in _sampled_rows(layer, float_batches(float_model, layer.float_input), weight_shape, images, same_rows):
+        for part in _sampled_rows(layer, following.float_batches(following.float_model, layer.float_input), weight_shape, following.images, same_rows):
             summed = _row_sum(part)
             total, rows = (summed if total is None else total + summed), rows + len(part)
         return total, rows
 
     moments = Moments()
-    for part in _sampled_rows(layer, quantized_batches(quantized, layer.quantized_input), weight_shape, images, rng):
+    for part in _sampled_rows(layer, following.quantized_batches(quantized, layer.quantized_input), weight_shape, following.images, rng):
         moments.add(part)
     key = (layer.name, layer.float_input, tuple(weight_shape), repr(state))
-    moments.float_sum, float_rows = float_sum() if float_memo is None else float_memo(key, float_sum)
+    moments.float_sum, float_rows = float_sum() if following.float_memo is None else following.float_memo(key, float_sum)
     if float_rows != moments.rows:
         moments.float_sum = None  # not the same rows (a source that yields other batches): no bias correction
     return moments
@@ -395,26 +405,43 @@ def _row_sum(rows: np.ndarray) -> np.ndarray:
     return rows.sum(axis=0, dtype=np.float64) if int(np.prod(rows.shape[1:])) > 1 else rows.astype(np.float64).sum(axis=0)
 
 
-def _correct_bias(layer: Layer, initializers: dict, float_node, float_initializers: dict, matrix: np.ndarray, learned: np.ndarray,  # noqa: PLR0913,PLR0917  one layer's float and quantized tensors, fitted together
-                  scale: np.ndarray, zero: np.ndarray, moments: Moments, own_error: bool = False) -> bool:
+@dataclass(frozen=True)
+class Fitted:
+    """A layer's weights as learned rounding fitted them, (groups, rows, inputs) as `weight_matrix` lays them out: the
+    float weights, the learned codes, and each row's scale and zero point."""
+
+    weights: np.ndarray
+    codes: np.ndarray
+    scale: np.ndarray
+    zero: np.ndarray
+
+    def dequantized(self) -> np.ndarray:
+        return (self.codes - self.zero[:, :, None]) * self.scale[:, :, None]
+
+
+def _float_bias(float_node, float_initializers: dict) -> np.ndarray | None:
+    """The float layer's bias (float64, flat), None where it has none."""
+    from onnx import numpy_helper
+
+    name = float_node.input[2] if len(float_node.input) > 2 else ""
+    return numpy_helper.to_array(float_initializers[name]).astype(np.float64).reshape(-1) if name in float_initializers else None
+
+
+def _correct_bias(layer: Layer, initializers: dict, float_bias: np.ndarray | None, fitted: Fitted, moments: Moments, own_error: bool = False) -> bool:
     """b' = b + W mu_fp32 - Q mu_int8 per output channel, written back as int32 codes of the bias's own scale. With
     `own_error`, b' = b + (W - Q) mu_int8: the layer's own codes' mean error alone, not what the layers before it moved
     (where those moved its inputs far, as in squeeze-excitation gates of a fragile model, matching FP32's mean
     overshoots from layer to layer)."""
     from onnx import numpy_helper
 
-    if layer.bias_codes is None or layer.bias_scale is None or moments.float_sum is None or not moments.rows:
+    if layer.bias_codes is None or layer.bias_scale is None or moments.float_sum is None or not moments.rows or float_bias is None:
         return False
-    float_bias_name = float_node.input[2] if len(float_node.input) > 2 else ""
-    if float_bias_name not in float_initializers:
-        return False
-    float_bias = numpy_helper.to_array(float_initializers[float_bias_name]).astype(np.float64).reshape(-1)
     mean_float, mean_quantized = moments.float_sum / moments.rows, moments.quantized_sum / moments.rows  # type: ignore[operator]
-    dequantized = (learned - zero[:, :, None]) * scale[:, :, None]
+    dequantized = fitted.dequantized()
     if own_error:
-        shift = np.einsum("gri,gi->gr", matrix - dequantized, mean_quantized)
+        shift = np.einsum("gri,gi->gr", fitted.weights - dequantized, mean_quantized)
     else:
-        shift = np.einsum("gri,gi->gr", matrix, mean_float) - np.einsum("gri,gi->gr", dequantized, mean_quantized)
+        shift = np.einsum("gri,gi->gr", fitted.weights, mean_float) - np.einsum("gri,gi->gr", dequantized, mean_quantized)
     bias_scale = numpy_helper.to_array(initializers[layer.bias_scale]).astype(np.float64).reshape(-1)
     corrected = float_bias + shift.reshape(-1)
     if float_bias.shape != corrected.shape:
