@@ -220,16 +220,27 @@ def layer_rows(current: CurrentInputs, operator, kind: str, shape: list[int]) ->
     return _unfolded(current(operator), operator, kind, shape)
 
 
-def layer_moments(original: OriginalInputs, current: CurrentInputs, operator, kind: str, shape: list[int], images: np.ndarray,
-                  held: np.ndarray) -> tuple[tuple[np.ndarray, int], tuple[np.ndarray, int]]:
-    """((sum, rows) on the images `held` leaves out, (sum, rows) on those it marks): the sums of z z^T over a
-    layer's rows, z = [x; x'; 1], x the row the int8 model (`original`) feeds it and x' the one the model as it is
-    now (`current`) feeds it. Summed image batch by image batch, so memory stays that of one batch's rows."""
+@dataclass(frozen=True)
+class LayerFeeds:
+    """What a layer's 4-bit filter is fitted on: the inputs the int8 model fed its layers (`original`) and those the model
+    as it is now feeds them (`current`), on the same images, and which of those images judge the fit (`held`)."""
+
+    original: OriginalInputs
+    current: CurrentInputs
+    images: np.ndarray
+    held: np.ndarray
+
+
+def layer_moments(feeds: LayerFeeds, operator, kind: str, shape: list[int]) -> tuple[tuple[np.ndarray, int], tuple[np.ndarray, int]]:
+    """((sum, rows) on the images `feeds.held` leaves out, (sum, rows) on those it marks): the sums of z z^T over a
+    layer's rows, z = [x; x'; 1], x the row the int8 model feeds it and x' the one the model as it is now feeds it.
+    Summed image batch by image batch, so memory stays that of one batch's rows."""
     tensor = int(operator.inputs[0])
-    original_inputs, current_inputs = original(tensor), current(operator)
+    original_inputs, current_inputs = feeds.original(tensor), feeds.current(operator)
     width = 2 * int(np.prod(shape[1:])) + 1
     sums, counts = [np.zeros((width, width)) for _ in range(2)], [0, 0]
-    for start in range(0, len(images), BATCH):
+    held = feeds.held
+    for start in range(0, len(feeds.images), BATCH):
         part = slice(start, start + BATCH)
         for group, mask in enumerate((~held[part], held[part])):
             if mask.any():
@@ -369,10 +380,10 @@ def _stays_int8(graph, position: int, kind: str, operator) -> str:
             else "")
 
 
-def _layer_to_int4(original: OriginalInputs, current: CurrentInputs, operator, kind: str, images: np.ndarray, held: np.ndarray) -> bool:  # noqa: PLR0913,PLR0917  the model, the layer and the images that fit it
-    """The layer's filter rewritten in int4 in the model `current` reads, fitted on the images, its bias following; whether
-    the fit compensates for the earlier 4-bit layers."""
-    model_object = current.model_object
+def _layer_to_int4(feeds: LayerFeeds, operator, kind: str) -> bool:
+    """The layer's filter rewritten in int4 in the model `feeds.current` reads, fitted on the images, its bias following;
+    whether the fit compensates for the earlier 4-bit layers."""
+    model_object = feeds.current.model_object
     graph = model_object.subgraphs[0]
     input_tensor, weight_tensor, bias_tensor = (int(index) for index in operator.inputs[:3])
     weight, bias = graph.tensors[weight_tensor], graph.tensors[bias_tensor]
@@ -384,8 +395,7 @@ def _layer_to_int4(original: OriginalInputs, current: CurrentInputs, operator, k
     input_scale = float(graph.tensors[input_tensor].quantization.scale[0])
     int8_bias = np.frombuffer(bytes(model_object.buffers[bias.buffer].data), np.int32).astype(np.float64) * input_scale * np.broadcast_to(
         int8_scales, (shape[0],))
-    compensate, (codes, scales, float_bias) = _chosen_fit(weights, int8_bias, layer_moments(original, current, operator, kind,
-                                                                                            shape, images, held), per_tensor)
+    compensate, (codes, scales, float_bias) = _chosen_fit(weights, int8_bias, layer_moments(feeds, operator, kind, shape), per_tensor)
     # The bias's scale follows the weights' (TFLite: input scale x weight scale).
     bias_codes = np.clip(np.rint(float_bias / (input_scale * scales)), np.iinfo(np.int32).min, np.iinfo(np.int32).max).astype(np.int32)
     model_object.buffers[bias.buffer].data = np.frombuffer(bias_codes.tobytes(), np.uint8)
@@ -418,6 +428,7 @@ def to_int4(data: bytes, images: np.ndarray, progress: Callable[[int, int], None
     original = original or OriginalInputs(data, graph, [int(operator.inputs[0]) for position, (_, operator) in enumerate(layers)
                                                         if id(operator) in fits and position not in eight_bit], images)
     current = CurrentInputs(model_object, images)
+    feeds = LayerFeeds(original, current, images, held)
     for position, (kind, operator) in enumerate(layers):
         shape = [int(dim) for dim in graph.tensors[int(operator.inputs[1])].shape]
         name = f"{kind} {'x'.join(map(str, shape))}"
@@ -427,7 +438,7 @@ def to_int4(data: bytes, images: np.ndarray, progress: Callable[[int, int], None
             kept.append(f"{name} ({why})")
             continue
         int8_state = _state(model_object, operator)
-        compensate = _layer_to_int4(original, current, operator, kind, images, held)
+        compensate = _layer_to_int4(feeds, operator, kind)
         name = f"{name} #{position}" if name in states else name
         states[name], positions[name] = (int8_state, _state(model_object, operator)), position
         made.append(name)
