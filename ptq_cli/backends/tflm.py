@@ -13,6 +13,7 @@ scores. The tensor arena is TFLM's own figure (its allocation recording).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import multiprocessing
 import weakref
@@ -93,6 +94,16 @@ def _score_in_worker(batch: np.ndarray) -> np.ndarray:
     return _worker.run(batch)
 
 
+def _blas_threads(count: int) -> contextlib.AbstractContextManager:
+    """BLAS kept to `count` threads while the copied kernels run (threadpoolctl, which the litert extra installs;
+    without it, BLAS keeps its own count: the same bytes, slower)."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return contextlib.nullcontext()
+    return threadpool_limits(count, user_api="blas")
+
+
 class _Calls:
     """How a call is scored: on ptq's copy of TFLM's kernels where it has them (and they give the
     interpreter's bytes on the first images), else by the interpreter, split across worker processes
@@ -129,17 +140,15 @@ class _Calls:
         """The copied kernels on `threads` parts of the call at once: numpy lets go of the GIL in its array work, so
         threads share it out without the processes the interpreter needs; the images stay independent."""
         assert callable(self.kernels)
-        from threadpoolctl import threadpool_limits
-
         parts = min(self.threads, len(codes))  # no empty part, whatever --threads says
         if parts < 2:
-            with threadpool_limits(self.threads, user_api="blas"):
+            with _blas_threads(self.threads):
                 return self.kernels(codes)
         if self.kernel_threads is None:
             self.kernel_threads = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="tflm-kernels")
             weakref.finalize(self, self.kernel_threads.shutdown, wait=False, cancel_futures=True)
         # One core a thread: a convolution's matrix product left to BLAS's own threads in each would share the cores twice over.
-        with threadpool_limits(1, user_api="blas"):
+        with _blas_threads(1):
             return np.concatenate(list(self.kernel_threads.map(self.kernels, np.array_split(codes, parts))))
 
     def _in_workers(self, batch: np.ndarray) -> np.ndarray:
