@@ -223,11 +223,10 @@ def layer_rows(current: CurrentInputs, operator, kind: str, shape: list[int]) ->
 @dataclass(frozen=True)
 class LayerFeeds:
     """What a layer's 4-bit filter is fitted on: the inputs the int8 model fed its layers (`original`) and those the model
-    as it is now feeds them (`current`), on the same images, and which of those images judge the fit (`held`)."""
+    as it is now feeds them (`current`), on the same images (`current.images`), and which of those judge the fit (`held`)."""
 
     original: OriginalInputs
     current: CurrentInputs
-    images: np.ndarray
     held: np.ndarray
 
 
@@ -240,7 +239,7 @@ def layer_moments(feeds: LayerFeeds, operator, kind: str, shape: list[int]) -> t
     width = 2 * int(np.prod(shape[1:])) + 1
     sums, counts = [np.zeros((width, width)) for _ in range(2)], [0, 0]
     held = feeds.held
-    for start in range(0, len(feeds.images), BATCH):
+    for start in range(0, len(feeds.current.images), BATCH):
         part = slice(start, start + BATCH)
         for group, mask in enumerate((~held[part], held[part])):
             if mask.any():
@@ -428,7 +427,7 @@ def to_int4(data: bytes, images: np.ndarray, progress: Callable[[int, int], None
     original = original or OriginalInputs(data, graph, [int(operator.inputs[0]) for position, (_, operator) in enumerate(layers)
                                                         if id(operator) in fits and position not in eight_bit], images)
     current = CurrentInputs(model_object, images)
-    feeds = LayerFeeds(original, current, images, held)
+    feeds = LayerFeeds(original, current, held)
     for position, (kind, operator) in enumerate(layers):
         shape = [int(dim) for dim in graph.tensors[int(operator.inputs[1])].shape]
         name = f"{kind} {'x'.join(map(str, shape))}"
