@@ -7,6 +7,7 @@ noise, so a correctly fed model scores 100% and a wrongly fed one (BGR, another 
 from __future__ import annotations
 
 import functools
+import json
 import os
 from pathlib import Path
 
@@ -226,6 +227,24 @@ def grey_folder(root: Path, count: int = 24, size: int = 16, seed: int = 0) -> P
         grey = rng.integers(0, 256, (size, size), dtype=np.uint8)
         Image.fromarray(np.repeat(grey[:, :, None], 3, axis=2)).save(root / f"grey_{index:03d}.png")
     return root
+
+
+def two_conv_photos_project(root: Path) -> Path:
+    """root/m.onnx (two_conv_classifier), 96 smooth photos in root/cal to calibrate on and 64 in root/test: what the
+    learned rounding and time budget tests quantize (`quantized_json`)."""
+    two_conv_classifier(root / "m.onnx")
+    smooth_photos(root / "cal", 96, seed=1)
+    smooth_photos(root / "test", 64, seed=2)
+    return root
+
+
+def quantized_json(root: Path, output: str, *extra: str, model: str = "m.onnx") -> dict:
+    """`ptq quantize` of a model calibrated on root/cal and judged on root/test (a two_conv_photos_project's, unit
+    preprocessing), which must succeed: its --json."""
+    result = invoke("quantize", "--model", model, "--data", "test", "--calibration-data", "cal", "--preprocess", "unit",
+                    "--output", output, "--json", *extra, cwd=root)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
 
 
 def two_conv_classifier(path: Path, size: int = 16, pool: str = "GlobalAveragePool") -> Path:

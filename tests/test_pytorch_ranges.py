@@ -4,14 +4,13 @@ Reshape hands it)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 from onnx import helper, numpy_helper
-from synthetic import invoke, png_images, smooth_photos, two_conv_classifier
+from synthetic import png_images, quantized_json, smooth_photos, two_conv_classifier
 
 from ptq_cli.backends import pytorch
 from ptq_cli.metrics import sqnr_db
@@ -46,10 +45,7 @@ def project(tmp_path_factory) -> Path:
 
 
 def _quantize(root: Path, output: str, *extra: str) -> dict:
-    result = invoke("quantize", "--model", "head.onnx", "--data", "test", "--calibration-data", "cal", "--preprocess", "unit",
-                    "--backend", "pytorch", "--output", output, "--json", *extra, cwd=root)
-    assert result.exit_code == 0, result.output
-    return json.loads(result.stdout)
+    return quantized_json(root, output, "--backend", "pytorch", *extra, model="head.onnx")
 
 
 def test_the_output_softmax_stays_float_where_a_reshape_hands_it_the_scores(project):

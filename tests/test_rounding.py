@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 from onnx import helper, numpy_helper
 from PIL import Image
-from synthetic import invoke, one_line_error, smooth_photos, two_conv_classifier
+from synthetic import invoke, one_line_error, quantized_json, two_conv_classifier, two_conv_photos_project
 
 from ptq_cli.quantize import overflow, rounding
 
@@ -115,18 +115,10 @@ def test_stepping_back_always_ends_pair_safe_and_moves_the_fewest_codes(seed):
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("rounding")
-    two_conv_classifier(root / "m.onnx")
-    smooth_photos(root / "cal", 96, seed=1)
-    smooth_photos(root / "test", 64, seed=2)
-    return root
+    return two_conv_photos_project(tmp_path_factory.mktemp("rounding"))
 
 
-def _quantize(root: Path, output: str, *extra: str) -> dict:
-    result = invoke("quantize", "--model", "m.onnx", "--data", "test", "--calibration-data", "cal", "--preprocess", "unit",
-                    "--output", output, "--json", *extra, cwd=root)
-    assert result.exit_code == 0, result.output
-    return json.loads(result.stdout)
+_quantize = quantized_json
 
 
 def _logits(path: Path, images: np.ndarray) -> np.ndarray:

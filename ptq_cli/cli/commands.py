@@ -173,6 +173,7 @@ def quantize(
     output: Annotated[Path | None, typer.Option(help="Where to write the quantized model. (default: beside the model, <model>_<dtype>.onnx, <model>_pytorch_<dtype>.pt, <model>_pt2e_<dtype>.pt2, <model>_executorch_<dtype>.pte, <model>_openvino_<dtype>.xml or <model>_<dtype>.tflite)", show_default=False)] = None,
     results_dir: Annotated[Path, typer.Option(help="Records of earlier evaluations and benchmarks: the models made from the same FP32 model that they measured are named after quantizing, as the other choices.")] = settings.RESULTS_DIR,
     portability_cost: Annotated[bool | None, typer.Option("--portability-cost/--no-portability-cost", help=f"On a CPU with VNNI, for a model made for all CPUs with an overflow fix: quantize it again for VNNI CPUs alone (--cpus vnni) and say what running right on every x86 CPU costs, both measured against FP32 on the calibration images. Takes one more quantization. (default: measured where the model took at most {QUICK_SECONDS:.0f} s to make; env: PTQ_PORTABILITY_COST=0 turns it off)", envvar="PTQ_PORTABILITY_COST", show_envvar=False, show_default=False, rich_help_panel="Quantization")] = None,
+    time_budget: Annotated[float | None, typer.Option(help="Seconds the whole quantization may take, loading included: --method auto's candidates after MinMax take at most half of what is left as they begin, learned rounding refines layers while each is expected to end before a tenth of the budget is left (the others keep nearest codes); what did not fit is said. The same model as without it where everything fits; a model that depends on this machine's speed where not. (default: none, every step runs)", show_default=False, rich_help_panel="Quantization")] = None,
     choice: DataChoice = NO_CHOICE,
     as_json: JsonFlag = False,
 ) -> quantize_service.QuantizeResult:
@@ -183,7 +184,7 @@ def quantize(
     needs no flags. Models below opset 10 (13 for per-channel) are upgraded first.
     """
     request = quantize_service.QuantizeRequest(model, quantization, choice.data, choice.calibration_data, calibration, choice.calibration_size, choice.flags,
-                                               output, results_dir, portability_cost)
+                                               output, results_dir, portability_cost, time_budget)
     result = choices_service.quantize(request, _progress_bar)
     _emit(as_json, result, render_report.quantization(result))
     return result

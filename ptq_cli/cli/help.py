@@ -31,6 +31,7 @@ SHORT = {
     "preprocess": "The model's input normalisation: raw255, unit (x1/255), imagenet or cifar10-normalized.",
     "quantize.model": "The FP32 ONNX model to quantize.",
     "dtype": "Activation and weight type.",
+    "quantize.time_budget": "Seconds the quantization may take: the optional steps that do not fit are left out, and said. (default: none)",
 }
 
 _DEFAULT = re.compile(r"\s*\((?:default|env)[^()]*(?:\([^()]*\)[^()]*)*\)\s*$")

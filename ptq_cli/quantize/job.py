@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from ptq_cli.quantize.budget import Deadline
 from ptq_cli.quantize.settings import SaturatingScores
 
 
@@ -29,6 +30,8 @@ class Job:
     writer_options: tuple[tuple[str, Any], ...] = ()
     # The saturating x86 int8 path at native speed, from the service quantizing (QuantizeCall.saturating_scores).
     saturating_scores: SaturatingScores | None = None
+    # The time budget the optional steps keep to (`--time-budget`, QuantizeCall.deadline), if any.
+    deadline: Deadline | None = None
 
     @property
     def files(self) -> tuple[Path, Path, str]:

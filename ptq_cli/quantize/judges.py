@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from functools import cache
@@ -18,6 +19,7 @@ from ptq_cli.model_file import (
     resolve_threads,
 )
 from ptq_cli.quantize import overflow, ranges, reuse, rounding
+from ptq_cli.quantize.budget import AFTER_CANDIDATES, AFTER_ROUNDING_SHARE, Deadline, StepClock
 from ptq_cli.quantize.calibration import SEARCH_CHUNK_PIXELS, judged_images, write_qdq
 from ptq_cli.quantize.job import Job
 from ptq_cli.quantize.policy import chosen_method, closer_by_margin, even_draw, held_out_split, image_pixels, rounding_image_count, sqnr_figure
@@ -87,51 +89,72 @@ def _quantized_source(layers: list[rounding.Layer]):
     return tensor_batches if shared else layer_by_layer_batches
 
 
-def refine_rounding(quantized, float_path: str, calibration: np.ndarray, input_name: str, settings: QuantizationSettings,
-                    progress: ProgressCallback | None = None) -> tuple[Any, QuantizationSettings, list[str]]:
+class _Refiner:
+    """Learned rounding's passes over the same refinement images (`refine_rounding`'s first and its own-error retry): the
+    float model, the images, the bar and, within a time budget, the last pass's clock (quantize/budget.py)."""
+
+    def __init__(self, float_model, input_name: str, refining: np.ndarray, progress: ProgressCallback | None, deadline: Deadline | None) -> None:
+        self.float_model, self.input_name, self.refining, self.progress, self.deadline = float_model, input_name, refining, progress, deadline
+        self.threads = resolve_threads(None)
+        self.clock: StepClock | None = None
+
+    def __call__(self, model, own_error: bool = False) -> tuple[Any, list[rounding.LayerResult]]:
+        found = rounding.find_layers(model)
+        following = rounding.Refinement(self.float_model, _quantized_source(found)(self.input_name, self.refining, self.threads),
+                                        collected_batches(self.input_name, self.refining, self.threads, [layer.float_input for layer in found]),
+                                        len(self.refining), float_memo=_float_memo(self.float_model, self.refining))
+        self.clock = StepClock(self.deadline, AFTER_ROUNDING_SHARE * self.deadline.seconds) if self.deadline is not None else None
+        return rounding.refine(model, following, progress=self.progress, own_error=own_error, go_on=self.clock.another if self.clock else None)
+
+    def stopped_note(self) -> list[str]:
+        """What a time budget left out of the last pass, where it ended it early."""
+        if self.clock is None or not self.clock.stopped:
+            return []
+        return [f"learned rounding: {self.clock.until.describe()} ended it after {self.clock.steps} layers; the layers after them keep their nearest codes"]
+
+
+def refine_rounding(quantized, float_path: str, calibration: np.ndarray, input_name: str, settings: QuantizationSettings,  # noqa: PLR0913  the time budget
+                    progress: ProgressCallback | None = None, deadline: Deadline | None = None) -> tuple[Any, QuantizationSettings, list[str]]:
     """(model, settings with the rounding decided, notes): learned codes and corrected biases where they bring
-    the output closer to FP32 than nearest rounding on held-out calibration images (or where asked)."""
+    the output closer to FP32 than nearest rounding on held-out calibration images (or where asked). Within a
+    `deadline`, layer by layer while the next layer is expected to end before AFTER_ROUNDING_SHARE of it is left."""
     import onnx
 
     from ptq_cli.metrics import image_sqnr_db
 
+    if deadline is not None and not deadline.fits(0.0, AFTER_ROUNDING_SHARE * deadline.seconds):
+        return quantized, replace(settings, rounding=NEAREST), [f"learned rounding: not run ({deadline.describe()} was spent before it); "
+                                                                 "weights rounded to nearest"]
     held_out, rest = held_out_split(calibration)
     if settings.rounding == LEARNED or len(held_out) == 0:
         rest = calibration  # nothing to judge with, or nothing to judge: every image refines
-    count = rounding_image_count(image_pixels(calibration))
-    refining = rest[even_draw(len(rest), count)]
-    threads = resolve_threads(None)
+    refining = rest[even_draw(len(rest), rounding_image_count(image_pixels(calibration)))]
     float_model = onnx.load(float_path)
     nearest_model = onnx.ModelProto.FromString(quantized.SerializeToString())
-
-    def refine(model, own_error: bool = False):
-        found = rounding.find_layers(model)
-        following = rounding.Refinement(float_model, _quantized_source(found)(input_name, refining, threads),
-                                        collected_batches(input_name, refining, threads, [layer.float_input for layer in found]), len(refining),
-                                        float_memo=_float_memo(float_model, refining))
-        return rounding.refine(model, following, progress=progress, own_error=own_error)
+    refine = _Refiner(float_model, input_name, refining, progress, deadline)
     try:
         refined, layers = refine(quantized)
     except Exception as error:  # noqa: BLE001  onnxruntime's and numpy's own errors: the user keeps the nearest-rounded model
         return nearest_model, replace(settings, rounding=NEAREST), [f"learned rounding: not applied ({first_line(error)}); weights rounded to nearest"]
     changed = sum(layer.codes_changed for layer in layers)
     notes = [f"learned rounding: {len(layers)} layers, {changed:,} of {sum(layer.codes for layer in layers):,} weight codes moved off nearest, "
-             f"{sum(layer.bias_corrected for layer in layers)} biases corrected, from {len(refining)} calibration images"]
+             f"{sum(layer.bias_corrected for layer in layers)} biases corrected, from {len(refining)} calibration images", *refine.stopped_note()]
     stepped = sum(layer.codes_stepped_back for layer in layers)
     if stepped:
         notes.append(f"learned rounding: {stepped:,} codes stepped back towards zero to follow the pair rule")
     if settings.rounding == LEARNED or len(held_out) == 0:
         return refined, replace(settings, rounding=LEARNED), notes
     judged = judged_output(float_model)
-    reference = float_outputs(float_model, judged, input_name, held_out, threads)
+    reference = float_outputs(float_model, judged, input_name, held_out, refine.threads)
     quantized_judged = judged_in(refined, judged)
-    nearest_db = image_sqnr_db(reference, tensor_outputs(nearest_model, quantized_judged, input_name, held_out, threads))
-    learned_db = image_sqnr_db(reference, tensor_outputs(refined, quantized_judged, input_name, held_out, threads))
+    nearest_db = image_sqnr_db(reference, tensor_outputs(nearest_model, quantized_judged, input_name, held_out, refine.threads))
+    learned_db = image_sqnr_db(reference, tensor_outputs(refined, quantized_judged, input_name, held_out, refine.threads))
     if learned_db <= nearest_db:  # the biases matched FP32's means past what the codes cost: each takes up its own layer's error
         with contextlib.suppress(Exception):  # onnxruntime's and numpy's own errors: the first pass's figures stand
             refined = refine(onnx.ModelProto.FromString(nearest_model.SerializeToString()), own_error=True)[0]
-            learned_db = image_sqnr_db(reference, tensor_outputs(refined, quantized_judged, input_name, held_out, threads))
-            notes.append("learned rounding: each bias corrected for its own layer's codes only (matching FP32's means measured worse than nearest)")
+            learned_db = image_sqnr_db(reference, tensor_outputs(refined, quantized_judged, input_name, held_out, refine.threads))
+            notes += ["learned rounding: each bias corrected for its own layer's codes only (matching FP32's means measured worse than nearest)",
+                      *refine.stopped_note()]
     choice = LEARNED if learned_db > nearest_db else NEAREST
     measured = replace(settings, rounding=choice).with_evidence(rounding_nearest_db=sqnr_figure(nearest_db), rounding_learned_db=sqnr_figure(learned_db))
     verdict = f"image SQNR on {len(held_out)} held-out calibration images: {nearest_db:.2f} dB nearest, {learned_db:.2f} dB learned; kept {choice}"
@@ -161,7 +184,17 @@ def choose_method(job: Job, settings: QuantizationSettings, overrides: dict | No
     reference = float_outputs(float_model, judged, job.input_name, held_out, threads)
     scores: list[tuple[str, float | None, float | None]] = []
     histograms: dict = {}  # the percentiles read off one collection of histograms
+    # Within a time budget, the candidates after MinMax run while AFTER_CANDIDATES times MinMax's is still left after them.
+    clock: StepClock | None = None
+    skipped: list[str] = []
+    began = time.monotonic()
     for index, (method, percentile) in enumerate(METHOD_CANDIDATES):
+        if index == 1 and job.deadline is not None:
+            minmax_seconds = time.monotonic() - began
+            clock = StepClock(job.deadline, AFTER_CANDIDATES * minmax_seconds, minmax_seconds)
+        if clock is not None and not clock.another():
+            skipped.append(method if percentile is None else f"{method} {percentile:g}")
+            continue
         candidate = replace(settings, method=method, percentile=percentile)
         step = (lambda done, _total, index=index: progress(index * len(rest) + done, len(METHOD_CANDIDATES) * len(rest))) if progress else None
         try:
@@ -173,6 +206,9 @@ def choose_method(job: Job, settings: QuantizationSettings, overrides: dict | No
             continue
         name = judged_in(quantized, judged)
         scores.append((method, percentile, sqnr_figure(image_sqnr_db(reference, tensor_outputs(quantized, name, job.input_name, held_out, threads)))))
+    if skipped and job.deadline is not None:
+        notes.append(f"method auto: {', '.join(skipped)} not judged (within {job.deadline.describe()}, learned rounding and writing the model "
+                     "come first)")
     method, percentile = chosen_method(tuple(scores))
     return replace(settings, method=method, percentile=percentile).with_evidence(method_sqnr_db=tuple(scores)), notes
 
@@ -381,17 +417,23 @@ def refined(job: Job, quantized, settings: QuantizationSettings, search: bool, p
         if settings.rounding != NEAREST:
             settings, notes = replace(settings, rounding=NEAREST), [f"learned rounding: not applied (the graph is tied to its fixed batch of {fixed_batch})"]
         return quantized, settings, notes
-    done = 0
+    done, deadline = 0, job.deadline
     if settings.rounding != NEAREST:
         asked = settings
-        quantized, settings, notes = refine_rounding(quantized, source, calibration, input_name, settings, progress)
+        quantized, settings, notes = refine_rounding(quantized, source, calibration, input_name, settings, progress, deadline)
         done = len(rounding.find_layers(quantized))
         if minmax_model is not None and _kept_rounding_db(settings) is not None:
-            minmax = replace(asked, method=METHOD_CANDIDATES[0][0], percentile=None)
-            rounded = refine_rounding(minmax_model(settings=minmax), source, calibration, input_name, minmax, progress_after(progress, done))
-            quantized, settings, notes = _rounded_method((quantized, settings, notes), rounded)
-            done *= 2
-    if search:  # after the rounding: what the weights no longer cost, the ranges can still win back
+            if deadline is not None and not deadline.fits(0.0, AFTER_ROUNDING_SHARE * deadline.seconds):
+                notes.append(f"method auto: {settings.method} {settings.percentile:g} kept without MinMax rounded again to compare "
+                             f"({deadline.describe()} was spent)")
+            else:
+                minmax = replace(asked, method=METHOD_CANDIDATES[0][0], percentile=None)
+                rounded = refine_rounding(minmax_model(settings=minmax), source, calibration, input_name, minmax, progress_after(progress, done), deadline)
+                quantized, settings, notes = _rounded_method((quantized, settings, notes), rounded)
+                done *= 2
+    if search and deadline is not None and deadline.left() <= 0:
+        notes.append(f"range search: not run ({deadline.describe()} was spent)")
+    elif search:  # after the rounding: what the weights no longer cost, the ranges can still win back
         quantized, settings, searched_notes = search_ranges(quantized, source, calibration, input_name, settings, progress_after(progress, done))
         notes += searched_notes
     return quantized, settings, notes

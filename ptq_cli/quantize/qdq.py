@@ -140,6 +140,8 @@ def quantize(call: QuantizeCall, placement: Placement = ONNXRUNTIME_X86) -> Quan
     model already made from the same inputs is written again rather than made again (reuse.made_once). `placement`:
     where the runtime the model is for wants its pairs (placement.py)."""
     model, settings, calibration, stored = call.model, call.settings, call.calibration, call.stored
+    if call.deadline is not None:  # what a time budget leaves out depends on the clock: made here, never handed back
+        return quantize_qdq(call, placement)
     return reuse.made_once(lambda: reuse.digest(model.SerializeToString(), repr((calibration.shape, str(calibration.dtype))).encode(),
                                               np.ascontiguousarray(calibration).tobytes(), repr(settings).encode(), repr(sorted(stored.items())).encode(),
                                               type(placement).__name__.encode()),
@@ -166,7 +168,7 @@ def quantize_qdq(call: QuantizeCall, placement: Placement = ONNXRUNTIME_X86) -> 
         notes += policy.pools_in_float_note(prepared.pools, "onnxruntime")
         job = Job(prepared.source, calibration, described.name, prepared.float_nodes,
                   partial(_finish, rewrites=prepared.rewrites, float_nodes=prepared.float_nodes, placement=placement), Path(workdir), output,
-                  model.graph.name or "model", fixed_batch, prepared.writer_options, call.saturating_scores)
+                  model.graph.name or "model", fixed_batch, prepared.writer_options, call.saturating_scores, call.deadline)
         search = settings.method == AUTO_METHOD
         settings, overrides, chosen, done = judged_choices(job, settings, prepared.overrides, progress)
         notes += chosen

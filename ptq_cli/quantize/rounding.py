@@ -318,9 +318,11 @@ class Refinement:
 
 
 def refine(quantized, following: Refinement, seed: int = 0, progress: Callable[[int, int], None] | None = None, *,
-           own_error: bool = False) -> tuple[Any, list[LayerResult]]:
+           own_error: bool = False, go_on: Callable[[], bool] | None = None) -> tuple[Any, list[LayerResult]]:
     """The QDQ model with learned weight codes and corrected biases, in place, layer by layer in graph order.
-    `own_error`: each bias takes up only the mean error of its own layer's codes, (W - Q) mu_int8 (see `_correct_bias`)."""
+    `own_error`: each bias takes up only the mean error of its own layer's codes, (W - Q) mu_int8 (see `_correct_bias`).
+    `go_on()`, asked before each layer: where it says no, that layer and those after it keep their codes and biases
+    (a time budget's end: quantize/budget.py)."""
     from onnx import numpy_helper
 
     initializers = {init.name: init for init in quantized.graph.initializer}
@@ -330,6 +332,8 @@ def refine(quantized, following: Refinement, seed: int = 0, progress: Callable[[
     layers = [layer for layer in find_layers(quantized) if _float_weight(float_nodes.get(layer.name), float_initializers) is not None]
     rng = np.random.default_rng(seed)
     for index, layer in enumerate(layers):
+        if go_on is not None and not go_on():
+            break
         float_node = float_nodes[layer.name]
         float_weight = _float_weight(float_node, float_initializers)
         assert float_weight is not None

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ptq_cli.errors import PtqError
+from ptq_cli.quantize.budget import Deadline
 from ptq_cli.quantize.overflow import NO_FIX
 from ptq_cli.x86.cpu import ALL
 
@@ -243,6 +244,7 @@ class QuantizeCall:
     progress: ProgressCallback | None = None
     saturating_scores: SaturatingScores | None = None
     make_weights: WeightsMaker | None = None
+    deadline: Deadline | None = None  # the time budget the engine's optional steps keep to (`--time-budget`), if any
 
 
 def progress_after(progress: ProgressCallback | None, done: int) -> ProgressCallback | None:

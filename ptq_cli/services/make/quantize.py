@@ -16,7 +16,8 @@ from ptq_cli.errors import PtqError
 from ptq_cli.guards import bounded
 from ptq_cli.guards.atomic import check_outputs, check_writable, companions
 from ptq_cli.model_file import read_onnx
-from ptq_cli.quantize import overflow, reuse
+from ptq_cli.quantize import budget, overflow, reuse
+from ptq_cli.quantize.budget import Deadline
 from ptq_cli.quantize.settings import QuantizationSettings, QuantizeCall, QuantizedFile, WeightsMaker
 from ptq_cli.services import models as model_service
 from ptq_cli.services.make import portability
@@ -137,22 +138,26 @@ def calibration_inputs(source: SourceModel, calibration: CalibrationSet) -> np.n
     return prepared
 
 
-def quantize_source(source: SourceModel, output: Path, settings: QuantizationSettings, calibration: CalibrationSet,
-                    metadata: dict | None = None, prepared: np.ndarray | None = None, progress: ProgressCallback | None = None) -> QuantizedFile:
+def quantize_source(source: SourceModel, output: Path, settings: QuantizationSettings, calibration: CalibrationSet,  # noqa: PLR0913  the time budget
+                    metadata: dict | None = None, prepared: np.ndarray | None = None, progress: ProgressCallback | None = None,
+                    deadline: Deadline | None = None) -> QuantizedFile:
     """Quantize with the settings' backend; the model keeps its settings, input contract and source sha256.
-    `metadata` (e.g. the validation scores `tune` measured) is stored next to the settings."""
+    `metadata` (e.g. the validation scores `tune` measured) is stored next to the settings. `deadline`: the time budget
+    the engine's optional steps keep to (quantize/budget.py)."""
     if prepared is None:
         prepared = calibration_inputs(source, calibration)
     settings = resolve_settings(source, settings, prepared)
     stored = {
-        QUANTIZATION_METADATA_KEY: json.dumps({"source_model": str(source.path), **(metadata or {})}),
+        # A model made within a time budget says so: what it left out depends on the machine that made it.
+        QUANTIZATION_METADATA_KEY: json.dumps({"source_model": str(source.path), **(metadata or {}),
+                                               **({"time_budget_s": deadline.seconds} if deadline is not None else {})}),
         inputs.INPUT_METADATA_KEY: source.loaded.preprocessing.to_json(),
         SOURCE_METADATA_KEY: source.loaded.info.sha256,
     }
     # The judges of an overflow fix measure both x86 paths; the PT2E backends take ptq's onnxruntime weights.
     return backends.backend(settings.backend).quantizes.quantize(QuantizeCall(
         source.model, Path(output), settings, prepared, stored, progress,
-        saturating_scores=model_service.native_scores, make_weights=_weights_maker(source, calibration, prepared, settings)))
+        saturating_scores=model_service.native_scores, make_weights=_weights_maker(source, calibration, prepared, settings), deadline=deadline))
 
 
 def _weights_maker(source: SourceModel, calibration: CalibrationSet, prepared: np.ndarray, settings: QuantizationSettings) -> WeightsMaker:
@@ -202,12 +207,13 @@ class QuantizeRequest:
     output: Path | None = None  # default_output's name, beside the model
     results_dir: Path | None = None  # names what its records measured of the other models made from the same FP32 model
     portability_cost: bool | None = False  # None: measured where the model was quick to make (portability.QUICK_SECONDS)
+    time_budget: float | None = None  # seconds the whole quantization keeps to, leaving out optional steps (quantize/budget.py)
 
 
 def run(request: QuantizeRequest, progress_bar: ProgressBar = no_progress_bar) -> QuantizeResult:
     """The request checked (the model loaded once, the files it reads, the output writable) before any
     calibration work, then quantize; `progress_bar(description)` gives each long phase's progress callback."""
-    settings = request.settings
+    settings, deadline = request.settings, budget.deadline(request.time_budget)
     source = load_source(request.model, request.flags, settings.per_channel is not False)
     for path in settings.options.input_files():
         read_onnx(path)
@@ -217,18 +223,21 @@ def run(request: QuantizeRequest, progress_bar: ProgressBar = no_progress_bar) -
         calibration = for_model(request.model, request.data, request.calibration_data, saved=request.calibration_file, reuse_default=True,
                                 flags=request.flags, count=request.calibration_size, size=source.loaded.input.size)
     with progress_bar(f"Calibrating ({settings.method}) and quantizing with {settings.backend}") as progress:
-        return quantize(request.model, output, settings, calibration, request.flags, progress, request.portability_cost, request.results_dir, source)
+        return quantize(request.model, output, settings, calibration, request.flags, progress, request.portability_cost, request.results_dir, source,
+                        deadline=deadline)
 
 
 def quantize(model_path: Path, output: Path, settings: QuantizationSettings, calibration: CalibrationSet,  # noqa: PLR0913,PLR0917  QuantizeRequest's fields once the model and calibration set are loaded
              flags: inputs.PreprocessingFlags | None = None, progress: ProgressCallback | None = None,
-             portability_cost: bool | None = False, results_dir: Path | None = None, source: SourceModel | None = None) -> QuantizeResult:
+             portability_cost: bool | None = False, results_dir: Path | None = None, source: SourceModel | None = None, *,
+             deadline: Deadline | None = None) -> QuantizeResult:
     """Quantize the FP32 ONNX model with the settings' backend; the output is written atomically. With
     `portability_cost`, a model with an overflow fix is measured against one made for VNNI CPUs alone (portability.py);
     with None, where it was quick to make (portability.QUICK_SECONDS), else the result says why not.
     With `results_dir`, the portability cost measured is recorded there.
     `source`: the model already loaded by load_source (a command that checked it before drawing calibration images),
-    so it is loaded once."""
+    so it is loaded once. `deadline`: the time budget the engine's optional steps keep to (quantize/budget.py); the
+    portability cost's second model is made without it."""
     model_path, output = Path(model_path), Path(output)
     calibration_file = Path(calibration.source.split(" (")[0]) if calibration.source else None
     check_outputs([("--output", output, (backends.backend(settings.backend).suffix,))], [model_path, *settings.options.input_files(), calibration_file])
@@ -238,7 +247,7 @@ def quantize(model_path: Path, output: Path, settings: QuantizationSettings, cal
     settings = with_calibration(resolve_settings(source, settings, prepared), calibration)
     with reuse.reusing_made_files():  # the model for VNNI CPUs shares what it can with this one (its float model's sums)
         began = time.perf_counter()
-        written = quantize_source(source, output, settings, calibration, prepared=prepared, progress=progress)
+        written = quantize_source(source, output, settings, calibration, prepared=prepared, progress=progress, deadline=deadline)
         settings = written.settings or settings
         cost = None
         if portability_cost is not False and portability.applies(settings):
