@@ -89,3 +89,10 @@ def test_a_budget_that_is_not_a_positive_number_of_seconds_is_one_line(project, 
                     "--time-budget", given, cwd=project)
     one_line_error(result, "--time-budget: must be a number of seconds above 0")
     assert not (project / "refused.onnx").exists()
+
+
+def test_a_backend_that_does_not_keep_to_a_budget_refuses_it_in_one_line(project):
+    result = invoke("quantize", "--model", "m.onnx", "--data", "test", "--preprocess", "unit", "--backend", "litert", "--output", "refused.tflite",
+                    "--time-budget", "60", cwd=project)
+    one_line_error(result, "--time-budget: --backend litert does not keep to a time budget (onnxruntime and openvino do)")
+    assert not (project / "refused.tflite").exists()

@@ -104,6 +104,7 @@ class Quantizer:
     output_name: Callable[[str, QuantizationSettings], str] | None = None  # default output file name for a model's stem
     float_stem: bool = True  # whether it can leave the stem in float (`QuantizationSettings.stem`)
     learned_rounding: bool = False  # whether its quantize refines the weights' rounding (`QuantizationSettings.rounding`)
+    keeps_time_budget: bool = False  # whether its quantize keeps to `--time-budget` (QuantizeCall.deadline; quantize/budget.py)
     int4_weights: bool = False  # whether it writes 4-bit weights (`--weight-dtype int4`)
     fast_on_x86: Callable[[QuantizationSettings], bool] = _fast_when_u8s8  # its x86 fast configuration
     # Tuning: `tune_refused` says why tune does not search it (and what to use instead); `tune_grid` gives

@@ -183,6 +183,7 @@ BACKEND = Backend(
         speed_target={"dtype": "uint8", "weight_dtype": "int8", "per_channel": True},
         speed_by_default=True,
         learned_rounding=True,  # refine_rounding: GPTQ codes and bias correction on the QDQ model
+        keeps_time_budget=True,  # the QDQ engine's judges
     ),
     runtime=Runtime(load, profile=profile, settings="CPUExecutionProvider, 1 intra-op thread per run, allow_spinning 0, one shard per thread"),
     # Its exact u8 x s8 kernels have a session switch: the other path is always reached.

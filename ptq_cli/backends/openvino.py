@@ -501,7 +501,7 @@ BACKEND = Backend(
         quantize, methods=(*qdq.METHODS, NNCF), tune_methods=(NNCF,), per_channel=False, granularities=(True,),
         overflow_fixes=(FIRST_LAYER, ALL_LAYERS), clamped_overflow_fix=ALL_LAYERS, judges_overflow_fix=True, learned_rounding=True,
         options=Options, describe=_describe, tune_grid=_tune_grid, float_layers=layers, fast_on_x86=_fast_on_x86,
-        overflow_words=_overflow_words,
+        overflow_words=_overflow_words, keeps_time_budget=True,
     ),
     # ONNX files too (`--runtime openvino`), always with a precision hint.
     runtime=Runtime(load, profile=profile, runs_suffixes=(".onnx",), precisions=PRECISIONS,

@@ -214,6 +214,9 @@ def run(request: QuantizeRequest, progress_bar: ProgressBar = no_progress_bar) -
     """The request checked (the model loaded once, the files it reads, the output writable) before any
     calibration work, then quantize; `progress_bar(description)` gives each long phase's progress callback."""
     settings, deadline = request.settings, budget.deadline(request.time_budget)
+    if deadline is not None and not backends.backend(settings.backend).quantizes.keeps_time_budget:
+        keeping = [row.name for row in backends.TABLE.values() if row.quantizer is not None and row.quantizer.keeps_time_budget]
+        raise PtqError(f"--time-budget: --backend {settings.backend} does not keep to a time budget ({' and '.join(keeping)} do)")
     source = load_source(request.model, request.flags, settings.per_channel is not False)
     for path in settings.options.input_files():
         read_onnx(path)
