@@ -41,6 +41,7 @@ def test_a_budget_spent_before_the_optional_steps_leaves_them_out_says_so_and_st
     others = [method if percentile is None else f"{method} {percentile:g}" for method, percentile in METHOD_CANDIDATES[1:]]
     assert f"method auto: {', '.join(others)} not judged (within the time budget of 0.001 s" in notes
     assert "learned rounding: not run (the time budget of 0.001 s was spent before it)" in notes
+    assert "range search: not run (the time budget of 0.001 s was spent)" in notes
     assert made["settings"]["method"] == "minmax" and made["settings"]["rounding"] == "nearest"
     assert [method for method, _, _ in made["settings"]["method_sqnr_db"]] == ["minmax"]  # the one candidate judged
     assert _stored(project / "spent.onnx")["time_budget_s"] == 0.001  # the model says it was made within a budget

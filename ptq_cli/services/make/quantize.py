@@ -214,9 +214,7 @@ def run(request: QuantizeRequest, progress_bar: ProgressBar = no_progress_bar) -
     """The request checked (the model loaded once, the files it reads, the output writable) before any
     calibration work, then quantize; `progress_bar(description)` gives each long phase's progress callback."""
     settings, deadline = request.settings, budget.deadline(request.time_budget)
-    if deadline is not None and not backends.backend(settings.backend).quantizes.keeps_time_budget:
-        keeping = [row.name for row in backends.TABLE.values() if row.quantizer is not None and row.quantizer.keeps_time_budget]
-        raise PtqError(f"--time-budget: --backend {settings.backend} does not keep to a time budget ({' and '.join(keeping)} do)")
+    _check_keeps(deadline, settings)  # before any loading
     source = load_source(request.model, request.flags, settings.per_channel is not False)
     for path in settings.options.input_files():
         read_onnx(path)
@@ -228,6 +226,13 @@ def run(request: QuantizeRequest, progress_bar: ProgressBar = no_progress_bar) -
     with progress_bar(f"Calibrating ({settings.method}) and quantizing with {settings.backend}") as progress:
         return quantize(request.model, output, settings, calibration, request.flags, progress, request.portability_cost, request.results_dir, source,
                         deadline=deadline)
+
+
+def _check_keeps(deadline: Deadline | None, settings: QuantizationSettings) -> None:
+    """A time budget is refused by a backend that does not keep to it, naming those that do."""
+    if deadline is not None and not backends.backend(settings.backend).quantizes.keeps_time_budget:
+        keeping = [row.name for row in backends.TABLE.values() if row.quantizer is not None and row.quantizer.keeps_time_budget]
+        raise PtqError(f"--time-budget: --backend {settings.backend} does not keep to a time budget ({' and '.join(keeping)} do)")
 
 
 def quantize(model_path: Path, output: Path, settings: QuantizationSettings, calibration: CalibrationSet,  # noqa: PLR0913,PLR0917  QuantizeRequest's fields once the model and calibration set are loaded
@@ -242,6 +247,7 @@ def quantize(model_path: Path, output: Path, settings: QuantizationSettings, cal
     so it is loaded once. `deadline`: the time budget the engine's optional steps keep to (quantize/budget.py); the
     portability cost's second model is made without it."""
     model_path, output = Path(model_path), Path(output)
+    _check_keeps(deadline, settings)
     calibration_file = Path(calibration.source.split(" (")[0]) if calibration.source else None
     check_outputs([("--output", output, (backends.backend(settings.backend).suffix,))], [model_path, *settings.options.input_files(), calibration_file])
     if source is None or Path(source.path) != model_path:
