@@ -51,6 +51,33 @@ def test_a_pt2e_model_is_a_torch_export_program_that_evaluates_like_its_source(p
     assert len({record["correct"] for record in both}) == 1 and all("proof" in record["int8_basis"] or record["int8_basis"] == "native" for record in both)
 
 
+def test_a_program_compiles_once_a_shape_with_inductor_s_cpp_wrapper_and_runs_as_its_source(quantized, monkeypatch):
+    """Inductor's settings (freezing, the C++ wrapper) are in force while a batch shape compiles, and not entered again
+    for a shape compiled already; the compiled scores are the quantize/dequantize program's, as the lowering judge asks."""
+    import torch._inductor.config as inductor
+
+    real_compile, seen = torch.compile, []
+
+    def spied(module, **options):
+        program = real_compile(module, **options)
+
+        def call(batch):
+            seen.append((inductor.freezing, inductor.cpp_wrapper))
+            return program(batch)
+
+        return call
+
+    monkeypatch.setattr(torch, "compile", spied)
+    program, _ = pt2_archive.load(quantized, quantized.read_bytes())
+    run = pt2e.compiled(program.module())
+    batch = torch.from_numpy(np.random.default_rng(0).uniform(0, 255, (2, 3, 16, 16)).astype(np.float32))
+    first, again = run(batch), run(batch)
+    assert seen == [(True, True), (False, False)]
+    assert torch.equal(first, again)
+    with torch.no_grad():
+        assert sqnr_db(program.module()(batch).numpy(), first.numpy()) > pt2e.LOWERING_SQNR_DB
+
+
 def test_convert_writes_a_float_torch_export_program_that_computes_what_the_onnx_model_does(project):
     made = json.loads(ok("convert", "--onnx", "m.onnx", "--torch", "m_fp32.pt2", "--data", "images", "--json", cwd=project).stdout)
     assert made["check"]["top1_agreement"] == 1.0
