@@ -387,10 +387,10 @@ COMPILE_SETTINGS = {"freezing": True, "cpp_wrapper": True}
 def compiled(module: Any) -> Callable[[Any], Any]:
     """The quantize/dequantize module as x86 runs it fast: torch.compile with Inductor's freezing, whose x86 passes
     (torchao's) put each quantized convolution and matrix product on oneDNN's int8 kernels and fuse the rest, and its
-    C++ wrapper, which calls the kernels without Python between them (ResNet8 at batch 1: 1.5-1.85x the Python
+    C++ wrapper, which calls the kernels without Python between them (ResNet8 at batch 1: 1.76x the Python
     wrapper's speed, the same scores; docs/pytorch.md). Compiled at its first call for each batch shape (a C++ compiler
     builds the kernels and the wrapper; Inductor caches them on disk), within COMPILE_SETTINGS; a shape compiled
-    already runs without entering them again (about a tenth of a call's time at batch 1)."""
+    already runs without entering them again."""
     import torch
     import torch._inductor.config as inductor
 
