@@ -74,6 +74,9 @@ def test_a_program_compiles_once_a_shape_with_inductor_s_cpp_wrapper_and_runs_as
     first, again = run(batch), run(batch)
     assert seen == [(True, True), (False, False)]
     assert torch.equal(first, again)
+    with torch.inference_mode():  # as evaluate calls it: guarded apart, so compiled within the settings too
+        inferred = run(batch)
+    assert seen[2:] == [(True, True)] and torch.equal(inferred, first)
     with torch.no_grad():
         assert sqnr_db(program.module()(batch).numpy(), first.numpy()) > pt2e.LOWERING_SQNR_DB
 

@@ -390,22 +390,24 @@ def compiled(module: Any) -> Callable[[Any], Any]:
     C++ wrapper, which calls the kernels without Python between them (ResNet8 at batch 1: 1.76x the Python
     wrapper's speed, the same scores; docs/pytorch.md). Compiled at its first call for each batch shape (a C++ compiler
     builds the kernels and the wrapper; Inductor caches them on disk), within COMPILE_SETTINGS; a shape compiled
-    already runs without entering them again."""
+    already runs without entering them again. The key is what torch.compile's guards read of the call besides the
+    module: the shape, and the caller's inference mode (a call under another may recompile, and without freezing
+    Inductor cannot lower oneDNN's packed weights)."""
     import torch
     import torch._inductor.config as inductor
 
     _imports()
     program = torch.compile(module, dynamic=False)
-    shapes: set[tuple[int, ...]] = set()
+    compiled_for: set[tuple[tuple[int, ...], bool]] = set()
 
     def run(batch: Any) -> Any:
-        shape = tuple(batch.shape)
-        if shape in shapes:
+        key = (tuple(batch.shape), torch.is_inference_mode_enabled())
+        if key in compiled_for:
             with torch.no_grad():
                 return program(batch)
         with torch.no_grad(), inductor.patch(COMPILE_SETTINGS):
             result = program(batch)
-        shapes.add(shape)
+        compiled_for.add(key)
         return result
 
     return run
