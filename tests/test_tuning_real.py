@@ -9,7 +9,7 @@ import json
 import numpy as np
 import onnx
 import pytest
-from conftest import CIFAR, cifar_split, ptq, ptq_ok, read_json
+from conftest import CIFAR, cifar_split, ptq, ptq_ok, read_json, record_of
 
 from ptq_cli.datasets import cifar10 as cifar
 from ptq_cli.services.make.calibration import build_calibration_set
@@ -136,7 +136,7 @@ def test_resnet8_evaluated_in_shards_on_two_ray_workers_writes_the_record_of_one
     """Issue 38, sharded evaluation: the 10,000 test images in shards on two workers give the record `ptq run` wrote
     in one process: counts, confusion matrix and fidelity sums."""
     pytest.importorskip("ray")
-    here = json.loads(ptq_ok("evaluate", "--model", "models/resnet8_int8.onnx", "--results-dir", tmp_path / "here", "--json", cwd=pipeline).stdout)
+    here = record_of(pipeline / "results", "resnet8_int8.onnx")
     there = json.loads(ptq_ok("evaluate", "--model", "models/resnet8_int8.onnx", "--results-dir", tmp_path / "there", "--workers", "2", "--json",
                               cwd=pipeline).stdout)
     assert here["images"] == 10_000

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import signal
 import socket
@@ -324,6 +325,52 @@ def test_evaluation_in_shards_on_ray_writes_the_record_one_process_writes(projec
     assert here["fidelity"] is not None  # the quantized model's fidelity sums, measured in shards too
 
 
+# A worker that loads a model for its shards and is then killed (as Ray stops a cluster's workers): nothing of its own cleanup runs.
+KILLED_WORKER = """
+import os, pickle, sys
+from ptq_cli.services.measure import evaluate
+images, shared = pickle.loads(sys.stdin.buffer.read())
+evaluate.predict_shard(images, shared)
+print(os.getpid(), flush=True)
+os.kill(os.getpid(), 9)
+"""
+
+
+def test_a_shard_folder_a_killed_worker_left_is_removed_by_the_next_worker(project, tmp_path, monkeypatch):
+    """A worker keeps its copy of the model in a folder of its own while it lives (the temporary directory); a killed
+    one cannot remove it, so the next worker to load a model does. A live process's folder stays, and so does what ptq
+    did not name so."""
+    from synthetic import colour_images
+
+    from ptq_cli.services.measure import evaluate
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read again from TMPDIR
+    images, _ = colour_images(2)
+    shared = evaluate.ShardedModel((("m.onnx", (project / "models" / "m.onnx").read_bytes()),), None, None, None, False, False, 1, 4, "test")
+    killed = subprocess.run([sys.executable, "-c", KILLED_WORKER], input=pickle.dumps((images, shared)), capture_output=True, check=False,
+                            env={**os.environ, "TMPDIR": str(scratch)}, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
+    (left,) = scratch.glob(f"ptq-shard-{int(killed.stdout)}-*")
+    assert (left / "m.onnx").is_file()
+    alive = scratch / f"ptq-shard-{os.getppid()}-abcd_123"  # a live process's (this one's parent)
+    others = [scratch / "ptq-shard-of-someone", scratch / "ptq-shard-1x-abcd_123"]
+    for folder in (alive, *others):
+        folder.mkdir()
+    evaluate._SHARD_MODELS.clear()
+    try:
+        scores, _ = evaluate.predict_shard(images, shared)
+        assert scores.shape == (len(images), 3)
+        assert not left.exists()
+        assert sorted(scratch.glob("ptq-shard-*")) == sorted([alive, *others, *scratch.glob(f"ptq-shard-{os.getpid()}-*")])
+        assert len(list(scratch.glob(f"ptq-shard-{os.getpid()}-*"))) == 1  # this process's, while it holds the model
+    finally:
+        evaluate._SHARD_MODELS.clear()
+    assert not list(scratch.glob(f"ptq-shard-{os.getpid()}-*"))  # removed with the model
+
+
 SWEEP = ("sweep", "--model", "models/m.onnx", "--data", "colours.npz", "--calibration", "cal.npz", "--sparsity", "0,0.3,0.6", "--json")
 
 
@@ -376,7 +423,8 @@ def cluster() -> Iterator[str]:
         patch.setenv("RAY_AUTH_MODE", "disabled")
         command = [str(Path(sys.executable).with_name("ray")), "start", "--head", "--port", str(port),
                    "--num-cpus", "2", "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", folder]
-        started = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+        # Its workers' own temporary files (a shard's model) in its folder too: the teardown kills them, which leaves those.
+        started = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False, env={**os.environ, "TMPDIR": folder})
         assert started.returncode == 0, started.stderr[-2000:]
         try:
             yield f"{ray.util.get_node_ip_address()}:{port}"  # where Ray listens: the machine's address

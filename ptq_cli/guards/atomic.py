@@ -11,9 +11,10 @@ import contextlib
 import errno
 import os
 import re
+import shutil
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ptq_cli.errors import PtqError
@@ -147,14 +148,36 @@ def remove_stale_temporaries(path: Path) -> None:
     for an output of this folder (`.<name>.<pid>-<8 random>.partial<the name's suffix>`)."""
     for candidate in Path(path).parent.glob(f".*{PARTIAL}*"):
         match = TEMPORARY_NAME.fullmatch(candidate.name)
-        if match is None or (match["suffix"] or "") != Path(match["name"]).suffix or _running(int(match["pid"])):
-            continue
-        try:
-            info = candidate.lstat()
-        except OSError:
-            continue
-        if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid():
+        if match is not None and (match["suffix"] or "") == Path(match["name"]).suffix and _left_by_a_gone_process(candidate, int(match["pid"]), stat.S_ISREG):
             candidate.unlink(missing_ok=True)
+
+
+# Exactly what process_folder names its folders (mkdtemp adds 8 characters of [a-z0-9_]).
+PROCESS_FOLDER = re.compile(r"(?P<prefix>.+-)(?P<pid>[0-9]{1,10})-[a-z0-9_]{8}")
+
+
+def process_folder(prefix: str) -> tempfile.TemporaryDirectory:
+    """A private temporary folder that lasts as long as this process holds it (`<prefix><pid>-<random>` in the
+    temporary directory). A process that is killed cannot remove its own: those of `prefix` whose process is gone
+    are removed first. Only what ptq can tell it made: a folder (not a link) of this user, named exactly so."""
+    parent = Path(tempfile.gettempdir())
+    for candidate in parent.glob(f"{prefix}*"):  # a prefix of ptq's own, without glob characters
+        match = PROCESS_FOLDER.fullmatch(candidate.name)
+        if match is not None and match["prefix"] == prefix and _left_by_a_gone_process(candidate, int(match["pid"]), stat.S_ISDIR):
+            shutil.rmtree(candidate, ignore_errors=True)
+    return tempfile.TemporaryDirectory(prefix=f"{prefix}{os.getpid()}-", dir=parent)
+
+
+def _left_by_a_gone_process(candidate: Path, pid: int, is_kind: Callable[[int], bool]) -> bool:
+    """Whether `candidate`, named by process `pid`, is this user's, of the kind (a regular file, a folder; not a link)
+    and its process no longer runs."""
+    if _running(pid):
+        return False
+    try:
+        info = candidate.lstat()
+    except OSError:
+        return False
+    return is_kind(info.st_mode) and info.st_uid == os.geteuid()
 
 
 def _running(pid: int) -> bool:

@@ -22,7 +22,7 @@ from ptq_cli.backends.base import LoadedModel
 from ptq_cli.datasets import Dataset, SplitImages, open_dataset
 from ptq_cli.errors import PtqError
 from ptq_cli.guards import bounded, hardstop
-from ptq_cli.guards.atomic import check_folder_writable
+from ptq_cli.guards.atomic import check_folder_writable, process_folder
 from ptq_cli.inputs import PreprocessingFlags
 from ptq_cli.metrics import packed_hits
 from ptq_cli.model_file import file_sha256, files_of, resolve_threads
@@ -133,7 +133,9 @@ class ShardedModel:
     where: str
 
 
-# Each process's loaded model for its shards, by content: (its folder, kept while the model is, and the model).
+# Each process's loaded model for its shards, by content: (its folder, kept while the model is, and the model). A
+# cluster's worker that is killed (as Ray stops a cluster) leaves its folder: the next worker to load a model removes it.
+SHARD_FOLDER_PREFIX = "ptq-shard-"
 _SHARD_MODELS: dict[str, tuple[tempfile.TemporaryDirectory, LoadedModel]] = {}
 
 
@@ -143,7 +145,7 @@ def predict_shard(images: np.ndarray, shared: ShardedModel) -> tuple[np.ndarray,
                                                                                shared.exact_int8, shared.saturating_int8, shared.threads)).encode()).hexdigest()
     if key not in _SHARD_MODELS:
         _SHARD_MODELS.clear()
-        folder = tempfile.TemporaryDirectory(prefix="ptq-shard-")
+        folder = process_folder(SHARD_FOLDER_PREFIX)
         for name, data in shared.files:
             (Path(folder.name) / name).write_bytes(data)
         model_path = Path(folder.name) / shared.files[0][0]
