@@ -152,18 +152,15 @@ def remove_stale_temporaries(path: Path) -> None:
             candidate.unlink(missing_ok=True)
 
 
-# Exactly what process_folder names its folders (mkdtemp adds 8 characters of [a-z0-9_]).
-PROCESS_FOLDER = re.compile(r"(?P<prefix>.+-)(?P<pid>[0-9]{1,10})-[a-z0-9_]{8}")
-
-
 def process_folder(prefix: str) -> tempfile.TemporaryDirectory:
     """A private temporary folder that lasts as long as this process holds it (`<prefix><pid>-<random>` in the
     temporary directory). A process that is killed cannot remove its own: those of `prefix` whose process is gone
     are removed first. Only what ptq can tell it made: a folder (not a link) of this user, named exactly so."""
     parent = Path(tempfile.gettempdir())
+    named = re.compile(re.escape(prefix) + r"(?P<pid>[0-9]{1,10})-[a-z0-9_]{8}")  # mkdtemp adds 8 characters of [a-z0-9_]
     for candidate in parent.glob(f"{prefix}*"):  # a prefix of ptq's own, without glob characters
-        match = PROCESS_FOLDER.fullmatch(candidate.name)
-        if match is not None and match["prefix"] == prefix and _left_by_a_gone_process(candidate, int(match["pid"]), stat.S_ISDIR):
+        match = named.fullmatch(candidate.name)
+        if match is not None and _left_by_a_gone_process(candidate, int(match["pid"]), stat.S_ISDIR):
             shutil.rmtree(candidate, ignore_errors=True)
     return tempfile.TemporaryDirectory(prefix=f"{prefix}{os.getpid()}-", dir=parent)
 
